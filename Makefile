@@ -1,0 +1,30 @@
+# MaskServe: every target creates the virtual environment first when it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup test up bench profile clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch is pinned to the local CPU build; an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+up: $(STAMP)
+	$(VENV)/bin/maskserve up
+
+bench: $(STAMP)
+	$(VENV)/bin/maskserve bench engine --model small-flux-fill --json bench_out/engine.json
+
+clean:
+	rm -rf $(VENV) .maskserve bench_out

@@ -1,0 +1,108 @@
+"""What one denoiser forward of a batch needs beyond the model inputs.
+
+The engine sets a ``ForwardContext`` around the model call (``active_context``); the mask-aware
+stacks read it. Without an active context the patched modules run their ordinary diffusers forward,
+so the same pipeline object still serves ordinary (dense) runs.
+
+Invariants: ``use_cache[u]`` is False for every unit when ``cache`` is None; a recording context
+selects every token of every row (the recording run is the ordinary dense computation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from backend.engine.attention import replace_rows
+from backend.engine.layout import RowLayout, full_layout, make_layout
+
+# Row r's token mask on a grid (gh, gw) -> flat bool tensor (gh * gw,), True = computed fresh.
+TokenMaskFn = Callable[[tuple[int, int]], torch.Tensor]
+
+
+class CacheSource(Protocol):
+    """Cached activations for the rows of one batch, already placed on the compute device."""
+
+    def row_tensor(self, unit: int, name: str, row: int) -> torch.Tensor:
+        """(num_tokens, C) tensor ``name`` of ``unit`` recorded for row ``row``'s template, step and half."""
+        ...
+
+    def wait_for(self, unit: int) -> None:
+        """Block the compute stream until ``unit``'s cache is on the device (no-op on the CPU)."""
+        ...
+
+
+@dataclass
+class ForwardContext:
+    row_token_masks: Sequence[TokenMaskFn | None]  # None: the row computes every token
+    use_cache: Sequence[bool]
+    mode: str  # "kv" | "hidden"
+    cache: CacheSource | None = None
+    recorder: dict[tuple[int, str], torch.Tensor] | None = None
+    device: torch.device | str = "cpu"
+    _layouts: dict[tuple[int, int], RowLayout] = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_token_masks)
+
+    def layout(self, grid_hw: tuple[int, int]) -> RowLayout:
+        """Masked-token layout of the batch on one token grid (memoised per forward)."""
+        if grid_hw not in self._layouts:
+            num_tokens = grid_hw[0] * grid_hw[1]
+            masks = [
+                torch.ones(num_tokens, dtype=torch.bool) if fn is None else fn(grid_hw)
+                for fn in self.row_token_masks
+            ]
+            self._layouts[grid_hw] = make_layout(masks, self.device)
+        return self._layouts[grid_hw]
+
+    def dense_layout(self, num_tokens: int) -> RowLayout:
+        key = (-1, num_tokens)  # a slot apart from masked layouts (grid sizes are positive)
+        if key not in self._layouts:
+            self._layouts[key] = full_layout(self.num_rows, num_tokens, self.device)
+        return self._layouts[key]
+
+    def uses_cache(self, unit: int) -> bool:
+        return self.cache is not None and self.use_cache[unit]
+
+    def cached(self, unit: int, name: str, row: int) -> torch.Tensor:
+        assert self.cache is not None
+        return self.cache.row_tensor(unit, name, row)
+
+    def merge_cached(self, unit: int, name: str, layout: RowLayout, fresh: torch.Tensor) -> torch.Tensor:
+        """(rows, L, C): cached ``name`` of ``unit`` with each row's selected tokens replaced by
+        ``fresh`` (packed in ``layout``). A row that selects every token reads no cache."""
+        rows = []
+        for r in range(layout.num_rows):
+            row_fresh = fresh[layout.row_slice(r)]
+            if layout.indices[r].numel() == layout.num_tokens:
+                rows.append(row_fresh)
+            else:
+                rows.append(replace_rows(self.cached(unit, name, r), layout.indices[r], row_fresh))
+        return torch.stack(rows)
+
+    def record(self, unit: int, name: str, value: torch.Tensor) -> None:
+        if self.recorder is not None:
+            self.recorder[(unit, name)] = value.detach().clone()
+
+
+_ACTIVE: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("maskserve_ctx", default=None)
+
+
+def current_context() -> ForwardContext | None:
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def active_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    token = _ACTIVE.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _ACTIVE.reset(token)

@@ -1,0 +1,271 @@
+"""Mask-aware editing engine: record a template's cache once, then edit its masked region fast.
+
+``MaskAwareEngine`` is batch-ready: ``start`` turns a request into an ``EditState``, ``step`` runs
+ONE denoising step for any list of states (each with its own template, step, mask and scheduler)
+in one forward pass, and ``finish`` decodes and pastes back. ``edit`` and ``prepare_template`` are
+the one-request loops over those three.
+
+Invariants:
+* unmasked latents of a cached edit follow the template's recorded trajectory at every step, so the
+  cached activations and the latents they came from always agree;
+* a request's seed drives noise inside its mask, the template's seed outside;
+* with every token masked, or with no cache, the edit is the ordinary pipeline's computation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from backend.engine import cache_store
+from backend.engine.cache_store import CacheKey, CacheWriter, TemplateCache
+from backend.engine.context import ForwardContext, active_context
+from backend.engine.families import ADAPTERS, RequestTensors
+from backend.engine.feeder import MODE_TENSORS, BatchCacheFeeder, RowCacheRef
+from backend.engine.flux import install_flux_hooks
+from backend.engine.unet import install_unet_hooks
+from backend.imaging.masks import MaskError, feather, load_mask, paste_back, require_nonempty, token_mask
+
+
+@dataclass(frozen=True)
+class EditParams:
+    steps: int
+    guidance: float
+    size: tuple[int, int]  # (height, width) in pixels, multiples of the model's token size
+    strength: float = 1.0
+    negative_prompt: str = ""
+    mode: str = "kv"
+    template_seed: int = 0
+    mask_margin: int = 0
+    dense_above_ratio: float = 0.75
+    feather_px: float = 0.0
+    use_cache: bool = True
+    record_on_first_edit: bool = True
+
+
+@dataclass
+class EditState:
+    """One request in flight. ``step`` counts finished denoising steps."""
+
+    req: RequestTensors
+    latents: torch.Tensor
+    fresh: torch.Tensor  # bool, broadcastable to latents: tokens this request computes itself
+    token_masks: object  # callable grid -> flat bool tensor, or None (every token fresh)
+    cache: TemplateCache | None = None
+    trajectory: torch.Tensor | None = None  # (steps + 1, *latents.shape[1:]) template latents
+    writer: CacheWriter | None = None
+    recorded_latents: list[torch.Tensor] = field(default_factory=list)
+    step: int = 0
+    cancelled: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.step >= len(self.req.timesteps)
+
+
+@dataclass
+class EditResult:
+    image: Image.Image  # after paste-back
+    generated: Image.Image  # decoded output before paste-back
+    latents: torch.Tensor
+    seed: int
+    mask_ratio: float
+    used_cache: bool
+    timings: dict[str, float]
+
+
+def image_sha256(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="PNG")
+    return hashlib.sha256(buffer.getvalue()).hexdigest()
+
+
+class MaskAwareEngine:
+    def __init__(self, pipe, spec, cache_root: Path, planner=None):
+        self.pipe, self.spec, self.cache_root = pipe, spec, Path(cache_root)
+        self.adapter = ADAPTERS[spec.family](pipe, spec.max_sequence_length)
+        self.planner = planner  # callable(states) -> tuple[bool, ...] per unit; None: cache every unit
+        if spec.family == "flux-fill":
+            info = install_flux_hooks(pipe.transformer)
+            self.num_units, self.stack_ids = info.num_units, [0] * info.num_units
+        else:
+            stacks = install_unet_hooks(pipe.unet)
+            self.num_units = sum(s.num_units for s in stacks)
+            self.stack_ids = [s.stack_id for s in stacks for _ in range(s.num_units)]
+        self.token_size = pipe.vae_scale_factor * (2 if spec.family == "flux-fill" else 1)
+
+    # ----- keys and validation -------------------------------------------------------------
+    def cache_key(self, template: Image.Image, params: EditParams) -> CacheKey:
+        scheduler = self.pipe.scheduler
+        return CacheKey(
+            image_sha256=image_sha256(template), model_id=self.spec.model_id, model_revision=self.spec.revision,
+            height=params.size[0], width=params.size[1], num_steps=params.steps,
+            scheduler=type(scheduler).__name__, strength=params.strength, template_seed=params.template_seed,
+            mode=params.mode, guidance=params.guidance if not self.adapter.uses_cfg else 0.0)
+
+    def _check_params(self, params: EditParams) -> None:
+        height, width = params.size
+        multiple = self.token_size * (8 if self.spec.family != "flux-fill" else 1)
+        if height % multiple or width % multiple or height <= 0 or width <= 0:
+            raise ValueError(f"size {width}x{height} must be positive multiples of {multiple} px for {self.spec.model_id}")
+        if params.mode not in MODE_TENSORS:
+            raise ValueError(f"cache mode must be one of {sorted(MODE_TENSORS)}, got {params.mode!r}")
+        if not 0.0 < params.strength <= 1.0:
+            raise ValueError(f"strength must be in (0, 1], got {params.strength}")
+        if params.steps < 1:
+            raise ValueError(f"steps must be at least 1, got {params.steps}")
+
+    def pixel_mask(self, image: Image.Image, mask: Image.Image | None, params: EditParams) -> np.ndarray:
+        """Bool (H, W) mask at the model resolution; ``None`` means keep everything (recording)."""
+        if mask is None:
+            return np.zeros(params.size, dtype=bool)
+        pixels = load_mask(mask, expected_size=image.size)
+        resized = Image.fromarray(pixels.astype(np.uint8) * 255).resize(params.size[::-1], Image.NEAREST)
+        return np.asarray(resized) > 127
+
+    # ----- batch-ready core -----------------------------------------------------------------
+    def start(self, image: Image.Image, mask: Image.Image | None, prompt: str, seed: int, params: EditParams,
+              cache: TemplateCache | None = None, record: bool = False) -> EditState:
+        self._check_params(params)
+        pixels = self.pixel_mask(image, mask, params)
+        mask_image = Image.fromarray(pixels.astype(np.uint8) * 255)
+        req = self.adapter.prepare(image.convert("RGB"), mask_image, prompt, params.negative_prompt,
+                                   params.guidance, params.steps, params.strength, seed, params.size)
+        grid = (params.size[0] // self.token_size, params.size[1] // self.token_size)
+        fresh_tokens = token_mask(pixels, grid, params.mask_margin)
+        ratio = float(fresh_tokens.mean())
+        dense = record or cache is None or ratio > params.dense_above_ratio
+        state = EditState(req=req, latents=req.init_latents, fresh=self._fresh(fresh_tokens, req),
+                          token_masks=None if dense else self._token_mask_fn(pixels, params.mask_margin))
+        if not dense:
+            state.cache, state.trajectory = cache, cache.trajectory("latents").to(req.init_latents)
+            state.latents = torch.where(state.fresh, req.init_latents, state.trajectory[0:1])
+        elif not record and ratio < 1.0:
+            template = self.adapter.prepare(image.convert("RGB"), mask_image, prompt, params.negative_prompt,
+                                            params.guidance, params.steps, params.strength,
+                                            params.template_seed, params.size)
+            state.latents = torch.where(state.fresh, req.init_latents, template.init_latents)
+        return state
+
+    def _fresh(self, tokens: np.ndarray, req: RequestTensors) -> torch.Tensor:
+        fresh = torch.from_numpy(tokens).to(req.init_latents.device)
+        return fresh.reshape(1, 1, *tokens.shape) if req.init_latents.dim() == 4 else fresh.reshape(1, -1, 1)
+
+    def _token_mask_fn(self, pixels: np.ndarray, margin: int):
+        memo: dict[tuple[int, int], torch.Tensor] = {}
+
+        def tokens(grid_hw: tuple[int, int]) -> torch.Tensor:
+            if grid_hw not in memo:
+                memo[grid_hw] = torch.from_numpy(token_mask(pixels, grid_hw, margin).reshape(-1))
+            return memo[grid_hw]
+        return tokens
+
+    def plan(self, states: list[EditState], mode: str) -> tuple[bool, ...]:
+        if not any(s.cache is not None for s in states):
+            return (False,) * self.num_units
+        if self.planner is None:
+            return (True,) * self.num_units
+        return tuple(self.planner(states, mode))
+
+    def step(self, states: list[EditState], mode: str) -> None:
+        """One denoising step for every state in ``states`` (all of one cache mode)."""
+        rows, row_t, refs, masks, reqs = [], [], [], [], []
+        for s in states:
+            t = s.req.timesteps[s.step]
+            rows.append(self.adapter.step_rows(s.req, s.latents, t))
+            row_t.append(t.reshape(1).repeat(s.req.halves))
+            for half in range(s.req.halves):
+                refs.append(RowCacheRef(s.cache, s.step, half) if s.cache is not None else None)
+                masks.append(s.token_masks)
+            reqs.append(s.req)
+        use_cache = self.plan(states, mode)
+        units = [u for u in range(self.num_units) if use_cache[u]]
+        feeder = BatchCacheFeeder(refs, units, mode, rows[0].device) if units else None
+        recording = any(s.writer is not None for s in states)
+        ctx = ForwardContext(masks, use_cache, mode, feeder, {} if recording else None, rows[0].device)
+        with active_context(ctx):
+            prediction = self.adapter.denoise(torch.cat(rows), torch.cat(row_t), reqs)
+        offset = 0
+        for s in states:
+            part = prediction[offset:offset + s.req.halves]
+            if s.writer is not None:
+                s.writer.write_step(s.step, {k: v[offset:offset + s.req.halves] for k, v in ctx.recorder.items()
+                                             if k[1] in MODE_TENSORS[mode]})
+                s.recorded_latents.append(s.latents)
+            offset += s.req.halves
+            self._advance(s, part)
+
+    def _advance(self, s: EditState, prediction: torch.Tensor) -> None:
+        t = s.req.timesteps[s.step]
+        latents = s.req.scheduler.step(self.adapter.guide(s.req, prediction), t, s.latents, return_dict=False)[0]
+        s.step += 1
+        if s.trajectory is not None:
+            latents = torch.where(s.fresh, latents, s.trajectory[s.step:s.step + 1])
+        s.latents = latents
+
+    def finish(self, state: EditState, image: Image.Image, pixels: np.ndarray, params: EditParams) -> tuple:
+        generated = self.adapter.decode(state.latents, params.size)
+        original = image.convert("RGB").resize(params.size[::-1], Image.LANCZOS) \
+            if image.size != params.size[::-1] else image.convert("RGB")
+        alpha = feather(pixels, params.feather_px) if params.feather_px > 0 else pixels.astype(np.float32)
+        return paste_back(generated, original, alpha), generated
+
+    # ----- one-request loops ----------------------------------------------------------------
+    def prepare_template(self, image: Image.Image, params: EditParams, prompt: str = "",
+                         mask: Image.Image | None = None) -> TemplateCache:
+        """Run the ordinary computation over ``image`` with the template seed and record its cache."""
+        key = self.cache_key(image, params)
+        state = self.start(image, mask, prompt, params.template_seed, params, record=True)
+        self._record(state, key, params)
+        return state.writer.commit()
+
+    def _record(self, state: EditState, key: CacheKey, params: EditParams) -> None:
+        state.writer = CacheWriter(self.cache_root, key, self.num_units, state.req.halves, self.adapter.dtype)
+        try:
+            while not state.done:
+                self.step([state], params.mode)
+            state.writer.write_trajectory({"latents": torch.cat(state.recorded_latents + [state.latents])})
+        except BaseException:
+            state.writer.abort()
+            raise
+
+    def lookup(self, image: Image.Image, params: EditParams) -> TemplateCache | None:
+        return cache_store.lookup(self.cache_root, self.cache_key(image, params))
+
+    def edit(self, image: Image.Image, mask: Image.Image, prompt: str, seed: int, params: EditParams,
+             cache: TemplateCache | None = None) -> EditResult:
+        timings, started = {}, time.perf_counter()
+        pixels = self.pixel_mask(image, mask, params)
+        require_nonempty(pixels)
+        if cache is not None:
+            expected = self.cache_key(image, params)
+            if cache.key != expected:
+                raise cache_store.CacheMismatchError(
+                    "template cache does not fit this edit: " + "; ".join(expected.mismatches(cache.key)))
+        elif params.use_cache:
+            cache = self.lookup(image, params)
+        record = cache is None and params.use_cache and params.record_on_first_edit
+        state = self.start(image, mask, prompt, seed, params, cache=cache if params.use_cache else None)
+        timings["prepare_s"] = time.perf_counter() - started
+        if record:
+            self._record(state, self.cache_key(image, params), params)
+            state.writer.commit()
+        else:
+            while not state.done:
+                self.step([state], params.mode)
+        timings["denoise_s"] = time.perf_counter() - started - timings["prepare_s"]
+        result_image, generated = self.finish(state, image, pixels, params)
+        timings["total_s"] = time.perf_counter() - started
+        grid = (params.size[0] // self.token_size, params.size[1] // self.token_size)
+        return EditResult(result_image, generated, state.latents, seed,
+                          float(token_mask(pixels, grid, params.mask_margin).mean()), state.cache is not None, timings)
+
+
+__all__ = ["EditParams", "EditResult", "EditState", "MaskAwareEngine", "MaskError", "replace"]

@@ -1,0 +1,247 @@
+"""Per-family glue between diffusers pipelines and the mask-aware step loop.
+
+An adapter turns one request (image, mask, prompt, seed, ...) into ``RequestTensors`` by calling the
+pipeline's own helpers in the pipeline's own order (so random draws match the ordinary pipeline
+for the same seed), builds the model input of one step for a batch of rows, and runs the denoiser.
+Rows: a request with classifier-free guidance owns two consecutive rows (uncond, cond), matching
+the two halves recorded in a template cache; without guidance it owns one.
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from diffusers.pipelines.flux.pipeline_flux_fill import calculate_shift, retrieve_timesteps
+from PIL import Image
+
+
+@dataclass
+class RequestTensors:
+    """Everything one request needs for its denoising steps. Leading dim 1 unless noted."""
+
+    init_latents: torch.Tensor  # latents before step 0 (Flux: packed tokens)
+    latent_mask: torch.Tensor  # bool, broadcastable to latents: True where the request repaints
+    conditioning: dict[str, torch.Tensor]  # per-row model conditioning, leading dim = halves
+    extra_channels: torch.Tensor  # concatenated to the latent input every step (mask + masked image)
+    scheduler: object  # the request's own scheduler (diffusers schedulers keep a mutable step index)
+    timesteps: torch.Tensor
+    guidance: float
+    halves: int
+    token_grids: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+
+class FamilyAdapter(ABC):
+    family: str
+    uses_cfg: bool
+
+    def __init__(self, pipe, max_sequence_length: int | None = None):
+        self.pipe = pipe
+        self.max_sequence_length = max_sequence_length
+
+    @property
+    def device(self) -> torch.device:
+        return self.pipe._execution_device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.denoiser.dtype
+
+    @property
+    @abstractmethod
+    def denoiser(self) -> torch.nn.Module: ...
+
+    @abstractmethod
+    def prepare(self, image: Image.Image, mask: Image.Image, prompt: str, negative_prompt: str,
+                guidance: float, steps: int, strength: float, seed: int, size: tuple[int, int]) -> RequestTensors:
+        """Request tensors; ``size`` is (height, width) in pixels."""
+
+    @abstractmethod
+    def latent_token_mask(self, pixel_mask: np.ndarray) -> np.ndarray:
+        """Bool mask in the layout of the latents (UNet: (h, w); Flux: (h/2 * w/2,) tokens)."""
+
+    @abstractmethod
+    def step_rows(self, req: RequestTensors, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Model input rows (halves, ...) of one request at timestep ``t``."""
+
+    @abstractmethod
+    def denoise(self, rows: torch.Tensor, row_timesteps: torch.Tensor, reqs: list[RequestTensors]) -> torch.Tensor:
+        """Run the denoiser over all rows of a batch (rows of each request consecutive)."""
+
+    @abstractmethod
+    def decode(self, latents: torch.Tensor, size: tuple[int, int]) -> Image.Image: ...
+
+    def guide(self, req: RequestTensors, prediction: torch.Tensor) -> torch.Tensor:
+        if req.halves == 1:
+            return prediction
+        uncond, cond = prediction.chunk(2)
+        return uncond + req.guidance * (cond - uncond)
+
+    def _generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device="cpu").manual_seed(seed)
+
+    def _timesteps(self, steps: int, strength: float, **kwargs) -> tuple[object, torch.Tensor]:
+        scheduler = copy.deepcopy(self.pipe.scheduler)
+        original, self.pipe.scheduler = self.pipe.scheduler, scheduler
+        try:
+            timesteps, steps = retrieve_timesteps(scheduler, steps, self.device, **kwargs)
+            timesteps, steps = self.pipe.get_timesteps(steps, strength, self.device)
+        finally:
+            self.pipe.scheduler = original
+        if steps < 1:
+            raise ValueError(f"strength {strength} leaves no denoising steps: raise strength or steps")
+        return scheduler, timesteps
+
+    def _images(self, image: Image.Image, mask: Image.Image, size: tuple[int, int]):
+        height, width = size
+        init = self.pipe.image_processor.preprocess(image, height=height, width=width).to(dtype=torch.float32)
+        mask_t = self.pipe.mask_processor.preprocess(mask, height=height, width=width)
+        return init, mask_t
+
+
+class UnetAdapter(FamilyAdapter):
+    """SD2- and SDXL-style 9-channel inpainting UNets."""
+
+    uses_cfg = True
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        return self.pipe.unet
+
+    def latent_token_mask(self, pixel_mask: np.ndarray) -> np.ndarray:
+        factor = self.pipe.vae_scale_factor
+        h, w = pixel_mask.shape
+        return pixel_mask.reshape(h // factor, factor, w // factor, factor).any(axis=(1, 3))
+
+    def prepare(self, image, mask, prompt, negative_prompt, guidance, steps, strength, seed, size):
+        pipe, gen = self.pipe, self._generator(seed)
+        conditioning = self._encode(prompt, negative_prompt, size)
+        scheduler, timesteps = self._timesteps(steps, strength)
+        init, mask_t = self._images(image, mask, size)
+        original, pipe.scheduler = pipe.scheduler, scheduler
+        try:
+            latents, _noise = pipe.prepare_latents(
+                1, pipe.vae.config.latent_channels, size[0], size[1], self.dtype, self.device, gen,
+                image=init, timestep=timesteps[:1], is_strength_max=strength == 1.0, return_noise=True)
+        finally:
+            pipe.scheduler = original
+        masked_image = init * (mask_t < 0.5)
+        mask_lat, masked_lat = pipe.prepare_mask_latents(
+            mask_t, masked_image, 1, size[0], size[1], self.dtype, self.device, gen, False)
+        latent_mask = torch.from_numpy(self.latent_token_mask(mask_t[0, 0].numpy() >= 0.5))
+        return RequestTensors(
+            init_latents=latents, latent_mask=latent_mask.to(self.device)[None, None],
+            conditioning=conditioning, extra_channels=torch.cat([mask_lat, masked_lat], dim=1),
+            scheduler=scheduler, timesteps=timesteps, guidance=guidance, halves=2)
+
+    def _encode(self, prompt: str, negative_prompt: str, size) -> dict[str, torch.Tensor]:
+        embeds, negative = self.pipe.encode_prompt(prompt, self.device, 1, True, negative_prompt)
+        return {"encoder_hidden_states": torch.cat([negative, embeds])}
+
+    def step_rows(self, req, latents, t):
+        scaled = req.scheduler.scale_model_input(torch.cat([latents] * 2), t)
+        return torch.cat([scaled, torch.cat([req.extra_channels] * 2)], dim=1)
+
+    def denoise(self, rows, row_timesteps, reqs):
+        conditioning = {k: torch.cat([r.conditioning[k] for r in reqs]) for k in reqs[0].conditioning}
+        text = conditioning.pop("encoder_hidden_states")
+        added = conditioning or None
+        return self.pipe.unet(rows, row_timesteps, encoder_hidden_states=text, added_cond_kwargs=added,
+                              return_dict=False)[0]
+
+    def decode(self, latents, size):
+        vae = self.pipe.vae
+        image = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(image, output_type="pil")[0]
+
+
+class SdxlAdapter(UnetAdapter):
+    """SDXL inpainting: two text encoders plus pooled text and size conditions."""
+
+    def _encode(self, prompt, negative_prompt, size):
+        pipe = self.pipe
+        embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
+            prompt=prompt, device=self.device, num_images_per_prompt=1, do_classifier_free_guidance=True,
+            negative_prompt=negative_prompt)
+        projection_dim = pipe.text_encoder_2.config.projection_dim if pipe.text_encoder_2 is not None \
+            else int(pooled.shape[-1])
+        time_ids, negative_time_ids = pipe._get_add_time_ids(
+            size, (0, 0), size, 6.0, 2.5, size, (0, 0), size, dtype=embeds.dtype,
+            text_encoder_projection_dim=projection_dim)
+        return {"encoder_hidden_states": torch.cat([negative, embeds]),
+                "text_embeds": torch.cat([negative_pooled, pooled]),
+                "time_ids": torch.cat([negative_time_ids, time_ids]).to(self.device)}
+
+
+class FluxFillAdapter(FamilyAdapter):
+    """Flux Fill: packed 2x2 latent tokens, fill conditioning channels, distilled guidance, no CFG."""
+
+    uses_cfg = False
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        return self.pipe.transformer
+
+    def latent_token_mask(self, pixel_mask: np.ndarray) -> np.ndarray:
+        factor = self.pipe.vae_scale_factor * 2  # one token = a 2x2 patch of latents
+        h, w = pixel_mask.shape
+        return pixel_mask.reshape(h // factor, factor, w // factor, factor).any(axis=(1, 3)).reshape(-1)
+
+    def prepare(self, image, mask, prompt, negative_prompt, guidance, steps, strength, seed, size):
+        pipe, gen = self.pipe, self._generator(seed)
+        embeds, pooled, text_ids = pipe.encode_prompt(
+            prompt=prompt, prompt_2=None, device=self.device, num_images_per_prompt=1,
+            max_sequence_length=self.max_sequence_length or 512)
+        height, width = size
+        seq_len = (height // pipe.vae_scale_factor // 2) * (width // pipe.vae_scale_factor // 2)
+        config = pipe.scheduler.config
+        mu = calculate_shift(seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                             config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        scheduler, timesteps = self._timesteps(steps, strength, sigmas=sigmas, mu=mu)
+        init, mask_t = self._images(image, mask, size)
+        channels = pipe.vae.config.latent_channels
+        original, pipe.scheduler = pipe.scheduler, scheduler
+        try:
+            latents, image_ids = pipe.prepare_latents(init, timesteps[:1], 1, channels, height, width,
+                                                      self.dtype, self.device, gen)
+        finally:
+            pipe.scheduler = original
+        masked_image = (init * (1 - mask_t)).to(device=self.device, dtype=self.dtype)
+        mask_lat, masked_lat = pipe.prepare_mask_latents(mask_t, masked_image, 1, channels, 1, height, width,
+                                                         self.dtype, self.device, gen)
+        latent_mask = torch.from_numpy(self.latent_token_mask(mask_t[0, 0].numpy() >= 0.5))
+        conditioning = {"encoder_hidden_states": embeds, "pooled_projections": pooled,
+                        "guidance": torch.full([1], guidance, device=self.device, dtype=torch.float32)}
+        self._ids = (text_ids, image_ids)
+        return RequestTensors(
+            init_latents=latents, latent_mask=latent_mask.to(self.device)[None, :, None],
+            conditioning=conditioning, extra_channels=torch.cat((masked_lat, mask_lat), dim=-1),
+            scheduler=scheduler, timesteps=timesteps, guidance=guidance, halves=1)
+
+    def step_rows(self, req, latents, t):
+        return torch.cat((latents, req.extra_channels), dim=2)
+
+    def denoise(self, rows, row_timesteps, reqs):
+        conditioning = {k: torch.cat([r.conditioning[k] for r in reqs]) for k in reqs[0].conditioning}
+        text_ids, image_ids = self._ids
+        return self.pipe.transformer(
+            hidden_states=rows, timestep=row_timesteps.to(rows.dtype) / 1000, txt_ids=text_ids, img_ids=image_ids,
+            return_dict=False, **conditioning)[0]
+
+    def decode(self, latents, size):
+        pipe, vae = self.pipe, self.pipe.vae
+        latents = pipe._unpack_latents(latents, size[0], size[1], pipe.vae_scale_factor)
+        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        return pipe.image_processor.postprocess(image, output_type="pil")[0]
+
+
+ADAPTERS: dict[str, type[FamilyAdapter]] = {
+    "sd2-inpaint": UnetAdapter,
+    "sdxl-inpaint": SdxlAdapter,
+    "flux-fill": FluxFillAdapter,
+}

@@ -1,0 +1,76 @@
+"""Ragged token layout of a batch: which tokens of each row are computed fresh.
+
+A batch has ``num_rows`` rows over one token grid of ``num_tokens`` tokens per row. Row ``r``
+computes the tokens ``indices[r]`` (sorted, unique). Token-wise ops run on a *packed* tensor
+``(total, C)`` that concatenates the selected tokens of every row in row order, so no row is
+padded to the largest mask. Invariants: ``offsets[r + 1] - offsets[r] == len(indices[r])`` and
+``flat_index`` addresses the same tokens in a ``(num_rows * num_tokens, C)`` view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    num_tokens: int
+    indices: tuple[torch.Tensor, ...]  # per row: LongTensor of selected token ids
+    offsets: tuple[int, ...]  # len num_rows + 1; packed row r is [offsets[r], offsets[r+1])
+    flat_index: torch.Tensor  # LongTensor (total,): row * num_tokens + token
+    row_of_token: torch.Tensor  # LongTensor (total,): the row each packed token belongs to
+    is_full: bool  # every row selects every token (dense)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.indices)
+
+    @property
+    def total(self) -> int:
+        return self.offsets[-1]
+
+    def row_slice(self, row: int) -> slice:
+        return slice(self.offsets[row], self.offsets[row + 1])
+
+    def gather(self, full: torch.Tensor) -> torch.Tensor:
+        """(num_rows, num_tokens, C) -> packed (total, C)."""
+        if self.is_full:
+            return full.reshape(-1, full.shape[-1])
+        return full.reshape(-1, full.shape[-1]).index_select(0, self.flat_index)
+
+    def scatter_into(self, base: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """Return ``base`` (num_rows, num_tokens, C) with this layout's tokens replaced by ``packed``."""
+        if self.is_full:
+            return packed.reshape(base.shape)
+        out = base.reshape(-1, base.shape[-1]).clone()
+        out.index_copy_(0, self.flat_index, packed.to(out.dtype))
+        return out.reshape(base.shape)
+
+    def expand_rows(self, per_row: torch.Tensor) -> torch.Tensor:
+        """(num_rows, C) row values -> (total, C): each packed token gets its row's value."""
+        return per_row.index_select(0, self.row_of_token)
+
+
+def make_layout(row_masks: list[torch.Tensor], device: torch.device | str = "cpu") -> RowLayout:
+    """Layout from one flat bool mask (num_tokens,) per row; True = computed fresh."""
+    if not row_masks:
+        raise ValueError("a layout needs at least one row")
+    num_tokens = int(row_masks[0].numel())
+    indices, offsets, flat, rows = [], [0], [], []
+    for row, mask in enumerate(row_masks):
+        if mask.numel() != num_tokens:
+            raise ValueError("all rows of a layout must share one token grid")
+        idx = torch.nonzero(mask.reshape(-1).to(device), as_tuple=False).reshape(-1)
+        indices.append(idx)
+        offsets.append(offsets[-1] + int(idx.numel()))
+        flat.append(idx + row * num_tokens)
+        rows.append(torch.full_like(idx, row))
+    is_full = offsets[-1] == num_tokens * len(row_masks)
+    return RowLayout(num_tokens, tuple(indices), tuple(offsets), torch.cat(flat), torch.cat(rows), is_full)
+
+
+def full_layout(num_rows: int, num_tokens: int, device: torch.device | str = "cpu") -> RowLayout:
+    ones = torch.ones(num_tokens, dtype=torch.bool)
+    return make_layout([ones] * num_rows, device)

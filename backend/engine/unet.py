@@ -1,0 +1,182 @@
+"""Mask-aware execution of the transformer stacks of a diffusers UNet (SD2, SDXL inpainting).
+
+ResNets and convolutions stay dense. Each ``Transformer2DModel`` of the UNet is a *stack*; each of
+its ``BasicTransformerBlock`` is a *unit* (numbered in execution order over the whole UNet). A unit
+that uses the cache runs self-attention queries, cross-attention, output projections and the
+feed-forward on the masked tokens only:
+
+* ``kv`` mode: masked queries attend over [fresh masked K/V ; cached unmasked K/V]; only masked
+  hidden rows flow to the next unit, so a dense unit can never follow a cached one in a stack.
+* ``hidden`` mode: K/V are projected from the full input (unmasked rows come from the cached
+  output of the previous unit), the unit's unmasked output rows come from its own cache.
+
+When the last unit of a stack uses the cache, the unmasked rows of the stack's ``proj_out`` output
+(``delta``, before the residual) come from the cache too. A unit that does not use the cache runs
+densely on all tokens. With no active ``ForwardContext`` the ordinary diffusers forward runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.models.transformers.transformer_2d import Transformer2DModel, Transformer2DModelOutput
+
+from backend.engine.attention import ragged_attention, replace_rows
+from backend.engine.context import ForwardContext, current_context
+from backend.engine.layout import RowLayout
+
+HOOK_NAME = "maskserve_unet_stack"
+
+
+@dataclass(frozen=True)
+class UnetStackInfo:
+    stack_id: int
+    first_unit: int
+    num_units: int
+    inner_dim: int
+
+
+def unet_stacks(unet: torch.nn.Module) -> list[Transformer2DModel]:
+    """Transformer2DModel modules of a UNet in execution order (down, mid, up)."""
+    parts = list(unet.down_blocks) + ([unet.mid_block] if unet.mid_block is not None else []) + list(unet.up_blocks)
+    return [attn for part in parts for attn in getattr(part, "attentions", [])]
+
+
+class _MaskAwareStackHook(ModelHook):
+    def __init__(self, info: UnetStackInfo):
+        super().__init__()
+        self.info = info
+
+    def new_forward(self, module: Transformer2DModel, hidden_states, encoder_hidden_states=None, *args, **kwargs):
+        ctx = current_context()
+        if ctx is None:
+            return self.fn_ref.original_forward(hidden_states, encoder_hidden_states, *args, **kwargs)
+        sample = run_stack(module, self.info, hidden_states, encoder_hidden_states, ctx)
+        if kwargs.get("return_dict", True):
+            return Transformer2DModelOutput(sample=sample)
+        return (sample,)
+
+
+def install_unet_hooks(unet: torch.nn.Module) -> list[UnetStackInfo]:
+    """Patch every transformer stack of ``unet`` (idempotent); return the stacks in execution order."""
+    infos, first_unit = [], 0
+    for stack_id, stack in enumerate(unet_stacks(unet)):
+        if not stack.is_input_continuous or not stack.use_linear_projection:
+            raise ValueError("mask-aware UNet stacks need continuous inputs with linear projections")
+        _check_blocks(stack)
+        info = UnetStackInfo(stack_id, first_unit, len(stack.transformer_blocks), stack.proj_in.out_features)
+        registry = HookRegistry.check_if_exists_or_initialize(stack)
+        if registry.get_hook(HOOK_NAME) is None:
+            registry.register_hook(_MaskAwareStackHook(info), HOOK_NAME)
+        infos.append(info)
+        first_unit += info.num_units
+    return infos
+
+
+def _check_blocks(stack: Transformer2DModel) -> None:
+    for block in stack.transformer_blocks:
+        if block.norm_type != "layer_norm" or block.only_cross_attention or block.pos_embed is not None:
+            raise ValueError("mask-aware UNet blocks must be plain layer-norm BasicTransformerBlocks")
+        if block.attn1.group_norm is not None or block.attn1.norm_q is not None:
+            raise ValueError("mask-aware UNet attention must have no group norm and no q/k norm")
+
+
+class _State:
+    """Hidden rows flowing between units: ``full`` (rows, L, C) when every row is valid, else only
+    ``packed`` masked rows (kv mode after a cached unit)."""
+
+    def __init__(self, full: torch.Tensor | None, packed: torch.Tensor | None):
+        self.full, self.packed = full, packed
+
+
+def run_stack(stack: Transformer2DModel, info: UnetStackInfo, x: torch.Tensor, text: torch.Tensor,
+              ctx: ForwardContext) -> torch.Tensor:
+    num_rows, channels, height, width = x.shape
+    residual = x
+    normed = stack.norm(x).permute(0, 2, 3, 1).reshape(num_rows, height * width, channels)
+    masked = ctx.layout((height, width))
+    units = range(info.first_unit, info.first_unit + info.num_units)
+    first_cached_kv = ctx.uses_cache(info.first_unit) and ctx.mode == "kv"
+    if first_cached_kv:
+        state = _State(None, stack.proj_in(masked.gather(normed)))
+    else:
+        state = _State(stack.proj_in(normed), None)
+    for unit, block in zip(units, stack.transformer_blocks):
+        state = _run_unit(block, unit, state, text, masked, ctx)
+    last = info.first_unit + info.num_units - 1
+    if ctx.uses_cache(last):
+        packed = state.packed if state.packed is not None else masked.gather(state.full)
+        fresh = stack.proj_out(packed)
+        ctx.cache.wait_for(last)
+        delta = ctx.merge_cached(last, "delta", masked, fresh)
+    else:
+        delta = stack.proj_out(state.full)
+        ctx.record(last, "delta", delta)
+    delta = delta.reshape(num_rows, height, width, -1).permute(0, 3, 1, 2).contiguous()
+    return delta + residual
+
+
+def _run_unit(block, unit: int, state: _State, text: torch.Tensor, masked: RowLayout,
+              ctx: ForwardContext) -> _State:
+    if not ctx.uses_cache(unit):
+        if state.full is None:
+            raise RuntimeError(f"unit {unit}: a dense unit cannot follow a cached unit in kv mode")
+        dense = ctx.dense_layout(state.full.shape[1])
+        out = _block_forward(block, unit, state.full.reshape(-1, state.full.shape[-1]), dense, state.full,
+                             None, text, ctx)
+        out_full = out.reshape(state.full.shape)
+        ctx.record(unit, "out", out_full)
+        return _State(out_full, None)
+    ctx.cache.wait_for(unit)
+    if ctx.mode == "kv":
+        packed = state.packed if state.packed is not None else masked.gather(state.full)
+        return _State(None, _block_forward(block, unit, packed, masked, None, unit, text, ctx))
+    packed = _block_forward(block, unit, masked.gather(state.full), masked, state.full, None, text, ctx)
+    return _State(ctx.merge_cached(unit, "out", masked, packed), None)
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x.reshape(x.shape[0], heads, -1) if x.dim() == 2 else x.reshape(*x.shape[:2], heads, -1)
+
+
+def _block_forward(block, unit: int, x_q: torch.Tensor, layout_q: RowLayout, x_full: torch.Tensor | None,
+                   kv_cache_unit: int | None, text: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    """One BasicTransformerBlock on packed query tokens ``x_q`` (total, C).
+
+    K/V of self-attention come from ``x_full`` (rows, L, C) when given (dense or hidden mode), else
+    from the cache of ``kv_cache_unit`` with the rows of ``layout_q`` replaced by fresh K/V.
+    """
+    attn1, attn2 = block.attn1, block.attn2
+    heads = attn1.heads
+    normed_q = block.norm1(x_q)
+    query = _heads(attn1.to_q(normed_q), heads)
+    if x_full is not None:
+        normed_full = normed_q.reshape(x_full.shape) if layout_q.is_full else block.norm1(x_full)
+        key_full, value_full = attn1.to_k(normed_full), attn1.to_v(normed_full)
+        ctx.record(unit, "k", key_full)
+        ctx.record(unit, "v", value_full)
+
+        def kv_for_row(r):
+            return _heads(key_full[r], heads), _heads(value_full[r], heads)
+    else:
+        key_q, value_q = attn1.to_k(normed_q), attn1.to_v(normed_q)
+
+        def kv_for_row(r):
+            rows, idx = layout_q.row_slice(r), layout_q.indices[r]
+            if idx.numel() == layout_q.num_tokens:
+                return _heads(key_q[rows], heads), _heads(value_q[rows], heads)
+            key = replace_rows(ctx.cached(kv_cache_unit, "k", r), idx, key_q[rows])
+            value = replace_rows(ctx.cached(kv_cache_unit, "v", r), idx, value_q[rows])
+            return _heads(key, heads), _heads(value, heads)
+
+    attn_out = ragged_attention(query, layout_q.offsets, kv_for_row).reshape(x_q.shape[0], -1)
+    hidden = attn1.to_out[0](attn_out) + x_q
+    if attn2 is not None:
+        query2 = _heads(attn2.to_q(block.norm2(hidden)), attn2.heads)
+        key2, value2 = attn2.to_k(text), attn2.to_v(text)
+        cross = ragged_attention(query2, layout_q.offsets,
+                                 lambda r: (_heads(key2[r], attn2.heads), _heads(value2[r], attn2.heads)))
+        hidden = attn2.to_out[0](cross.reshape(x_q.shape[0], -1)) + hidden
+    return block.ff(block.norm3(hidden)) + hidden

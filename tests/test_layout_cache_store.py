@@ -1,0 +1,118 @@
+"""Ragged layouts and the on-disk template cache format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from backend.engine.attention import ragged_attention, attend, replace_rows
+from backend.engine.cache_store import (CacheCorruptError, CacheKey, CacheMismatchError, CacheWriter,
+                                        TemplateCache, lookup)
+from backend.engine.layout import full_layout, make_layout
+
+
+def _key(**overrides) -> CacheKey:
+    fields = dict(image_sha256="ab" * 32, model_id="tiny-sd2-inpaint", model_revision="r1", height=256, width=256,
+                  num_steps=2, scheduler="EulerDiscreteScheduler", strength=1.0, template_seed=0, mode="kv")
+    fields.update(overrides)
+    return CacheKey(**fields)
+
+
+def test_layout_gather_scatter_round_trip():
+    masks = [torch.tensor([True, False, True, False]), torch.tensor([False, False, False, True])]
+    layout = make_layout(masks)
+    full = torch.arange(2 * 4 * 3, dtype=torch.float32).reshape(2, 4, 3)
+    packed = layout.gather(full)
+    assert packed.shape == (3, 3)
+    assert layout.offsets == (0, 2, 3)
+    assert torch.equal(packed[2], full[1, 3])
+    rebuilt = layout.scatter_into(torch.zeros_like(full), packed)
+    assert torch.equal(rebuilt[0, 0], full[0, 0]) and torch.equal(rebuilt[0, 1], torch.zeros(3))
+    assert torch.equal(layout.expand_rows(torch.tensor([[1.0], [2.0]])).reshape(-1), torch.tensor([1.0, 1.0, 2.0]))
+
+
+def test_full_layout_is_identity():
+    layout = full_layout(2, 5)
+    full = torch.randn(2, 5, 4)
+    assert layout.is_full and torch.equal(layout.gather(full).reshape(full.shape), full)
+
+
+def test_ragged_attention_matches_dense_rows():
+    torch.manual_seed(0)
+    keys, values = torch.randn(2, 6, 2, 4), torch.randn(2, 6, 2, 4)
+    queries = torch.randn(2, 6, 2, 4)
+    layout = make_layout([torch.tensor([1, 0, 1, 0, 0, 1], dtype=torch.bool), torch.ones(6, dtype=torch.bool)])
+    packed_q = layout.gather(queries.flatten(2)).unflatten(-1, (2, 4))
+    out = ragged_attention(packed_q, layout.offsets, lambda r: (keys[r], values[r]))
+    dense0 = attend(queries[0], keys[0], values[0])
+    assert torch.allclose(out[:3], dense0[layout.indices[0]], atol=1e-6)
+    assert torch.allclose(out[3:], attend(queries[1], keys[1], values[1]), atol=1e-6)
+
+
+def test_replace_rows_keeps_base_untouched():
+    base = torch.zeros(4, 2)
+    out = replace_rows(base, torch.tensor([1, 3]), torch.ones(2, 2))
+    assert out[1].sum() == 2 and out[0].sum() == 0 and base.sum() == 0
+
+
+def _write(tmp_path, key, steps=2):
+    writer = CacheWriter(tmp_path, key, num_units=2, halves=2, storage_dtype=torch.float32)
+    for step in range(steps):
+        writer.write_step(step, {(u, n): torch.full((2, 8, 4), float(step * 10 + u)) for u in range(2) for n in "kv"})
+    writer.write_trajectory({"latents": torch.zeros(steps + 1, 4, 2, 2)})
+    return writer.commit()
+
+
+def test_cache_round_trip_reads_one_tensor(tmp_path):
+    cache = _write(tmp_path, _key())
+    assert cache.num_steps == 2 and cache.num_units == 2
+    assert torch.equal(cache.step_tensor(1, 1, "v"), torch.full((2, 8, 4), 11.0))
+    assert cache.unit_bytes(0) == 2 * (2 * 8 * 4 * 4)
+    again = lookup(tmp_path, _key())
+    assert again is not None and again.key == _key()
+    assert lookup(tmp_path, _key(height=512)) is None
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir()), "temp dirs must not linger"
+
+
+def test_cache_key_mismatch_names_the_field(tmp_path):
+    cache = _write(tmp_path, _key())
+    with pytest.raises(CacheMismatchError, match="model_id"):
+        TemplateCache.open(cache.path, _key(model_id="tiny-flux-fill"))
+    with pytest.raises(CacheMismatchError, match="height"):
+        TemplateCache.open(cache.path, _key(height=512))
+
+
+def test_corrupted_cache_file_is_reported(tmp_path):
+    cache = _write(tmp_path, _key())
+    step_file = cache.path / "step_001.safetensors"
+    data = bytearray(step_file.read_bytes())
+    data[-3] ^= 0xFF
+    step_file.write_bytes(bytes(data))
+    reopened = TemplateCache.open(cache.path, _key())
+    assert torch.equal(reopened.step_tensor(0, 0, "k"), torch.full((2, 8, 4), 0.0))
+    with pytest.raises(CacheCorruptError, match="checksum"):
+        reopened.step_tensor(1, 0, "k")
+
+
+def test_missing_file_and_bad_manifest(tmp_path):
+    cache = _write(tmp_path, _key())
+    (cache.path / "step_000.safetensors").unlink()
+    with pytest.raises(CacheCorruptError, match="missing"):
+        TemplateCache.open(cache.path).step_tensor(0, 0, "k")
+    (cache.path / "manifest.json").write_text("{not json")
+    with pytest.raises(CacheCorruptError, match="JSON"):
+        TemplateCache.open(cache.path)
+    manifest = {"format_version": 99}
+    (cache.path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CacheMismatchError, match="format"):
+        TemplateCache.open(cache.path)
+
+
+def test_steps_must_be_written_in_order(tmp_path):
+    writer = CacheWriter(tmp_path, _key(), num_units=1, halves=1, storage_dtype=torch.float32)
+    with pytest.raises(ValueError, match="in order"):
+        writer.write_step(1, {})
+    writer.abort()
+    assert list(tmp_path.iterdir()) == []
