@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -45,6 +46,7 @@ class ForwardContext:
     cache: CacheSource | None = None
     recorder: dict[tuple[int, str], torch.Tensor] | None = None
     device: torch.device | str = "cpu"
+    unit_seconds: dict[int, float] | None = None  # filled by profiling runs: unit -> seconds
     _layouts: dict[tuple[int, int], RowLayout] = field(default_factory=dict)
 
     @property
@@ -87,9 +89,32 @@ class ForwardContext:
                 rows.append(replace_rows(self.cached(unit, name, r), layout.indices[r], row_fresh))
         return torch.stack(rows)
 
+    def timed_unit(self, unit: int):
+        """Context manager timing one unit when profiling (synchronising CUDA around it)."""
+        if self.unit_seconds is None:
+            return contextlib.nullcontext()
+        return _UnitTimer(self.unit_seconds, unit, torch.device(self.device))
+
     def record(self, unit: int, name: str, value: torch.Tensor) -> None:
         if self.recorder is not None:
             self.recorder[(unit, name)] = value.detach().clone()
+
+
+class _UnitTimer:
+    def __init__(self, sink: dict[int, float], unit: int, device: torch.device):
+        self.sink, self.unit, self.device = sink, unit, device
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def __enter__(self):
+        self._sync()
+        self.started = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self._sync()
+        self.sink[self.unit] = self.sink.get(self.unit, 0.0) + time.perf_counter() - self.started
 
 
 _ACTIVE: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("maskserve_ctx", default=None)

@@ -15,7 +15,6 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
-import io
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -62,6 +61,7 @@ class EditState:
     trajectory: torch.Tensor | None = None  # (steps + 1, *latents.shape[1:]) template latents
     writer: CacheWriter | None = None
     recorded_latents: list[torch.Tensor] = field(default_factory=list)
+    mask_ratio: float = 1.0  # fresh tokens / all tokens on the model's token grid
     step: int = 0
     cancelled: bool = False
 
@@ -82,16 +82,19 @@ class EditResult:
 
 
 def image_sha256(image: Image.Image) -> str:
-    buffer = io.BytesIO()
-    image.convert("RGB").save(buffer, format="PNG")
-    return hashlib.sha256(buffer.getvalue()).hexdigest()
+    """Content hash of the decoded pixels (RGB) and size: same picture, same hash, whatever the file format."""
+    rgb = image.convert("RGB")
+    digest = hashlib.sha256(f"{rgb.width}x{rgb.height}:".encode())
+    digest.update(rgb.tobytes())
+    return digest.hexdigest()
 
 
 class MaskAwareEngine:
-    def __init__(self, pipe, spec, cache_root: Path, planner=None):
+    def __init__(self, pipe, spec, cache_root: Path, planners: dict | None = None):
         self.pipe, self.spec, self.cache_root = pipe, spec, Path(cache_root)
         self.adapter = ADAPTERS[spec.family](pipe, spec.max_sequence_length)
-        self.planner = planner  # callable(states) -> tuple[bool, ...] per unit; None: cache every unit
+        # mode -> callable(states, mode) -> use_cache per unit (profiler.make_planner); none: cache every unit
+        self.planners = dict(planners or {})
         if spec.family == "flux-fill":
             info = install_flux_hooks(pipe.transformer)
             self.num_units, self.stack_ids = info.num_units, [0] * info.num_units
@@ -131,6 +134,7 @@ class MaskAwareEngine:
         return np.asarray(resized) > 127
 
     # ----- batch-ready core -----------------------------------------------------------------
+    @torch.no_grad()
     def start(self, image: Image.Image, mask: Image.Image | None, prompt: str, seed: int, params: EditParams,
               cache: TemplateCache | None = None, record: bool = False) -> EditState:
         self._check_params(params)
@@ -142,7 +146,7 @@ class MaskAwareEngine:
         fresh_tokens = token_mask(pixels, grid, params.mask_margin)
         ratio = float(fresh_tokens.mean())
         dense = record or cache is None or ratio > params.dense_above_ratio
-        state = EditState(req=req, latents=req.init_latents, fresh=self._fresh(fresh_tokens, req),
+        state = EditState(req=req, latents=req.init_latents, fresh=self._fresh(fresh_tokens, req), mask_ratio=ratio,
                           token_masks=None if dense else self._token_mask_fn(pixels, params.mask_margin))
         if not dense:
             state.cache, state.trajectory = cache, cache.trajectory("latents").to(req.init_latents)
@@ -170,12 +174,16 @@ class MaskAwareEngine:
     def plan(self, states: list[EditState], mode: str) -> tuple[bool, ...]:
         if not any(s.cache is not None for s in states):
             return (False,) * self.num_units
-        if self.planner is None:
+        planner = self.planners.get(mode)
+        if planner is None:
             return (True,) * self.num_units
-        return tuple(self.planner(states, mode))
+        return tuple(planner(states, mode))
 
-    def step(self, states: list[EditState], mode: str) -> None:
-        """One denoising step for every state in ``states`` (all of one cache mode)."""
+    @torch.no_grad()
+    def step(self, states: list[EditState], mode: str, unit_seconds: dict[int, float] | None = None) -> None:
+        """One denoising step for every state in ``states`` (all of one cache mode).
+
+        ``unit_seconds``, when given, receives the time each unit took (profiling)."""
         rows, row_t, refs, masks, reqs = [], [], [], [], []
         for s in states:
             t = s.req.timesteps[s.step]
@@ -189,7 +197,8 @@ class MaskAwareEngine:
         units = [u for u in range(self.num_units) if use_cache[u]]
         feeder = BatchCacheFeeder(refs, units, mode, rows[0].device) if units else None
         recording = any(s.writer is not None for s in states)
-        ctx = ForwardContext(masks, use_cache, mode, feeder, {} if recording else None, rows[0].device)
+        ctx = ForwardContext(masks, use_cache, mode, feeder, {} if recording else None, rows[0].device,
+                             unit_seconds=unit_seconds)
         with active_context(ctx):
             prediction = self.adapter.denoise(torch.cat(rows), torch.cat(row_t), reqs)
         offset = 0
@@ -210,6 +219,7 @@ class MaskAwareEngine:
             latents = torch.where(s.fresh, latents, s.trajectory[s.step:s.step + 1])
         s.latents = latents
 
+    @torch.no_grad()
     def finish(self, state: EditState, image: Image.Image, pixels: np.ndarray, params: EditParams) -> tuple:
         generated = self.adapter.decode(state.latents, params.size)
         original = image.convert("RGB").resize(params.size[::-1], Image.LANCZOS) \
@@ -218,6 +228,7 @@ class MaskAwareEngine:
         return paste_back(generated, original, alpha), generated
 
     # ----- one-request loops ----------------------------------------------------------------
+    @torch.no_grad()
     def prepare_template(self, image: Image.Image, params: EditParams, prompt: str = "",
                          mask: Image.Image | None = None) -> TemplateCache:
         """Run the ordinary computation over ``image`` with the template seed and record its cache."""
@@ -239,6 +250,7 @@ class MaskAwareEngine:
     def lookup(self, image: Image.Image, params: EditParams) -> TemplateCache | None:
         return cache_store.lookup(self.cache_root, self.cache_key(image, params))
 
+    @torch.no_grad()
     def edit(self, image: Image.Image, mask: Image.Image, prompt: str, seed: int, params: EditParams,
              cache: TemplateCache | None = None) -> EditResult:
         timings, started = {}, time.perf_counter()

@@ -41,10 +41,8 @@ class FamilyAdapter(ABC):
     def __init__(self, pipe, max_sequence_length: int | None = None):
         self.pipe = pipe
         self.max_sequence_length = max_sequence_length
-
-    @property
-    def device(self) -> torch.device:
-        return self.pipe._execution_device
+        # diffusers derives the execution device by walking every module; do it once.
+        self.device = pipe._execution_device
 
     @property
     def dtype(self) -> torch.dtype:

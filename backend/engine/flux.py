@@ -12,7 +12,7 @@ rows of unmasked tokens are zero (the engine takes them from the template trajec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
@@ -67,7 +67,19 @@ class _Shared:
     masked: RowLayout
     rope_text: tuple[torch.Tensor, torch.Tensor]  # (T, d) cos, sin
     rope_image: tuple[torch.Tensor, torch.Tensor]  # (L, d) cos, sin
+    rope_masked: tuple[torch.Tensor, torch.Tensor]  # (total, d) cos, sin of the packed masked tokens
     ctx: ForwardContext
+    _rope_memo: dict = field(default_factory=dict)
+
+    def rope_for(self, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary (cos, sin) of a layout's packed tokens, at their own grid positions (memoised)."""
+        if layout is self.masked:
+            return self.rope_masked
+        if id(layout) not in self._rope_memo:
+            positions = torch.cat(layout.indices)
+            self._rope_memo[id(layout)] = (self.rope_image[0].index_select(0, positions),
+                                           self.rope_image[1].index_select(0, positions))
+        return self._rope_memo[id(layout)]
 
 
 class _State:
@@ -87,7 +99,11 @@ def run_flux(model, ctx: ForwardContext, hidden_states, encoder_hidden_states, p
     text = model.context_embedder(encoder_hidden_states)
     cos, sin = model.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
     num_text = txt_ids.shape[0]
-    shared = _Shared(temb, ctx.layout(grid), (cos[:num_text], sin[:num_text]), (cos[num_text:], sin[num_text:]), ctx)
+    masked = ctx.layout(grid)
+    positions = torch.cat(masked.indices)
+    image_cos, image_sin = cos[num_text:], sin[num_text:]
+    shared = _Shared(temb, masked, (cos[:num_text], sin[:num_text]), (image_cos, image_sin),
+                     (image_cos.index_select(0, positions), image_sin.index_select(0, positions)), ctx)
     if ctx.uses_cache(0) and ctx.mode == "kv":
         state = _State(None, model.x_embedder(shared.masked.gather(hidden_states)))
     else:
@@ -95,7 +111,8 @@ def run_flux(model, ctx: ForwardContext, hidden_states, encoder_hidden_states, p
     blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
     for unit, block in enumerate(blocks):
         single = unit >= len(model.transformer_blocks)
-        text, state = _run_unit(block, single, unit, state, text, shared)
+        with ctx.timed_unit(unit):
+            text, state = _run_unit(block, single, unit, state, text, shared)
     masked = shared.masked
     packed = state.packed if state.packed is not None else masked.gather(state.full)
     norm_out = model.norm_out
@@ -130,20 +147,18 @@ def _modulate(normed: torch.Tensor, layout: RowLayout, scale: torch.Tensor, shif
     return normed * (1 + layout.expand_rows(scale)) + layout.expand_rows(shift)
 
 
-def _rope_packed(x: torch.Tensor, layout: RowLayout, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotary embedding of packed tokens (total, H, d) at their own grid positions."""
-    positions = torch.cat(layout.indices)
-    freqs = (rope[0].index_select(0, positions), rope[1].index_select(0, positions))
+def _rope_packed(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotary embedding of packed tokens (total, H, d) given their (cos, sin) rows."""
     return apply_rotary_emb(x.unsqueeze(0), freqs, sequence_dim=1).squeeze(0)
 
 
-def _image_qkv(attn, normed: torch.Tensor, layout: RowLayout, rope):
+def _image_qkv(attn, normed: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]):
     """Q, K, V (total, H, d) of packed image tokens, after q/k RMS norm and rotary embedding."""
     head_dim = attn.head_dim
     query = attn.norm_q(attn.to_q(normed).unflatten(-1, (-1, head_dim)))
     key = attn.norm_k(attn.to_k(normed).unflatten(-1, (-1, head_dim)))
     value = attn.to_v(normed).unflatten(-1, (-1, head_dim))
-    return _rope_packed(query, layout, rope), _rope_packed(key, layout, rope), value
+    return _rope_packed(query, freqs), _rope_packed(key, freqs), value
 
 
 def _image_keys_for_rows(attn, key_q, value_q, layout_q: RowLayout, full_normed, from_cache: bool, unit: int,
@@ -156,8 +171,8 @@ def _image_keys_for_rows(attn, key_q, value_q, layout_q: RowLayout, full_normed,
         value_full = value_q.reshape(key_full.shape)
     elif not from_cache:
         dense = ctx.dense_layout(layout_q.num_tokens)
-        _, key_flat, value_flat = _image_qkv(attn, full_normed.reshape(-1, full_normed.shape[-1]), dense,
-                                             shared.rope_image)
+        _, key_flat, value_flat = _image_qkv(attn, full_normed.reshape(-1, full_normed.shape[-1]),
+                                             shared.rope_for(dense))
         key_full = key_flat.reshape(layout_q.num_rows, layout_q.num_tokens, *key_flat.shape[1:])
         value_full = value_flat.reshape(key_full.shape)
     else:
@@ -214,7 +229,7 @@ def _double_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared
         normed_full = block.norm1.norm(x_full) * (1 + scale_msa[:, None]) + shift_msa[:, None]
     normed_text, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(text, emb=temb)
     attn = block.attn
-    query, key_q, value_q = _image_qkv(attn, normed_q, layout_q, shared.rope_image)
+    query, key_q, value_q = _image_qkv(attn, normed_q, shared.rope_for(layout_q))
     row_kv = _image_keys_for_rows(attn, key_q, value_q, layout_q, normed_full, from_cache, unit, shared)
     text_q, text_k, text_v = _text_qkv(attn, normed_text, shared.rope_text, added=True)
     text_attn, image_attn = _joint_attention(text_q, text_k, text_v, query, layout_q, row_kv)
@@ -236,7 +251,7 @@ def _single_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared
         normed_full = block.norm.norm(x_full) * (1 + scale[:, None]) + shift[:, None]
     normed_text = block.norm.norm(text) * (1 + scale[:, None]) + shift[:, None]
     attn = block.attn
-    query, key_q, value_q = _image_qkv(attn, normed_q, layout_q, shared.rope_image)
+    query, key_q, value_q = _image_qkv(attn, normed_q, shared.rope_for(layout_q))
     row_kv = _image_keys_for_rows(attn, key_q, value_q, layout_q, normed_full, from_cache, unit, shared)
     text_q, text_k, text_v = _text_qkv(attn, normed_text, shared.rope_text, added=False)
     text_attn, image_attn = _joint_attention(text_q, text_k, text_v, query, layout_q, row_kv)

@@ -104,7 +104,8 @@ def run_stack(stack: Transformer2DModel, info: UnetStackInfo, x: torch.Tensor, t
     else:
         state = _State(stack.proj_in(normed), None)
     for unit, block in zip(units, stack.transformer_blocks):
-        state = _run_unit(block, unit, state, text, masked, ctx)
+        with ctx.timed_unit(unit):
+            state = _run_unit(block, unit, state, text, masked, ctx)
     last = info.first_unit + info.num_units - 1
     if ctx.uses_cache(last):
         packed = state.packed if state.packed is not None else masked.gather(state.full)

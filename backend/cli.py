@@ -1,0 +1,219 @@
+"""`maskserve` command line: models, templates, edits, profiles, benchmarks, and `up`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from backend.config import Settings, SettingsError, load_settings
+
+log = logging.getLogger("maskserve")
+
+
+def _dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+def _engine(settings: Settings, model_id: str | None = None):
+    from backend.engine.editor import MaskAwareEngine
+    from backend.models import load_pipeline, resolve_model
+
+    spec = resolve_model(model_id or settings.engine.model_id)
+    from backend.engine.profiler import load_planners
+
+    pipe = load_pipeline(spec.model_id, settings.paths.resolved_models_dir(), device=settings.engine.device,
+                         dtype=_dtype(settings.engine.dtype))
+    engine = MaskAwareEngine(pipe, spec, settings.paths.resolved_cache_dir())
+    engine.planners = load_planners(settings.paths.profiles_dir, spec.model_id, settings.engine.device,
+                                    engine.num_units)
+    return engine, spec
+
+
+def _params(spec, args, settings: Settings):
+    from backend.engine.editor import EditParams
+
+    size = args.size or spec.default_resolution
+    return EditParams(steps=args.steps or spec.default_steps, guidance=spec.default_guidance, size=(size, size),
+                      mode=args.mode or settings.engine.cache_mode, template_seed=settings.engine.template_seed,
+                      mask_margin=settings.engine.mask_margin_tokens, dense_above_ratio=settings.engine.dense_above_ratio,
+                      record_on_first_edit=settings.engine.record_on_first_edit)
+
+
+def cmd_models(args, settings: Settings) -> int:
+    from backend.models import known_model_ids, materialize
+
+    if args.action == "list":
+        print("\n".join(known_model_ids()))
+        return 0
+    path = materialize(args.model, settings.paths.resolved_models_dir())
+    print(path)
+    return 0
+
+
+def _open_image(path: str):
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        return Image.open(path)
+    except FileNotFoundError:
+        raise SystemExit(f"error: no such file: {path}")
+    except UnidentifiedImageError:
+        raise SystemExit(f"error: {path} is not an image PIL can read (use PNG, JPEG or WebP)")
+
+
+def cmd_prepare(args, settings: Settings) -> int:
+    engine, spec = _engine(settings, args.model)
+    params = _params(spec, args, settings)
+    started = time.perf_counter()
+    cache = engine.prepare_template(_open_image(args.image), params)
+    print(json.dumps({"cache": str(cache.path), "bytes": cache.bytes_total,
+                      "seconds": round(time.perf_counter() - started, 3)}))
+    return 0
+
+
+def cmd_edit(args, settings: Settings) -> int:
+    engine, spec = _engine(settings, args.model)
+    params = _params(spec, args, settings)
+    result = engine.edit(_open_image(args.image), _open_image(args.mask), args.prompt, args.seed, params)
+    result.image.save(args.out)
+    print(json.dumps({"out": args.out, "seed": result.seed, "mask_ratio": round(result.mask_ratio, 4),
+                      "used_cache": result.used_cache, "timings": {k: round(v, 3) for k, v in result.timings.items()}}))
+    return 0
+
+
+def cmd_bench_engine(args, settings: Settings) -> int:
+    from backend.bench.engine_bench import run_engine_bench, write_outputs
+
+    ratios = [float(r) for r in args.mask_ratios.split(",")]
+    records = run_engine_bench(args.model, ratios, args.steps, settings.paths.resolved_models_dir(),
+                               settings.paths.resolved_cache_dir(), modes=tuple(args.modes.split(",")),
+                               repeats=args.repeats, resolution=args.size, device=settings.engine.device,
+                               dtype=_dtype(settings.engine.dtype))
+    plot = write_outputs(records, Path(args.json))
+    for r in records:
+        print(f"{r.model:18s} {r.mode:6s} m={r.mask_ratio:<5} ordinary {r.ordinary_s:7.3f}s  mask-aware "
+              f"{r.maskaware_s:7.3f}s  speedup {r.speedup:5.2f}x (ideal {r.ideal_speedup:5.2f}x)  "
+              f"ssim {r.ssim:.3f} psnr {r.psnr:.1f}")
+    print(f"wrote {args.json} and {plot}")
+    return 0
+
+
+def cmd_profile(args, settings: Settings) -> int:
+    from backend.engine.profiler import measure_profile, profile_path
+
+    engine, spec = _engine(settings, args.model)
+    size = args.size or spec.default_resolution
+    for mode in args.modes.split(","):
+        profile = measure_profile(engine, mode, size, settings.engine.device, repeats=args.repeats)
+        path = profile_path(Path(args.out_dir or settings.paths.profiles_dir), spec.model_id,
+                            settings.engine.device, mode)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(profile.to_json())
+        print(f"{spec.model_id} {mode}: compute R^2 {profile.compute.r2:.4f} "
+              f"({profile.compute.slope * 1e9:.4f} s/GFLOP + {profile.compute.intercept * 1e3:.3f} ms), "
+              f"load R^2 {profile.load.r2:.4f} ({profile.load.slope * 1e9:.4f} s/GB) -> {path}")
+    return 0
+
+
+def cmd_up(args, settings: Settings) -> int:
+    """Start what exists so far: build the default model, prepare a sample template, run one edit."""
+    import numpy as np
+    from PIL import Image
+
+    from templates_store.samples import sample_template
+
+    engine, spec = _engine(settings)
+    params = _params(spec, argparse.Namespace(size=None, steps=None, mode=None), settings)
+    out_dir = settings.paths.data_dir / "demo"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    size = params.size[0]
+    template = sample_template(size, size, seed=7)
+    mask = np.zeros((size, size), dtype=np.uint8)
+    mask[size // 4: size // 2, size // 3: 2 * size // 3] = 255
+    template.save(out_dir / "template.png")
+    Image.fromarray(mask).save(out_dir / "mask.png")
+    for attempt in ("first edit (dense, records the cache)", "second edit (mask-aware, cached)"):
+        result = engine.edit(template, Image.fromarray(mask), "a red leather armchair", 42, params)
+        print(f"{attempt}: {result.timings['total_s']:.2f}s used_cache={result.used_cache}")
+    result.image.save(out_dir / "edited.png")
+    print(f"wrote {out_dir}/template.png, mask.png, edited.png (model {spec.model_id})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="maskserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    models = sub.add_parser("models", help="list or build models")
+    models.add_argument("action", choices=["list", "build"])
+    models.add_argument("model", nargs="?", default="tiny-sd2-inpaint")
+    models.set_defaults(func=cmd_models)
+
+    def edit_options(p):
+        p.add_argument("--model", default=None, help="model id (default: MASKSERVE_MODEL or tiny-sd2-inpaint)")
+        p.add_argument("--size", type=int, default=None, help="square resolution in pixels")
+        p.add_argument("--steps", type=int, default=None)
+        p.add_argument("--mode", choices=["kv", "hidden"], default=None)
+        p.add_argument("--image", required=True)
+
+    prepare = sub.add_parser("prepare", help="record a template's activation cache")
+    edit_options(prepare)
+    prepare.set_defaults(func=cmd_prepare)
+    edit = sub.add_parser("edit", help="edit the masked region of a template")
+    edit_options(edit)
+    edit.add_argument("--mask", required=True, help="grayscale PNG, 255 = repaint, same size as the image")
+    edit.add_argument("--prompt", required=True)
+    edit.add_argument("--seed", type=int, default=0)
+    edit.add_argument("--out", default="edited.png")
+    edit.set_defaults(func=cmd_edit)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    engine = bench_sub.add_parser("engine", help="ordinary pipeline vs mask-aware edit")
+    engine.add_argument("--model", required=True)
+    engine.add_argument("--mask-ratios", default="0.05,0.1,0.2,0.35,0.5,1.0")
+    engine.add_argument("--steps", type=int, default=20)
+    engine.add_argument("--modes", default="kv,hidden")
+    engine.add_argument("--repeats", type=int, default=1)
+    engine.add_argument("--size", type=int, default=None)
+    engine.add_argument("--json", required=True)
+    engine.add_argument("--device", default=None, help="cpu or cuda[:N] (default: MASKSERVE_DEVICE or cpu)")
+    engine.set_defaults(func=cmd_bench_engine)
+
+    profile = sub.add_parser("profile", help="measure and fit a model's cost profile on this device")
+    profile.add_argument("--model", required=True)
+    profile.add_argument("--device", default=None, help="cpu or cuda[:N] (default: MASKSERVE_DEVICE or cpu)")
+    profile.add_argument("--modes", default="kv,hidden")
+    profile.add_argument("--size", type=int, default=None)
+    profile.add_argument("--repeats", type=int, default=2)
+    profile.add_argument("--out-dir", default=None, help="default: the settings' profiles_dir")
+    profile.set_defaults(func=cmd_profile)
+
+    up = sub.add_parser("up", help="start what exists so far on this machine")
+    up.set_defaults(func=cmd_up)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    overrides = {"engine": {"device": args.device}} if getattr(args, "device", None) else {}
+    try:
+        settings = load_settings(**overrides)
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        return args.func(args, settings)
+    except ValueError as exc:  # every user-facing error type derives from ValueError
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Image-side helpers: pixel/token masks and quality metrics (numpy + PIL only)."""

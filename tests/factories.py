@@ -1,0 +1,45 @@
+"""Factories for tests: tiny engines, templates, masks and edit parameters."""
+
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+from backend.engine.editor import EditParams, MaskAwareEngine
+from backend.models import load_pipeline, resolve_model
+from templates_store.samples import sample_template
+
+SIZE = 128
+STEPS = 3
+FAMILIES = ("sd2-inpaint", "sdxl-inpaint", "flux-fill")
+
+
+def make_engine(family: str, models_dir, cache_dir) -> MaskAwareEngine:
+    model_id = f"tiny-{family}"
+    pipe = load_pipeline(model_id, models_dir)
+    return MaskAwareEngine(pipe, resolve_model(model_id), cache_dir)
+
+
+def make_params(engine: MaskAwareEngine, **overrides) -> EditParams:
+    fields = dict(steps=STEPS, guidance=engine.spec.default_guidance, size=(SIZE, SIZE), template_seed=5)
+    fields.update(overrides)
+    return EditParams(**fields)
+
+
+def make_template(seed: int = 7, size: int = SIZE) -> Image.Image:
+    return sample_template(size, size, seed=seed)
+
+
+def rect_mask(box: tuple[int, int, int, int], size: int = SIZE) -> Image.Image:
+    """Mask with 255 (repaint) inside box = (x0, y0, x1, y1)."""
+    pixels = np.zeros((size, size), dtype=np.uint8)
+    x0, y0, x1, y1 = box
+    pixels[y0:y1, x0:x1] = 255
+    return Image.fromarray(pixels)
+
+
+def full_mask(size: int = SIZE) -> Image.Image:
+    return Image.fromarray(np.full((size, size), 255, dtype=np.uint8))
+
+
+MASK = rect_mask((32, 40, 96, 80))
