@@ -11,34 +11,36 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-KVForRow = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+from backend.engine.layout import RowLayout
+
+Group = tuple[int, int]
+KVForGroup = Callable[[Group], tuple[torch.Tensor, torch.Tensor]]
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """(n, H, d) x (m, H, d) x (m, H, d) -> (n, H, d) scaled dot-product attention, no mask."""
-    out = F.scaled_dot_product_attention(
-        query.transpose(0, 1).unsqueeze(0), key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
-    )
-    return out.squeeze(0).transpose(0, 1)
+    """(g, n, H, d) x (g, m, H, d) x (g, m, H, d) -> (g, n, H, d) scaled dot-product attention."""
+    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+    return out.transpose(1, 2)
 
 
-def ragged_attention(query: torch.Tensor, offsets: tuple[int, ...], kv_for_row: KVForRow) -> torch.Tensor:
-    """Packed queries (total, H, d) -> packed outputs; row r's queries use ``kv_for_row(r)``."""
+def ragged_attention(query: torch.Tensor, layout: RowLayout, kv_for_group: KVForGroup) -> torch.Tensor:
+    """Packed queries (total, H, d) -> packed outputs. Each group of rows that select the same
+    tokens runs as one batched call with keys/values ``kv_for_group(group)`` of shape (g, m, H, d)."""
     outputs = []
-    for row in range(len(offsets) - 1):
-        start, stop = offsets[row], offsets[row + 1]
-        if stop == start:
+    for group in layout.groups:
+        q = layout.group_tokens(query, group)
+        if q.shape[1] == 0:
             continue
-        key, value = kv_for_row(row)
-        outputs.append(attend(query[start:stop], key, value))
+        key, value = kv_for_group(group)
+        outputs.append(attend(q, key, value).reshape(-1, *query.shape[1:]))
     if not outputs:
         return query.new_zeros(query.shape)
     return torch.cat(outputs, dim=0)
 
 
 def replace_rows(base: torch.Tensor, indices: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-    """Copy of ``base`` (L, ...) with rows ``indices`` replaced by ``fresh``; key order is kept, so
-    attention over the result matches dense attention bit for bit when nothing changed."""
+    """Copy of ``base`` (g, L, ...) with tokens ``indices`` replaced by ``fresh`` (g, n, ...); key
+    order is kept, so attention over the result matches dense attention when nothing changed."""
     out = base.to(fresh.dtype).clone()
-    out.index_copy_(0, indices, fresh)
+    out.index_copy_(1, indices, fresh)
     return out

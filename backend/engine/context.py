@@ -29,8 +29,9 @@ TokenMaskFn = Callable[[tuple[int, int]], torch.Tensor]
 class CacheSource(Protocol):
     """Cached activations for the rows of one batch, already placed on the compute device."""
 
-    def row_tensor(self, unit: int, name: str, row: int) -> torch.Tensor:
-        """(num_tokens, C) tensor ``name`` of ``unit`` recorded for row ``row``'s template, step and half."""
+    def rows_tensor(self, unit: int, name: str, rows: tuple[int, int]) -> torch.Tensor:
+        """(rows, num_tokens, C): tensor ``name`` of ``unit`` recorded for each row's template, step
+        and half, for the rows ``range(*rows)``."""
         ...
 
     def wait_for(self, unit: int) -> None:
@@ -73,21 +74,24 @@ class ForwardContext:
     def uses_cache(self, unit: int) -> bool:
         return self.cache is not None and self.use_cache[unit]
 
-    def cached(self, unit: int, name: str, row: int) -> torch.Tensor:
+    def cached(self, unit: int, name: str, group: tuple[int, int]) -> torch.Tensor:
         assert self.cache is not None
-        return self.cache.row_tensor(unit, name, row)
+        return self.cache.rows_tensor(unit, name, group)
 
     def merge_cached(self, unit: int, name: str, layout: RowLayout, fresh: torch.Tensor) -> torch.Tensor:
         """(rows, L, C): cached ``name`` of ``unit`` with each row's selected tokens replaced by
-        ``fresh`` (packed in ``layout``). A row that selects every token reads no cache."""
-        rows = []
-        for r in range(layout.num_rows):
-            row_fresh = fresh[layout.row_slice(r)]
-            if layout.indices[r].numel() == layout.num_tokens:
-                rows.append(row_fresh)
-            else:
-                rows.append(replace_rows(self.cached(unit, name, r), layout.indices[r], row_fresh))
-        return torch.stack(rows)
+        ``fresh`` (packed in ``layout``). Rows that select every token read no cache."""
+        return torch.cat([self.merge_group(unit, name, layout, group, layout.group_tokens(fresh, group))
+                          for group in layout.groups])
+
+    def merge_group(self, unit: int, name: str, layout: RowLayout, group: tuple[int, int],
+                    fresh: torch.Tensor) -> torch.Tensor:
+        """(g, L, ...): one group's cached tensor with its selected tokens replaced by ``fresh`` (g, n, ...)."""
+        indices = layout.indices[group[0]]
+        if indices.numel() == layout.num_tokens:
+            return fresh
+        cached = self.cached(unit, name, group)
+        return replace_rows(cached.reshape(*cached.shape[:2], *fresh.shape[2:]), indices, fresh)
 
     def timed_unit(self, unit: int):
         """Context manager timing one unit when profiling (synchronising CUDA around it)."""

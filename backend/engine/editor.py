@@ -247,6 +247,15 @@ class MaskAwareEngine:
             state.writer.abort()
             raise
 
+    def _check_cache(self, cache: TemplateCache, expected: CacheKey) -> None:
+        if cache.key != expected:
+            raise cache_store.CacheMismatchError(
+                "template cache does not fit this edit: " + "; ".join(expected.mismatches(cache.key)))
+        if cache.num_units != self.num_units:
+            raise cache_store.CacheMismatchError(
+                f"template cache has {cache.num_units} transformer units, {self.spec.model_id} has "
+                f"{self.num_units}: the model changed, prepare the template again")
+
     def lookup(self, image: Image.Image, params: EditParams) -> TemplateCache | None:
         return cache_store.lookup(self.cache_root, self.cache_key(image, params))
 
@@ -256,13 +265,10 @@ class MaskAwareEngine:
         timings, started = {}, time.perf_counter()
         pixels = self.pixel_mask(image, mask, params)
         require_nonempty(pixels)
-        if cache is not None:
-            expected = self.cache_key(image, params)
-            if cache.key != expected:
-                raise cache_store.CacheMismatchError(
-                    "template cache does not fit this edit: " + "; ".join(expected.mismatches(cache.key)))
-        elif params.use_cache:
+        if cache is None and params.use_cache:
             cache = self.lookup(image, params)
+        if cache is not None:
+            self._check_cache(cache, self.cache_key(image, params))
         record = cache is None and params.use_cache and params.record_on_first_edit
         state = self.start(image, mask, prompt, seed, params, cache=cache if params.use_cache else None)
         timings["prepare_s"] = time.perf_counter() - started

@@ -73,11 +73,7 @@ class BatchCacheFeeder:
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 
-    def row_tensor(self, unit: int, name: str, row: int) -> torch.Tensor:
-        entry = self._row_group[row]
-        if entry is None:
-            raise KeyError(f"row {row} has no template cache")
-        group, half = entry
+    def _group_tensor(self, group, unit: int, name: str) -> torch.Tensor:
         key = (group, unit, name)
         if key not in self._loaded:
             host = self._host_tensor(group, unit, name)
@@ -85,4 +81,15 @@ class BatchCacheFeeder:
                 raise KeyError(f"cache has no tensor {name!r} for unit {unit}")
             self._loaded[key] = host.to(self.device)
             self.bytes_loaded += host.numel() * host.element_size()
-        return self._loaded[key][half]
+        return self._loaded[key]
+
+    def rows_tensor(self, unit: int, name: str, rows: tuple[int, int]) -> torch.Tensor:
+        entries = self._row_group[rows[0]:rows[1]]
+        if any(entry is None for entry in entries):
+            raise KeyError(f"rows {rows} include a row with no template cache")
+        first_group, first_half = entries[0]
+        halves = [half for _, half in entries]
+        if all(g == first_group for g, _ in entries) and halves == list(range(first_half, first_half + len(entries))):
+            # the usual case (the CFG halves of one request): a view, no copy
+            return self._group_tensor(first_group, unit, name)[first_half:first_half + len(entries)]
+        return torch.stack([self._group_tensor(g, unit, name)[half] for g, half in entries])

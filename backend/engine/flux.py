@@ -19,7 +19,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-from backend.engine.attention import attend, replace_rows
+from backend.engine.attention import attend
 from backend.engine.context import ForwardContext, current_context
 from backend.engine.layout import RowLayout
 
@@ -161,10 +161,10 @@ def _image_qkv(attn, normed: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tens
     return _rope_packed(query, freqs), _rope_packed(key, freqs), value
 
 
-def _image_keys_for_rows(attn, key_q, value_q, layout_q: RowLayout, full_normed, from_cache: bool, unit: int,
-                         shared: _Shared):
-    """Per row: full image K/V (L, H, d). From the queries themselves when dense, from the full normed
-    input in hidden mode, or from the cache with the masked rows replaced in kv mode."""
+def _image_keys_for_groups(attn, key_q, value_q, layout_q: RowLayout, full_normed, from_cache: bool, unit: int,
+                           shared: _Shared):
+    """Per row group: full image K/V (g, L, H, d). From the queries themselves when dense, from the
+    full normed input in hidden mode, or from the cache with the masked tokens replaced in kv mode."""
     ctx = shared.ctx
     if layout_q.is_full:
         key_full = key_q.reshape(layout_q.num_rows, layout_q.num_tokens, *key_q.shape[1:])
@@ -176,32 +176,28 @@ def _image_keys_for_rows(attn, key_q, value_q, layout_q: RowLayout, full_normed,
         key_full = key_flat.reshape(layout_q.num_rows, layout_q.num_tokens, *key_flat.shape[1:])
         value_full = value_flat.reshape(key_full.shape)
     else:
-        def row_kv(r):
-            rows, idx = layout_q.row_slice(r), layout_q.indices[r]
-            if idx.numel() == layout_q.num_tokens:
-                return key_q[rows], value_q[rows]
-            shape = key_q.shape[1:]
-            key = replace_rows(ctx.cached(unit, "k", r).unflatten(-1, shape[-2:]), idx, key_q[rows])
-            value = replace_rows(ctx.cached(unit, "v", r).unflatten(-1, shape[-2:]), idx, value_q[rows])
+        def group_kv(group):
+            key = ctx.merge_group(unit, "k", layout_q, group, layout_q.group_tokens(key_q, group))
+            value = ctx.merge_group(unit, "v", layout_q, group, layout_q.group_tokens(value_q, group))
             return key, value
-        return row_kv
+        return group_kv
     ctx.record(unit, "k", key_full.flatten(2))
     ctx.record(unit, "v", value_full.flatten(2))
-    return lambda r: (key_full[r], value_full[r])
+    return lambda group: (key_full[group[0]:group[1]], value_full[group[0]:group[1]])
 
 
-def _joint_attention(text_q, text_k, text_v, query, layout_q: RowLayout, row_kv):
-    """Per row: [text ; masked image] queries over [text ; all image] keys. Returns text outputs
-    (rows, T, H*d) and packed image outputs (total, H*d)."""
+def _joint_attention(text_q, text_k, text_v, query, layout_q: RowLayout, group_kv):
+    """Per row group: [text ; masked image] queries over [text ; all image] keys. Returns text
+    outputs (rows, T, H*d) and packed image outputs (total, H*d)."""
     num_text = text_q.shape[1]
     text_out, image_out = [], []
-    for r in range(layout_q.num_rows):
-        rows = layout_q.row_slice(r)
-        key, value = row_kv(r)
-        out = attend(torch.cat([text_q[r], query[rows]]), torch.cat([text_k[r], key]), torch.cat([text_v[r], value]))
-        text_out.append(out[:num_text].flatten(1))
-        image_out.append(out[num_text:].flatten(1))
-    return torch.stack(text_out), torch.cat(image_out)
+    for start, stop in layout_q.groups:
+        key, value = group_kv((start, stop))
+        out = attend(torch.cat([text_q[start:stop], layout_q.group_tokens(query, (start, stop))], dim=1),
+                     torch.cat([text_k[start:stop], key], dim=1), torch.cat([text_v[start:stop], value], dim=1))
+        text_out.append(out[:, :num_text].flatten(2))
+        image_out.append(out[:, num_text:].flatten(2).flatten(0, 1))
+    return torch.cat(text_out), torch.cat(image_out)
 
 
 def _text_qkv(attn, normed_text, rope_text, added: bool):
@@ -230,9 +226,9 @@ def _double_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared
     normed_text, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(text, emb=temb)
     attn = block.attn
     query, key_q, value_q = _image_qkv(attn, normed_q, shared.rope_for(layout_q))
-    row_kv = _image_keys_for_rows(attn, key_q, value_q, layout_q, normed_full, from_cache, unit, shared)
+    group_kv = _image_keys_for_groups(attn, key_q, value_q, layout_q, normed_full, from_cache, unit, shared)
     text_q, text_k, text_v = _text_qkv(attn, normed_text, shared.rope_text, added=True)
-    text_attn, image_attn = _joint_attention(text_q, text_k, text_v, query, layout_q, row_kv)
+    text_attn, image_attn = _joint_attention(text_q, text_k, text_v, query, layout_q, group_kv)
     hidden = x_q + layout_q.expand_rows(gate_msa) * attn.to_out[0](image_attn)
     normed = _modulate(block.norm2(hidden), layout_q, scale_mlp, shift_mlp)
     hidden = hidden + layout_q.expand_rows(gate_mlp) * block.ff(normed)
@@ -252,9 +248,9 @@ def _single_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared
     normed_text = block.norm.norm(text) * (1 + scale[:, None]) + shift[:, None]
     attn = block.attn
     query, key_q, value_q = _image_qkv(attn, normed_q, shared.rope_for(layout_q))
-    row_kv = _image_keys_for_rows(attn, key_q, value_q, layout_q, normed_full, from_cache, unit, shared)
+    group_kv = _image_keys_for_groups(attn, key_q, value_q, layout_q, normed_full, from_cache, unit, shared)
     text_q, text_k, text_v = _text_qkv(attn, normed_text, shared.rope_text, added=False)
-    text_attn, image_attn = _joint_attention(text_q, text_k, text_v, query, layout_q, row_kv)
+    text_attn, image_attn = _joint_attention(text_q, text_k, text_v, query, layout_q, group_kv)
     mlp_image = block.act_mlp(block.proj_mlp(normed_q))
     mlp_text = block.act_mlp(block.proj_mlp(normed_text))
     hidden = x_q + layout_q.expand_rows(gate) * block.proj_out(torch.cat([image_attn, mlp_image], dim=-1))

@@ -22,6 +22,9 @@ class RowLayout:
     flat_index: torch.Tensor  # LongTensor (total,): row * num_tokens + token
     row_of_token: torch.Tensor  # LongTensor (total,): the row each packed token belongs to
     is_full: bool  # every row selects every token (dense)
+    # Runs [start, stop) of consecutive rows selecting identical tokens (e.g. the CFG halves of one
+    # request): ops that work per row can run once per run, batched.
+    groups: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -48,6 +51,11 @@ class RowLayout:
         out.index_copy_(0, self.flat_index, packed.to(out.dtype))
         return out.reshape(base.shape)
 
+    def group_tokens(self, packed: torch.Tensor, group: tuple[int, int]) -> torch.Tensor:
+        """Packed rows of one group as (rows, tokens, ...)."""
+        start, stop = group
+        return packed[self.offsets[start]:self.offsets[stop]].reshape(stop - start, -1, *packed.shape[1:])
+
     def expand_rows(self, per_row: torch.Tensor) -> torch.Tensor:
         """(num_rows, C) row values -> (total, C): each packed token gets its row's value."""
         return per_row.index_select(0, self.row_of_token)
@@ -68,7 +76,18 @@ def make_layout(row_masks: list[torch.Tensor], device: torch.device | str = "cpu
         flat.append(idx + row * num_tokens)
         rows.append(torch.full_like(idx, row))
     is_full = offsets[-1] == num_tokens * len(row_masks)
-    return RowLayout(num_tokens, tuple(indices), tuple(offsets), torch.cat(flat), torch.cat(rows), is_full)
+    return RowLayout(num_tokens, tuple(indices), tuple(offsets), torch.cat(flat), torch.cat(rows), is_full,
+                     _runs(row_masks))
+
+
+def _runs(row_masks: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
+    runs, start = [], 0
+    for row in range(1, len(row_masks) + 1):
+        if row == len(row_masks) or not (row_masks[row] is row_masks[start]
+                                          or torch.equal(row_masks[row], row_masks[start])):
+            runs.append((start, row))
+            start = row
+    return tuple(runs)
 
 
 def full_layout(num_rows: int, num_tokens: int, device: torch.device | str = "cpu") -> RowLayout:

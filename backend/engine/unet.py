@@ -23,7 +23,7 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.models.transformers.transformer_2d import Transformer2DModel, Transformer2DModelOutput
 
-from backend.engine.attention import ragged_attention, replace_rows
+from backend.engine.attention import ragged_attention
 from backend.engine.context import ForwardContext, current_context
 from backend.engine.layout import RowLayout
 
@@ -139,7 +139,8 @@ def _run_unit(block, unit: int, state: _State, text: torch.Tensor, masked: RowLa
 
 
 def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x.reshape(x.shape[0], heads, -1) if x.dim() == 2 else x.reshape(*x.shape[:2], heads, -1)
+    """(..., H*d) -> (..., H, d)."""
+    return x.unflatten(-1, (heads, -1))
 
 
 def _block_forward(block, unit: int, x_q: torch.Tensor, layout_q: RowLayout, x_full: torch.Tensor | None,
@@ -147,7 +148,7 @@ def _block_forward(block, unit: int, x_q: torch.Tensor, layout_q: RowLayout, x_f
     """One BasicTransformerBlock on packed query tokens ``x_q`` (total, C).
 
     K/V of self-attention come from ``x_full`` (rows, L, C) when given (dense or hidden mode), else
-    from the cache of ``kv_cache_unit`` with the rows of ``layout_q`` replaced by fresh K/V.
+    from the cache of ``kv_cache_unit`` with the tokens of ``layout_q`` replaced by fresh K/V.
     """
     attn1, attn2 = block.attn1, block.attn2
     heads = attn1.heads
@@ -159,25 +160,21 @@ def _block_forward(block, unit: int, x_q: torch.Tensor, layout_q: RowLayout, x_f
         ctx.record(unit, "k", key_full)
         ctx.record(unit, "v", value_full)
 
-        def kv_for_row(r):
-            return _heads(key_full[r], heads), _heads(value_full[r], heads)
+        def kv_for_group(group):
+            return _heads(key_full[group[0]:group[1]], heads), _heads(value_full[group[0]:group[1]], heads)
     else:
         key_q, value_q = attn1.to_k(normed_q), attn1.to_v(normed_q)
 
-        def kv_for_row(r):
-            rows, idx = layout_q.row_slice(r), layout_q.indices[r]
-            if idx.numel() == layout_q.num_tokens:
-                return _heads(key_q[rows], heads), _heads(value_q[rows], heads)
-            key = replace_rows(ctx.cached(kv_cache_unit, "k", r), idx, key_q[rows])
-            value = replace_rows(ctx.cached(kv_cache_unit, "v", r), idx, value_q[rows])
+        def kv_for_group(group):
+            key = ctx.merge_group(kv_cache_unit, "k", layout_q, group, layout_q.group_tokens(key_q, group))
+            value = ctx.merge_group(kv_cache_unit, "v", layout_q, group, layout_q.group_tokens(value_q, group))
             return _heads(key, heads), _heads(value, heads)
 
-    attn_out = ragged_attention(query, layout_q.offsets, kv_for_row).reshape(x_q.shape[0], -1)
+    attn_out = ragged_attention(query, layout_q, kv_for_group).flatten(1)
     hidden = attn1.to_out[0](attn_out) + x_q
     if attn2 is not None:
         query2 = _heads(attn2.to_q(block.norm2(hidden)), attn2.heads)
-        key2, value2 = attn2.to_k(text), attn2.to_v(text)
-        cross = ragged_attention(query2, layout_q.offsets,
-                                 lambda r: (_heads(key2[r], attn2.heads), _heads(value2[r], attn2.heads)))
-        hidden = attn2.to_out[0](cross.reshape(x_q.shape[0], -1)) + hidden
+        key2, value2 = _heads(attn2.to_k(text), attn2.heads), _heads(attn2.to_v(text), attn2.heads)
+        cross = ragged_attention(query2, layout_q, lambda g: (key2[g[0]:g[1]], value2[g[0]:g[1]]))
+        hidden = attn2.to_out[0](cross.flatten(1)) + hidden
     return block.ff(block.norm3(hidden)) + hidden
