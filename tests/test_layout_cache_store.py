@@ -45,16 +45,25 @@ def test_ragged_attention_matches_dense_rows():
     queries = torch.randn(2, 6, 2, 4)
     layout = make_layout([torch.tensor([1, 0, 1, 0, 0, 1], dtype=torch.bool), torch.ones(6, dtype=torch.bool)])
     packed_q = layout.gather(queries.flatten(2)).unflatten(-1, (2, 4))
-    out = ragged_attention(packed_q, layout.offsets, lambda r: (keys[r], values[r]))
-    dense0 = attend(queries[0], keys[0], values[0])
-    assert torch.allclose(out[:3], dense0[layout.indices[0]], atol=1e-6)
-    assert torch.allclose(out[3:], attend(queries[1], keys[1], values[1]), atol=1e-6)
+    assert layout.groups == ((0, 1), (1, 2))
+    out = ragged_attention(packed_q, layout, lambda g: (keys[g[0]:g[1]], values[g[0]:g[1]]))
+    dense = attend(queries, keys, values)
+    assert torch.allclose(out[:3], dense[0, layout.indices[0]], atol=1e-6)
+    assert torch.allclose(out[3:], dense[1], atol=1e-6)
+
+
+def test_rows_with_equal_masks_form_one_group():
+    mask = torch.tensor([True, False, True])
+    layout = make_layout([mask, mask.clone(), torch.tensor([False, True, False])])
+    assert layout.groups == ((0, 2), (2, 3))
+    packed = torch.arange(5.0).reshape(5, 1)
+    assert layout.group_tokens(packed, (0, 2)).shape == (2, 2, 1)
 
 
 def test_replace_rows_keeps_base_untouched():
-    base = torch.zeros(4, 2)
-    out = replace_rows(base, torch.tensor([1, 3]), torch.ones(2, 2))
-    assert out[1].sum() == 2 and out[0].sum() == 0 and base.sum() == 0
+    base = torch.zeros(1, 4, 2)
+    out = replace_rows(base, torch.tensor([1, 3]), torch.ones(1, 2, 2))
+    assert out[0, 1].sum() == 2 and out[0, 0].sum() == 0 and base.sum() == 0
 
 
 def _write(tmp_path, key, steps=2):

@@ -75,23 +75,25 @@ def measure_profile(engine: MaskAwareEngine, mode: str, size: int, device: str, 
                     shape.num_tokens, _grid_ratio(pixels, shape.num_tokens))
                 flops = state.req.halves * unit_flops(shape, masked, dense=ratio is None)
                 compute.append((flops, seconds[unit]))
-    for unit in range(engine.num_units):
-        load.append(_time_load(cache, unit, mode, device))
+    for count in range(1, engine.num_units + 1):  # growing batches of units: distinct byte counts
+        load.append(_time_load(cache, range(count), mode, device))
     return build_profile(engine.spec.model_id, device, mode, shapes, compute, load)
 
 
-def _time_load(cache, unit: int, mode: str, device: str) -> tuple[float, float]:
-    """(bytes, seconds) of reading one unit's tensors of one step and placing them on ``device``."""
+def _time_load(cache, units, mode: str, device: str) -> tuple[float, float]:
+    """(bytes, seconds) of reading some units' tensors of one step and placing them on ``device``."""
     target = torch.device(device)
     started = time.perf_counter()
     total = 0
-    for name in MODE_TENSORS[mode]:
-        if cache.has(1, unit, name):
-            tensor = cache.step_tensor(1, unit, name)
-            if target.type == "cuda":
-                tensor = tensor.pin_memory().to(target, non_blocking=True)
-                torch.cuda.synchronize(target)
-            total += tensor.numel() * tensor.element_size()
+    for unit in units:
+        for name in MODE_TENSORS[mode]:
+            if cache.has(1, unit, name):
+                tensor = cache.step_tensor(1, unit, name)
+                if target.type == "cuda":
+                    tensor = tensor.pin_memory().to(target, non_blocking=True)
+                total += tensor.numel() * tensor.element_size()
+    if target.type == "cuda":
+        torch.cuda.synchronize(target)
     return float(total), time.perf_counter() - started
 
 
