@@ -127,7 +127,7 @@ def load_pipeline(model_id: str, models_dir: Path, device: str = "cpu", dtype: t
     path = materialize(model_id, models_dir)
     try:
         pipe = pipeline_class(spec.family).from_pretrained(str(path), dtype=dtype)
-    except OSError as exc:
+    except Exception as exc:  # hub, filesystem and format errors all mean "this checkpoint is unusable"
         raise UnknownModelError(f"cannot load {model_id!r} from {path}: {exc}") from exc
     pipe = pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
