@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.engine.costs import CostProfile
+from backend.engine.costs import CostProfile, RowWork
 from backend.engine.profiler import load_planners, make_planner, measure_profile, profile_path
 from tests.factories import MASK, make_engine, make_params, make_template
 
@@ -20,7 +20,7 @@ def test_profile_fits_and_round_trips(flux_engine, tmp_path):
     assert len(profile.units) == flux_engine.num_units
     # tiny models are overhead-bound, so only the fit's form is checked here (slopes: see the README)
     assert profile.compute.r2 <= 1.0 and profile.load.r2 <= 1.0
-    costs = profile.unit_costs([])
+    costs = profile.unit_costs([RowWork(0.2, "t")])
     assert len(costs) == flux_engine.num_units and all(c.compute_dense_s >= 0 for c in costs)
     assert all(u.cache_bytes_per_token > 0 for u in profile.units)
     path = profile_path(tmp_path, flux_engine.spec.model_id, "cpu", "kv")
