@@ -19,7 +19,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-from backend.engine.attention import attend
+from backend.engine.attention import attend, fused_linear
 from backend.engine.context import ForwardContext, current_context
 from backend.engine.layout import RowLayout
 
@@ -152,12 +152,14 @@ def _rope_packed(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]) -> t
     return apply_rotary_emb(x.unsqueeze(0), freqs, sequence_dim=1).squeeze(0)
 
 
-def _image_qkv(attn, normed: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]):
-    """Q, K, V (total, H, d) of packed image tokens, after q/k RMS norm and rotary embedding."""
+def _image_qkv(attn, normed: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor], projected=None):
+    """Q, K, V (total, H, d) of packed image tokens, after q/k RMS norm and rotary embedding.
+    ``projected``: the q, k, v projections when the caller already ran them (fused)."""
     head_dim = attn.head_dim
-    query = attn.norm_q(attn.to_q(normed).unflatten(-1, (-1, head_dim)))
-    key = attn.norm_k(attn.to_k(normed).unflatten(-1, (-1, head_dim)))
-    value = attn.to_v(normed).unflatten(-1, (-1, head_dim))
+    if projected is None:
+        projected = fused_linear(normed, (attn.to_q, attn.to_k, attn.to_v))
+    query, key, value = (p.unflatten(-1, (-1, head_dim)) for p in projected)
+    query, key = attn.norm_q(query), attn.norm_k(key)
     return _rope_packed(query, freqs), _rope_packed(key, freqs), value
 
 
@@ -200,7 +202,8 @@ def _joint_attention(text_q, text_k, text_v, query, layout_q: RowLayout, group_k
     return torch.cat(text_out), torch.cat(image_out)
 
 
-def _text_qkv(attn, normed_text, rope_text, added: bool):
+def _text_qkv(attn, normed_text, rope_text, added: bool, projected=None):
+    """Q, K, V (rows, T, H, d) of the text tokens (always computed), normed and rotated."""
     head_dim = attn.head_dim
     if added:
         projections = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
@@ -208,7 +211,9 @@ def _text_qkv(attn, normed_text, rope_text, added: bool):
     else:
         projections = (attn.to_q, attn.to_k, attn.to_v)
         norms = (attn.norm_q, attn.norm_k)
-    query, key, value = (p(normed_text).unflatten(-1, (-1, head_dim)) for p in projections)
+    if projected is None:
+        projected = fused_linear(normed_text, projections)
+    query, key, value = (p.unflatten(-1, (-1, head_dim)) for p in projected)
     query, key = norms[0](query), norms[1](key)
     query = apply_rotary_emb(query, rope_text, sequence_dim=1)
     key = apply_rotary_emb(key, rope_text, sequence_dim=1)
@@ -239,6 +244,8 @@ def _double_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared
 
 
 def _single_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared: _Shared):
+    """Single-stream block. Text and masked image tokens share every linear, so they run as one
+    packed sequence [text of every row ; masked image tokens] through one fused q/k/v/MLP matmul."""
     temb = shared.temb
     shift, scale, gate = block.norm.linear(block.norm.silu(temb)).chunk(3, dim=1)
     normed_q = _modulate(block.norm.norm(x_q), layout_q, scale, shift)
@@ -247,12 +254,17 @@ def _single_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared
         normed_full = block.norm.norm(x_full) * (1 + scale[:, None]) + shift[:, None]
     normed_text = block.norm.norm(text) * (1 + scale[:, None]) + shift[:, None]
     attn = block.attn
-    query, key_q, value_q = _image_qkv(attn, normed_q, shared.rope_for(layout_q))
+    num_rows, num_text, width = text.shape
+    tokens = torch.cat([normed_text.reshape(-1, width), normed_q])
+    projected = fused_linear(tokens, (attn.to_q, attn.to_k, attn.to_v, block.proj_mlp))
+    split = num_rows * num_text
+    query, key_q, value_q = _image_qkv(attn, normed_q, shared.rope_for(layout_q), [p[split:] for p in projected[:3]])
     group_kv = _image_keys_for_groups(attn, key_q, value_q, layout_q, normed_full, from_cache, unit, shared)
-    text_q, text_k, text_v = _text_qkv(attn, normed_text, shared.rope_text, added=False)
+    text_q, text_k, text_v = _text_qkv(attn, normed_text, shared.rope_text, added=False,
+                                       projected=[p[:split].reshape(num_rows, num_text, -1) for p in projected[:3]])
     text_attn, image_attn = _joint_attention(text_q, text_k, text_v, query, layout_q, group_kv)
-    mlp_image = block.act_mlp(block.proj_mlp(normed_q))
-    mlp_text = block.act_mlp(block.proj_mlp(normed_text))
-    hidden = x_q + layout_q.expand_rows(gate) * block.proj_out(torch.cat([image_attn, mlp_image], dim=-1))
-    text = text + gate.unsqueeze(1) * block.proj_out(torch.cat([text_attn, mlp_text], dim=-1))
+    mixed = block.proj_out(torch.cat([torch.cat([text_attn.reshape(split, -1), image_attn]),
+                                      block.act_mlp(projected[3])], dim=-1))
+    hidden = x_q + layout_q.expand_rows(gate) * mixed[split:]
+    text = text + gate.unsqueeze(1) * mixed[:split].reshape(num_rows, num_text, width)
     return text, hidden

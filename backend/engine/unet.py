@@ -23,7 +23,7 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.models.transformers.transformer_2d import Transformer2DModel, Transformer2DModelOutput
 
-from backend.engine.attention import ragged_attention
+from backend.engine.attention import fused_linear, ragged_attention
 from backend.engine.context import ForwardContext, current_context
 from backend.engine.layout import RowLayout
 
@@ -153,18 +153,22 @@ def _block_forward(block, unit: int, x_q: torch.Tensor, layout_q: RowLayout, x_f
     attn1, attn2 = block.attn1, block.attn2
     heads = attn1.heads
     normed_q = block.norm1(x_q)
-    query = _heads(attn1.to_q(normed_q), heads)
+    if x_full is None or layout_q.is_full:
+        query, key_q, value_q = fused_linear(normed_q, (attn1.to_q, attn1.to_k, attn1.to_v))
+    else:
+        query = attn1.to_q(normed_q)
+    query = _heads(query, heads)
     if x_full is not None:
-        normed_full = normed_q.reshape(x_full.shape) if layout_q.is_full else block.norm1(x_full)
-        key_full, value_full = attn1.to_k(normed_full), attn1.to_v(normed_full)
+        if layout_q.is_full:
+            key_full, value_full = key_q.reshape(x_full.shape[:2] + (-1,)), value_q.reshape(x_full.shape[:2] + (-1,))
+        else:
+            key_full, value_full = fused_linear(block.norm1(x_full), (attn1.to_k, attn1.to_v))
         ctx.record(unit, "k", key_full)
         ctx.record(unit, "v", value_full)
 
         def kv_for_group(group):
             return _heads(key_full[group[0]:group[1]], heads), _heads(value_full[group[0]:group[1]], heads)
     else:
-        key_q, value_q = attn1.to_k(normed_q), attn1.to_v(normed_q)
-
         def kv_for_group(group):
             key = ctx.merge_group(kv_cache_unit, "k", layout_q, group, layout_q.group_tokens(key_q, group))
             value = ctx.merge_group(kv_cache_unit, "v", layout_q, group, layout_q.group_tokens(value_q, group))
@@ -174,7 +178,7 @@ def _block_forward(block, unit: int, x_q: torch.Tensor, layout_q: RowLayout, x_f
     hidden = attn1.to_out[0](attn_out) + x_q
     if attn2 is not None:
         query2 = _heads(attn2.to_q(block.norm2(hidden)), attn2.heads)
-        key2, value2 = _heads(attn2.to_k(text), attn2.heads), _heads(attn2.to_v(text), attn2.heads)
+        key2, value2 = (_heads(p, attn2.heads) for p in fused_linear(text, (attn2.to_k, attn2.to_v)))
         cross = ragged_attention(query2, layout_q, lambda g: (key2[g[0]:g[1]], value2[g[0]:g[1]]))
         hidden = attn2.to_out[0](cross.flatten(1)) + hidden
     return block.ff(block.norm3(hidden)) + hidden
