@@ -188,3 +188,25 @@ def test_corrupted_cache_file_is_a_clear_error(engine, tmp_path):
     reopened = isolated.lookup(make_template(), params)
     with pytest.raises(CacheCorruptError, match="checksum"):
         isolated.edit(make_template(), MASK, PROMPT, 0, params, cache=reopened)
+
+
+def test_mask_above_dense_ratio_runs_dense(engine):
+    params = make_params(engine, dense_above_ratio=0.1)
+    cache = engine.prepare_template(make_template(), params)
+    result = engine.edit(make_template(), MASK, PROMPT, 2, params, cache=cache)
+    assert not result.used_cache and result.mask_ratio > 0.1
+
+
+def test_margin_grows_the_computed_region(engine):
+    plain = engine.edit(make_template(), MASK, PROMPT, 2, make_params(engine, use_cache=False))
+    grown = engine.edit(make_template(), MASK, PROMPT, 2, make_params(engine, use_cache=False, mask_margin=1))
+    assert grown.mask_ratio > plain.mask_ratio
+
+
+def test_feathered_paste_back_keeps_far_pixels(engine):
+    params = make_params(engine, feather_px=4.0)
+    cache = engine.prepare_template(make_template(), params)
+    result = engine.edit(make_template(), MASK, PROMPT, 2, params, cache=cache)
+    far_outside = np.ones((SIZE, SIZE), dtype=bool)
+    far_outside[40 - 8:80 + 8, 32 - 8:96 + 8] = False
+    assert np.array_equal(np.asarray(result.image)[far_outside], np.asarray(make_template())[far_outside])

@@ -52,13 +52,25 @@ class EngineBenchRecord:
     psnr_masked: float
 
 
-def _median_time(fn, repeats: int) -> tuple[float, object]:
-    times, result = [], None
+def _interleaved(runs: dict, repeats: int, warm_up: bool) -> tuple[dict[str, float], dict]:
+    """Median seconds of each run, the runs taking turns so that machine noise hits all alike."""
+    if warm_up:
+        for run in runs.values():
+            run()  # allocator, thread pools, page cache; verifies the cache files' checksums once
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    outputs = {}
     for _ in range(repeats):
-        started = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times), result
+        for name, run in runs.items():
+            started = time.perf_counter()
+            outputs[name] = run()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in times.items()}, outputs
+
+
+def _quality(image: Image.Image, reference: Image.Image, pixels: np.ndarray) -> dict[str, float]:
+    ours, theirs = np.asarray(image), np.asarray(reference)
+    return {"ssim": ssim(ours, theirs), "psnr": psnr(ours, theirs),
+            "ssim_masked": ssim(ours, theirs, mask=pixels), "psnr_masked": psnr(ours, theirs, mask=pixels)}
 
 
 def _step_flops(engine: MaskAwareEngine, template, mask, params, cache) -> int:
@@ -81,35 +93,28 @@ def run_engine_bench(model_id: str, mask_ratios: list[float], steps: int, models
     caches = {}
     for mode in modes:
         params = EditParams(steps=steps, guidance=spec.default_guidance, size=(size, size), mode=mode,
-                            dense_above_ratio=1.0, record_on_first_edit=False)
+                            record_on_first_edit=False)
         caches[mode] = (params, engine.lookup(template, params) or engine.prepare_template(template, params))
     ordinary_params = EditParams(steps=steps, guidance=spec.default_guidance, size=(size, size), use_cache=False)
     dense_flops = None
     for ratio in tqdm(mask_ratios, desc=f"bench {model_id}", unit="ratio"):
         mask = Image.fromarray(synthetic_mask(size, size, ratio, seed=11, kind="blob").astype(np.uint8) * 255)
         pixels = np.asarray(mask) > 127
-        ordinary = lambda: run_ordinary(pipe, spec, template, mask, PROMPT, seed, ordinary_params)  # noqa: E731
-        if not records:
-            ordinary()  # warm-up (first ratio only: allocator, thread pools, page cache)
-        ordinary_s, ordinary_image = _median_time(ordinary, repeats)
-        reference = paste_back(ordinary_image, template, pixels.astype(np.float32))
+        runs = {"ordinary": lambda: run_ordinary(pipe, spec, template, mask, PROMPT, seed, ordinary_params)}
+        for mode, (params, cache) in caches.items():
+            runs[mode] = lambda p=params, c=cache: engine.edit(template, mask, PROMPT, seed, p, cache=c)
+        seconds, outputs = _interleaved(runs, repeats, warm_up=not records)
+        reference = paste_back(outputs["ordinary"], template, pixels.astype(np.float32))
         if dense_flops is None:
             dense_flops = _step_flops(engine, template, mask, ordinary_params, None)
         for mode, (params, cache) in caches.items():
-            edit = lambda: engine.edit(template, mask, PROMPT, seed, params, cache=cache)  # noqa: E731
-            if ratio == mask_ratios[0]:
-                edit()  # warm-up; also verifies the cache files' checksums once
-            maskaware_s, result = _median_time(edit, repeats)
+            result = outputs[mode]
             records.append(EngineBenchRecord(
                 model=model_id, mode=mode, mask_ratio=ratio, measured_mask_ratio=result.mask_ratio, steps=steps,
-                resolution=size, device=device, ordinary_s=ordinary_s, maskaware_s=maskaware_s,
-                speedup=ordinary_s / maskaware_s,
-                ideal_speedup=dense_flops / _step_flops(engine, template, mask, params, cache),
-                cache_bytes=cache.bytes_total,
-                ssim=ssim(np.asarray(result.image), np.asarray(reference)),
-                psnr=psnr(np.asarray(result.image), np.asarray(reference)),
-                ssim_masked=ssim(np.asarray(result.image), np.asarray(reference), mask=pixels),
-                psnr_masked=psnr(np.asarray(result.image), np.asarray(reference), mask=pixels)))
+                resolution=size, device=device, ordinary_s=seconds["ordinary"], maskaware_s=seconds[mode],
+                speedup=seconds["ordinary"] / seconds[mode],
+                ideal_speedup=dense_flops / _step_flops(engine, template, mask, params, cache if result.used_cache else None),
+                cache_bytes=cache.bytes_total, **_quality(result.image, reference, pixels)))
     return records
 
 

@@ -9,8 +9,10 @@ the two halves recorded in a template cache; without guidance it owns one.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,14 +26,14 @@ class RequestTensors:
     """Everything one request needs for its denoising steps. Leading dim 1 unless noted."""
 
     init_latents: torch.Tensor  # latents before step 0 (Flux: packed tokens)
-    latent_mask: torch.Tensor  # bool, broadcastable to latents: True where the request repaints
     conditioning: dict[str, torch.Tensor]  # per-row model conditioning, leading dim = halves
     extra_channels: torch.Tensor  # concatenated to the latent input every step (mask + masked image)
     scheduler: object  # the request's own scheduler (diffusers schedulers keep a mutable step index)
     timesteps: torch.Tensor
     guidance: float
     halves: int
-    token_grids: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # Inputs shared by every row of a resolution (Flux: text and image position ids).
+    shared: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class FamilyAdapter(ABC):
@@ -58,10 +60,6 @@ class FamilyAdapter(ABC):
         """Request tensors; ``size`` is (height, width) in pixels."""
 
     @abstractmethod
-    def latent_token_mask(self, pixel_mask: np.ndarray) -> np.ndarray:
-        """Bool mask in the layout of the latents (UNet: (h, w); Flux: (h/2 * w/2,) tokens)."""
-
-    @abstractmethod
     def step_rows(self, req: RequestTensors, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """Model input rows (halves, ...) of one request at timestep ``t``."""
 
@@ -81,14 +79,20 @@ class FamilyAdapter(ABC):
     def _generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device="cpu").manual_seed(seed)
 
-    def _timesteps(self, steps: int, strength: float, **kwargs) -> tuple[object, torch.Tensor]:
-        scheduler = copy.deepcopy(self.pipe.scheduler)
+    @contextlib.contextmanager
+    def _using(self, scheduler) -> Iterator[None]:
+        """Let the pipeline's own helpers act on a request's scheduler instead of the shared one."""
         original, self.pipe.scheduler = self.pipe.scheduler, scheduler
         try:
-            timesteps, steps = retrieve_timesteps(scheduler, steps, self.device, **kwargs)
-            timesteps, steps = self.pipe.get_timesteps(steps, strength, self.device)
+            yield
         finally:
             self.pipe.scheduler = original
+
+    def _timesteps(self, steps: int, strength: float, **kwargs) -> tuple[object, torch.Tensor]:
+        scheduler = copy.deepcopy(self.pipe.scheduler)
+        with self._using(scheduler):
+            timesteps, steps = retrieve_timesteps(scheduler, steps, self.device, **kwargs)
+            timesteps, steps = self.pipe.get_timesteps(steps, strength, self.device)
         if steps < 1:
             raise ValueError(f"strength {strength} leaves no denoising steps: raise strength or steps")
         return scheduler, timesteps
@@ -109,30 +113,20 @@ class UnetAdapter(FamilyAdapter):
     def denoiser(self) -> torch.nn.Module:
         return self.pipe.unet
 
-    def latent_token_mask(self, pixel_mask: np.ndarray) -> np.ndarray:
-        factor = self.pipe.vae_scale_factor
-        h, w = pixel_mask.shape
-        return pixel_mask.reshape(h // factor, factor, w // factor, factor).any(axis=(1, 3))
-
     def prepare(self, image, mask, prompt, negative_prompt, guidance, steps, strength, seed, size):
         pipe, gen = self.pipe, self._generator(seed)
         conditioning = self._encode(prompt, negative_prompt, size)
         scheduler, timesteps = self._timesteps(steps, strength)
         init, mask_t = self._images(image, mask, size)
-        original, pipe.scheduler = pipe.scheduler, scheduler
-        try:
+        with self._using(scheduler):
             latents, _noise = pipe.prepare_latents(
                 1, pipe.vae.config.latent_channels, size[0], size[1], self.dtype, self.device, gen,
                 image=init, timestep=timesteps[:1], is_strength_max=strength == 1.0, return_noise=True)
-        finally:
-            pipe.scheduler = original
         masked_image = init * (mask_t < 0.5)
         mask_lat, masked_lat = pipe.prepare_mask_latents(
             mask_t, masked_image, 1, size[0], size[1], self.dtype, self.device, gen, False)
-        latent_mask = torch.from_numpy(self.latent_token_mask(mask_t[0, 0].numpy() >= 0.5))
         return RequestTensors(
-            init_latents=latents, latent_mask=latent_mask.to(self.device)[None, None],
-            conditioning=conditioning, extra_channels=torch.cat([mask_lat, masked_lat], dim=1),
+            init_latents=latents, conditioning=conditioning, extra_channels=torch.cat([mask_lat, masked_lat], dim=1),
             scheduler=scheduler, timesteps=timesteps, guidance=guidance, halves=2)
 
     def _encode(self, prompt: str, negative_prompt: str, size) -> dict[str, torch.Tensor]:
@@ -183,11 +177,6 @@ class FluxFillAdapter(FamilyAdapter):
     def denoiser(self) -> torch.nn.Module:
         return self.pipe.transformer
 
-    def latent_token_mask(self, pixel_mask: np.ndarray) -> np.ndarray:
-        factor = self.pipe.vae_scale_factor * 2  # one token = a 2x2 patch of latents
-        h, w = pixel_mask.shape
-        return pixel_mask.reshape(h // factor, factor, w // factor, factor).any(axis=(1, 3)).reshape(-1)
-
     def prepare(self, image, mask, prompt, negative_prompt, guidance, steps, strength, seed, size):
         pipe, gen = self.pipe, self._generator(seed)
         embeds, pooled, text_ids = pipe.encode_prompt(
@@ -202,33 +191,28 @@ class FluxFillAdapter(FamilyAdapter):
         scheduler, timesteps = self._timesteps(steps, strength, sigmas=sigmas, mu=mu)
         init, mask_t = self._images(image, mask, size)
         channels = pipe.vae.config.latent_channels
-        original, pipe.scheduler = pipe.scheduler, scheduler
-        try:
+        with self._using(scheduler):
             latents, image_ids = pipe.prepare_latents(init, timesteps[:1], 1, channels, height, width,
                                                       self.dtype, self.device, gen)
-        finally:
-            pipe.scheduler = original
         masked_image = (init * (1 - mask_t)).to(device=self.device, dtype=self.dtype)
         mask_lat, masked_lat = pipe.prepare_mask_latents(mask_t, masked_image, 1, channels, 1, height, width,
                                                          self.dtype, self.device, gen)
-        latent_mask = torch.from_numpy(self.latent_token_mask(mask_t[0, 0].numpy() >= 0.5))
         conditioning = {"encoder_hidden_states": embeds, "pooled_projections": pooled,
                         "guidance": torch.full([1], guidance, device=self.device, dtype=torch.float32)}
-        self._ids = (text_ids, image_ids)
         return RequestTensors(
-            init_latents=latents, latent_mask=latent_mask.to(self.device)[None, :, None],
-            conditioning=conditioning, extra_channels=torch.cat((masked_lat, mask_lat), dim=-1),
-            scheduler=scheduler, timesteps=timesteps, guidance=guidance, halves=1)
+            init_latents=latents, conditioning=conditioning, extra_channels=torch.cat((masked_lat, mask_lat), dim=-1),
+            scheduler=scheduler, timesteps=timesteps, guidance=guidance, halves=1,
+            shared={"txt_ids": text_ids, "img_ids": image_ids})
 
     def step_rows(self, req, latents, t):
         return torch.cat((latents, req.extra_channels), dim=2)
 
     def denoise(self, rows, row_timesteps, reqs):
         conditioning = {k: torch.cat([r.conditioning[k] for r in reqs]) for k in reqs[0].conditioning}
-        text_ids, image_ids = self._ids
+        # rows of one batch share a resolution and a text length, hence one set of position ids
         return self.pipe.transformer(
-            hidden_states=rows, timestep=row_timesteps.to(rows.dtype) / 1000, txt_ids=text_ids, img_ids=image_ids,
-            return_dict=False, **conditioning)[0]
+            hidden_states=rows, timestep=row_timesteps.to(rows.dtype) / 1000, return_dict=False,
+            **reqs[0].shared, **conditioning)[0]
 
     def decode(self, latents, size):
         pipe, vae = self.pipe, self.pipe.vae

@@ -55,6 +55,8 @@ class BatchCacheFeeder:
 
     def _start_async(self, units: Sequence[int]) -> None:
         stream = torch.cuda.Stream(device=self.device)
+        compute = torch.cuda.current_stream(self.device)
+        stream.wait_stream(compute)  # copies must not overtake work already queued on these buffers
         with torch.cuda.stream(stream):
             for unit in units:
                 for group in self._groups:
@@ -62,7 +64,10 @@ class BatchCacheFeeder:
                         host = self._host_tensor(group, unit, name)
                         if host is None:
                             continue
-                        self._loaded[(group, unit, name)] = host.pin_memory().to(self.device, non_blocking=True)
+                        loaded = host.pin_memory().to(self.device, non_blocking=True)
+                        # the compute stream reads it: keep the allocator from reusing it too early
+                        loaded.record_stream(compute)
+                        self._loaded[(group, unit, name)] = loaded
                         self.bytes_loaded += host.numel() * host.element_size()
                 event = torch.cuda.Event()
                 event.record(stream)

@@ -1,0 +1,82 @@
+"""Settings tree and the `maskserve` command line (real tiny model, real files)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from backend.cli import main
+from backend.config import SettingsError, load_settings
+from tests.factories import make_template, rect_mask
+
+
+def test_settings_from_env_and_overrides(tmp_path):
+    settings = load_settings({"MASKSERVE_DATA_DIR": str(tmp_path), "MASKSERVE_MODEL": "tiny-flux-fill",
+                              "MASKSERVE_CACHE_MODE": "hidden", "MASKSERVE_MASK_MARGIN": "2"})
+    assert settings.engine.model_id == "tiny-flux-fill" and settings.engine.cache_mode == "hidden"
+    assert settings.engine.mask_margin_tokens == 2
+    assert settings.paths.resolved_cache_dir() == tmp_path / "template_cache"
+    overridden = load_settings({"MASKSERVE_DEVICE": "cpu"}, engine={"device": "cuda:1"})
+    assert overridden.engine.device == "cuda:1"
+
+
+@pytest.mark.parametrize("env, field", [({"MASKSERVE_CACHE_MODE": "both"}, "cache_mode"),
+                                        ({"MASKSERVE_DEVICE": "tpu"}, "device"),
+                                        ({"MASKSERVE_MASK_MARGIN": "-1"}, "mask_margin_tokens"),
+                                        ({"MASKSERVE_LOG_LEVEL": "LOUD"}, "log_level")])
+def test_bad_settings_name_the_field(env, field):
+    with pytest.raises(SettingsError, match=field):
+        load_settings(env)
+
+
+@pytest.fixture()
+def cli_env(tmp_path, models_dir, monkeypatch):
+    monkeypatch.setenv("MASKSERVE_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("MASKSERVE_MODELS_DIR", str(models_dir))
+    monkeypatch.setenv("MASKSERVE_MODEL", "tiny-sd2-inpaint")
+    make_template().save(tmp_path / "template.png")
+    rect_mask((32, 32, 96, 80)).save(tmp_path / "mask.png")
+    return tmp_path
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_prepare_then_edit_uses_the_cache(cli_env, capsys):
+    base = ["--size", "128", "--steps", "3", "--image", str(cli_env / "template.png")]
+    code, out, _ = _run(capsys, "prepare", *base)
+    assert code == 0 and json.loads(out)["bytes"] > 0
+    target = cli_env / "edited.png"
+    code, out, _ = _run(capsys, "edit", *base, "--mask", str(cli_env / "mask.png"), "--prompt", "a vase",
+                        "--seed", "4", "--out", str(target))
+    report = json.loads(out)
+    assert code == 0 and report["used_cache"] and report["seed"] == 4
+    edited = np.asarray(Image.open(target))
+    outside = np.asarray(Image.open(cli_env / "mask.png")) == 0
+    assert np.array_equal(edited[outside], np.asarray(make_template())[outside])
+
+
+def test_edit_with_bad_inputs_exits_2_with_a_message(cli_env, capsys):
+    base = ["--size", "128", "--steps", "2", "--image", str(cli_env / "template.png"), "--prompt", "x"]
+    rect_mask((0, 0, 0, 0)).save(cli_env / "empty.png")
+    code, _, err = _run(capsys, "edit", *base, "--mask", str(cli_env / "empty.png"))
+    assert code == 2 and "empty" in err
+    rect_mask((0, 0, 8, 8), size=64).save(cli_env / "small.png")
+    code, _, err = _run(capsys, "edit", *base, "--mask", str(cli_env / "small.png"))
+    assert code == 2 and "size" in err
+    (cli_env / "junk.png").write_bytes(b"not an image")
+    with pytest.raises(SystemExit, match="not an image"):
+        main(["edit", *base, "--mask", str(cli_env / "junk.png")])
+    code, _, err = _run(capsys, "edit", *base, "--mask", str(cli_env / "mask.png"), "--model", "tiny-nothing")
+    assert code == 2 and "unknown model" in err
+
+
+def test_models_list(capsys):
+    code, out, _ = _run(capsys, "models", "list")
+    assert code == 0 and "small-sdxl-inpaint" in out.split()
