@@ -75,6 +75,7 @@ def measure_profile(engine: MaskAwareEngine, mode: str, size: int, device: str, 
                     shape.num_tokens, _grid_ratio(pixels, shape.num_tokens))
                 flops = state.req.halves * unit_flops(shape, masked, dense=ratio is None)
                 compute.append((flops, seconds[unit]))
+    _time_load(cache, range(engine.num_units), mode, device)  # checksum check and page cache, untimed
     for count in range(1, engine.num_units + 1):  # growing batches of units: distinct byte counts
         load.append(_time_load(cache, range(count), mode, device))
     return build_profile(engine.spec.model_id, device, mode, shapes, compute, load)
