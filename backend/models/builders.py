@@ -8,22 +8,27 @@ from diffusers import (AutoencoderKL, EulerDiscreteScheduler, FlowMatchEulerDisc
 from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config,
                           T5EncoderModel)
 
-from backend.models.configs import CONFIGS
+from backend.models.configs import CONFIGS, SCHEDULERS
 from backend.models.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
 
 def _seeded(factory, *args, **kwargs):
-    torch.manual_seed(0)  # every component from the same seed: building twice gives identical weights
-    return factory(*args, **kwargs).eval()
+    # Every component from seed 0 (building twice gives identical weights), leaving the caller's RNG alone.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return factory(*args, **kwargs).eval()
 
 
-def unet_scheduler() -> EulerDiscreteScheduler:
-    return EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                                  num_train_timesteps=1000, steps_offset=1, timestep_spacing="leading",
-                                  prediction_type="epsilon")
+def build_scheduler(family: str):
+    """The family's scheduler (``configs.SCHEDULERS``); Euler steps add no noise, so an edit is a
+    function of its inputs and seed."""
+    kind = FlowMatchEulerDiscreteScheduler if family == "flux-fill" else EulerDiscreteScheduler
+    with torch.device("cpu"):  # schedulers keep CPU tensors, even inside `with torch.device("meta")`
+        return kind(**SCHEDULERS[family])
 
 
 def build_components(family: str, form: str) -> dict:
+    """Pipeline components of a built form; under ``with torch.device("meta")`` no weights are allocated."""
     configs = CONFIGS[(family, form)]
     parts = {"vae": _seeded(AutoencoderKL, **configs["vae"]),
              "text_encoder": _seeded(CLIPTextModel, CLIPTextConfig(**configs["text_encoder"])),
@@ -31,9 +36,9 @@ def build_components(family: str, form: str) -> dict:
     if family == "flux-fill":
         parts.update(transformer=_seeded(FluxTransformer2DModel, **configs["transformer"]),
                      text_encoder_2=_seeded(T5EncoderModel, T5Config(**configs["text_encoder_2"])),
-                     tokenizer_2=build_t5_tokenizer(), scheduler=FlowMatchEulerDiscreteScheduler())
+                     tokenizer_2=build_t5_tokenizer(), scheduler=build_scheduler(family))
         return parts
-    parts.update(unet=_seeded(UNet2DConditionModel, **configs["unet"]), scheduler=unet_scheduler())
+    parts.update(unet=_seeded(UNet2DConditionModel, **configs["unet"]), scheduler=build_scheduler(family))
     if family == "sdxl-inpaint":
         parts.update(text_encoder_2=_seeded(CLIPTextModelWithProjection, CLIPTextConfig(**configs["text_encoder_2"])),
                      tokenizer_2=build_clip_tokenizer())

@@ -1,7 +1,8 @@
 """Model registry: ids -> ``ModelSpec``; building, saving and loading pipelines.
 
 Ids: ``tiny-<family>``, ``small-<family>``, ``arch-<family>`` (built from configs with fixed seeds),
-or ``<family>:<local diffusers directory or hub id>`` for real checkpoints.
+``<family>:<local diffusers directory or hub id>`` for real checkpoints, or the path of a local
+diffusers directory whose ``model_index.json`` names one of the three pipeline classes.
 Invariants: building an id twice gives identical weights; ``materialize`` publishes a model
 directory atomically (built in a temp dir, renamed into place, completion marker written last).
 """
@@ -13,16 +14,21 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from backend.models.configs import BUILDER_VERSION, CONFIGS, DEFAULTS
+from backend.models.configs import BUILDER_VERSION, CONFIGS, DEFAULTS, SCHEDULERS
+from backend.models.tokenizers import tokenizer_fingerprint
 
 FAMILIES = ("sd2-inpaint", "sdxl-inpaint", "flux-fill")
 FORMS = ("tiny", "small", "arch")
-MARKER = ".maskserve-complete"
+MARKER = ".maskserve-complete"  # written last into a model directory; holds the spec's revision
+PIPELINE_FAMILIES = {"StableDiffusionInpaintPipeline": "sd2-inpaint", "StableDiffusionPipeline": "sd2-inpaint",
+                     "StableDiffusionXLInpaintPipeline": "sdxl-inpaint", "StableDiffusionXLPipeline": "sdxl-inpaint",
+                     "FluxFillPipeline": "flux-fill"}
 
 
 class UnknownModelError(ValueError):
@@ -48,32 +54,47 @@ def known_model_ids() -> list[str]:
 
 
 def _config_revision(family: str, form: str) -> str:
-    text = json.dumps({"configs": CONFIGS[(family, form)], "builder": BUILDER_VERSION, "seed": 0},
-                      sort_keys=True, default=str)
+    text = json.dumps({"configs": CONFIGS[(family, form)], "scheduler": SCHEDULERS[family], "seed": 0,
+                       "builder": BUILDER_VERSION, "tokenizers": tokenizer_fingerprint()}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _checkpoint_revision(source: str) -> str:
     index = Path(source) / "model_index.json"
-    if index.exists():
-        return f"{Path(source).resolve()}@{int(index.stat().st_mtime)}"
-    return source
+    if index.is_file():
+        return f"{Path(source).resolve()}@{index.stat().st_mtime_ns}"
+    return source  # a hub id (resolved by ``from_pretrained``)
+
+
+def _directory_family(path: str) -> str | None:
+    """Family of a local diffusers directory, from the pipeline class its model_index.json names."""
+    index = Path(path) / "model_index.json"
+    try:
+        return PIPELINE_FAMILIES.get(json.loads(index.read_text()).get("_class_name"))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _unknown(model_id: str, why: str = "") -> UnknownModelError:
+    return UnknownModelError(
+        f"unknown model {model_id!r}{why}: use one of {', '.join(known_model_ids())}, "
+        f"'<family>:<diffusers checkpoint dir or hub id>' with family in {', '.join(FAMILIES)} "
+        f"(e.g. 'flux-fill:/models/FLUX.1-Fill-dev'), or the path of a local diffusers directory")
 
 
 def resolve_model(model_id: str) -> ModelSpec:
     """Spec of ``model_id``; raises ``UnknownModelError`` with the known ids otherwise."""
     family, form, source = None, None, None
-    if ":" in model_id:
-        family, source = model_id.split(":", 1)
-        form = "checkpoint"
-    else:
-        for candidate in FORMS:
-            if model_id.startswith(candidate + "-"):
-                form, family = candidate, model_id[len(candidate) + 1:]
-    if family not in FAMILIES or form is None or (form == "checkpoint" and not source):
-        raise UnknownModelError(
-            f"unknown model {model_id!r}: use one of {', '.join(known_model_ids())}, "
-            f"or '<family>:<checkpoint dir or hub id>' with family in {', '.join(FAMILIES)}")
+    for candidate in FORMS:
+        if model_id.startswith(candidate + "-") and model_id[len(candidate) + 1:] in FAMILIES:
+            form, family = candidate, model_id[len(candidate) + 1:]
+    prefix, colon, rest = model_id.partition(":")
+    if form is None and colon and prefix in FAMILIES and rest:
+        form, family, source = "checkpoint", prefix, rest
+    if form is None and model_id and (family := _directory_family(model_id)) is not None:
+        form, source = "checkpoint", model_id
+    if form is None:
+        raise _unknown(model_id)
     defaults_form = "arch" if form == "checkpoint" else form
     resolution, steps, max_len = DEFAULTS[(family, defaults_form)]
     revision = _checkpoint_revision(source) if form == "checkpoint" else _config_revision(family, form)
@@ -85,50 +106,108 @@ def resolve_model(model_id: str) -> ModelSpec:
 def pipeline_class(family: str):
     from diffusers import FluxFillPipeline, StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline
 
-    return {"sd2-inpaint": StableDiffusionInpaintPipeline, "sdxl-inpaint": StableDiffusionXLInpaintPipeline,
-            "flux-fill": FluxFillPipeline}[family]
+    classes = {"sd2-inpaint": StableDiffusionInpaintPipeline, "sdxl-inpaint": StableDiffusionXLInpaintPipeline,
+               "flux-fill": FluxFillPipeline}
+    if family not in classes:
+        raise UnknownModelError(f"unknown family {family!r}: use one of {', '.join(FAMILIES)}")
+    return classes[family]
+
+
+def _is_complete(path: Path, revision: str) -> bool:
+    marker = path / MARKER
+    return marker.is_file() and marker.read_text() == revision
 
 
 def materialize(model_id: str, models_dir: Path) -> Path:
-    """Directory of a built model, building and saving it first when missing or stale."""
+    """Directory of ``model_id``: built forms are built and saved under ``models_dir/<model_id>``
+    when missing, incomplete or stale; checkpoints are returned as given (a hub id stays a hub id)."""
     from backend.models.builders import build_pipeline
 
     spec = resolve_model(model_id)
     if spec.form == "checkpoint":
         return Path(spec.source)
-    target = Path(models_dir) / model_id
-    marker = target / MARKER
-    if marker.exists() and marker.read_text() == spec.revision:
+    models_dir = Path(models_dir)
+    target = models_dir / model_id
+    if _is_complete(target, spec.revision):
         return target
-    Path(models_dir).mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{model_id}.", dir=models_dir))
+    models_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{model_id}.building-", dir=models_dir))
     try:
         build_pipeline(spec).save_pretrained(staging)
-        (staging / MARKER).write_text(spec.revision)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
+        (staging / MARKER).write_text(spec.revision)  # last: a directory with the marker is complete
+        _publish(staging, target, spec.revision)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
-def load_pipeline(model_id: str, models_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """The diffusers pipeline of ``model_id`` on ``device``, loaded with ``from_pretrained``."""
+def _publish(staging: Path, target: Path, revision: str) -> None:
+    """Move a finished build into place; readers never see a half-written ``target``."""
+    try:
+        os.rename(staging, target)  # atomic; fails when target exists and is not empty
+        return
+    except OSError:
+        if _is_complete(target, revision):
+            return  # another process published the same build first
+    stale = target.with_name(f".{target.name}.stale-{uuid.uuid4().hex[:8]}")
+    os.rename(target, stale)  # an incomplete or older build: set it aside, then swap ours in
+    try:
+        os.rename(staging, target)
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _quiet_loading():
+    """Silence download/loading progress bars and chatter; returns a function restoring the levels."""
     import diffusers
     import transformers
 
-    # Loading is quiet: progress bars and per-component chatter belong to interactive use.
-    diffusers.utils.logging.disable_progress_bar()
+    levels = diffusers.utils.logging.get_verbosity(), transformers.utils.logging.get_verbosity()
     diffusers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+
+    def restore():
+        diffusers.utils.logging.set_verbosity(levels[0])
+        transformers.utils.logging.set_verbosity(levels[1])
+    return restore
+
+
+def load_pipeline(model_id: str, models_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """The diffusers pipeline of ``model_id`` on ``device``, loaded with ``from_pretrained``.
+
+    UNet checkpoints get an ``EulerDiscreteScheduler`` built from their own scheduler config, like the
+    built forms: its steps add no noise, so an edit is a function of its inputs and seed.
+    """
     spec = resolve_model(model_id)
     path = materialize(model_id, models_dir)
+    restore = _quiet_loading()
     try:
         pipe = pipeline_class(spec.family).from_pretrained(str(path), dtype=dtype)
     except Exception as exc:  # hub, filesystem and format errors all mean "this checkpoint is unusable"
-        raise UnknownModelError(f"cannot load {model_id!r} from {path}: {exc}") from exc
+        hint = " (no model hub is reachable offline: pass a local diffusers directory)" \
+            if spec.form == "checkpoint" and not Path(spec.source).exists() else ""
+        raise UnknownModelError(f"cannot load {model_id!r} from {path}{hint}: {exc}") from exc
+    finally:
+        restore()
+    if spec.form == "checkpoint" and spec.uses_cfg:
+        from diffusers import EulerDiscreteScheduler
+
+        pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)
+    if torch.device(device).type == "cpu":
+        _own_memory(pipe)
     pipe = pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def _own_memory(pipe) -> None:
+    """Copy weights loaded as views of the checkpoint files into fresh (64-byte aligned) tensors.
+
+    Unaligned views change the CPU kernels' summation order, so outputs would differ in the last bit
+    from a freshly built model; fresh tensors also keep page faults out of the first timed step.
+    """
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module._apply(torch.clone)  # what .to() uses; replaces parameters' and buffers' data

@@ -7,8 +7,13 @@ text always gives the same ids.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from functools import lru_cache
+
 from transformers import CLIPTokenizer, T5Tokenizer
 
+PRINTABLE_ASCII = "".join(chr(code) for code in range(ord("!"), ord("~") + 1))
 COMMON_WORDS = (
     "a an the of and in on with to at for from by is red blue green yellow black white orange purple brown "
     "gray pink cat dog bird car house tree flower vase lamp chair armchair table sofa wall stone wood leather "
@@ -59,17 +64,29 @@ def build_clip_tokenizer(max_length: int = 77) -> CLIPTokenizer:
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
 
 
+@lru_cache(maxsize=None)
 def clip_vocab_size() -> int:
     return len(build_clip_tokenizer().get_vocab())
 
 
 def build_t5_tokenizer(max_length: int = 512) -> T5Tokenizer:
+    """Unigram vocabulary: pad/eos/unk at ids 0/1/2 (the T5 convention), common words, every
+    printable ASCII character alone and after the word-start marker; other characters are <unk>."""
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
     pieces += [("▁" + word, -5.0) for word in COMMON_WORDS]
-    pieces += [(char, -8.0) for char in "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-"]
-    pieces += [("▁" + char, -9.0) for char in "abcdefghijklmnopqrstuvwxyz0123456789"]
+    pieces += [(char, -8.0) for char in PRINTABLE_ASCII]
+    pieces += [("▁" + char, -9.0) for char in PRINTABLE_ASCII]
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
 
 
+@lru_cache(maxsize=None)
 def t5_vocab_size() -> int:
     return len(build_t5_tokenizer().get_vocab())
+
+
+@lru_cache(maxsize=None)
+def tokenizer_fingerprint() -> str:
+    """Hash of both vocabularies (and CLIP merges): part of a built model's revision."""
+    clip, t5 = build_clip_tokenizer(), build_t5_tokenizer()
+    text = json.dumps([sorted(clip.get_vocab().items()), _clip_merges(), sorted(t5.get_vocab().items())])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
