@@ -64,7 +64,6 @@ class EditState:
     recorded_latents: list[torch.Tensor] = field(default_factory=list)
     mask_ratio: float = 1.0  # fresh tokens / all tokens on the model's token grid
     step: int = 0
-    cancelled: bool = False
 
     @property
     def done(self) -> bool:

@@ -35,7 +35,6 @@ class UnetStackInfo:
     stack_id: int
     first_unit: int
     num_units: int
-    inner_dim: int
 
 
 def unet_stacks(unet: torch.nn.Module) -> list[Transformer2DModel]:
@@ -66,7 +65,7 @@ def install_unet_hooks(unet: torch.nn.Module) -> list[UnetStackInfo]:
         if not stack.is_input_continuous or not stack.use_linear_projection:
             raise ValueError("mask-aware UNet stacks need continuous inputs with linear projections")
         _check_blocks(stack)
-        info = UnetStackInfo(stack_id, first_unit, len(stack.transformer_blocks), stack.proj_in.out_features)
+        info = UnetStackInfo(stack_id, first_unit, len(stack.transformer_blocks))
         registry = HookRegistry.check_if_exists_or_initialize(stack)
         if registry.get_hook(HOOK_NAME) is None:
             registry.register_hook(_MaskAwareStackHook(info), HOOK_NAME)
