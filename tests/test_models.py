@@ -237,6 +237,22 @@ def test_materialize_replaces_incomplete_and_stale_directories(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-flux-fill"]  # no staging leftovers
 
 
+def test_publish_keeps_a_complete_build_published_by_someone_else(tmp_path):
+    from backend.models.registry import _publish
+
+    target, staging = tmp_path / "model", tmp_path / "staging"
+    for path, name in ((target, "theirs"), (staging, "ours")):
+        path.mkdir()
+        (path / "who").write_text(name)
+        (path / MARKER).write_text("rev-1")
+    _publish(staging, target, "rev-1")  # same revision already complete: theirs stays
+    assert (target / "who").read_text() == "theirs"
+    (target / MARKER).write_text("rev-0")
+    _publish(staging, target, "rev-1")  # older revision: ours replaces it
+    assert (target / "who").read_text() == "ours" and not staging.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
 # ---- tokenizers ------------------------------------------------------------------------------------
 
 def test_tokenizers_are_deterministic_and_offline():

@@ -19,7 +19,8 @@ def _vae(latent_channels: int, width: int, flux: bool) -> dict:
     # Four levels downsample by 8; no mid-block attention (it is slow at 256+ px on a CPU).
     config = dict(block_out_channels=(width,) * 4, in_channels=3, out_channels=3, latent_channels=latent_channels,
                   norm_num_groups=min(8, width), down_block_types=("DownEncoderBlock2D",) * 4,
-                  up_block_types=("UpDecoderBlock2D",) * 4, mid_block_add_attention=False, layers_per_block=1)
+                  up_block_types=("UpDecoderBlock2D",) * 4, mid_block_add_attention=False, layers_per_block=1,
+                  force_upcast=False)  # float32-safe; avoids a per-call `vae.to(float32)` in the SDXL pipeline
     if flux:
         config.update(scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
     return config
@@ -44,7 +45,8 @@ def _t5(d_model: int, layers: int, heads: int, d_ff: int, vocab: int | None = No
 def _arch_vae(latent_channels: int, flux: bool, scaling_factor: float | None = None) -> dict:
     """The published SD/SDXL/Flux autoencoder shape (with its mid-block attention)."""
     config = dict(_vae(latent_channels, 128, flux), block_out_channels=(128, 256, 512, 512), norm_num_groups=32,
-                  layers_per_block=2, mid_block_add_attention=True, sample_size=1024 if flux else 512)
+                  layers_per_block=2, mid_block_add_attention=True, sample_size=1024 if flux else 512,
+                  force_upcast=True)
     if scaling_factor is not None:
         config["scaling_factor"] = scaling_factor
     return config

@@ -75,9 +75,9 @@ def _directory_family(path: str) -> str | None:
         return None
 
 
-def _unknown(model_id: str, why: str = "") -> UnknownModelError:
+def _unknown(model_id: str) -> UnknownModelError:
     return UnknownModelError(
-        f"unknown model {model_id!r}{why}: use one of {', '.join(known_model_ids())}, "
+        f"unknown model {model_id!r}: use one of {', '.join(known_model_ids())}, "
         f"'<family>:<diffusers checkpoint dir or hub id>' with family in {', '.join(FAMILIES)} "
         f"(e.g. 'flux-fill:/models/FLUX.1-Fill-dev'), or the path of a local diffusers directory")
 
@@ -143,18 +143,20 @@ def materialize(model_id: str, models_dir: Path) -> Path:
 
 def _publish(staging: Path, target: Path, revision: str) -> None:
     """Move a finished build into place; readers never see a half-written ``target``."""
-    try:
-        os.rename(staging, target)  # atomic; fails when target exists and is not empty
-        return
-    except OSError:
-        if _is_complete(target, revision):
-            return  # another process published the same build first
-    stale = target.with_name(f".{target.name}.stale-{uuid.uuid4().hex[:8]}")
-    os.rename(target, stale)  # an incomplete or older build: set it aside, then swap ours in
-    try:
-        os.rename(staging, target)
-    finally:
+    for _ in range(3):
+        try:
+            os.rename(staging, target)  # atomic; fails when target exists and is not empty
+            return
+        except OSError:
+            if _is_complete(target, revision):
+                return  # another process published the same build first
+        stale = target.with_name(f".{target.name}.stale-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(target, stale)  # an incomplete or older build: set it aside, then retry
+        except FileNotFoundError:
+            continue  # another process set it aside first
         shutil.rmtree(stale, ignore_errors=True)
+    raise OSError(f"cannot publish {staging} as {target}")
 
 
 def _quiet_loading():
@@ -162,15 +164,17 @@ def _quiet_loading():
     import diffusers
     import transformers
 
-    levels = diffusers.utils.logging.get_verbosity(), transformers.utils.logging.get_verbosity()
-    diffusers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
+    libraries = (diffusers.utils.logging, transformers.utils.logging)
+    saved = [(lib, lib.get_verbosity(), lib.is_progress_bar_enabled()) for lib in libraries]
+    for lib in libraries:
+        lib.set_verbosity_error()
+        lib.disable_progress_bar()
 
     def restore():
-        diffusers.utils.logging.set_verbosity(levels[0])
-        transformers.utils.logging.set_verbosity(levels[1])
+        for lib, level, bars in saved:
+            lib.set_verbosity(level)
+            if bars:
+                lib.enable_progress_bar()
     return restore
 
 
