@@ -210,3 +210,6 @@ def test_feathered_paste_back_keeps_far_pixels(engine):
     far_outside = np.ones((SIZE, SIZE), dtype=bool)
     far_outside[40 - 8:80 + 8, 32 - 8:96 + 8] = False
     assert np.array_equal(np.asarray(result.image)[far_outside], np.asarray(make_template())[far_outside])
+    border = np.zeros((SIZE, SIZE), dtype=bool)  # just outside the mask: the feather blends in
+    border[36:40, 32:96] = True
+    assert not np.array_equal(np.asarray(result.image)[border], np.asarray(make_template())[border])

@@ -136,9 +136,12 @@ class MaskAwareEngine:
     # ----- batch-ready core -----------------------------------------------------------------
     @torch.no_grad()
     def start(self, image: Image.Image, mask: Image.Image | None, prompt: str, seed: int, params: EditParams,
-              cache: TemplateCache | None = None, record: bool = False) -> EditState:
+              cache: TemplateCache | None = None, record: bool = False,
+              pixels: np.ndarray | None = None) -> EditState:
+        """``pixels``: the mask already read by ``pixel_mask`` (else it is read from ``mask``)."""
         self._check_params(params)
-        pixels = self.pixel_mask(image, mask, params)
+        if pixels is None:
+            pixels = self.pixel_mask(image, mask, params)
         mask_image = Image.fromarray(pixels.astype(np.uint8) * 255)
         req = self.adapter.prepare(image.convert("RGB"), mask_image, prompt, params.negative_prompt,
                                    params.guidance, params.steps, params.strength, seed, params.size)
@@ -267,15 +270,17 @@ class MaskAwareEngine:
         timings, started = {}, time.perf_counter()
         pixels = self.pixel_mask(image, mask, params)
         require_nonempty(pixels)
-        if cache is None and params.use_cache:
-            cache = self.lookup(image, params)
-        if cache is not None:
-            self._check_cache(cache, self.cache_key(image, params))
+        key = self.cache_key(image, params) if params.use_cache else None  # hashes every pixel: once
+        if cache is None and key is not None:
+            cache = cache_store.lookup(self.cache_root, key)
+        if cache is not None and key is not None:
+            self._check_cache(cache, key)
         record = cache is None and params.use_cache and params.record_on_first_edit
-        state = self.start(image, mask, prompt, seed, params, cache=cache if params.use_cache else None)
+        state = self.start(image, mask, prompt, seed, params, cache=cache if params.use_cache else None,
+                           pixels=pixels)
         timings["prepare_s"] = time.perf_counter() - started
         if record:
-            self._record(state, self.cache_key(image, params), params)
+            self._record(state, key, params)
             state.writer.commit()
         else:
             while not state.done:
@@ -283,7 +288,5 @@ class MaskAwareEngine:
         timings["denoise_s"] = time.perf_counter() - started - timings["prepare_s"]
         result_image, generated = self.finish(state, image, pixels, params)
         timings["total_s"] = time.perf_counter() - started
-        grid = (params.size[0] // self.token_size, params.size[1] // self.token_size)
-        return EditResult(result_image, generated, state.latents, seed,
-                          float(token_mask(pixels, grid, params.mask_margin).mean()), state.cache is not None, timings)
-
+        return EditResult(result_image, generated, state.latents, seed, state.mask_ratio, state.cache is not None,
+                          timings)
