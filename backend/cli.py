@@ -14,35 +14,17 @@ from backend.config import Settings, SettingsError, load_settings
 log = logging.getLogger("maskserve")
 
 
-def _dtype(name: str):
-    import torch
-
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
-
-
 def _engine(settings: Settings, model_id: str | None = None):
-    from backend.engine.editor import MaskAwareEngine
-    from backend.models import load_pipeline, resolve_model
+    from backend.engine.factory import build_engine
 
-    spec = resolve_model(model_id or settings.engine.model_id)
-    from backend.engine.profiler import load_planners
-
-    pipe = load_pipeline(spec.model_id, settings.paths.resolved_models_dir(), device=settings.engine.device,
-                         dtype=_dtype(settings.engine.dtype))
-    engine = MaskAwareEngine(pipe, spec, settings.paths.resolved_cache_dir())
-    engine.planners = load_planners(settings.paths.profiles_dir, spec.model_id, settings.engine.device,
-                                    engine.num_units)
-    return engine, spec
+    engine = build_engine(settings, model_id)
+    return engine, engine.spec
 
 
 def _params(spec, args, settings: Settings):
-    from backend.engine.editor import EditParams
+    from backend.engine.factory import edit_params
 
-    size = args.size or spec.default_resolution
-    return EditParams(steps=args.steps or spec.default_steps, guidance=spec.default_guidance, size=(size, size),
-                      mode=args.mode or settings.engine.cache_mode, template_seed=settings.engine.template_seed,
-                      mask_margin=settings.engine.mask_margin_tokens, dense_above_ratio=settings.engine.dense_above_ratio,
-                      record_on_first_edit=settings.engine.record_on_first_edit)
+    return edit_params(spec, settings, steps=args.steps, size=args.size, mode=args.mode)
 
 
 def cmd_models(args, settings: Settings) -> int:
@@ -89,12 +71,13 @@ def cmd_edit(args, settings: Settings) -> int:
 
 def cmd_bench_engine(args, settings: Settings) -> int:
     from backend.bench.engine_bench import run_engine_bench, write_outputs
+    from backend.engine.factory import DTYPES
 
     ratios = [float(r) for r in args.mask_ratios.split(",")]
     records = run_engine_bench(args.model, ratios, args.steps, settings.paths.resolved_models_dir(),
                                settings.paths.resolved_cache_dir(), modes=tuple(args.modes.split(",")),
                                repeats=args.repeats, resolution=args.size, device=settings.engine.device,
-                               dtype=_dtype(settings.engine.dtype))
+                               dtype=DTYPES[settings.engine.dtype])
     plot = write_outputs(records, Path(args.json))
     for r in records:
         print(f"{r.model:18s} {r.mode:6s} m={r.mask_ratio:<5} ordinary {r.ordinary_s:7.3f}s  mask-aware "

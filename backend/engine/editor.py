@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +28,7 @@ from backend.engine import cache_store
 from backend.engine.cache_store import CacheKey, CacheWriter, TemplateCache
 from backend.engine.context import ForwardContext, active_context
 from backend.engine.families import ADAPTERS, RequestTensors
+from backend.engine.prepared import PreparedRequest
 from backend.engine.feeder import MODE_TENSORS, BatchCacheFeeder, RowCacheRef
 from backend.engine.flux import install_flux_hooks
 from backend.engine.unet import install_unet_hooks
@@ -48,6 +49,17 @@ class EditParams:
     feather_px: float = 0.0
     use_cache: bool = True
     record_on_first_edit: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "EditParams":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown edit parameters: {', '.join(unknown)}")
+        return cls(**{**values, "size": tuple(values["size"])})
 
 
 @dataclass
@@ -135,31 +147,56 @@ class MaskAwareEngine:
 
     # ----- batch-ready core -----------------------------------------------------------------
     @torch.no_grad()
-    def start(self, image: Image.Image, mask: Image.Image | None, prompt: str, seed: int, params: EditParams,
-              cache: TemplateCache | None = None, record: bool = False,
-              pixels: np.ndarray | None = None) -> EditState:
-        """``pixels``: the mask already read by ``pixel_mask`` (else it is read from ``mask``)."""
+    def encode(self, image: Image.Image, mask: Image.Image | None, prompt: str, seed: int, params: EditParams,
+               pixels: np.ndarray | None = None, record: bool = False) -> PreparedRequest:
+        """Pre-processing (text encoders, VAE encode, mask resize): everything before the first step.
+
+        ``pixels``: the mask already read by ``pixel_mask`` (else it is read from ``mask``)."""
         self._check_params(params)
         if pixels is None:
             pixels = self.pixel_mask(image, mask, params)
+        rgb = image.convert("RGB")
         mask_image = Image.fromarray(pixels.astype(np.uint8) * 255)
-        req = self.adapter.prepare(image.convert("RGB"), mask_image, prompt, params.negative_prompt,
-                                   params.guidance, params.steps, params.strength, seed, params.size)
+        req = self.adapter.prepare(rgb, mask_image, prompt, params.negative_prompt, params.guidance, params.steps,
+                                   params.strength, seed, params.size)
+        template_latents = None
+        if not record and pixels.mean() < 1.0:
+            template_latents = self.adapter.template_latents(rgb, params.steps, params.strength,
+                                                             params.template_seed, params.size)
+        key = self.cache_key(image, params) if params.use_cache else None
+        return PreparedRequest(model_id=self.spec.model_id, params=params.to_dict(), seed=seed, pixels=pixels,
+                               init_latents=req.init_latents, conditioning=req.conditioning,
+                               extra_channels=req.extra_channels, halves=req.halves, guidance=req.guidance,
+                               shared=req.shared, template_latents=template_latents, cache_key=key)
+
+    def admit(self, prepared: PreparedRequest, cache: TemplateCache | None = None,
+              record: bool = False) -> EditState:
+        """Turn a prepared request into a running ``EditState`` (no encoder runs here)."""
+        if prepared.model_id != self.spec.model_id:
+            raise ValueError(f"request was prepared for {prepared.model_id}, this engine serves {self.spec.model_id}")
+        params = EditParams.from_dict(prepared.params)
+        scheduler, timesteps = self.adapter.schedule(params.steps, params.strength, params.size)
+        req = RequestTensors(init_latents=prepared.init_latents, conditioning=prepared.conditioning,
+                             extra_channels=prepared.extra_channels, scheduler=scheduler, timesteps=timesteps,
+                             guidance=prepared.guidance, halves=prepared.halves, shared=prepared.shared)
         grid = (params.size[0] // self.token_size, params.size[1] // self.token_size)
-        fresh_tokens = token_mask(pixels, grid, params.mask_margin)
+        fresh_tokens = token_mask(prepared.pixels, grid, params.mask_margin)
         ratio = float(fresh_tokens.mean())
         dense = record or cache is None or ratio > params.dense_above_ratio
         state = EditState(req=req, latents=req.init_latents, fresh=self._fresh(fresh_tokens, req), mask_ratio=ratio,
-                          token_masks=None if dense else self._token_mask_fn(pixels, params.mask_margin))
+                          token_masks=None if dense else self._token_mask_fn(prepared.pixels, params.mask_margin))
         if not dense:
             state.cache, state.trajectory = cache, cache.trajectory("latents").to(req.init_latents)
             state.latents = torch.where(state.fresh, req.init_latents, state.trajectory[0:1])
-        elif not record and ratio < 1.0:
-            template = self.adapter.prepare(image.convert("RGB"), mask_image, prompt, params.negative_prompt,
-                                            params.guidance, params.steps, params.strength,
-                                            params.template_seed, params.size)
-            state.latents = torch.where(state.fresh, req.init_latents, template.init_latents)
+        elif prepared.template_latents is not None:
+            state.latents = torch.where(state.fresh, req.init_latents, prepared.template_latents)
         return state
+
+    def start(self, image: Image.Image, mask: Image.Image | None, prompt: str, seed: int, params: EditParams,
+              cache: TemplateCache | None = None, record: bool = False,
+              pixels: np.ndarray | None = None) -> EditState:
+        """``encode`` then ``admit`` in one process."""
+        return self.admit(self.encode(image, mask, prompt, seed, params, pixels, record), cache, record)
 
     def _fresh(self, tokens: np.ndarray, req: RequestTensors) -> torch.Tensor:
         fresh = torch.from_numpy(tokens).to(req.init_latents.device)
@@ -225,12 +262,21 @@ class MaskAwareEngine:
         s.latents = latents
 
     @torch.no_grad()
-    def finish(self, state: EditState, image: Image.Image, pixels: np.ndarray, params: EditParams) -> tuple:
-        generated = self.adapter.decode(state.latents, params.size)
+    def decode(self, latents: torch.Tensor, params: EditParams) -> Image.Image:
+        """Post-processing, first half: the VAE decode of final latents."""
+        return self.adapter.decode(latents, params.size)
+
+    @staticmethod
+    def compose(generated: Image.Image, image: Image.Image, pixels: np.ndarray, params: EditParams) -> Image.Image:
+        """Post-processing, second half: generated pixels inside the (feathered) mask, the original outside."""
         original = image.convert("RGB").resize(params.size[::-1], Image.LANCZOS) \
             if image.size != params.size[::-1] else image.convert("RGB")
         alpha = feather(pixels, params.feather_px) if params.feather_px > 0 else pixels.astype(np.float32)
-        return paste_back(generated, original, alpha), generated
+        return paste_back(generated, original, alpha)
+
+    def finish(self, state: EditState, image: Image.Image, pixels: np.ndarray, params: EditParams) -> tuple:
+        generated = self.decode(state.latents, params)
+        return self.compose(generated, image, pixels, params), generated
 
     # ----- one-request loops ----------------------------------------------------------------
     @torch.no_grad()

@@ -60,6 +60,19 @@ class FamilyAdapter(ABC):
         """Request tensors; ``size`` is (height, width) in pixels."""
 
     @abstractmethod
+    def schedule(self, steps: int, strength: float, size: tuple[int, int]) -> tuple[object, torch.Tensor]:
+        """A fresh scheduler for one request and its timesteps (deterministic: pre and worker agree)."""
+
+    @abstractmethod
+    def _init_latents(self, init, scheduler, timesteps, strength, seed, size): ...
+
+    def template_latents(self, image: Image.Image, steps: int, strength: float, seed: int, size) -> torch.Tensor:
+        """The latents before step 0 that ``prepare`` would draw with ``seed`` (the template's noise)."""
+        scheduler, timesteps = self.schedule(steps, strength, size)
+        init = self.pipe.image_processor.preprocess(image, height=size[0], width=size[1]).to(dtype=torch.float32)
+        return self._init_latents(init, scheduler, timesteps, strength, seed, size)[0]
+
+    @abstractmethod
     def step_rows(self, req: RequestTensors, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """Model input rows (halves, ...) of one request at timestep ``t``."""
 
@@ -114,20 +127,27 @@ class UnetAdapter(FamilyAdapter):
         return self.pipe.unet
 
     def prepare(self, image, mask, prompt, negative_prompt, guidance, steps, strength, seed, size):
-        pipe, gen = self.pipe, self._generator(seed)
         conditioning = self._encode(prompt, negative_prompt, size)
-        scheduler, timesteps = self._timesteps(steps, strength)
+        scheduler, timesteps = self.schedule(steps, strength, size)
         init, mask_t = self._images(image, mask, size)
-        with self._using(scheduler):
-            latents, _noise = pipe.prepare_latents(
-                1, pipe.vae.config.latent_channels, size[0], size[1], self.dtype, self.device, gen,
-                image=init, timestep=timesteps[:1], is_strength_max=strength == 1.0, return_noise=True)
+        latents, gen = self._init_latents(init, scheduler, timesteps, strength, seed, size)
         masked_image = init * (mask_t < 0.5)
-        mask_lat, masked_lat = pipe.prepare_mask_latents(
+        mask_lat, masked_lat = self.pipe.prepare_mask_latents(
             mask_t, masked_image, 1, size[0], size[1], self.dtype, self.device, gen, False)
         return RequestTensors(
             init_latents=latents, conditioning=conditioning, extra_channels=torch.cat([mask_lat, masked_lat], dim=1),
             scheduler=scheduler, timesteps=timesteps, guidance=guidance, halves=2)
+
+    def _init_latents(self, init, scheduler, timesteps, strength, seed, size):
+        pipe, gen = self.pipe, self._generator(seed)
+        with self._using(scheduler):
+            latents, _noise = pipe.prepare_latents(
+                1, pipe.vae.config.latent_channels, size[0], size[1], self.dtype, self.device, gen,
+                image=init, timestep=timesteps[:1], is_strength_max=strength == 1.0, return_noise=True)
+        return latents, gen
+
+    def schedule(self, steps, strength, size):
+        return self._timesteps(steps, strength)
 
     def _encode(self, prompt: str, negative_prompt: str, size) -> dict[str, torch.Tensor]:
         embeds, negative = self.pipe.encode_prompt(prompt, self.device, 1, True, negative_prompt)
@@ -178,24 +198,16 @@ class FluxFillAdapter(FamilyAdapter):
         return self.pipe.transformer
 
     def prepare(self, image, mask, prompt, negative_prompt, guidance, steps, strength, seed, size):
-        pipe, gen = self.pipe, self._generator(seed)
+        pipe = self.pipe
         embeds, pooled, text_ids = pipe.encode_prompt(
             prompt=prompt, prompt_2=None, device=self.device, num_images_per_prompt=1,
             max_sequence_length=self.max_sequence_length or 512)
-        height, width = size
-        seq_len = (height // pipe.vae_scale_factor // 2) * (width // pipe.vae_scale_factor // 2)
-        config = pipe.scheduler.config
-        mu = calculate_shift(seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                             config.get("base_shift", 0.5), config.get("max_shift", 1.15))
-        sigmas = np.linspace(1.0, 1 / steps, steps)
-        scheduler, timesteps = self._timesteps(steps, strength, sigmas=sigmas, mu=mu)
+        scheduler, timesteps = self.schedule(steps, strength, size)
         init, mask_t = self._images(image, mask, size)
-        channels = pipe.vae.config.latent_channels
-        with self._using(scheduler):
-            latents, image_ids = pipe.prepare_latents(init, timesteps[:1], 1, channels, height, width,
-                                                      self.dtype, self.device, gen)
+        (latents, image_ids), gen = self._init_latents(init, scheduler, timesteps, strength, seed, size)
         masked_image = (init * (1 - mask_t)).to(device=self.device, dtype=self.dtype)
-        mask_lat, masked_lat = pipe.prepare_mask_latents(mask_t, masked_image, 1, channels, 1, height, width,
+        channels = pipe.vae.config.latent_channels
+        mask_lat, masked_lat = pipe.prepare_mask_latents(mask_t, masked_image, 1, channels, 1, size[0], size[1],
                                                          self.dtype, self.device, gen)
         conditioning = {"encoder_hidden_states": embeds, "pooled_projections": pooled,
                         "guidance": torch.full([1], guidance, device=self.device, dtype=torch.float32)}
@@ -203,6 +215,26 @@ class FluxFillAdapter(FamilyAdapter):
             init_latents=latents, conditioning=conditioning, extra_channels=torch.cat((masked_lat, mask_lat), dim=-1),
             scheduler=scheduler, timesteps=timesteps, guidance=guidance, halves=1,
             shared={"txt_ids": text_ids, "img_ids": image_ids})
+
+    def _init_latents(self, init, scheduler, timesteps, strength, seed, size):
+        pipe, gen = self.pipe, self._generator(seed)
+        with self._using(scheduler):
+            packed = pipe.prepare_latents(init, timesteps[:1], 1, pipe.vae.config.latent_channels, size[0], size[1],
+                                          self.dtype, self.device, gen)
+        return packed, gen
+
+    def schedule(self, steps, strength, size):
+        height, width = size
+        pipe = self.pipe
+        seq_len = (height // pipe.vae_scale_factor // 2) * (width // pipe.vae_scale_factor // 2)
+        config = pipe.scheduler.config
+        mu = calculate_shift(seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                             config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        return self._timesteps(steps, strength, sigmas=sigmas, mu=mu)
+
+    def template_latents(self, image, steps, strength, seed, size):
+        return super().template_latents(image, steps, strength, seed, size)[0]
 
     def step_rows(self, req, latents, t):
         return torch.cat((latents, req.extra_channels), dim=2)
