@@ -220,9 +220,10 @@ class MaskAwareEngine:
         return tuple(planner(states, mode))
 
     @torch.no_grad()
-    def step(self, states: list[EditState], mode: str, unit_seconds: dict[int, float] | None = None) -> None:
+    def step(self, states: list[EditState], mode: str, unit_seconds: dict[int, float] | None = None) -> float:
         """One denoising step for every state in ``states`` (all of one cache mode).
 
+        Returns the seconds the denoiser's forward pass took (the rest of the call is batching work).
         ``unit_seconds``, when given, receives the time each unit took (profiling)."""
         rows, row_t, refs, masks, reqs = [], [], [], [], []
         for s in states:
@@ -241,8 +242,13 @@ class MaskAwareEngine:
                              unit_seconds=unit_seconds)
         # Nothing to reuse, record or time: the model's own (fastest dense) forward does the same math.
         ordinary = not units and not recording and unit_seconds is None
+        batch_rows, batch_t = torch.cat(rows), torch.cat(row_t)
+        forward_started = time.perf_counter()
         with contextlib.nullcontext() if ordinary else active_context(ctx):
-            prediction = self.adapter.denoise(torch.cat(rows), torch.cat(row_t), reqs)
+            prediction = self.adapter.denoise(batch_rows, batch_t, reqs)
+        if prediction.is_cuda:
+            torch.cuda.synchronize(prediction.device)  # forward time, not launch time
+        forward_s = time.perf_counter() - forward_started
         offset = 0
         for s in states:
             part = prediction[offset:offset + s.req.halves]
@@ -252,6 +258,7 @@ class MaskAwareEngine:
                 s.recorded_latents.append(s.latents)
             offset += s.req.halves
             self._advance(s, part)
+        return forward_s
 
     def _advance(self, s: EditState, prediction: torch.Tensor) -> None:
         t = s.req.timesteps[s.step]

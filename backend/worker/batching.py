@@ -1,0 +1,127 @@
+"""Step-level batch scheduler: a pure state machine (no torch, no I/O), after vLLM v1's scheduler.
+
+Each worker iteration calls ``schedule(now)``, which retires cancelled rows, admits waiting rows and
+returns the forward passes to run this step; after running them the worker calls
+``update_from_output(stepped)``, which advances every stepped row by one step and retires finished
+ones. Modes:
+
+* ``continuous`` (default): waiting rows join the running batch at every step while slots are free;
+* ``static``: a batch is formed only when the previous one has completely finished;
+* ``inline``: admission as ``continuous``; the worker also runs pre/post-processing in its own loop.
+
+Invariants: at most ``max_batch`` rows run; a row is in exactly one of waiting / running / done;
+every running row is stepped exactly once per ``schedule`` -> ``update_from_output`` round (rows
+that cannot share a forward pass, e.g. other resolutions, go into separate groups of the same step);
+a cancelled row never runs another step after the ``schedule`` that follows the cancel.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+MODES = ("continuous", "static", "inline")
+
+
+@dataclass
+class Row:
+    job_id: str
+    num_steps: int
+    group_key: str  # rows with equal keys can share one forward pass (same cache mode and resolution)
+    mask_ratio: float = 1.0
+    enqueued_at: float = 0.0
+    admitted_at: float | None = None
+    step: int = 0
+
+    @property
+    def remaining_steps(self) -> int:
+        return self.num_steps - self.step
+
+
+@dataclass
+class SchedulerOutput:
+    admitted: list[str] = field(default_factory=list)  # rows that join this step (the worker admits them)
+    groups: list[list[str]] = field(default_factory=list)  # one forward pass per group, this step
+    cancelled: list[str] = field(default_factory=list)  # rows dropped (waiting or running)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(g) for g in self.groups)
+
+
+class BatchScheduler:
+    def __init__(self, max_batch: int, mode: str = "continuous"):
+        if mode not in MODES:
+            raise ValueError(f"batching mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.max_batch, self.mode = max_batch, mode
+        self.waiting: OrderedDict[str, Row] = OrderedDict()
+        self.running: OrderedDict[str, Row] = OrderedDict()
+        self._cancel_requests: set[str] = set()
+
+    # ----- inputs -----------------------------------------------------------------------------
+    def add(self, row: Row) -> None:
+        if row.job_id in self.waiting or row.job_id in self.running:
+            raise ValueError(f"job {row.job_id} is already scheduled")
+        if row.num_steps < 1:
+            raise ValueError(f"job {row.job_id} has no steps to run")
+        self.waiting[row.job_id] = row
+
+    def cancel(self, job_id: str) -> bool:
+        """Ask to drop ``job_id``; it leaves at the next ``schedule``. False if the job is unknown here."""
+        if job_id in self.waiting or job_id in self.running:
+            self._cancel_requests.add(job_id)
+            return True
+        return False
+
+    # ----- one step ---------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        for job_id in sorted(self._cancel_requests):
+            if self.waiting.pop(job_id, None) or self.running.pop(job_id, None):
+                out.cancelled.append(job_id)
+        self._cancel_requests.clear()
+        if self._may_admit():
+            while self.waiting and len(self.running) < self.max_batch:
+                job_id, row = self.waiting.popitem(last=False)
+                row.admitted_at = now
+                self.running[job_id] = row
+                out.admitted.append(job_id)
+        groups: dict[str, list[str]] = {}
+        for job_id, row in self.running.items():
+            groups.setdefault(row.group_key, []).append(job_id)
+        out.groups = list(groups.values())
+        return out
+
+    def _may_admit(self) -> bool:
+        return self.mode != "static" or not self.running
+
+    def update_from_output(self, stepped: list[str]) -> list[Row]:
+        """Advance the rows that ran one step; return (and drop) those that finished."""
+        finished = []
+        for job_id in stepped:
+            row = self.running.get(job_id)
+            if row is None:
+                continue  # cancelled while its step ran
+            row.step += 1
+            if row.remaining_steps <= 0:
+                finished.append(self.running.pop(job_id))
+        return finished
+
+    def drop(self, job_id: str) -> Row | None:
+        """Remove a row at once (its admission failed); the worker reports why."""
+        return self.waiting.pop(job_id, None) or self.running.pop(job_id, None)
+
+    # ----- views (heartbeats, routing) ------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    def live_state(self) -> dict:
+        """Running batch and queue, as the worker's heartbeat reports them."""
+        return {"running": [{"job_id": r.job_id, "mask_ratio": r.mask_ratio, "remaining_steps": r.remaining_steps}
+                            for r in self.running.values()],
+                "waiting": [{"job_id": r.job_id, "mask_ratio": r.mask_ratio, "num_steps": r.num_steps}
+                            for r in self.waiting.values()],
+                "max_batch": self.max_batch, "mode": self.mode}

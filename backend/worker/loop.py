@@ -1,0 +1,264 @@
+"""The engine worker: admit new requests -> run ONE denoising step for the running batch -> retire.
+
+The loop is the thin shell around the pure ``BatchScheduler``: it turns prepared requests (files
+written by pre-processing) into engine states, runs the scheduler's groups through
+``MaskAwareEngine.step`` and hands final latents to post-processing by reference. It never
+decodes or encodes an image, except in ``inline`` mode, whose whole point is to measure what doing
+so inside the loop costs.
+
+Invariants: every job that reaches the inbox ends with exactly one terminal event from this worker
+(denoised -> handed on, failed, or cancelled) and is acked then; a cache entry acquired for a row is
+released when the row leaves; one template is recorded by at most one row at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from safetensors.torch import save_file
+
+from backend.blobs import BlobStore
+from backend.engine.cache_store import CacheError, CacheKey
+from backend.engine.editor import EditParams, EditState, MaskAwareEngine
+from backend.engine.prepared import PreparedRequest
+from backend.protocol import CancelJob, DenoisedJob, EditJob, JobEvent, PreparedJob
+from backend.worker.batching import BatchScheduler, Row
+from backend.worker.channels import Inbox, JobSink
+from backend.worker.stats import WorkerStats
+
+log = logging.getLogger(__name__)
+
+
+class TemplateCaches(Protocol):
+    """The tiered activation cache as the worker uses it (``backend.cache.TieredActivationCache``)."""
+
+    def acquire(self, key: CacheKey): ...
+
+    def release(self, key: CacheKey) -> None: ...
+
+    def prefetch(self, key: CacheKey) -> None: ...
+
+    def writer(self, key: CacheKey, num_units: int, halves: int, dtype: torch.dtype): ...
+
+    def commit(self, writer): ...
+
+
+class InlineStages(Protocol):
+    """Pre/post-processing run inside the loop (``inline`` mode only)."""
+
+    def preprocess(self, job: EditJob) -> PreparedJob: ...
+
+    def postprocess(self, job: DenoisedJob) -> None: ...
+
+
+@dataclass
+class _Job:
+    message: PreparedJob
+    prepared: PreparedRequest
+    params: EditParams
+    received_at: float
+    state: EditState | None = None
+    cache_key: CacheKey | None = None  # set while the row holds an acquired cache entry
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class EngineWorker:
+    def __init__(self, engine: MaskAwareEngine, blobs: BlobStore, inbox: Inbox, sink: JobSink, *,
+                 worker_id: str = "worker-0", mode: str = "continuous", max_batch: int = 8,
+                 caches: TemplateCaches | None = None, stages: InlineStages | None = None):
+        if mode == "inline" and stages is None:
+            raise ValueError("inline batching runs pre/post-processing in the loop: pass `stages`")
+        self.engine, self.blobs, self.inbox, self.sink = engine, blobs, inbox, sink
+        self.worker_id, self.mode, self.caches, self.stages = worker_id, mode, caches, stages
+        self.scheduler = BatchScheduler(max_batch, mode)
+        self.jobs: dict[str, _Job] = {}
+        self.stats = WorkerStats()
+        self._recording: set[str] = set()  # cache digests being recorded by a running row
+        self._cancel_before_arrival: set[str] = set()
+
+    # ----- the loop ---------------------------------------------------------------------------
+    def run(self, stop: threading.Event, idle_poll_s: float = 0.05) -> None:
+        while not stop.is_set():
+            self.iterate(idle_poll_s)
+
+    def iterate(self, idle_poll_s: float = 0.0) -> bool:
+        """One iteration; blocks up to ``idle_poll_s`` for work only when nothing runs. True if a step ran."""
+        for message in self.inbox.poll(idle_poll_s if self.scheduler.idle else 0.0):
+            self._receive(message)
+        started = time.perf_counter()
+        out = self.scheduler.schedule(time.time())
+        for job_id in out.cancelled:
+            self._finish(job_id, "cancelled", "cancelled by the user")
+        for job_id in out.admitted:
+            self._admit(job_id)
+        stepped, forward_s = [], 0.0
+        for group in out.groups:
+            group = [j for j in group if j in self.jobs and self.jobs[j].state is not None]  # admitted ok
+            if not group:
+                continue
+            ran, seconds = self._step_group(group)
+            stepped += ran
+            forward_s += seconds
+        for row in self.scheduler.update_from_output(stepped):
+            self._retire(row)
+        if stepped:
+            self.stats.record_step(len(stepped), time.perf_counter() - started, forward_s)
+        return bool(stepped)
+
+    # ----- arrivals -----------------------------------------------------------------------------
+    def _receive(self, message) -> None:
+        if isinstance(message, CancelJob):
+            if not self.scheduler.cancel(message.job_id):
+                self._cancel_before_arrival.add(message.job_id)
+            return
+        if isinstance(message, EditJob):
+            message = self._inline_preprocess(message)
+            if message is None:
+                return
+        if message.job_id in self._cancel_before_arrival:
+            self._cancel_before_arrival.discard(message.job_id)
+            self._emit(message.job_id, "cancelled", message="cancelled before it started")
+            self.inbox.ack(message.job_id)
+            return
+        self._enqueue(message)
+
+    def _inline_preprocess(self, job: EditJob) -> PreparedJob | None:
+        try:
+            return self.stages.preprocess(job)
+        except Exception as exc:  # a bad request must not take the loop down
+            log.warning("inline pre-processing of %s failed: %s", job.job_id, exc)
+            self._emit(job.job_id, "failed", message=str(exc))
+            self.inbox.ack(job.job_id)
+            return None
+
+    def _enqueue(self, message: PreparedJob) -> None:
+        try:
+            prepared = PreparedRequest.load(self.blobs.path(message.prepared_ref), self.engine.adapter.device)
+            params = EditParams.from_dict(prepared.params)
+        except Exception as exc:
+            self._emit(message.job_id, "failed", message=f"prepared request unreadable: {exc}")
+            self.inbox.ack(message.job_id)
+            return
+        job = _Job(message, prepared, params, received_at=time.time())
+        self.jobs[message.job_id] = job
+        key = f"{params.mode}:{params.size[0]}x{params.size[1]}"
+        self.scheduler.add(Row(message.job_id, message.num_steps, key, message.mask_ratio, job.received_at))
+        if self.caches is not None and params.use_cache and prepared.cache_key is not None:
+            self.caches.prefetch(prepared.cache_key)  # disk -> RAM while the job waits for a slot
+        self._emit(message.job_id, "waiting", num_steps=message.num_steps)
+
+    # ----- admission ------------------------------------------------------------------------------
+    def _admit(self, job_id: str) -> None:
+        job = self.jobs[job_id]
+        job.timings["wait_s"] = time.time() - job.received_at
+        try:
+            cache = self._acquire(job)
+            record = cache is None and self._should_record(job)
+            job.state = self.engine.admit(job.prepared, cache)
+            if record:
+                self._start_recording(job)
+        except Exception as exc:
+            log.exception("admitting %s failed", job_id)
+            self.scheduler.drop(job_id)
+            self._finish(job_id, "failed", f"could not start: {exc}")
+            return
+        job.timings["admitted_at"] = time.time()
+        self._emit(job_id, "running", step=0, num_steps=job.message.num_steps)
+
+    def _acquire(self, job: _Job):
+        key = job.prepared.cache_key
+        if self.caches is None or key is None or not job.params.use_cache:
+            return None
+        cache = self.caches.acquire(key)
+        if cache is None:
+            return None
+        job.cache_key = key
+        if cache.num_units != self.engine.num_units:
+            log.warning("cache %s has %d units, model has %d: computing densely", key.digest(), cache.num_units,
+                        self.engine.num_units)
+            self._release(job)
+            return None
+        return cache
+
+    def _should_record(self, job: _Job) -> bool:
+        key = job.prepared.cache_key
+        return (self.caches is not None and key is not None and job.params.use_cache
+                and job.params.record_on_first_edit and key.digest() not in self._recording)
+
+    def _start_recording(self, job: _Job) -> None:
+        key, state = job.prepared.cache_key, job.state
+        state.writer = self.caches.writer(key, self.engine.num_units, state.req.halves, self.engine.adapter.dtype)
+        if state.writer is not None:
+            self._recording.add(key.digest())
+
+    # ----- steps -------------------------------------------------------------------------------------
+    def _step_group(self, job_ids: list[str]) -> tuple[list[str], float]:
+        states = [self.jobs[j].state for j in job_ids]
+        mode = self.jobs[job_ids[0]].params.mode
+        try:
+            forward_s = self.engine.step(states, mode)
+        except Exception as exc:  # one bad batch fails its rows, not the worker
+            log.exception("step failed for %s", job_ids)
+            for job_id in job_ids:
+                self.scheduler.drop(job_id)
+                self._finish(job_id, "failed", f"denoising failed: {exc}")
+            return [], 0.0
+        for job_id, state in zip(job_ids, states):
+            self._emit(job_id, "running", step=state.step, num_steps=len(state.req.timesteps))
+        return job_ids, forward_s
+
+    # ----- leaving -----------------------------------------------------------------------------------
+    def _retire(self, row: Row) -> None:
+        job = self.jobs[row.job_id]
+        state = job.state
+        if state.writer is not None:
+            self._commit_recording(job)
+        latents_ref, path = self.blobs.new_path("latents", f"{row.job_id}.safetensors")
+        save_file({"latents": state.latents.detach().to("cpu").contiguous()}, str(path))
+        job.timings["denoise_s"] = time.time() - job.timings.pop("admitted_at")
+        timings = {**job.message.timings, **job.timings}
+        denoised = DenoisedJob(job_id=row.job_id, model_id=job.message.model_id, latents_ref=latents_ref,
+                               prepared_ref=job.message.prepared_ref, template_ref=job.message.template_ref,
+                               used_cache=state.cache is not None, submitted_at=job.message.submitted_at,
+                               timings=timings)
+        self._release(job)
+        del self.jobs[row.job_id]
+        if self.mode == "inline":
+            self.stages.postprocess(denoised)
+        else:
+            self.sink.denoised(denoised)
+        self.inbox.ack(row.job_id)
+
+    def _commit_recording(self, job: _Job) -> None:
+        state = job.state
+        self._recording.discard(job.prepared.cache_key.digest())
+        try:
+            state.writer.write_trajectory({"latents": torch.cat(state.recorded_latents + [state.latents])})
+            self.caches.commit(state.writer)
+        except (OSError, CacheError) as exc:  # the edit itself is fine; only the cache is lost
+            log.warning("recording the cache of %s failed: %s", job.message.job_id, exc)
+            state.writer.abort()
+
+    def _release(self, job: _Job) -> None:
+        if job.cache_key is not None:
+            self.caches.release(job.cache_key)
+            job.cache_key = None
+
+    def _finish(self, job_id: str, status: str, message: str) -> None:
+        """A job leaves without a result (cancelled or failed)."""
+        job = self.jobs.pop(job_id, None)
+        if job is not None:
+            if job.state is not None and job.state.writer is not None:
+                job.state.writer.abort()
+                self._recording.discard(job.prepared.cache_key.digest())
+            self._release(job)
+        self._emit(job_id, status, message=message)
+        self.inbox.ack(job_id)
+
+    def _emit(self, job_id: str, status: str, **fields) -> None:
+        self.sink.event(JobEvent(job_id=job_id, status=status, at=time.time(), worker_id=self.worker_id, **fields))

@@ -1,0 +1,131 @@
+"""The pure step-level batch scheduler: admission per mode, grouping, retirement, cancel."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from backend.worker.batching import BatchScheduler, Row
+
+
+def make_row(job_id: str, steps: int = 3, key: str = "kv:128x128", ratio: float = 0.2) -> Row:
+    return Row(job_id=job_id, num_steps=steps, group_key=key, mask_ratio=ratio)
+
+
+def run_step(scheduler: BatchScheduler, now: float = 0.0):
+    out = scheduler.schedule(now)
+    stepped = [j for g in out.groups for j in g]
+    return out, scheduler.update_from_output(stepped)
+
+
+def test_continuous_admits_a_new_row_at_the_next_step():
+    scheduler = BatchScheduler(max_batch=4, mode="continuous")
+    scheduler.add(make_row("a", steps=5))
+    run_step(scheduler)
+    scheduler.add(make_row("b", steps=5))
+    out, _ = run_step(scheduler)
+    assert out.admitted == ["b"] and sorted(out.groups[0]) == ["a", "b"]
+    assert scheduler.running["a"].step == 2 and scheduler.running["b"].step == 1
+
+
+def test_static_waits_for_the_whole_batch_to_finish():
+    scheduler = BatchScheduler(max_batch=4, mode="static")
+    scheduler.add(make_row("a", steps=3))
+    run_step(scheduler)
+    scheduler.add(make_row("b", steps=3))
+    admitted = []
+    for _ in range(2):
+        out, finished = run_step(scheduler)
+        admitted += out.admitted
+    assert admitted == [] and [r.job_id for r in finished] == ["a"]
+    out, _ = run_step(scheduler)
+    assert out.admitted == ["b"]
+
+
+def test_inline_admits_like_continuous():
+    scheduler = BatchScheduler(max_batch=2, mode="inline")
+    scheduler.add(make_row("a"))
+    run_step(scheduler)
+    scheduler.add(make_row("b"))
+    out, _ = run_step(scheduler)
+    assert out.admitted == ["b"]
+
+
+def test_max_batch_is_respected_and_fifo():
+    scheduler = BatchScheduler(max_batch=2)
+    for name in "abcd":
+        scheduler.add(make_row(name, steps=2))
+    out, _ = run_step(scheduler)
+    assert out.admitted == ["a", "b"] and out.num_rows == 2
+    _, finished = run_step(scheduler)
+    assert [r.job_id for r in finished] == ["a", "b"]
+    out, _ = run_step(scheduler)
+    assert out.admitted == ["c", "d"]
+
+
+def test_rows_of_other_resolutions_run_in_separate_groups_of_one_step():
+    scheduler = BatchScheduler(max_batch=4)
+    scheduler.add(make_row("a", key="kv:128x128"))
+    scheduler.add(make_row("b", key="kv:256x256"))
+    scheduler.add(make_row("c", key="kv:128x128"))
+    out, _ = run_step(scheduler)
+    assert sorted(map(sorted, out.groups)) == [["a", "c"], ["b"]]
+
+
+def test_cancel_running_and_waiting_rows():
+    scheduler = BatchScheduler(max_batch=1)
+    scheduler.add(make_row("a", steps=5))
+    scheduler.add(make_row("b", steps=5))
+    run_step(scheduler)
+    assert scheduler.cancel("a") and scheduler.cancel("b") and not scheduler.cancel("zzz")
+    out, finished = run_step(scheduler)
+    assert sorted(out.cancelled) == ["a", "b"] and out.groups == [] and finished == []
+    assert scheduler.idle
+
+
+def test_a_row_cancelled_during_its_step_is_not_advanced():
+    scheduler = BatchScheduler(max_batch=2)
+    scheduler.add(make_row("a", steps=2))
+    out = scheduler.schedule(0.0)
+    scheduler.drop("a")
+    assert scheduler.update_from_output(out.groups[0]) == []
+
+
+def test_bad_rows_are_rejected():
+    scheduler = BatchScheduler(max_batch=2)
+    scheduler.add(make_row("a"))
+    with pytest.raises(ValueError, match="already scheduled"):
+        scheduler.add(make_row("a"))
+    with pytest.raises(ValueError, match="no steps"):
+        scheduler.add(make_row("z", steps=0))
+    with pytest.raises(ValueError, match="batching mode"):
+        BatchScheduler(2, mode="eager")
+    with pytest.raises(ValueError, match="max_batch"):
+        BatchScheduler(0)
+
+
+@pytest.mark.parametrize("mode", ["continuous", "static", "inline"])
+def test_random_walk_keeps_invariants(mode):
+    rng = random.Random(7)
+    scheduler = BatchScheduler(max_batch=3, mode=mode)
+    added, finished, cancelled, steps_run = 0, set(), set(), {}
+    for tick in range(400):
+        if rng.random() < 0.4:
+            scheduler.add(make_row(f"j{added}", steps=rng.randint(1, 6), key=rng.choice(["x", "y"])))
+            added += 1
+        if rng.random() < 0.05 and scheduler.running:
+            scheduler.cancel(rng.choice(list(scheduler.running)))
+        out = scheduler.schedule(float(tick))
+        cancelled.update(out.cancelled)
+        stepped = [j for g in out.groups for j in g]
+        assert len(stepped) == len(set(stepped)) <= 3  # each running row once, never above max_batch
+        assert set(stepped) == set(scheduler.running)
+        for job_id in stepped:
+            steps_run[job_id] = steps_run.get(job_id, 0) + 1
+        for row in scheduler.update_from_output(stepped):
+            assert steps_run[row.job_id] == row.num_steps  # finished after exactly its steps
+            finished.add(row.job_id)
+    assert not finished & cancelled
+    in_flight = set(scheduler.running) | set(scheduler.waiting)
+    assert len(finished) + len(cancelled) + len(in_flight) == added
