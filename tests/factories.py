@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 from PIL import Image
 
@@ -43,3 +45,19 @@ def full_mask(size: int = SIZE) -> Image.Image:
 
 
 MASK = rect_mask((32, 40, 96, 80))
+
+
+def make_prepared_job(engine: MaskAwareEngine, blobs, job_id: str, template: Image.Image, mask: Image.Image,
+                      seed: int, params: EditParams, prompt: str = "a blue vase"):
+    """What pre-processing hands a worker: the PreparedRequest file, the template PNG and the message."""
+    from backend.protocol import PreparedJob
+
+    prepared = engine.encode(template, mask, prompt, seed, params)
+    prepared_ref, path = blobs.new_path("prepared", f"{job_id}.safetensors")
+    prepared.save(path)
+    buffer = io.BytesIO()
+    template.save(buffer, format="PNG")
+    template_ref = blobs.put("templates", f"{job_id}.png", buffer.getvalue())
+    return PreparedJob(job_id=job_id, model_id=engine.spec.model_id, prepared_ref=prepared_ref,
+                       template_ref=template_ref, num_steps=params.steps, mask_ratio=float(prepared.pixels.mean()),
+                       cache_digest=prepared.cache_key.digest() if prepared.cache_key else "")
