@@ -228,6 +228,7 @@ class EngineWorker:
                                timings=timings)
         self._release(job)
         del self.jobs[row.job_id]
+        self.stats.record_job("denoised")
         if self.mode == "inline":
             self.stages.postprocess(denoised)
         else:
@@ -261,4 +262,6 @@ class EngineWorker:
         self.inbox.ack(job_id)
 
     def _emit(self, job_id: str, status: str, **fields) -> None:
+        if status in ("cancelled", "failed"):
+            self.stats.record_job(status)
         self.sink.event(JobEvent(job_id=job_id, status=status, at=time.time(), worker_id=self.worker_id, **fields))

@@ -2,43 +2,58 @@
 
 Batching overhead of a step = the loop iteration's wall time minus the denoiser's forward time:
 scheduling, admission, building and splitting the batch, per-row scheduler updates and events.
+Totals cover the whole life of the worker; percentiles cover the most recent ``window`` steps, so a
+long-running worker's memory stays bounded.
 """
 
 from __future__ import annotations
 
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 
-def percentile(values: list[float], q: float) -> float:
+def percentile(values, q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""
-    if not values:
-        return 0.0
     ordered = sorted(values)
+    if not ordered:
+        return 0.0
     rank = max(0, min(len(ordered) - 1, int(round(q / 100 * len(ordered) + 0.5)) - 1))
     return ordered[rank]
 
 
 @dataclass
 class WorkerStats:
-    step_s: list[float] = field(default_factory=list)
-    forward_s: list[float] = field(default_factory=list)
-    batch_rows: list[int] = field(default_factory=list)
+    window: int = 10_000
+    steps: int = 0
+    step_s_total: float = 0.0
+    forward_s_total: float = 0.0
+    rows_total: int = 0
+    max_rows: int = 0
+    jobs_by_status: Counter = field(default_factory=Counter)
+    recent_overhead_s: deque = field(default_factory=deque)
 
     def record_step(self, num_rows: int, iteration_s: float, forward_s: float) -> None:
-        self.step_s.append(iteration_s)
-        self.forward_s.append(forward_s)
-        self.batch_rows.append(num_rows)
+        self.steps += 1
+        self.step_s_total += iteration_s
+        self.forward_s_total += forward_s
+        self.rows_total += num_rows
+        self.max_rows = max(self.max_rows, num_rows)
+        self.recent_overhead_s.append(max(0.0, iteration_s - forward_s))
+        if len(self.recent_overhead_s) > self.window:
+            self.recent_overhead_s.popleft()
 
-    @property
-    def overhead_s(self) -> list[float]:
-        return [max(0.0, s - f) for s, f in zip(self.step_s, self.forward_s)]
+    def record_job(self, status: str) -> None:
+        self.jobs_by_status[status] += 1
 
     def snapshot(self) -> dict:
-        steps = len(self.step_s)
+        steps = max(1, self.steps)
         return {
-            "steps": steps,
-            "mean_step_s": sum(self.step_s) / steps if steps else 0.0,
-            "mean_overhead_s": sum(self.overhead_s) / steps if steps else 0.0,
-            "p50_overhead_s": percentile(self.overhead_s, 50),
-            "mean_batch_rows": sum(self.batch_rows) / steps if steps else 0.0,
+            "steps": self.steps,
+            "mean_step_s": self.step_s_total / steps,
+            "mean_overhead_s": (self.step_s_total - self.forward_s_total) / steps,
+            "p50_overhead_s": percentile(self.recent_overhead_s, 50),
+            "p95_overhead_s": percentile(self.recent_overhead_s, 95),
+            "mean_batch_rows": self.rows_total / steps,
+            "max_batch_rows": self.max_rows,
+            "jobs": dict(self.jobs_by_status),
         }
