@@ -79,7 +79,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _step_file(step: int) -> str:
+def step_file(step: int) -> str:
     return f"step_{step:03d}.safetensors"
 
 
@@ -102,7 +102,7 @@ class CacheWriter:
         if step != self._steps:
             raise ValueError(f"steps must be written in order: expected {self._steps}, got {step}")
         tensors = {tensor_name(u, n): t.to("cpu", self._dtype).contiguous() for (u, n), t in recorded.items()}
-        self._save(_step_file(step), tensors)
+        self._save(step_file(step), tensors)
         self._steps += 1
 
     def write_trajectory(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -185,17 +185,17 @@ class TemplateCache:
         """(halves, num_tokens, C) tensor recorded for ``unit`` at denoising ``step``."""
         if not 0 <= step < self.num_steps:
             raise CacheMismatchError(f"step {step} outside the cache's {self.num_steps} steps")
-        return self._handle(_step_file(step)).get_tensor(tensor_name(unit, name))
+        return self._handle(step_file(step)).get_tensor(tensor_name(unit, name))
 
     def has(self, step: int, unit: int, name: str) -> bool:
-        return tensor_name(unit, name) in self.manifest["tensors"].get(_step_file(step), {})
+        return tensor_name(unit, name) in self.manifest["tensors"].get(step_file(step), {})
 
     def trajectory(self, name: str) -> torch.Tensor:
         return self._handle(TRAJECTORY).get_tensor(name)
 
     def unit_bytes(self, unit: int) -> int:
         """Bytes of one step's tensors for ``unit`` (same for every step)."""
-        entries = self.manifest["tensors"].get(_step_file(0), {})
+        entries = self.manifest["tensors"].get(step_file(0), {})
         total = 0
         for key, meta in entries.items():
             if key.startswith(f"u{unit:03d}."):

@@ -1,0 +1,401 @@
+"""The tiered activation cache: template caches in host RAM above the on-disk ``cache_store`` entries.
+
+Design (spill semantics): recordings are written through to disk. ``CacheWriter`` already builds
+an entry as a directory, so ``commit`` publishes it there, registers it with the manager, then
+loads it into RAM in the background. RAM therefore normally holds copies of disk entries and a
+RAM eviction only drops the copy. A RAM-only entry arises when the disk tier deletes an entry
+that is also in RAM (disk space is freed, the data stays usable); evicting that entry from RAM
+later spills it back with ``MemoryTemplateCache.save``, in the same layout.
+
+Invariants:
+- one lock around every ``CacheManager`` call and the eviction I/O it implies (drops, deletes,
+  rare spills), so the manager's view, ``self._ram`` and the directories agree outside the lock;
+- disk -> RAM loads (the slow part) run outside the lock; meanwhile their RAM is reserved and the
+  entry counts as busy, so nothing evicts or deletes it;
+- a handle from ``acquire`` stays valid until ``release``: pinned entries are never evicted;
+- an unusable entry (missing or corrupt file) is forgotten and deleted, and callers see a miss.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save_file
+
+from backend.cache.manager import CacheManager, CacheMetrics, DeleteFromDisk, DropFromRam, Eviction, Residency, Tier
+from backend.cache.policies import POLICIES
+from backend.engine.cache_store import (MANIFEST, TRAJECTORY, CacheError, CacheCorruptError, CacheKey,
+                                        CacheMismatchError, CacheWriter, TemplateCache, step_file, tensor_name)
+
+log = logging.getLogger(__name__)
+
+UNUSABLE = (CacheError, OSError, SafetensorError)  # reading an entry failed: delete it, recompute
+
+
+class MemoryTemplateCache:
+    """One entry with every tensor resident in host memory; the read API of ``TemplateCache``.
+
+    Invariants: built only from files whose SHA-256 matches the manifest; reads return the
+    resident tensors themselves (no copy), so callers must not modify them in place (the engine
+    merges into clones).
+    """
+
+    def __init__(self, path: Path, manifest: dict, files: dict[str, dict[str, torch.Tensor]]):
+        self.path, self.manifest = Path(path), manifest  # path: the disk entry it came from (an identity)
+        self.key = CacheKey(**manifest["key"])
+        self._files = files
+
+    @classmethod
+    def load(cls, path: Path, pin_memory: bool = False) -> "MemoryTemplateCache":
+        """Read and verify every file of the entry at ``path``; raises one of ``UNUSABLE``."""
+        manifest = TemplateCache.open(path).manifest
+        files = {}
+        for file_name, digest in manifest["files"].items():
+            data = (Path(path) / file_name).read_bytes()
+            if hashlib.sha256(data).hexdigest() != digest:
+                raise CacheCorruptError(f"cache file {Path(path) / file_name} fails its checksum")
+            tensors = load_safetensors(data)
+            files[file_name] = {name: t.pin_memory() for name, t in tensors.items()} if pin_memory else tensors
+        return cls(path, manifest, files)
+
+    @property
+    def num_steps(self) -> int:
+        return self.manifest["num_steps"]
+
+    @property
+    def num_units(self) -> int:
+        return self.manifest["num_units"]
+
+    @property
+    def bytes_total(self) -> int:
+        return self.manifest["bytes_total"]
+
+    def step_tensor(self, step: int, unit: int, name: str) -> torch.Tensor:
+        if not 0 <= step < self.num_steps:
+            raise CacheMismatchError(f"step {step} outside the cache's {self.num_steps} steps")
+        return self._files[step_file(step)][tensor_name(unit, name)]
+
+    def has(self, step: int, unit: int, name: str) -> bool:
+        return tensor_name(unit, name) in self._files.get(step_file(step), {})
+
+    def trajectory(self, name: str) -> torch.Tensor:
+        return self._files[TRAJECTORY][name]
+
+    def unit_bytes(self, unit: int) -> int:
+        """Bytes of one step's tensors for ``unit`` (same for every step)."""
+        prefix = tensor_name(unit, "")
+        return sum(t.numel() * t.element_size() for n, t in self._files.get(step_file(0), {}).items()
+                   if n.startswith(prefix))
+
+    def save(self, root: Path) -> None:
+        """Write the entry to ``root/<key digest>`` in the ``cache_store`` layout (a spill)."""
+        digest = self.key.digest()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{digest}.", dir=root))
+        try:
+            for file_name, tensors in self._files.items():
+                save_file(tensors, str(tmp / file_name))
+            checksums = {name: hashlib.sha256((tmp / name).read_bytes()).hexdigest() for name in self._files}
+            sizes = sum((tmp / name).stat().st_size for name in self._files)
+            manifest = {**self.manifest, "files": checksums, "bytes_total": sizes}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            shutil.rmtree(Path(root) / digest, ignore_errors=True)  # a stale leftover: replaced
+            os.replace(tmp, Path(root) / digest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+class GuardedCacheWriter(CacheWriter):
+    """A ``CacheWriter`` whose disk errors end the recording, not the edit: the first OSError
+    (e.g. ENOSPC) aborts it and later writes are skipped; ``TieredActivationCache.commit`` then
+    returns None."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.failed: OSError | None = None
+
+    def write_step(self, step: int, recorded: dict[tuple[int, str], torch.Tensor]) -> None:
+        self._guarded(super().write_step, step, recorded)
+
+    def write_trajectory(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._guarded(super().write_trajectory, tensors)
+
+    def _guarded(self, write, *args) -> None:
+        if self.failed is not None:
+            return
+        try:
+            write(*args)
+        except OSError as exc:
+            self.failed = exc
+            log.warning("cache recording failed entry=%s error=%s: the edit continues without it",
+                        self.key.digest(), exc)
+            self.abort()
+
+
+@dataclass
+class _Load:
+    """A reserved disk -> RAM load; whoever claims it first (prefetch thread or acquire) runs it."""
+
+    done: Future = field(default_factory=Future)
+    claimed: bool = False
+
+
+class TieredActivationCache:
+    """Template caches in host RAM (``ram_budget_bytes``) above disk entries under ``root``
+    (``disk_budget_bytes``); eviction order from ``POLICIES[policy]``. Thread-safe."""
+
+    def __init__(self, root: Path, ram_budget_bytes: int, disk_budget_bytes: int, policy: str = "lru",
+                 pin_memory: bool = False, prefetch_threads: int = 1):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown cache policy {policy!r}: choose one of {sorted(POLICIES)}")
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.pin_memory = pin_memory  # the worker sets it on CUDA: host -> device copies can then run async
+        self._manager = CacheManager(ram_budget_bytes, disk_budget_bytes, POLICIES[policy])
+        self._lock = threading.Lock()
+        self._commit_lock = threading.Lock()  # one commit at a time: two of one key must not interleave
+        self._ram: dict[str, MemoryTemplateCache] = {}
+        self._loads: dict[str, _Load] = {}
+        self._executor = ThreadPoolExecutor(max_workers=prefetch_threads, thread_name_prefix="cache-prefetch")
+        self._closed = False
+        self._register_existing()
+
+    # ----- start-up --------------------------------------------------------------------------------
+    def _register_existing(self) -> None:
+        """Register complete entries, oldest first so that recency policies rank them by age."""
+        found = []
+        for path in self.root.iterdir():
+            if path.name.startswith(".") or not path.is_dir():
+                continue  # a writer's temporary directory
+            try:
+                cache = TemplateCache.open(path)
+            except UNUSABLE as exc:
+                log.warning("cache entry ignored path=%s error=%s", path, exc)
+                continue
+            if cache.key.digest() == path.name:
+                found.append(((path / MANIFEST).stat().st_mtime, path.name, cache.bytes_total))
+        with self._lock:
+            for _, entry_id, size_bytes in sorted(found):
+                self._execute(self._manager.register_disk(entry_id, size_bytes))
+            log.info("cache opened root=%s entries=%d disk_bytes=%d", self.root,
+                     len(self._manager.resident(Tier.DISK)), self._manager.used_bytes[Tier.DISK])
+
+    # ----- reading ---------------------------------------------------------------------------------
+    def acquire(self, key: CacheKey) -> MemoryTemplateCache | TemplateCache | None:
+        """A pinned handle for ``key`` (``release`` it when done), from RAM whenever the entry fits
+        there, or None on a miss or an unusable entry. Raises only ``CacheMismatchError``."""
+        entry_id = key.digest()
+        with self._lock:
+            residency = self._manager.lookup(entry_id, now=time.monotonic())
+            if residency is Residency.MISS:
+                return None
+            self._manager.pin(entry_id)
+            handle = self._ram.get(entry_id)
+            load, run_here = self._pending_load(entry_id, residency)
+        if handle is None:
+            handle = self._finish_load(entry_id, load, run_here)
+        if handle is None:
+            self.release(key)  # a no-op when the entry was forgotten
+            return None
+        if handle.key != key:
+            self.release(key)
+            raise CacheMismatchError("template cache was recorded for other inputs: "
+                                     + "; ".join(key.mismatches(handle.key)))
+        return handle
+
+    def _pending_load(self, entry_id: str, residency: Residency) -> tuple[_Load | None, bool]:
+        """Under the lock: the load to run here or wait for (reserved now when on disk only), and
+        whether this thread runs it."""
+        if residency is Residency.RAM:
+            return None, False
+        load = self._loads.get(entry_id) if residency is Residency.LOADING else self._reserve_load(entry_id)
+        if load is None or load.claimed:
+            return load, False
+        load.claimed = True  # run it in this thread rather than queue behind other prefetches
+        return load, True
+
+    def _finish_load(self, entry_id: str, load: _Load | None,
+                     run_here: bool) -> MemoryTemplateCache | TemplateCache | None:
+        if load is None:
+            return self._open_disk(entry_id)
+        if run_here:
+            return self._run_load(entry_id, load)
+        return load.done.result()
+
+    def release(self, key: CacheKey) -> None:
+        with self._lock:
+            self._manager.unpin(key.digest())
+
+    def prefetch(self, key: CacheKey) -> None:
+        """Start loading ``key`` from disk into RAM in the background; a no-op unless it is on disk only."""
+        with self._lock:
+            if self._manager.residency(key.digest()) is Residency.DISK:
+                self._load_in_background(key.digest(), prefetch_at=time.monotonic())
+
+    def _load_in_background(self, entry_id: str, prefetch_at: float | None = None) -> None:
+        if self._closed:
+            return
+        load = self._reserve_load(entry_id, prefetch_at)
+        if load is not None:
+            self._executor.submit(self._claim_and_run, entry_id, load)
+
+    def _reserve_load(self, entry_id: str, prefetch_at: float | None = None) -> _Load | None:
+        """Under the lock: reserve RAM and make room; None when the entry cannot fit in RAM."""
+        plan = self._manager.prepare_load(entry_id, prefetch_at)
+        if plan is None or not plan.ok:
+            return None
+        self._execute(plan.evictions)
+        load = self._loads[entry_id] = _Load()
+        return load
+
+    def _claim_and_run(self, entry_id: str, load: _Load) -> None:
+        with self._lock:
+            if load.claimed:
+                return  # an acquire got there first
+            load.claimed = True
+        self._run_load(entry_id, load)
+
+    def _run_load(self, entry_id: str, load: _Load) -> MemoryTemplateCache | None:
+        """Outside the lock: read the entry, then publish it (or discard it) under the lock."""
+        started = time.perf_counter()
+        handle, error = None, None
+        try:
+            handle = MemoryTemplateCache.load(self.root / entry_id, self.pin_memory)
+        except UNUSABLE as exc:
+            error = exc
+        except Exception:  # e.g. out of memory: the entry itself may be fine, keep it on disk
+            log.exception("cache load failed entry=%s", entry_id)
+        with self._lock:
+            self._loads.pop(entry_id, None)
+            self._manager.complete_load(entry_id, ok=handle is not None)
+            if error is not None:
+                self._discard(entry_id, error)
+            elif self._manager.residency(entry_id) is Residency.RAM:
+                self._ram[entry_id] = handle
+                log.debug("cache load entry=%s bytes=%d seconds=%.3f", entry_id, handle.bytes_total,
+                          time.perf_counter() - started)
+            else:
+                handle = None  # forgotten while loading
+        load.done.set_result(handle)
+        return handle
+
+    def _open_disk(self, entry_id: str) -> TemplateCache | None:
+        """The entry does not fit in RAM: read it lazily from disk instead."""
+        try:
+            return TemplateCache.open(self.root / entry_id)
+        except UNUSABLE as exc:
+            with self._lock:
+                self._discard(entry_id, exc)
+            return None
+
+    # ----- recording -------------------------------------------------------------------------------
+    def writer(self, key: CacheKey, num_units: int, halves: int, dtype: torch.dtype) -> GuardedCacheWriter | None:
+        """A writer for a new recording of ``key`` (None when even its temporary directory fails)."""
+        try:
+            return GuardedCacheWriter(self.root, key, num_units, halves, dtype)
+        except OSError as exc:
+            log.warning("cache recording not started entry=%s error=%s", key.digest(), exc)
+            return None
+
+    def commit(self, writer: GuardedCacheWriter) -> TemplateCache | None:
+        """Publish a recording from ``writer`` on disk, then load it into RAM in the background.
+
+        Returns the (unpinned) disk handle, or None when the recording failed, the disk tier
+        cannot take it, or the key is already cached (the writer is aborted). Never raises.
+        """
+        entry_id = writer.key.digest()
+        with self._commit_lock:
+            with self._lock:
+                known = self._manager.residency(entry_id) is not Residency.MISS
+                if writer.failed is not None:
+                    self._manager.metrics.store_failures += 1
+            if known or writer.failed is not None:
+                writer.abort()
+                return None
+            try:
+                disk = writer.commit()
+            except UNUSABLE as exc:
+                self._store_failed(writer, exc)
+                return None
+            with self._lock:
+                plan = self._manager.prepare_store(entry_id, disk.bytes_total, Tier.DISK)
+                if not plan.ok:
+                    shutil.rmtree(disk.path, ignore_errors=True)
+                    log.warning("cache entry not kept entry=%s reason=%s", entry_id, plan.reason)
+                    return None
+                self._execute(plan.evictions)
+                self._manager.complete_store(entry_id, ok=True)
+                self._load_in_background(entry_id)  # a template just edited is likely edited again
+        return disk
+
+    def _store_failed(self, writer: GuardedCacheWriter, exc: Exception) -> None:
+        entry_id = writer.key.digest()
+        log.warning("cache commit failed entry=%s error=%s", entry_id, exc)
+        writer.abort()
+        shutil.rmtree(self.root / entry_id, ignore_errors=True)  # unregistered: ours if anything is there
+        with self._lock:
+            self._manager.metrics.store_failures += 1
+
+    # ----- executing the manager's decisions (under the lock) ------------------------------------------
+    def _execute(self, evictions: tuple[Eviction, ...]) -> None:
+        for action in evictions:
+            if isinstance(action, DeleteFromDisk):
+                shutil.rmtree(self.root / action.entry_id, ignore_errors=True)
+            elif isinstance(action, DropFromRam):
+                self._ram.pop(action.entry_id)
+            else:
+                self._spill(action.entry_id)
+
+    def _spill(self, entry_id: str) -> None:
+        handle = self._ram.pop(entry_id)
+        try:
+            handle.save(self.root)
+        except OSError as exc:
+            log.warning("cache spill failed entry=%s error=%s: entry dropped", entry_id, exc)
+            self._manager.forget(entry_id)
+            self._manager.metrics.store_failures += 1
+
+    def _discard(self, entry_id: str, exc: Exception) -> None:
+        log.warning("cache entry unusable, deleted entry=%s error=%s", entry_id, exc)
+        self._manager.forget(entry_id, corrupt=True)
+        self._ram.pop(entry_id, None)
+        shutil.rmtree(self.root / entry_id, ignore_errors=True)
+
+    # ----- introspection ---------------------------------------------------------------------------
+    @property
+    def metrics(self) -> CacheMetrics:
+        """A consistent copy of the counters (``metrics.snapshot()`` for logs)."""
+        with self._lock:
+            return copy.deepcopy(self._manager.metrics)
+
+    def resident(self, tier: Tier) -> list[str]:
+        """Entry ids (key digests) readable from ``tier``."""
+        with self._lock:
+            return self._manager.resident(tier)
+
+    def wait_for_loads(self, timeout_s: float | None = None) -> None:
+        """Block until the loads in flight now (prefetches, promotions) have finished."""
+        with self._lock:
+            pending = [load.done for load in self._loads.values()]
+        for done in pending:
+            done.result(timeout=timeout_s)
+
+    def close(self) -> None:
+        """Finish in-flight loads and stop the prefetch threads."""
+        with self._lock:
+            self._closed = True
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,344 @@
+"""The cache manager and its eviction policies: pure bookkeeping, no torch, no files."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from backend.cache.manager import (CacheManager, DeleteFromDisk, DropFromRam, Residency, SpillToDisk, Tier)
+from backend.cache.policies import POLICIES, LFUPolicy, LRUPolicy
+
+
+def _manager(ram: int = 100, disk: int = 1000, policy: str = "lru") -> CacheManager:
+    return CacheManager(ram, disk, POLICIES[policy])
+
+
+def _stored(manager: CacheManager, entry_id: str, size: int, tier: Tier = Tier.DISK):
+    plan = manager.prepare_store(entry_id, size, tier)
+    assert plan.ok, plan.reason
+    manager.complete_store(entry_id, ok=True)
+    return plan
+
+
+def _loaded(manager: CacheManager, entry_id: str):
+    plan = manager.prepare_load(entry_id)
+    assert plan is not None and plan.ok
+    manager.complete_load(entry_id, ok=True)
+    return plan
+
+
+# ----- scenarios -----------------------------------------------------------------------------------
+def test_store_then_load_promotes_to_ram_and_counts_hits():
+    manager = _manager()
+    _stored(manager, "a", 40)
+    assert manager.lookup("a") is Residency.DISK
+    plan = manager.prepare_load("a")
+    assert plan.ok and plan.evictions == () and manager.used_bytes[Tier.RAM] == 40
+    assert manager.lookup("a") is Residency.LOADING  # reserved, not yet readable from RAM
+    manager.complete_load("a", ok=True)
+    assert manager.lookup("a") is Residency.RAM and manager.lookup("zz") is Residency.MISS
+    assert manager.resident(Tier.RAM) == ["a"] and manager.resident(Tier.DISK) == ["a"]
+    m = manager.metrics
+    assert (m.ram_hits, m.ram_misses, m.disk_hits, m.disk_misses, m.load_waits) == (1, 3, 1, 1, 1)
+    assert m.bytes_loaded == 40 and manager.prepare_load("a") is None
+
+
+def test_failed_load_returns_its_reservation():
+    manager = _manager()
+    _stored(manager, "a", 40)
+    manager.prepare_load("a")
+    manager.complete_load("a", ok=False)
+    assert manager.used_bytes[Tier.RAM] == 0 and manager.lookup("a") is Residency.DISK
+
+
+def test_ram_eviction_drops_copies_of_disk_entries():
+    manager = _manager(ram=100)
+    for entry_id in ("a", "b"):
+        _stored(manager, entry_id, 60)
+    _loaded(manager, "a")
+    plan = _loaded(manager, "b")
+    assert plan.evictions == (DropFromRam("a"),)
+    assert manager.lookup("a") is Residency.DISK and manager.metrics.ram_evictions == 1
+
+
+def test_ram_only_entry_spills_to_disk_evicting_the_coldest_disk_entry():
+    manager = _manager(ram=100, disk=100)
+    _stored(manager, "cold", 50, Tier.DISK)
+    _stored(manager, "a", 60, Tier.RAM)
+    plan = _stored(manager, "b", 60, Tier.RAM)
+    assert plan.evictions == (DeleteFromDisk("cold"), SpillToDisk("a", 60))  # deletions run first
+    assert manager.lookup("a") is Residency.DISK and manager.lookup("cold") is Residency.MISS
+    assert manager.metrics.bytes_spilled == 60 and manager.metrics.disk_evictions == 1
+
+
+def test_spill_that_cannot_fit_on_disk_drops_the_entry():
+    manager = _manager(ram=100, disk=50)
+    _stored(manager, "a", 60, Tier.RAM)
+    plan = _stored(manager, "b", 60, Tier.RAM)
+    assert plan.evictions == (DropFromRam("a"),)
+    assert manager.lookup("a") is Residency.MISS
+
+
+def test_disk_deletion_keeps_ram_copy_which_spills_back_later():
+    manager = _manager(ram=200, disk=100)
+    _stored(manager, "a", 60, Tier.BOTH)
+    plan = _stored(manager, "b", 60, Tier.DISK)
+    assert plan.evictions == (DeleteFromDisk("a"),)
+    assert manager.lookup("a") is Residency.RAM and manager.resident(Tier.DISK) == ["b"]
+    plan = _stored(manager, "c", 150, Tier.RAM)
+    assert plan.evictions == (DeleteFromDisk("b"), SpillToDisk("a", 60))
+    assert manager.lookup("a") is Residency.DISK
+
+
+def test_prefetch_lead_time_is_recorded_at_first_lookup():
+    manager = _manager()
+    _stored(manager, "a", 40)
+    manager.prepare_load("a", prefetch_at=10.0)
+    manager.complete_load("a", ok=True)
+    manager.lookup("a", now=10.5)
+    manager.lookup("a", now=12.0)  # only the first use counts
+    snapshot = manager.metrics.snapshot()
+    assert snapshot["prefetches"] == 1 and snapshot["prefetch_uses"] == 1
+    assert snapshot["prefetch_lead_s_p50"] == pytest.approx(0.5) and "prefetch_lead_s" not in snapshot
+
+
+def test_forget_releases_bytes_pins_and_in_flight_loads():
+    manager = _manager()
+    _stored(manager, "a", 40)
+    manager.pin("a")
+    manager.prepare_load("a")
+    manager.forget("a", corrupt=True)
+    assert manager.used_bytes == {Tier.RAM: 0, Tier.DISK: 0} and manager.lookup("a") is Residency.MISS
+    manager.complete_load("a", ok=True)  # the load finishing later changes nothing
+    manager.unpin("a")
+    assert manager.entries() == [] and manager.metrics.corrupt_entries == 1
+
+
+def test_failed_store_leaves_nothing():
+    manager = _manager()
+    manager.prepare_store("a", 40, Tier.BOTH)
+    assert manager.lookup("a") is Residency.MISS  # not readable while being stored
+    manager.complete_store("a", ok=False)
+    assert manager.entries() == [] and manager.used_bytes == {Tier.RAM: 0, Tier.DISK: 0}
+    assert manager.metrics.store_failures == 1
+
+
+def test_too_big_plans_fail_without_side_effects():
+    manager = _manager(ram=100, disk=100)
+    _stored(manager, "a", 50, Tier.BOTH)
+    plan = manager.prepare_store("big", 101, Tier.DISK)
+    assert not plan.ok and "DISK" in plan.reason and plan.evictions == ()
+    assert not manager.prepare_store("big", 101, Tier.RAM).ok
+    assert manager.resident(Tier.RAM) == ["a"] and manager.used_bytes[Tier.DISK] == 50
+    manager = _manager(ram=10, disk=100)
+    _stored(manager, "a", 50)
+    assert not manager.prepare_load("a").ok and manager.used_bytes[Tier.RAM] == 0
+
+
+def test_pinned_and_busy_entries_are_never_evicted():
+    manager = _manager(ram=100, disk=100)
+    _stored(manager, "a", 60, Tier.BOTH)
+    manager.pin("a")
+    assert not manager.prepare_store("b", 60, Tier.RAM).ok
+    assert not manager.prepare_store("b", 60, Tier.DISK).ok
+    manager.unpin("a")
+    assert manager.prepare_store("b", 60, Tier.RAM).ok  # "b" now reserves RAM while being stored
+    assert not manager.prepare_store("c", 60, Tier.RAM).ok
+
+
+def test_register_disk_keeps_the_budget():
+    manager = _manager(disk=100)
+    assert manager.register_disk("old", 60) == ()
+    assert manager.register_disk("new", 60) == (DeleteFromDisk("old"),)
+    assert manager.register_disk("huge", 200) == (DeleteFromDisk("huge"),)
+    assert manager.register_disk("new", 60) == ()  # idempotent
+    assert manager.resident(Tier.DISK) == ["new"]
+
+
+def test_misuse_is_reported():
+    manager = _manager()
+    _stored(manager, "a", 10)
+    with pytest.raises(ValueError, match="already exists"):
+        manager.prepare_store("a", 10, Tier.DISK)
+    with pytest.raises(ValueError, match="not pinned"):
+        manager.unpin("a")
+    with pytest.raises(KeyError):
+        manager.pin("missing")
+    with pytest.raises(ValueError):
+        CacheManager(-1, 10)
+
+
+# ----- invariants under random operation sequences ----------------------------------------------------
+class _Shell:
+    """A model shell: executes plans on two sets, asserting every action is valid when it runs."""
+
+    def __init__(self, manager: CacheManager):
+        self.manager, self.ram, self.disk = manager, set(), set()
+        self.pins: dict[str, int] = {}
+        self.loads: set[str] = set()
+        self.stores: dict[str, Tier] = {}
+
+    def execute(self, evictions, busy_before: set[str]) -> None:
+        for action in evictions:
+            assert action.entry_id not in busy_before, f"evicted a busy entry: {action}"
+            if isinstance(action, DeleteFromDisk):
+                self.disk.remove(action.entry_id)
+            elif isinstance(action, DropFromRam):
+                self.ram.remove(action.entry_id)
+            else:
+                self.ram.remove(action.entry_id)
+                self.disk.add(action.entry_id)
+
+    def forget(self, entry_id: str) -> None:
+        self.manager.forget(entry_id)
+        self.ram.discard(entry_id)
+        self.disk.discard(entry_id)
+        self.pins.pop(entry_id, None)
+        self.loads.discard(entry_id)
+        self.stores.pop(entry_id, None)
+
+
+def _busy(manager: CacheManager) -> set[str]:
+    return {e.entry_id for e in manager.entries() if e.busy}
+
+
+def _random_op(shell: _Shell, rng: random.Random) -> None:
+    manager, ids = shell.manager, [f"e{i}" for i in range(12)]
+    entry_id, busy = rng.choice(ids), _busy(manager)
+    op = rng.choice(["store", "lookup", "load", "finish_load", "finish_store", "pin", "unpin", "forget"])
+    residency = manager.residency(entry_id)
+    if op == "store" and entry_id not in {e.entry_id for e in manager.entries()}:
+        tier = rng.choice([Tier.RAM, Tier.DISK, Tier.BOTH])
+        plan = manager.prepare_store(entry_id, rng.randint(1, 120), tier)
+        if plan.ok:
+            shell.execute(plan.evictions, busy)
+            shell.stores[entry_id] = tier
+    elif op == "lookup":
+        manager.lookup(entry_id, now=rng.random())
+    elif op == "load":
+        plan = manager.prepare_load(entry_id, prefetch_at=rng.choice([None, 0.0]))
+        if plan is not None and plan.ok:
+            shell.execute(plan.evictions, busy)
+            shell.loads.add(entry_id)
+    elif op == "finish_load" and shell.loads:
+        done = rng.choice(sorted(shell.loads))
+        ok = rng.random() < 0.8
+        manager.complete_load(done, ok)
+        shell.loads.discard(done)
+        if ok:
+            shell.ram.add(done)
+    elif op == "finish_store" and shell.stores:
+        done = rng.choice(sorted(shell.stores))
+        tier, ok = shell.stores.pop(done), rng.random() < 0.8
+        manager.complete_store(done, ok)
+        if ok:
+            shell.ram |= {done} if Tier.RAM in tier else set()
+            shell.disk |= {done} if Tier.DISK in tier else set()
+    elif op == "pin" and residency is not Residency.MISS:
+        manager.pin(entry_id)
+        shell.pins[entry_id] = shell.pins.get(entry_id, 0) + 1
+    elif op == "unpin" and shell.pins.get(entry_id):
+        manager.unpin(entry_id)
+        shell.pins[entry_id] -= 1
+    elif op == "forget" and rng.random() < 0.3:
+        shell.forget(entry_id)
+
+
+def _check_invariants(shell: _Shell) -> None:
+    manager = shell.manager
+    entries = manager.entries()
+    for tier in (Tier.RAM, Tier.DISK):
+        held = sum(e.size_bytes for e in entries if e.holds(tier))
+        assert manager.used_bytes[tier] == held <= manager.budget_bytes[tier]
+    assert set(manager.resident(Tier.RAM)) == shell.ram
+    assert set(manager.resident(Tier.DISK)) == shell.disk
+    for entry in entries:
+        assert entry.pins == shell.pins.get(entry.entry_id, 0)
+        if entry.storing:
+            assert manager.residency(entry.entry_id) is Residency.MISS
+        if entry.loading:
+            assert manager.residency(entry.entry_id) is Residency.LOADING
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("seed", range(4))
+def test_random_walk_keeps_every_invariant(policy, seed):
+    rng = random.Random(seed)
+    shell = _Shell(CacheManager(rng.randint(100, 300), rng.randint(150, 500), POLICIES[policy]))
+    for _ in range(1500):
+        _random_op(shell, rng)
+        _check_invariants(shell)
+    metrics = shell.manager.metrics
+    assert metrics.ram_evictions > 0 and metrics.disk_evictions > 0  # the walk did exercise eviction
+
+
+# ----- policy contract: every policy, same expectations -----------------------------------------------
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_policy_chooses_only_tracked_candidates(policy):
+    ranking = POLICIES[policy]()
+    for entry_id in "abcd":
+        ranking.on_insert(entry_id, 10)
+    ranking.on_access("c")
+    ranking.on_remove("a")
+    seen = set()
+    for _ in range(3):
+        victim = ranking.choose_victim(["a", "b", "c", "d"][1:])
+        assert victim in {"b", "c", "d"}
+        ranking.on_remove(victim)
+        seen.add(victim)
+    assert seen == {"b", "c", "d"}
+    with pytest.raises(ValueError):
+        ranking.choose_victim(["a"])
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_policy_frees_enough_and_spares_pinned(policy):
+    manager = _manager(ram=100, disk=1000, policy=policy)
+    for entry_id in "abcde":
+        _stored(manager, entry_id, 20, Tier.BOTH)
+        manager.lookup(entry_id)
+    manager.pin("a")
+    plan = _stored(manager, "big", 60, Tier.RAM)
+    assert len(plan.evictions) == 3 and DropFromRam("a") not in plan.evictions
+    assert manager.used_bytes[Tier.RAM] <= 100 and manager.lookup("a") is Residency.RAM
+
+
+# ----- policy specifics -----------------------------------------------------------------------------
+def test_lru_evicts_least_recently_used():
+    ranking = LRUPolicy()
+    for entry_id in "abc":
+        ranking.on_insert(entry_id, 1)
+    ranking.on_access("a")
+    assert ranking.choose_victim("abc") == "b"
+    assert ranking.choose_victim("ac") == "c"
+
+
+def _hot_then_cold(policy: str) -> CacheManager:
+    manager = _manager(ram=60, disk=1000, policy=policy)
+    _stored(manager, "hot", 20, Tier.BOTH)
+    for _ in range(5):
+        manager.lookup("hot")
+    for entry_id in ("cold1", "cold2"):
+        _stored(manager, entry_id, 20, Tier.BOTH)
+    return manager
+
+
+def test_frequency_aware_policy_keeps_a_hot_entry_that_lru_evicts():
+    assert _stored(_hot_then_cold("lru"), "new", 20, Tier.RAM).evictions == (DropFromRam("hot"),)
+    assert _stored(_hot_then_cold("lfu"), "new", 20, Tier.RAM).evictions == (DropFromRam("cold1"),)
+
+
+def test_lfu_ages_out_an_entry_that_stopped_being_used():
+    ranking = LFUPolicy()
+    ranking.on_insert("hot", 1)
+    for _ in range(3):
+        ranking.on_access("hot")
+    for round_ in range(10):
+        ranking.on_insert(f"new{round_}", 1)
+        victim = ranking.choose_victim(["hot", f"new{round_}"])
+        ranking.on_remove(victim)
+        if victim == "hot":
+            break
+    else:
+        pytest.fail("a formerly hot entry was never evicted: no aging")
