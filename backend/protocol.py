@@ -113,7 +113,27 @@ class JobEvent:
             raise ProtocolError(f"unknown job status {self.status!r}; expected one of {', '.join(JOB_STATES)}")
 
 
-MESSAGE_TYPES: dict[str, type] = {cls.TYPE: cls for cls in (EditJob, PreparedJob, DenoisedJob, CancelJob, JobEvent)}
+@dataclass(frozen=True)
+class WorkerHeartbeat:
+    """A worker's live state, refreshed about every second under a key with a short TTL: when the
+    key expires, the worker is presumed dead and its unfinished jobs are re-dispatched."""
+
+    TYPE: ClassVar[str] = "worker_heartbeat"
+    worker_id: str
+    model_id: str
+    device: str
+    at: float
+    max_batch: int
+    batching: str
+    running: list[dict] = field(default_factory=list)  # job_id, mask_ratio, remaining_steps
+    waiting: list[dict] = field(default_factory=list)  # job_id, mask_ratio, num_steps
+    resident_ram: list[str] = field(default_factory=list)  # template cache digests per tier
+    resident_disk: list[str] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+
+MESSAGE_TYPES: dict[str, type] = {cls.TYPE: cls for cls in (EditJob, PreparedJob, DenoisedJob, CancelJob, JobEvent,
+                                                            WorkerHeartbeat)}
 _NESTED = {"mask_ops": MaskOps}
 
 
@@ -148,7 +168,7 @@ def from_dict(payload: dict):
 def decode(text: str | bytes):
     try:
         payload = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"message is not JSON: {exc}") from exc
     if not isinstance(payload, dict):
         raise ProtocolError("message must be a JSON object")
