@@ -129,6 +129,53 @@ def cmd_up(args, settings: Settings) -> int:
     return 0
 
 
+def cmd_worker(args, settings: Settings) -> int:
+    from backend.runtime import run_role
+    from backend.worker.service import run_worker
+
+    return run_role("worker", run_worker, settings)
+
+
+def cmd_cpu_worker(args, settings: Settings) -> int:
+    from backend.runtime import run_role
+    from backend.tasks.celery_app import run_cpu_worker
+
+    return run_role("cpu-worker", run_cpu_worker, settings)
+
+
+def cmd_bench_worker(args, settings: Settings) -> int:
+    from backend.bench.worker_bench import BenchConfig, run_worker_bench, write_outputs
+
+    modes = ("continuous", "static", "inline") if args.mode == "all" else (args.mode,)
+    cfg = BenchConfig(model_id=args.model, modes=modes, rps=args.rps, duration_s=args.duration,
+                      num_templates=args.templates, ram_templates=args.ram_templates, mask_mean=args.mask_mean,
+                      steps=args.steps, size=args.size, max_batch=args.max_batch, seed=args.seed,
+                      burst_factor=args.burst)
+    results = run_worker_bench(cfg, settings)
+    plot = write_outputs(cfg, results, Path(args.json))
+    base = {r.mode: r for r in results if r.label == r.mode}.get("continuous")
+    for r in results:
+        vs = f"  P95 {r.p95_latency_s / base.p95_latency_s:4.2f}x continuous" if base else ""
+        ram, disk = r.cache.get("ram_hit_rate", 0.0), r.cache.get("disk_hit_rate", 0.0)
+        print(f"{r.label:34s} n={r.num_jobs:3d} avg {r.avg_latency_s:6.2f}s p50 {r.p50_latency_s:6.2f}s "
+              f"p95 {r.p95_latency_s:6.2f}s{vs}  {r.throughput_rps:5.2f} req/s  queue {r.avg_queue_s:5.2f}s  "
+              f"step {r.mean_step_s * 1e3:6.1f} ms  overhead {r.mean_overhead_ms:5.2f} ms  "
+              f"rows {r.mean_batch_rows:4.2f}  hits ram {ram:.2f} disk {disk:.2f}")
+    print(f"wrote {args.json} and {plot}")
+    return 0
+
+
+def _worker_overrides(args) -> dict:
+    engine = {k: v for k, v in (("device", args.device), ("model_id", args.model)) if v}
+    worker = {k: v for k, v in (("worker_id", args.worker_id), ("batching", args.batching),
+                                ("max_batch", args.max_batch)) if v}
+    return {"engine": engine, "worker": worker}
+
+
+def _cpu_worker_overrides(args) -> dict:
+    return {"celery": {"concurrency": args.concurrency}} if args.concurrency else {}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="maskserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -177,6 +224,36 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--out-dir", default=None, help="default: the settings' profiles_dir")
     profile.set_defaults(func=cmd_profile)
 
+    worker_bench = bench_sub.add_parser("worker", help="one engine worker under a Poisson trace, batching modes "
+                                        "side by side")
+    worker_bench.add_argument("--mode", choices=["continuous", "static", "inline", "all"], default="all")
+    worker_bench.add_argument("--model", default="tiny-sd2-inpaint")
+    worker_bench.add_argument("--rps", type=float, default=2.0, help="mean arrival rate (requests/s)")
+    worker_bench.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per mode")
+    worker_bench.add_argument("--mask-mean", type=float, default=0.11,
+                              help="mean mask ratio: 0.11 production trace, 0.19 public trace")
+    worker_bench.add_argument("--templates", type=int, default=24, help="templates in the Zipf popularity")
+    worker_bench.add_argument("--ram-templates", type=int, default=6, help="RAM tier budget in templates")
+    worker_bench.add_argument("--steps", type=int, default=20)
+    worker_bench.add_argument("--size", type=int, default=256)
+    worker_bench.add_argument("--max-batch", type=int, default=8)
+    worker_bench.add_argument("--burst", type=float, default=1.0, help="burstiness (1 = plain Poisson)")
+    worker_bench.add_argument("--seed", type=int, default=0)
+    worker_bench.add_argument("--json", required=True)
+    worker_bench.set_defaults(func=cmd_bench_worker)
+
+    worker = sub.add_parser("worker", help="run one engine worker (one per GPU) on its Redis inbox")
+    worker.add_argument("--device", default=None, help="cpu or cuda[:N] (default: MASKSERVE_DEVICE or cpu)")
+    worker.add_argument("--model", default=None, help="model id (default: MASKSERVE_MODEL)")
+    worker.add_argument("--worker-id", default=None, help="default: MASKSERVE_WORKER_ID or worker-0")
+    worker.add_argument("--batching", choices=["continuous", "static", "inline"], default=None)
+    worker.add_argument("--max-batch", type=int, default=None)
+    worker.set_defaults(func=cmd_worker, overrides=_worker_overrides)
+
+    cpu_worker = sub.add_parser("cpu-worker", help="run a Celery worker for pre/post-processing")
+    cpu_worker.add_argument("--concurrency", type=int, default=None, help="processes (default 1)")
+    cpu_worker.set_defaults(func=cmd_cpu_worker, overrides=_cpu_worker_overrides)
+
     up = sub.add_parser("up", help="start what exists so far on this machine")
     up.set_defaults(func=cmd_up)
     return parser
@@ -184,7 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    overrides = {"engine": {"device": args.device}} if getattr(args, "device", None) else {}
+    if hasattr(args, "overrides"):
+        overrides = args.overrides(args)
+    else:
+        overrides = {"engine": {"device": args.device}} if getattr(args, "device", None) else {}
     try:
         settings = load_settings(**overrides)
     except SettingsError as exc:

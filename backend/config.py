@@ -42,6 +42,12 @@ class PathSettings(_Strict):
         return self.cache_dir or self.data_dir / "template_cache"
 
 
+def _check_device(value: str) -> str:
+    if value != "cpu" and not value.startswith("cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {value!r}")
+    return value
+
+
 class EngineSettings(_Strict):
     """How the mask-aware engine runs one model on one device."""
 
@@ -60,9 +66,7 @@ class EngineSettings(_Strict):
     @field_validator("device")
     @classmethod
     def _device_is_known(cls, value: str) -> str:
-        if value != "cpu" and not value.startswith("cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {value!r}")
-        return value
+        return _check_device(value)
 
 
 BatchingMode = Literal["continuous", "static", "inline"]
@@ -79,6 +83,7 @@ class WorkerSettings(_Strict):
     batching: BatchingMode = "continuous"
     # Seconds an idle worker blocks on its inbox before checking cancels and shutdown.
     idle_poll_s: float = Field(default=0.05, gt=0.0, le=5.0)
+    metrics_port: int = Field(default=0, ge=0, le=65535)  # 0: no /metrics endpoint
 
 
 class CacheSettings(_Strict):
@@ -104,6 +109,12 @@ class CelerySettings(_Strict):
     # Must exceed the longest task, or the Redis broker redelivers a running task to a second worker.
     visibility_timeout_s: int = Field(default=600, ge=1)
     concurrency: int = Field(default=1, ge=1, le=32)
+    device: str = "cpu"  # where text encoders and the VAE run
+
+    @field_validator("device")
+    @classmethod
+    def _device_is_known(cls, value: str) -> str:
+        return _check_device(value)
     max_upload_pixels: int = Field(default=4096 * 4096, ge=64 * 64)
 
     @field_validator("visibility_timeout_s")
@@ -140,11 +151,13 @@ _ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "WORKER_ID": ("worker", "worker_id"),
     "MAX_BATCH": ("worker", "max_batch"),
     "BATCHING": ("worker", "batching"),
+    "WORKER_METRICS_PORT": ("worker", "metrics_port"),
     "RAM_CACHE_MB": ("cache", "ram_budget_mb"),
     "DISK_CACHE_MB": ("cache", "disk_budget_mb"),
     "CACHE_POLICY": ("cache", "policy"),
     "REDIS_URL": ("redis", "url"),
     "CELERY_CONCURRENCY": ("celery", "concurrency"),
+    "CELERY_DEVICE": ("celery", "device"),
 }
 # Also read without the prefix: the conventional name every Redis deployment already sets.
 _PLAIN_ENV = {"REDIS_URL": ("redis", "url")}

@@ -49,6 +49,7 @@ class EditJob:
     strength: float = 1.0
     use_cache: bool = True
     mask_ops: MaskOps = field(default_factory=MaskOps)
+    resolution: int = 0  # the resolution bucket's side (about resolution^2 pixels); 0 = the model's default
     submitted_at: float = 0.0
 
 
@@ -60,10 +61,11 @@ class PreparedJob:
     job_id: str
     model_id: str
     prepared_ref: str  # blob ref of the PreparedRequest file (tensors)
-    template_ref: str  # the (resized) template image, for paste-back in post-processing
+    template_ref: str  # the template as uploaded (full resolution), for paste-back in post-processing
     num_steps: int
     mask_ratio: float  # painted pixels / all pixels at the model resolution
     cache_digest: str  # CacheKey digest of the template cache this job reads ("" = no cache)
+    paste: dict = field(default_factory=dict)  # post-processing's paste-back plan (see backend.tasks.core)
     submitted_at: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds so far
 
@@ -79,6 +81,7 @@ class DenoisedJob:
     prepared_ref: str
     template_ref: str
     used_cache: bool
+    paste: dict = field(default_factory=dict)
     submitted_at: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
 

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+pytest_plugins = ["tests.redis_fixtures"]
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -125,9 +125,14 @@ class MaskAwareEngine:
             scheduler=type(scheduler).__name__, strength=params.strength, template_seed=params.template_seed,
             mode=params.mode, guidance=params.guidance if not self.adapter.uses_cfg else 0.0)
 
+    @property
+    def size_multiple(self) -> int:
+        """Image sides must be multiples of this (a UNet halves its token grid three times)."""
+        return self.token_size * (8 if self.spec.family != "flux-fill" else 1)
+
     def _check_params(self, params: EditParams) -> None:
         height, width = params.size
-        multiple = self.token_size * (8 if self.spec.family != "flux-fill" else 1)
+        multiple = self.size_multiple
         if height % multiple or width % multiple or height <= 0 or width <= 0:
             raise ValueError(f"size {width}x{height} must be positive multiples of {multiple} px for {self.spec.model_id}")
         if params.mode not in MODE_TENSORS:

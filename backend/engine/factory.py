@@ -23,11 +23,13 @@ def build_engine(settings: Settings, model_id: str | None = None, device: str | 
     return engine
 
 
-def edit_params(spec: ModelSpec, settings: Settings, steps: int | None = None, size: int | None = None,
-                mode: str | None = None, **overrides) -> EditParams:
-    """Edit parameters from the model's defaults and the engine settings; keyword overrides win."""
+def edit_params(spec: ModelSpec, settings: Settings, steps: int | None = None,
+                size: int | tuple[int, int] | None = None, mode: str | None = None, **overrides) -> EditParams:
+    """Edit parameters from the model's defaults and the engine settings; keyword overrides win.
+    ``size``: a side (square) or (height, width); default the model's resolution."""
     size = size or spec.default_resolution
-    fields = dict(steps=steps or spec.default_steps, guidance=spec.default_guidance, size=(size, size),
+    fields = dict(steps=steps or spec.default_steps, guidance=spec.default_guidance,
+                  size=tuple(size) if isinstance(size, (tuple, list)) else (size, size),
                   mode=mode or settings.engine.cache_mode, template_seed=settings.engine.template_seed,
                   mask_margin=settings.engine.mask_margin_tokens, dense_above_ratio=settings.engine.dense_above_ratio,
                   record_on_first_edit=settings.engine.record_on_first_edit)

@@ -224,7 +224,8 @@ class EngineWorker:
         timings = {**job.message.timings, **job.timings}
         denoised = DenoisedJob(job_id=row.job_id, model_id=job.message.model_id, latents_ref=latents_ref,
                                prepared_ref=job.message.prepared_ref, template_ref=job.message.template_ref,
-                               used_cache=state.cache is not None, submitted_at=job.message.submitted_at,
+                               used_cache=state.cache is not None, paste=job.message.paste,
+                               submitted_at=job.message.submitted_at,
                                timings=timings)
         self._release(job)
         del self.jobs[row.job_id]

@@ -1,0 +1,260 @@
+"""User uploads: decoding untrusted image bytes, model resolution buckets, mask preparation.
+
+Invariants:
+* ``decode_image`` never lets a PIL exception out: a bad upload is an ``UploadError`` saying what
+  to fix, and the pixel limit is checked on the header size before any pixel is decoded;
+* an image and its mask go through the same ``crop_box_for`` box and the same PIL resize mapping,
+  so a masked pixel lands where the image pixel under it lands (to one pixel);
+* buckets are multiples of the model's ``multiple`` and never distort: ``fit_to_bucket``
+  centre-crops to the bucket's aspect before it resizes.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from backend.imaging import masks
+from backend.imaging.masks import MaskError
+from backend.protocol import MaskOps
+
+
+class UploadError(ValueError):
+    """A bad upload the user must fix; the message says what is wrong and how to fix it."""
+
+
+ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "BMP")
+_ALLOWED_TEXT = ", ".join(ALLOWED_FORMATS)
+# Formats that PIL is not allowed to parse here, named only so the error message can say what the
+# file is. Image.open is restricted to ALLOWED_FORMATS: no other parser ever sees untrusted bytes.
+_OTHER_MAGIC = {b"GIF8": "GIF", b"II*\x00": "TIFF", b"MM\x00*": "TIFF", b"%PDF": "PDF"}
+_HEIF_BRANDS = (b"heic", b"heix", b"mif1", b"msf1", b"avif")
+
+
+def _sniff_other(head: bytes) -> str | None:
+    if head[4:8] == b"ftyp" and head[8:12] in _HEIF_BRANDS:
+        return "HEIC/AVIF"
+    return _OTHER_MAGIC.get(head[:4])
+
+
+def _open(data: bytes, max_pixels: int, what: str) -> Image.Image:
+    """Parse the header only (PIL opens lazily); the bomb warning is an error here, because a
+    decoded image of that size is what the pixel limit exists to refuse."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            return Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise UploadError(f"{what} is too large to decode safely, the limit is "
+                          f"{max_pixels / 1e6:.1f} MP: upload a smaller {what}") from exc
+    except Exception as exc:  # any parser failure on untrusted bytes is the file's fault
+        other = _sniff_other(bytes(data[:16]))
+        if other is not None:
+            raise UploadError(f"{what} is a {other} file, which is not supported: "
+                              f"upload one of {_ALLOWED_TEXT}") from exc
+        raise UploadError(f"{what} is not an image file (or is corrupt): "
+                          f"upload one of {_ALLOWED_TEXT}") from exc
+
+
+def _to_8bit(img: Image.Image) -> Image.Image:
+    """16-bit grayscale PNGs open as I;16/I; PIL's convert would clip them to 0..255 (an almost
+    white image), so scale them to 8 bits instead."""
+    if img.mode not in ("I", "I;16", "I;16B", "I;16L"):
+        return img
+    values = np.clip(np.asarray(img).astype(np.int64) >> 8, 0, 255).astype(np.uint8)
+    return Image.fromarray(values, mode="L")
+
+
+def _flatten_rgb(img: Image.Image) -> Image.Image:
+    """RGB, with any transparency (alpha channel or palette/tRNS) composited over white."""
+    if img.mode == "RGB":
+        return img
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info:
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def decode_image(data: bytes, max_pixels: int, what: str = "image") -> Image.Image:
+    """Decode an upload into a fully loaded, EXIF-oriented image.
+
+    ``what == "mask"``: the mask's own mode is kept (``load_mask`` reads alpha), except that a
+    palette image with transparency becomes RGBA and 16-bit grayscale becomes L. Anything else:
+    RGB, alpha composited over white. Raises UploadError for empty, corrupt, truncated, oversized
+    (``width * height > max_pixels``, checked before decoding) or non-allowed-format uploads.
+    """
+    if not data:
+        raise UploadError(f"{what} is empty (0 bytes): upload the {what} file again")
+    img = _open(data, max_pixels, what)
+    w, h = img.size  # from the header: no pixel is decoded before this check
+    if w * h > max_pixels:
+        raise UploadError(f"{what} is {w}x{h} = {w * h / 1e6:.1f} MP, the limit is "
+                          f"{max_pixels / 1e6:.1f} MP: upload a smaller {what}")
+    try:
+        img.load()
+        ImageOps.exif_transpose(img, in_place=True)
+    except Exception as exc:  # truncated data, bad EXIF, decoder errors: all the file's fault
+        raise UploadError(f"{what} could not be decoded, the file is truncated or corrupt "
+                          f"({exc}): export it again as one of {_ALLOWED_TEXT}") from exc
+    img = _to_8bit(img)
+    if what == "mask":
+        if img.mode == "P" and "transparency" in img.info:
+            img = img.convert("RGBA")
+        return img
+    return _flatten_rgb(img)
+
+
+def _round_to(value: float, multiple: int) -> int:
+    return max(multiple, int(value / multiple + 0.5) * multiple)
+
+
+def resolution_bucket(width: int, height: int, base: int, multiple: int,
+                      max_aspect: float = 2.0) -> tuple[int, int]:
+    """(height, width) for the model: about ``base * base`` pixels, each side a positive multiple
+    of ``multiple``, the upload's aspect clamped to [1 / max_aspect, max_aspect].
+
+    Invariant: the returned aspect lies within that range (rounding a side the wrong way is
+    corrected by one step of ``multiple``). A square upload gives (base, base) when
+    ``base % multiple == 0``.
+    """
+    if min(width, height, base, multiple) <= 0:
+        raise ValueError(f"bucket needs positive sizes, got {width}x{height}, base {base}, "
+                         f"multiple {multiple}")
+    if not max_aspect >= 1.0:
+        raise ValueError(f"max_aspect must be >= 1, got {max_aspect}")
+    aspect = min(max(width / height, 1.0 / max_aspect), max_aspect)
+    w = _round_to(base * math.sqrt(aspect), multiple)
+    h = _round_to(base / math.sqrt(aspect), multiple)
+    if w > max_aspect * h:
+        w, h = _fix_aspect(w, h, multiple, max_aspect, base * base)
+    elif h > max_aspect * w:
+        h, w = _fix_aspect(h, w, multiple, max_aspect, base * base)
+    return h, w
+
+
+def _fix_aspect(long: int, short: int, multiple: int, max_aspect: float,
+                area: int) -> tuple[int, int]:
+    """Bring long/short back within max_aspect by one step: grow the short side (always enough,
+    as (a + m) / (b + m) <= a / b for a >= b) or shrink the long side, whichever stays in range
+    closer to the target area."""
+    options = [(long, short + multiple)]
+    if long - multiple >= multiple and long - multiple <= max_aspect * short:
+        options.append((long - multiple, short))
+    return min(options, key=lambda o: abs(o[0] * o[1] - area))
+
+
+def crop_box_for(size_wh: tuple[int, int], size_hw: tuple[int, int]) -> tuple[int, int, int, int]:
+    """(left, top, right, bottom) of the centred crop of a ``size_wh`` image that has the aspect of
+    the ``size_hw`` target, to the nearest source pixel; the whole image when it already has it.
+    ``fit_to_bucket`` and ``prepare_mask`` both use it, which keeps image and mask aligned."""
+    (sw, sh), (th, tw) = size_wh, size_hw
+    if min(sw, sh, th, tw) <= 0:
+        raise ValueError(f"sizes must be positive, got {sw}x{sh} and {tw}x{th}")
+    if sw * th > tw * sh:  # source is wider than the target: crop columns
+        cw = max(1, (2 * sh * tw + th) // (2 * th))
+        left = (sw - cw) // 2
+        return left, 0, left + cw, sh
+    if sw * th < tw * sh:  # source is taller: crop rows
+        ch = max(1, (2 * sw * th + tw) // (2 * tw))
+        top = (sh - ch) // 2
+        return 0, top, sw, top + ch
+    return 0, 0, sw, sh
+
+
+def fit_to_bucket(image: Image.Image, size_hw: tuple[int, int]) -> Image.Image:
+    """Resize to (height, width) = ``size_hw`` with LANCZOS after a centre crop to the target
+    aspect (``crop_box_for``), so nothing is stretched. The mask must go through the same box:
+    use ``prepare_mask``. An image already of that size comes back as a copy."""
+    th, tw = size_hw
+    if image.size == (tw, th):
+        return image.copy()
+    box = crop_box_for(image.size, size_hw)
+    return image.resize((tw, th), Image.Resampling.LANCZOS, box=box)
+
+
+def _validate_ops(ops: MaskOps) -> None:
+    if not 0 <= ops.threshold <= 254:
+        raise MaskError(f"mask threshold {ops.threshold} is out of range: use 0..254")
+    if not abs(ops.grow_px) <= 512:
+        raise MaskError(f"mask grow {ops.grow_px} px is out of range: use -512..512 "
+                        "(negative shrinks)")
+    if not 0 <= ops.feather_px <= 256:  # also rejects NaN
+        raise MaskError(f"mask feather {ops.feather_px} px is out of range: use 0..256")
+
+
+def process_mask(mask: Image.Image, image_size_wh: tuple[int, int], ops: MaskOps) -> np.ndarray:
+    """Bool mask at the upload's own resolution, True = repaint: what paste-back uses.
+
+    Order: validate ops, threshold (``load_mask``, which also checks the mask is the size of the
+    image as uploaded), reject an empty painting, invert, grow/shrink by ``grow_px`` upload pixels
+    (the pixels the user painted on). Feather is not applied here (paste-back applies
+    ``ops.feather_px``). Raises MaskError when nothing is left to repaint.
+    """
+    _validate_ops(ops)
+    painted = masks.load_mask(mask, expected_size=image_size_wh, threshold=ops.threshold)
+    masks.require_nonempty(painted)
+    if ops.invert:
+        painted = masks.invert(painted)
+    px = int(ops.grow_px)
+    painted = masks.grow(painted, px) if px >= 0 else masks.shrink(painted, -px)
+    if not painted.any():
+        raise MaskError("mask is empty after the mask operations: paint a larger area or reduce the shrink")
+    return painted
+
+
+def mask_to_bucket(full_mask: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
+    """The upload-resolution mask at the model resolution, through the same crop as ``fit_to_bucket``.
+
+    A model pixel is masked when ANY upload pixel under it is (box filter > 0), so thin strokes
+    survive a downscale and every pixel paste-back will take from the generated image was generated
+    inside the mask. Raises MaskError when the painting lies wholly in the cropped-off margins.
+    """
+    height, width = full_mask.shape
+    th, tw = size_hw
+    box = crop_box_for((width, height), size_hw)
+    as_image = Image.fromarray(full_mask.astype(np.uint8) * 255, mode="L")
+    resized = np.asarray(as_image.resize((tw, th), Image.Resampling.BOX, box=box)) > 0
+    if not resized.any():
+        left, top, right, bottom = box
+        raise MaskError(f"the painted area lies outside the part of the image the model edits "
+                        f"(x {left}-{right}, y {top}-{bottom} for this aspect ratio): paint inside it")
+    return resized
+
+
+def prepare_mask(mask: Image.Image, image_size_wh: tuple[int, int], size_hw: tuple[int, int],
+                 ops: MaskOps) -> np.ndarray:
+    """Bool (H, W) = ``size_hw`` mask at the model resolution: ``process_mask`` then ``mask_to_bucket``."""
+    return mask_to_bucket(process_mask(mask, image_size_wh, ops), size_hw)
+
+
+def encode_image(image: Image.Image, fmt: str = "png", quality: int = 95) -> bytes:
+    """PNG (lossless; ``quality`` ignored) or lossy WebP bytes. The same image always gives the
+    same bytes: no timestamp or other metadata is written."""
+    fmt = fmt.lower()
+    buf = io.BytesIO()
+    if fmt == "png":
+        image.save(buf, format="PNG")
+    elif fmt == "webp":
+        if not 0 <= quality <= 100:
+            raise ValueError(f"webp quality must be in 0..100, got {quality}")
+        if image.mode not in ("RGB", "RGBA"):
+            image = image.convert("RGBA" if "A" in image.getbands() else "RGB")
+        image.save(buf, format="WEBP", lossless=False, quality=quality)
+    else:
+        raise ValueError(f"unsupported output format {fmt!r}: use 'png' or 'webp'")
+    return buf.getvalue()
+
+
+def thumbnail(image: Image.Image, max_side: int = 256) -> bytes:
+    """WebP bytes of the image shrunk to fit ``max_side`` x ``max_side``, aspect preserved
+    (PIL's rounding), never upscaled."""
+    if max_side < 1:
+        raise ValueError(f"thumbnail max_side must be >= 1, got {max_side}")
+    small = image.copy()
+    small.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
+    return encode_image(small, "webp", quality=80)

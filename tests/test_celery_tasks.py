@@ -1,0 +1,129 @@
+"""Celery pre/post-processing against a real Redis broker and a real `maskserve cpu-worker` process,
+with an engine worker in between: submit -> pre task -> hand-off stream -> worker -> post task -> done."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from backend import protocol
+from backend.blobs import BlobStore
+from backend.config import load_settings
+from backend.jobstate import JobStateStore
+from backend.protocol import EditJob
+from backend.tasks.celery_app import PREPARED_STREAM, make_celery, submit_edit
+from backend.worker.channels import LocalInbox
+from backend.worker.loop import EngineWorker
+from backend.worker.service import RedisSink
+from tests.factories import make_engine
+from tests.test_cpu_stages import BOX, HEIGHT, WIDTH, painted_mask, png
+from templates_store.samples import sample_template
+
+WAIT_S = 120  # the CPU worker loads its model on its first task
+
+
+@pytest.fixture(scope="module")
+def engine(models_dir, tmp_path_factory):
+    return make_engine("sd2-inpaint", models_dir, tmp_path_factory.mktemp("celery-cache"))  # builds the model
+
+
+@pytest.fixture
+def stack(redis_url, models_dir, tmp_path, engine):
+    """Settings, Celery app, job state and a running `maskserve cpu-worker` subprocess."""
+    env = {**os.environ, "MASKSERVE_REDIS_URL": redis_url, "MASKSERVE_DATA_DIR": str(tmp_path),
+           "MASKSERVE_MODELS_DIR": str(models_dir), "MASKSERVE_MODEL": "tiny-sd2-inpaint"}
+    settings = load_settings(env={k: v for k, v in env.items() if k.startswith("MASKSERVE_")})
+    log = open(tmp_path / "cpu-worker.log", "wb")
+    process = subprocess.Popen([sys.executable, "-m", "backend.cli", "cpu-worker"], env=env, stdout=log,
+                               stderr=subprocess.STDOUT)
+    app = make_celery(settings)
+    from redis import Redis
+
+    client = Redis.from_url(redis_url)
+    try:
+        yield settings, app, JobStateStore(client), client
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+        client.close()
+
+
+def submit(settings, app, jobstate, job_id, template_bytes, mask_bytes) -> EditJob:
+    blobs = BlobStore(settings.paths.data_dir / "blobs")
+    job = EditJob(job_id=job_id, model_id="tiny-sd2-inpaint",
+                  template_ref=blobs.put("uploads", f"{job_id}-t.png", template_bytes),
+                  mask_ref=blobs.put("uploads", f"{job_id}-m.png", mask_bytes), prompt="a blue vase", seed=9,
+                  steps=3, guidance=7.5, resolution=128, submitted_at=time.time())
+    jobstate.create(job_id, prompt=job.prompt, seed=job.seed)
+    submit_edit(app, job)
+    return job
+
+
+def wait_for(predicate, what: str, log_path):
+    deadline = time.time() + WAIT_S
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}; cpu-worker log:\n{log_path.read_text()[-3000:]}")
+
+
+def handed_off(client) -> list:
+    return [protocol.decode(fields[b"msg"]) for _, fields in client.xrange(PREPARED_STREAM)]
+
+
+def test_a_job_runs_pre_and_post_on_celery_around_the_worker(stack, engine, tmp_path):
+    settings, app, jobstate, client = stack
+    template = sample_template(WIDTH, HEIGHT, seed=12)
+    job = submit(settings, app, jobstate, "celery-1", png(template), png(painted_mask()))
+    (prepared,) = wait_for(lambda: handed_off(client), "the pre-processed job", tmp_path / "cpu-worker.log")
+    assert prepared.job_id == job.job_id and jobstate.status(job.job_id) == "preprocessing"
+
+    blobs = BlobStore(settings.paths.data_dir / "blobs")
+    inbox = LocalInbox()
+    worker = EngineWorker(engine, blobs, inbox, RedisSink(jobstate, app, settings.celery.post_queue))
+    inbox.put(prepared)
+    while not inbox.acked:
+        worker.iterate()
+    wait_for(lambda: jobstate.status(job.job_id) == "done", "the job to finish", tmp_path / "cpu-worker.log")
+    record = jobstate.get(job.job_id)
+    assert set(record["timings"]) >= {"queue_s", "pre_s", "wait_s", "denoise_s", "post_s", "total_s"}
+    assert record["step"] == record["num_steps"] == 3
+    result = np.asarray(Image.open(io.BytesIO(blobs.get(record["result_ref"]))).convert("RGB"))
+    before = np.asarray(template.convert("RGB"))
+    x0, y0, x1, y1 = BOX
+    outside = np.ones((HEIGHT, WIDTH), dtype=bool)
+    outside[y0:y1, x0:x1] = False
+    assert result.shape == before.shape and np.array_equal(result[outside], before[outside])
+    statuses = [e["status"] for _, e in jobstate.events(job.job_id)]
+    assert statuses[0] == "preprocessing" and statuses[-2:] == ["postprocessing", "done"]
+
+
+def test_a_redelivered_pre_task_hands_its_job_off_once(stack, tmp_path):
+    settings, app, jobstate, client = stack
+    job = submit(settings, app, jobstate, "celery-twice", png(sample_template(WIDTH, HEIGHT)), png(painted_mask()))
+    submit_edit(app, job)  # the same task again, as a broker redelivery would
+    submit(settings, app, jobstate, "celery-after", png(sample_template(WIDTH, HEIGHT)), png(painted_mask()))
+    # the queue is FIFO with one CPU process: once the later job is out, both copies have run
+    wait_for(lambda: any(p.job_id == "celery-after" for p in handed_off(client)), "the later job",
+             tmp_path / "cpu-worker.log")
+    assert [p.job_id for p in handed_off(client)].count("celery-twice") == 1
+
+
+def test_a_bad_upload_fails_its_job_with_the_reason(stack, tmp_path):
+    settings, app, jobstate, _ = stack
+    job = submit(settings, app, jobstate, "celery-bad", b"this is not a picture", png(painted_mask()))
+    wait_for(lambda: jobstate.status(job.job_id) == "failed", "the job to fail", tmp_path / "cpu-worker.log")
+    assert "not an image" in jobstate.get(job.job_id)["message"]

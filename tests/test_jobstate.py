@@ -1,0 +1,90 @@
+"""Job state store against a real Redis: forward-only status, first terminal status wins, events."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from backend.jobstate import JobNotFound, JobStateStore
+from backend.protocol import JobEvent
+
+
+def event(job_id, status, **fields):
+    return JobEvent(job_id=job_id, status=status, at=time.time(), **fields)
+
+
+@pytest.fixture
+def store(redis_client):
+    return JobStateStore(redis_client)
+
+
+def test_a_job_moves_through_its_states_with_steps_timings_and_refs(store):
+    store.create("j1", model_id="tiny-sd2-inpaint", seed=42, prompt="a vase")
+    assert store.get("j1")["status"] == "queued"
+    for status in ("preprocessing", "waiting"):
+        assert store.record_event(event("j1", status))
+    for step in range(1, 4):
+        assert store.record_event(event("j1", "running", step=step, num_steps=3, worker_id="w0"))
+    store.record_event(event("j1", "postprocessing"))
+    store.record_event(event("j1", "done", result_ref="results/j1.png", thumbnail_ref="thumbnails/j1.webp",
+                             timings={"pre_s": 0.5, "denoise_s": 2.0, "post_s": 0.25}))
+    job = store.get("j1")
+    assert job["status"] == "done" and job["step"] == 3 and job["num_steps"] == 3 and job["worker_id"] == "w0"
+    assert job["seed"] == 42 and job["prompt"] == "a vase" and job["result_ref"] == "results/j1.png"
+    assert job["timings"] == {"pre_s": 0.5, "denoise_s": 2.0, "post_s": 0.25}
+    assert job["queued_at"] <= job["running_at"] <= job["done_at"]
+    statuses = [e["status"] for _, e in store.events("j1")]
+    assert statuses == ["preprocessing", "waiting", "running", "running", "running", "postprocessing", "done"]
+
+
+def test_a_late_event_of_an_earlier_stage_is_dropped(store):
+    store.create("j2")
+    store.record_event(event("j2", "running", step=2, num_steps=4))
+    assert not store.record_event(event("j2", "preprocessing"))
+    assert store.get("j2")["status"] == "running"
+
+
+def test_the_first_terminal_status_wins(store):
+    store.create("j3")
+    assert store.record_event(event("j3", "cancelled", message="cancelled by the user"))
+    assert not store.record_event(event("j3", "done", result_ref="results/j3.png"))
+    assert not store.record_event(event("j3", "running", step=1, num_steps=2))
+    job = store.get("j3")
+    assert job["status"] == "cancelled" and "result_ref" not in job
+    assert [e["status"] for _, e in store.events("j3")] == ["cancelled"]
+
+
+def test_events_of_unknown_jobs_are_dropped(store):
+    assert not store.record_event(event("ghost", "running", step=1, num_steps=2))
+    with pytest.raises(JobNotFound):
+        store.get("ghost")
+    assert store.status("ghost") is None
+
+
+def test_create_is_idempotent(store):
+    store.create("j4", prompt="first")
+    store.record_event(event("j4", "waiting"))
+    store.create("j4", prompt="second")
+    job = store.get("j4")
+    assert job["status"] == "waiting" and job["prompt"] == "first"
+
+
+def test_requeue_resets_an_unfinished_job_only(store):
+    store.create("j5")
+    store.record_event(event("j5", "running", step=3, num_steps=5, worker_id="w1"))
+    assert store.requeue("j5", "worker w1 died")
+    job = store.get("j5")
+    assert job["status"] == "waiting" and job["step"] == 0 and job["message"] == "worker w1 died"
+    store.record_event(event("j5", "done"))
+    assert not store.requeue("j5", "too late")
+    assert store.status("j5") == "done"
+
+
+def test_events_read_after_an_id_and_block_for_new_ones(store):
+    store.create("j6")
+    store.record_event(event("j6", "preprocessing"))
+    (last_id, _), = store.events("j6")
+    assert store.events("j6", after=last_id, block_ms=50) == []
+    store.record_event(event("j6", "waiting"))
+    assert [e["status"] for _, e in store.events("j6", after=last_id)] == ["waiting"]
