@@ -88,6 +88,18 @@ class JobStateStore:
 
     def record_event(self, event: JobEvent) -> bool:
         """Apply one event (see the module invariants); True when it changed the job."""
+        return bool(self._apply(keys=[job_key(event.job_id), events_key(event.job_id)], args=self._argv(event)))
+
+    def record_events(self, events: list[JobEvent]) -> list[bool]:
+        """Apply several events in one round trip (a worker's progress events of one step)."""
+        with self.client.pipeline(transaction=False) as pipe:
+            for event in events:
+                self._apply(keys=[job_key(event.job_id), events_key(event.job_id)], args=self._argv(event),
+                            client=pipe)
+            return [bool(applied) for applied in pipe.execute()]
+
+    @staticmethod
+    def _argv(event: JobEvent) -> list:
         fields = {"status": event.status, "updated_at": event.at}
         if event.num_steps:
             fields |= {"step": event.step, "num_steps": event.num_steps}
@@ -99,7 +111,7 @@ class JobStateStore:
                 json.dumps(_RANK)]
         for name, value in fields.items():
             argv += [name, str(value)]
-        return bool(self._apply(keys=[job_key(event.job_id), events_key(event.job_id)], args=argv))
+        return argv
 
     def requeue(self, job_id: str, message: str) -> bool:
         """A non-terminal job goes back to ``waiting`` (its worker died); False if it had finished."""

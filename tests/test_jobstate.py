@@ -88,3 +88,14 @@ def test_events_read_after_an_id_and_block_for_new_ones(store):
     assert store.events("j6", after=last_id, block_ms=50) == []
     store.record_event(event("j6", "waiting"))
     assert [e["status"] for _, e in store.events("j6", after=last_id)] == ["waiting"]
+
+
+def test_a_steps_events_go_in_one_round_trip_and_keep_the_rules(store):
+    store.create("a")
+    store.create("b")
+    store.record_event(event("b", "done"))
+    applied = store.record_events([event("a", "running", step=1, num_steps=2),
+                                   event("b", "running", step=1, num_steps=2),
+                                   event("ghost", "running", step=1, num_steps=2)])
+    assert applied == [True, False, False]
+    assert store.get("a")["step"] == 1 and store.status("b") == "done"

@@ -73,6 +73,7 @@ class ModeResult:
     avg_post_s: float
     mean_step_s: float
     mean_overhead_ms: float
+    mean_job_work_ms: float
     p50_overhead_ms: float
     mean_batch_rows: float
     cache: dict = field(default_factory=dict)
@@ -125,10 +126,11 @@ def _prepare_inputs(cfg: BenchConfig, settings: Settings, engine, trace: list[Tr
     return template_refs, mask_refs
 
 
-def _edit_job(cfg: BenchConfig, request: TraceRequest, template_ref: str, mask_ref: str, mode: str) -> EditJob:
-    return EditJob(job_id=f"{mode}-{request.index}", model_id=cfg.model_id, template_ref=template_ref,
-                   mask_ref=mask_ref, prompt=PROMPT, seed=request.seed, steps=cfg.steps, guidance=7.5,
-                   submitted_at=time.time())
+def _edit_job(cfg: BenchConfig, request: TraceRequest, refs: tuple, mode: str, guidance: float) -> EditJob:
+    template_refs, mask_refs = refs
+    return EditJob(job_id=f"{mode}-{request.index}", model_id=cfg.model_id, template_ref=template_refs[request.template],
+                   mask_ref=mask_refs[request.index], prompt=PROMPT, seed=request.seed, steps=cfg.steps,
+                   guidance=guidance, resolution=cfg.size, submitted_at=time.time())
 
 
 # ----- one mode -----------------------------------------------------------------------------------------
@@ -172,10 +174,10 @@ class _Run:
             self.post_s.append(post_s)
 
     def _arrive(self, trace: list[TraceRequest], start: float) -> None:
-        template_refs, mask_refs = self.refs
+        guidance = self.worker.engine.spec.default_guidance
         for request in trace:
             time.sleep(max(0.0, start + request.arrival_s - time.time()))
-            job = _edit_job(self.cfg, request, template_refs[request.template], mask_refs[request.index], self.mode)
+            job = _edit_job(self.cfg, request, self.refs, self.mode, guidance)
             with self.lock:
                 self.arrival[job.job_id] = time.time()
             if self.mode == "inline":
@@ -191,8 +193,8 @@ class _Run:
         with tqdm(total=len(trace), desc=f"{self.mode:10s}", leave=False) as bar:
             while len(self.done) < len(trace):
                 self.worker.iterate(idle_poll_s=0.002)
-                bar.n = len(self.done)
-                bar.refresh()
+                if bar.n != len(self.done):
+                    bar.update(len(self.done) - bar.n)
         arrivals.join()
         return self._summary()
 
@@ -208,6 +210,7 @@ class _Run:
                     throughput_rps=len(latencies) / span, avg_queue_s=mean("queue_s") + mean("wait_s"),
                     avg_pre_s=mean("pre_s"), avg_post_s=float(np.mean(self.post_s)) if self.post_s else 0.0,
                     mean_step_s=stats["mean_step_s"], mean_overhead_ms=stats["mean_overhead_s"] * 1e3,
+                    mean_job_work_ms=stats["mean_job_work_s"] * 1e3,
                     p50_overhead_ms=stats["p50_overhead_s"] * 1e3, mean_batch_rows=stats["mean_batch_rows"],
                     cache=self.caches.metrics.snapshot())
 

@@ -8,21 +8,26 @@ child is asked to die with the process that started it.
 
 from __future__ import annotations
 
+import ctypes
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Self
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
-from backend.runtime import die_with_parent
 
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
 PORT_TRIES = 3
+_NO_RETRY = Retry(NoBackoff(), 0)
 _LOG_NAME, _OUT_NAME = "redis-server.log", "redis-server.out"
 
 
@@ -50,6 +55,21 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _die_with_parent_preexec():
+    """A ``preexec_fn`` asking Linux to SIGTERM the child when the thread that started it exits.
+
+    Not ``backend.runtime.die_with_parent``: that one loads libc in the child, and a dlopen between
+    fork and exec can deadlock in a threaded parent (torch's). Here libc is resolved before the fork.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -100,15 +120,16 @@ class RedisServer:
         command = self.command(port)
         log_path, out_path = self.data_dir / _LOG_NAME, self.data_dir / _OUT_NAME
         log_path.unlink(missing_ok=True)  # the tail quoted in an error must be this run's
-        preexec = die_with_parent if sys.platform.startswith("linux") else None
+        preexec = _die_with_parent_preexec()
         try:
             with open(out_path, "wb") as out:
                 process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                           cwd=self.data_dir, preexec_fn=preexec)
+                                           cwd=self.data_dir, preexec_fn=preexec)  # noqa: PLW1509
         except OSError as exc:
             raise RedisServerError(f"cannot run Redis server {command[0]!r}: {exc}") from exc
         self.process, self.port = process, port
-        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=0.5,
+                             retry=_NO_RETRY)  # redis-py retries 10 times by default: one try per loop turn
         deadline = time.monotonic() + START_TIMEOUT_S
         try:
             while True:
@@ -119,12 +140,12 @@ class RedisServer:
                         raise _PortTaken(log)
                     raise RedisServerError(f"Redis server {command[0]} exited with status {process.returncode} "
                                            f"while starting on port {port}; its log:\n{log}")
-                try:
-                    if client.ping():
+                try:  # the server answering must be ours, not another one that already holds the port
+                    if client.ping() and client.info("server").get("process_id") == process.pid:
                         return
                 except (redis.RedisError, OSError):
                     pass
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline and process.poll() is None:
                     self.stop()
                     log = "\n".join(t for t in (_tail(out_path), _tail(log_path)) if t)
                     raise RedisServerError(f"Redis server on port {port} did not answer PING within "
@@ -145,7 +166,7 @@ class RedisServer:
             process.kill()
             process.wait()
 
-    def __enter__(self) -> RedisServer:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
@@ -170,7 +191,7 @@ def connect_or_start(url: str, data_dir: Path) -> tuple[str, RedisServer | None]
     ``(url, server)`` for a server started under ``data_dir/redis`` (the caller stops it)."""
     if url:
         try:
-            client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
+            client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2, retry=_NO_RETRY)
             try:
                 client.ping()
             finally:

@@ -28,6 +28,9 @@ class Inbox(Protocol):
 class JobSink(Protocol):
     def event(self, event: JobEvent) -> None: ...
 
+    def step_events(self, events: list[JobEvent]) -> None:
+        """The progress events of one step, all rows at once (one round trip for the Redis sink)."""
+
     def denoised(self, job: DenoisedJob) -> None:
         """Hand a finished denoise to post-processing."""
 
@@ -75,6 +78,10 @@ class LocalSink:
             self.events.append(event)
         if self.on_event:
             self.on_event(event)
+
+    def step_events(self, events: list[JobEvent]) -> None:
+        for event in events:
+            self.event(event)
 
     def denoised(self, job: DenoisedJob) -> None:
         job = protocol.decode(protocol.encode(job))

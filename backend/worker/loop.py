@@ -94,8 +94,10 @@ class EngineWorker:
         out = self.scheduler.schedule(time.time())
         for job_id in out.cancelled:
             self._finish(job_id, "cancelled", "cancelled by the user")
+        job_work_started = time.perf_counter()
         for job_id in out.admitted:
             self._admit(job_id)
+        job_work_s = time.perf_counter() - job_work_started
         stepped, forward_s = [], 0.0
         for group in out.groups:
             group = [j for j in group if j in self.jobs and self.jobs[j].state is not None]  # admitted ok
@@ -104,10 +106,13 @@ class EngineWorker:
             ran, seconds = self._step_group(group)
             stepped += ran
             forward_s += seconds
-        for row in self.scheduler.update_from_output(stepped):
+        retiring = self.scheduler.update_from_output(stepped)
+        job_work_started = time.perf_counter()
+        for row in retiring:
             self._retire(row)
+        job_work_s += time.perf_counter() - job_work_started
         if stepped:
-            self.stats.record_step(len(stepped), time.perf_counter() - started, forward_s)
+            self.stats.record_step(len(stepped), time.perf_counter() - started, forward_s, job_work_s)
         return bool(stepped)
 
     # ----- arrivals -----------------------------------------------------------------------------
@@ -208,8 +213,10 @@ class EngineWorker:
                 self.scheduler.drop(job_id)
                 self._finish(job_id, "failed", f"denoising failed: {exc}")
             return [], 0.0
-        for job_id, state in zip(job_ids, states):
-            self._emit(job_id, "running", step=state.step, num_steps=len(state.req.timesteps))
+        now = time.time()
+        self.sink.step_events([JobEvent(job_id=job_id, status="running", at=now, worker_id=self.worker_id,
+                                        step=state.step, num_steps=len(state.req.timesteps))
+                               for job_id, state in zip(job_ids, states)])
         return job_ids, forward_s
 
     # ----- leaving -----------------------------------------------------------------------------------

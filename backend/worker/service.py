@@ -43,6 +43,9 @@ class RedisSink:
     def event(self, event: JobEvent) -> None:
         self.jobstate.record_event(event)
 
+    def step_events(self, events: list[JobEvent]) -> None:
+        self.jobstate.record_events(events)
+
     def denoised(self, job: DenoisedJob) -> None:
         self.celery_app.send_task(POST_TASK, args=[protocol.encode(job)], queue=self.post_queue)
 

@@ -1,7 +1,9 @@
 """Per-step statistics of a worker loop (pure): step time, forward time, batching overhead, batch size.
 
-Batching overhead of a step = the loop iteration's wall time minus the denoiser's forward time:
-scheduling, admission, building and splitting the batch, per-row scheduler updates and events.
+Batching overhead of a step = the loop iteration's wall time minus the denoiser's forward time and
+minus per-job work (admitting a job: cache acquire and state set-up; retiring it: writing its final
+latents, handing it on): scheduling, building and splitting the batch, planning, per-row scheduler
+updates and events. Per-job work is reported on its own (``mean_job_work_s`` per step).
 Totals cover the whole life of the worker; percentiles cover the most recent ``window`` steps, so a
 long-running worker's memory stays bounded.
 """
@@ -27,18 +29,20 @@ class WorkerStats:
     steps: int = 0
     step_s_total: float = 0.0
     forward_s_total: float = 0.0
+    job_work_s_total: float = 0.0
     rows_total: int = 0
     max_rows: int = 0
     jobs_by_status: Counter = field(default_factory=Counter)
     recent_overhead_s: deque = field(default_factory=deque)
 
-    def record_step(self, num_rows: int, iteration_s: float, forward_s: float) -> None:
+    def record_step(self, num_rows: int, iteration_s: float, forward_s: float, job_work_s: float = 0.0) -> None:
         self.steps += 1
         self.step_s_total += iteration_s
         self.forward_s_total += forward_s
+        self.job_work_s_total += job_work_s
         self.rows_total += num_rows
         self.max_rows = max(self.max_rows, num_rows)
-        self.recent_overhead_s.append(max(0.0, iteration_s - forward_s))
+        self.recent_overhead_s.append(max(0.0, iteration_s - forward_s - job_work_s))
         if len(self.recent_overhead_s) > self.window:
             self.recent_overhead_s.popleft()
 
@@ -50,7 +54,8 @@ class WorkerStats:
         return {
             "steps": self.steps,
             "mean_step_s": self.step_s_total / steps,
-            "mean_overhead_s": (self.step_s_total - self.forward_s_total) / steps,
+            "mean_overhead_s": (self.step_s_total - self.forward_s_total - self.job_work_s_total) / steps,
+            "mean_job_work_s": self.job_work_s_total / steps,
             "p50_overhead_s": percentile(self.recent_overhead_s, 50),
             "p95_overhead_s": percentile(self.recent_overhead_s, 95),
             "mean_batch_rows": self.rows_total / steps,

@@ -1,0 +1,79 @@
+"""The worker service on a real Redis: inbox stream in, progress into the job state store, finished
+denoises onto the Celery post-processing queue, heartbeat with live state and a TTL."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from backend import protocol
+from backend.blobs import BlobStore
+from backend.config import load_settings
+from backend.jobstate import JobStateStore
+from backend.protocol import CancelJob, WorkerHeartbeat
+from backend.tasks.celery_app import make_celery
+from backend.worker.redis_inbox import send_to_inbox
+from backend.worker.service import HEARTBEAT_TTL_S, Heartbeat, build_worker, heartbeat_key
+from tests.factories import MASK, make_params, make_prepared_job, make_template
+
+
+@pytest.fixture
+def service(redis_url, redis_client, models_dir, tmp_path):
+    settings = load_settings(env={}, paths={"data_dir": str(tmp_path), "models_dir": str(models_dir)},
+                             redis={"url": redis_url}, worker={"worker_id": "w-test"},
+                             cache={"ram_budget_mb": 64, "disk_budget_mb": 256})
+    worker, caches = build_worker(settings, redis_client, make_celery(settings))
+    yield settings, worker, caches, JobStateStore(redis_client)
+    caches.close()
+
+
+def drain(worker, jobstate, job_id, limit=200):
+    """Iterate until the job left the worker (acked: nothing pending in its inbox)."""
+    for _ in range(limit):
+        worker.iterate(0.01)
+        if jobstate.status(job_id) not in ("queued", "preprocessing") and worker.inbox.pending() == 0:
+            return
+    raise AssertionError("the worker did not finish the job")
+
+
+def test_a_job_from_the_inbox_reports_progress_and_goes_to_post_processing(service, redis_client):
+    settings, worker, _, jobstate = service
+    blobs = BlobStore(settings.paths.data_dir / "blobs")
+    params = make_params(worker.engine, size=(worker.engine.spec.default_resolution,) * 2)
+    template = make_template(size=params.size[0])
+    mask = MASK.resize(template.size)
+    job = make_prepared_job(worker.engine, blobs, "svc-1", template, mask, seed=4, params=params)
+    jobstate.create("svc-1")
+    jobstate.record_event(protocol.JobEvent(job_id="svc-1", status="preprocessing", at=time.time()))
+    send_to_inbox(redis_client, "w-test", job)
+    drain(worker, jobstate, "svc-1")
+    record = jobstate.get("svc-1")
+    assert record["status"] == "running" and record["step"] == record["num_steps"] == params.steps
+    assert record["worker_id"] == "w-test"
+    (task,) = redis_client.lrange(settings.celery.post_queue, 0, -1)  # the Celery message, JSON
+    assert b"maskserve.postprocess" in task and b"svc-1" in task
+    assert worker.inbox.pending() == 0  # acked once handed on
+
+
+def test_a_cancel_through_the_inbox_ends_the_job(service, redis_client):
+    settings, worker, _, jobstate = service
+    jobstate.create("svc-2")
+    send_to_inbox(redis_client, "w-test", CancelJob(job_id="svc-2"))
+    blobs = BlobStore(settings.paths.data_dir / "blobs")
+    params = make_params(worker.engine, size=(worker.engine.spec.default_resolution,) * 2)
+    template = make_template(size=params.size[0])
+    send_to_inbox(redis_client, "w-test", make_prepared_job(worker.engine, blobs, "svc-2", template,
+                                                            MASK.resize(template.size), seed=1, params=params))
+    drain(worker, jobstate, "svc-2")
+    assert jobstate.status("svc-2") == "cancelled"
+    assert redis_client.llen(settings.celery.post_queue) == 0
+
+
+def test_the_heartbeat_carries_live_state_under_a_short_ttl(service, redis_client):
+    settings, worker, caches, _ = service
+    Heartbeat(redis_client, worker, caches, settings).maybe_beat()
+    beat = protocol.decode(redis_client.get(heartbeat_key("w-test")))
+    assert isinstance(beat, WorkerHeartbeat) and beat.model_id == worker.engine.spec.model_id
+    assert beat.device == "cpu" and beat.max_batch == settings.worker.max_batch and beat.running == []
+    assert 0 < redis_client.ttl(heartbeat_key("w-test")) <= HEARTBEAT_TTL_S
