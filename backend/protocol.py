@@ -141,7 +141,13 @@ _NESTED = {"mask_ops": MaskOps}
 
 
 def to_dict(message) -> dict:
-    return {"type": message.TYPE, "version": PROTOCOL_VERSION, **asdict(message)}
+    # shallow on purpose: dataclasses.asdict deep-copies every value, and a worker encodes one
+    # progress event per row per step; json.dumps copies the nested dicts and lists anyway
+    payload = {"type": message.TYPE, "version": PROTOCOL_VERSION}
+    for f in fields(message):
+        value = getattr(message, f.name)
+        payload[f.name] = asdict(value) if f.name in _NESTED else value
+    return payload
 
 
 def encode(message) -> str:
@@ -159,10 +165,10 @@ def from_dict(payload: dict):
     names = {f.name for f in fields(cls)}
     if set(payload) - names:
         raise ProtocolError(f"{type_name}: unexpected fields {sorted(set(payload) - names)}")
-    for name, nested in _NESTED.items():
-        if isinstance(payload.get(name), dict):
-            payload[name] = nested(**payload[name])
     try:
+        for name, nested in _NESTED.items():
+            if isinstance(payload.get(name), dict):
+                payload[name] = nested(**payload[name])
         return cls(**payload)
     except TypeError as exc:
         raise ProtocolError(f"{type_name}: {exc}") from exc

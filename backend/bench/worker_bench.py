@@ -246,7 +246,11 @@ def run_worker_bench(cfg: BenchConfig, settings: Settings) -> list[ModeResult]:
         if "continuous" in cfg.modes:
             runs.append(("continuous", "continuous, all templates in RAM", cfg.num_templates))
         for mode, label, ram_templates in runs:
-            summary = _Run(cfg, settings, engine, blobs, mode, ram_templates, refs, pool).run(trace)
+            run = _Run(cfg, settings, engine, blobs, mode, ram_templates, refs, pool)
+            try:
+                summary = run.run(trace)
+            finally:
+                run.caches.close()  # its prefetch threads and RAM tier must not weigh on the next mode
             results.append(ModeResult(mode=mode, label=label, **summary))
     return results
 

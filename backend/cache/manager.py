@@ -158,9 +158,10 @@ class CacheMetrics:
     def snapshot(self) -> dict:
         """Plain dict for logs and heartbeats; lead-time statistics over the last ``LEAD_WINDOW`` uses."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "prefetch_lead_s"}
-        lookups, on_disk = self.ram_hits + self.ram_misses, self.disk_hits + self.disk_misses
+        lookups = self.ram_hits + self.ram_misses
         out["ram_hit_rate"] = self.ram_hits / lookups if lookups else 0.0  # of all lookups
-        out["disk_hit_rate"] = self.disk_hits / on_disk if on_disk else 0.0  # of RAM misses that went to disk
+        # of RAM misses, those the disk tier served (read at once, or a prefetch already under way)
+        out["disk_hit_rate"] = (self.disk_hits + self.load_waits) / self.ram_misses if self.ram_misses else 0.0
         leads = sorted(self.prefetch_lead_s)
         out["prefetch_lead_s_min"] = leads[0] if leads else None
         out["prefetch_lead_s_p50"] = leads[len(leads) // 2] if leads else None

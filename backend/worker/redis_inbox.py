@@ -14,12 +14,13 @@ from redis import Redis
 from redis.exceptions import ResponseError
 
 from backend import protocol
-from backend.protocol import CancelJob
+from backend.protocol import CancelJob, EditJob, PreparedJob
 
 log = logging.getLogger(__name__)
 
 GROUP = "workers"
 INBOX_MAXLEN = 100_000
+INBOX_TYPES = (PreparedJob, EditJob, CancelJob)  # what a worker's inbox carries; anything else is dropped
 
 
 def inbox_stream(worker_id: str) -> str:
@@ -57,10 +58,15 @@ class RedisInbox:
 
     def _read(self, entry_id, fields):
         entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        fields = fields or {}  # a pending entry deleted (XDEL, MAXLEN trim) since it was delivered has none
         raw = fields.get(b"msg") or fields.get("msg")
         try:
-            message = protocol.decode(raw)
-        except protocol.ProtocolError as exc:  # unreadable: drop it, or it would be redelivered forever
+            if raw is None:
+                raise protocol.ProtocolError("no 'msg' field (deleted, or not a MaskServe message)")
+            message = protocol.decode(raw)  # TypeError too: protocol.from_dict lets a bad nested field through
+            if not isinstance(message, INBOX_TYPES):
+                raise protocol.ProtocolError(f"a {message.TYPE} message does not belong in a worker's inbox")
+        except (ValueError, TypeError) as exc:  # unreadable: drop it, or it would be redelivered forever
             log.error("dropping unreadable inbox entry %s: %s", entry_id, exc)
             self.client.xack(self.stream, GROUP, entry_id)
             return None
