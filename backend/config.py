@@ -110,6 +110,7 @@ class CelerySettings(_Strict):
     visibility_timeout_s: int = Field(default=600, ge=1)
     concurrency: int = Field(default=1, ge=1, le=32)
     device: str = "cpu"  # where text encoders and the VAE run
+    metrics_port: int = Field(default=0, ge=0, le=65535)  # 0: no /metrics endpoint
 
     @field_validator("device")
     @classmethod
@@ -158,6 +159,7 @@ _ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "REDIS_URL": ("redis", "url"),
     "CELERY_CONCURRENCY": ("celery", "concurrency"),
     "CELERY_DEVICE": ("celery", "device"),
+    "CPU_METRICS_PORT": ("celery", "metrics_port"),
 }
 # Also read without the prefix: the conventional name every Redis deployment already sets.
 _PLAIN_ENV = {"REDIS_URL": ("redis", "url")}

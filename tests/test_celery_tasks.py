@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -18,7 +19,8 @@ from backend.blobs import BlobStore
 from backend.config import load_settings
 from backend.jobstate import JobStateStore
 from backend.protocol import EditJob
-from backend.tasks.celery_app import PREPARED_STREAM, make_celery, submit_edit
+from backend.services.redis_server import free_port
+from backend.tasks.celery_app import PREPARED_STREAM, make_celery, submit_edit, task_stats
 from backend.worker.channels import LocalInbox
 from backend.worker.loop import EngineWorker
 from backend.worker.service import RedisSink
@@ -38,7 +40,8 @@ def engine(models_dir, tmp_path_factory):
 def stack(redis_url, models_dir, tmp_path, engine):
     """Settings, Celery app, job state and a running `maskserve cpu-worker` subprocess."""
     env = {**os.environ, "MASKSERVE_REDIS_URL": redis_url, "MASKSERVE_DATA_DIR": str(tmp_path),
-           "MASKSERVE_MODELS_DIR": str(models_dir), "MASKSERVE_MODEL": "tiny-sd2-inpaint"}
+           "MASKSERVE_MODELS_DIR": str(models_dir), "MASKSERVE_MODEL": "tiny-sd2-inpaint",
+           "MASKSERVE_CPU_METRICS_PORT": str(free_port())}
     settings = load_settings(env={k: v for k, v in env.items() if k.startswith("MASKSERVE_")})
     log = open(tmp_path / "cpu-worker.log", "wb")
     process = subprocess.Popen([sys.executable, "-m", "backend.cli", "cpu-worker"], env=env, stdout=log,
@@ -109,6 +112,13 @@ def test_a_job_runs_pre_and_post_on_celery_around_the_worker(stack, engine, tmp_
     assert result.shape == before.shape and np.array_equal(result[outside], before[outside])
     statuses = [e["status"] for _, e in jobstate.events(job.job_id)]
     assert statuses[0] == "preprocessing" and statuses[-2:] == ["postprocessing", "done"]
+    url = f"http://127.0.0.1:{settings.celery.metrics_port}/metrics"
+    # the task counts itself just after it marks the job done
+    wait_for(lambda: task_stats(client)["tasks_total"].get("postprocess.done"), "the task count",
+             tmp_path / "cpu-worker.log")
+    metrics = urllib.request.urlopen(url, timeout=5).read().decode()
+    assert 'maskserve_cpu_tasks_total{key="preprocess.done"} 1.0' in metrics
+    assert 'maskserve_cpu_tasks_total{key="postprocess.done"} 1.0' in metrics
 
 
 def test_a_redelivered_pre_task_hands_its_job_off_once(stack, tmp_path):
@@ -123,7 +133,9 @@ def test_a_redelivered_pre_task_hands_its_job_off_once(stack, tmp_path):
 
 
 def test_a_bad_upload_fails_its_job_with_the_reason(stack, tmp_path):
-    settings, app, jobstate, _ = stack
+    settings, app, jobstate, client = stack
     job = submit(settings, app, jobstate, "celery-bad", b"this is not a picture", png(painted_mask()))
     wait_for(lambda: jobstate.status(job.job_id) == "failed", "the job to fail", tmp_path / "cpu-worker.log")
     assert "not an image" in jobstate.get(job.job_id)["message"]
+    wait_for(lambda: task_stats(client)["tasks_total"] == {"preprocess.failed": 1.0}, "the task count",
+             tmp_path / "cpu-worker.log")

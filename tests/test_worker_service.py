@@ -77,3 +77,47 @@ def test_the_heartbeat_carries_live_state_under_a_short_ttl(service, redis_clien
     assert isinstance(beat, WorkerHeartbeat) and beat.model_id == worker.engine.spec.model_id
     assert beat.device == "cpu" and beat.max_batch == settings.worker.max_batch and beat.running == []
     assert 0 < redis_client.ttl(heartbeat_key("w-test")) <= HEARTBEAT_TTL_S
+
+
+def test_the_worker_process_serves_its_inbox_exports_metrics_and_stops_cleanly(redis_url, redis_client, models_dir,
+                                                                              tmp_path, service):
+    """`maskserve worker` as a process: a job sent to its inbox reaches the post queue, /metrics
+    answers, SIGTERM stops it with status 0 and its heartbeat key is gone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    from backend.services.redis_server import free_port
+
+    settings, worker, _, jobstate = service  # the in-process engine builds the model files first
+    port = free_port()
+    env = {**os.environ, "MASKSERVE_REDIS_URL": redis_url, "MASKSERVE_DATA_DIR": str(settings.paths.data_dir),
+           "MASKSERVE_MODELS_DIR": str(models_dir), "MASKSERVE_WORKER_ID": "w-proc",
+           "MASKSERVE_WORKER_METRICS_PORT": str(port)}
+    log = open(tmp_path / "worker.log", "wb")
+    process = subprocess.Popen([sys.executable, "-m", "backend.cli", "worker", "--model", "tiny-sd2-inpaint"],
+                               env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        blobs = BlobStore(settings.paths.data_dir / "blobs")
+        params = make_params(worker.engine, size=(worker.engine.spec.default_resolution,) * 2)
+        template = make_template(size=params.size[0])
+        jobstate.create("proc-1")
+        send_to_inbox(redis_client, "w-proc", make_prepared_job(worker.engine, blobs, "proc-1", template,
+                                                                MASK.resize(template.size), seed=2, params=params))
+        deadline = time.time() + 90
+        while redis_client.llen(settings.celery.post_queue) == 0 and time.time() < deadline:
+            assert process.poll() is None, (tmp_path / "worker.log").read_text()
+            time.sleep(0.1)
+        assert redis_client.llen(settings.celery.post_queue) == 1, (tmp_path / "worker.log").read_text()
+        assert redis_client.exists(heartbeat_key("w-proc"))
+        time.sleep(1.2)  # the next heartbeat carries the finished step's statistics
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert "maskserve_worker_steps" in metrics and "maskserve_cache_ram_hits" in metrics
+    finally:
+        process.send_signal(signal.SIGTERM)
+        status = process.wait(timeout=30)
+        log.close()
+    assert status == 0, (tmp_path / "worker.log").read_text()
+    assert not redis_client.exists(heartbeat_key("w-proc"))

@@ -32,6 +32,7 @@ from backend import protocol
 from backend.blobs import BlobError
 from backend.config import Settings
 from backend.imaging.masks import MaskError
+from backend.metrics import make_registry, serve_metrics
 from backend.imaging.uploads import UploadError
 from backend.protocol import JobEvent, ProtocolError
 
@@ -43,6 +44,25 @@ PREPARED_STREAM = "maskserve:prepared"  # pre-processed jobs awaiting routing to
 PREPARED_MAXLEN = 100_000
 USER_ERRORS = (UploadError, MaskError, BlobError, ProtocolError, ValueError)
 TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError)
+
+
+STATS_KEY = "maskserve:stats:cpu"  # task counts and seconds, shared by every CPU worker process
+
+
+def record_task(client: Redis, task: str, outcome: str, seconds: float) -> None:
+    """Count one finished task (outcome: done / failed / skipped) and its seconds, in Redis: Celery's
+    prefork children cannot share in-process counters with the parent that serves ``/metrics``."""
+    with client.pipeline(transaction=False) as pipe:
+        pipe.hincrby(STATS_KEY, f"{task}.{outcome}", 1)
+        pipe.hincrbyfloat(STATS_KEY, f"{task}.seconds", seconds)
+        pipe.execute()
+
+
+def task_stats(client: Redis) -> dict:
+    """Snapshot for the metrics endpoint: ``tasks_total`` and ``task_seconds_total`` by key."""
+    raw = {k.decode() if isinstance(k, bytes) else k: float(v) for k, v in client.hgetall(STATS_KEY).items()}
+    return {"tasks_total": {k: v for k, v in raw.items() if not k.endswith(".seconds")},
+            "task_seconds_total": {k.removesuffix(".seconds"): v for k, v in raw.items() if k.endswith(".seconds")}}
 
 
 class _Process:
@@ -111,31 +131,36 @@ def make_celery(settings: Settings) -> Celery:
     retry = dict(autoretry_for=TRANSIENT_ERRORS, retry_backoff=True, retry_backoff_max=30, max_retries=5,
                  retry_jitter=True)
 
+    def run(task: str, job_id: str, work, failure_prefix: str) -> None:
+        started, outcome = time.time(), "done"
+        try:
+            outcome = work() or "done"
+        except USER_ERRORS as exc:
+            outcome = "failed"
+            state.fail(job_id, f"{failure_prefix}{exc}")
+        except SoftTimeLimitExceeded:
+            outcome = "failed"
+            state.fail(job_id, f"{task} took over {settings.celery.task_soft_time_limit_s} s")
+        record_task(state.client, task, outcome, time.time() - started)
+
     @app.task(name=PRE_TASK, **retry)
     def preprocess(job_json: str) -> None:
         job = protocol.decode(job_json)
-        if state.jobstate().status(job.job_id) not in (None, "queued", "preprocessing"):
-            log.info("pre-processing of %s skipped: the job already moved on", job.job_id)
-            return
-        try:
-            prepared = state.stages(job.model_id).preprocess(job)
-        except USER_ERRORS as exc:
-            state.fail(job.job_id, str(exc))
-            return
-        except SoftTimeLimitExceeded:
-            state.fail(job.job_id, f"pre-processing took over {settings.celery.task_soft_time_limit_s} s")
-            return
-        hand_off(state.client, prepared)
+
+        def work():
+            if state.jobstate().status(job.job_id) not in (None, "queued", "preprocessing"):
+                log.info("pre-processing of %s skipped: the job already moved on", job.job_id)
+                return "skipped"
+            hand_off(state.client, state.stages(job.model_id).preprocess(job))
+        run("preprocess", job.job_id, work, "")
 
     @app.task(name=POST_TASK, **retry)
     def postprocess(denoised_json: str) -> None:
         job = protocol.decode(denoised_json)
-        try:
-            state.stages(job.model_id).postprocess(job)
-        except USER_ERRORS as exc:
-            state.fail(job.job_id, f"post-processing failed: {exc}")
-        except SoftTimeLimitExceeded:
-            state.fail(job.job_id, f"post-processing took over {settings.celery.task_soft_time_limit_s} s")
+
+        def work():
+            return "done" if state.stages(job.model_id).postprocess(job) else "skipped"
+        run("postprocess", job.job_id, work, "post-processing failed: ")
 
     return app
 
@@ -148,6 +173,8 @@ def submit_edit(app: Celery, job) -> None:
 def run_cpu_worker(settings: Settings) -> int:
     """One Celery worker consuming both queues (``-Q``), ``concurrency`` processes."""
     app = make_celery(settings)
+    client = Redis.from_url(settings.redis.url)
+    serve_metrics(settings.celery.metrics_port, make_registry({"maskserve_cpu": lambda: task_stats(client)}))
     queues = f"{settings.celery.pre_queue},{settings.celery.post_queue}"
     # prefork even for one process: the solo pool cannot enforce time limits
     app.worker_main(["worker", "-Q", queues, "--concurrency", str(settings.celery.concurrency), "--pool", "prefork",

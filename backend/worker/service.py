@@ -52,19 +52,23 @@ class RedisSink:
 
 class Heartbeat:
     """Publishes ``WorkerHeartbeat`` at most every ``HEARTBEAT_EVERY_S`` from the worker's own loop
-    (so the state it reports is never read while the loop changes it)."""
+    (so the state it reports is never read while the loop changes it). The metrics endpoint serves
+    the snapshots taken here, never the live objects, for the same reason."""
 
     def __init__(self, client: Redis, worker: EngineWorker, caches: TieredActivationCache, settings: Settings):
         self.client, self.worker, self.caches, self.settings = client, worker, caches, settings
         self._last = 0.0
+        self.worker_stats: dict = {}
+        self.cache_stats: dict = {}
 
     def message(self) -> WorkerHeartbeat:
         live = self.worker.scheduler.live_state()
+        self.worker_stats, self.cache_stats = self.worker.stats.snapshot(), self.caches.metrics.snapshot()
         return WorkerHeartbeat(
             worker_id=self.worker.worker_id, model_id=self.worker.engine.spec.model_id,
             device=self.settings.engine.device, at=time.time(), max_batch=live["max_batch"], batching=live["mode"],
             running=live["running"], waiting=live["waiting"], resident_ram=self.caches.resident(Tier.RAM),
-            resident_disk=self.caches.resident(Tier.DISK), stats=self.worker.stats.snapshot())
+            resident_disk=self.caches.resident(Tier.DISK), stats=self.worker_stats)
 
     def maybe_beat(self) -> None:
         now = time.monotonic()
@@ -96,9 +100,9 @@ def run_worker(settings: Settings) -> int:
     client = Redis.from_url(settings.redis.url)
     client.ping()
     worker, caches = build_worker(settings, client)
-    serve_metrics(settings.worker.metrics_port, make_registry({
-        "maskserve_worker": worker.stats.snapshot, "maskserve_cache": lambda: caches.metrics.snapshot()}))
     heartbeat = Heartbeat(client, worker, caches, settings)
+    serve_metrics(settings.worker.metrics_port, make_registry({
+        "maskserve_worker": lambda: heartbeat.worker_stats, "maskserve_cache": lambda: heartbeat.cache_stats}))
     stop = stop_event_on_signals()
     log.info("worker %s serving %s on %s (%s batching, max batch %d)", worker.worker_id, worker.engine.spec.model_id,
              settings.engine.device, worker.mode, worker.scheduler.max_batch)
