@@ -31,6 +31,7 @@ from backend.protocol import JobEvent
 TERMINAL = ("done", "failed", "cancelled")
 _RANK = {"queued": 0, "preprocessing": 1, "waiting": 2, "running": 3, "postprocessing": 4,
          "done": 5, "failed": 5, "cancelled": 5}
+_RANK_JSON = json.dumps(_RANK)
 EVENTS_MAXLEN = 1000
 JOB_TTL_S = 7 * 24 * 3600  # finished jobs' state is kept a week
 
@@ -108,7 +109,7 @@ class JobStateStore:
                 fields[name] = getattr(event, name)
         fields |= {f"timing.{stage}": seconds for stage, seconds in event.timings.items()}
         argv = [_RANK[event.status], event.status, json.dumps(_event_dict(event)), EVENTS_MAXLEN, JOB_TTL_S,
-                json.dumps(_RANK)]
+                _RANK_JSON]
         for name, value in fields.items():
             argv += [name, str(value)]
         return argv

@@ -64,24 +64,30 @@ class LocalInbox:
 
 @dataclass
 class LocalSink:
-    """Collects events and finished denoises; optional callbacks let a benchmark chain post-processing."""
+    """Collects events and finished denoises; an optional callback lets a benchmark chain
+    post-processing. Events are kept encoded (what a Redis sink pays per event) and decoded only
+    when read."""
 
     on_denoised: Callable[[DenoisedJob], None] | None = None
-    on_event: Callable[[JobEvent], None] | None = None
-    events: list[JobEvent] = field(default_factory=list)
     denoised_jobs: list[DenoisedJob] = field(default_factory=list)
+    _encoded_events: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def event(self, event: JobEvent) -> None:
-        event = protocol.decode(protocol.encode(event))
+    @property
+    def events(self) -> list[JobEvent]:
         with self._lock:
-            self.events.append(event)
-        if self.on_event:
-            self.on_event(event)
+            encoded = list(self._encoded_events)
+        return [protocol.decode(text) for text in encoded]
+
+    def event(self, event: JobEvent) -> None:
+        text = protocol.encode(event)
+        with self._lock:
+            self._encoded_events.append(text)
 
     def step_events(self, events: list[JobEvent]) -> None:
-        for event in events:
-            self.event(event)
+        encoded = [protocol.encode(event) for event in events]
+        with self._lock:
+            self._encoded_events.extend(encoded)
 
     def denoised(self, job: DenoisedJob) -> None:
         job = protocol.decode(protocol.encode(job))
@@ -91,5 +97,4 @@ class LocalSink:
             self.on_denoised(job)
 
     def statuses(self, job_id: str) -> list[str]:
-        with self._lock:
-            return [e.status for e in self.events if e.job_id == job_id]
+        return [e.status for e in self.events if e.job_id == job_id]
