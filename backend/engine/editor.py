@@ -29,6 +29,7 @@ from backend.engine.cache_store import CacheKey, CacheWriter, TemplateCache
 from backend.engine.context import ForwardContext, active_context
 from backend.engine.families import ADAPTERS, RequestTensors
 from backend.engine.prepared import PreparedRequest
+from backend.engine.stepping import batched_step, guide_all
 from backend.engine.feeder import MODE_TENSORS, BatchCacheFeeder, RowCacheRef
 from backend.engine.flux import install_flux_hooks
 from backend.engine.unet import install_unet_hooks
@@ -256,22 +257,29 @@ class MaskAwareEngine:
         forward_s = time.perf_counter() - forward_started
         offset = 0
         for s in states:
-            part = prediction[offset:offset + s.req.halves]
             if s.writer is not None:
                 s.writer.write_step(s.step, {k: v[offset:offset + s.req.halves] for k, v in ctx.recorder.items()
                                              if k[1] in MODE_TENSORS[mode]})
                 s.recorded_latents.append(s.latents)
             offset += s.req.halves
-            self._advance(s, part)
+        self._advance(states, prediction)
         return forward_s
 
-    def _advance(self, s: EditState, prediction: torch.Tensor) -> None:
-        t = s.req.timesteps[s.step]
-        latents = s.req.scheduler.step(self.adapter.guide(s.req, prediction), t, s.latents, return_dict=False)[0]
-        s.step += 1
-        if s.trajectory is not None:
-            latents = torch.where(s.fresh, latents, s.trajectory[s.step:s.step + 1])
-        s.latents = latents
+    def _advance(self, states: list[EditState], prediction: torch.Tensor) -> None:
+        """Guidance and scheduler update of every row, vectorised where the scheduler allows
+        (``backend.engine.stepping``), else row by row through diffusers."""
+        guided = guide_all(prediction, [s.req.halves for s in states], [s.req.guidance for s in states])
+        stepped = batched_step([s.req.scheduler for s in states], guided, torch.cat([s.latents for s in states]))
+        for row, s in enumerate(states):
+            if stepped is not None:
+                latents = stepped[row:row + 1]
+            else:
+                latents = s.req.scheduler.step(guided[row:row + 1], s.req.timesteps[s.step], s.latents,
+                                               return_dict=False)[0]
+            s.step += 1
+            if s.trajectory is not None:
+                latents = torch.where(s.fresh, latents, s.trajectory[s.step:s.step + 1])
+            s.latents = latents
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, params: EditParams) -> Image.Image:

@@ -83,12 +83,6 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def decode(self, latents: torch.Tensor, size: tuple[int, int]) -> Image.Image: ...
 
-    def guide(self, req: RequestTensors, prediction: torch.Tensor) -> torch.Tensor:
-        if req.halves == 1:
-            return prediction
-        uncond, cond = prediction.chunk(2)
-        return uncond + req.guidance * (cond - uncond)
-
     def _generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device="cpu").manual_seed(seed)
 
