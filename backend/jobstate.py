@@ -114,12 +114,27 @@ class JobStateStore:
             argv += [name, str(value)]
         return argv
 
-    def requeue(self, job_id: str, message: str) -> bool:
-        """A non-terminal job goes back to ``waiting`` (its worker died); False if it had finished."""
+    def assign(self, job_id: str, worker_id: str) -> bool:
+        """Record the worker a job was routed to (cancels go to its inbox); False if the job is gone
+        or finished."""
         with self.client.pipeline() as pipe:
             pipe.watch(job_key(job_id))
             status = pipe.hget(job_key(job_id), "status")
             if status is None or _text(status) in TERMINAL:
+                pipe.unwatch()
+                return False
+            pipe.multi()
+            pipe.hset(job_key(job_id), "worker_id", worker_id)
+            pipe.execute()
+        return True
+
+    def requeue(self, job_id: str, message: str) -> bool:
+        """A job its worker had not finished goes back to ``waiting`` (the worker died); False if it
+        had finished or already reached post-processing (its result is on the way)."""
+        with self.client.pipeline() as pipe:
+            pipe.watch(job_key(job_id))
+            status = pipe.hget(job_key(job_id), "status")
+            if status is None or _text(status) in TERMINAL + ("postprocessing",):
                 pipe.unwatch()
                 return False
             pipe.multi()

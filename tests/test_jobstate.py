@@ -99,3 +99,17 @@ def test_a_steps_events_go_in_one_round_trip_and_keep_the_rules(store):
                                    event("ghost", "running", step=1, num_steps=2)])
     assert applied == [True, False, False]
     assert store.get("a")["step"] == 1 and store.status("b") == "done"
+
+
+def test_assign_records_the_worker_of_an_unfinished_job_only(store):
+    store.create("as1")
+    assert store.assign("as1", "w3") and store.get("as1")["worker_id"] == "w3"
+    store.record_event(event("as1", "failed", message="boom"))
+    assert not store.assign("as1", "w4") and store.get("as1")["worker_id"] == "w3"
+    assert not store.assign("ghost", "w1")
+
+
+def test_a_job_in_post_processing_is_not_requeued(store):
+    store.create("pp")
+    store.record_event(event("pp", "postprocessing"))
+    assert not store.requeue("pp", "worker died") and store.status("pp") == "postprocessing"

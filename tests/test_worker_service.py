@@ -72,7 +72,7 @@ def test_a_cancel_through_the_inbox_ends_the_job(service, redis_client):
 
 def test_the_heartbeat_carries_live_state_under_a_short_ttl(service, redis_client):
     settings, worker, caches, _ = service
-    Heartbeat(redis_client, worker, caches, settings).maybe_beat()
+    Heartbeat(redis_client, worker, caches, settings).refresh(force=True)
     beat = protocol.decode(redis_client.get(heartbeat_key("w-test")))
     assert isinstance(beat, WorkerHeartbeat) and beat.model_id == worker.engine.spec.model_id
     assert beat.device == "cpu" and beat.max_batch == settings.worker.max_batch and beat.running == []
@@ -121,3 +121,22 @@ def test_the_worker_process_serves_its_inbox_exports_metrics_and_stops_cleanly(r
         log.close()
     assert status == 0, (tmp_path / "worker.log").read_text()
     assert not redis_client.exists(heartbeat_key("w-proc"))
+
+
+def test_the_heartbeat_stays_alive_while_the_loop_is_busy(service, redis_client):
+    """A step longer than the TTL must not make a live worker look dead: a thread re-publishes."""
+    import threading
+
+    settings, worker, caches, _ = service
+    heartbeat = Heartbeat(redis_client, worker, caches, settings)
+    heartbeat.refresh(force=True)
+    stop = threading.Event()
+    heartbeat.start_publisher(stop)
+    try:
+        redis_client.delete(heartbeat_key("w-test"))  # as if the TTL ran out during a long step
+        deadline = time.time() + 3
+        while not redis_client.exists(heartbeat_key("w-test")) and time.time() < deadline:
+            time.sleep(0.05)
+        assert redis_client.exists(heartbeat_key("w-test"))
+    finally:
+        stop.set()

@@ -30,6 +30,7 @@ class Row:
     group_key: str  # rows with equal keys can share one forward pass (same cache mode and resolution)
     mask_ratio: float = 1.0
     enqueued_at: float = 0.0
+    template: str = ""  # cache digest of the row's template ("" = none), for routing by residency
     admitted_at: float | None = None
     step: int = 0
 
@@ -120,8 +121,8 @@ class BatchScheduler:
 
     def live_state(self) -> dict:
         """Running batch and queue, as the worker's heartbeat reports them."""
-        return {"running": [{"job_id": r.job_id, "mask_ratio": r.mask_ratio, "remaining_steps": r.remaining_steps}
-                            for r in self.running.values()],
-                "waiting": [{"job_id": r.job_id, "mask_ratio": r.mask_ratio, "num_steps": r.num_steps}
-                            for r in self.waiting.values()],
+        return {"running": [{"job_id": r.job_id, "mask_ratio": r.mask_ratio, "remaining_steps": r.remaining_steps,
+                             "template": r.template} for r in self.running.values()],
+                "waiting": [{"job_id": r.job_id, "mask_ratio": r.mask_ratio, "num_steps": r.num_steps,
+                             "template": r.template} for r in self.waiting.values()],
                 "max_batch": self.max_batch, "mode": self.mode}

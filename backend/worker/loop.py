@@ -152,7 +152,8 @@ class EngineWorker:
         job = _Job(message, prepared, params, received_at=time.time())
         self.jobs[message.job_id] = job
         key = f"{params.mode}:{params.size[0]}x{params.size[1]}"
-        self.scheduler.add(Row(message.job_id, message.num_steps, key, message.mask_ratio, job.received_at))
+        self.scheduler.add(Row(message.job_id, message.num_steps, key, message.mask_ratio, job.received_at,
+                               template=message.cache_digest))
         if self.caches is not None and params.use_cache and prepared.cache_key is not None:
             self.caches.prefetch(prepared.cache_key)  # disk -> RAM while the job waits for a slot
         self._emit(message.job_id, "waiting", num_steps=message.num_steps)

@@ -8,6 +8,7 @@ Prometheus metrics. Stops after the current step on SIGTERM/SIGINT and dies with
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from redis import Redis
@@ -27,6 +28,7 @@ from backend.worker.redis_inbox import RedisInbox
 log = logging.getLogger(__name__)
 
 HEARTBEAT_TTL_S = 5
+WORKERS_KEY = "maskserve:workers"  # every worker that ever started; the dispatcher's recovery list
 HEARTBEAT_EVERY_S = 1.0
 
 
@@ -51,13 +53,21 @@ class RedisSink:
 
 
 class Heartbeat:
-    """Publishes ``WorkerHeartbeat`` at most every ``HEARTBEAT_EVERY_S`` from the worker's own loop
-    (so the state it reports is never read while the loop changes it). The metrics endpoint serves
-    the snapshots taken here, never the live objects, for the same reason."""
+    """The worker's heartbeat: ``WorkerHeartbeat`` under ``maskserve:worker:<id>`` with a short TTL.
+
+    The message is built in the worker's own loop (``refresh``, at most every ``HEARTBEAT_EVERY_S``),
+    so the state it reports is never read while the loop changes it; a daemon thread re-publishes
+    the latest message every ``HEARTBEAT_EVERY_S`` so that a step longer than the TTL (a big batch
+    on a slow device) does not make a live worker look dead. The thread dies with the process, so
+    a crashed worker's key expires within ``HEARTBEAT_TTL_S``. The metrics endpoint serves the
+    snapshots taken here, never the live objects.
+    """
 
     def __init__(self, client: Redis, worker: EngineWorker, caches: TieredActivationCache, settings: Settings):
         self.client, self.worker, self.caches, self.settings = client, worker, caches, settings
-        self._last = 0.0
+        self._built_at = 0.0
+        self._encoded: str | None = None
+        self._lock = threading.Lock()
         self.worker_stats: dict = {}
         self.cache_stats: dict = {}
 
@@ -70,11 +80,31 @@ class Heartbeat:
             running=live["running"], waiting=live["waiting"], resident_ram=self.caches.resident(Tier.RAM),
             resident_disk=self.caches.resident(Tier.DISK), stats=self.worker_stats)
 
-    def maybe_beat(self) -> None:
+    def refresh(self, force: bool = False) -> None:
+        """From the worker loop: rebuild the message when it is due (or ``force``) and publish it."""
         now = time.monotonic()
-        if now - self._last >= HEARTBEAT_EVERY_S:
-            self._last = now
-            self.client.set(heartbeat_key(self.worker.worker_id), protocol.encode(self.message()), ex=HEARTBEAT_TTL_S)
+        if force or now - self._built_at >= HEARTBEAT_EVERY_S:
+            self._built_at = now
+            with self._lock:
+                self._encoded = protocol.encode(self.message())
+            self.publish()
+
+    def publish(self) -> None:
+        with self._lock:
+            encoded = self._encoded
+        if encoded is not None:
+            self.client.set(heartbeat_key(self.worker.worker_id), encoded, ex=HEARTBEAT_TTL_S)
+
+    def start_publisher(self, stop: threading.Event) -> threading.Thread:
+        def publish_until_stopped():
+            while not stop.wait(HEARTBEAT_EVERY_S):
+                try:
+                    self.publish()
+                except Exception:  # Redis away for a moment: the next beat retries
+                    log.warning("heartbeat not published", exc_info=True)
+        thread = threading.Thread(target=publish_until_stopped, name="heartbeat", daemon=True)
+        thread.start()
+        return thread
 
 
 def build_worker(settings: Settings, client: Redis, celery_app=None) -> tuple[EngineWorker, TieredActivationCache]:
@@ -106,11 +136,15 @@ def run_worker(settings: Settings) -> int:
     stop = stop_event_on_signals()
     log.info("worker %s serving %s on %s (%s batching, max batch %d)", worker.worker_id, worker.engine.spec.model_id,
              settings.engine.device, worker.mode, worker.scheduler.max_batch)
+    heartbeat.refresh(force=True)
+    heartbeat.start_publisher(stop)
+    client.sadd(WORKERS_KEY, worker.worker_id)  # the dispatcher recovers this inbox if the heartbeat stops
     try:
         while not stop.is_set():
             worker.iterate(settings.worker.idle_poll_s)
-            heartbeat.maybe_beat()
+            heartbeat.refresh()
     finally:
+        stop.set()
         client.delete(heartbeat_key(worker.worker_id))
         caches.close()
     return 0
