@@ -105,28 +105,54 @@ def cmd_profile(args, settings: Settings) -> int:
 
 
 def cmd_up(args, settings: Settings) -> int:
-    """Start what exists so far: build the default model, prepare a sample template, run one edit."""
-    import numpy as np
-    from PIL import Image
+    """Start every role on this machine and wait; Ctrl-C stops them all."""
+    from backend.runtime import stop_event_on_signals
+    from backend.services.stack import Stack, engine_devices, plan_roles, stack_api_key
 
-    from templates_store.samples import sample_template
+    roles = plan_roles(settings, engine_devices(), cpu_workers=args.cpu_workers)
+    api_key = stack_api_key(settings)
+    for role in roles:
+        if role.name == "api" and api_key:
+            role.env["MASKSERVE_API_KEYS"] = api_key
+    stack = Stack(settings, roles)
+    stop = stop_event_on_signals()
+    try:
+        redis_url = stack.start()
+        base = f"http://{settings.api.host}:{settings.api.port}"
+        print(f"Redis      {redis_url}\nREST API   {base}/v1   (docs {base}/docs, metrics {base}/metrics)\n"
+              f"API key    {api_key or '(from MASKSERVE_API_KEYS)'}\nlogs       {stack.log_dir}/<role>.log\n"
+              f"roles      {', '.join(r.name for r in roles)}\nCtrl-C stops everything.", flush=True)
+        if stack.wait_ready(f"{base}/readyz", stop):
+            print("ready", flush=True)
+        while not stop.is_set():
+            name = stack.exited()
+            if name is not None:
+                print(f"error: {name} exited; the last lines of its log:\n{stack.log_tail(name)}", file=sys.stderr)
+                return 1
+            stop.wait(0.5)
+        return 0
+    finally:
+        stack.stop()
 
-    engine, spec = _engine(settings)
-    params = _params(spec, argparse.Namespace(size=None, steps=None, mode=None), settings)
-    out_dir = settings.paths.data_dir / "demo"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    size = params.size[0]
-    template = sample_template(size, size, seed=7)
-    mask = np.zeros((size, size), dtype=np.uint8)
-    mask[size // 4: size // 2, size // 3: 2 * size // 3] = 255
-    template.save(out_dir / "template.png")
-    Image.fromarray(mask).save(out_dir / "mask.png")
-    for attempt in ("first edit (dense, records the cache)", "second edit (mask-aware, cached)"):
-        result = engine.edit(template, Image.fromarray(mask), "a red leather armchair", 42, params)
-        print(f"{attempt}: {result.timings['total_s']:.2f}s used_cache={result.used_cache}")
-    result.image.save(out_dir / "edited.png")
-    print(f"wrote {out_dir}/template.png, mask.png, edited.png (model {spec.model_id})")
-    return 0
+
+def cmd_submit(args, settings: Settings) -> int:
+    from backend.client import submit_cli
+
+    return submit_cli(args, settings)
+
+
+def cmd_dispatcher(args, settings: Settings) -> int:
+    from backend.dispatch.service import run_dispatcher
+    from backend.runtime import run_role
+
+    return run_role("dispatcher", run_dispatcher, settings)
+
+
+def cmd_api(args, settings: Settings) -> int:
+    from backend.api.server import run_api
+    from backend.runtime import run_role
+
+    return run_role("api", run_api, settings)
 
 
 def cmd_worker(args, settings: Settings) -> int:
@@ -162,6 +188,29 @@ def cmd_bench_worker(args, settings: Settings) -> int:
               f"step {r.mean_step_s * 1e3:6.1f} ms  overhead {r.mean_overhead_ms:5.2f} ms (+ job work "
               f"{r.mean_job_work_ms:5.2f} ms)  "
               f"rows {r.mean_batch_rows:4.2f}  hits ram {ram:.2f} disk {disk:.2f}")
+    print(f"wrote {args.json} and {plot}")
+    return 0
+
+
+def cmd_bench_route(args, settings: Settings) -> int:
+    from backend.bench.route_bench import (RouteBenchConfig, cost_model_for, decision_time, run_route_bench,
+                                           write_outputs)
+    from backend.dispatch.router import POLICIES
+
+    cfg = RouteBenchConfig(model_id=args.model, device=args.device_kind, mode=args.mode,
+                           profiles_dir=args.profiles_dir or str(settings.paths.profiles_dir),
+                           policies=tuple(args.policies.split(",")) if args.policies else POLICIES,
+                           loads=tuple(float(x) for x in args.loads.split(",")), duration_s=args.duration,
+                           num_workers=args.workers, max_batch=args.max_batch, steps=args.steps,
+                           num_templates=args.templates, ram_templates=args.ram_templates,
+                           prerecorded=args.prerecorded, mask_mean=args.mask_mean, burst_factor=args.burst,
+                           disk_read_s_per_byte=1e-9 / args.disk_gbps, seed=args.seed)
+    report = run_route_bench(cfg, progress=print)
+    if args.decisions:
+        report["decision_time_ms"] = decision_time(cost_model_for(cfg), decisions=args.decisions)
+        print(f"decision time (8 workers x 8 rows): {report['decision_time_ms']}")
+    plot = write_outputs(cfg, report, Path(args.json))
+    print(f"P95 reduction of mask_aware vs each policy: {report['p95_reduction']}")
     print(f"wrote {args.json} and {plot}")
     return 0
 
@@ -243,6 +292,29 @@ def build_parser() -> argparse.ArgumentParser:
     worker_bench.add_argument("--json", required=True)
     worker_bench.set_defaults(func=cmd_bench_worker)
 
+    route = bench_sub.add_parser("route", help="routing policies side by side (discrete-event simulation "
+                                 "driven by the fitted cost models)")
+    route.add_argument("--model", default="small-flux-fill")
+    route.add_argument("--device-kind", default="cpu", help="the profile's device kind (cpu or cuda)")
+    route.add_argument("--mode", choices=["kv", "hidden"], default="kv")
+    route.add_argument("--profiles-dir", default=None)
+    route.add_argument("--policies", default=None, help="comma list (default: all)")
+    route.add_argument("--loads", default="0.5,0.65,0.8,0.95", help="fractions of the measured capacity")
+    route.add_argument("--duration", type=float, default=600.0, help="simulated seconds of arrivals per run")
+    route.add_argument("--workers", type=int, default=8)
+    route.add_argument("--max-batch", type=int, default=8)
+    route.add_argument("--steps", type=int, default=20)
+    route.add_argument("--templates", type=int, default=200)
+    route.add_argument("--ram-templates", type=int, default=8, help="per worker")
+    route.add_argument("--prerecorded", type=float, default=0.8, help="share of templates on disk at the start")
+    route.add_argument("--mask-mean", type=float, default=0.11)
+    route.add_argument("--burst", type=float, default=2.0)
+    route.add_argument("--disk-gbps", type=float, default=1.0)
+    route.add_argument("--seed", type=int, default=0)
+    route.add_argument("--decisions", type=int, default=2000, help="routing decisions timed (0: skip)")
+    route.add_argument("--json", required=True)
+    route.set_defaults(func=cmd_bench_route)
+
     worker = sub.add_parser("worker", help="run one engine worker (one per GPU) on its Redis inbox")
     worker.add_argument("--device", default=None, help="cpu or cuda[:N] (default: MASKSERVE_DEVICE or cpu)")
     worker.add_argument("--model", default=None, help="model id (default: MASKSERVE_MODEL)")
@@ -255,7 +327,22 @@ def build_parser() -> argparse.ArgumentParser:
     cpu_worker.add_argument("--concurrency", type=int, default=None, help="processes (default 1)")
     cpu_worker.set_defaults(func=cmd_cpu_worker, overrides=_cpu_worker_overrides)
 
-    up = sub.add_parser("up", help="start what exists so far on this machine")
+    dispatcher = sub.add_parser("dispatcher", help="route pre-processed jobs to engine workers")
+    dispatcher.add_argument("--policy", default=None,
+                            choices=["mask_aware", "flashps", "round_robin", "fewest_requests", "fewest_tokens"])
+    dispatcher.set_defaults(func=cmd_dispatcher,
+                            overrides=lambda a: {"dispatcher": {"policy": a.policy}} if a.policy else {})
+    api = sub.add_parser("api", help="run the REST API server")
+    api.set_defaults(func=cmd_api)
+    from backend.client import add_submit_arguments
+
+    submit = sub.add_parser("submit", help="submit an edit to a running MaskServe over REST and wait for it")
+    add_submit_arguments(submit)
+    submit.set_defaults(func=cmd_submit)
+
+    up = sub.add_parser("up", help="start every role on this machine (Redis, CPU workers, dispatcher, "
+                                   "engine workers, API); Ctrl-C stops them")
+    up.add_argument("--cpu-workers", type=int, default=1, help="Celery CPU worker processes")
     up.set_defaults(func=cmd_up)
     return parser
 

@@ -127,6 +127,49 @@ class CelerySettings(_Strict):
         return value
 
 
+RoutingPolicy = Literal["mask_aware", "flashps", "round_robin", "fewest_requests", "fewest_tokens"]
+
+
+class DispatcherSettings(_Strict):
+    """Routes pre-processed jobs to engine workers (``maskserve dispatcher``)."""
+
+    policy: RoutingPolicy = "mask_aware"
+    # How often live workers are re-read and dead workers' inboxes recovered.
+    check_every_s: float = Field(default=0.5, gt=0.0, le=10.0)
+    metrics_port: int = Field(default=0, ge=0, le=65535)  # 0: no /metrics endpoint
+
+
+class ApiSettings(_Strict):
+    """The REST API (``maskserve api``): where it listens, who may call it, how much they may send.
+
+    Auth is on by default: every ``/v1`` request needs an ``X-API-Key`` listed in ``api_keys``
+    (``MASKSERVE_API_KEYS``, comma-separated). With no keys configured the API answers 401 to every
+    ``/v1`` request (and logs why at start-up) unless ``auth_disabled`` is set explicitly
+    (``MASKSERVE_AUTH_DISABLED=1``, for a laptop). ``/healthz``, ``/readyz`` and ``/metrics`` are open.
+    """
+
+    host: str = "127.0.0.1"  # loopback by default: exposing the API is a deliberate choice
+    port: int = Field(default=8000, ge=1, le=65535)
+    api_keys: tuple[str, ...] = Field(default=(), repr=False)
+    auth_disabled: bool = False
+    # Per API key token bucket, shared by every API process through Redis; 0 turns it off.
+    rate_limit_per_minute: int = Field(default=120, ge=0)
+    rate_limit_burst: int = Field(default=20, ge=1)  # requests a key may send at once
+    max_body_mb: float = Field(default=32.0, gt=0.0)  # any request body (413 above)
+    max_template_mb: float = Field(default=16.0, gt=0.0)  # one template file in the gallery
+    # Model ids jobs may name; empty: any built-in id (tiny-/small-/arch-<family>). Checkpoints
+    # ('<family>:<dir or hub id>', local directories) must be listed here to be accepted over REST.
+    models: tuple[str, ...] = ()
+    sse_keepalive_s: float = Field(default=15.0, gt=0.0, le=300.0)  # comment lines on an idle event stream
+
+    @field_validator("api_keys", "models", mode="before")
+    @classmethod
+    def _comma_separated(cls, value):
+        if isinstance(value, str):
+            value = value.split(",")
+        return tuple(item.strip() for item in value if item and item.strip())
+
+
 class Settings(_Strict):
     paths: PathSettings = PathSettings()
     engine: EngineSettings = EngineSettings()
@@ -134,6 +177,8 @@ class Settings(_Strict):
     cache: CacheSettings = CacheSettings()
     redis: RedisSettings = RedisSettings()
     celery: CelerySettings = CelerySettings()
+    api: ApiSettings = ApiSettings()
+    dispatcher: DispatcherSettings = DispatcherSettings()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
 
@@ -160,10 +205,21 @@ _ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "CELERY_CONCURRENCY": ("celery", "concurrency"),
     "CELERY_DEVICE": ("celery", "device"),
     "CPU_METRICS_PORT": ("celery", "metrics_port"),
+    "API_HOST": ("api", "host"),
+    "API_PORT": ("api", "port"),
+    "API_KEYS": ("api", "api_keys"),
+    "AUTH_DISABLED": ("api", "auth_disabled"),
+    "RATE_LIMIT_PER_MINUTE": ("api", "rate_limit_per_minute"),
+    "RATE_LIMIT_BURST": ("api", "rate_limit_burst"),
+    "MAX_BODY_MB": ("api", "max_body_mb"),
+    "MAX_TEMPLATE_MB": ("api", "max_template_mb"),
+    "API_MODELS": ("api", "models"),
+    "ROUTING_POLICY": ("dispatcher", "policy"),
+    "DISPATCHER_METRICS_PORT": ("dispatcher", "metrics_port"),
 }
 # Also read without the prefix: the conventional name every Redis deployment already sets.
 _PLAIN_ENV = {"REDIS_URL": ("redis", "url")}
-_SECTIONS = ("paths", "engine", "worker", "cache", "redis", "celery")
+_SECTIONS = ("paths", "engine", "worker", "cache", "redis", "celery", "dispatcher", "api")
 
 
 def load_settings(env: Mapping[str, str] | None = None, **overrides: dict) -> Settings:

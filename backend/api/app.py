@@ -1,0 +1,145 @@
+"""The REST API as a FastAPI app: ``create_app(settings)``.
+
+Routes: ``/v1/templates...`` and ``/v1/jobs...`` (API key + rate limit, see ``backend.api.security``),
+``/healthz`` (the process is up), ``/readyz`` (Redis answers), ``/metrics`` (Prometheus), ``/docs``.
+
+Errors are JSON ``{"error": "<what is wrong and how to fix it>"}``: 401/403 auth, 404 unknown job or
+template, 409 result not ready / job finished, 413 too large, 415 unsupported image format, 422 a
+bad field, 429 rate limited (``Retry-After``), 503 Redis or the queue unavailable. Bad input never
+gives a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+from fastapi import Depends, FastAPI, Request, Security
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from backend.api import routes_jobs, routes_templates
+from backend.api.middleware import ApiMetrics, BodyLimitMiddleware, MetricsMiddleware
+from backend.api.security import Guard, RateLimiter, api_key_header
+from backend.api.service import JobService, ServiceError
+from backend.blobs import BlobError, BlobStore
+from backend.config import Settings
+from backend.jobstate import JobStateStore
+from templates_store.store import TemplateError, TemplateNotFound, TemplateStore
+
+log = logging.getLogger(__name__)
+
+MB = 2**20
+MAX_EVENT_STREAMS = 256  # threads that may wait on Redis for event streams at once
+STATUS_BY_CODE = {"invalid": 422, "not_found": 404, "conflict": 409, "unsupported_format": 415,
+                  "too_large": 413, "unavailable": 503}
+
+
+def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "header", "form"))
+        parts.append(f"{where or 'request'}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) + " (see /docs for the expected fields)"
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request, exc: RequestValidationError):
+        return _error(422, _validation_message(exc))
+
+    @app.exception_handler(ServiceError)
+    async def service_error(_request, exc: ServiceError):
+        return _error(STATUS_BY_CODE.get(exc.code, 422), str(exc))
+
+    @app.exception_handler(TemplateError)
+    async def template_error(_request, exc: TemplateError):
+        return _error(STATUS_BY_CODE.get(exc.code, 422), str(exc))
+
+    @app.exception_handler(TemplateNotFound)
+    async def template_not_found(_request, exc: TemplateNotFound):
+        return _error(404, str(exc))
+
+    @app.exception_handler(BlobError)
+    async def blob_error(_request, exc: BlobError):
+        return _error(404, str(exc))
+
+    async def redis_down(_request, exc: Exception):
+        log.warning("Redis unavailable: %s", exc)
+        return _error(503, f"Redis is unavailable ({exc}): try again shortly")
+    app.add_exception_handler(RedisConnectionError, redis_down)
+    app.add_exception_handler(RedisTimeoutError, redis_down)
+
+
+def _ops_routes(app: FastAPI, client: Redis, metrics: ApiMetrics) -> None:
+    @app.get("/healthz", tags=["ops"], summary="The process is up")
+    def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["ops"], summary="Ready to take jobs (Redis answers)")
+    def readyz() -> JSONResponse:
+        try:
+            client.ping()
+        except Exception as exc:  # any failure means not ready; say which
+            return JSONResponse({"status": "unavailable", "error": f"Redis does not answer: {exc}"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics", response_class=Response)
+    def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _redis_client(settings: Settings) -> Redis:
+    if not settings.redis.url:
+        raise ValueError("the API needs a Redis URL: set MASKSERVE_REDIS_URL (or start the stack with `maskserve up`)")
+    # event streams block on Redis for at most a second at a time (routes_jobs.BLOCK_SLICE_MS)
+    return Redis.from_url(settings.redis.url, socket_connect_timeout=5, socket_timeout=10, health_check_interval=30)
+
+
+def create_app(settings: Settings, redis_client: Redis | None = None, celery_app=None) -> FastAPI:
+    """The API app. ``redis_client`` / ``celery_app`` default to ones built from ``settings``
+    (nothing connects until the first request)."""
+    if celery_app is None:
+        from backend.tasks.celery_app import make_celery
+
+        celery_app = make_celery(settings)
+    client = redis_client if redis_client is not None else _redis_client(settings)
+    data_dir = settings.paths.data_dir
+    blobs = BlobStore(data_dir / "blobs")
+    templates = TemplateStore(data_dir / "templates", max_pixels=settings.celery.max_upload_pixels,
+                              max_bytes=int(settings.api.max_template_mb * MB))
+    metrics = ApiMetrics()
+    app = FastAPI(title="MaskServe", version="1", summary="Mask-based image edits: template gallery and jobs",
+                  docs_url="/docs", redoc_url=None)
+    app.state.settings, app.state.redis, app.state.templates = settings, client, templates
+    app.state.service = JobService(settings, client, celery_app, blobs, templates, JobStateStore(client))
+    app.state.metrics = metrics
+    app.state.sse_limiter = anyio.CapacityLimiter(MAX_EVENT_STREAMS)
+    limiter = RateLimiter(client, settings.api.rate_limit_per_minute, settings.api.rate_limit_burst)
+    guard = Guard(settings.api, limiter, on_limited=metrics.rate_limited.inc)
+
+    def require_api_key(request: Request, api_key: str | None = Security(api_key_header)) -> None:
+        guard.check(request, api_key)
+
+    # routers carry their full /v1/... prefix themselves: the route template then is the metrics label
+    for router in (routes_templates.router, routes_jobs.router):
+        app.include_router(router, dependencies=[Depends(require_api_key)])
+    _ops_routes(app, client, metrics)
+    _install_error_handlers(app)
+    # the last added runs first: metrics see every response, the body limit's 413s included
+    app.add_middleware(BodyLimitMiddleware, max_bytes=int(settings.api.max_body_mb * MB))
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app

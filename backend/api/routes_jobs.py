@@ -1,0 +1,147 @@
+"""``/v1/jobs``: submit an edit, read its state, follow its events, fetch its result, cancel it.
+
+Every route is about ONE job: there is no global progress and no global interrupt.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+from fastapi import APIRouter, File, Form, Header, Query, Request, UploadFile
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+
+from backend.api.service import JobRequest, JobService
+from backend.jobstate import TERMINAL
+from backend.protocol import MaskOps
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+SSE_RETRY_MS = 3000  # how long a browser's EventSource waits before it reconnects
+BLOCK_SLICE_MS = 1000  # longest single blocking read of a job's events
+
+
+def _service(request: Request) -> JobService:
+    return request.app.state.service
+
+
+def job_links(job_id: str, done: bool = False) -> dict:
+    base = f"/v1/jobs/{job_id}"
+    links = {"status_url": base, "events_url": f"{base}/events", "result_url": f"{base}/result"}
+    if done:
+        links["thumbnail_url"] = f"{base}/result?thumbnail=1"
+    return links
+
+
+def _read(upload: UploadFile | None) -> bytes | None:
+    return None if upload is None else upload.file.read()
+
+
+@router.post("", status_code=202, summary="Submit an edit (returns at once)")
+def submit_job(request: Request,
+               mask: UploadFile = File(..., description="Mask: grayscale, 255 = repaint, same size as the image "
+                                                        "(or RGBA, painted area in alpha)"),
+               image: UploadFile | None = File(None, description="The image to edit (or give template_id)"),
+               template_id: str | None = Form(None, description="A gallery template to edit (or upload image)"),
+               prompt: str = Form("", description="What to paint in the masked area"),
+               negative_prompt: str = Form(""),
+               model: str | None = Form(None, description="Model id (default: the server's model)"),
+               steps: int | None = Form(None, description="1..150 (default: the model's)"),
+               guidance: float | None = Form(None, description="0..50 (default: the model's)"),
+               strength: float = Form(1.0, description="(0, 1]"),
+               seed: int | None = Form(None, description="0..2^32-1; empty: random (returned)"),
+               threshold: int = Form(127, description="Mask pixels above this are repainted (0..254)"),
+               invert: bool = Form(False),
+               grow_px: int = Form(0, description="Grow (or, negative, shrink) the mask by this many pixels"),
+               feather_px: float = Form(0.0, description="Soften the paste-back edge (0..256 px)"),
+               resolution: int = Form(0, description="Model resolution bucket side; 0: the model's default"),
+               use_cache: bool = Form(True, description="Reuse the template's cached activations")) -> JSONResponse:
+    job_request = JobRequest(mask=_read(mask) or b"", image=_read(image), template_id=template_id or None,
+                             prompt=prompt, negative_prompt=negative_prompt, model=model or None, steps=steps,
+                             guidance=guidance, strength=strength, seed=seed,
+                             mask_ops=MaskOps(threshold=threshold, invert=invert, grow_px=grow_px,
+                                              feather_px=feather_px),
+                             resolution=resolution, use_cache=use_cache)
+    submitted = _service(request).submit(job_request)
+    request.app.state.metrics.jobs_submitted.labels(submitted.model_id).inc()
+    body = {"job_id": submitted.job_id, "seed": submitted.seed, "model": submitted.model_id,
+            "steps": submitted.steps, "status": "queued", **job_links(submitted.job_id)}
+    return JSONResponse(body, status_code=202, headers={"Location": body["status_url"]})
+
+
+@router.get("/{job_id}", summary="A job's status, step, seed, timings and links")
+def get_job(request: Request, job_id: str) -> dict:
+    job = _service(request).get(job_id)
+    return job | job_links(job_id, done=job["status"] == "done")
+
+
+@router.get("/{job_id}/result", summary="The result (PNG), or its thumbnail (WebP) with ?thumbnail=1",
+            response_class=FileResponse)
+def job_result(request: Request, job_id: str, thumbnail: bool = Query(False)) -> FileResponse:
+    service = _service(request)
+    if thumbnail:
+        return FileResponse(service.thumbnail_path(job_id), media_type="image/webp")
+    return FileResponse(service.result_path(job_id), media_type="image/png", filename=f"{job_id}.png",
+                        content_disposition_type="inline")
+
+
+@router.delete("/{job_id}", summary="Cancel a job (queued: dropped; running: leaves its batch at the next step)")
+def cancel_job(request: Request, job_id: str) -> dict:
+    return {"job_id": job_id, **_service(request).cancel(job_id)}
+
+
+@router.get("/{job_id}/events", summary="Server-sent events of one job", response_class=StreamingResponse,
+            responses={200: {"content": {"text/event-stream": {}}}})
+async def job_events(request: Request, job_id: str,
+                     last_event_id: str | None = Header(None, alias="Last-Event-ID"),
+                     after: str | None = Query(None, description="Replay after this event id (default: all)")):
+    """Replays the job's events from the start (or after ``Last-Event-ID`` / ``after``), then sends
+    new ones as they happen; the stream ends after a terminal status (done, failed, cancelled).
+    Each message: ``id`` = the event id, ``data`` = the event as JSON. Comment lines keep an idle
+    connection open."""
+    service, app_state = _service(request), request.app.state
+    start = last_event_id or after or "0"
+    await _run(app_state, service.get, job_id)  # 404 before the stream starts
+    first = await _run(app_state, service.events, job_id, start, None)  # validates ``start`` too
+    stream = _event_stream(app_state, service, job_id, start, first, app_state.settings.api.sse_keepalive_s)
+    return StreamingResponse(stream, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _run(app_state, func, *args):
+    """A blocking Redis call on a thread of the event streams' own pool: streams waiting on Redis
+    never starve the pool the other (sync) routes run on."""
+    return await anyio.to_thread.run_sync(lambda: func(*args), limiter=app_state.sse_limiter,
+                                          abandon_on_cancel=True)
+
+
+async def _event_stream(app_state, service: JobService, job_id: str, cursor: str, entries: list,
+                        keepalive_s: float) -> AsyncIterator[str]:
+    """Blocking reads are sliced (``BLOCK_SLICE_MS``): a Redis client's socket timeout (5 s by default
+    in redis-py) must never cut a read short, and an idle stream notices within a slice when its job
+    ended without a further event (expired, or finished at or before ``cursor``)."""
+    yield f"retry: {SSE_RETRY_MS}\n\n"
+    last_sent = time.monotonic()
+    while True:
+        for event_id, event in entries:
+            cursor = event_id
+            yield _message(job_id, event_id, event)
+            last_sent = time.monotonic()
+            if event.get("status") in TERMINAL:
+                return
+        if not entries:
+            status = await _run(app_state, service.jobstate.status, job_id)
+            if status is None or status in TERMINAL:
+                for event_id, event in await _run(app_state, service.events, job_id, cursor, None):
+                    yield _message(job_id, event_id, event)  # a terminal event that came after our read
+                return
+            if time.monotonic() - last_sent >= keepalive_s:
+                yield ": keep-alive\n\n"
+                last_sent = time.monotonic()
+        block_ms = max(1, min(BLOCK_SLICE_MS, int(keepalive_s * 1000)))
+        entries = await _run(app_state, service.events, job_id, cursor, block_ms)
+
+
+def _message(job_id: str, event_id: str, event: dict) -> str:
+    return f"id: {event_id}\ndata: {json.dumps({'job_id': job_id, **event})}\n\n"

@@ -1,0 +1,66 @@
+"""``/v1/templates``: the template gallery over REST (storage: ``templates_store.store``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import APIRouter, File, Form, Query, Request, UploadFile
+from fastapi.responses import FileResponse, Response
+
+from templates_store.store import TemplateRecord, TemplateStore
+
+router = APIRouter(prefix="/v1/templates", tags=["templates"])
+
+
+def _store(request: Request) -> TemplateStore:
+    return request.app.state.templates
+
+
+def template_view(record: TemplateRecord) -> dict:
+    base = f"/v1/templates/{record.id}"
+    return record.to_dict() | {"url": base, "image_url": f"{base}/image", "thumbnail_url": f"{base}/thumbnail"}
+
+
+def split_tags(values: list[str]) -> list[str]:
+    """Tags from repeated form fields, each of which may hold several comma-separated tags."""
+    return [tag for value in values for tag in value.split(",")]
+
+
+@router.post("", status_code=201, summary="Upload a template into the gallery")
+def upload_template(request: Request,
+                    file: UploadFile = File(..., description="The image: PNG, JPEG, WebP or BMP"),
+                    name: str | None = Form(None, description="Display name (default: the file's name)"),
+                    tags: list[str] = Form([], description="Tags, comma-separated or repeated")) -> dict:
+    data = file.file.read()
+    display = name if name is not None else Path(file.filename or "").stem or "untitled"
+    record = _store(request).add(data, display, split_tags(tags))
+    return template_view(record)
+
+
+@router.get("", summary="List templates, newest first")
+def list_templates(request: Request, query: str = Query("", description="Name contains (case-insensitive)"),
+                   tag: str = Query("", description="Only templates with this tag")) -> dict:
+    return {"templates": [template_view(r) for r in _store(request).list(query=query, tag=tag)]}
+
+
+@router.get("/{template_id}", summary="One template's record")
+def get_template(request: Request, template_id: str) -> dict:
+    return template_view(_store(request).get(template_id))
+
+
+@router.delete("/{template_id}", status_code=204, summary="Delete a template")
+def delete_template(request: Request, template_id: str) -> Response:
+    _store(request).delete(template_id)
+    return Response(status_code=204)
+
+
+@router.get("/{template_id}/image", summary="The template image (PNG)", response_class=FileResponse)
+def template_image(request: Request, template_id: str) -> FileResponse:
+    return FileResponse(_store(request).image_path(template_id), media_type="image/png",
+                        headers={"Cache-Control": "private, max-age=86400"})
+
+
+@router.get("/{template_id}/thumbnail", summary="The template thumbnail (WebP)", response_class=FileResponse)
+def template_thumbnail(request: Request, template_id: str) -> FileResponse:
+    return FileResponse(_store(request).thumbnail_path(template_id), media_type="image/webp",
+                        headers={"Cache-Control": "private, max-age=86400"})

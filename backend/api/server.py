@@ -1,0 +1,44 @@
+"""`maskserve api`: the REST API served by uvicorn on ``settings.api.host:port``.
+
+Entry convention (``backend.runtime``): call it as ``run_role("api", run_api, settings)``; logging
+is configured there (uvicorn's own logging config is switched off so its lines go through the same
+JSON handler), and uvicorn stops cleanly on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from backend.config import Settings
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises a captured SIGTERM/SIGINT once it has shut down (so the process dies of the
+    signal); MaskServe processes stop cleanly and return instead, and ``run_role`` logs the exit."""
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        getattr(self, "_captured_signals", []).clear()
+
+
+def run_api(settings: Settings) -> int:
+    from backend.api.app import create_app
+
+    api = settings.api
+    if api.auth_disabled:
+        log.warning("API auth is DISABLED (MASKSERVE_AUTH_DISABLED): anyone who reaches %s:%d can submit jobs",
+                    api.host, api.port)
+    elif not api.api_keys:
+        log.error("no API keys configured: every /v1 request will be refused with 401; set MASKSERVE_API_KEYS "
+                  "(comma-separated) or MASKSERVE_AUTH_DISABLED=1 for local use")
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=api.host, port=api.port, log_config=None, access_log=False,
+                            proxy_headers=False, timeout_graceful_shutdown=5, server_header=False)
+    log.info("API on http://%s:%d (docs at /docs)", api.host, api.port)
+    server = _Server(config)
+    server.run()
+    return 0 if server.started else 1

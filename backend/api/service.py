@@ -1,0 +1,301 @@
+"""The job service: what the REST routes (and the Studio UI) call to submit, watch and cancel edits.
+
+No HTTP here: problems are ``ServiceError``s whose ``code`` says what kind they are (the REST layer
+maps codes to statuses). Submission validates everything that is cheap before anything is queued
+(model, numbers, prompt, image and mask decodable, within limits and of the same size), so a job
+that is accepted fails later only for reasons the API could not see.
+
+Invariants:
+* a job is visible in the job state (``queued``) before its ``EditJob`` is on the pre-processing
+  queue, so the pre task never meets a job it does not know;
+* the seed a job runs with is chosen here when the caller gives none, stored with the job and
+  returned, so every result can be reproduced;
+* cancel never touches another job: it records a terminal ``cancelled`` event for that job (the
+  pre task, the dispatcher and post-processing skip cancelled jobs), and a job on a worker also
+  gets a ``CancelJob`` in that worker's inbox, so the worker drops it at its next step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kombu.exceptions import OperationalError as BrokerError
+
+from backend.blobs import BlobStore
+from backend.config import Settings
+from backend.imaging.masks import MaskError, load_mask, require_nonempty
+from backend.imaging.uploads import UploadError, decode_image
+from backend.imaging.uploads import _validate_ops as validate_mask_ops  # the pre task's exact ranges
+from backend.jobstate import TERMINAL, JobNotFound, JobStateStore
+from backend.models import UnknownModelError, known_model_ids, resolve_model
+from backend.protocol import CancelJob, EditJob, JobEvent, MaskOps
+from backend.tasks.celery_app import submit_edit
+from backend.worker.redis_inbox import send_to_inbox
+from templates_store.store import TemplateNotFound, TemplateStore, upload_error_code
+
+MAX_PROMPT_CHARS = 2000
+MAX_STEPS = 150
+MAX_GUIDANCE = 50.0
+MAX_SEED = 2**32 - 1
+RESOLUTION_RANGE = (64, 2048)
+_JOB_ID = re.compile(r"^[0-9a-f]{32}$")
+_EVENT_ID = re.compile(r"^\d+(-\d+)?$")
+ON_WORKER = ("waiting", "running")  # statuses in which a job with a worker_id is that worker's to cancel
+
+
+class ServiceError(ValueError):
+    """A request the service refuses; ``code`` is one of ``invalid``, ``not_found``, ``conflict``,
+    ``unsupported_format``, ``too_large``, ``unavailable``. The message says what to fix."""
+
+    def __init__(self, message: str, code: str = "invalid"):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """One edit as a caller asks for it. Exactly one of ``template_id`` (a gallery template) and
+    ``image`` (the bytes of an uploaded image) is given. ``None`` means the model's default (and,
+    for the seed, a random one)."""
+
+    mask: bytes
+    prompt: str
+    template_id: str | None = None
+    image: bytes | None = None
+    negative_prompt: str = ""
+    model: str | None = None  # None: the deployment's default model (settings.engine.model_id)
+    steps: int | None = None
+    guidance: float | None = None
+    strength: float = 1.0
+    seed: int | None = None
+    mask_ops: MaskOps = field(default_factory=MaskOps)
+    resolution: int = 0  # 0: the model's default resolution bucket
+    use_cache: bool = True
+
+
+@dataclass(frozen=True)
+class SubmittedJob:
+    job_id: str
+    seed: int
+    model_id: str
+    steps: int
+
+
+def _check_range(name: str, value, low, high, low_open: bool = False) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ServiceError(f"{name} must be a finite number, got {value}")
+    if (value <= low if low_open else value < low) or value > high:
+        bracket = "(" if low_open else "["
+        raise ServiceError(f"{name} {value} is out of range: use a value in {bracket}{low}, {high}]")
+
+
+def _whole(name: str, value) -> int:
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not integral:
+        raise ServiceError(f"{name} must be a whole number, got {value!r}")
+    return int(value)
+
+
+class JobService:
+    def __init__(self, settings: Settings, redis_client, celery_app, blobs: BlobStore, templates: TemplateStore,
+                 jobstate: JobStateStore | None = None):
+        self.settings, self.client, self.celery_app = settings, redis_client, celery_app
+        self.blobs, self.templates = blobs, templates
+        self.jobstate = jobstate or JobStateStore(redis_client)
+
+    # ----- submit ---------------------------------------------------------------------------------
+    def submit(self, request: JobRequest) -> SubmittedJob:
+        spec = self._model(request.model or self.settings.engine.model_id)
+        steps = spec.default_steps if request.steps is None else request.steps
+        guidance = spec.default_guidance if request.guidance is None else request.guidance
+        seed = secrets.randbelow(MAX_SEED + 1) if request.seed is None else request.seed
+        steps, seed = _whole("steps", steps), _whole("seed", seed)  # a UI's number widget gives floats
+        self._check_numbers(request, steps, guidance, seed)
+        template_ref, image_size = self._template(request)
+        mask_ref = self._mask(request, image_size)
+        job_id = uuid.uuid4().hex
+        job = EditJob(job_id=job_id, model_id=spec.model_id, template_ref=template_ref, mask_ref=mask_ref,
+                      prompt=request.prompt, seed=seed, steps=steps, guidance=float(guidance),
+                      negative_prompt=request.negative_prompt, strength=float(request.strength),
+                      use_cache=bool(request.use_cache), mask_ops=request.mask_ops,
+                      resolution=request.resolution, submitted_at=time.time())
+        self.jobstate.create(job_id, model_id=spec.model_id, prompt=request.prompt,
+                             negative_prompt=request.negative_prompt, seed=seed, steps=steps,
+                             guidance=float(guidance), strength=float(request.strength),
+                             resolution=request.resolution, use_cache=int(bool(request.use_cache)),
+                             mask_ops=vars(request.mask_ops), template_id=request.template_id or "",
+                             width=image_size[0], height=image_size[1])
+        try:
+            submit_edit(self.celery_app, job)
+        except BrokerError as exc:
+            self.jobstate.record_event(JobEvent(job_id=job_id, status="failed", at=time.time(),
+                                                message=f"could not be queued: {exc}"))
+            raise ServiceError(f"the job queue is unavailable ({exc}): try again shortly", "unavailable") from exc
+        return SubmittedJob(job_id=job_id, seed=seed, model_id=spec.model_id, steps=steps)
+
+    def _model(self, model_id: str):
+        allowed = self.settings.api.models
+        try:
+            spec = resolve_model(model_id)
+        except UnknownModelError as exc:
+            raise ServiceError(str(exc)) from None
+        if allowed and model_id not in allowed:
+            raise ServiceError(f"model {model_id!r} is not served here: use one of {', '.join(allowed)}")
+        if not allowed and spec.form == "checkpoint":
+            raise ServiceError(f"model {model_id!r} is a checkpoint, which this deployment does not serve over the "
+                               f"API: use one of {', '.join(known_model_ids())} (or ask the operator to list it "
+                               "in MASKSERVE_API_MODELS)")
+        return spec
+
+    @staticmethod
+    def _check_numbers(request: JobRequest, steps, guidance, seed) -> None:
+        _check_range("steps", steps, 1, MAX_STEPS)
+        _check_range("guidance", float(guidance), 0.0, MAX_GUIDANCE)
+        _check_range("strength", float(request.strength), 0.0, 1.0, low_open=True)
+        _check_range("seed", seed, 0, MAX_SEED)
+        for name, text in (("prompt", request.prompt), ("negative_prompt", request.negative_prompt)):
+            if not isinstance(text, str):
+                raise ServiceError(f"{name} must be text")
+            if len(text) > MAX_PROMPT_CHARS:
+                raise ServiceError(f"{name} is {len(text)} characters long, the limit is {MAX_PROMPT_CHARS}: "
+                                   "shorten it")
+        if request.resolution and not RESOLUTION_RANGE[0] <= request.resolution <= RESOLUTION_RANGE[1]:
+            raise ServiceError(f"resolution {request.resolution} is out of range: use 0 (the model's default) or "
+                               f"{RESOLUTION_RANGE[0]}..{RESOLUTION_RANGE[1]}")
+        try:
+            validate_mask_ops(request.mask_ops)
+        except MaskError as exc:
+            raise ServiceError(str(exc)) from None
+
+    def _template(self, request: JobRequest) -> tuple[str, tuple[int, int]]:
+        """(blob ref of the template image, its (width, height))."""
+        if (request.template_id is None) == (request.image is None):
+            raise ServiceError("give exactly one of template_id (a gallery template) and image (an uploaded file)")
+        limit = self.settings.celery.max_upload_pixels
+        if request.template_id is not None:
+            try:
+                record = self.templates.get(request.template_id)
+            except TemplateNotFound as exc:
+                raise ServiceError(str(exc), "not_found") from None
+            if record.width * record.height > limit:
+                raise ServiceError(f"template is {record.width}x{record.height}, over this deployment's limit of "
+                                   f"{limit / 1e6:.1f} MP: upload a smaller template", "too_large")
+            return self._template_blob(request.template_id, record), (record.width, record.height)
+        image = self._decode(request.image, "image")
+        return self.blobs.put_content("uploads", request.image, ".img"), image.size
+
+    def _template_blob(self, template_id: str, record) -> str:
+        """The template's PNG as an ``uploads`` blob, named by its content hash like ``put_content``
+        names it: copied once, shared by every job that edits this template."""
+        ref = self.blobs.ref("uploads", record.sha256[:32] + ".png")
+        if not self.blobs.exists(ref):
+            try:
+                data = self.templates.image_path(template_id).read_bytes()
+            except (TemplateNotFound, FileNotFoundError):
+                raise ServiceError(str(TemplateNotFound(template_id)), "not_found") from None
+            self.blobs.put_content("uploads", data, ".png")
+        return ref
+
+    def _mask(self, request: JobRequest, image_size: tuple[int, int]) -> str:
+        mask = self._decode(request.mask, "mask")
+        try:
+            painted = load_mask(mask, expected_size=image_size, threshold=request.mask_ops.threshold)
+            require_nonempty(painted)
+            if request.mask_ops.invert and painted.all():
+                raise MaskError("mask is empty after inverting it (everything was painted): paint less or "
+                                "turn invert off")
+        except MaskError as exc:
+            raise ServiceError(str(exc)) from None
+        return self.blobs.put_content("uploads", request.mask, ".mask")
+
+    def _decode(self, data: bytes | None, what: str):
+        try:
+            return decode_image(data or b"", self.settings.celery.max_upload_pixels, what=what)
+        except UploadError as exc:
+            raise ServiceError(str(exc), upload_error_code(exc)) from None
+
+    # ----- read -----------------------------------------------------------------------------------
+    def get(self, job_id: str) -> dict:
+        """The job as stored, typed (numbers as numbers, ``mask_ops`` as a dict)."""
+        try:
+            job = self.jobstate.get(self._job_id(job_id))
+        except JobNotFound:
+            raise ServiceError(f"no job with id {job_id!r} (never submitted, or expired)", "not_found") from None
+        for name in ("guidance", "strength"):
+            if name in job:
+                job[name] = float(job[name])
+        for name in ("resolution", "width", "height"):
+            if name in job:
+                job[name] = int(job[name])
+        if "use_cache" in job:
+            job["use_cache"] = job["use_cache"] not in ("0", "False")
+        if "mask_ops" in job:
+            job["mask_ops"] = json.loads(job["mask_ops"])
+        return job
+
+    def events(self, job_id: str, after: str = "0", block_ms: int | None = None) -> list[tuple[str, dict]]:
+        """(event id, event) of one job after ``after``, waiting up to ``block_ms`` for the first."""
+        if not _EVENT_ID.match(after or ""):
+            raise ServiceError(f"event id {after[:40]!r} is not a stream id: use one like 1700000000000-0, or 0 "
+                               "for the whole history")
+        return self.jobstate.events(self._job_id(job_id), after, block_ms)
+
+    def result_path(self, job_id: str) -> Path:
+        return self._finished_file(job_id, "result_ref", "result")
+
+    def thumbnail_path(self, job_id: str) -> Path:
+        return self._finished_file(job_id, "thumbnail_ref", "thumbnail")
+
+    def _finished_file(self, job_id: str, field_name: str, what: str) -> Path:
+        job = self.get(job_id)
+        status = job["status"]
+        if status != "done":
+            detail = {"failed": f"the job failed: {job.get('message', '')}",
+                      "cancelled": "the job was cancelled"}.get(status)
+            if detail is None:
+                progress = f" (step {job['step']}/{job['num_steps']})" if job.get("num_steps") else ""
+                detail = f"the job is {status}{progress}: the {what} is ready when its status is done"
+            raise ServiceError(f"no {what}: {detail}", "conflict")
+        ref = job.get(field_name, "")
+        path = self.blobs.path(ref) if ref else None
+        if path is None or not path.exists():
+            raise ServiceError(f"the {what} of job {job_id} is no longer stored", "not_found")
+        return path
+
+    @staticmethod
+    def _job_id(job_id: str) -> str:
+        if not isinstance(job_id, str) or not _JOB_ID.match(job_id):
+            raise ServiceError(f"no job with id {str(job_id)[:40]!r}: job ids are 32 hex digits", "not_found")
+        return job_id
+
+    # ----- cancel ---------------------------------------------------------------------------------
+    def cancel(self, job_id: str) -> dict:
+        """Cancel one job: ``{"status": "cancelled", "worker_notified": bool}``. ServiceError
+        ``conflict`` when it had already finished.
+
+        The ``cancelled`` event is recorded at once in every case (terminal, so the pre task, the
+        dispatcher and post-processing all skip the job, and its event stream ends). A job that is on
+        a worker (``waiting``/``running`` with a ``worker_id``) also gets a ``CancelJob`` in that
+        worker's inbox: the worker drops the row at its next step. Recording the event here as well
+        keeps a cancel from being lost when that worker dies and the job is routed again."""
+        job = self.get(job_id)
+        status, worker_id = job["status"], job.get("worker_id", "")
+        if status in TERMINAL:
+            raise ServiceError(f"job already finished (status {status}): nothing to cancel", "conflict")
+        notify = bool(worker_id) and status in ON_WORKER
+        if notify:
+            send_to_inbox(self.client, worker_id, CancelJob(job_id=job_id))
+        event = JobEvent(job_id=job_id, status="cancelled", at=time.time(), message="cancelled by the user",
+                         worker_id=worker_id)
+        if not self.jobstate.record_event(event):  # it finished in the meantime (first terminal wins)
+            final = self.jobstate.status(job_id)
+            if final != "cancelled":
+                raise ServiceError(f"job already finished (status {final}): nothing to cancel", "conflict")
+        return {"status": "cancelled", "worker_notified": notify}

@@ -1,0 +1,396 @@
+"""`maskserve bench route`: routing policies side by side in a discrete-event cluster simulation.
+
+Pure Python (numpy and matplotlib only): no model runs. The fitted cost profile of one model is
+the ground truth of time:
+
+* N workers (default 8), each with step-level continuous batching (max batch 8): before every
+  step a worker admits waiting jobs FIFO into free slots, runs one step for the whole batch, and
+  retires the jobs that finished. A step takes the exact Algorithm-1 plan latency
+  (``plan.solve_plan`` over ``costs.batch_unit_costs``) of the batch's rows, times a lognormal
+  noise factor (``noise_cv``: the fitted lines are not exact, and the router only sees the fit).
+* Templates: a shared disk tier (one host's cache directory) holds a random ``prerecorded``
+  fraction of the templates at the start; every worker has an LRU RAM tier of ``ram_templates``
+  templates (fewer than the trace uses). A job whose template is in the worker's RAM runs cached;
+  one on disk is read into RAM (``disk_read_s_per_byte`` per byte of its trajectory cache, one
+  read at a time per worker), prefetched from the job's arrival on that worker and, if still
+  unread at admission, stalling the worker (a blocking acquire); a template on no disk is
+  recorded: the row runs densely and, when it finishes, its cache lands on disk and in RAM.
+* Arrivals: ``trace.poisson_trace`` (bursty Poisson, Zipf templates, Beta mask ratios with the
+  production mean 0.11), its nominal rate corrected so that the trace offers the intended rate
+  (``offered_trace``). Every policy replays the identical trace at each load level, a fraction of
+  the capacity: the measured saturation throughput (``saturation_rps``: the cluster overloaded,
+  deep queues, so prefetches hide most disk reads; an optimistic capacity) or, without
+  ``calibrate``, the bound ``workers * max_batch / (steps * T(full batch at the mean mask))``.
+* The router sees every worker's live state at each arrival (what heartbeats plus its own
+  dispatch log give a real router).
+
+Latency = arrival -> last denoising step (pre/post-processing run elsewhere and are the same for
+every policy). Reported per policy and load: average, P50, P95 latency, throughput, queueing
+(arrival -> admission), cache outcomes, decision time; and the P95 reduction of mask_aware vs
+each baseline. ``decision_time`` times ``Router.choose`` alone on fresh random 8x8 clusters.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import json
+import math
+import time
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from backend.bench.trace import mask_ratios, poisson_trace, zipf_weights
+from backend.dispatch.router import (POLICIES, JobRequest, Router, RoutingCostModel, RowState, WorkerView)
+from backend.engine.costs import CostProfile
+from backend.worker.stats import percentile
+
+BASELINES = tuple(p for p in POLICIES if p != "mask_aware")
+
+
+@dataclass
+class RouteBenchConfig:
+    model_id: str = "small-flux-fill"
+    device: str = "cpu"
+    mode: str = "kv"
+    profiles_dir: str = "profiles"
+    policies: tuple[str, ...] = POLICIES
+    loads: tuple[float, ...] = (0.5, 0.65, 0.8, 0.95)  # fractions of the capacity
+    calibrate: bool = True  # capacity = measured saturation throughput (else the all-in-RAM bound)
+    duration_s: float = 600.0  # simulated seconds of arrivals per load level
+    num_workers: int = 8
+    max_batch: int = 8
+    steps: int = 20
+    num_templates: int = 200
+    ram_templates: int = 8  # per worker
+    prerecorded: float = 0.8  # fraction of templates already on disk at the start
+    zipf_exponent: float = 1.1
+    mask_mean: float = 0.11
+    burst_factor: float = 2.0
+    disk_read_s_per_byte: float = 1e-9
+    noise_cv: float = 0.05
+    seed: int = 0
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    load: float
+    rps: float
+    num_jobs: int
+    completed: int
+    avg_latency_s: float
+    p50_latency_s: float
+    p95_latency_s: float
+    throughput_rps: float
+    avg_queue_s: float
+    mean_batch_rows: float
+    cache: dict = field(default_factory=dict)  # ram_hits, disk_reads, dense_rows (recordings), stall_s
+    decision_ms: dict = field(default_factory=dict)  # p50, p95 of Router.choose in this run
+
+
+@dataclass
+class _Row:
+    index: int
+    template: str
+    mask_ratio: float
+    remaining: int
+    cached: bool = True
+    arrived_at: float = 0.0
+
+
+class _Worker:
+    def __init__(self, wid: str, cfg: RouteBenchConfig, rng: np.random.Generator):
+        self.wid, self.cfg, self.rng = wid, cfg, rng
+        self.running: list[_Row] = []
+        self.waiting: deque[_Row] = deque()
+        self.ram: OrderedDict[str, None] = OrderedDict()  # LRU: last = most recent
+        self.fetching: dict[str, float] = {}  # template -> when its read lands in RAM
+        self.disk_free_at = 0.0
+        self.busy = False
+        self.latency_cache: tuple | None = None  # (batch key, seconds) while the batch is unchanged
+
+    def view(self, cfg: RouteBenchConfig, disk: frozenset[str]) -> WorkerView:
+        return WorkerView(self.wid, cfg.model_id, cfg.device, cfg.max_batch,
+                          tuple(RowState(str(r.index), r.mask_ratio, r.remaining, r.template) for r in self.running),
+                          tuple(RowState(str(r.index), r.mask_ratio, r.remaining, r.template) for r in self.waiting),
+                          frozenset(self.ram), disk)
+
+    def touch(self, template: str) -> None:
+        self.ram[template] = None
+        self.ram.move_to_end(template)
+        in_use = {r.template for r in self.running}
+        for victim in [t for t in self.ram if t not in in_use]:
+            if len(self.ram) <= self.cfg.ram_templates:
+                break
+            del self.ram[victim]
+
+
+class _Simulation:
+    def __init__(self, cfg: RouteBenchConfig, truth: RoutingCostModel, router: Router, trace, disk: set[str]):
+        self.cfg, self.truth, self.router, self.trace = cfg, truth, router, trace
+        self.disk = set(disk)
+        self.disk_view = frozenset(self.disk)
+        self.workers = [_Worker(f"w{i:02d}", cfg, np.random.default_rng([cfg.seed, i]))
+                        for i in range(cfg.num_workers)]
+        self.read_s = cfg.disk_read_s_per_byte * truth.step_cache_bytes * cfg.steps
+        self.events: list = []
+        self.seq = 0
+        self.done_at: dict[int, float] = {}
+        self.queue_s: list[float] = []
+        self.batch_rows: list[int] = []
+        self.decisions: list[float] = []
+        self.counts = {"ram_hits": 0, "disk_reads": 0, "dense_rows": 0, "stall_s": 0.0}
+
+    def read(self, w: _Worker, template: str, now: float) -> float:
+        """Queue a disk -> RAM read of ``template`` on ``w`` (one read at a time); when it lands."""
+        w.disk_free_at = max(now, w.disk_free_at) + self.read_s
+        w.fetching[template] = w.disk_free_at
+        self.counts["disk_reads"] += 1
+        return w.disk_free_at
+
+    def push(self, at: float, kind: str, data) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (at, self.seq, kind, data))
+
+    def run(self) -> None:
+        for req in self.trace:
+            self.push(req.arrival_s, "arrive", req)
+        while self.events:
+            now, _, kind, data = heapq.heappop(self.events)
+            if kind == "arrive":
+                self.arrive(now, data)
+            else:
+                self.step_done(now, data)
+
+    def arrive(self, now: float, req) -> None:
+        views = [w.view(self.cfg, self.disk_view) for w in self.workers]
+        job = JobRequest(str(req.index), self.cfg.model_id, req.mask_ratio, self.cfg.steps, f"tpl{req.template}")
+        started = time.perf_counter()
+        decision = self.router.choose(job, views)
+        self.decisions.append(time.perf_counter() - started)
+        w = self.workers[int(decision.worker_id[1:])]  # never None: allow_queueing and one model
+        row = _Row(req.index, job.template, req.mask_ratio, self.cfg.steps, arrived_at=now)
+        if row.template not in w.ram and row.template in self.disk and row.template not in w.fetching:
+            self.read(w, row.template, now)  # prefetch disk -> RAM while the job waits
+        w.waiting.append(row)
+        if not w.busy:
+            self.start_step(w, now)
+
+    def start_step(self, w: _Worker, now: float) -> None:
+        stall_until = now
+        while w.waiting and len(w.running) < self.cfg.max_batch:
+            row = w.waiting.popleft()
+            t = row.template
+            if t in w.fetching:  # its read was prefetched; a blocking acquire waits for the rest
+                stall_until = max(stall_until, w.fetching.pop(t))
+            elif t in w.ram:
+                self.counts["ram_hits"] += 1
+            elif t in self.disk:  # evicted since it arrived: a blocking read now
+                stall_until = max(stall_until, self.read(w, t, now))
+                del w.fetching[t]
+            else:  # no cache anywhere: the row runs densely (and records it, unless a row already does)
+                row.cached = False
+                self.counts["dense_rows"] += 1
+            self.queue_s.append(now - row.arrived_at)
+            w.running.append(row)
+            if row.cached:
+                w.touch(t)
+        if not w.running:
+            w.busy = False
+            return
+        w.busy = True
+        self.counts["stall_s"] += stall_until - now
+        key = tuple((r.mask_ratio, r.template, r.cached) for r in w.running)
+        if w.latency_cache is None or w.latency_cache[0] != key:
+            w.latency_cache = (key, self.truth.step_latency(key))
+        seconds = w.latency_cache[1]
+        if self.cfg.noise_cv > 0:
+            sigma = math.sqrt(math.log1p(self.cfg.noise_cv ** 2))
+            seconds *= float(w.rng.lognormal(-sigma * sigma / 2, sigma))
+        self.batch_rows.append(len(w.running))
+        self.push(stall_until + seconds, "step", w)
+
+    def step_done(self, now: float, w: _Worker) -> None:
+        still, recorded = [], []
+        for row in w.running:
+            row.remaining -= 1
+            if row.remaining > 0:
+                still.append(row)
+                continue
+            self.done_at[row.index] = now
+            if not row.cached:  # a finished recording: its cache is stored on disk and in RAM
+                recorded.append(row.template)
+        w.running = still
+        for t in recorded:
+            self.disk.add(t)
+            self.disk_view = frozenset(self.disk)
+            w.touch(t)
+        self.start_step(w, now)
+
+
+def cost_model_for(cfg: RouteBenchConfig, planner: str = "greedy") -> RoutingCostModel:
+    # the file name ``backend.engine.profiler.profile_path`` writes (that module imports torch)
+    kind = "cuda" if cfg.device.startswith("cuda") else "cpu"
+    safe = cfg.model_id.replace("/", "_").replace(":", "_")
+    path = Path(cfg.profiles_dir) / f"{safe}__{kind}__{cfg.mode}.json"
+    return RoutingCostModel.from_profile(CostProfile.from_json(path.read_text()),
+                                         disk_read_s_per_byte=cfg.disk_read_s_per_byte, planner=planner)
+
+
+def capacity_rps(cfg: RouteBenchConfig, model: RoutingCostModel) -> float:
+    """Jobs per second of the cluster with full batches of mean-mask rows, all templates in RAM
+    (an upper bound: disk reads and recordings are not counted)."""
+    full = [(cfg.mask_mean, f"cap{i}", True) for i in range(cfg.max_batch)]
+    return cfg.num_workers * cfg.max_batch / (cfg.steps * model.step_latency(full))
+
+
+def saturation_rps(cfg: RouteBenchConfig, truth: RoutingCostModel, routing: RoutingCostModel,
+                   prerecorded: set[str]) -> float:
+    """Measured capacity: completions per second while the cluster is overloaded (arrivals at 1.5x
+    ``capacity_rps`` for ``duration_s``, fewest_requests routing, the first quarter as warm-up):
+    what the cluster sustains with this trace's disk reads and recordings."""
+    trace = offered_trace(cfg, 1.5 * capacity_rps(cfg, routing), cfg.seed + 1)
+    sim = _Simulation(cfg, truth, Router("fewest_requests"), trace, prerecorded)
+    sim.run()
+    start = cfg.duration_s / 4
+    done = sum(1 for t in sim.done_at.values() if start <= t < cfg.duration_s)
+    return done / (cfg.duration_s - start)
+
+
+def offered_trace(cfg: RouteBenchConfig, rps: float, seed: int) -> list:
+    """A ``poisson_trace`` whose realised arrival rate is ``rps`` (within 1%): with bursts the
+    trace's nominal rate is not its mean (rate * f and rate / f alternate), so the nominal rate is
+    corrected until the trace offers the intended load."""
+    nominal = rps
+    for _ in range(6):
+        trace = poisson_trace(nominal, cfg.duration_s, cfg.num_templates, cfg.mask_mean, seed=seed,
+                              zipf_exponent=cfg.zipf_exponent, burst_factor=cfg.burst_factor)
+        realised = len(trace) / cfg.duration_s
+        if not trace or abs(realised - rps) <= 0.01 * rps:
+            break
+        nominal *= rps / realised
+    return trace
+
+
+def _summary(values: list[float], q: float) -> float:
+    return float(percentile(values, q)) if values else 0.0
+
+
+def run_route_bench(cfg: RouteBenchConfig, progress=None) -> dict:
+    """Every policy on the identical trace per load level. Returns a JSON-ready report:
+    ``{"config", "capacity_rps", "capacity_bound_rps", "results": [PolicyResult as dict],
+    "p95_reduction": {load: {baseline: frac}}}``.
+    ``progress``: optional callable(str) told about each finished run."""
+    unknown = set(cfg.policies) - set(POLICIES)
+    if unknown:
+        raise ValueError(f"unknown routing policies {sorted(unknown)}; expected some of {', '.join(POLICIES)}")
+    truth, routing = cost_model_for(cfg, "exact"), cost_model_for(cfg)
+    rng = np.random.default_rng([cfg.seed, 99])
+    prerecorded = {f"tpl{i}" for i in range(cfg.num_templates) if rng.random() < cfg.prerecorded}
+    bound = capacity_rps(cfg, routing)
+    capacity = saturation_rps(cfg, truth, routing, prerecorded) if cfg.calibrate else bound
+    results: list[PolicyResult] = []
+    for load in cfg.loads:
+        rps = load * capacity
+        trace = offered_trace(cfg, rps, cfg.seed)
+        for policy in cfg.policies:
+            router = Router(policy, {(cfg.model_id, cfg.device): routing})
+            sim = _Simulation(cfg, truth, router, trace, prerecorded)
+            sim.run()
+            lat = [sim.done_at[r.index] - r.arrival_s for r in trace if r.index in sim.done_at]
+            span = (max(sim.done_at.values()) - trace[0].arrival_s) if sim.done_at else 0.0
+            ms = [d * 1e3 for d in sim.decisions]
+            results.append(PolicyResult(
+                policy, load, rps, len(trace), len(sim.done_at), float(np.mean(lat)) if lat else 0.0,
+                _summary(lat, 50), _summary(lat, 95), len(sim.done_at) / span if span > 0 else 0.0,
+                float(np.mean(sim.queue_s)) if sim.queue_s else 0.0,
+                float(np.mean(sim.batch_rows)) if sim.batch_rows else 0.0, dict(sim.counts),
+                {"p50": _summary(ms, 50), "p95": _summary(ms, 95)}))
+            if progress:
+                r = results[-1]
+                progress(f"load {load:.2f} ({rps:.2f} req/s) {policy}: P95 {r.p95_latency_s:.2f} s, "
+                         f"avg {r.avg_latency_s:.2f} s, {r.completed}/{r.num_jobs} jobs")
+    return {"config": asdict(cfg), "capacity_rps": capacity, "capacity_bound_rps": bound,
+            "results": [asdict(r) for r in results], "p95_reduction": p95_reduction(results)}
+
+
+def p95_reduction(results: list[PolicyResult]) -> dict[str, dict[str, float]]:
+    """Per load: (P95 of baseline - P95 of mask_aware) / P95 of baseline, for every baseline run."""
+    out: dict[str, dict[str, float]] = {}
+    by = {(r.policy, r.load): r for r in results}
+    for (policy, load), ours in by.items():
+        if policy != "mask_aware":
+            continue
+        out[f"{load:g}"] = {b: (by[(b, load)].p95_latency_s - ours.p95_latency_s) / by[(b, load)].p95_latency_s
+                            for b in BASELINES if (b, load) in by and by[(b, load)].p95_latency_s > 0}
+    return out
+
+
+def decision_time(cost_model: RoutingCostModel, policy: str = "mask_aware", num_workers: int = 8,
+                  rows_per_worker: int = 8, max_batch: int = 8, decisions: int = 2000, seed: int = 0) -> dict:
+    """p50 / p95 / mean milliseconds of ``Router.choose`` (time.perf_counter around the call only).
+
+    Every decision sees a fresh random cluster (no memo carries over between views): each worker
+    has ``rows_per_worker`` rows (a random half or more running, the rest waiting), Beta mask
+    ratios with mean 0.11, Zipf templates, 8 in RAM and 3/4 of 64 on disk."""
+    rng = np.random.default_rng(seed)
+    router = Router(policy, {(cost_model.model_id, cost_model.device): cost_model})
+    weights = zipf_weights(64, 1.1)
+    cases = []
+    for d in range(decisions):
+        masks = mask_ratios(rng, num_workers * rows_per_worker + 1, 0.11)
+        tpls = rng.choice(64, size=num_workers * (rows_per_worker + 8) + 1, p=weights)
+        views = []
+        for w in range(num_workers):
+            rows = [RowState(f"{d}.{w}.{i}", float(masks[w * rows_per_worker + i]), int(rng.integers(1, 21)),
+                             f"tpl{tpls[w * rows_per_worker + i]}") for i in range(rows_per_worker)]
+            n_run = int(rng.integers(rows_per_worker // 2, min(rows_per_worker, max_batch) + 1))
+            ram = frozenset(f"tpl{t}" for t in tpls[num_workers * rows_per_worker + w * 8:][:8])
+            views.append(WorkerView(f"w{w:02d}", cost_model.model_id, cost_model.device, max_batch,
+                                    tuple(rows[:n_run]), tuple(rows[n_run:]), ram,
+                                    frozenset(f"tpl{t}" for t in range(48))))
+        cases.append((JobRequest(f"j{d}", cost_model.model_id, float(masks[-1]), 20, f"tpl{tpls[-1]}"), views))
+    times = []
+    gc.collect()  # the cases above are many small objects: start the timing with a clean heap
+    for job, views in cases:
+        started = time.perf_counter()
+        router.choose(job, views)
+        times.append((time.perf_counter() - started) * 1e3)
+    return {"policy": policy, "workers": num_workers, "rows_per_worker": rows_per_worker, "decisions": decisions,
+            "p50_ms": percentile(times, 50), "p95_ms": percentile(times, 95), "mean_ms": float(np.mean(times)),
+            "max_ms": max(times)}
+
+
+def write_outputs(cfg: RouteBenchConfig, report: dict, json_path: Path) -> Path:
+    """The report as JSON at ``json_path`` and a plot (average and P95 latency vs load per policy)
+    next to it as PNG; returns the plot's path."""
+    json_path = Path(json_path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
+    for policy in cfg.policies:
+        rows = sorted((r for r in report["results"] if r["policy"] == policy), key=lambda r: r["load"])
+        loads = [r["load"] for r in rows]
+        axes[0].plot(loads, [r["avg_latency_s"] for r in rows], marker="o", label=policy)
+        axes[1].plot(loads, [r["p95_latency_s"] for r in rows], marker="o", label=policy)
+    for ax, name in zip(axes, ("average", "P95")):
+        ax.set_xlabel(f"load (fraction of {report['capacity_rps']:.2f} req/s)")
+        ax.set_ylabel(f"{name} latency (s)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{cfg.model_id}: {cfg.num_workers} workers x batch {cfg.max_batch}, mask mean {cfg.mask_mean}, "
+                 f"burst x{cfg.burst_factor:g}, {cfg.num_templates} templates, {cfg.ram_templates} in RAM per worker")
+    fig.tight_layout()
+    plot = json_path.with_suffix(".png")
+    fig.savefig(plot, dpi=120)
+    plt.close(fig)
+    return plot

@@ -1,0 +1,216 @@
+"""A small Python client for the MaskServe REST API, and `maskserve submit`.
+
+    client = MaskServeClient("http://127.0.0.1:8000", api_key="...")
+    template = client.upload_template("room.png", name="Living room", tags=["interior"])
+    job = client.submit(mask="mask.png", prompt="a red armchair", template_id=template["id"], seed=42)
+    final = client.wait(job["job_id"], timeout=300)      # follows the job's event stream
+    open("out.png", "wb").write(client.result_bytes(job["job_id"]))
+
+Files may be given as paths or bytes. Errors from the server raise ``MaskServeError`` with its
+status and the server's message.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+TERMINAL = ("done", "failed", "cancelled")
+
+
+class MaskServeError(RuntimeError):
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status, self.message = status, message
+
+
+def _file_bytes(value: str | Path | bytes) -> bytes:
+    return value if isinstance(value, (bytes, bytearray)) else Path(value).read_bytes()
+
+
+def _file_name(value: str | Path | bytes, default: str) -> str:
+    return default if isinstance(value, (bytes, bytearray)) else Path(value).name
+
+
+def _form_value(value) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+class MaskServeClient:
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0,
+                 transport: httpx.BaseTransport | None = None):
+        headers = {"X-API-Key": api_key} if api_key else {}
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout,
+                                 transport=transport)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _call(self, method: str, url: str, **kwargs) -> httpx.Response:
+        response = self.http.request(method, url, **kwargs)
+        if response.status_code >= 400:
+            try:
+                message = response.json().get("error", response.text)
+            except ValueError:
+                message = response.text
+            raise MaskServeError(response.status_code, message)
+        return response
+
+    # ----- templates ------------------------------------------------------------------------------
+    def upload_template(self, image: str | Path | bytes, name: str | None = None, tags=()) -> dict:
+        data = {"tags": ",".join(tags)} | ({"name": name} if name is not None else {})
+        files = {"file": (_file_name(image, "template.png"), _file_bytes(image))}
+        return self._call("POST", "/v1/templates", data=data, files=files).json()
+
+    def templates(self, query: str = "", tag: str = "") -> list[dict]:
+        return self._call("GET", "/v1/templates", params={"query": query, "tag": tag}).json()["templates"]
+
+    def delete_template(self, template_id: str) -> None:
+        self._call("DELETE", f"/v1/templates/{template_id}")
+
+    # ----- jobs -----------------------------------------------------------------------------------
+    def submit(self, mask: str | Path | bytes, prompt: str = "", template_id: str | None = None,
+               image: str | Path | bytes | None = None, **params) -> dict:
+        """Submit an edit; ``params``: negative_prompt, model, steps, guidance, strength, seed,
+        threshold, invert, grow_px, feather_px, resolution, use_cache (None values are left out).
+        Returns the 202 body: job_id, seed, status_url, events_url, result_url."""
+        data = {"prompt": prompt} | {k: _form_value(v) for k, v in params.items() if v is not None}
+        if template_id is not None:
+            data["template_id"] = template_id
+        files = {"mask": (_file_name(mask, "mask.png"), _file_bytes(mask))}
+        if image is not None:
+            files["image"] = (_file_name(image, "image.png"), _file_bytes(image))
+        return self._call("POST", "/v1/jobs", data=data, files=files).json()
+
+    def get(self, job_id: str) -> dict:
+        return self._call("GET", f"/v1/jobs/{job_id}").json()
+
+    def cancel(self, job_id: str) -> dict:
+        return self._call("DELETE", f"/v1/jobs/{job_id}").json()
+
+    def result_bytes(self, job_id: str, thumbnail: bool = False) -> bytes:
+        return self._call("GET", f"/v1/jobs/{job_id}/result", params={"thumbnail": 1} if thumbnail else None).content
+
+    def events(self, job_id: str, after: str | None = None, timeout: float | None = None):
+        """Yield the job's events (dicts, each with its ``id``) from its event stream until it ends."""
+        headers = {"Last-Event-ID": after} if after else {}
+        read_timeout = httpx.Timeout(10.0, read=timeout)
+        with self.http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers, timeout=read_timeout) as response:
+            if response.status_code >= 400:
+                response.read()
+                self._call_error(response)
+            event_id, data = None, []
+            for line in response.iter_lines():
+                if line.startswith("id:"):
+                    event_id = line[3:].strip()
+                elif line.startswith("data:"):
+                    data.append(line[5:].strip())
+                elif line == "" and data:
+                    yield {"id": event_id, **json.loads("\n".join(data))}
+                    event_id, data = None, []
+
+    @staticmethod
+    def _call_error(response: httpx.Response):
+        try:
+            message = response.json().get("error", response.text)
+        except ValueError:
+            message = response.text
+        raise MaskServeError(response.status_code, message)
+
+    def wait(self, job_id: str, timeout: float = 600.0, on_event=None, poll_s: float = 1.0) -> dict:
+        """Block until the job finishes; returns its final state (``get``). Follows the event stream
+        (``on_event(event)`` for each), reconnecting from the last event id if it drops; falls back
+        to polling when the stream cannot be read. TimeoutError after ``timeout`` seconds."""
+        deadline, last_id = time.monotonic() + timeout, None
+        while time.monotonic() < deadline:
+            try:
+                for event in self.events(job_id, after=last_id, timeout=max(1.0, deadline - time.monotonic())):
+                    last_id = event.get("id") or last_id
+                    if on_event is not None:
+                        on_event(event)
+                    if event.get("status") in TERMINAL:
+                        return self.get(job_id)
+            except httpx.TransportError:  # dropped, or read timeout: check, then go on
+                pass
+            state = self.get(job_id)
+            if state["status"] in TERMINAL:
+                return state
+            time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+        raise TimeoutError(f"job {job_id} did not finish within {timeout:.0f} s")
+
+
+def add_submit_arguments(parser) -> None:
+    """The arguments ``submit_cli`` reads, for an argparse (sub)parser."""
+    parser.add_argument("--url", default=None, help="API base URL (default: http://<api host>:<api port>)")
+    parser.add_argument("--api-key", dest="api_key", default=None,
+                        help="X-API-Key (default: the first of MASKSERVE_API_KEYS)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--image", help="image file to edit")
+    source.add_argument("--template-id", dest="template_id", help="gallery template to edit")
+    parser.add_argument("--mask", required=True, help="mask file: 255 = repaint, same size as the image")
+    parser.add_argument("--prompt", default="")
+    parser.add_argument("--negative-prompt", dest="negative_prompt", default=None)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--guidance", type=float, default=None)
+    parser.add_argument("--strength", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None, help="default: random (printed)")
+    parser.add_argument("--threshold", type=int, default=None)
+    parser.add_argument("--invert", action="store_true")
+    parser.add_argument("--grow-px", dest="grow_px", type=int, default=None)
+    parser.add_argument("--feather-px", dest="feather_px", type=float, default=None)
+    parser.add_argument("--resolution", type=int, default=None)
+    parser.add_argument("--no-cache", dest="no_cache", action="store_true")
+    parser.add_argument("--no-wait", dest="wait", action="store_false", help="print the job id and return")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the result")
+    parser.add_argument("--out", default=None, help="where to write the result PNG (default: <job id>.png)")
+
+
+def submit_cli(args, settings=None) -> int:
+    """`maskserve submit`: submit one edit, wait for it, write the result. Prints JSON lines (the
+    accepted job, then the final state). Exit status: 0 done (or submitted with --no-wait), 1 failed,
+    cancelled or timed out, 2 refused by the server or unreachable. ``settings`` (optional) supplies
+    the URL and key when ``args`` leaves them out."""
+    url = getattr(args, "url", None) or (f"http://{settings.api.host}:{settings.api.port}" if settings
+                                         else "http://127.0.0.1:8000")
+    api_key = getattr(args, "api_key", None) or (settings.api.api_keys[0] if settings and settings.api.api_keys
+                                                 else None)
+    params = {name: getattr(args, name, None) for name in ("negative_prompt", "model", "steps", "guidance", "strength",
+                                                           "seed", "threshold", "grow_px", "feather_px", "resolution")}
+    params["invert"] = True if getattr(args, "invert", False) else None
+    params["use_cache"] = False if getattr(args, "no_cache", False) else None
+    try:
+        with MaskServeClient(url, api_key) as client:
+            job = client.submit(args.mask, getattr(args, "prompt", "") or "",
+                                template_id=getattr(args, "template_id", None), image=getattr(args, "image", None),
+                                **params)
+            print(json.dumps(job), flush=True)
+            if not getattr(args, "wait", True):
+                return 0
+            final = client.wait(job["job_id"], timeout=getattr(args, "timeout", 600.0) or 600.0)
+            report = {k: final.get(k) for k in ("job_id", "status", "seed", "message", "timings") if k in final}
+            if final["status"] == "done":
+                out = Path(getattr(args, "out", None) or f"{job['job_id']}.png")
+                out.write_bytes(client.result_bytes(job["job_id"]))
+                report["out"] = str(out)
+            print(json.dumps(report), flush=True)
+            return 0 if final["status"] == "done" else 1
+    except MaskServeError as exc:
+        print(f"error: {exc.message} (HTTP {exc.status})", file=sys.stderr)
+        return 2
+    except TimeoutError as exc:  # before OSError, its base class
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (httpx.TransportError, OSError) as exc:
+        print(f"error: cannot reach {url} or read a file: {exc}", file=sys.stderr)
+        return 2

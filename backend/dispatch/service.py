@@ -1,0 +1,246 @@
+"""`maskserve dispatcher`: routes pre-processed jobs to engine workers and recovers dead workers' jobs.
+
+Input: the stream ``PREPARED_STREAM`` read through consumer group ``dispatchers``. An entry is acked
+only once its job sits in a worker's inbox (or was dropped because it had already finished or was
+cancelled), so a restarted dispatcher first re-reads its own pending entries, then new ones: no
+job is lost between the two streams.
+
+Workers: heartbeat keys ``maskserve:worker:<id>`` (``WorkerHeartbeat`` with a TTL) give the live
+workers and their state; ``maskserve:workers`` (a set every worker joins at start) remembers the
+ones that may have died. Between two heartbeats the dispatcher adds the jobs it has just sent to a
+worker's view, so a burst is not routed as if every worker were still idle.
+
+Recovery: when a known worker's heartbeat has expired, every job in its inbox that had not reached
+post-processing goes back to ``waiting`` and is routed again; then the dead inbox is deleted. The
+job state's first terminal status wins, so a job finishes at most once even if a worker presumed
+dead was only slow.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections import deque
+from dataclasses import replace
+
+from redis import Redis
+from redis.exceptions import ResponseError
+
+from backend import protocol
+from backend.config import Settings
+from backend.dispatch.router import (JobRequest, RowState, Router, RoutingCostModel, device_kind,
+                                     view_from_heartbeat)
+from backend.jobstate import TERMINAL, JobStateStore
+from backend.protocol import PreparedJob, WorkerHeartbeat
+from backend.tasks.celery_app import PREPARED_STREAM
+from backend.worker.redis_inbox import inbox_stream, send_to_inbox
+from backend.worker.service import WORKERS_KEY, heartbeat_key
+from backend.worker.stats import percentile
+
+log = logging.getLogger(__name__)
+
+GROUP = "dispatchers"
+# Entries another dispatcher read but never acked (it died) are taken over after this long.
+CLAIM_IDLE_MS = 30_000
+HEARTBEAT_PATTERN = "maskserve:worker:*"
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def live_workers(client: Redis) -> dict[str, WorkerHeartbeat]:
+    """Worker id -> its latest heartbeat, for every worker whose heartbeat has not expired."""
+    keys = list(client.scan_iter(match=HEARTBEAT_PATTERN, count=500))
+    beats = {}
+    for raw in client.mget(keys) if keys else []:
+        if raw is None:
+            continue  # expired between SCAN and MGET
+        try:
+            beat = protocol.decode(raw)
+        except protocol.ProtocolError as exc:
+            log.warning("ignoring an unreadable heartbeat: %s", exc)
+            continue
+        if isinstance(beat, WorkerHeartbeat):
+            beats[beat.worker_id] = beat
+    return beats
+
+
+class CostModels:
+    """Routing cost models per (model, device), loaded lazily from the shipped profiles."""
+
+    def __init__(self, settings: Settings):
+        self.profiles_dir = settings.paths.profiles_dir
+        self.mode = settings.engine.cache_mode
+        self.models: dict[tuple[str, str], RoutingCostModel] = {}
+        self._missing: set[tuple[str, str]] = set()
+
+    def ensure(self, model_id: str, device: str) -> RoutingCostModel | None:
+        """The cost model of ``model_id`` on ``device``'s kind, loaded on first use; None without a profile."""
+        key = (model_id, device_kind(device))
+        if key not in self.models and key not in self._missing:
+            from backend.engine.costs import CostProfile
+            from backend.engine.profiler import profile_path
+
+            path = profile_path(self.profiles_dir, model_id, key[1], self.mode)
+            try:
+                self.models[key] = RoutingCostModel.from_profile(CostProfile.from_json(path.read_text()))
+            except (OSError, ValueError) as exc:
+                log.warning("no cost profile for %s on %s (%s): routing it by request count", model_id, device, exc)
+                self._missing.add(key)
+        return self.models.get(key)
+
+
+class Dispatcher:
+    def __init__(self, settings: Settings, client: Redis, consumer: str | None = None,
+                 claim_idle_ms: int = CLAIM_IDLE_MS):
+        self.settings, self.client = settings, client
+        self.jobstate = JobStateStore(client)
+        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
+        self.costs = CostModels(settings)
+        self.router = Router(settings.dispatcher.policy)
+        self.backlog: deque[tuple[str, PreparedJob]] = deque()  # (entry id, job) with no worker yet
+        self._replay_from: str | None = "0"
+        self.claim_idle_ms = claim_idle_ms
+        self._views: dict = {}
+        self._checked_at = 0.0
+        self.decision_s: deque[float] = deque(maxlen=10_000)
+        self.counts = {"routed": 0, "dropped": 0, "redispatched": 0, "unreadable": 0}
+        try:
+            client.xgroup_create(PREPARED_STREAM, GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # ----- the loop ----------------------------------------------------------------------------
+    def iterate(self, block_ms: int = 100) -> None:
+        if time.monotonic() - self._checked_at >= self.settings.dispatcher.check_every_s:
+            self._checked_at = time.monotonic()
+            self.refresh_workers()
+            self.recover_dead_workers()
+            for entry_id, job in self._claim_orphans():
+                self._route(entry_id, job)
+        for _ in range(len(self.backlog)):
+            entry_id, job = self.backlog.popleft()
+            self._route(entry_id, job)
+        for entry_id, job in self._read(block_ms):  # also paces backlog retries
+            self._route(entry_id, job)
+
+    def refresh_workers(self) -> None:
+        beats = live_workers(self.client)
+        for beat in beats.values():
+            model = self.costs.ensure(beat.model_id, beat.device)
+            if model is not None:
+                self.router.cost_models[(beat.model_id, device_kind(beat.device))] = model
+        self._views = {worker_id: view_from_heartbeat(beat) for worker_id, beat in beats.items()}
+
+    def _read(self, block_ms: int) -> list[tuple[str, PreparedJob]]:
+        replaying = self._replay_from is not None
+        reply = self.client.xreadgroup(GROUP, self.consumer, {PREPARED_STREAM: self._replay_from or ">"}, count=64,
+                                       block=None if replaying or block_ms <= 0 else block_ms)
+        entries = reply[0][1] if reply else []
+        if replaying:  # our own pending entries first (a restart), then new ones
+            self._replay_from = _text(entries[-1][0]) if len(entries) == 64 else None
+        return self._decode_entries(entries)
+
+    def _claim_orphans(self) -> list[tuple[str, PreparedJob]]:
+        """Entries a dead dispatcher left pending (XAUTOCLAIM), minus our own backlog."""
+        mine = {entry_id for entry_id, _ in self.backlog}
+        reply = self.client.xautoclaim(PREPARED_STREAM, GROUP, self.consumer, min_idle_time=self.claim_idle_ms,
+                                       start_id="0-0", count=100)
+        return [(e, j) for e, j in self._decode_entries(reply[1]) if e not in mine]
+
+    def _decode_entries(self, entries) -> list[tuple[str, PreparedJob]]:
+        jobs = []
+        for entry_id, fields in entries:
+            entry_id = _text(entry_id)
+            try:
+                job = protocol.decode((fields or {}).get(b"msg") or (fields or {}).get("msg") or b"")
+                if not isinstance(job, PreparedJob):
+                    raise protocol.ProtocolError(f"expected a prepared job, got {type(job).__name__}")
+            except protocol.ProtocolError as exc:
+                log.error("dropping unreadable entry %s: %s", entry_id, exc)
+                self.counts["unreadable"] += 1
+                self.client.xack(PREPARED_STREAM, GROUP, entry_id)
+                continue
+            jobs.append((entry_id, job))
+        return jobs
+
+    # ----- routing -------------------------------------------------------------------------------
+    def _route(self, entry_id: str, job: PreparedJob) -> None:
+        status = self.jobstate.status(job.job_id)
+        if status in TERMINAL:  # cancelled (or failed) before it reached a worker
+            self.counts["dropped"] += 1
+            self.client.xack(PREPARED_STREAM, GROUP, entry_id)
+            return
+        worker_id = self.place(job)
+        if worker_id is None:
+            self.backlog.append((entry_id, job))
+            return
+        self.client.xack(PREPARED_STREAM, GROUP, entry_id)
+
+    def place(self, job: PreparedJob) -> str | None:
+        """Choose a worker and put the job in its inbox; None when no worker can take it yet."""
+        request = JobRequest(job_id=job.job_id, model_id=job.model_id, mask_ratio=job.mask_ratio,
+                             num_steps=job.num_steps, template=job.cache_digest)
+        started = time.perf_counter()
+        decision = self.router.choose(request, list(self._views.values()))
+        self.decision_s.append(time.perf_counter() - started)
+        if decision.worker_id is None:
+            return None
+        send_to_inbox(self.client, decision.worker_id, job)
+        self.jobstate.assign(job.job_id, decision.worker_id)
+        view = self._views[decision.worker_id]  # count it until the worker's next heartbeat does
+        self._views[decision.worker_id] = replace(view, waiting=view.waiting + (
+            RowState(job.job_id, job.mask_ratio, job.num_steps, job.cache_digest),))
+        self.counts["routed"] += 1
+        log.info("routed %s to %s (%s: %s)", job.job_id, decision.worker_id, decision.policy, decision.reason)
+        return decision.worker_id
+
+    # ----- recovery ------------------------------------------------------------------------------
+    def recover_dead_workers(self) -> None:
+        known = {_text(w) for w in self.client.smembers(WORKERS_KEY)}
+        for worker_id in sorted(known - set(self._views)):
+            if self.client.exists(heartbeat_key(worker_id)):
+                continue  # came back since the last refresh
+            self._recover(worker_id)
+
+    def _recover(self, worker_id: str) -> None:
+        stream = inbox_stream(worker_id)
+        entries = self.client.xrange(stream)
+        for entry_id, fields in entries:
+            try:
+                message = protocol.decode(fields.get(b"msg") or fields.get("msg") or b"")
+            except protocol.ProtocolError:
+                continue
+            if not isinstance(message, PreparedJob):
+                continue  # cancels and the like die with their worker
+            if self.jobstate.requeue(message.job_id, f"worker {worker_id} stopped; re-dispatched"):
+                self.counts["redispatched"] += 1
+                if self.place(message) is None:  # no worker now: park it in the routing stream
+                    self.client.xadd(PREPARED_STREAM, {"msg": protocol.encode(message)})
+        self.client.delete(stream)
+        self.client.srem(WORKERS_KEY, worker_id)
+        log.warning("worker %s is gone: %d inbox entries recovered", worker_id, len(entries))
+
+    def stats(self) -> dict:
+        return {**{f"{k}_total": v for k, v in self.counts.items()}, "backlog": len(self.backlog),
+                "live_workers": len(self._views),
+                "decision_p50_s": percentile(self.decision_s, 50), "decision_p95_s": percentile(self.decision_s, 95)}
+
+
+def run_dispatcher(settings: Settings) -> int:
+    from backend.metrics import make_registry, serve_metrics
+    from backend.runtime import stop_event_on_signals
+
+    client = Redis.from_url(settings.redis.url)
+    client.ping()
+    dispatcher = Dispatcher(settings, client)
+    serve_metrics(settings.dispatcher.metrics_port, make_registry({"maskserve_dispatcher": dispatcher.stats}))
+    stop = stop_event_on_signals()
+    log.info("dispatcher %s routing with %s", dispatcher.consumer, settings.dispatcher.policy)
+    while not stop.is_set():
+        dispatcher.iterate()
+    return 0

@@ -1,0 +1,249 @@
+"""The template gallery's storage: images users upload once and edit many times.
+
+Layout under ``root``::
+
+    content/<sha256>.png     the template, decoded, EXIF-oriented, flattened to RGB, re-encoded as PNG
+    thumbs/<sha256>.webp     its thumbnail
+    records/<id>.json        one record per upload (``TemplateRecord``)
+
+Invariants:
+* ids are generated here (uuid4 hex) and validated before any path is built from one, so no id a
+  caller passes can name a file outside ``root``; names and tags are display strings, never paths;
+* content is deduplicated: the same image uploaded twice (even as a JPEG and as a PNG of the same
+  pixels) gives two records that share one content file, which is deleted with its last record;
+* every file is written atomically (temp file + rename), and a record is written last, so a record
+  that can be read always has its image and thumbnail; a crash leaves at most an unreferenced
+  content file behind, never a record without one;
+* ``add`` and ``delete`` hold an inter-process lock around the record/content bookkeeping, so a
+  delete racing an upload of the same pixels cannot remove the file the new record points at.
+
+The REST API and the Studio UI share this class; neither touches the files directly.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+import unicodedata
+import uuid
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from PIL import UnidentifiedImageError
+
+from backend.imaging.uploads import UploadError, decode_image, encode_image, thumbnail
+
+log = logging.getLogger(__name__)
+
+MAX_NAME_CHARS = 120
+MAX_TAGS = 16
+MAX_TAG_CHARS = 32
+THUMBNAIL_SIDE = 256
+_ID = re.compile(r"^[0-9a-f]{32}$")
+_TAG = re.compile(r"^\w[\w.-]*$")  # letters (any script), digits, '_' then also '.', '-'
+
+
+class TemplateError(ValueError):
+    """A template upload the user must fix; the message says what and how.
+
+    ``code`` says what kind of problem it is, for callers that map it to a status:
+    ``invalid`` (a bad name, tags, or an image that cannot be decoded), ``too_large`` (over the
+    byte or pixel limit), ``unsupported_format`` (not one of the allowed image formats).
+    """
+
+    def __init__(self, message: str, code: str = "invalid"):
+        super().__init__(message)
+        self.code = code
+
+
+class TemplateNotFound(LookupError):
+    """No template with this id (never created, deleted, or not an id at all)."""
+
+    def __init__(self, template_id: str):
+        super().__init__(f"no template with id {template_id!r}: list templates to see the ids")
+        self.template_id = template_id
+
+
+@dataclass(frozen=True)
+class TemplateRecord:
+    id: str
+    name: str
+    tags: tuple[str, ...]
+    sha256: str  # of the stored PNG (the content file's name)
+    width: int
+    height: int
+    bytes: int  # size of the stored PNG
+    created_at: float  # seconds since the epoch
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"tags": list(self.tags)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TemplateRecord:
+        return cls(id=data["id"], name=data["name"], tags=tuple(data["tags"]), sha256=data["sha256"],
+                   width=int(data["width"]), height=int(data["height"]), bytes=int(data["bytes"]),
+                   created_at=float(data["created_at"]))
+
+
+def upload_error_code(exc: UploadError) -> str:
+    """``unsupported_format`` when no allowed decoder recognised the bytes, ``too_large`` for the
+    pixel limit, ``invalid`` for anything else (empty, truncated, corrupt)."""
+    if isinstance(exc.__cause__, UnidentifiedImageError):
+        return "unsupported_format"
+    if "the limit is" in str(exc):
+        return "too_large"
+    return "invalid"
+
+
+def clean_name(name: str) -> str:
+    """The display name, NFC-normalised and stripped; TemplateError when empty, too long or holding
+    control characters."""
+    name = unicodedata.normalize("NFC", str(name)).strip()
+    if not name:
+        raise TemplateError("template name is empty: give the template a name")
+    if len(name) > MAX_NAME_CHARS:
+        raise TemplateError(f"template name is {len(name)} characters long, the limit is {MAX_NAME_CHARS}: "
+                            "shorten it")
+    if any(unicodedata.category(ch).startswith("C") for ch in name):
+        raise TemplateError("template name contains control characters (newlines, tabs, ...): "
+                            "use printable characters only")
+    return name
+
+
+def clean_tags(tags) -> tuple[str, ...]:
+    """Tags lower-cased and stripped, empties and duplicates dropped (first order kept)."""
+    cleaned: list[str] = []
+    for raw in tags or ():
+        tag = unicodedata.normalize("NFC", str(raw)).strip().lower()
+        if not tag or tag in cleaned:
+            continue
+        if len(tag) > MAX_TAG_CHARS or not _TAG.match(tag):
+            raise TemplateError(f"tag {tag[:40]!r} is not allowed: tags are 1-{MAX_TAG_CHARS} letters, digits, "
+                                "'_', '.' or '-', starting with a letter or digit")
+        cleaned.append(tag)
+    if len(cleaned) > MAX_TAGS:
+        raise TemplateError(f"{len(cleaned)} tags given, the limit is {MAX_TAGS}: drop some")
+    return tuple(cleaned)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    handle, tmp = tempfile.mkstemp(prefix=".tmp.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class TemplateStore:
+    def __init__(self, root: Path, max_pixels: int, max_bytes: int):
+        self.root = Path(root)
+        self.max_pixels, self.max_bytes = int(max_pixels), int(max_bytes)
+        for sub in ("content", "thumbs", "records"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+    # ----- paths ----------------------------------------------------------------------------------
+    def _record_path(self, template_id: str) -> Path:
+        if not isinstance(template_id, str) or not _ID.match(template_id):
+            raise TemplateNotFound(str(template_id)[:80])
+        return self.root / "records" / f"{template_id}.json"
+
+    def _content_path(self, sha256: str) -> Path:
+        return self.root / "content" / f"{sha256}.png"
+
+    def _thumb_path(self, sha256: str) -> Path:
+        return self.root / "thumbs" / f"{sha256}.webp"
+
+    @contextmanager
+    def _locked(self):
+        with open(self.root / ".lock", "a+b") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    # ----- operations -----------------------------------------------------------------------------
+    def add(self, data: bytes, name: str, tags: list[str] | tuple[str, ...] = ()) -> TemplateRecord:
+        """Validate and store one upload. Raises TemplateError (see its ``code``)."""
+        name, tags = clean_name(name), clean_tags(tags)
+        if len(data) > self.max_bytes:
+            raise TemplateError(f"template file is {len(data) / 2**20:.1f} MiB, the limit is "
+                                f"{self.max_bytes / 2**20:.1f} MiB: upload a smaller file", "too_large")
+        try:
+            image = decode_image(data, self.max_pixels, what="template")
+        except UploadError as exc:
+            raise TemplateError(str(exc), upload_error_code(exc)) from exc
+        png = encode_image(image, "png")
+        sha256 = hashlib.sha256(png).hexdigest()
+        thumb = thumbnail(image, THUMBNAIL_SIDE)
+        record = TemplateRecord(id=uuid.uuid4().hex, name=name, tags=tags, sha256=sha256, width=image.width,
+                                height=image.height, bytes=len(png), created_at=time.time())
+        with self._locked():
+            if not self._content_path(sha256).exists():
+                _write_atomic(self._content_path(sha256), png)
+            if not self._thumb_path(sha256).exists():
+                _write_atomic(self._thumb_path(sha256), thumb)
+            _write_atomic(self._record_path(record.id), json.dumps(record.to_dict()).encode())
+        return record
+
+    def get(self, template_id: str) -> TemplateRecord:
+        path = self._record_path(template_id)
+        try:
+            return TemplateRecord.from_dict(json.loads(path.read_bytes()))
+        except FileNotFoundError:
+            raise TemplateNotFound(template_id) from None
+
+    def list(self, query: str = "", tag: str = "") -> list[TemplateRecord]:
+        """Records whose name contains ``query`` (case-insensitive) and that carry ``tag`` (when
+        given), newest first. Unreadable record files are skipped (and logged)."""
+        needle = unicodedata.normalize("NFC", query or "").strip().casefold()
+        wanted = (tag or "").strip().lower()
+        records = []
+        for path in (self.root / "records").glob("*.json"):
+            try:
+                record = TemplateRecord.from_dict(json.loads(path.read_bytes()))
+            except FileNotFoundError:
+                continue  # deleted while we listed
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("skipping unreadable template record %s: %s", path.name, exc)
+                continue
+            if needle and needle not in record.name.casefold():
+                continue
+            if wanted and wanted not in record.tags:
+                continue
+            records.append(record)
+        records.sort(key=lambda r: (r.created_at, r.id), reverse=True)
+        return records
+
+    def delete(self, template_id: str) -> None:
+        """Remove the record, and its content and thumbnail when no other record shares them."""
+        record = self.get(template_id)
+        with self._locked():
+            self._record_path(template_id).unlink(missing_ok=True)
+            if not any(other.sha256 == record.sha256 for other in self.list()):
+                self._content_path(record.sha256).unlink(missing_ok=True)
+                self._thumb_path(record.sha256).unlink(missing_ok=True)
+
+    def image_path(self, template_id: str) -> Path:
+        """The stored PNG of a template."""
+        return self._existing(self._content_path(self.get(template_id).sha256), template_id)
+
+    def thumbnail_path(self, template_id: str) -> Path:
+        """The WebP thumbnail of a template."""
+        return self._existing(self._thumb_path(self.get(template_id).sha256), template_id)
+
+    @staticmethod
+    def _existing(path: Path, template_id: str) -> Path:
+        if not path.exists():  # deleted between reading the record and here
+            raise TemplateNotFound(template_id)
+        return path

@@ -1,0 +1,482 @@
+"""The REST API against a real Redis and a real Celery app object (sending a task only writes to the
+broker's list in Redis; no Celery worker runs here)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from backend import protocol
+from backend.api.app import create_app
+from backend.blobs import BlobStore
+from backend.config import load_settings
+from backend.imaging.uploads import encode_image
+from backend.jobstate import JobStateStore
+from backend.protocol import CancelJob, EditJob, JobEvent
+from backend.services.redis_server import free_port
+from backend.worker.redis_inbox import inbox_stream
+from templates_store.samples import sample_template
+
+KEY = "test-key-1"
+OTHER_KEY = "test-key-2"
+WIDTH, HEIGHT = 64, 48
+
+
+def png(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def mask_png(size=(WIDTH, HEIGHT), box=(16, 12, 40, 30)) -> bytes:
+    mask = Image.new("L", size, 0)
+    mask.paste(255, box)
+    return png(mask)
+
+
+IMAGE = png(sample_template(WIDTH, HEIGHT, seed=3))
+MASK = mask_png()
+
+
+def make_settings(redis_url, tmp_path, **api):
+    env = {"MASKSERVE_REDIS_URL": redis_url, "MASKSERVE_DATA_DIR": str(tmp_path / "data"),
+           "MASKSERVE_API_KEYS": f"{KEY},{OTHER_KEY}"}
+    return load_settings(env, api={"rate_limit_per_minute": 0, "sse_keepalive_s": 0.2} | api)
+
+
+@pytest.fixture
+def settings(redis_url, tmp_path):
+    return make_settings(redis_url, tmp_path)
+
+
+@pytest.fixture
+def client(settings, redis_client):
+    with TestClient(create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}) as test_client:
+        yield test_client
+
+
+def submit(client, data=None, files=None, **fields):
+    form = {"prompt": "a red chair", "steps": "4"} | fields
+    upload = {"image": ("image.png", IMAGE, "image/png"), "mask": ("mask.png", MASK, "image/png")}
+    return client.post("/v1/jobs", data=form if data is None else data, files=upload if files is None else files)
+
+
+def pre_queue_jobs(redis_client, settings) -> list[EditJob]:
+    """The EditJobs on the Celery pre-processing queue (kombu's Redis list, JSON body in base64)."""
+    jobs = []
+    for raw in redis_client.lrange(settings.celery.pre_queue, 0, -1):
+        message = json.loads(raw)
+        args, _kwargs, _embed = json.loads(base64.b64decode(message["body"]))
+        jobs.append(protocol.decode(args[0]))
+    return jobs
+
+
+def sse_events(text: str) -> list[dict]:
+    events = []
+    for block in text.split("\n\n"):
+        lines = block.split("\n")
+        data = [line[5:].strip() for line in lines if line.startswith("data:")]
+        ids = [line[3:].strip() for line in lines if line.startswith("id:")]
+        if data:
+            events.append({"id": ids[0] if ids else None, **json.loads("\n".join(data))})
+    return events
+
+
+# ----- auth, rate limit, body limit ------------------------------------------------------------------
+def test_api_key_missing_wrong_and_right(client):
+    anonymous = TestClient(client.app)
+    assert client.get("/v1/templates", headers={"X-API-Key": ""}).status_code == 401
+    missing = anonymous.get("/v1/templates")
+    assert missing.status_code == 401 and "X-API-Key" in missing.json()["error"]
+    wrong = client.get("/v1/templates", headers={"X-API-Key": "nope"})
+    assert wrong.status_code == 403 and "not valid" in wrong.json()["error"]
+    assert client.get("/v1/templates").status_code == 200
+    assert client.get("/v1/templates", headers={"X-API-Key": OTHER_KEY}).status_code == 200
+    for open_path in ("/healthz", "/readyz", "/metrics", "/docs", "/openapi.json"):
+        assert anonymous.get(open_path).status_code == 200, open_path
+
+
+def test_no_keys_configured_fails_closed_unless_auth_disabled(redis_url, redis_client, tmp_path):
+    closed = load_settings({"MASKSERVE_REDIS_URL": redis_url, "MASKSERVE_DATA_DIR": str(tmp_path)})
+    with TestClient(create_app(closed, redis_client=redis_client)) as test_client:
+        refused = test_client.get("/v1/templates", headers={"X-API-Key": "anything"})
+        assert refused.status_code == 401 and "MASKSERVE_API_KEYS" in refused.json()["error"]
+    opened = load_settings({"MASKSERVE_REDIS_URL": redis_url, "MASKSERVE_DATA_DIR": str(tmp_path),
+                            "MASKSERVE_AUTH_DISABLED": "1"})
+    with TestClient(create_app(opened, redis_client=redis_client)) as test_client:
+        assert test_client.get("/v1/templates").status_code == 200
+
+
+def test_rate_limit_per_key_with_retry_after(redis_url, redis_client, tmp_path):
+    settings = make_settings(redis_url, tmp_path, rate_limit_per_minute=6, rate_limit_burst=3)
+    with TestClient(create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}) as test_client:
+        assert [test_client.get("/v1/templates").status_code for _ in range(3)] == [200, 200, 200]
+        limited = test_client.get("/v1/templates")
+        assert limited.status_code == 429 and "rate limit" in limited.json()["error"]
+        assert 1 <= int(limited.headers["Retry-After"]) <= 10
+        assert test_client.get("/v1/templates", headers={"X-API-Key": OTHER_KEY}).status_code == 200  # own bucket
+        assert test_client.get("/healthz").status_code == 200  # not limited
+        assert "maskserve_api_rate_limited_total 1.0" in test_client.get("/metrics").text
+    # the bucket lives in Redis: a second API process sees the same one
+    with TestClient(create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}) as second:
+        assert second.get("/v1/templates").status_code == 429
+
+
+def test_body_limit_413_declared_and_streamed(redis_url, redis_client, tmp_path):
+    settings = make_settings(redis_url, tmp_path, max_body_mb=0.05)
+    big = b"\0" * 100_000
+    with TestClient(create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}) as test_client:
+        declared = test_client.post("/v1/templates", files={"file": ("big.png", big)}, data={"name": "x"})
+        assert declared.status_code == 413 and "limit of 51 KiB" in declared.json()["error"]
+
+        def chunks():
+            for _ in range(10):
+                yield b"x" * 10_000
+        streamed = test_client.post("/v1/templates", content=chunks(),
+                                    headers={"Content-Type": "multipart/form-data; boundary=zzz"})
+        assert streamed.status_code == 413 and "limit" in streamed.json()["error"]
+        assert submit(test_client).status_code == 202  # small requests still pass
+        assert 'status="413"' in test_client.get("/metrics").text
+
+
+# ----- validation ------------------------------------------------------------------------------------
+BAD_FIELDS = [
+    ({"steps": "0"}, 422, "steps 0 is out of range"),
+    ({"steps": "151"}, 422, "steps 151 is out of range"),
+    ({"steps": "many"}, 422, "steps"),
+    ({"guidance": "50.5"}, 422, "guidance 50.5 is out of range"),
+    ({"guidance": "-1"}, 422, "guidance"),
+    ({"guidance": "nan"}, 422, "guidance"),
+    ({"strength": "0"}, 422, "strength 0.0 is out of range: use a value in (0.0, 1.0]"),
+    ({"strength": "1.5"}, 422, "strength"),
+    ({"prompt": "x" * 2001}, 422, "prompt is 2001 characters long, the limit is 2000"),
+    ({"negative_prompt": "x" * 2001}, 422, "negative_prompt"),
+    ({"seed": "-1"}, 422, "seed -1 is out of range"),
+    ({"seed": str(2**32)}, 422, "seed"),
+    ({"threshold": "255"}, 422, "threshold"),
+    ({"grow_px": "9999"}, 422, "grow"),
+    ({"feather_px": "-2"}, 422, "feather"),
+    ({"resolution": "10"}, 422, "resolution 10 is out of range"),
+    ({"model": "no-such-model"}, 422, "unknown model 'no-such-model': use one of tiny-sd2-inpaint"),
+    ({"model": "sd2-inpaint:/models/x"}, 422, "checkpoint"),
+    ({"template_id": "0" * 32}, 422, "exactly one of template_id"),
+]
+
+
+@pytest.mark.parametrize("fields, status, message", BAD_FIELDS,
+                         ids=[f"{name}={value[:12]}" for fields, _, _ in BAD_FIELDS for name, value in fields.items()])
+def test_bad_fields_are_4xx_saying_what_to_fix(client, redis_client, settings, fields, status, message):
+    response = submit(client, **fields)
+    assert response.status_code == status, response.text
+    assert message in response.json()["error"]
+    assert redis_client.llen(settings.celery.pre_queue) == 0  # nothing queued
+
+
+def upload(name, data, mime="image/png"):
+    return (name, data, mime)
+
+
+BAD_FILES = [
+    ({"image": upload("i.png", IMAGE), "mask": upload("m.png", mask_png(size=(32, 32), box=(0, 0, 8, 8)))}, 422,
+     "mask size 32x32 does not match image size 64x48"),
+    ({"image": upload("i.png", IMAGE), "mask": upload("m.png", mask_png(box=(0, 0, 0, 0)))}, 422, "mask is empty"),
+    ({"image": upload("i.png", IMAGE), "mask": upload("m.txt", b"plain text", "text/plain")}, 415,
+     "mask is not an image file"),
+    ({"image": upload("i.gif", png(Image.new("P", (WIDTH, HEIGHT)), "GIF"), "image/gif"),
+      "mask": upload("m.png", MASK)}, 415, "image is a GIF file, which is not supported"),
+    ({"image": upload("i.png", IMAGE[: len(IMAGE) // 2]), "mask": upload("m.png", MASK)}, 422, "truncated"),
+    ({"image": upload("i.png", png(Image.new("RGB", (5000, 4000)))), "mask": upload("m.png", MASK)}, 413,
+     "the limit is 16.8 MP"),
+    ({"mask": upload("m.png", MASK)}, 422, "exactly one of template_id"),
+    ({"image": upload("i.png", IMAGE)}, 422, "mask: Field required"),
+]
+
+
+@pytest.mark.parametrize("files, status, message", BAD_FILES,
+                         ids=["size-mismatch", "empty-mask", "mask-not-image", "gif", "truncated", "too-many-pixels",
+                              "no-image", "no-mask"])
+def test_bad_files_are_4xx_saying_what_to_fix(client, files, status, message):
+    response = submit(client, files=files)
+    assert response.status_code == status, response.text
+    assert message in response.json()["error"]
+
+
+def test_inverting_a_full_mask_leaves_nothing(client):
+    full = {"image": upload("i.png", IMAGE), "mask": upload("m.png", mask_png(box=(0, 0, WIDTH, HEIGHT)))}
+    response = submit(client, files=full, invert="true")
+    assert response.status_code == 422 and "after inverting" in response.json()["error"]
+
+
+def test_garbage_body_is_a_4xx(client):
+    response = client.post("/v1/jobs", content=b"--zzz\r\ngarbage", headers={"Content-Type": "multipart/form-data"})
+    assert 400 <= response.status_code < 500
+
+
+# ----- templates ---------------------------------------------------------------------------------------
+def test_template_crud(client):
+    created = client.post("/v1/templates", files={"file": ("room.jpg", png(sample_template(80, 60), "JPEG"))},
+                          data={"name": "Living room", "tags": "interior, Sofa"})
+    assert created.status_code == 201, created.text
+    record = created.json()
+    assert record["name"] == "Living room" and record["tags"] == ["interior", "sofa"]
+    assert (record["width"], record["height"]) == (80, 60)
+    other = client.post("/v1/templates", files={"file": ("garden.png", png(sample_template(32, 32)))}).json()
+    assert other["name"] == "garden"  # default name: the file's stem
+    assert [t["id"] for t in client.get("/v1/templates").json()["templates"]] == [other["id"], record["id"]]
+    assert [t["id"] for t in client.get("/v1/templates", params={"tag": "sofa"}).json()["templates"]] == [record["id"]]
+    assert [t["id"] for t in client.get("/v1/templates", params={"query": "LIVING"}).json()["templates"]] == \
+        [record["id"]]
+    assert client.get(record["url"]).json() == record
+    image = client.get(record["image_url"])
+    assert image.headers["content-type"] == "image/png" and Image.open(io.BytesIO(image.content)).size == (80, 60)
+    thumb = client.get(record["thumbnail_url"])
+    assert thumb.headers["content-type"] == "image/webp"
+    assert client.delete(record["url"]).status_code == 204
+    for path in (record["url"], record["image_url"], record["thumbnail_url"]):
+        gone = client.get(path)
+        assert gone.status_code == 404 and "no template" in gone.json()["error"]
+    assert client.delete(record["url"]).status_code == 404
+
+
+@pytest.mark.parametrize("data, file, status, message", [
+    ({"name": "x"}, b"not an image", 415, "not an image"),
+    ({"name": "a\nb"}, IMAGE, 422, "control characters"),
+    ({"name": "x", "tags": "bad tag!"}, IMAGE, 422, "tag"),
+    ({"name": "x" * 500}, IMAGE, 422, "limit is 120"),
+])
+def test_template_upload_errors(client, data, file, status, message):
+    response = client.post("/v1/templates", files={"file": ("f.png", file)}, data=data)
+    assert response.status_code == status and message in response.json()["error"]
+
+
+def test_template_ids_never_reach_the_file_system(client):
+    for bad in ("..%2F..%2Fetc%2Fpasswd", "....", "x" * 32):
+        assert client.get(f"/v1/templates/{bad}").status_code == 404
+
+
+# ----- jobs --------------------------------------------------------------------------------------------
+def test_submit_returns_202_at_once_and_queues_the_edit(client, redis_client, settings):
+    response = submit(client, seed="1234", negative_prompt="blurry", guidance="6.5", strength="0.9", grow_px="2",
+                      invert="false", use_cache="false")
+    assert response.status_code == 202, response.text
+    body = response.json()
+    job_id = body["job_id"]
+    assert len(job_id) == 32 and body["seed"] == 1234 and body["status"] == "queued"
+    assert body["status_url"] == f"/v1/jobs/{job_id}" and response.headers["Location"] == body["status_url"]
+    assert body["events_url"] == f"/v1/jobs/{job_id}/events" and body["result_url"] == f"/v1/jobs/{job_id}/result"
+    state = JobStateStore(redis_client).get(job_id)
+    assert state["status"] == "queued" and state["seed"] == 1234 and state["model_id"] == "tiny-sd2-inpaint"
+    [job] = pre_queue_jobs(redis_client, settings)
+    assert job.job_id == job_id and job.seed == 1234 and job.steps == 4 and job.guidance == 6.5
+    assert job.negative_prompt == "blurry" and job.strength == 0.9 and not job.use_cache
+    assert job.mask_ops.grow_px == 2 and job.submitted_at > 0
+    blobs = BlobStore(settings.paths.data_dir / "blobs")
+    assert blobs.get(job.template_ref) == IMAGE and blobs.get(job.mask_ref) == MASK
+    shown = client.get(body["status_url"]).json()
+    assert shown["status"] == "queued" and shown["seed"] == 1234 and shown["prompt"] == "a red chair"
+    assert shown["guidance"] == 6.5 and shown["use_cache"] is False and shown["mask_ops"]["grow_px"] == 2
+    metrics = client.get("/metrics").text
+    assert 'maskserve_api_jobs_submitted_total{model="tiny-sd2-inpaint"} 1.0' in metrics
+    assert 'maskserve_api_requests_total{method="POST",route="/v1/jobs",status="202"} 1.0' in metrics
+    assert 'route="/v1/jobs/{job_id}"' in metrics
+
+
+def test_random_seed_is_chosen_stored_and_defaults_apply(client, redis_client, settings):
+    body = submit(client, data={"prompt": ""}).json()
+    assert 0 <= body["seed"] < 2**32 and body["steps"] == 20  # the model's default steps
+    [job] = pre_queue_jobs(redis_client, settings)
+    assert job.seed == body["seed"] == client.get(body["status_url"]).json()["seed"]
+    assert job.guidance == 7.5
+
+
+def test_submit_from_a_gallery_template(client, redis_client, settings):
+    template = client.post("/v1/templates", files={"file": ("t.png", IMAGE)}, data={"name": "t"}).json()
+    files = {"mask": ("m.png", MASK, "image/png")}
+    response = submit(client, files=files, template_id=template["id"])
+    assert response.status_code == 202, response.text
+    [job] = pre_queue_jobs(redis_client, settings)
+    assert job.template_ref == f"uploads/{template['sha256'][:32]}.png"  # shared by every job on this template
+    stored = BlobStore(settings.paths.data_dir / "blobs").get(job.template_ref)
+    assert Image.open(io.BytesIO(stored)).size == (WIDTH, HEIGHT)
+    assert client.get(response.json()["status_url"]).json()["template_id"] == template["id"]
+    unknown = submit(client, files=files, template_id="f" * 32)
+    assert unknown.status_code == 404 and "no template" in unknown.json()["error"]
+    wrong_size = submit(client, files={"mask": ("m.png", mask_png(size=(10, 10), box=(0, 0, 5, 5)))},
+                        template_id=template["id"])
+    assert wrong_size.status_code == 422 and "does not match" in wrong_size.json()["error"]
+
+
+def test_unknown_job_is_404(client):
+    for path in (f"/v1/jobs/{'a' * 32}", "/v1/jobs/not-an-id", f"/v1/jobs/{'a' * 32}/events",
+                 f"/v1/jobs/{'a' * 32}/result"):
+        response = client.get(path)
+        assert response.status_code == 404 and "no job" in response.json()["error"], path
+    assert client.delete(f"/v1/jobs/{'a' * 32}").status_code == 404
+
+
+def _events(job_id, *specs):
+    now = time.time()
+    return [JobEvent(job_id=job_id, at=now + i * 0.001, **spec) for i, spec in enumerate(specs)]
+
+
+def test_event_stream_replays_in_order_and_ends_after_terminal(client, redis_client):
+    job_id = submit(client).json()["job_id"]
+    store = JobStateStore(redis_client)
+    for event in _events(job_id, {"status": "preprocessing"}, {"status": "running", "step": 1, "num_steps": 2,
+                                                                "worker_id": "w1"},
+                         {"status": "running", "step": 2, "num_steps": 2, "worker_id": "w1"},
+                         {"status": "done", "result_ref": "results/x.png"}):
+        assert store.record_event(event)
+    other = submit(client).json()["job_id"]  # another job's events never show up
+    store.record_event(JobEvent(job_id=other, status="preprocessing", at=time.time()))
+    response = client.get(f"/v1/jobs/{job_id}/events")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(response.text)
+    assert [(e["status"], e.get("step", 0)) for e in events] == [("preprocessing", 0), ("running", 1),
+                                                                 ("running", 2), ("done", 0)]
+    assert {e["job_id"] for e in events} == {job_id} and response.text.startswith("retry:")
+    resumed = sse_events(client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": events[1]["id"]}).text)
+    assert [e["id"] for e in resumed] == [e["id"] for e in events[2:]]
+    after_end = client.get(f"/v1/jobs/{job_id}/events", params={"after": events[-1]["id"]})
+    assert after_end.status_code == 200 and sse_events(after_end.text) == []  # finished: ends at once
+    bad = client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "yesterday"})
+    assert bad.status_code == 422 and "stream id" in bad.json()["error"]
+
+
+def test_event_stream_follows_live_events_with_keepalives(client, redis_client):
+    job_id = submit(client).json()["job_id"]
+    store = JobStateStore(redis_client)
+
+    def pipeline():
+        time.sleep(0.5)  # the stream is open and idle by now: keep-alive comments go out
+        for event in _events(job_id, {"status": "running", "step": 1, "num_steps": 1, "worker_id": "w"},
+                             {"status": "failed", "message": "boom"}):
+            store.record_event(event)
+            time.sleep(0.1)
+    worker = threading.Thread(target=pipeline)
+    worker.start()
+    started = time.monotonic()
+    response = client.get(f"/v1/jobs/{job_id}/events")
+    worker.join()
+    assert [e["status"] for e in sse_events(response.text)] == ["running", "failed"]
+    assert ": keep-alive" in response.text and time.monotonic() - started < 10
+
+
+def test_result_409_until_done_then_png_and_thumbnail(client, redis_client, settings):
+    job_id = submit(client).json()["job_id"]
+    early = client.get(f"/v1/jobs/{job_id}/result")
+    assert early.status_code == 409 and "the job is queued" in early.json()["error"]
+    store = JobStateStore(redis_client)
+    store.record_event(JobEvent(job_id=job_id, status="running", at=time.time(), step=3, num_steps=4, worker_id="w"))
+    running = client.get(f"/v1/jobs/{job_id}/result")
+    assert running.status_code == 409 and "step 3/4" in running.json()["error"]
+    blobs = BlobStore(settings.paths.data_dir / "blobs")
+    result = sample_template(WIDTH, HEIGHT, seed=9)
+    result_ref = blobs.put("results", f"{job_id}.png", encode_image(result, "png"))
+    thumb_ref = blobs.put("thumbnails", f"{job_id}.webp", encode_image(result, "webp"))
+    store.record_event(JobEvent(job_id=job_id, status="done", at=time.time(), result_ref=result_ref,
+                                thumbnail_ref=thumb_ref, timings={"total_s": 1.5}))
+    done = client.get(f"/v1/jobs/{job_id}/result")
+    assert done.status_code == 200 and done.headers["content-type"] == "image/png"
+    assert done.content == blobs.get(result_ref)
+    thumb = client.get(f"/v1/jobs/{job_id}/result", params={"thumbnail": 1})
+    assert thumb.status_code == 200 and thumb.headers["content-type"] == "image/webp"
+    state = client.get(f"/v1/jobs/{job_id}").json()
+    assert state["status"] == "done" and state["timings"] == {"total_s": 1.5}
+    assert state["thumbnail_url"] == f"/v1/jobs/{job_id}/result?thumbnail=1"
+
+
+def test_result_of_failed_job_is_409_with_its_message(client, redis_client):
+    job_id = submit(client).json()["job_id"]
+    JobStateStore(redis_client).record_event(JobEvent(job_id=job_id, status="failed", at=time.time(),
+                                                      message="mask outside the crop"))
+    response = client.get(f"/v1/jobs/{job_id}/result")
+    assert response.status_code == 409 and "failed: mask outside the crop" in response.json()["error"]
+
+
+def test_cancel_queued_job(client, redis_client):
+    job_id = submit(client).json()["job_id"]
+    response = client.delete(f"/v1/jobs/{job_id}")
+    assert response.status_code == 200 and response.json() == {"job_id": job_id, "status": "cancelled",
+                                                               "worker_notified": False}
+    assert JobStateStore(redis_client).status(job_id) == "cancelled"
+    assert [e["status"] for e in sse_events(client.get(f"/v1/jobs/{job_id}/events").text)] == ["cancelled"]
+    again = client.delete(f"/v1/jobs/{job_id}")
+    assert again.status_code == 409 and "job already finished" in again.json()["error"]
+
+
+def test_cancel_running_job_reaches_its_workers_inbox_only(client, redis_client):
+    job_id = submit(client).json()["job_id"]
+    bystander = submit(client).json()["job_id"]
+    store = JobStateStore(redis_client)
+    for some_job in (job_id, bystander):
+        store.record_event(JobEvent(job_id=some_job, status="running", at=time.time(), step=1, num_steps=4,
+                                    worker_id="worker-7"))
+    response = client.delete(f"/v1/jobs/{job_id}")
+    assert response.status_code == 200 and response.json()["worker_notified"] is True
+    entries = redis_client.xrange(inbox_stream("worker-7"))
+    assert [protocol.decode(fields[b"msg"]) for _, fields in entries] == [CancelJob(job_id=job_id)]
+    assert store.status(job_id) == "cancelled" and store.status(bystander) == "running"
+
+
+def test_cancel_finished_job_is_409(client, redis_client):
+    job_id = submit(client).json()["job_id"]
+    JobStateStore(redis_client).record_event(JobEvent(job_id=job_id, status="done", at=time.time(),
+                                                      result_ref="results/r.png"))
+    response = client.delete(f"/v1/jobs/{job_id}")
+    assert response.status_code == 409 and "job already finished (status done)" in response.json()["error"]
+
+
+# ----- ops -----------------------------------------------------------------------------------------------
+def test_readyz_follows_redis(client, tmp_path):
+    assert client.get("/readyz").json() == {"status": "ready"}
+    down = load_settings({"MASKSERVE_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
+                          "MASKSERVE_DATA_DIR": str(tmp_path / "down"), "MASKSERVE_API_KEYS": KEY})
+    with TestClient(create_app(down), headers={"X-API-Key": KEY}) as test_client:
+        assert test_client.get("/healthz").status_code == 200
+        ready = test_client.get("/readyz")
+        assert ready.status_code == 503 and "Redis does not answer" in ready.json()["error"]
+        listed = test_client.get("/v1/templates")  # any route that needs Redis: 503, not 500
+        assert listed.status_code == 503 and "Redis is unavailable" in listed.json()["error"]
+
+
+def test_create_app_needs_a_redis_url(tmp_path):
+    with pytest.raises(ValueError, match="Redis URL"):
+        create_app(load_settings({"MASKSERVE_DATA_DIR": str(tmp_path)}), celery_app=object())
+
+
+def test_api_settings_from_env():
+    settings = load_settings({"MASKSERVE_API_KEYS": " k1, k2 ,,", "MASKSERVE_API_PORT": "9001",
+                              "MASKSERVE_RATE_LIMIT_PER_MINUTE": "30", "MASKSERVE_MAX_BODY_MB": "8",
+                              "MASKSERVE_API_MODELS": "tiny-flux-fill"})
+    api = settings.api
+    assert api.api_keys == ("k1", "k2") and api.port == 9001 and api.rate_limit_per_minute == 30
+    assert api.max_body_mb == 8 and api.models == ("tiny-flux-fill",) and not api.auth_disabled
+    assert api.host == "127.0.0.1" and "k1" not in repr(settings)  # keys never show up in logs of settings
+    assert load_settings({}).api.api_keys == ()
+
+
+def test_api_models_allow_list(redis_url, redis_client, tmp_path):
+    settings = make_settings(redis_url, tmp_path, models=("tiny-flux-fill",))
+    with TestClient(create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}) as test_client:
+        refused = submit(test_client, model="tiny-sd2-inpaint")
+        assert refused.status_code == 422 and "not served here: use one of tiny-flux-fill" in refused.json()["error"]
+        assert submit(test_client, model="tiny-flux-fill").status_code == 202
+
+
+def test_service_without_http_takes_a_ui_s_float_numbers(client, redis_client, settings):
+    from backend.api.service import JobRequest, ServiceError
+
+    service = client.app.state.service  # what the Studio UI calls directly
+    submitted = service.submit(JobRequest(mask=MASK, image=IMAGE, prompt="p", steps=3.0, seed=11.0))
+    assert (submitted.steps, submitted.seed) == (3, 11) and service.get(submitted.job_id)["seed"] == 11
+    with pytest.raises(ServiceError, match="seed must be a whole number") as err:
+        service.submit(JobRequest(mask=MASK, image=IMAGE, prompt="p", seed=2.5))
+    assert err.value.code == "invalid"

@@ -1,0 +1,163 @@
+"""The Python client and `maskserve submit` against a real API process (uvicorn, `run_api`) on a real
+Redis. A stand-in pipeline thread takes the EditJob off the Celery pre queue and records the events a
+CPU worker and an engine worker would, so no model runs here."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from PIL import Image
+from redis import Redis
+
+from backend import protocol
+from backend.blobs import BlobStore
+from backend.client import MaskServeClient, MaskServeError, add_submit_arguments, submit_cli
+from backend.config import load_settings
+from backend.imaging.uploads import encode_image
+from backend.jobstate import JobStateStore
+from backend.protocol import JobEvent
+from backend.services.redis_server import free_port
+from templates_store.samples import sample_template
+from tests.test_api import HEIGHT, IMAGE, MASK, WIDTH
+
+KEY = "client-test-key"
+
+
+@pytest.fixture
+def api(redis_url, tmp_path):
+    """A running `run_api` process; yields (base url, settings)."""
+    port = free_port()
+    env = {"MASKSERVE_REDIS_URL": redis_url, "MASKSERVE_DATA_DIR": str(tmp_path / "data"),
+           "MASKSERVE_API_KEYS": KEY, "MASKSERVE_API_PORT": str(port), "MASKSERVE_RATE_LIMIT_PER_MINUTE": "0"}
+    settings = load_settings(env)
+    code = ("from backend.api.server import run_api; from backend.config import load_settings; "
+            "from backend.runtime import run_role; raise SystemExit(run_role('api', run_api, load_settings()))")
+    log = open(tmp_path / "api.log", "wb")
+    process = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **env}, stdout=log,
+                               stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"API did not start: {(tmp_path / 'api.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+        yield base, settings
+    finally:
+        process.terminate()
+        assert process.wait(timeout=20) == 0, (tmp_path / "api.log").read_text()[-2000:]
+        log.close()
+
+
+def fake_pipeline(settings, num_jobs: int = 1, fail: bool = False) -> threading.Thread:
+    """Stand-in for the CPU and engine workers: pops EditJobs off the pre queue, records progress
+    events, writes a result blob and records ``done`` (or ``failed``)."""
+    client = Redis.from_url(settings.redis.url)
+    store, blobs = JobStateStore(client), BlobStore(settings.paths.data_dir / "blobs")
+
+    def run():
+        for _ in range(num_jobs):
+            popped = client.blpop([settings.celery.pre_queue], timeout=30)
+            if popped is None:
+                return
+            args, _, _ = json.loads(base64.b64decode(json.loads(popped[1])["body"]))
+            job = protocol.decode(args[0])
+            store.record_event(JobEvent(job_id=job.job_id, status="preprocessing", at=time.time()))
+            for step in range(1, job.steps + 1):
+                time.sleep(0.05)
+                store.record_event(JobEvent(job_id=job.job_id, status="running", at=time.time(), step=step,
+                                            num_steps=job.steps, worker_id="worker-0"))
+            if fail:
+                store.record_event(JobEvent(job_id=job.job_id, status="failed", at=time.time(), message="boom"))
+                continue
+            result = sample_template(WIDTH, HEIGHT, seed=job.seed % 1000)
+            ref = blobs.put("results", f"{job.job_id}.png", encode_image(result, "png"))
+            thumb = blobs.put("thumbnails", f"{job.job_id}.webp", encode_image(result, "webp"))
+            store.record_event(JobEvent(job_id=job.job_id, status="done", at=time.time(), result_ref=ref,
+                                        thumbnail_ref=thumb, timings={"total_s": 0.2}))
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_client_upload_submit_wait_result(api):
+    base, settings = api
+    with MaskServeClient(base, KEY) as client:
+        template = client.upload_template(IMAGE, name="Room", tags=["interior"])
+        assert [t["id"] for t in client.templates(tag="interior")] == [template["id"]]
+        pipeline = fake_pipeline(settings)
+        job = client.submit(MASK, "a lamp", template_id=template["id"], seed=77, steps=3, invert=False)
+        assert job["seed"] == 77
+        seen = []
+        final = client.wait(job["job_id"], timeout=30, on_event=seen.append)
+        pipeline.join(5)
+        assert final["status"] == "done" and final["seed"] == 77
+        assert [e["status"] for e in seen] == ["preprocessing", "running", "running", "running", "done"]
+        png = client.result_bytes(job["job_id"])
+        assert png == BlobStore(settings.paths.data_dir / "blobs").get(final["result_ref"])
+        assert client.result_bytes(job["job_id"], thumbnail=True)[:4] == b"RIFF"
+        client.delete_template(template["id"])
+        assert client.templates() == []
+
+
+def test_client_errors_and_cancel(api):
+    base, _settings = api
+    with MaskServeClient(base, "wrong") as bad:
+        with pytest.raises(MaskServeError) as err:
+            bad.templates()
+        assert err.value.status == 403
+    with MaskServeClient(base, KEY) as client:
+        with pytest.raises(MaskServeError) as err:
+            client.submit(MASK, "x", image=IMAGE, steps=0)
+        assert err.value.status == 422 and "steps 0" in err.value.message
+        job = client.submit(MASK, "x", image=IMAGE)
+        assert client.cancel(job["job_id"])["status"] == "cancelled"
+        assert client.wait(job["job_id"], timeout=10)["status"] == "cancelled"
+        with pytest.raises(MaskServeError) as err:
+            client.cancel(job["job_id"])
+        assert err.value.status == 409
+
+
+def _args(argv):
+    parser = argparse.ArgumentParser()
+    add_submit_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_submit_cli(api, tmp_path, capsys):
+    base, settings = api
+    (tmp_path / "image.png").write_bytes(IMAGE)
+    (tmp_path / "mask.png").write_bytes(MASK)
+    out = tmp_path / "edited.png"
+    common = ["--url", base, "--image", str(tmp_path / "image.png"), "--mask", str(tmp_path / "mask.png"),
+              "--prompt", "a vase", "--steps", "2"]
+    pipeline = fake_pipeline(settings)
+    code = submit_cli(_args(common + ["--api-key", KEY, "--seed", "5", "--out", str(out), "--timeout", "30"]))
+    pipeline.join(5)
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 0 and lines[0]["seed"] == 5 and lines[-1]["status"] == "done" and lines[-1]["out"] == str(out)
+    assert Image.open(out).size == (WIDTH, HEIGHT)
+    # the key (and URL) may come from settings instead
+    pipeline = fake_pipeline(settings, fail=True)
+    code = submit_cli(_args(common + ["--timeout", "30"]), settings=settings)
+    pipeline.join(5)
+    assert code == 1 and json.loads(capsys.readouterr().out.splitlines()[-1])["status"] == "failed"
+    assert submit_cli(_args(common + ["--api-key", "wrong"])) == 2
+    assert "not valid" in capsys.readouterr().err
+    assert submit_cli(_args(common + ["--api-key", KEY, "--no-wait"])) == 0
+    assert submit_cli(_args(common + ["--api-key", KEY, "--steps", "500"])) == 2
+    assert "steps 500" in capsys.readouterr().err

@@ -1,0 +1,135 @@
+"""The dispatcher on a real Redis: routing by heartbeat, cancelled jobs dropped, jobs kept until a
+worker can take them, a dead dispatcher's entries taken over, a dead worker's jobs re-dispatched."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from backend import protocol
+from backend.config import load_settings
+from backend.dispatch.service import GROUP, Dispatcher
+from backend.jobstate import JobStateStore
+from backend.protocol import CancelJob, JobEvent, PreparedJob, WorkerHeartbeat
+from backend.tasks.celery_app import PREPARED_STREAM, hand_off
+from backend.worker.redis_inbox import inbox_stream, send_to_inbox
+from backend.worker.service import HEARTBEAT_TTL_S, WORKERS_KEY, heartbeat_key
+
+MODEL = "tiny-sd2-inpaint"
+
+
+def beat(client, worker_id, model_id=MODEL, running=(), resident_ram=()):
+    message = WorkerHeartbeat(worker_id=worker_id, model_id=model_id, device="cpu", at=time.time(), max_batch=8,
+                              batching="continuous", running=list(running), resident_ram=list(resident_ram))
+    client.set(heartbeat_key(worker_id), protocol.encode(message), ex=HEARTBEAT_TTL_S)
+    client.sadd(WORKERS_KEY, worker_id)
+
+
+def prepared(job_id, mask_ratio=0.1, template="t1", model_id=MODEL) -> PreparedJob:
+    return PreparedJob(job_id=job_id, model_id=model_id, prepared_ref=f"prepared/{job_id}.safetensors",
+                       template_ref="uploads/t.png", num_steps=4, mask_ratio=mask_ratio, cache_digest=template)
+
+
+def inbox_jobs(client, worker_id) -> list[str]:
+    return [protocol.decode(fields[b"msg"]).job_id for _, fields in client.xrange(inbox_stream(worker_id))]
+
+
+@pytest.fixture
+def env(redis_url, redis_client):
+    settings = load_settings(env={}, redis={"url": redis_url}, dispatcher={"check_every_s": 0.01})
+    return settings, redis_client, JobStateStore(redis_client)
+
+
+def submit(client, jobstate, job) -> None:
+    jobstate.create(job.job_id)
+    hand_off(client, job)
+
+
+def run(dispatcher, times=3):
+    for _ in range(times):
+        time.sleep(0.011)  # let the worker check come due
+        dispatcher.iterate(block_ms=10)
+
+
+def test_a_job_goes_to_a_live_worker_and_is_acked(env):
+    settings, client, jobstate = env
+    beat(client, "w1")
+    submit(client, jobstate, prepared("j1"))
+    dispatcher = Dispatcher(settings, client, consumer="d")
+    run(dispatcher)
+    assert inbox_jobs(client, "w1") == ["j1"] and jobstate.get("j1")["worker_id"] == "w1"
+    assert client.xpending(PREPARED_STREAM, GROUP)["pending"] == 0
+
+
+def test_the_warm_worker_gets_the_job_and_a_burst_is_spread(env):
+    settings, client, jobstate = env
+    beat(client, "w1")
+    beat(client, "w2", resident_ram=["hot"])
+    submit(client, jobstate, prepared("hot-1", template="hot"))
+    dispatcher = Dispatcher(settings, client, consumer="d")
+    run(dispatcher)
+    assert inbox_jobs(client, "w2") == ["hot-1"]
+    for index in range(6):  # no new heartbeat: the dispatcher counts what it has just sent
+        submit(client, jobstate, prepared(f"cold-{index}", template=f"c{index}"))
+    run(dispatcher)
+    assert len(inbox_jobs(client, "w1")) >= 3 and len(inbox_jobs(client, "w2")) >= 2
+
+
+def test_a_cancelled_job_is_dropped(env):
+    settings, client, jobstate = env
+    beat(client, "w1")
+    submit(client, jobstate, prepared("gone"))
+    jobstate.record_event(JobEvent(job_id="gone", status="cancelled", at=time.time()))
+    dispatcher = Dispatcher(settings, client, consumer="d")
+    run(dispatcher)
+    assert inbox_jobs(client, "w1") == [] and dispatcher.counts["dropped"] == 1
+    assert client.xpending(PREPARED_STREAM, GROUP)["pending"] == 0
+
+
+def test_a_job_waits_for_a_worker_of_its_model(env):
+    settings, client, jobstate = env
+    beat(client, "flux-worker", model_id="tiny-flux-fill")
+    submit(client, jobstate, prepared("waits"))
+    dispatcher = Dispatcher(settings, client, consumer="d")
+    run(dispatcher)
+    assert inbox_jobs(client, "flux-worker") == [] and len(dispatcher.backlog) == 1
+    assert client.xpending(PREPARED_STREAM, GROUP)["pending"] == 1  # not lost if we die now
+    beat(client, "sd2-worker")
+    run(dispatcher)
+    assert inbox_jobs(client, "sd2-worker") == ["waits"] and not dispatcher.backlog
+
+
+def test_a_restarted_dispatcher_takes_over_what_the_dead_one_had_read(env):
+    settings, client, jobstate = env
+    beat(client, "w1")
+    submit(client, jobstate, prepared("orphan"))
+    crashed = Dispatcher(settings, client, consumer="old")
+    crashed._read(block_ms=10)  # its own pending entries (none)
+    assert [job.job_id for _, job in crashed._read(block_ms=10)] == ["orphan"]  # read, then "crash"
+    assert client.xpending(PREPARED_STREAM, GROUP)["pending"] == 1
+    successor = Dispatcher(settings, client, consumer="new", claim_idle_ms=0)
+    run(successor)
+    assert inbox_jobs(client, "w1") == ["orphan"]
+    assert client.xpending(PREPARED_STREAM, GROUP)["pending"] == 0
+
+
+def test_a_dead_workers_unfinished_jobs_are_redispatched_once(env):
+    settings, client, jobstate = env
+    beat(client, "alive")
+    client.sadd(WORKERS_KEY, "dead")  # started once, its heartbeat is gone
+    for job_id, status in (("mid-job", "running"), ("almost", "postprocessing"), ("over", "done")):
+        jobstate.create(job_id)
+        jobstate.record_event(JobEvent(job_id=job_id, status=status, at=time.time(), step=2, num_steps=4,
+                                       worker_id="dead"))
+        send_to_inbox(client, "dead", prepared(job_id))
+    send_to_inbox(client, "dead", CancelJob(job_id="mid-job"))
+    dispatcher = Dispatcher(settings, client, consumer="d")
+    run(dispatcher)
+    assert inbox_jobs(client, "alive") == ["mid-job"]
+    record = jobstate.get("mid-job")
+    assert record["status"] == "waiting" and record["step"] == 0 and record["worker_id"] == "alive"
+    assert jobstate.status("almost") == "postprocessing" and jobstate.status("over") == "done"
+    assert not client.exists(inbox_stream("dead")) and not client.sismember(WORKERS_KEY, "dead")
+    run(dispatcher)
+    assert inbox_jobs(client, "alive") == ["mid-job"] and dispatcher.counts["redispatched"] == 1

@@ -1,0 +1,45 @@
+"""`maskserve bench route` at a toy scale: the report's structure, and every job completes under
+every policy (not a timing test)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from backend.bench.route_bench import (BASELINES, RouteBenchConfig, cost_model_for, decision_time, offered_trace,
+                                       run_route_bench, write_outputs)
+from backend.dispatch.router import POLICIES
+
+PROFILES = Path(__file__).resolve().parents[1] / "profiles"
+
+
+def test_the_route_bench_completes_every_job_under_every_policy_and_writes_its_report(tmp_path):
+    cfg = RouteBenchConfig(profiles_dir=str(PROFILES), loads=(0.3, 0.9), duration_s=20.0, num_workers=3, max_batch=2,
+                           steps=3, num_templates=12, ram_templates=2, prerecorded=0.5)
+    started = time.perf_counter()
+    report = run_route_bench(cfg)
+    assert time.perf_counter() - started < 5.0
+    assert report["capacity_rps"] > 0 and report["capacity_bound_rps"] >= report["capacity_rps"] * 0.5
+    results = report["results"]
+    assert [(r["load"], r["policy"]) for r in results] == [(load, p) for load in cfg.loads for p in POLICIES]
+    for r in results:
+        expected = len(offered_trace(cfg, r["rps"], cfg.seed))
+        assert abs(expected / cfg.duration_s - r["rps"]) <= 0.2 * r["rps"]  # short toy traces: coarse
+        assert r["num_jobs"] == r["completed"] == expected > 0, r["policy"]
+        assert 0 < r["p50_latency_s"] <= r["p95_latency_s"] and r["avg_latency_s"] > 0 and r["throughput_rps"] > 0
+        assert set(r["cache"]) == {"ram_hits", "disk_reads", "dense_rows", "stall_s"}
+        assert 1 <= r["mean_batch_rows"] <= cfg.max_batch and set(r["decision_ms"]) == {"p50", "p95"}
+    assert sum(r["cache"]["dense_rows"] for r in results) > 0 and sum(r["cache"]["disk_reads"] for r in results) > 0
+    assert set(report["p95_reduction"]) == {"0.3", "0.9"}
+    assert all(set(v) == set(BASELINES) for v in report["p95_reduction"].values())
+    plot = write_outputs(cfg, report, tmp_path / "route.json")
+    assert json.loads((tmp_path / "route.json").read_text())["config"]["num_workers"] == 3
+    assert plot.exists() and plot.stat().st_size > 0
+
+
+def test_decision_time_reports_percentiles():
+    cfg = RouteBenchConfig(profiles_dir=str(PROFILES))
+    out = decision_time(cost_model_for(cfg), decisions=50)
+    assert out["decisions"] == 50 and out["workers"] == 8 and out["rows_per_worker"] == 8
+    assert 0 < out["p50_ms"] <= out["p95_ms"]
