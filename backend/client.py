@@ -102,7 +102,9 @@ class MaskServeClient:
         return self._call("GET", f"/v1/jobs/{job_id}/result", params={"thumbnail": 1} if thumbnail else None).content
 
     def events(self, job_id: str, after: str | None = None, timeout: float | None = None):
-        """Yield the job's events (dicts, each with its ``id``) from its event stream until it ends."""
+        """Yield the job's events (dicts, each with its ``id``) from its event stream until it ends,
+        or until ``timeout`` seconds have passed (keep-alive comments do not extend it)."""
+        until = None if timeout is None else time.monotonic() + timeout
         headers = {"Last-Event-ID": after} if after else {}
         read_timeout = httpx.Timeout(10.0, read=timeout)
         with self.http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers, timeout=read_timeout) as response:
@@ -111,6 +113,8 @@ class MaskServeClient:
                 self._call_error(response)
             event_id, data = None, []
             for line in response.iter_lines():
+                if until is not None and time.monotonic() > until:
+                    return
                 if line.startswith("id:"):
                     event_id = line[3:].strip()
                 elif line.startswith("data:"):

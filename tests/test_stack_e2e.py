@@ -1,0 +1,111 @@
+"""The whole stack on this machine, every role its own process (`maskserve up`'s launcher): a job
+submitted over REST comes back with the expected image and timings; a worker killed in the middle
+of a job leaves it to the other worker, and it finishes exactly once."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from backend.client import MaskServeClient
+from backend.config import load_settings
+from backend.jobstate import JobStateStore
+from backend.services.redis_server import free_port
+from backend.services.stack import Role, Stack
+from tests.test_cpu_stages import BOX, HEIGHT, WIDTH, painted_mask, png
+from templates_store.samples import sample_template
+
+API_KEY = "e2e-key"
+
+
+@pytest.fixture
+def stack(redis_url, redis_client, models_dir, tmp_path, monkeypatch):
+    from tests.factories import make_engine
+
+    make_engine("sd2-inpaint", models_dir, tmp_path / "warm")  # build the tiny model once, before 4 processes load it
+    port = free_port()
+    for name, value in {"MASKSERVE_MODELS_DIR": str(models_dir), "MASKSERVE_MODEL": "tiny-sd2-inpaint",
+                        "MASKSERVE_API_KEYS": API_KEY, "MASKSERVE_API_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    settings = load_settings(env=dict(os.environ), paths={"data_dir": str(tmp_path / "data")},
+                             redis={"url": redis_url})
+    roles = [Role("cpu-worker", ["cpu-worker"]), Role("dispatcher", ["dispatcher"]),
+             Role("worker-a", ["worker", "--worker-id", "w-a"]), Role("worker-b", ["worker", "--worker-id", "w-b"]),
+             Role("api", ["api"])]
+    running = Stack(settings, roles)
+    running.start()
+    import threading
+
+    ready = running.wait_ready(f"http://127.0.0.1:{port}/readyz", threading.Event(), timeout_s=120)
+    assert ready, {name: running.log_tail(name) for name in running.processes}
+    client = MaskServeClient(f"http://127.0.0.1:{port}", API_KEY)
+    try:
+        yield running, client, JobStateStore(redis_client)
+    finally:
+        client.close()
+        running.stop()
+
+
+def diagnose(running, jobstate, job_id) -> str:
+    events = [event for _, event in jobstate.events(job_id)]
+    logs = "\n".join(f"--- {name}\n{running.log_tail(name, 15)}" for name in running.processes)
+    return f"job {jobstate.get(job_id)}\nevents {events}\n{logs}"
+
+
+def wait_for_workers(client, count=2, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if len(list(client.scan_iter(match="maskserve:worker:*"))) >= count:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the engine workers did not start")
+
+
+def test_a_job_over_rest_finishes_with_the_expected_image_and_timings(stack, redis_client):
+    running, client, jobstate = stack
+    wait_for_workers(redis_client)
+    template = sample_template(WIDTH, HEIGHT, seed=21)
+    accepted = client.submit(png(painted_mask()), prompt="a blue vase", image=png(template), steps=4, seed=5,
+                             resolution=128)
+    final = client.wait(accepted["job_id"], timeout=120)
+    assert final["status"] == "done", final
+    assert set(final["timings"]) >= {"queue_s", "pre_s", "wait_s", "denoise_s", "post_s", "total_s"}
+    assert final["seed"] == 5 and final["worker_id"] in ("w-a", "w-b")
+    result = np.asarray(Image.open(io.BytesIO(client.result_bytes(accepted["job_id"]))).convert("RGB"))
+    before = np.asarray(template.convert("RGB"))
+    x0, y0, x1, y1 = BOX
+    outside = np.ones((HEIGHT, WIDTH), dtype=bool)
+    outside[y0:y1, x0:x1] = False
+    assert result.shape == before.shape and np.array_equal(result[outside], before[outside])
+    assert np.abs(result[y0:y1, x0:x1].astype(int) - before[y0:y1, x0:x1]).mean() > 1.0
+
+
+def test_a_worker_killed_mid_job_leaves_it_to_the_other_which_finishes_it_once(stack, redis_client):
+    running, client, jobstate = stack
+    wait_for_workers(redis_client)
+    template = sample_template(256, 256, seed=22)
+    accepted = client.submit(png(painted_mask(size=(256, 256))), prompt="a red chair", image=png(template),
+                             steps=150, seed=6, resolution=256)
+    job_id = accepted["job_id"]
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        record = jobstate.get(job_id)
+        if record["status"] == "running" and record.get("step", 0) >= 2:
+            break
+        time.sleep(0.02)
+    else:
+        raise AssertionError(f"the job never ran: {jobstate.get(job_id)}")
+    victim = record["worker_id"]
+    running.processes["worker-a" if victim == "w-a" else "worker-b"].send_signal(signal.SIGKILL)
+    final = client.wait(job_id, timeout=60)
+    assert final["status"] == "done", diagnose(running, jobstate, job_id)
+    assert final["worker_id"] != victim
+    statuses = [event["status"] for _, event in jobstate.events(job_id)]
+    assert statuses.count("done") == 1 and "waiting" in statuses[statuses.index("running"):]
+    assert Image.open(io.BytesIO(client.result_bytes(job_id))).size == (256, 256)
