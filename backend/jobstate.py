@@ -57,6 +57,21 @@ return 1
 """
 
 
+_ASSIGN = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or status == 'done' or status == 'failed' or status == 'cancelled' then return 0 end
+redis.call('HSET', KEYS[1], 'worker_id', ARGV[1])
+return 1
+"""
+_REQUEUE = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or status == 'done' or status == 'failed' or status == 'cancelled'
+   or status == 'postprocessing' then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'waiting', 'step', 0, 'message', ARGV[1], 'updated_at', ARGV[2])
+return 1
+"""
+
+
 class JobNotFound(KeyError):
     """No job with this id (never created, or expired)."""
 
@@ -77,6 +92,9 @@ class JobStateStore:
     def __init__(self, client: Redis):
         self.client = client
         self._apply = client.register_script(_APPLY)
+        # scripts, not WATCH/MULTI: a worker's events change the same hash at any moment
+        self._assign = client.register_script(_ASSIGN)
+        self._requeue = client.register_script(_REQUEUE)
 
     def create(self, job_id: str, **fields) -> None:
         """Record a new job as ``queued``; fields are stored as strings (JSON for dicts and lists).
@@ -117,31 +135,12 @@ class JobStateStore:
     def assign(self, job_id: str, worker_id: str) -> bool:
         """Record the worker a job was routed to (cancels go to its inbox); False if the job is gone
         or finished."""
-        with self.client.pipeline() as pipe:
-            pipe.watch(job_key(job_id))
-            status = pipe.hget(job_key(job_id), "status")
-            if status is None or _text(status) in TERMINAL:
-                pipe.unwatch()
-                return False
-            pipe.multi()
-            pipe.hset(job_key(job_id), "worker_id", worker_id)
-            pipe.execute()
-        return True
+        return bool(self._assign(keys=[job_key(job_id)], args=[worker_id]))
 
     def requeue(self, job_id: str, message: str) -> bool:
         """A job its worker had not finished goes back to ``waiting`` (the worker died); False if it
         had finished or already reached post-processing (its result is on the way)."""
-        with self.client.pipeline() as pipe:
-            pipe.watch(job_key(job_id))
-            status = pipe.hget(job_key(job_id), "status")
-            if status is None or _text(status) in TERMINAL + ("postprocessing",):
-                pipe.unwatch()
-                return False
-            pipe.multi()
-            pipe.hset(job_key(job_id), mapping={"status": "waiting", "step": 0, "message": message,
-                                                "updated_at": time.time()})
-            pipe.execute()
-        return True
+        return bool(self._requeue(keys=[job_key(job_id)], args=[message, time.time()]))
 
     def get(self, job_id: str) -> dict:
         """The job's fields, typed: numbers as float/int, ``timings`` gathered into a dict."""

@@ -103,7 +103,10 @@ def test_a_worker_killed_mid_job_leaves_it_to_the_other_which_finishes_it_once(s
         raise AssertionError(f"the job never ran: {jobstate.get(job_id)}")
     victim = record["worker_id"]
     running.processes["worker-a" if victim == "w-a" else "worker-b"].send_signal(signal.SIGKILL)
-    final = client.wait(job_id, timeout=60)
+    try:
+        final = client.wait(job_id, timeout=60)
+    except TimeoutError:
+        raise AssertionError(diagnose(running, jobstate, job_id)) from None
     assert final["status"] == "done", diagnose(running, jobstate, job_id)
     assert final["worker_id"] != victim
     statuses = [event["status"] for _, event in jobstate.events(job_id)]

@@ -26,7 +26,9 @@ from collections import deque
 from dataclasses import replace
 
 from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from backend import protocol
 from backend.config import Settings
@@ -242,5 +244,9 @@ def run_dispatcher(settings: Settings) -> int:
     stop = stop_event_on_signals()
     log.info("dispatcher %s routing with %s", dispatcher.consumer, settings.dispatcher.policy)
     while not stop.is_set():
-        dispatcher.iterate()
+        try:
+            dispatcher.iterate()
+        except (RedisConnectionError, RedisTimeoutError) as exc:  # Redis restarting: wait, resume from the stream
+            log.warning("Redis unavailable (%s); retrying in 1 s", exc)
+            stop.wait(1.0)
     return 0
