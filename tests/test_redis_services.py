@@ -344,3 +344,17 @@ def test_inbox_group_is_created_once(redis_client):
     RedisInbox(redis_client, "w1")  # BUSYGROUP is not an error
     groups = redis_client.xinfo_groups(inbox_stream("w1"))
     assert [g["name"] for g in groups] == [GROUP.encode()]
+
+
+def test_an_inbox_removed_under_a_live_worker_is_recreated(redis_client):
+    """The dispatcher deletes the inbox of a worker it presumes dead; if that worker was only slow,
+    its next poll must not crash but start from an empty inbox."""
+    from backend.protocol import CancelJob
+    from backend.worker.redis_inbox import RedisInbox, inbox_stream, send_to_inbox
+
+    inbox = RedisInbox(redis_client, "slow")
+    inbox.poll(0)
+    redis_client.delete(inbox_stream("slow"))
+    assert inbox.poll(0) == []
+    send_to_inbox(redis_client, "slow", CancelJob(job_id="later"))
+    assert [m.job_id for m in inbox.poll(0.5)] == ["later"]

@@ -40,8 +40,11 @@ class RedisInbox:
         self.stream = inbox_stream(worker_id)
         self._entries: dict[str, list[str]] = {}  # job id -> stream entry ids not yet acked
         self._replay_from: str | None = "0"  # after a restart, our own unacked entries come first
+        self._create_group()
+
+    def _create_group(self) -> None:
         try:
-            client.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
+            self.client.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -50,7 +53,16 @@ class RedisInbox:
         replaying = self._replay_from is not None
         start_id = self._replay_from if replaying else ">"
         block = None if replaying or timeout_s <= 0 else max(1, int(timeout_s * 1000))
-        reply = self.client.xreadgroup(GROUP, self.worker_id, {self.stream: start_id}, count=self.batch, block=block)
+        try:
+            reply = self.client.xreadgroup(GROUP, self.worker_id, {self.stream: start_id}, count=self.batch,
+                                           block=block)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # the dispatcher took this inbox for a dead worker's and re-dispatched its jobs: start afresh
+            log.warning("inbox %s was removed (presumed dead); recreating it", self.stream)
+            self._create_group()
+            return []
         entries = reply[0][1] if reply else []
         if replaying:  # pending entries are re-read from an id, not consumed: walk past them once
             self._replay_from = entries[-1][0] if len(entries) == self.batch else None
