@@ -480,3 +480,20 @@ def test_service_without_http_takes_a_ui_s_float_numbers(client, redis_client, s
     with pytest.raises(ServiceError, match="seed must be a whole number") as err:
         service.submit(JobRequest(mask=MASK, image=IMAGE, prompt="p", seed=2.5))
     assert err.value.code == "invalid"
+
+
+def test_a_waiting_job_shows_its_place_in_its_workers_queue(client, redis_client):
+    from backend.protocol import WorkerHeartbeat
+    from backend.worker.service import heartbeat_key
+
+    job_id = submit(client).json()["job_id"]
+    store = JobStateStore(redis_client)
+    store.record_event(JobEvent(job_id=job_id, status="waiting", at=time.time(), worker_id="w9", num_steps=4))
+    assert client.get(f"/v1/jobs/{job_id}").json()["queue_position"] is None  # not in a heartbeat yet
+    beat = WorkerHeartbeat(worker_id="w9", model_id="tiny-sd2-inpaint", device="cpu", at=time.time(), max_batch=8,
+                           batching="continuous", waiting=[{"job_id": "ahead", "mask_ratio": 0.1, "num_steps": 4},
+                                                           {"job_id": job_id, "mask_ratio": 0.2, "num_steps": 4}])
+    redis_client.set(heartbeat_key("w9"), protocol.encode(beat), ex=5)
+    assert client.get(f"/v1/jobs/{job_id}").json()["queue_position"] == 2
+    store.record_event(JobEvent(job_id=job_id, status="running", at=time.time(), step=1, num_steps=4))
+    assert "queue_position" not in client.get(f"/v1/jobs/{job_id}").json()

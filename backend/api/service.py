@@ -35,6 +35,7 @@ from backend.imaging.uploads import UploadError, decode_image
 from backend.imaging.uploads import _validate_ops as validate_mask_ops  # the pre task's exact ranges
 from backend.jobstate import TERMINAL, JobNotFound, JobStateStore
 from backend.models import UnknownModelError, known_model_ids, resolve_model
+from backend import protocol
 from backend.protocol import CancelJob, EditJob, JobEvent, MaskOps
 from backend.tasks.celery_app import submit_edit
 from backend.worker.redis_inbox import send_to_inbox
@@ -238,7 +239,24 @@ class JobService:
             job["use_cache"] = job["use_cache"] not in ("0", "False")
         if "mask_ops" in job:
             job["mask_ops"] = json.loads(job["mask_ops"])
+        if job["status"] == "waiting" and job.get("worker_id"):
+            job["queue_position"] = self._queue_position(job_id, job["worker_id"])
         return job
+
+    def _queue_position(self, job_id: str, worker_id: str) -> int | None:
+        """1 = next to join the worker's running batch, from the worker's latest heartbeat (None
+        when the heartbeat does not list the job yet: it is on its way to the worker)."""
+        from backend.worker.service import heartbeat_key
+
+        raw = self.client.get(heartbeat_key(worker_id))
+        if raw is None:
+            return None
+        try:
+            beat = protocol.decode(raw)
+        except protocol.ProtocolError:
+            return None
+        waiting = [row.get("job_id") for row in getattr(beat, "waiting", [])]
+        return waiting.index(job_id) + 1 if job_id in waiting else None
 
     def events(self, job_id: str, after: str = "0", block_ms: int | None = None) -> list[tuple[str, dict]]:
         """(event id, event) of one job after ``after``, waiting up to ``block_ms`` for the first."""
