@@ -51,6 +51,8 @@ class EditJob:
     mask_ops: MaskOps = field(default_factory=MaskOps)
     resolution: int = 0  # the resolution bucket's side (about resolution^2 pixels); 0 = the model's default
     submitted_at: float = 0.0
+    template_id: str = ""  # the gallery template edited, if any (its cache status is kept per model)
+    prepare: bool = False  # record the template's activation cache only: no mask, no image result
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class PreparedJob:
     paste: dict = field(default_factory=dict)  # post-processing's paste-back plan (see backend.tasks.core)
     submitted_at: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds so far
+    prepare: bool = False  # a cache recording: the worker records and finishes it, no post-processing
 
 
 @dataclass(frozen=True)

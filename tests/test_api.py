@@ -497,3 +497,30 @@ def test_a_waiting_job_shows_its_place_in_its_workers_queue(client, redis_client
     assert client.get(f"/v1/jobs/{job_id}").json()["queue_position"] == 2
     store.record_event(JobEvent(job_id=job_id, status="running", at=time.time(), step=1, num_steps=4))
     assert "queue_position" not in client.get(f"/v1/jobs/{job_id}").json()
+
+
+def test_prepare_queues_a_recording_and_cache_status_follows_it(client, redis_client, settings):
+    from backend.cachestatus import record_digest
+    from backend.protocol import WorkerHeartbeat
+    from backend.worker.service import heartbeat_key
+
+    template_id = client.post("/v1/templates", files={"file": ("t.png", IMAGE, "image/png")},
+                              data={"name": "room"}).json()["id"]
+    assert client.get(f"/v1/templates/{template_id}/cache").json()["status"] == "not prepared"
+    accepted = client.post(f"/v1/templates/{template_id}/prepare", data={"steps": "6"})
+    assert accepted.status_code == 202, accepted.text
+    (job,) = pre_queue_jobs(redis_client, settings)
+    assert job.prepare and job.template_id == template_id and job.steps == 6 and job.mask_ref == ""
+    assert client.get(f"/v1/templates/{template_id}/cache").json()["status"] == "preparing"
+    result = client.get(f"/v1/jobs/{accepted.json()['job_id']}/result")
+    assert result.status_code == 404 and "no result" in result.json()["error"]
+    # pre-processing records the digest; a worker reports the cache in RAM
+    record_digest(redis_client, template_id, job.model_id, "digest-1")
+    beat = WorkerHeartbeat(worker_id="w1", model_id=job.model_id, device="cpu", at=time.time(), max_batch=8,
+                           batching="continuous", resident_ram=["digest-1"])
+    redis_client.set(heartbeat_key("w1"), protocol.encode(beat), ex=5)
+    status = client.get(f"/v1/templates/{template_id}/cache").json()
+    assert status == {"model": job.model_id, "status": "in RAM", "digest": "digest-1", "workers": ["w1"]}
+    missing = client.post("/v1/templates/0123456789abcdef0123456789abcdef/prepare")
+    assert missing.status_code == 404
+    assert client.get(f"/v1/templates/{template_id}/cache", params={"model": "nope"}).status_code == 422

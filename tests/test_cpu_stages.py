@@ -123,3 +123,34 @@ def test_an_upload_over_the_pixel_limit_is_refused(stages, monkeypatch):
     monkeypatch.setattr(stages, "settings", small)
     with pytest.raises(UploadError, match="limit"):
         stages.preprocess(job)
+
+
+def test_a_prepare_job_records_the_templates_cache_once(stages, tmp_path):
+    from backend.cache import TieredActivationCache
+    from backend.imaging.uploads import fit_to_bucket
+
+    template = sample_template(WIDTH, HEIGHT, seed=8)
+    job = edit_job(stages, "prep-1", png(template), b"", prepare=True)
+    prepared = stages.preprocess(job)
+    assert prepared.prepare and prepared.mask_ratio == 1.0 and prepared.cache_digest
+    caches = TieredActivationCache(stages.engine.cache_root, 1 << 30, 1 << 32)
+    inbox, sink = LocalInbox(), LocalSink()
+    worker = EngineWorker(stages.engine, stages.blobs, inbox, sink, caches=caches)
+    inbox.put(prepared)
+    for _ in range(50):
+        worker.iterate()
+        if inbox.acked:
+            break
+    assert sink.statuses("prep-1")[-1] == "done" and sink.denoised_jobs == []  # no image, no post-processing
+    assert sink.events[-1].message == "cache recorded"
+    params = stages._params(job, (128, 128))
+    cache = stages.engine.lookup(fit_to_bucket(template, (128, 128)), params)
+    assert cache is not None and cache.key.digest() == prepared.cache_digest
+    # an edit of that template now reads the cache
+    edit = stages.preprocess(edit_job(stages, "after-prep", png(template), png(painted_mask())))
+    assert edit.cache_digest == prepared.cache_digest
+    inbox.put(stages.preprocess(edit_job(stages, "prep-2", png(template), b"", prepare=True)))
+    for _ in range(10):
+        worker.iterate()
+    assert sink.statuses("prep-2") == ["waiting", "done"] and sink.events[-1].message == "already prepared"
+    caches.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 
 from templates_store.store import TemplateRecord, TemplateStore
 
@@ -51,6 +51,9 @@ def get_template(request: Request, template_id: str) -> dict:
 @router.delete("/{template_id}", status_code=204, summary="Delete a template")
 def delete_template(request: Request, template_id: str) -> Response:
     _store(request).delete(template_id)
+    from backend.cachestatus import forget
+
+    forget(request.app.state.service.client, template_id)
     return Response(status_code=204)
 
 
@@ -64,3 +67,21 @@ def template_image(request: Request, template_id: str) -> FileResponse:
 def template_thumbnail(request: Request, template_id: str) -> FileResponse:
     return FileResponse(_store(request).thumbnail_path(template_id), media_type="image/webp",
                         headers={"Cache-Control": "private, max-age=86400"})
+
+
+@router.post("/{template_id}/prepare", status_code=202, summary="Record the template's activation cache for a model")
+def prepare_template(request: Request, template_id: str,
+                     model: str | None = Form(None, description="Model id (default: the server's model)"),
+                     steps: int | None = Form(None, description="Steps the edits will use (default: the model's)"),
+                     resolution: int = Form(0, description="Resolution bucket side; 0: the model's default")
+                     ) -> JSONResponse:
+    submitted = request.app.state.service.prepare_template(template_id, model, steps, resolution)
+    body = {"job_id": submitted.job_id, "model": submitted.model_id, "steps": submitted.steps, "status": "queued",
+            "status_url": f"/v1/jobs/{submitted.job_id}", "cache_url": f"/v1/templates/{template_id}/cache"}
+    return JSONResponse(body, status_code=202, headers={"Location": body["status_url"]})
+
+
+@router.get("/{template_id}/cache", summary="The template's cache status for a model")
+def template_cache(request: Request, template_id: str,
+                   model: str | None = Query(None, description="Model id (default: the server's model)")) -> dict:
+    return request.app.state.service.cache_status(template_id, model)

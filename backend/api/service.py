@@ -126,20 +126,58 @@ class JobService:
                       prompt=request.prompt, seed=seed, steps=steps, guidance=float(guidance),
                       negative_prompt=request.negative_prompt, strength=float(request.strength),
                       use_cache=bool(request.use_cache), mask_ops=request.mask_ops,
-                      resolution=request.resolution, submitted_at=time.time())
+                      resolution=request.resolution, submitted_at=time.time(),
+                      template_id=request.template_id or "")
         self.jobstate.create(job_id, model_id=spec.model_id, prompt=request.prompt,
                              negative_prompt=request.negative_prompt, seed=seed, steps=steps,
                              guidance=float(guidance), strength=float(request.strength),
                              resolution=request.resolution, use_cache=int(bool(request.use_cache)),
                              mask_ops=vars(request.mask_ops), template_id=request.template_id or "",
                              width=image_size[0], height=image_size[1])
+        self._queue(job)
+        return SubmittedJob(job_id=job_id, seed=seed, model_id=spec.model_id, steps=steps)
+
+    def prepare_template(self, template_id: str, model: str | None = None, steps: int | None = None,
+                         resolution: int = 0) -> SubmittedJob:
+        """Queue a recording of a gallery template's activation cache for ``model`` (a job with no
+        mask and no image result; it ends ``done`` with "cache recorded" or "already prepared")."""
+        from backend.cachestatus import record_prepare_job
+
+        spec = self._model(model or self.settings.engine.model_id)
+        steps = _whole("steps", spec.default_steps if steps is None else steps)
+        _check_range("steps", steps, 1, MAX_STEPS)
+        try:
+            record = self.templates.get(template_id)
+        except TemplateNotFound as exc:
+            raise ServiceError(str(exc), "not_found") from None
+        job_id = uuid.uuid4().hex
+        job = EditJob(job_id=job_id, model_id=spec.model_id, template_ref=self._template_blob(template_id, record),
+                      mask_ref="", prompt="", seed=0, steps=steps, guidance=float(spec.default_guidance),
+                      resolution=resolution, submitted_at=time.time(), template_id=template_id, prepare=True)
+        self.jobstate.create(job_id, model_id=spec.model_id, kind="prepare", template_id=template_id, steps=steps,
+                             resolution=resolution)
+        record_prepare_job(self.client, template_id, spec.model_id, job_id)
+        self._queue(job)
+        return SubmittedJob(job_id=job_id, seed=0, model_id=spec.model_id, steps=steps)
+
+    def cache_status(self, template_id: str, model: str | None = None) -> dict:
+        """Where the template's cache for ``model`` is: not prepared, preparing, on disk, in RAM."""
+        from backend.cachestatus import cache_status
+
+        spec = self._model(model or self.settings.engine.model_id)
+        try:
+            self.templates.get(template_id)
+        except TemplateNotFound as exc:
+            raise ServiceError(str(exc), "not_found") from None
+        return cache_status(self.client, template_id, spec.model_id)
+
+    def _queue(self, job: EditJob) -> None:
         try:
             submit_edit(self.celery_app, job)
         except BrokerError as exc:
-            self.jobstate.record_event(JobEvent(job_id=job_id, status="failed", at=time.time(),
+            self.jobstate.record_event(JobEvent(job_id=job.job_id, status="failed", at=time.time(),
                                                 message=f"could not be queued: {exc}"))
             raise ServiceError(f"the job queue is unavailable ({exc}): try again shortly", "unavailable") from exc
-        return SubmittedJob(job_id=job_id, seed=seed, model_id=spec.model_id, steps=steps)
 
     def _model(self, model_id: str):
         allowed = self.settings.api.models
@@ -274,6 +312,8 @@ class JobService:
     def _finished_file(self, job_id: str, field_name: str, what: str) -> Path:
         job = self.get(job_id)
         status = job["status"]
+        if job.get("kind") == "prepare":
+            raise ServiceError(f"job {job_id} records a template's cache: it has no {what}", "not_found")
         if status != "done":
             detail = {"failed": f"the job failed: {job.get('message', '')}",
                       "cancelled": "the job was cancelled"}.get(status)

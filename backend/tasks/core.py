@@ -57,17 +57,20 @@ class CpuStages:
             raise ValueError(f"job is for model {job.model_id}, this CPU worker serves {self.engine.spec.model_id}")
         limit = self.settings.celery.max_upload_pixels
         template = decode_image(self.blobs.get(job.template_ref), limit, what="template")
-        mask_image = decode_image(self.blobs.get(job.mask_ref), limit, what="mask")
-        full_mask = process_mask(mask_image, template.size, job.mask_ops)
         size_hw = resolution_bucket(template.width, template.height, job.resolution or
                                     self.engine.spec.default_resolution, self.engine.size_multiple)
+        params = self._params(job, size_hw)
+        if job.prepare:
+            return self._prepare_recording(job, template, size_hw, params, started)
+        mask_image = decode_image(self.blobs.get(job.mask_ref), limit, what="mask")
+        full_mask = process_mask(mask_image, template.size, job.mask_ops)
         box = crop_box_for(template.size, size_hw)
         pixels = mask_to_bucket(full_mask, size_hw)
-        params = self._params(job, size_hw)
         prepared = self.engine.encode(fit_to_bucket(template, size_hw), None, job.prompt, job.seed, params,
                                       pixels=pixels)
         prepared_ref, path = self.blobs.new_path("prepared", f"{job.job_id}.safetensors")
         prepared.save(path)
+        self._record_digest(job, prepared)
         mask_ref = self.blobs.put("masks", f"{job.job_id}-processed.png",
                                   encode_image(Image.fromarray(full_mask.astype(np.uint8) * 255)))
         timings = {"queue_s": max(0.0, started - job.submitted_at) if job.submitted_at else 0.0,
@@ -78,6 +81,26 @@ class CpuStages:
                            cache_digest=prepared.cache_key.digest() if prepared.cache_key else "",
                            paste={"mask_ref": mask_ref, "crop_box": list(box), "feather_px": job.mask_ops.feather_px},
                            submitted_at=job.submitted_at, timings=timings)
+
+    def _prepare_recording(self, job: EditJob, template, size_hw, params: EditParams, started: float) -> PreparedJob:
+        """A cache recording: the ordinary computation over the whole template with the template
+        seed, as ``MaskAwareEngine.prepare_template`` runs it (nothing masked, no prompt)."""
+        pixels = np.zeros(size_hw, dtype=bool)
+        prepared = self.engine.encode(fit_to_bucket(template, size_hw), None, "", params.template_seed, params,
+                                      pixels=pixels, record=True)
+        prepared_ref, path = self.blobs.new_path("prepared", f"{job.job_id}.safetensors")
+        prepared.save(path)
+        self._record_digest(job, prepared)
+        return PreparedJob(job_id=job.job_id, model_id=job.model_id, prepared_ref=prepared_ref,
+                           template_ref=job.template_ref, num_steps=len(self._timesteps(params)), mask_ratio=1.0,
+                           cache_digest=prepared.cache_key.digest(), submitted_at=job.submitted_at,
+                           timings={"pre_s": time.time() - started}, prepare=True)
+
+    def _record_digest(self, job: EditJob, prepared) -> None:
+        if self.jobstate is not None and job.template_id and prepared.cache_key is not None:
+            from backend.cachestatus import record_digest
+
+            record_digest(self.jobstate.client, job.template_id, job.model_id, prepared.cache_key.digest())
 
     def _params(self, job: EditJob, size_hw: tuple[int, int]) -> EditParams:
         return edit_params(self.engine.spec, self.settings, steps=job.steps, guidance=job.guidance,

@@ -164,8 +164,11 @@ class EngineWorker:
         job.timings["wait_s"] = time.time() - job.received_at
         try:
             cache = self._acquire(job)
-            record = cache is None and self._should_record(job)
-            job.state = self.engine.admit(job.prepared, cache)
+            if job.message.prepare and (cache is not None or not self._should_record(job, forced=True)):
+                self._finish_prepare(job_id, "already prepared" if cache is not None else "being recorded")
+                return
+            record = cache is None and self._should_record(job, forced=job.message.prepare)
+            job.state = self.engine.admit(job.prepared, cache, record=job.message.prepare)
             if record:
                 self._start_recording(job)
         except Exception as exc:
@@ -191,10 +194,12 @@ class EngineWorker:
             return None
         return cache
 
-    def _should_record(self, job: _Job) -> bool:
+    def _should_record(self, job: _Job, forced: bool = False) -> bool:
+        """Record this row's template cache on its way: on a first edit when the settings say so,
+        always for a prepare job (``forced``); never twice at once for one template."""
         key = job.prepared.cache_key
         return (self.caches is not None and key is not None and job.params.use_cache
-                and job.params.record_on_first_edit and key.digest() not in self._recording)
+                and (forced or job.params.record_on_first_edit) and key.digest() not in self._recording)
 
     def _start_recording(self, job: _Job) -> None:
         key, state = job.prepared.cache_key, job.state
@@ -226,6 +231,10 @@ class EngineWorker:
         state = job.state
         if state.writer is not None:
             self._commit_recording(job)
+        if job.message.prepare:  # a recording has no image: it is done once the cache is committed
+            job.timings["denoise_s"] = time.time() - job.timings.pop("admitted_at")
+            self._finish_prepare(row.job_id, "cache recorded", job.timings)
+            return
         latents_ref, path = self.blobs.new_path("latents", f"{row.job_id}.safetensors")
         save_file({"latents": state.latents.detach().to("cpu").contiguous()}, str(path))
         job.timings["denoise_s"] = time.time() - job.timings.pop("admitted_at")
@@ -253,6 +262,16 @@ class EngineWorker:
         except (OSError, CacheError) as exc:  # the edit itself is fine; only the cache is lost
             log.warning("recording the cache of %s failed: %s", job.message.job_id, exc)
             state.writer.abort()
+
+    def _finish_prepare(self, job_id: str, message: str, timings: dict | None = None) -> None:
+        job = self.jobs.pop(job_id, None)
+        if job is not None:
+            self._release(job)
+            timings = {**job.message.timings, **(timings or job.timings)}
+        self.scheduler.drop(job_id)
+        self.stats.record_job("prepared")
+        self._emit(job_id, "done", message=message, timings=timings or {})
+        self.inbox.ack(job_id)
 
     def _release(self, job: _Job) -> None:
         if job.cache_key is not None:
