@@ -18,6 +18,19 @@ KINDS = ("uploads", "templates", "masks", "prepared", "latents", "results", "thu
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temp file in the same directory and a rename: a reader
+    sees the whole file or none, and a failed write leaves no temp file behind."""
+    handle, tmp = tempfile.mkstemp(prefix=".tmp.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 class BlobError(ValueError):
     """A blob ref is malformed or names a file that does not exist."""
 
@@ -46,14 +59,7 @@ class BlobStore:
 
     def put(self, kind: str, name: str, data: bytes) -> str:
         ref, path = self.new_path(kind, name)
-        handle, tmp = tempfile.mkstemp(prefix=".tmp.", dir=path.parent)
-        try:
-            with os.fdopen(handle, "wb") as out:
-                out.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(path, data)
         return ref
 
     def put_content(self, kind: str, data: bytes, suffix: str) -> str:

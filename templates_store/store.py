@@ -26,9 +26,7 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
 import re
-import tempfile
 import time
 import unicodedata
 import uuid
@@ -38,6 +36,7 @@ from pathlib import Path
 
 from PIL import UnidentifiedImageError
 
+from backend.blobs import write_atomic
 from backend.imaging.uploads import UploadError, decode_image, encode_image, thumbnail
 
 log = logging.getLogger(__name__)
@@ -133,17 +132,6 @@ def clean_tags(tags) -> tuple[str, ...]:
     return tuple(cleaned)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    handle, tmp = tempfile.mkstemp(prefix=".tmp.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 class TemplateStore:
     def __init__(self, root: Path, max_pixels: int, max_bytes: int):
         self.root = Path(root)
@@ -190,10 +178,10 @@ class TemplateStore:
                                 height=image.height, bytes=len(png), created_at=time.time())
         with self._locked():
             if not self._content_path(sha256).exists():
-                _write_atomic(self._content_path(sha256), png)
+                write_atomic(self._content_path(sha256), png)
             if not self._thumb_path(sha256).exists():
-                _write_atomic(self._thumb_path(sha256), thumb)
-            _write_atomic(self._record_path(record.id), json.dumps(record.to_dict()).encode())
+                write_atomic(self._thumb_path(sha256), thumb)
+            write_atomic(self._record_path(record.id), json.dumps(record.to_dict()).encode())
         return record
 
     def get(self, template_id: str) -> TemplateRecord:

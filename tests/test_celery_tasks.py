@@ -3,16 +3,13 @@ with an engine worker in between: submit -> pre task -> hand-off stream -> worke
 
 from __future__ import annotations
 
-import io
 import os
 import subprocess
 import sys
 import time
 import urllib.request
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from backend import protocol
 from backend.blobs import BlobStore
@@ -24,9 +21,9 @@ from backend.tasks.celery_app import PREPARED_STREAM, make_celery, submit_edit, 
 from backend.worker.channels import LocalInbox
 from backend.worker.loop import EngineWorker
 from backend.worker.service import RedisSink
-from tests.factories import make_engine
-from tests.test_cpu_stages import BOX, HEIGHT, WIDTH, painted_mask, png
 from templates_store.samples import sample_template
+from tests.factories import make_engine
+from tests.test_cpu_stages import HEIGHT, WIDTH, assert_edited_inside_only, painted_mask, png
 
 WAIT_S = 120  # the CPU worker loads its model on its first task
 
@@ -104,12 +101,7 @@ def test_a_job_runs_pre_and_post_on_celery_around_the_worker(stack, engine, tmp_
     record = jobstate.get(job.job_id)
     assert set(record["timings"]) >= {"queue_s", "pre_s", "wait_s", "denoise_s", "post_s", "total_s"}
     assert record["step"] == record["num_steps"] == 3
-    result = np.asarray(Image.open(io.BytesIO(blobs.get(record["result_ref"]))).convert("RGB"))
-    before = np.asarray(template.convert("RGB"))
-    x0, y0, x1, y1 = BOX
-    outside = np.ones((HEIGHT, WIDTH), dtype=bool)
-    outside[y0:y1, x0:x1] = False
-    assert result.shape == before.shape and np.array_equal(result[outside], before[outside])
+    assert_edited_inside_only(blobs.get(record["result_ref"]), template)
     statuses = [e["status"] for _, e in jobstate.events(job.job_id)]
     assert statuses[0] == "preprocessing" and statuses[-2:] == ["postprocessing", "done"]
     url = f"http://127.0.0.1:{settings.celery.metrics_port}/metrics"

@@ -17,8 +17,8 @@ from backend.protocol import EditJob, MaskOps
 from backend.tasks.core import CpuStages
 from backend.worker.channels import LocalInbox, LocalSink
 from backend.worker.loop import EngineWorker
-from tests.factories import make_engine
 from templates_store.samples import sample_template
+from tests.factories import make_engine
 
 WIDTH, HEIGHT = 200, 150  # not square, not a bucket size: exercises crop, resize and paste-back
 BOX = (60, 40, 130, 100)  # x0, y0, x1, y1 of the painted area, in upload pixels
@@ -35,6 +35,18 @@ def painted_mask(box=BOX, size=(WIDTH, HEIGHT)) -> Image.Image:
     x0, y0, x1, y1 = box
     pixels[y0:y1, x0:x1] = 255
     return Image.fromarray(pixels)
+
+
+def assert_edited_inside_only(result_png: bytes, template: Image.Image, box=BOX, reach: int = 0) -> None:
+    """The result has the template's size, its pixels outside ``box`` grown by ``reach`` are the
+    template's own, and the painted area changed."""
+    result = np.asarray(Image.open(io.BytesIO(result_png)).convert("RGB"))
+    before = np.asarray(template.convert("RGB"))
+    x0, y0, x1, y1 = box
+    outside = np.ones(before.shape[:2], dtype=bool)
+    outside[max(0, y0 - reach):y1 + reach, max(0, x0 - reach):x1 + reach] = False
+    assert result.shape == before.shape and np.array_equal(result[outside], before[outside])
+    assert np.abs(result[y0:y1, x0:x1].astype(int) - before[y0:y1, x0:x1]).mean() > 1.0
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +87,7 @@ def test_an_upload_goes_through_pre_worker_and_post_to_a_result_at_its_own_size(
     denoised = run_worker(stages, prepared)
     event = stages.postprocess(denoised)
     assert event.status == "done" and set(event.timings) >= {"pre_s", "wait_s", "denoise_s", "post_s"}
-    result = Image.open(io.BytesIO(stages.blobs.get(event.result_ref))).convert("RGB")
-    assert result.size == (WIDTH, HEIGHT)
-    before, after = np.asarray(template.convert("RGB")), np.asarray(result)
-    x0, y0, x1, y1 = BOX
-    outside = np.ones((HEIGHT, WIDTH), dtype=bool)
-    outside[y0 - 4:y1 + 4, x0 - 4:x1 + 4] = False  # the mask grown by the feather's reach
-    assert np.array_equal(after[outside], before[outside])
-    assert np.abs(after[y0:y1, x0:x1].astype(int) - before[y0:y1, x0:x1]).mean() > 1.0
+    assert_edited_inside_only(stages.blobs.get(event.result_ref), template, reach=4)  # the feather's reach
     thumb = Image.open(io.BytesIO(stages.blobs.get(event.thumbnail_ref)))
     assert max(thumb.size) <= 256
     # intermediates are gone once the result is stored
