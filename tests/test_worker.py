@@ -120,6 +120,23 @@ def test_first_edit_records_the_cache_and_the_second_reuses_it(sd2_engine, tmp_p
     assert sd2_engine.lookup(template, params) is not None
 
 
+def test_a_recording_row_beside_cached_rows_records_a_complete_cache(sd2_engine, tmp_path):
+    """A first edit (recording) admitted while rows read other templates' caches: the recording
+    must hold every unit's K/V (a mixed forward would skip them) and the next edit must read it."""
+    sd2_engine.cache_root = tmp_path / "mixed-cache"
+    params = make_params(sd2_engine, steps=STEPS)
+    warm, cold = make_template(seed=31), make_template(seed=32)
+    sd2_engine.prepare_template(warm, params)
+    worker, inbox, sink, blobs = make_worker(sd2_engine, tmp_path)
+    inbox.put(make_prepared_job(sd2_engine, blobs, "cached", warm, rect_mask((0, 0, 64, 64)), 1, params))
+    inbox.put(make_prepared_job(sd2_engine, blobs, "records", cold, rect_mask((0, 0, 64, 64)), 2, params))
+    run_until_idle(worker)
+    inbox.put(make_prepared_job(sd2_engine, blobs, "reads", cold, rect_mask((64, 64, 128, 128)), 3, params))
+    run_until_idle(worker)
+    assert [e.status for e in sink.events if e.status == "failed"] == []
+    assert {j.job_id: j.used_cache for j in sink.denoised_jobs} == {"cached": True, "records": False, "reads": True}
+
+
 def test_unreadable_prepared_request_fails_that_job_only(sd2_engine, tmp_path):
     params = make_params(sd2_engine, steps=STEPS)
     worker, inbox, sink, blobs = make_worker(sd2_engine, tmp_path, with_cache=False)

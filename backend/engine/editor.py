@@ -244,6 +244,9 @@ class MaskAwareEngine:
         units = [u for u in range(self.num_units) if use_cache[u]]
         feeder = BatchCacheFeeder(refs, units, mode, rows[0].device) if units else None
         recording = any(s.writer is not None for s in states)
+        if recording and units and any(s.cache is not None for s in states):
+            # a cached unit computes only masked tokens, so it could not record a full K/V
+            raise ValueError("a batch cannot both record a template cache and read caches: step them apart")
         ctx = ForwardContext(masks, use_cache, mode, feeder, {} if recording else None, rows[0].device,
                              unit_seconds=unit_seconds)
         # Nothing to reuse, record or time: the model's own (fastest dense) forward does the same math.

@@ -101,11 +101,14 @@ class EngineWorker:
         stepped, forward_s = [], 0.0
         for group in out.groups:
             group = [j for j in group if j in self.jobs and self.jobs[j].state is not None]  # admitted ok
-            if not group:
-                continue
-            ran, seconds = self._step_group(group)
-            stepped += ran
-            forward_s += seconds
+            # a row recording its template's cache runs apart from rows reading caches: cached units
+            # skip the K/V the recording needs (see MaskAwareEngine.step)
+            recording = [j for j in group if self.jobs[j].state.writer is not None]
+            for part in (recording, [j for j in group if j not in recording]):
+                if part:
+                    ran, seconds = self._step_group(part)
+                    stepped += ran
+                    forward_s += seconds
         retiring = self.scheduler.update_from_output(stepped)
         job_work_started = time.perf_counter()
         for row in retiring:
