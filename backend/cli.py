@@ -193,6 +193,8 @@ def cmd_bench_worker(args, settings: Settings) -> int:
 
 
 def cmd_bench_route(args, settings: Settings) -> int:
+    if args.real:
+        return _bench_route_real(args, settings)
     from backend.bench.route_bench import (RouteBenchConfig, cost_model_for, decision_time, run_route_bench,
                                            write_outputs)
     from backend.dispatch.router import POLICIES
@@ -212,6 +214,19 @@ def cmd_bench_route(args, settings: Settings) -> int:
     plot = write_outputs(cfg, report, Path(args.json))
     print(f"P95 reduction of mask_aware vs each policy: {report['p95_reduction']}")
     print(f"wrote {args.json} and {plot}")
+    return 0
+
+
+def _bench_route_real(args, settings: Settings) -> int:
+    from backend.bench.route_real import RealRouteConfig, run_real_route_bench, write_real_outputs
+    from backend.dispatch.router import POLICIES
+
+    cfg = RealRouteConfig(policies=tuple(args.policies.split(",")) if args.policies else POLICIES,
+                          workers=args.real_workers, rps=args.real_rps, duration_s=args.real_duration,
+                          mask_mean=args.mask_mean, seed=args.seed)
+    report = run_real_route_bench(cfg, settings)
+    write_real_outputs(report, Path(args.json))
+    print(f"wrote {args.json}")
     return 0
 
 
@@ -312,6 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("--disk-gbps", type=float, default=1.0)
     route.add_argument("--seed", type=int, default=0)
     route.add_argument("--decisions", type=int, default=2000, help="routing decisions timed (0: skip)")
+    route.add_argument("--real", action="store_true",
+                       help="instead of simulating, run each policy on real CPU worker processes (small scale)")
+    route.add_argument("--real-workers", type=int, default=2)
+    route.add_argument("--real-rps", type=float, default=3.0)
+    route.add_argument("--real-duration", type=float, default=30.0)
     route.add_argument("--json", required=True)
     route.set_defaults(func=cmd_bench_route)
 

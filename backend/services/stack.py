@@ -52,7 +52,20 @@ def plan_roles(settings: Settings, devices: list[str], cpu_workers: int = 1) -> 
         worker_id = f"{settings.worker.worker_id}-{index}" if len(devices) > 1 else settings.worker.worker_id
         roles.append(Role(f"worker-{index}", ["worker", "--device", device, "--worker-id", worker_id]))
     roles.append(Role("api", ["api"]))
+    _share_cpu_threads(roles, [r for r in roles if r.name.startswith("cpu-worker")] +
+                       [r for r, device in zip(roles[cpu_workers + 1:], devices) if device == "cpu"])
     return roles
+
+
+def _share_cpu_threads(roles: list[Role], heavy: list[Role]) -> None:
+    """Give each CPU-heavy role an equal share of the cores (torch otherwise starts one thread per
+    core in every process, and several processes on one machine thrash), unless the operator set
+    OMP_NUM_THREADS."""
+    if not heavy or os.environ.get("OMP_NUM_THREADS"):
+        return
+    share = str(max(1, (os.cpu_count() or 1) // len(heavy)))
+    for role in heavy:
+        role.env.setdefault("OMP_NUM_THREADS", share)
 
 
 def stack_api_key(settings: Settings) -> str:
