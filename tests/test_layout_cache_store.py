@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from backend.engine.attention import ragged_attention, attend, replace_rows
-from backend.engine.cache_store import (CacheCorruptError, CacheKey, CacheMismatchError, CacheWriter,
+from backend.engine.cache_store import (CacheCorruptError, CacheError, CacheKey, CacheMismatchError, CacheWriter,
                                         TemplateCache, lookup)
 from backend.engine.layout import full_layout, make_layout
 
@@ -125,3 +125,17 @@ def test_steps_must_be_written_in_order(tmp_path):
         writer.write_step(1, {})
     writer.abort()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_incomplete_recording_is_refused_and_nothing_is_published(tmp_path):
+    """A step that lacks a unit's K (a forward that skipped it) must not become a cache that edits
+    then fail on: commit refuses it and leaves no entry."""
+    writer = CacheWriter(tmp_path, _key(), num_units=2, halves=2, storage_dtype=torch.float32)
+    writer.write_step(0, {(u, n): torch.zeros(2, 8, 4) for u in range(2) for n in "kv"})
+    writer.write_step(1, {(1, "k"): torch.zeros(2, 8, 4), (0, "v"): torch.zeros(2, 8, 4),
+                          (1, "v"): torch.zeros(2, 8, 4)})
+    writer.write_trajectory({"latents": torch.zeros(3, 4, 2, 2)})
+    with pytest.raises(CacheError, match="step 1 lacks u000.k"):
+        writer.commit()
+    writer.abort()
+    assert lookup(tmp_path, _key()) is None

@@ -112,7 +112,21 @@ class CacheWriter:
         save_file(tensors, str(self._tmp / file_name))
         self._tensors[file_name] = {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in tensors.items()}
 
+    def _check_complete(self) -> None:
+        """Every step must hold, for every unit, what an edit in this cache mode reads (K and V, or
+        the unit's output): a recording that missed some (a forward that skipped them) is refused
+        here rather than failing the edits that would read it."""
+        needed = ("k", "v") if self.key.mode == "kv" else ("out",)
+        for step in range(self._steps):
+            held = self._tensors.get(step_file(step), {})
+            missing = [tensor_name(u, n) for u in range(self._num_units) for n in needed
+                       if tensor_name(u, n) not in held]
+            if missing:
+                raise CacheError(f"recording of {self.key.digest()} is incomplete: step {step} lacks "
+                                 f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+
     def commit(self) -> "TemplateCache":
+        self._check_complete()
         files = {name: _sha256(self._tmp / name) for name in self._tensors}
         manifest = {
             "format_version": FORMAT_VERSION, "key": asdict(self.key), "key_digest": self.key.digest(),
