@@ -103,6 +103,30 @@ def test_api_key_missing_wrong_and_right(client):
         assert anonymous.get(open_path).status_code == 200, open_path
 
 
+def test_event_stream_takes_the_key_as_a_query_parameter(client, redis_client):
+    """A browser's EventSource cannot send X-API-Key: the event stream (only) takes ?api_key=."""
+    job_id = submit(client).json()["job_id"]
+    JobStateStore(redis_client).record_event(JobEvent(job_id=job_id, status="cancelled", at=time.time()))
+    browser = TestClient(client.app)  # no X-API-Key header
+    events = browser.get(f"/v1/jobs/{job_id}/events", params={"api_key": KEY})
+    assert events.status_code == 200 and [e["status"] for e in sse_events(events.text)] == ["cancelled"]
+    wrong = browser.get(f"/v1/jobs/{job_id}/events", params={"api_key": "nope"})
+    assert wrong.status_code == 403 and "api_key query parameter is not valid" in wrong.json()["error"]
+    header_wins = browser.get(f"/v1/jobs/{job_id}/events", params={"api_key": KEY}, headers={"X-API-Key": "nope"})
+    assert header_wins.status_code == 403 and "X-API-Key header is not valid" in header_wins.json()["error"]
+    assert browser.get(f"/v1/jobs/{job_id}/events", params={"api_key": "nope"},
+                       headers={"X-API-Key": KEY}).status_code == 200
+    missing = browser.get(f"/v1/jobs/{job_id}/events")
+    assert missing.status_code == 401
+    assert "X-API-Key header" in missing.json()["error"] and "api_key query parameter" in missing.json()["error"]
+    for path in (f"/v1/jobs/{job_id}", "/v1/templates", f"/v1/jobs/{job_id}/result"):  # everywhere else: 401
+        refused = browser.get(path, params={"api_key": KEY})
+        assert refused.status_code == 401, path
+        assert "api_key query parameter is not accepted on this route" in refused.json()["error"]
+    schemes = client.get("/openapi.json").json()["paths"]["/v1/jobs/{job_id}/events"]["get"]["security"]
+    assert {"APIKeyQuery": []} in schemes and {"APIKeyHeader": []} in schemes
+
+
 def test_no_keys_configured_fails_closed_unless_auth_disabled(redis_url, redis_client, tmp_path):
     closed = load_settings({"MASKSERVE_REDIS_URL": redis_url, "MASKSERVE_DATA_DIR": str(tmp_path)})
     with TestClient(create_app(closed, redis_client=redis_client)) as test_client:

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.api import routes_jobs, routes_templates
 from backend.api.middleware import ApiMetrics, BodyLimitMiddleware, MetricsMiddleware
-from backend.api.security import Guard, RateLimiter, api_key_header
+from backend.api.security import API_KEY_QUERY, Guard, RateLimiter, accepts_query_key, api_key_header
 from backend.api.service import JobService, ServiceError
 from backend.blobs import BlobError, BlobStore
 from backend.config import Settings
@@ -132,7 +132,7 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
     guard = Guard(settings.api, limiter, on_limited=metrics.rate_limited.inc)
 
     def require_api_key(request: Request, api_key: str | None = Security(api_key_header)) -> None:
-        guard.check(request, api_key)
+        guard.check(request, api_key, request.query_params.get(API_KEY_QUERY), accepts_query_key(request))
 
     # routers carry their full /v1/... prefix themselves: the route template then is the metrics label
     for router in (routes_templates.router, routes_jobs.router):

@@ -10,9 +10,10 @@ import time
 from collections.abc import AsyncIterator
 
 import anyio
-from fastapi import APIRouter, File, Form, Header, Query, Request, UploadFile
+from fastapi import APIRouter, File, Form, Header, Query, Request, Security, UploadFile
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
+from backend.api.security import api_key_query
 from backend.api.service import JobRequest, JobService
 from backend.jobstate import TERMINAL
 from backend.protocol import MaskOps
@@ -91,8 +92,9 @@ def cancel_job(request: Request, job_id: str) -> dict:
     return {"job_id": job_id, **_service(request).cancel(job_id)}
 
 
+# the one route that takes the key as ?api_key= too: a browser's EventSource cannot send headers
 @router.get("/{job_id}/events", summary="Server-sent events of one job", response_class=StreamingResponse,
-            responses={200: {"content": {"text/event-stream": {}}}})
+            responses={200: {"content": {"text/event-stream": {}}}}, dependencies=[Security(api_key_query)])
 async def job_events(request: Request, job_id: str,
                      last_event_id: str | None = Header(None, alias="Last-Event-ID"),
                      after: str | None = Query(None, description="Replay after this event id (default: all)")):

@@ -5,6 +5,12 @@ Auth: header ``X-API-Key``; 401 when it is missing, 403 when it is not one of
 refused with 401 unless ``settings.api.auth_disabled`` is set explicitly: a deployment that forgot
 its keys fails closed, not open.
 
+Routes that declare ``Security(api_key_query)`` (only the job event stream: a browser's
+``EventSource`` cannot send headers) also take the key as the query parameter ``api_key``; the
+header wins when both are given. Anywhere else a query key is refused with 401, so keys do not
+spread into URLs (and from there into proxy logs and browser history) beyond the one route that
+needs it. It is the same ``Guard``, the same key list and the same rate limit either way.
+
 Rate limit: a token bucket per key kept in Redis (one Lua script, so every API process on every
 host draws from the same bucket): ``rate_limit_burst`` tokens, refilled at
 ``rate_limit_per_minute / 60`` tokens a second; an empty bucket answers 429 with ``Retry-After``
@@ -21,13 +27,20 @@ import time
 from dataclasses import dataclass
 
 from fastapi import HTTPException, Request
-from fastapi.security import APIKeyHeader
+from fastapi.security import APIKeyHeader, APIKeyQuery
 
 from backend.config import ApiSettings
 
 API_KEY_HEADER = "X-API-Key"
+API_KEY_QUERY = "api_key"
 api_key_header = APIKeyHeader(name=API_KEY_HEADER, auto_error=False,
                               description="One of the keys in MASKSERVE_API_KEYS")
+# Declared by the routes that accept the key in the URL (``accepts_query_key``): the event stream.
+api_key_query = APIKeyQuery(name=API_KEY_QUERY, auto_error=False,
+                            description="The API key for a browser's EventSource, which cannot send "
+                                        f"{API_KEY_HEADER} (the job event stream only; the header wins)")
+_BOTH_WAYS = (f"send it in the {API_KEY_HEADER} header (or, on GET /v1/jobs/{{job_id}}/events only, as the "
+              f"{API_KEY_QUERY} query parameter)")
 
 # KEYS[1] bucket hash. ARGV: capacity, refill per second, now (s), ttl (s).
 # Returns {allowed (0/1), milliseconds until one token is back}.
@@ -80,6 +93,13 @@ class RateLimiter:
         return Decision(bool(allowed), max(1, math.ceil(int(wait_ms) / 1000)) if not allowed else 0)
 
 
+def accepts_query_key(request: Request) -> bool:
+    """Whether the matched route declared ``Security(api_key_query)`` (FastAPI puts the route in
+    the scope before it runs the route's dependencies)."""
+    route = request.scope.get("route")
+    return any(getattr(dep, "dependency", None) is api_key_query for dep in getattr(route, "dependencies", ()))
+
+
 class Guard:
     """The dependency every ``/v1`` route runs: authenticate, then rate-limit."""
 
@@ -87,25 +107,35 @@ class Guard:
         self.settings, self.limiter, self.on_limited = settings, limiter, on_limited
         self._keys = [key.encode() for key in settings.api_keys]
 
-    def identity(self, request: Request, api_key: str | None) -> str:
-        """Who is calling (the key itself, or ``addr:<host>`` with auth disabled); raises 401/403."""
+    def identity(self, request: Request, api_key: str | None, query_key: str | None = None,
+                 query_allowed: bool = False) -> str:
+        """Who is calling (the key itself, or ``addr:<host>`` with auth disabled); raises 401/403.
+
+        ``api_key`` comes from the header, ``query_key`` from the ``api_key`` query parameter, which
+        counts only where ``query_allowed`` and only when the header is absent."""
         if self.settings.auth_disabled:
             return f"addr:{request.client.host if request.client else 'unknown'}"
         if not self._keys:
             raise HTTPException(401, "no API keys are configured on this server: the operator must set "
                                      "MASKSERVE_API_KEYS (or MASKSERVE_AUTH_DISABLED=1 for local use)")
+        source = f"the {API_KEY_HEADER} header"
+        if not api_key and query_key:
+            if not query_allowed:
+                raise HTTPException(401, f"the {API_KEY_QUERY} query parameter is not accepted on this route: "
+                                         f"{_BOTH_WAYS}", headers={"WWW-Authenticate": API_KEY_HEADER})
+            api_key, source = query_key, f"the {API_KEY_QUERY} query parameter"
         if not api_key:
-            raise HTTPException(401, f"missing API key: send it in the {API_KEY_HEADER} header",
-                                headers={"WWW-Authenticate": API_KEY_HEADER})
+            raise HTTPException(401, f"missing API key: {_BOTH_WAYS}", headers={"WWW-Authenticate": API_KEY_HEADER})
         given = api_key.encode()
         # compare against every key so the time taken does not say which key came close
         if not any([hmac.compare_digest(given, key) for key in self._keys]):
-            raise HTTPException(403, f"the API key in {API_KEY_HEADER} is not valid: check it for typos, "
-                                     "or ask for a new one")
+            raise HTTPException(403, f"the API key in {source} is not valid: check it for typos, or ask for a "
+                                     f"new one ({_BOTH_WAYS})")
         return f"key:{api_key}"
 
-    def check(self, request: Request, api_key: str | None) -> None:
-        decision = self.limiter.take(self.identity(request, api_key))
+    def check(self, request: Request, api_key: str | None, query_key: str | None = None,
+              query_allowed: bool = False) -> None:
+        decision = self.limiter.take(self.identity(request, api_key, query_key, query_allowed))
         if not decision.allowed:
             self.on_limited()
             raise HTTPException(429, f"rate limit of {self.limiter.per_minute} requests a minute (bursts of "
