@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup test up bench profile clean
 
@@ -17,7 +19,11 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-test: $(STAMP)
+# The studio's browser test drives Debian's chromium through Playwright (never a downloaded browser).
+$(CHROMIUM):
+	$(SUDO) apt-get install -y -q chromium || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium)
+
+test: $(STAMP) $(CHROMIUM)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 up: $(STAMP)

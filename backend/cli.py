@@ -107,23 +107,35 @@ def cmd_profile(args, settings: Settings) -> int:
 def cmd_up(args, settings: Settings) -> int:
     """Start every role on this machine and wait; Ctrl-C stops them all."""
     from backend.runtime import stop_event_on_signals
-    from backend.services.stack import Stack, engine_devices, plan_roles, stack_api_key
+    from backend.services.stack import Stack, engine_devices, plan_roles, stack_api_key, stack_login
+    from studio.share import share_url_path, wait_for_share_url
 
+    if args.share and settings.api.auth_disabled:
+        raise ValueError("--share publishes the studio on a public link: it needs the login, so unset "
+                         "MASKSERVE_AUTH_DISABLED (users come from MASKSERVE_USERS or are generated)")
     roles = plan_roles(settings, engine_devices(), cpu_workers=args.cpu_workers)
-    api_key = stack_api_key(settings)
+    api_key, (user, password) = stack_api_key(settings), stack_login(settings)
     for role in roles:
-        if role.name == "api" and api_key:
-            role.env["MASKSERVE_API_KEYS"] = api_key
+        if role.name == "api":
+            role.env |= {"MASKSERVE_API_KEYS": api_key} if api_key else {}
+            role.env |= {"MASKSERVE_USERS": f"{user}:{password}"} if user else {}
+            role.env |= {"MASKSERVE_STUDIO_SHARE": "1"} if args.share else {}
+    share_url_path(settings).unlink(missing_ok=True)
     stack = Stack(settings, roles)
     stop = stop_event_on_signals()
     try:
         redis_url = stack.start()
         base = f"http://{settings.api.host}:{settings.api.port}"
-        print(f"Redis      {redis_url}\nREST API   {base}/v1   (docs {base}/docs, metrics {base}/metrics)\n"
-              f"API key    {api_key or '(from MASKSERVE_API_KEYS)'}\nlogs       {stack.log_dir}/<role>.log\n"
+        login = f"{user} / {password}" if user else "(from MASKSERVE_USERS)"
+        print(f"Studio     {base}{settings.studio.path}/   (login {login})\n"
+              f"REST API   {base}/v1   (docs {base}/docs, metrics {base}/metrics)\n"
+              f"API key    {api_key or '(from MASKSERVE_API_KEYS)'}\nRedis      {redis_url}\n"
+              f"logs       {stack.log_dir}/<role>.log\n"
               f"roles      {', '.join(r.name for r in roles)}\nCtrl-C stops everything.", flush=True)
         if stack.wait_ready(f"{base}/readyz", stop):
             print("ready", flush=True)
+            if args.share:
+                print(f"share      {wait_for_share_url(settings, stop)}", flush=True)
         while not stop.is_set():
             name = stack.exited()
             if name is not None:
@@ -363,6 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start every role on this machine (Redis, CPU workers, dispatcher, "
                                    "engine workers, API); Ctrl-C stops them")
     up.add_argument("--cpu-workers", type=int, default=1, help="Celery CPU worker processes")
+    up.add_argument("--share", action="store_true", help="also publish the studio on a public Gradio share "
+                                                         "link (behind the same login)")
     up.set_defaults(func=cmd_up)
     return parser
 

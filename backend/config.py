@@ -151,6 +151,9 @@ class ApiSettings(_Strict):
     host: str = "127.0.0.1"  # loopback by default: exposing the API is a deliberate choice
     port: int = Field(default=8000, ge=1, le=65535)
     api_keys: tuple[str, ...] = Field(default=(), repr=False)
+    # Studio logins, ``name:password`` entries (``MASKSERVE_USERS``, comma-separated); the same
+    # auth layer (``backend.api.security.Guard``) checks them and the API keys.
+    users: tuple[str, ...] = Field(default=(), repr=False)
     auth_disabled: bool = False
     # Per API key token bucket, shared by every API process through Redis; 0 turns it off.
     rate_limit_per_minute: int = Field(default=120, ge=0)
@@ -162,12 +165,38 @@ class ApiSettings(_Strict):
     models: tuple[str, ...] = ()
     sse_keepalive_s: float = Field(default=15.0, gt=0.0, le=300.0)  # comment lines on an idle event stream
 
-    @field_validator("api_keys", "models", mode="before")
+    @field_validator("api_keys", "models", "users", mode="before")
     @classmethod
     def _comma_separated(cls, value):
         if isinstance(value, str):
             value = value.split(",")
         return tuple(item.strip() for item in value if item and item.strip())
+
+    @field_validator("users")
+    @classmethod
+    def _name_password(cls, users):
+        for entry in users:
+            name, _, password = entry.partition(":")
+            if not name.strip() or not password:
+                raise ValueError(f"user entry {name.strip()[:40] or '(empty)'!r} must be name:password (the "
+                                 "password non-empty)")
+        return users
+
+
+class StudioSettings(_Strict):
+    """The Gradio studio, mounted in the API app at ``path`` (same process, port and auth)."""
+
+    enabled: bool = True
+    path: str = "/studio"
+    share: bool = False  # a public Gradio share link (``maskserve up --share``), always behind the login
+    history_limit: int = Field(default=200, ge=1, le=10_000)  # jobs kept in each user's history
+
+    @field_validator("path")
+    @classmethod
+    def _mount_path(cls, path: str) -> str:
+        if not path.startswith("/") or path.rstrip("/") in ("", "/v1", "/docs") or "//" in path:
+            raise ValueError(f"studio path {path!r} must start with '/' and not be '/', '/v1' or '/docs'")
+        return path.rstrip("/")
 
 
 class Settings(_Strict):
@@ -178,6 +207,7 @@ class Settings(_Strict):
     redis: RedisSettings = RedisSettings()
     celery: CelerySettings = CelerySettings()
     api: ApiSettings = ApiSettings()
+    studio: StudioSettings = StudioSettings()
     dispatcher: DispatcherSettings = DispatcherSettings()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
@@ -214,12 +244,16 @@ _ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "MAX_BODY_MB": ("api", "max_body_mb"),
     "MAX_TEMPLATE_MB": ("api", "max_template_mb"),
     "API_MODELS": ("api", "models"),
+    "USERS": ("api", "users"),
+    "STUDIO": ("studio", "enabled"),
+    "STUDIO_PATH": ("studio", "path"),
+    "STUDIO_SHARE": ("studio", "share"),
     "ROUTING_POLICY": ("dispatcher", "policy"),
     "DISPATCHER_METRICS_PORT": ("dispatcher", "metrics_port"),
 }
 # Also read without the prefix: the conventional name every Redis deployment already sets.
 _PLAIN_ENV = {"REDIS_URL": ("redis", "url")}
-_SECTIONS = ("paths", "engine", "worker", "cache", "redis", "celery", "dispatcher", "api")
+_SECTIONS = ("paths", "engine", "worker", "cache", "redis", "celery", "dispatcher", "api", "studio")
 
 
 def load_settings(env: Mapping[str, str] | None = None, **overrides: dict) -> Settings:

@@ -11,6 +11,10 @@ header wins when both are given. Anywhere else a query key is refused with 401, 
 spread into URLs (and from there into proxy logs and browser history) beyond the one route that
 needs it. It is the same ``Guard``, the same key list and the same rate limit either way.
 
+Studio logins: ``settings.api.users`` (``name:password``) checked by ``Guard.check_login`` (the
+Gradio login page calls it), compared in constant time over every entry. With auth disabled the
+studio has no login; with no users configured every login is refused (fail closed, as for keys).
+
 Rate limit: a token bucket per key kept in Redis (one Lua script, so every API process on every
 host draws from the same bucket): ``rate_limit_burst`` tokens, refilled at
 ``rate_limit_per_minute / 60`` tokens a second; an empty bucket answers 429 with ``Retry-After``
@@ -93,6 +97,11 @@ class RateLimiter:
         return Decision(bool(allowed), max(1, math.ceil(int(wait_ms) / 1000)) if not allowed else 0)
 
 
+def _login_digest(username: str, password: str) -> bytes:
+    """Fixed-length digest of a login, so comparisons take the same time whatever the lengths."""
+    return hashlib.sha256(username.strip().encode() + b"\0" + password.encode()).digest()
+
+
 def accepts_query_key(request: Request) -> bool:
     """Whether the matched route declared ``Security(api_key_query)`` (FastAPI puts the route in
     the scope before it runs the route's dependencies)."""
@@ -106,6 +115,19 @@ class Guard:
     def __init__(self, settings: ApiSettings, limiter: RateLimiter, on_limited=lambda: None):
         self.settings, self.limiter, self.on_limited = settings, limiter, on_limited
         self._keys = [key.encode() for key in settings.api_keys]
+        self._logins = [_login_digest(*entry.split(":", 1)) for entry in settings.users]
+
+    @property
+    def login_required(self) -> bool:
+        return not self.settings.auth_disabled
+
+    def check_login(self, username: str, password: str) -> bool:
+        """True when ``username``/``password`` is one of ``settings.users``."""
+        if self.settings.auth_disabled:
+            return True
+        given = _login_digest(str(username or ""), str(password or ""))
+        # compare against every entry so the time taken does not say which user exists
+        return any([hmac.compare_digest(given, login) for login in self._logins])
 
     def identity(self, request: Request, api_key: str | None, query_key: str | None = None,
                  query_allowed: bool = False) -> str:

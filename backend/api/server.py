@@ -29,6 +29,8 @@ def run_api(settings: Settings) -> int:
     from backend.api.app import create_app
 
     api = settings.api
+    if settings.studio.share and api.auth_disabled:
+        raise ValueError("a studio share link is public: it needs the login, so unset MASKSERVE_AUTH_DISABLED")
     if api.auth_disabled:
         log.warning("API auth is DISABLED (MASKSERVE_AUTH_DISABLED): anyone who reaches %s:%d can submit jobs",
                     api.host, api.port)
@@ -40,5 +42,9 @@ def run_api(settings: Settings) -> int:
                             proxy_headers=False, timeout_graceful_shutdown=5, server_header=False)
     log.info("API on http://%s:%d (docs at /docs)", api.host, api.port)
     server = _Server(config)
+    if settings.studio.share:
+        from studio.share import open_share_link
+
+        open_share_link(settings, lambda: server.started)
     server.run()
     return 0 if server.started else 1

@@ -30,6 +30,7 @@ from kombu.exceptions import OperationalError as BrokerError
 
 from backend.blobs import BlobStore
 from backend.config import Settings
+from backend.history import HistoryIndex
 from backend.imaging.masks import MaskError, load_mask, require_nonempty
 from backend.imaging.uploads import UploadError, decode_image
 from backend.imaging.uploads import _validate_ops as validate_mask_ops  # the pre task's exact ranges
@@ -79,6 +80,7 @@ class JobRequest:
     mask_ops: MaskOps = field(default_factory=MaskOps)
     resolution: int = 0  # 0: the model's default resolution bucket
     use_cache: bool = True
+    owner: str = ""  # who submitted it (a studio user, or an API key's identity): their history lists it
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class JobService:
         self.settings, self.client, self.celery_app = settings, redis_client, celery_app
         self.blobs, self.templates = blobs, templates
         self.jobstate = jobstate or JobStateStore(redis_client)
+        self.history_index = HistoryIndex(redis_client, settings.studio.history_limit)
 
     # ----- submit ---------------------------------------------------------------------------------
     def submit(self, request: JobRequest) -> SubmittedJob:
@@ -134,6 +137,7 @@ class JobService:
                              resolution=request.resolution, use_cache=int(bool(request.use_cache)),
                              mask_ops=vars(request.mask_ops), template_id=request.template_id or "",
                              width=image_size[0], height=image_size[1])
+        self.history_index.add(request.owner, job_id, job.submitted_at)
         self._queue(job)
         return SubmittedJob(job_id=job_id, seed=seed, model_id=spec.model_id, steps=steps)
 
@@ -295,6 +299,16 @@ class JobService:
             return None
         waiting = [row.get("job_id") for row in getattr(beat, "waiting", [])]
         return waiting.index(job_id) + 1 if job_id in waiting else None
+
+    def history(self, owner: str, limit: int | None = None) -> list[dict]:
+        """The owner's jobs, newest first, as ``get`` gives them; jobs whose state expired are skipped."""
+        jobs = []
+        for job_id in self.history_index.job_ids(owner, limit):
+            try:
+                jobs.append(self.get(job_id))
+            except ServiceError:  # expired: its state is gone
+                self.history_index.forget(owner, job_id)
+        return jobs
 
     def events(self, job_id: str, after: str = "0", block_ms: int | None = None) -> list[tuple[str, dict]]:
         """(event id, event) of one job after ``after``, waiting up to ``block_ms`` for the first."""

@@ -26,6 +26,7 @@ from backend.services.redis_server import connect_or_start
 
 log = logging.getLogger(__name__)
 
+STACK_USER = "studio"
 STOP_GRACE_S = 15.0
 
 
@@ -68,19 +69,32 @@ def _share_cpu_threads(roles: list[Role], heavy: list[Role]) -> None:
         role.env.setdefault("OMP_NUM_THREADS", share)
 
 
-def stack_api_key(settings: Settings) -> str:
-    """The API key of a one-machine stack: none when keys are configured (or auth is off), else one
-    generated once and kept in ``<data_dir>/api_key`` (mode 600) so restarts keep it."""
-    if settings.api.api_keys or settings.api.auth_disabled:
-        return ""
-    path = Path(settings.paths.data_dir) / "api_key"
+def _generated_secret(settings: Settings, filename: str, size: int = 24) -> str:
+    """A secret generated once and kept in ``<data_dir>/<filename>`` (mode 600), so restarts keep it."""
+    path = Path(settings.paths.data_dir) / filename
     if not path.exists():
         import secrets
 
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(secrets.token_urlsafe(24))
+        path.write_text(secrets.token_urlsafe(size))
         path.chmod(0o600)
     return path.read_text().strip()
+
+
+def stack_api_key(settings: Settings) -> str:
+    """The API key of a one-machine stack: none when keys are configured (or auth is off), else a
+    generated one kept in ``<data_dir>/api_key``."""
+    if settings.api.api_keys or settings.api.auth_disabled:
+        return ""
+    return _generated_secret(settings, "api_key")
+
+
+def stack_login(settings: Settings) -> tuple[str, str]:
+    """The studio login of a one-machine stack: ("", "") when users are configured (or auth is off),
+    else user ``studio`` with a generated password kept in ``<data_dir>/studio_password``."""
+    if settings.api.users or settings.api.auth_disabled:
+        return "", ""
+    return STACK_USER, _generated_secret(settings, "studio_password", size=12)
 
 
 class Stack:

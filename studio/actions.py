@@ -1,0 +1,233 @@
+"""What the studio's buttons do, over the same service layer as REST (``JobService``,
+``TemplateStore``); no Gradio here, so every action is unit-tested without a browser.
+
+The studio never touches a model: an edit is a ``JobRequest`` like a REST submission, progress is
+the job's own event stream, the result is the job's result file. Problems a user must fix are raised
+as ``StudioError`` with a message saying how (the UI shows it as a warning, never a stack trace).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image
+
+from backend.api.service import JobRequest, JobService, ServiceError, SubmittedJob
+from backend.imaging.masks import MaskError
+from backend.jobstate import TERMINAL
+from backend.models import resolve_model
+from backend.protocol import MaskOps
+from studio import masks as studio_masks
+from templates_store.store import TemplateError, TemplateNotFound, TemplateRecord, TemplateStore
+
+FOLLOW_SLICE_MS = 1000  # longest single wait for a job's next event
+STAGES = {"queued": "Queued", "preprocessing": "Pre-processing", "waiting": "Waiting for a worker",
+          "running": "Denoising", "postprocessing": "Post-processing", "done": "Done", "failed": "Failed",
+          "cancelled": "Cancelled"}
+
+
+class StudioError(ValueError):
+    """Something the user must fix; the message says what."""
+
+
+@dataclass(frozen=True)
+class EditForm:
+    """The editor's fields. ``seed`` None = a random seed (the one used is reported back)."""
+
+    prompt: str
+    negative_prompt: str = ""
+    model: str = ""
+    steps: int | None = None
+    guidance: float | None = None
+    strength: float = 1.0
+    seed: int | None = None
+    invert: bool = False
+    grow_px: int = 0
+    feather_px: float = 0.0
+    use_cache: bool = True
+
+    @property
+    def mask_ops(self) -> MaskOps:
+        return MaskOps(invert=bool(self.invert), grow_px=int(self.grow_px), feather_px=float(self.feather_px))
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One moment of a job as the studio shows it."""
+
+    job_id: str
+    status: str
+    step: int = 0
+    num_steps: int = 0
+    queue_position: int | None = None
+    message: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.status in TERMINAL
+
+    def describe(self) -> str:
+        parts = [STAGES.get(self.status, self.status)]
+        if self.status == "running" and self.num_steps:
+            parts.append(f"step {self.step}/{self.num_steps}")
+        if self.queue_position:
+            parts.append(f"position {self.queue_position} in the worker's queue")
+        if self.message and self.status in ("failed", "cancelled"):
+            parts.append(self.message)
+        return " · ".join(parts)
+
+
+def _service_call(func, *args, **kwargs):
+    try:
+        return func(*args, **kwargs)
+    except (ServiceError, TemplateError, MaskError) as exc:
+        raise StudioError(str(exc)) from None
+    except TemplateNotFound as exc:
+        raise StudioError(f"{exc} (it may have been deleted: refresh the gallery)") from None
+
+
+class StudioActions:
+    def __init__(self, service: JobService, templates: TemplateStore):
+        self.service, self.templates = service, templates
+
+    # ----- gallery --------------------------------------------------------------------------------
+    def gallery(self, query: str = "", tag: str = "") -> list[TemplateRecord]:
+        return self.templates.list(query=query or "", tag=tag or "")
+
+    def template(self, template_id: str) -> TemplateRecord:
+        if not template_id:
+            raise StudioError("no template selected: pick one in the gallery")
+        return _service_call(self.templates.get, template_id)
+
+    def template_image(self, template_id: str) -> Image.Image:
+        path = _service_call(self.templates.image_path, template_id)
+        with Image.open(path) as image:
+            return image.convert("RGB")
+
+    def upload(self, files: list, name: str = "", tags: str = "") -> tuple[list[TemplateRecord], list[str]]:
+        """Add every file; (records added, one message per file that was refused). ``name`` (when
+        given) names them all, numbered when there are several; else each file's own name."""
+        if not files:
+            raise StudioError("no files chosen: pick one or more images to upload")
+        added, problems = [], []
+        tag_list = [t for t in (tags or "").replace(";", ",").split(",") if t.strip()]
+        for index, file in enumerate(files, start=1):
+            path = Path(getattr(file, "name", file))
+            display = (name or "").strip() or path.stem or "untitled"
+            if (name or "").strip() and len(files) > 1:
+                display = f"{display} {index}"
+            try:
+                added.append(self.templates.add(path.read_bytes(), display, tag_list))
+            except (TemplateError, OSError) as exc:
+                problems.append(f"{path.name}: {exc}")
+        return added, problems
+
+    def delete(self, template_id: str) -> str:
+        record = self.template(template_id)
+        _service_call(self.templates.delete, template_id)
+        from backend.cachestatus import forget
+
+        forget(self.service.client, template_id)
+        return record.name
+
+    def cache_status(self, template_id: str, model: str = "") -> str:
+        status = _service_call(self.service.cache_status, template_id, model or None)
+        where = f" ({', '.join(status['workers'])})" if status["workers"] else ""
+        return f"{status['status']}{where}"
+
+    def prepare(self, template_id: str, model: str = "") -> SubmittedJob:
+        return _service_call(self.service.prepare_template, template_id, model or None)
+
+    # ----- models ---------------------------------------------------------------------------------
+    def models(self) -> list[str]:
+        """Model ids a job may name here: the ones live workers serve, then the deployment's default
+        and its allowed list (a job for a model no worker serves waits until one joins)."""
+        from backend.dispatch.service import live_workers
+
+        served = sorted({beat.model_id for beat in live_workers(self.service.client).values()})
+        settings = self.service.settings
+        extra = [settings.engine.model_id, *settings.api.models]
+        return list(dict.fromkeys([*served, *extra]))
+
+    @staticmethod
+    def model_defaults(model: str) -> tuple[int, float]:
+        """(steps, guidance) the model runs with by default."""
+        try:
+            spec = resolve_model(model)
+        except ValueError as exc:
+            raise StudioError(str(exc)) from None
+        return spec.default_steps, spec.default_guidance
+
+    # ----- mask -----------------------------------------------------------------------------------
+    def preview(self, template_id: str, editor_value, form: EditForm) -> tuple[Image.Image, float]:
+        """(the template with the area to repaint tinted, the share of the image repainted)."""
+        template = self.template_image(template_id)
+        painted = _service_call(studio_masks.painted_mask, editor_value, template.size)
+        weights = _service_call(studio_masks.effective_mask, painted, form.mask_ops)
+        return studio_masks.overlay(template, weights), studio_masks.mask_ratio(weights)
+
+    # ----- jobs -----------------------------------------------------------------------------------
+    def submit(self, owner: str, template_id: str, editor_value, form: EditForm) -> SubmittedJob:
+        record = self.template(template_id)
+        painted = _service_call(studio_masks.painted_mask, editor_value, (record.width, record.height))
+        _service_call(studio_masks.require_painted, painted)
+        request = JobRequest(mask=studio_masks.mask_png(painted), prompt=form.prompt or "", template_id=template_id,
+                             negative_prompt=form.negative_prompt or "", model=form.model or None,
+                             steps=form.steps, guidance=form.guidance, strength=form.strength, seed=form.seed,
+                             mask_ops=form.mask_ops, use_cache=bool(form.use_cache), owner=owner)
+        return _service_call(self.service.submit, request)
+
+    def progress(self, job_id: str) -> Progress:
+        job = _service_call(self.service.get, job_id)
+        return Progress(job_id=job_id, status=job["status"], step=int(job.get("step", 0)),
+                        num_steps=int(job.get("num_steps", 0)), queue_position=job.get("queue_position"),
+                        message=job.get("message", ""))
+
+    def follow(self, job_id: str, timeout_s: float = 3600.0) -> Iterator[Progress]:
+        """The job's progress each time it changes, ending with its terminal state. Waits on the
+        job's own event stream (never a global one), a slice at a time."""
+        cursor, deadline = "0", time.monotonic() + timeout_s
+        current = self.progress(job_id)
+        yield current
+        while not current.finished and time.monotonic() < deadline:
+            entries = _service_call(self.service.events, job_id, cursor, FOLLOW_SLICE_MS)
+            if entries:
+                cursor = entries[-1][0]
+            latest = self.progress(job_id)
+            if entries or latest != current:
+                current = latest
+                yield current
+
+    def cancel(self, job_id: str) -> str:
+        if not job_id:
+            raise StudioError("no job is running: nothing to cancel")
+        _service_call(self.service.cancel, job_id)
+        return "Cancelled: the job leaves its batch at the next step"
+
+    def result_path(self, job_id: str) -> Path:
+        return _service_call(self.service.result_path, job_id)
+
+    def save_result(self, job_id: str, name: str = "", tags: str = "") -> TemplateRecord:
+        """The job's result as a new gallery template (named after the original when no name is given)."""
+        job = _service_call(self.service.get, job_id)
+        data = self.result_path(job_id).read_bytes()
+        display = (name or "").strip()
+        if not display:
+            try:
+                display = f"{self.templates.get(job.get('template_id', '')).name} (edited)"
+            except TemplateNotFound:
+                display = f"edit {job_id[:8]}"
+        tag_list = [t for t in (tags or "").split(",") if t.strip()]
+        return _service_call(self.templates.add, data, display, tag_list)
+
+    def history(self, owner: str, limit: int = 50) -> list[dict]:
+        return [job for job in self.service.history(owner, limit) if job.get("kind") != "prepare"]
+
+    def thumbnail_path(self, job_id: str) -> Path | None:
+        try:
+            return self.service.thumbnail_path(job_id)
+        except ServiceError:
+            return None

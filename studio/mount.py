@@ -1,0 +1,39 @@
+"""Mounts the studio into the API's FastAPI app: one process, one port, one auth layer.
+
+The Gradio login page checks ``Guard.check_login`` (the users in ``MASKSERVE_USERS``), the REST
+routes check the same Guard's API keys; with auth disabled neither asks. ``/`` redirects to the
+studio so a person opening the server's address lands on it.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+from fastapi import FastAPI
+from fastapi.responses import RedirectResponse
+
+from backend.api.security import Guard
+from backend.api.service import JobService
+from backend.config import Settings
+from studio.actions import StudioActions
+from studio.app import CSS, build_studio
+from templates_store.store import TemplateStore
+
+LOGIN_MESSAGE = ("Sign in with your MaskServe user (the operator lists users in MASKSERVE_USERS; "
+                 "`maskserve up` prints the generated one).")
+
+
+def mount_studio(app: FastAPI, service: JobService, templates: TemplateStore, guard: Guard,
+                 settings: Settings) -> gr.Blocks:
+    path = settings.studio.path
+    page = build_studio(StudioActions(service, templates))
+    page.queue(default_concurrency_limit=8)
+    auth = guard.check_login if guard.login_required else None
+    gr.mount_gradio_app(app, page, path=path, auth=auth, auth_message=LOGIN_MESSAGE if auth else None,
+                        footer_links=["api"], run_history=False, show_error=True, ssr_mode=False,
+                        max_file_size=int(settings.api.max_template_mb * 2**20), css=CSS)
+
+    @app.get("/", include_in_schema=False)
+    def to_studio() -> RedirectResponse:
+        return RedirectResponse(url=f"{path}/")
+
+    return page
