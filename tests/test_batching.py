@@ -92,6 +92,20 @@ def test_a_row_cancelled_during_its_step_is_not_advanced():
     assert scheduler.update_from_output(out.groups[0]) == []
 
 
+def test_a_restarted_row_runs_all_its_steps_again_in_its_slot():
+    scheduler = BatchScheduler(max_batch=1, mode="continuous")
+    scheduler.add(make_row("a", steps=3))
+    scheduler.add(make_row("b", steps=3))
+    run_step(scheduler)
+    run_step(scheduler)
+    scheduler.restart("a")
+    assert scheduler.running["a"].step == 0 and scheduler.running["a"].remaining_steps == 3
+    finished = [row.job_id for _ in range(3) for row in run_step(scheduler)[1]]
+    assert finished == ["a"] and list(scheduler.waiting) == ["b"]  # b waited: a kept its slot
+    with pytest.raises(KeyError, match="not running"):
+        scheduler.restart("b")
+
+
 def test_bad_rows_are_rejected():
     scheduler = BatchScheduler(max_batch=2)
     scheduler.add(make_row("a"))

@@ -289,3 +289,14 @@ def test_pin_memory_pins_resident_tensors(tmp_path, entry_bytes):
     _record(tmp_path, 1)
     handle = _open(tmp_path, 2, 4, entry_bytes, pin_memory=True).acquire(_key(1))
     assert handle.step_tensor(0, 0, "k").is_pinned()
+
+
+@pytest.mark.parametrize("damage", ["unlink", "unlink-trajectory"])
+def test_start_up_deletes_an_entry_with_a_file_missing(tmp_path, entry_bytes, damage):
+    broken = _record(tmp_path, 1).path
+    _record(tmp_path, 2)
+    (broken / ("step_001.safetensors" if damage == "unlink" else cache_store.TRAJECTORY)).unlink()
+    cache = _open(tmp_path, 2, 4, entry_bytes)
+    assert cache.resident(Tier.DISK) == [_key(2).digest()]
+    assert not broken.exists() and cache.metrics.corrupt_entries == 1
+    assert cache.acquire(_key(1)) is None

@@ -67,7 +67,7 @@ class MemoryTemplateCache:
         for file_name, digest in manifest["files"].items():
             data = (Path(path) / file_name).read_bytes()
             if hashlib.sha256(data).hexdigest() != digest:
-                raise CacheCorruptError(f"cache file {Path(path) / file_name} fails its checksum")
+                raise CacheCorruptError(f"cache file {Path(path) / file_name} fails its checksum", Path(path))
             tensors = load_safetensors(data)
             files[file_name] = {name: t.pin_memory() for name, t in tensors.items()} if pin_memory else tensors
         return cls(path, manifest, files)
@@ -176,14 +176,20 @@ class TieredActivationCache:
 
     # ----- start-up --------------------------------------------------------------------------------
     def _register_existing(self) -> None:
-        """Register complete entries, oldest first so that recency policies rank them by age."""
+        """Register complete entries, oldest first so that recency policies rank them by age. An
+        entry with a file missing is deleted (and counted corrupt): nothing could ever read it."""
         found = []
         for path in self.root.iterdir():
-            if path.name.startswith(".") or not path.is_dir():
-                continue  # a writer's temporary directory
+            if path.name.startswith(".") or not (path / MANIFEST).is_file():
+                continue  # a writer's temporary directory, or not an entry at all
             try:
                 cache = TemplateCache.open(path)
-            except UNUSABLE as exc:
+            except CacheCorruptError as exc:
+                log.warning("cache entry unusable, deleted path=%s error=%s", path, exc)
+                shutil.rmtree(path, ignore_errors=True)
+                self._manager.metrics.corrupt_entries += 1
+                continue
+            except UNUSABLE as exc:  # e.g. another format version: not ours to delete
                 log.warning("cache entry ignored path=%s error=%s", path, exc)
                 continue
             if cache.key.digest() == path.name:
@@ -239,6 +245,13 @@ class TieredActivationCache:
     def release(self, key: CacheKey) -> None:
         with self._lock:
             self._manager.unpin(key.digest())
+
+    def invalidate(self, key: CacheKey, error: Exception) -> None:
+        """A reader of an acquired disk handle found ``key``'s entry unusable (a file missing or
+        failing its checksum mid-edit): forget it in both tiers (pins included, so a later
+        ``release`` is a no-op) and delete its directory, so the next edit records it again."""
+        with self._lock:
+            self._discard(key.digest(), error)
 
     def prefetch(self, key: CacheKey) -> None:
         """Start loading ``key`` from disk into RAM in the background; a no-op unless it is on disk only."""

@@ -8,8 +8,10 @@ Layout of one entry (directory named by the key hash)::
     ...
 
 Invariants: an entry is visible only once complete (written in a temp dir, renamed into place);
-every (step, unit, name) tensor can be read on its own (safetensors is memory-mapped); a file whose
-SHA-256 differs from the manifest is reported as ``CacheCorruptError`` before any tensor is used.
+every (step, unit, name) tensor can be read on its own (safetensors is memory-mapped); a file the
+manifest lists but the directory lacks is reported as ``CacheCorruptError`` when the entry is
+opened, and a file whose SHA-256 differs from the manifest before any of its tensors is used. The
+error names the entry directory, so a reader can drop that entry and compute without it.
 """
 
 from __future__ import annotations
@@ -40,7 +42,11 @@ class CacheMismatchError(CacheError):
 
 
 class CacheCorruptError(CacheError):
-    """A cache file is missing, truncated or fails its checksum."""
+    """A cache file is missing, truncated or fails its checksum; ``entry_path`` is the entry's directory."""
+
+    def __init__(self, message: str, entry_path: Path | None = None):
+        super().__init__(message)
+        self.entry_path = entry_path
 
 
 @dataclass(frozen=True)
@@ -160,16 +166,26 @@ class TemplateCache:
         try:
             manifest = json.loads((path / MANIFEST).read_text())
         except FileNotFoundError as exc:
-            raise CacheCorruptError(f"no cache manifest at {path}: prepare the template again") from exc
+            raise CacheCorruptError(f"no cache manifest at {path}: prepare the template again", path) from exc
         except json.JSONDecodeError as exc:
-            raise CacheCorruptError(f"cache manifest at {path} is not valid JSON: prepare the template again") from exc
+            raise CacheCorruptError(f"cache manifest at {path} is not valid JSON: prepare the template again",
+                                    path) from exc
         if manifest.get("format_version") != FORMAT_VERSION:
             raise CacheMismatchError(
                 f"cache format {manifest.get('format_version')} at {path}, this build reads {FORMAT_VERSION}: re-prepare")
         cache = cls(path, manifest)
         if expected is not None and cache.key != expected:
             raise CacheMismatchError("template cache was recorded for other inputs: " + "; ".join(expected.mismatches(cache.key)))
+        cache._check_files_present()
         return cache
+
+    def _check_files_present(self) -> None:
+        """A stat per file: a deleted file is found before an edit starts on the entry, not midway
+        (checksums are verified lazily, per file, on first read)."""
+        for file_name in self.manifest["files"]:
+            if not (self.path / file_name).is_file():
+                raise CacheCorruptError(f"cache file {self.path / file_name} is missing: prepare the template again",
+                                        self.path)
 
     @property
     def num_steps(self) -> int:
@@ -187,9 +203,10 @@ class TemplateCache:
         if file_name not in self._verified:
             file_path = self.path / file_name
             if not file_path.exists():
-                raise CacheCorruptError(f"cache file {file_path} is missing: prepare the template again")
+                raise CacheCorruptError(f"cache file {file_path} is missing: prepare the template again", self.path)
             if _sha256(file_path) != self.manifest["files"].get(file_name):
-                raise CacheCorruptError(f"cache file {file_path} fails its checksum: prepare the template again")
+                raise CacheCorruptError(f"cache file {file_path} fails its checksum: prepare the template again",
+                                        self.path)
             self._verified.add(file_name)
         if file_name not in self._handles:
             self._handles[file_name] = safe_open(str(self.path / file_name), framework="pt")

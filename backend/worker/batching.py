@@ -110,6 +110,14 @@ class BatchScheduler:
                 finished.append(self.running.pop(job_id))
         return finished
 
+    def restart(self, job_id: str) -> None:
+        """A running row starts over at step 0 in its slot (its cache broke mid-edit and it now
+        computes densely); it keeps its place in the running batch."""
+        row = self.running.get(job_id)
+        if row is None:
+            raise KeyError(f"job {job_id} is not running: only a running row can restart")
+        row.step = 0
+
     def drop(self, job_id: str) -> Row | None:
         """Remove a row at once (its admission failed); the worker reports why."""
         return self.waiting.pop(job_id, None) or self.running.pop(job_id, None)

@@ -9,6 +9,14 @@ so inside the loop costs.
 Invariants: every job that reaches the inbox ends with exactly one terminal event from this worker
 (denoised -> handed on, failed, or cancelled) and is acked then; a cache entry acquired for a row is
 released when the row leaves; one template is recorded by at most one row at a time.
+
+A broken template cache never fails a job: an entry found missing or corrupt when acquired reads as
+a miss (``TieredActivationCache``); one whose file turns out missing or corrupt when the row is
+admitted or at a later step (a disk handle verifies each file on first read) is dropped from both
+tiers, and every row reading it starts over at step 0 computing densely (a row cannot switch
+mid-trajectory: its unmasked latents followed the template's), recording the entry again on its
+way. Rows of the same forward that read other caches just step at the next iteration (a failed
+forward changed no state).
 """
 
 from __future__ import annotations
@@ -17,13 +25,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import torch
 from safetensors.torch import save_file
 
 from backend.blobs import BlobStore
-from backend.engine.cache_store import CacheError, CacheKey
+from backend.engine.cache_store import CacheCorruptError, CacheError, CacheKey
 from backend.engine.editor import EditParams, EditState, MaskAwareEngine
 from backend.engine.prepared import PreparedRequest
 from backend.protocol import CancelJob, DenoisedJob, EditJob, JobEvent, PreparedJob
@@ -40,6 +49,8 @@ class TemplateCaches(Protocol):
     def acquire(self, key: CacheKey): ...
 
     def release(self, key: CacheKey) -> None: ...
+
+    def invalidate(self, key: CacheKey, error: Exception) -> None: ...
 
     def prefetch(self, key: CacheKey) -> None: ...
 
@@ -170,9 +181,8 @@ class EngineWorker:
             if job.message.prepare and (cache is not None or not self._should_record(job, forced=True)):
                 self._finish_prepare(job_id, "already prepared" if cache is not None else "being recorded")
                 return
-            record = cache is None and self._should_record(job, forced=job.message.prepare)
-            job.state = self.engine.admit(job.prepared, cache, record=job.message.prepare)
-            if record:
+            job.state = self._admit_state(job, cache)
+            if job.state.cache is None and self._should_record(job, forced=job.message.prepare):
                 self._start_recording(job)
         except Exception as exc:
             log.exception("admitting %s failed", job_id)
@@ -181,6 +191,23 @@ class EngineWorker:
             return
         job.timings["admitted_at"] = time.time()
         self._emit(job_id, "running", step=0, num_steps=job.message.num_steps)
+
+    def _admit_state(self, job: _Job, cache) -> EditState:
+        """The row's engine state; densely when reading the cache's trajectory finds the entry broken."""
+        try:
+            return self.engine.admit(job.prepared, cache, record=job.message.prepare)
+        except CacheCorruptError as exc:
+            if cache is None:
+                raise
+            self._drop_broken_cache(job, exc)
+            return self.engine.admit(job.prepared, None, record=job.message.prepare)
+
+    def _drop_broken_cache(self, job: _Job, exc: CacheCorruptError) -> None:
+        log.warning("template cache %s of %s is unusable (%s): the row computes densely and the cache is "
+                    "recorded again", job.cache_key.digest(), job.message.job_id, exc)
+        self.caches.invalidate(job.cache_key, exc)
+        self._release(job)
+        self.stats.cache_fallbacks += 1
 
     def _acquire(self, job: _Job):
         key = job.prepared.cache_key
@@ -217,6 +244,8 @@ class EngineWorker:
         try:
             forward_s = self.engine.step(states, mode)
         except Exception as exc:  # one bad batch fails its rows, not the worker
+            if self._restart_rows_on_broken_cache(job_ids, exc):
+                return [], 0.0
             log.exception("step failed for %s", job_ids)
             for job_id in job_ids:
                 self.scheduler.drop(job_id)
@@ -227,6 +256,23 @@ class EngineWorker:
                                         step=state.step, num_steps=len(state.req.timesteps))
                                for job_id, state in zip(job_ids, states)])
         return job_ids, forward_s
+
+    def _restart_rows_on_broken_cache(self, job_ids: list[str], exc: Exception) -> bool:
+        """The rows reading the entry ``exc`` names start over densely at step 0 (see the module
+        docstring); False when ``exc`` is not a broken cache entry one of these rows reads."""
+        entry = getattr(exc, "entry_path", None) if isinstance(exc, CacheCorruptError) else None
+        broken = [j for j in job_ids if entry is not None and self.jobs[j].state.cache is not None
+                  and Path(self.jobs[j].state.cache.path) == Path(entry)]
+        for job_id in broken:
+            job = self.jobs[job_id]
+            self._drop_broken_cache(job, exc)
+            job.state = self.engine.admit(job.prepared, None)
+            if self._should_record(job):
+                self._start_recording(job)
+            self.scheduler.restart(job_id)
+            self._emit(job_id, "running", step=0, num_steps=job.message.num_steps,
+                       message="template cache unusable: recomputing without it from step 0")
+        return bool(broken)
 
     # ----- leaving -----------------------------------------------------------------------------------
     def _retire(self, row: Row) -> None:

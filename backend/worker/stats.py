@@ -33,6 +33,7 @@ class WorkerStats:
     rows_total: int = 0
     max_rows: int = 0
     jobs_by_status: Counter = field(default_factory=Counter)
+    cache_fallbacks: int = 0  # rows that found their template cache broken and computed densely
     recent_overhead_s: deque = field(default_factory=deque)
 
     def record_step(self, num_rows: int, iteration_s: float, forward_s: float, job_work_s: float = 0.0) -> None:
@@ -61,4 +62,5 @@ class WorkerStats:
             "mean_batch_rows": self.rows_total / steps,
             "max_batch_rows": self.max_rows,
             "jobs": dict(self.jobs_by_status),
+            "cache_fallbacks_total": self.cache_fallbacks,
         }
