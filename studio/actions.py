@@ -9,6 +9,7 @@ as ``StudioError`` with a message saying how (the UI shows it as a warning, neve
 from __future__ import annotations
 
 import time
+from os import PathLike
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,7 +116,7 @@ class StudioActions:
         added, problems = [], []
         tag_list = [t for t in (tags or "").replace(";", ",").split(",") if t.strip()]
         for index, file in enumerate(files, start=1):
-            path = Path(getattr(file, "name", file))
+            path = Path(file) if isinstance(file, (str, PathLike)) else Path(file.name)  # a path, or a temp file
             display = (name or "").strip() or path.stem or "untitled"
             if (name or "").strip() and len(files) > 1:
                 display = f"{display} {index}"

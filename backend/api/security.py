@@ -118,6 +118,10 @@ class Guard:
         self._logins = [_login_digest(*entry.split(":", 1)) for entry in settings.users]
 
     @property
+    def has_logins(self) -> bool:
+        return bool(self._logins)
+
+    @property
     def login_required(self) -> bool:
         return not self.settings.auth_disabled
 

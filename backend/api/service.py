@@ -31,8 +31,8 @@ from kombu.exceptions import OperationalError as BrokerError
 from backend.blobs import BlobStore
 from backend.config import Settings
 from backend.history import HistoryIndex
-from backend.imaging.masks import MaskError, load_mask, require_nonempty
-from backend.imaging.uploads import UploadError, decode_image
+from backend.imaging.masks import MaskError
+from backend.imaging.uploads import UploadError, decode_image, process_mask
 from backend.imaging.uploads import _validate_ops as validate_mask_ops  # the pre task's exact ranges
 from backend.jobstate import TERMINAL, JobNotFound, JobStateStore
 from backend.models import UnknownModelError, known_model_ids, resolve_model
@@ -248,12 +248,8 @@ class JobService:
 
     def _mask(self, request: JobRequest, image_size: tuple[int, int]) -> str:
         mask = self._decode(request.mask, "mask")
-        try:
-            painted = load_mask(mask, expected_size=image_size, threshold=request.mask_ops.threshold)
-            require_nonempty(painted)
-            if request.mask_ops.invert and painted.all():
-                raise MaskError("mask is empty after inverting it (everything was painted): paint less or "
-                                "turn invert off")
+        try:  # the pre task's own mask steps: a mask that ends up empty is refused now, not later
+            process_mask(mask, image_size, request.mask_ops)
         except MaskError as exc:
             raise ServiceError(str(exc)) from None
         return self.blobs.put_content("uploads", request.mask, ".mask")

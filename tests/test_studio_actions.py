@@ -1,0 +1,194 @@
+"""The studio's actions over the real service layer (a real Redis, the real JobService and
+TemplateStore, a Celery app that only writes to the broker), and the studio mounted in the API app
+behind the one auth layer."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from backend.api.app import create_app
+from backend.imaging.uploads import encode_image
+from backend.protocol import JobEvent
+from studio.actions import EditForm, StudioActions, StudioError
+from templates_store.samples import sample_template
+from tests.test_api import KEY, make_settings, pre_queue_jobs
+
+W, H = 96, 64
+USER, PASSWORD = "ada", "s3cret pass"
+
+
+@pytest.fixture
+def settings(redis_url, tmp_path):
+    return make_settings(redis_url, tmp_path, users=(f"{USER}:{PASSWORD}",))
+
+
+@pytest.fixture
+def app(settings, redis_client):
+    return create_app(settings, redis_client=redis_client)
+
+
+@pytest.fixture
+def actions(app) -> StudioActions:
+    return StudioActions(app.state.service, app.state.templates)
+
+
+def upload_file(tmp_path, name="street.png", seed=3, size=(W, H)):
+    path = tmp_path / name
+    sample_template(*size, seed=seed).save(path)
+    return path
+
+
+def stroke(box=(20, 10, 50, 40), size=(W, H)) -> dict:
+    layer = Image.new("RGBA", size, (0, 0, 0, 0))
+    x0, y0, x1, y1 = box
+    layer.paste(Image.new("RGBA", (x1 - x0, y1 - y0), (255, 48, 48, 255)), (x0, y0))
+    return {"background": None, "layers": [layer], "composite": None}
+
+
+def finish(service, job_id: str, image: Image.Image) -> None:
+    """Post-processing's part, done the way the real post task records it: the result blob, then `done`."""
+    ref = service.blobs.put_content("results", encode_image(image, "png"), ".png")
+    service.jobstate.record_event(JobEvent(job_id=job_id, status="done", at=time.time(), result_ref=ref,
+                                           timings={"total_s": 1.5}))
+
+
+# ----- gallery --------------------------------------------------------------------------------------
+def test_several_templates_upload_at_once_and_bad_files_are_reported_not_fatal(actions, tmp_path):
+    good = [upload_file(tmp_path, f"t{i}.png", seed=i) for i in range(3)]
+    bad = tmp_path / "notes.txt"
+    bad.write_text("not an image")
+    added, problems = actions.upload([*good, bad], name="", tags="street, Day")
+    assert sorted(r.name for r in added) == ["t0", "t1", "t2"]
+    assert all(r.tags == ("street", "day") for r in added)
+    assert len(problems) == 1 and problems[0].startswith("notes.txt:")
+    named, _ = actions.upload(good[:2], name="shop")
+    assert sorted(r.name for r in named) == ["shop 1", "shop 2"]
+    assert {r.name for r in actions.gallery(query="SHOP")} == {"shop 1", "shop 2"}
+    assert len(actions.gallery(tag="day")) == 3
+    with pytest.raises(StudioError, match="no files"):
+        actions.upload([])
+
+
+def test_delete_removes_the_template_and_unknown_ids_are_clear_errors(actions, tmp_path):
+    (record,), _ = actions.upload([upload_file(tmp_path)])
+    assert actions.delete(record.id) == "street"
+    assert actions.gallery() == []
+    with pytest.raises(StudioError, match="no template with id"):
+        actions.delete(record.id)
+    with pytest.raises(StudioError, match="pick one in the gallery"):
+        actions.template("")
+
+
+def test_cache_status_and_prepare(actions, tmp_path, settings, redis_client):
+    (record,), _ = actions.upload([upload_file(tmp_path)])
+    assert actions.cache_status(record.id, "tiny-sd2-inpaint") == "not prepared"
+    submitted = actions.prepare(record.id, "tiny-sd2-inpaint")
+    assert actions.cache_status(record.id, "tiny-sd2-inpaint") == "preparing"
+    queued = pre_queue_jobs(redis_client, settings)
+    assert [(j.job_id, j.prepare, j.template_id) for j in queued] == [(submitted.job_id, True, record.id)]
+    with pytest.raises(StudioError, match="unknown model"):
+        actions.cache_status(record.id, "no-such-model")
+
+
+# ----- editing --------------------------------------------------------------------------------------
+def test_submit_sends_the_painted_alpha_as_the_mask_and_records_the_users_history(actions, tmp_path, settings,
+                                                                                    redis_client):
+    (record,), _ = actions.upload([upload_file(tmp_path)])
+    form = EditForm(prompt="a red door", model="tiny-sd2-inpaint", steps=4, guidance=5.0, seed=None, grow_px=3,
+                    feather_px=2.0)
+    submitted = actions.submit(USER, record.id, stroke(), form)
+    assert 0 <= submitted.seed < 2**32 and submitted.steps == 4
+    (job,) = pre_queue_jobs(redis_client, settings)
+    assert job.template_id == record.id and job.prompt == "a red door" and job.seed == submitted.seed
+    assert (job.mask_ops.grow_px, job.mask_ops.feather_px) == (3, 2.0)
+    mask = np.asarray(Image.open(actions.service.blobs.path(job.mask_ref)))
+    expected = np.zeros((H, W), dtype=bool)
+    expected[10:40, 20:50] = True
+    assert np.array_equal(mask == 255, expected)
+    assert [j["job_id"] for j in actions.history(USER)] == [submitted.job_id]
+    assert actions.history("someone else") == []
+
+
+def test_bad_edits_are_refused_with_what_to_fix(actions, tmp_path):
+    (record,), _ = actions.upload([upload_file(tmp_path)])
+    form = EditForm(prompt="x", model="tiny-sd2-inpaint", steps=4)
+    empty = {"background": None, "layers": [Image.new("RGBA", (W, H))], "composite": None}
+    cases = [("", stroke(), form, "pick one in the gallery"), (record.id, empty, form, "nothing is painted"),
+             (record.id, stroke(size=(W, W)), form, "another shape"),
+             (record.id, stroke(), EditForm(prompt="x", model="nope"), "unknown model"),
+             (record.id, stroke(), EditForm(prompt="x", steps=0), "steps 0 is out of range"),
+             (record.id, stroke(), EditForm(prompt="x", grow_px=-40), "empty after")]
+    for template_id, canvas, bad_form, message in cases:
+        with pytest.raises(StudioError, match=message):
+            actions.submit(USER, template_id, canvas, bad_form)
+
+
+def test_follow_reports_each_change_until_the_job_ends_and_the_result_can_be_saved(actions, tmp_path):
+    (record,), _ = actions.upload([upload_file(tmp_path)])
+    submitted = actions.submit(USER, record.id, stroke(), EditForm(prompt="p", model="tiny-sd2-inpaint", steps=2))
+    service = actions.service
+    seen = []
+    follower = actions.follow(submitted.job_id)
+    seen.append(next(follower))
+    service.jobstate.record_event(JobEvent(job_id=submitted.job_id, status="running", at=time.time(), step=1,
+                                           num_steps=2, worker_id="w"))
+    seen.append(next(follower))
+    finish(service, submitted.job_id, sample_template(W, H, seed=9))
+    seen.extend(follower)
+    assert [p.status for p in seen] == ["queued", "running", "done"]
+    assert seen[1].describe() == "Denoising · step 1/2" and seen[-1].finished
+    saved = actions.save_result(submitted.job_id)
+    assert saved.name == "street (edited)" and (saved.width, saved.height) == (W, H)
+    with pytest.raises(StudioError, match="nothing to cancel"):
+        actions.cancel(submitted.job_id)
+
+
+def test_cancel_ends_a_queued_job_and_its_progress(actions, tmp_path):
+    (record,), _ = actions.upload([upload_file(tmp_path)])
+    submitted = actions.submit(USER, record.id, stroke(), EditForm(prompt="p", model="tiny-sd2-inpaint", steps=2))
+    assert "next step" in actions.cancel(submitted.job_id)
+    (final,) = list(actions.follow(submitted.job_id))
+    assert final.status == "cancelled" and "cancelled by the user" in final.describe()
+    with pytest.raises(StudioError, match="no result: the job was cancelled"):
+        actions.save_result(submitted.job_id)
+    with pytest.raises(StudioError, match="no job is running"):
+        actions.cancel("")
+
+
+# ----- mounted behind the one auth layer ----------------------------------------------------------
+def test_the_studio_is_mounted_in_the_api_app_behind_the_login(app):
+    with TestClient(app) as client:
+        assert client.get("/", follow_redirects=False).headers["location"] == "/studio/"
+        page = client.get("/studio/")
+        assert page.status_code == 200 and "auth_required" in page.text
+        assert client.get("/studio/config").status_code == 401
+        refused = client.post("/studio/login", data={"username": USER, "password": "wrong"})
+        assert refused.status_code in (400, 401)
+        assert client.get("/studio/config").status_code == 401
+        accepted = client.post("/studio/login", data={"username": USER, "password": PASSWORD})
+        assert accepted.status_code == 200
+        assert client.get("/studio/config").status_code == 200
+        # the same app still serves REST with API keys (a studio login is not an API key)
+        assert client.get("/v1/templates").status_code == 401
+        assert client.get("/v1/templates", headers={"X-API-Key": KEY}).status_code == 200
+
+
+def test_without_users_every_studio_login_is_refused(redis_url, tmp_path, redis_client):
+    app = create_app(make_settings(redis_url, tmp_path), redis_client=redis_client)
+    with TestClient(app) as client:
+        assert "MASKSERVE_USERS" in client.get("/studio/").text  # the login page says why nobody can sign in
+        refused = client.post("/studio/login", data={"username": "studio", "password": "anything"})
+        assert refused.status_code in (400, 401)
+        assert client.get("/studio/config").status_code == 401
+
+
+def test_the_studio_can_be_switched_off(redis_url, tmp_path, redis_client):
+    settings = make_settings(redis_url, tmp_path)
+    off = settings.model_copy(update={"studio": settings.studio.model_copy(update={"enabled": False})})
+    with TestClient(create_app(off, redis_client=redis_client)) as client:
+        assert client.get("/studio/").status_code == 404
