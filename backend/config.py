@@ -199,6 +199,21 @@ class StudioSettings(_Strict):
         return path.rstrip("/")
 
 
+class RetentionSettings(_Strict):
+    """How long blobs (``backend.blobs``: uploads, masks, prepared requests, latents, results) are kept,
+    in hours after their job finished (done, failed or cancelled); 0 keeps them forever.
+
+    Inputs and intermediates are worth little once the job is over; results and thumbnails are what
+    users come back for. A blob that a job which has not finished references is never deleted. The
+    API process runs the janitor (``backend.janitor``) every ``sweep_every_s`` (0: it never runs).
+    Job records themselves expire ``backend.jobstate.JOB_TTL_S`` (7 days) after the job finished.
+    """
+
+    inputs_hours: float = Field(default=24.0, ge=0.0)
+    results_hours: float = Field(default=168.0, ge=0.0)
+    sweep_every_s: float = Field(default=600.0, ge=0.0)
+
+
 class Settings(_Strict):
     paths: PathSettings = PathSettings()
     engine: EngineSettings = EngineSettings()
@@ -209,6 +224,7 @@ class Settings(_Strict):
     api: ApiSettings = ApiSettings()
     studio: StudioSettings = StudioSettings()
     dispatcher: DispatcherSettings = DispatcherSettings()
+    retention: RetentionSettings = RetentionSettings()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
 
@@ -250,10 +266,13 @@ _ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "STUDIO_SHARE": ("studio", "share"),
     "ROUTING_POLICY": ("dispatcher", "policy"),
     "DISPATCHER_METRICS_PORT": ("dispatcher", "metrics_port"),
+    "INPUT_RETENTION_HOURS": ("retention", "inputs_hours"),
+    "RESULT_RETENTION_HOURS": ("retention", "results_hours"),
+    "JANITOR_EVERY_S": ("retention", "sweep_every_s"),
 }
 # Also read without the prefix: the conventional name every Redis deployment already sets.
 _PLAIN_ENV = {"REDIS_URL": ("redis", "url")}
-_SECTIONS = ("paths", "engine", "worker", "cache", "redis", "celery", "dispatcher", "api", "studio")
+_SECTIONS = ("paths", "engine", "worker", "cache", "redis", "celery", "dispatcher", "api", "studio", "retention")
 
 
 def load_settings(env: Mapping[str, str] | None = None, **overrides: dict) -> Settings:

@@ -4,9 +4,9 @@ Routes: ``/v1/templates...`` and ``/v1/jobs...`` (API key + rate limit, see ``ba
 ``/healthz`` (the process is up), ``/readyz`` (Redis answers), ``/metrics`` (Prometheus), ``/docs``.
 
 Errors are JSON ``{"error": "<what is wrong and how to fix it>"}``: 401/403 auth, 404 unknown job or
-template, 409 result not ready / job finished, 413 too large, 415 unsupported image format, 422 a
-bad field, 429 rate limited (``Retry-After``), 503 Redis or the queue unavailable. Bad input never
-gives a 500.
+template, 409 result not ready / job finished, 410 result expired (blob retention), 413 too large,
+415 unsupported image format, 422 a bad field, 429 rate limited (``Retry-After``), 503 Redis or the
+queue unavailable. Bad input never gives a 500.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 MB = 2**20
 MAX_EVENT_STREAMS = 256  # threads that may wait on Redis for event streams at once
-STATUS_BY_CODE = {"invalid": 422, "not_found": 404, "conflict": 409, "unsupported_format": 415,
+STATUS_BY_CODE = {"invalid": 422, "not_found": 404, "conflict": 409, "gone": 410, "unsupported_format": 415,
                   "too_large": 413, "unavailable": 503}
 
 

@@ -89,6 +89,16 @@ class ApiMetrics:
                                       registry=self.registry)
         self.rate_limited = Counter("maskserve_api_rate_limited", "Requests refused by the rate limit",
                                     registry=self.registry)
+        self.blobs_deleted = Counter("maskserve_blobs_deleted", "Blobs the janitor deleted (retention passed), "
+                                     "by kind", ["kind"], registry=self.registry)
+        self.blob_bytes_freed = Counter("maskserve_blob_bytes_freed", "Bytes the janitor freed, by blob kind",
+                                        ["kind"], registry=self.registry)
+
+    def record_sweep(self, report) -> None:
+        """Count what one janitor sweep (``backend.janitor.SweepReport``) deleted."""
+        for kind, count in report.deleted.items():
+            self.blobs_deleted.labels(kind).inc(count)
+            self.blob_bytes_freed.labels(kind).inc(report.bytes_freed[kind])
 
 
 class MetricsMiddleware:

@@ -2,7 +2,8 @@
 
 Entry convention (``backend.runtime``): call it as ``run_role("api", run_api, settings)``; logging
 is configured there (uvicorn's own logging config is switched off so its lines go through the same
-JSON handler), and uvicorn stops cleanly on SIGTERM/SIGINT.
+JSON handler), and uvicorn stops cleanly on SIGTERM/SIGINT. The process also runs the blob janitor
+(``backend.janitor``: why there is said there).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class _Server(uvicorn.Server):
 
 def run_api(settings: Settings) -> int:
     from backend.api.app import create_app
+    from backend.janitor import start_janitor
 
     api = settings.api
     if settings.studio.share and api.auth_disabled:
@@ -46,5 +48,10 @@ def run_api(settings: Settings) -> int:
         from studio.share import open_share_link
 
         open_share_link(settings, lambda: server.started)
-    server.run()
+    stop_janitor = start_janitor(settings, app.state.redis, app.state.service.blobs, app.state.metrics.record_sweep)
+    try:
+        server.run()
+    finally:
+        if stop_janitor is not None:
+            stop_janitor.set()
     return 0 if server.started else 1

@@ -54,7 +54,7 @@ ON_WORKER = ("waiting", "running")  # statuses in which a job with a worker_id i
 
 class ServiceError(ValueError):
     """A request the service refuses; ``code`` is one of ``invalid``, ``not_found``, ``conflict``,
-    ``unsupported_format``, ``too_large``, ``unavailable``. The message says what to fix."""
+    ``gone``, ``unsupported_format``, ``too_large``, ``unavailable``. The message says what to fix."""
 
     def __init__(self, message: str, code: str = "invalid"):
         super().__init__(message)
@@ -136,7 +136,8 @@ class JobService:
                              guidance=float(guidance), strength=float(request.strength),
                              resolution=request.resolution, use_cache=int(bool(request.use_cache)),
                              mask_ops=vars(request.mask_ops), template_id=request.template_id or "",
-                             width=image_size[0], height=image_size[1])
+                             width=image_size[0], height=image_size[1], template_ref=template_ref,
+                             mask_ref=mask_ref)  # the refs keep these blobs from the janitor while the job runs
         self.history_index.add(request.owner, job_id, job.submitted_at)
         self._queue(job)
         return SubmittedJob(job_id=job_id, seed=seed, model_id=spec.model_id, steps=steps)
@@ -159,7 +160,7 @@ class JobService:
                       mask_ref="", prompt="", seed=0, steps=steps, guidance=float(spec.default_guidance),
                       resolution=resolution, submitted_at=time.time(), template_id=template_id, prepare=True)
         self.jobstate.create(job_id, model_id=spec.model_id, kind="prepare", template_id=template_id, steps=steps,
-                             resolution=resolution)
+                             resolution=resolution, template_ref=job.template_ref)
         record_prepare_job(self.client, template_id, spec.model_id, job_id)
         self._queue(job)
         return SubmittedJob(job_id=job_id, seed=0, model_id=spec.model_id, steps=steps)
@@ -238,7 +239,9 @@ class JobService:
         """The template's PNG as an ``uploads`` blob, named by its content hash like ``put_content``
         names it: copied once, shared by every job that edits this template."""
         ref = self.blobs.ref("uploads", record.sha256[:32] + ".png")
-        if not self.blobs.exists(ref):
+        try:
+            self.blobs.touch(ref)  # reused by a new job: its retention starts again (backend.janitor)
+        except FileNotFoundError:
             try:
                 data = self.templates.image_path(template_id).read_bytes()
             except (TemplateNotFound, FileNotFoundError):
@@ -334,8 +337,17 @@ class JobService:
         ref = job.get(field_name, "")
         path = self.blobs.path(ref) if ref else None
         if path is None or not path.exists():
-            raise ServiceError(f"the {what} of job {job_id} is no longer stored", "not_found")
+            raise ServiceError(self._gone_message(job, what), "gone")
         return path
+
+    def _gone_message(self, job: dict, what: str) -> str:
+        hours = self.settings.retention.results_hours
+        finished_at = job.get("done_at") or job.get("updated_at") or 0.0
+        age_h = (time.time() - finished_at) / 3600
+        if hours > 0 and age_h >= hours:
+            return (f"the {what} of job {job['job_id']} expired: results are kept {hours:g} hours after their job "
+                    f"finishes and this one finished {age_h:.1f} hours ago; submit the edit again")
+        return f"the {what} of job {job['job_id']} is no longer stored: submit the edit again"
 
     @staticmethod
     def _job_id(job_id: str) -> str:

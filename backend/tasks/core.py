@@ -26,7 +26,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from backend.blobs import BlobStore
+from backend.blobs import BlobStore, job_blob_name
 from backend.config import Settings
 from backend.engine.editor import EditParams, MaskAwareEngine
 from backend.engine.factory import edit_params
@@ -68,10 +68,10 @@ class CpuStages:
         pixels = mask_to_bucket(full_mask, size_hw)
         prepared = self.engine.encode(fit_to_bucket(template, size_hw), None, job.prompt, job.seed, params,
                                       pixels=pixels)
-        prepared_ref, path = self.blobs.new_path("prepared", f"{job.job_id}.safetensors")
+        prepared_ref, path = self.blobs.new_path("prepared", job_blob_name("prepared", job.job_id))
         prepared.save(path)
         self._record_digest(job, prepared)
-        mask_ref = self.blobs.put("masks", f"{job.job_id}-processed.png",
+        mask_ref = self.blobs.put("masks", job_blob_name("masks", job.job_id),
                                   encode_image(Image.fromarray(full_mask.astype(np.uint8) * 255)))
         timings = {"queue_s": max(0.0, started - job.submitted_at) if job.submitted_at else 0.0,
                    "pre_s": time.time() - started}
@@ -88,7 +88,7 @@ class CpuStages:
         pixels = np.zeros(size_hw, dtype=bool)
         prepared = self.engine.encode(fit_to_bucket(template, size_hw), None, "", params.template_seed, params,
                                       pixels=pixels, record=True)
-        prepared_ref, path = self.blobs.new_path("prepared", f"{job.job_id}.safetensors")
+        prepared_ref, path = self.blobs.new_path("prepared", job_blob_name("prepared", job.job_id))
         prepared.save(path)
         self._record_digest(job, prepared)
         return PreparedJob(job_id=job.job_id, model_id=job.model_id, prepared_ref=prepared_ref,
@@ -126,8 +126,9 @@ class CpuStages:
         template = decode_image(self.blobs.get(job.template_ref), self.settings.celery.max_upload_pixels,
                                 what="template")
         result = self._paste(generated, template, prepared, params, job.paste)
-        result_ref = self.blobs.put("results", f"{job.job_id}.png", encode_image(result, "png"))
-        thumb_ref = self.blobs.put("thumbnails", f"{job.job_id}.webp", thumbnail(result, THUMBNAIL_SIDE))
+        result_ref = self.blobs.put("results", job_blob_name("results", job.job_id), encode_image(result, "png"))
+        thumb_ref = self.blobs.put("thumbnails", job_blob_name("thumbnails", job.job_id),
+                                  thumbnail(result, THUMBNAIL_SIDE))
         timings = {**job.timings, "post_s": time.time() - started}
         timings["total_s"] = time.time() - job.submitted_at if job.submitted_at else sum(timings.values())
         event = JobEvent(job_id=job.job_id, status="done", at=time.time(), timings=timings, result_ref=result_ref,

@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 from safetensors.torch import save_file
 
-from backend.blobs import BlobStore
+from backend.blobs import BlobStore, job_blob_name
 from backend.engine.cache_store import CacheCorruptError, CacheError, CacheKey
 from backend.engine.editor import EditParams, EditState, MaskAwareEngine
 from backend.engine.prepared import PreparedRequest
@@ -284,7 +284,7 @@ class EngineWorker:
             job.timings["denoise_s"] = time.time() - job.timings.pop("admitted_at")
             self._finish_prepare(row.job_id, "cache recorded", job.timings)
             return
-        latents_ref, path = self.blobs.new_path("latents", f"{row.job_id}.safetensors")
+        latents_ref, path = self.blobs.new_path("latents", job_blob_name("latents", row.job_id))
         save_file({"latents": state.latents.detach().to("cpu").contiguous()}, str(path))
         job.timings["denoise_s"] = time.time() - job.timings.pop("admitted_at")
         timings = {**job.message.timings, **job.timings}
