@@ -275,6 +275,11 @@ _PLAIN_ENV = {"REDIS_URL": ("redis", "url")}
 _SECTIONS = ("paths", "engine", "worker", "cache", "redis", "celery", "dispatcher", "api", "studio", "retention")
 
 
+def env_variable_names() -> frozenset[str]:
+    """Every environment variable ``load_settings`` reads (deployment files are checked against it)."""
+    return frozenset(ENV_PREFIX + suffix for suffix in _ENV_FIELDS) | frozenset(_PLAIN_ENV)
+
+
 def load_settings(env: Mapping[str, str] | None = None, **overrides: dict) -> Settings:
     """Build and validate the settings tree from ``env`` (default: ``os.environ``) plus overrides.
 
