@@ -200,6 +200,9 @@ def process_mask(mask: Image.Image, image_size_wh: tuple[int, int], ops: MaskOps
     masks.require_nonempty(painted)
     if ops.invert:
         painted = masks.invert(painted)
+        if not painted.any():  # say so: "reduce the shrink" below would be the wrong advice
+            raise MaskError("mask is empty after the mask operations: after inverting it nothing is left "
+                            "(everything was painted): paint less or turn invert off")
     px = int(ops.grow_px)
     painted = masks.grow(painted, px) if px >= 0 else masks.shrink(painted, -px)
     if not painted.any():
