@@ -22,7 +22,12 @@ from studio.actions import EditForm, StudioActions, StudioError
 BRUSH = gr.Brush(default_size=24, colors=["#ff3030", "#30a0ff", "#ffffff"], color_mode="defaults")
 GALLERY_COLUMNS = 3
 HISTORY_HEADERS = ["submitted", "status", "prompt", "seed", "steps", "model", "total s", "job"]
+# Gradio narrows a gallery's grid to its item count (one template fills the whole width): keep the
+# declared columns whatever the count
 CSS = """
+#ms-pick .grid-container { grid-template-columns: repeat(3, minmax(0, 1fr)) !important; }
+#ms-gallery .grid-container { grid-template-columns: repeat(5, minmax(0, 1fr)) !important; }
+#ms-results .grid-container { grid-template-columns: repeat(8, minmax(0, 1fr)) !important; }
 #ms-progress progress { width: 100%; height: 14px; }
 #ms-status { min-height: 2.5em; }
 .ms-muted { color: var(--body-text-color-subdued); font-size: 0.9em; }
@@ -133,11 +138,12 @@ class StudioPage:
                 with gr.Accordion("Mask preview", open=False):
                     ui["overlay"] = gr.Image(label="Area to repaint (tinted)", interactive=False, height=300)
             with gr.Column(scale=2, min_width=280):
-                ui["prompt"] = gr.Textbox(label="Prompt", lines=3, placeholder="what should appear in the painted area")
+                ui["prompt"] = gr.Textbox(label="Prompt", lines=3, placeholder="what should appear in the painted area",
+                                          elem_id="ms-prompt")
                 ui["negative"] = gr.Textbox(label="Negative prompt", lines=1)
                 ui["model"] = gr.Dropdown(label="Model", choices=[], allow_custom_value=False)
                 with gr.Row():
-                    ui["steps"] = gr.Slider(1, 150, value=20, step=1, label="Steps")
+                    ui["steps"] = gr.Slider(1, 150, value=20, step=1, label="Steps", elem_id="ms-steps")
                     ui["guidance"] = gr.Slider(0, 20, value=7.5, step=0.5, label="Guidance")
                 ui["strength"] = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Strength")
                 with gr.Row():
@@ -222,11 +228,15 @@ class StudioPage:
         steps, guidance = self.actions.model_defaults(model)
         return steps, guidance
 
-    def _submit(self, template_id, canvas, *form_values, request: gr.Request = None):
-        """A generator: the job id at once, then the progress each time it changes, then the result."""
+    def _submit(self, template_id, canvas, prompt, negative, model, steps, guidance, strength, random_seed, seed,
+                invert, grow, feather, use_cache, request: gr.Request):
+        """A generator: the job id at once, then the progress each time it changes, then the result.
+        (Every input is a named positional parameter: Gradio passes ``request`` only to those.)"""
         idle = (gr.skip(),) * 4
+        form = self._form(prompt, negative, model, steps, guidance, strength, random_seed, seed, invert, grow, feather,
+                          use_cache)
         try:
-            submitted = self.actions.submit(_user(request), template_id, canvas, self._form(*form_values))
+            submitted = self.actions.submit(_user(request), template_id, canvas, form)
         except StudioError as exc:
             gr.Warning(str(exc))
             yield (gr.skip(), gr.skip(), *idle, gr.skip())
@@ -244,6 +254,7 @@ class StudioPage:
         job = self.actions.service.get(submitted.job_id)
         timings = job.get("timings", {})
         info = (f"**Done.** Seed used: `{submitted.seed}` · model `{submitted.model_id}` · {submitted.steps} steps"
+                f" · job `{submitted.job_id}`"
                 f"<br><span class='ms-muted'>queue {timings.get('queue_s', 0):.1f} s · pre "
                 f"{timings.get('pre_s', 0):.1f} s · denoise {timings.get('denoise_s', 0):.1f} s · post "
                 f"{timings.get('post_s', 0):.1f} s · total {timings.get('total_s', 0):.1f} s</span>")
@@ -271,7 +282,7 @@ class StudioPage:
                 gr.Markdown("### Upload templates")
                 ui["files"] = gr.File(label="Images (PNG, JPEG, WebP, BMP)", file_count="multiple",
                                       file_types=["image"], elem_id="ms-upload")
-                ui["name"] = gr.Textbox(label="Name", placeholder="(default: the file's name)")
+                ui["name"] = gr.Textbox(label="Name", placeholder="(default: the file's name)", elem_id="ms-name")
                 ui["tags"] = gr.Textbox(label="Tags", placeholder="comma-separated, e.g. product, studio")
                 ui["upload"] = gr.Button("Add to gallery", variant="primary", elem_id="ms-add")
             with gr.Column(scale=3):
@@ -371,7 +382,7 @@ class StudioPage:
     def _history_tab(self, history_tab, history_jobs, current, tabs, editor) -> None:
         refresh = gr.Button("Refresh")
         table = gr.Dataframe(headers=HISTORY_HEADERS, interactive=False, wrap=True, elem_id="ms-history")
-        thumbs = gr.Gallery(label="Results", columns=8, height=200, allow_preview=True)
+        thumbs = gr.Gallery(label="Results", columns=8, height=200, allow_preview=True, elem_id="ms-results")
         gr.Markdown("Select a row to load its parameters into the editor.", elem_classes="ms-muted")
         for trigger in (history_tab.select, refresh.click):
             trigger(self._history, None, [table, thumbs, history_jobs])
@@ -380,7 +391,7 @@ class StudioPage:
                     editor["seed"], editor["invert"], editor["grow"], editor["feather"], editor["use_cache"], tabs]
         table.select(self._recall, [history_jobs], recalled)
 
-    def _history(self, request: gr.Request = None):
+    def _history(self, request: gr.Request):
         rows, thumbs, jobs = self._history_rows(_user(request))
         return rows, thumbs, jobs
 

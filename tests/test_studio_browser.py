@@ -1,0 +1,157 @@
+"""The studio in a real browser: Playwright drives Debian's chromium (``/usr/bin/chromium``, which
+``make test`` installs when missing; no browser is ever downloaded) against the real stack (Redis,
+Celery CPU worker, dispatcher, an engine worker, the API with the studio mounted), the way a person
+uses it: sign in, upload a template into the gallery, pick it, paint a stroke with the mouse, write a
+prompt, submit, wait for the result. The result must differ inside the stroke and equal the
+template outside it. Screenshots go to ``test-output/studio/`` (and the test's tmp dir)."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from backend.client import MaskServeClient
+from backend.config import load_settings
+from backend.services.redis_server import free_port
+from backend.services.stack import Role, Stack
+from templates_store.samples import sample_template
+
+CHROMIUM = "/usr/bin/chromium"
+# the flags a sandboxed root session on a closed network needs (no background fetches, no sandbox)
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+USER, PASSWORD, API_KEY = "tess", "paint-it-red", "browser-key"
+W, H = 192, 128
+OUTPUT = Path(__file__).resolve().parent.parent / "test-output" / "studio"
+
+
+@pytest.fixture
+def studio_stack(redis_url, models_dir, tmp_path, monkeypatch):
+    from tests.factories import make_engine
+
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)")
+    make_engine("sd2-inpaint", models_dir, tmp_path / "warm")  # build the tiny model once, before the roles load it
+    port = free_port()
+    for name, value in {"MASKSERVE_MODELS_DIR": str(models_dir), "MASKSERVE_MODEL": "tiny-sd2-inpaint",
+                        "MASKSERVE_API_KEYS": API_KEY, "MASKSERVE_USERS": f"{USER}:{PASSWORD}",
+                        "MASKSERVE_API_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    settings = load_settings(env=dict(os.environ), paths={"data_dir": str(tmp_path / "data")},
+                             redis={"url": redis_url})
+    roles = [Role("cpu-worker", ["cpu-worker"]), Role("dispatcher", ["dispatcher"]),
+             Role("worker", ["worker", "--worker-id", "w-browser"]), Role("api", ["api"])]
+    running = Stack(settings, roles)
+    running.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert running.wait_ready(f"{base}/readyz", threading.Event(), timeout_s=120), \
+            {name: running.log_tail(name) for name in running.processes}
+        yield base, running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+def browser_page(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        try:
+            yield page
+        finally:
+            browser.close()
+
+
+def screenshot(page, tmp_path, name: str) -> None:
+    path = tmp_path / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    OUTPUT.mkdir(parents=True, exist_ok=True)
+    shutil.copy(path, OUTPUT / path.name)
+
+
+def sign_in(page, base: str) -> None:
+    page.goto(f"{base}/studio/")
+    page.get_by_label("username").fill(USER)
+    page.get_by_label("password").fill(PASSWORD)
+    page.get_by_role("button", name="Login").click()
+    page.get_by_role("tab", name="Gallery").wait_for(timeout=30_000)
+
+
+def upload_template(page, path: Path, name: str) -> None:
+    page.get_by_role("tab", name="Gallery").click()
+    page.locator("#ms-upload input[type=file]").set_input_files(str(path))
+    page.locator("#ms-name textarea").fill(name)
+    page.locator("#ms-add").click()
+    page.locator("#ms-gallery").get_by_text(name).wait_for(timeout=30_000)
+
+
+def paint_stroke(page) -> None:
+    """A horizontal stroke through the middle of the canvas (the template is centred in it)."""
+    page.locator("#ms-canvas canvas").first.wait_for()
+    box = page.locator("#ms-canvas canvas").first.bounding_box()
+    cx, cy = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    page.mouse.move(cx - 50, cy)
+    page.mouse.down()
+    for i in range(1, 21):
+        page.mouse.move(cx - 50 + i * 5, cy, steps=2)
+    page.mouse.up()
+    page.locator("#ms-ratio").get_by_text("will be repainted").wait_for(timeout=30_000)
+
+
+def test_paint_a_stroke_submit_and_get_the_edit_back(studio_stack, browser_page, tmp_path):
+    base, running = studio_stack
+    page = browser_page
+    template_path = tmp_path / "courtyard.png"
+    template = sample_template(W, H, seed=4)
+    template.save(template_path)
+
+    sign_in(page, base)
+    upload_template(page, template_path, "courtyard")
+    screenshot(page, tmp_path, "1-gallery")
+    page.get_by_role("tab", name="Editor").click()
+    page.locator("#ms-pick").get_by_text("courtyard").click()
+    page.locator("#ms-canvas canvas").first.wait_for(timeout=30_000)
+    page.wait_for_timeout(500)  # the canvas loads the template before the brush is ready
+    paint_stroke(page)
+    page.locator("#ms-prompt textarea").fill("a red lantern")
+    page.locator("#ms-steps input[type=number]").fill("6")
+    page.locator("#ms-steps input[type=number]").press("Enter")
+    page.locator("#ms-submit").click()
+    try:
+        page.locator("#ms-info").get_by_text("Done.").wait_for(timeout=180_000)
+    finally:
+        screenshot(page, tmp_path, "2-result")
+    info = page.locator("#ms-info").inner_text()
+    job_id = re.search(r"job ([0-9a-f]{32})", info).group(1)
+    assert re.search(r"Seed used: \d+", info) and "6 steps" in info, info
+
+    with MaskServeClient(base, API_KEY) as client:
+        job = client.get(job_id)
+        result = Image.open(io.BytesIO(client.result_bytes(job_id))).convert("RGB")
+    assert job["status"] == "done" and job["template_id"], job
+    assert result.size == template.size
+    changed = np.any(np.asarray(result).astype(int) != np.asarray(template).astype(int), axis=-1)
+    ys, xs = np.nonzero(changed)
+    assert changed.any(), "the result equals the template: nothing was edited inside the stroke"
+    # the stroke runs through the centre of the template: the change is there, and nowhere near the edges
+    assert changed[H // 2 - 4:H // 2 + 5, W // 2 - 4:W // 2 + 5].any()
+    assert xs.min() > 8 and xs.max() < W - 8 and ys.min() > 8 and ys.max() < H - 8, (xs.min(), xs.max(),
+                                                                                       ys.min(), ys.max())
+    assert changed.mean() < 0.5
+
+    page.get_by_role("tab", name="History").click()
+    page.locator("#ms-history").get_by_text(job_id).first.wait_for(state="attached", timeout=30_000)
+    history = page.locator("#ms-history").inner_text()
+    assert "a red lantern" in history and "done" in history
+    screenshot(page, tmp_path, "3-history")
