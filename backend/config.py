@@ -189,6 +189,7 @@ class StudioSettings(_Strict):
     enabled: bool = True
     path: str = "/studio"
     share: bool = False  # a public Gradio share link (``maskserve up --share``), always behind the login
+    share_server: str = ""  # host:port of a self-hosted share (FRP) server; empty: Gradio's public one
     history_limit: int = Field(default=200, ge=1, le=10_000)  # jobs kept in each user's history
 
     @field_validator("path")
@@ -264,6 +265,7 @@ _ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "STUDIO": ("studio", "enabled"),
     "STUDIO_PATH": ("studio", "path"),
     "STUDIO_SHARE": ("studio", "share"),
+    "SHARE_SERVER": ("studio", "share_server"),
     "ROUTING_POLICY": ("dispatcher", "policy"),
     "DISPATCHER_METRICS_PORT": ("dispatcher", "metrics_port"),
     "INPUT_RETENTION_HOURS": ("retention", "inputs_hours"),

@@ -33,7 +33,8 @@ def open_share_link(settings: Settings, is_serving) -> threading.Thread:
         try:
             from gradio import networking
 
-            url = networking.setup_tunnel(settings.api.host, settings.api.port, secrets.token_urlsafe(32), None, None)
+            url = networking.setup_tunnel(settings.api.host, settings.api.port, secrets.token_urlsafe(32),
+                                          settings.studio.share_server or None, None)
             outcome = url.rstrip("/") + settings.studio.path + "/"
             log.info("studio share link: %s", outcome)
         except Exception as exc:  # any failure to reach the share server: report it, keep serving
