@@ -103,7 +103,7 @@ class StudioPage:
                 with gr.Tab("History", id="history") as history_tab:
                     self._history_tab(history_tab, history_jobs, current, tabs, editor)
             page.load(self._refresh_all, [editor["search"]], [editor["gallery"], gallery["gallery"], template_ids])
-            page.load(self._models, None, [editor["model"], gallery["model"]])
+            page.load(self._models, None, [editor["model"], gallery["model"], editor["steps"], editor["guidance"]])
         return page
 
     def _refresh_all(self, query: str = ""):
@@ -111,9 +111,11 @@ class StudioPage:
         return items, items, ids
 
     def _models(self):
+        """Model choices, and the first model's default steps and guidance."""
         models = self.actions.models()
-        return (gr.update(choices=models, value=models[0] if models else None),
-                gr.update(choices=models, value=models[0] if models else None))
+        first = models[0] if models else None
+        steps, guidance = self.actions.model_defaults(first) if first else (gr.skip(), gr.skip())
+        return (gr.update(choices=models, value=first), gr.update(choices=models, value=first), steps, guidance)
 
     # ----- editor ---------------------------------------------------------------------------------
     def _editor_tab(self, template_ids, current, job_id) -> dict:
@@ -123,7 +125,7 @@ class StudioPage:
                 ui["search"] = gr.Textbox(label="Find a template", placeholder="name contains...")
                 ui["gallery"] = gr.Gallery(label="Templates", columns=GALLERY_COLUMNS, height=360,
                                            allow_preview=False, object_fit="contain", elem_id="ms-pick")
-                ui["picked"] = gr.Markdown("No template selected.", elem_classes="ms-muted")
+                ui["picked"] = gr.Markdown("No template selected.", elem_classes="ms-muted", elem_id="ms-picked")
             with gr.Column(scale=3, min_width=420):
                 ui["canvas"] = gr.ImageEditor(label="Paint the area to change", type="pil", format="png",
                                               image_mode="RGBA", sources=(), brush=BRUSH,
@@ -189,7 +191,8 @@ class StudioPage:
         for trigger in (ui["canvas"].change, ui["invert"].change, ui["grow"].release, ui["feather"].release):
             trigger(self._preview, mask_inputs, [ui["overlay"], ui["ratio"]], show_progress="hidden",
                     trigger_mode="always_last")
-        ui["model"].change(self._model_defaults, [ui["model"]], [ui["steps"], ui["guidance"]], show_progress="hidden")
+        # .input, not .change: a model recalled from the history keeps the steps and guidance recalled with it
+        ui["model"].input(self._model_defaults, [ui["model"]], [ui["steps"], ui["guidance"]], show_progress="hidden")
         ui["submit"].click(self._submit, [current, ui["canvas"], *self._form_inputs(ui)],
                            [job_id, ui["status"], ui["compare"], ui["info"], ui["download"], ui["reuse_seed"],
                             ui["seed_used"]], concurrency_limit=None)

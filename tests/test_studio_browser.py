@@ -150,8 +150,16 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(studio_stack, browser_page,
                                                                                        ys.min(), ys.max())
     assert changed.mean() < 0.5
 
+    # the history lists the job; selecting it recalls its parameters into the editor
+    page.locator("#ms-prompt textarea").fill("something else")
     page.get_by_role("tab", name="History").click()
     page.locator("#ms-history").get_by_text(job_id).first.wait_for(state="attached", timeout=30_000)
     history = page.locator("#ms-history").inner_text()
     assert "a red lantern" in history and "done" in history
     screenshot(page, tmp_path, "3-history")
+    page.locator("#ms-history [data-testid=cell-0-2]").click()  # the newest job's prompt cell
+    page.locator("#ms-canvas canvas").first.wait_for(timeout=30_000)
+    page.wait_for_function("() => document.querySelector('#ms-prompt textarea').value === 'a red lantern'",
+                           timeout=30_000)
+    assert page.locator("#ms-steps input[type=number]").input_value() == "6"
+    assert re.search(r"recalled from job", page.locator("#ms-picked").inner_text())
