@@ -95,6 +95,10 @@ class MaskServeClient:
     def get(self, job_id: str) -> dict:
         return self._call("GET", f"/v1/jobs/{job_id}").json()
 
+    def jobs(self, limit: int = 50) -> list[dict]:
+        """This key's own jobs, newest first."""
+        return self._call("GET", "/v1/jobs", params={"limit": limit}).json()["jobs"]
+
     def cancel(self, job_id: str) -> dict:
         return self._call("DELETE", f"/v1/jobs/{job_id}").json()
 

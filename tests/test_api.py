@@ -548,3 +548,17 @@ def test_prepare_queues_a_recording_and_cache_status_follows_it(client, redis_cl
     missing = client.post("/v1/templates/0123456789abcdef0123456789abcdef/prepare")
     assert missing.status_code == 404
     assert client.get(f"/v1/templates/{template_id}/cache", params={"model": "nope"}).status_code == 422
+
+
+def test_each_key_lists_only_its_own_jobs_newest_first(client):
+    mine = [submit(client, prompt=f"mine {i}").json()["job_id"] for i in range(3)]
+    client.headers["X-API-Key"] = OTHER_KEY
+    theirs = submit(client, prompt="theirs").json()["job_id"]
+    assert [job["job_id"] for job in client.get("/v1/jobs").json()["jobs"]] == [theirs]
+    client.headers["X-API-Key"] = KEY
+    listed = client.get("/v1/jobs").json()["jobs"]
+    assert [job["job_id"] for job in listed] == mine[::-1]
+    assert listed[0]["prompt"] == "mine 2" and listed[0]["status_url"] == f"/v1/jobs/{mine[2]}"
+    assert [job["job_id"] for job in client.get("/v1/jobs?limit=1").json()["jobs"]] == [mine[2]]
+    refused = client.get("/v1/jobs?limit=0")
+    assert refused.status_code == 422 and "limit" in refused.json()["error"]

@@ -132,7 +132,9 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
     guard = Guard(settings.api, limiter, on_limited=metrics.rate_limited.inc)
 
     def require_api_key(request: Request, api_key: str | None = Security(api_key_header)) -> None:
-        guard.check(request, api_key, request.query_params.get(API_KEY_QUERY), accepts_query_key(request))
+        # the caller's identity owns the jobs it submits (its history: GET /v1/jobs)
+        request.state.caller = guard.check(request, api_key, request.query_params.get(API_KEY_QUERY),
+                                           accepts_query_key(request))
 
     # routers carry their full /v1/... prefix themselves: the route template then is the metrics label
     for router in (routes_templates.router, routes_jobs.router):

@@ -63,12 +63,18 @@ def submit_job(request: Request,
                              guidance=guidance, strength=strength, seed=seed,
                              mask_ops=MaskOps(threshold=threshold, invert=invert, grow_px=grow_px,
                                               feather_px=feather_px),
-                             resolution=resolution, use_cache=use_cache)
+                             resolution=resolution, use_cache=use_cache, owner=request.state.caller)
     submitted = _service(request).submit(job_request)
     request.app.state.metrics.jobs_submitted.labels(submitted.model_id).inc()
     body = {"job_id": submitted.job_id, "seed": submitted.seed, "model": submitted.model_id,
             "steps": submitted.steps, "status": "queued", **job_links(submitted.job_id)}
     return JSONResponse(body, status_code=202, headers={"Location": body["status_url"]})
+
+
+@router.get("", summary="The caller's own jobs, newest first (submitted with this API key)")
+def list_jobs(request: Request, limit: int = Query(50, ge=1, le=500, description="At most this many")) -> dict:
+    jobs = _service(request).history(request.state.caller, limit)
+    return {"jobs": [job | job_links(job["job_id"], done=job["status"] == "done") for job in jobs]}
 
 
 @router.get("/{job_id}", summary="A job's status, step, seed, timings and links")

@@ -160,10 +160,13 @@ class Guard:
         return f"key:{api_key}"
 
     def check(self, request: Request, api_key: str | None, query_key: str | None = None,
-              query_allowed: bool = False) -> None:
-        decision = self.limiter.take(self.identity(request, api_key, query_key, query_allowed))
+              query_allowed: bool = False) -> str:
+        """Authenticate and rate-limit; returns the caller's identity (see ``identity``)."""
+        caller = self.identity(request, api_key, query_key, query_allowed)
+        decision = self.limiter.take(caller)
         if not decision.allowed:
             self.on_limited()
             raise HTTPException(429, f"rate limit of {self.limiter.per_minute} requests a minute (bursts of "
                                      f"{self.limiter.burst}) exceeded: retry in {decision.retry_after_s} s",
                                 headers={"Retry-After": str(decision.retry_after_s)})
+        return caller
