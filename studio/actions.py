@@ -91,8 +91,9 @@ def _service_call(func, *args, **kwargs):
 
 
 class StudioActions:
-    def __init__(self, service: JobService, templates: TemplateStore):
-        self.service, self.templates = service, templates
+    def __init__(self, service: JobService, templates: TemplateStore, on_submitted=lambda model_id: None):
+        """``on_submitted(model_id)`` is called for every accepted edit (the API's metrics count it)."""
+        self.service, self.templates, self.on_submitted = service, templates, on_submitted
 
     # ----- gallery --------------------------------------------------------------------------------
     def gallery(self, query: str = "", tag: str = "") -> list[TemplateRecord]:
@@ -179,7 +180,9 @@ class StudioActions:
                              negative_prompt=form.negative_prompt or "", model=form.model or None,
                              steps=form.steps, guidance=form.guidance, strength=form.strength, seed=form.seed,
                              mask_ops=form.mask_ops, use_cache=bool(form.use_cache), owner=owner)
-        return _service_call(self.service.submit, request)
+        submitted = _service_call(self.service.submit, request)
+        self.on_submitted(submitted.model_id)
+        return submitted
 
     def progress(self, job_id: str) -> Progress:
         job = _service_call(self.service.get, job_id)

@@ -299,8 +299,8 @@ class StudioPage:
                 ui["details"] = gr.Markdown("Select a template to see its details.")
                 with gr.Row():
                     ui["model"] = gr.Dropdown(label="Model", choices=[], scale=2)
-                    ui["cache"] = gr.Textbox(label="Cache status", interactive=False, scale=2)
-                    ui["prepare"] = gr.Button("Prepare cache", scale=1)
+                    ui["cache"] = gr.Textbox(label="Cache status", interactive=False, scale=2, elem_id="ms-cache")
+                    ui["prepare"] = gr.Button("Prepare cache", scale=1, elem_id="ms-prepare")
                 with gr.Row():
                     ui["edit"] = gr.Button("Edit this template", variant="primary")
                     ui["delete"] = gr.Button("Delete…", variant="stop")
@@ -319,7 +319,7 @@ class StudioPage:
             box.change(self._filtered, [ui["query"], ui["tag"]], [ui["gallery"], ui["ids"]], show_progress="hidden")
         ui["gallery"].select(self._select, [ui["ids"], ui["model"]], [ui["selected"], ui["details"], ui["cache"]])
         ui["model"].change(self._cache_text, [ui["selected"], ui["model"]], [ui["cache"]], show_progress="hidden")
-        ui["prepare"].click(self._prepare, [ui["selected"], ui["model"]], [ui["cache"]])
+        ui["prepare"].click(self._prepare, [ui["selected"], ui["model"]], [ui["cache"]], concurrency_limit=None)
         ui["delete"].click(self._ask_delete, [ui["selected"]], [ui["confirm_row"], ui["confirm_text"]])
         ui["keep"].click(lambda: gr.update(visible=False), None, [ui["confirm_row"]])
         ui["confirm"].click(self._delete, [ui["selected"], ui["query"], ui["tag"]],
@@ -355,10 +355,21 @@ class StudioPage:
     def _cache_text(self, template_id, model):
         return self.actions.cache_status(template_id, model) if template_id and model else ""
 
-    @handler()
     def _prepare(self, template_id, model):
-        submitted = self.actions.prepare(self.actions.template(template_id).id, model)
-        return f"preparing (job {submitted.job_id[:8]})"
+        """A generator: "preparing" while the recording runs, then where the cache is (or why not)."""
+        try:
+            submitted = self.actions.prepare(self.actions.template(template_id).id, model)
+            yield f"preparing (job {submitted.job_id[:8]})"
+            final = None
+            for final in self.actions.follow(submitted.job_id):
+                yield f"{final.describe().lower()} (job {submitted.job_id[:8]})"
+            if final is not None and final.status == "done":
+                status = self.actions.cache_status(template_id, model)
+                # a worker lists a new cache at its next heartbeat: until then say what the job said
+                yield status if status != "not prepared" else (final.message or "recorded")
+        except StudioError as exc:
+            gr.Warning(str(exc))
+            yield gr.skip()
 
     @handler(2)
     def _ask_delete(self, template_id):

@@ -11,6 +11,7 @@ import gradio as gr
 from fastapi import FastAPI
 from fastapi.responses import RedirectResponse
 
+from backend.api.middleware import ApiMetrics
 from backend.api.security import Guard
 from backend.api.service import JobService
 from backend.config import Settings
@@ -25,9 +26,10 @@ LOGIN_MESSAGE = ("Sign in with your MaskServe user (the operator lists users in 
 
 
 def mount_studio(app: FastAPI, service: JobService, templates: TemplateStore, guard: Guard,
-                 settings: Settings) -> gr.Blocks:
+                 settings: Settings, metrics: ApiMetrics) -> gr.Blocks:
     path = settings.studio.path
-    page = build_studio(StudioActions(service, templates))
+    counted = metrics.jobs_submitted
+    page = build_studio(StudioActions(service, templates, lambda model: counted.labels(model, "studio").inc()))
     page.queue(default_concurrency_limit=8)
     auth = guard.check_login if guard.login_required else None
     message = (LOGIN_MESSAGE if guard.has_logins else NO_USERS_MESSAGE) if auth else None

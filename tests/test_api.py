@@ -307,7 +307,7 @@ def test_submit_returns_202_at_once_and_queues_the_edit(client, redis_client, se
     assert shown["status"] == "queued" and shown["seed"] == 1234 and shown["prompt"] == "a red chair"
     assert shown["guidance"] == 6.5 and shown["use_cache"] is False and shown["mask_ops"]["grow_px"] == 2
     metrics = client.get("/metrics").text
-    assert 'maskserve_api_jobs_submitted_total{model="tiny-sd2-inpaint"} 1.0' in metrics
+    assert 'maskserve_api_jobs_submitted_total{model="tiny-sd2-inpaint",source="rest"} 1.0' in metrics
     assert 'maskserve_api_requests_total{method="POST",route="/v1/jobs",status="202"} 1.0' in metrics
     assert 'route="/v1/jobs/{job_id}"' in metrics
 

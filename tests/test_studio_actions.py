@@ -34,7 +34,8 @@ def app(settings, redis_client):
 
 @pytest.fixture
 def actions(app) -> StudioActions:
-    return StudioActions(app.state.service, app.state.templates)
+    counted = app.state.metrics.jobs_submitted
+    return StudioActions(app.state.service, app.state.templates, lambda model: counted.labels(model, "studio").inc())
 
 
 def upload_file(tmp_path, name="street.png", seed=3, size=(W, H)):
@@ -96,7 +97,7 @@ def test_cache_status_and_prepare(actions, tmp_path, settings, redis_client):
 
 
 # ----- editing --------------------------------------------------------------------------------------
-def test_submit_sends_the_painted_alpha_as_the_mask_and_records_the_users_history(actions, tmp_path, settings,
+def test_submit_sends_the_painted_alpha_as_the_mask_and_records_the_users_history(app, actions, tmp_path, settings,
                                                                                     redis_client):
     (record,), _ = actions.upload([upload_file(tmp_path)])
     form = EditForm(prompt="a red door", model="tiny-sd2-inpaint", steps=4, guidance=5.0, seed=None, grow_px=3,
@@ -112,6 +113,8 @@ def test_submit_sends_the_painted_alpha_as_the_mask_and_records_the_users_histor
     assert np.array_equal(mask == 255, expected)
     assert [j["job_id"] for j in actions.history(USER)] == [submitted.job_id]
     assert actions.history("someone else") == []
+    counted = {"model": "tiny-sd2-inpaint", "source": "studio"}
+    assert app.state.metrics.registry.get_sample_value("maskserve_api_jobs_submitted_total", counted) == 1
 
 
 def test_bad_edits_are_refused_with_what_to_fix(actions, tmp_path):

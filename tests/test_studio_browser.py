@@ -118,9 +118,13 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(studio_stack, browser_page,
 
     sign_in(page, base)
     upload_template(page, template_path, "courtyard")
+    page.locator("#ms-gallery").get_by_text(name := "courtyard").click()  # select it, then record its cache
+    page.locator("#ms-prepare").click()
+    page.wait_for_function("() => /in RAM|on disk|recorded|already prepared/i.test("
+                           "document.querySelector('#ms-cache textarea').value)", timeout=120_000)
     screenshot(page, tmp_path, "1-gallery")
     page.get_by_role("tab", name="Editor").click()
-    page.locator("#ms-pick").get_by_text("courtyard").click()
+    page.locator("#ms-pick").get_by_text(name).click()
     page.locator("#ms-canvas canvas").first.wait_for(timeout=30_000)
     page.wait_for_timeout(500)  # the canvas loads the template before the brush is ready
     paint_stroke(page)

@@ -144,7 +144,7 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
     if settings.studio.enabled:
         from studio.mount import mount_studio
 
-        mount_studio(app, app.state.service, templates, guard, settings)
+        mount_studio(app, app.state.service, templates, guard, settings, metrics)
     # the last added runs first: metrics see every response, the body limit's 413s included
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(settings.api.max_body_mb * MB))
     app.add_middleware(MetricsMiddleware, metrics=metrics)

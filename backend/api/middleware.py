@@ -85,7 +85,8 @@ class ApiMetrics:
         self.latency = Histogram("maskserve_api_request_seconds", "Time to the response's first byte",
                                  ["route"], registry=self.registry,
                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
-        self.jobs_submitted = Counter("maskserve_api_jobs_submitted", "Jobs accepted by model", ["model"],
+        self.jobs_submitted = Counter("maskserve_api_jobs_submitted", "Jobs accepted, by model and by where they came "
+                                      "from (rest, studio)", ["model", "source"],
                                       registry=self.registry)
         self.rate_limited = Counter("maskserve_api_rate_limited", "Requests refused by the rate limit",
                                     registry=self.registry)

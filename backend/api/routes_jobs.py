@@ -65,7 +65,7 @@ def submit_job(request: Request,
                                               feather_px=feather_px),
                              resolution=resolution, use_cache=use_cache, owner=request.state.caller)
     submitted = _service(request).submit(job_request)
-    request.app.state.metrics.jobs_submitted.labels(submitted.model_id).inc()
+    request.app.state.metrics.jobs_submitted.labels(submitted.model_id, "rest").inc()
     body = {"job_id": submitted.job_id, "seed": submitted.seed, "model": submitted.model_id,
             "steps": submitted.steps, "status": "queued", **job_links(submitted.job_id)}
     return JSONResponse(body, status_code=202, headers={"Location": body["status_url"]})
