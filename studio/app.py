@@ -18,6 +18,7 @@ import html
 import gradio as gr
 
 from studio.actions import EditForm, StudioActions, StudioError
+from templates_store.store import TemplateNotFound
 
 BRUSH = gr.Brush(default_size=24, colors=["#ff3030", "#30a0ff", "#ffffff"], color_mode="defaults")
 GALLERY_COLUMNS = 3
@@ -69,9 +70,14 @@ class StudioPage:
 
     # ----- data for components --------------------------------------------------------------------
     def _gallery(self, query: str = "", tag: str = ""):
-        records = self.actions.gallery(query, tag)
-        items = [(str(self.actions.templates.thumbnail_path(r.id)), r.name) for r in records]
-        return items, [r.id for r in records]
+        items, ids = [], []
+        for record in self.actions.gallery(query, tag):
+            try:
+                items.append((str(self.actions.templates.thumbnail_path(record.id)), record.name))
+            except TemplateNotFound:  # deleted while we listed
+                continue
+            ids.append(record.id)
+        return items, ids
 
     def _history_rows(self, user: str):
         jobs = self.actions.history(user)
@@ -102,13 +108,14 @@ class StudioPage:
                     gallery = self._gallery_tab(template_ids, current, tabs, editor)
                 with gr.Tab("History", id="history") as history_tab:
                     self._history_tab(history_tab, history_jobs, current, tabs, editor)
-            page.load(self._refresh_all, [editor["search"]], [editor["gallery"], gallery["gallery"], template_ids])
+            page.load(self._refresh_all, [editor["search"]],
+                      [editor["gallery"], template_ids, gallery["gallery"], gallery["ids"]])
             page.load(self._models, None, [editor["model"], gallery["model"], editor["steps"], editor["guidance"]])
         return page
 
     def _refresh_all(self, query: str = ""):
-        items, ids = self._gallery(query)
-        return items, items, ids
+        """Both galleries (the editor's filtered by its search box) and their index -> id lists."""
+        return (*self._gallery(query), *self._gallery())
 
     def _models(self):
         """Model choices, and the first model's default steps and guidance."""
@@ -296,7 +303,7 @@ class StudioPage:
                                            object_fit="contain", elem_id="ms-gallery")
                 ui["ids"] = gr.State([])
                 ui["selected"] = gr.State("")
-                ui["details"] = gr.Markdown("Select a template to see its details.")
+                ui["details"] = gr.Markdown("Select a template to see its details.", elem_id="ms-details")
                 with gr.Row():
                     ui["model"] = gr.Dropdown(label="Model", choices=[], scale=2)
                     ui["cache"] = gr.Textbox(label="Cache status", interactive=False, scale=2, elem_id="ms-cache")

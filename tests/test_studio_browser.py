@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
+from playwright.sync_api import sync_playwright
 
 from backend.client import MaskServeClient
 from backend.config import load_settings
@@ -62,7 +64,6 @@ def studio_stack(redis_url, models_dir, tmp_path, monkeypatch):
 
 @pytest.fixture
 def browser_page(tmp_path):
-    from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -96,17 +97,26 @@ def upload_template(page, path: Path, name: str) -> None:
     page.locator("#ms-gallery").get_by_text(name).wait_for(timeout=30_000)
 
 
-def paint_stroke(page) -> None:
-    """A horizontal stroke through the middle of the canvas (the template is centred in it)."""
+def paint_stroke(page, attempts: int = 3) -> None:
+    """A horizontal stroke through the middle of the canvas (the template is centred in it). The
+    editor takes strokes only once its canvas has loaded the template, which takes longer on a busy
+    machine: the same stroke is drawn again (harmless) until the studio reports a painted area."""
     page.locator("#ms-canvas canvas").first.wait_for()
     box = page.locator("#ms-canvas canvas").first.bounding_box()
     cx, cy = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
-    page.mouse.move(cx - 50, cy)
-    page.mouse.down()
-    for i in range(1, 21):
-        page.mouse.move(cx - 50 + i * 5, cy, steps=2)
-    page.mouse.up()
-    page.locator("#ms-ratio").get_by_text("will be repainted").wait_for(timeout=30_000)
+    painted = page.locator("#ms-ratio").get_by_text("will be repainted")
+    for attempt in range(1, attempts + 1):
+        page.mouse.move(cx - 50, cy)
+        page.mouse.down()
+        for i in range(1, 21):
+            page.mouse.move(cx - 50 + i * 5, cy, steps=2)
+        page.mouse.up()
+        try:
+            painted.wait_for(timeout=15_000)
+            return
+        except PlaywrightTimeout:
+            if attempt == attempts:
+                raise
 
 
 def test_paint_a_stroke_submit_and_get_the_edit_back(studio_stack, browser_page, tmp_path):
@@ -118,7 +128,10 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(studio_stack, browser_page,
 
     sign_in(page, base)
     upload_template(page, template_path, "courtyard")
+    page.reload()  # a fresh page lists the gallery from storage (the login is kept)
+    page.get_by_role("tab", name="Gallery").click()
     page.locator("#ms-gallery").get_by_text(name := "courtyard").click()  # select it, then record its cache
+    page.locator("#ms-details").get_by_text(f"{W}x{H}").wait_for(timeout=30_000)
     page.locator("#ms-prepare").click()
     page.wait_for_function("() => /in RAM|on disk|recorded|already prepared/i.test("
                            "document.querySelector('#ms-cache textarea').value)", timeout=120_000)
@@ -127,7 +140,10 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(studio_stack, browser_page,
     page.locator("#ms-pick").get_by_text(name).click()
     page.locator("#ms-canvas canvas").first.wait_for(timeout=30_000)
     page.wait_for_timeout(500)  # the canvas loads the template before the brush is ready
-    paint_stroke(page)
+    try:
+        paint_stroke(page)
+    finally:
+        screenshot(page, tmp_path, "2-painted")
     page.locator("#ms-prompt textarea").fill("a red lantern")
     page.locator("#ms-steps input[type=number]").fill("6")
     page.locator("#ms-steps input[type=number]").press("Enter")
@@ -135,7 +151,7 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(studio_stack, browser_page,
     try:
         page.locator("#ms-info").get_by_text("Done.").wait_for(timeout=180_000)
     finally:
-        screenshot(page, tmp_path, "2-result")
+        screenshot(page, tmp_path, "3-result")
     info = page.locator("#ms-info").inner_text()
     job_id = re.search(r"job ([0-9a-f]{32})", info).group(1)
     assert re.search(r"Seed used: \d+", info) and "6 steps" in info, info
@@ -160,7 +176,7 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(studio_stack, browser_page,
     page.locator("#ms-history").get_by_text(job_id).first.wait_for(state="attached", timeout=30_000)
     history = page.locator("#ms-history").inner_text()
     assert "a red lantern" in history and "done" in history
-    screenshot(page, tmp_path, "3-history")
+    screenshot(page, tmp_path, "4-history")
     page.locator("#ms-history [data-testid=cell-0-2]").click()  # the newest job's prompt cell
     page.locator("#ms-canvas canvas").first.wait_for(timeout=30_000)
     page.wait_for_function("() => document.querySelector('#ms-prompt textarea').value === 'a red lantern'",
