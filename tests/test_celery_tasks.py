@@ -131,3 +131,23 @@ def test_a_bad_upload_fails_its_job_with_the_reason(stack, tmp_path):
     assert "not an image" in jobstate.get(job.job_id)["message"]
     wait_for(lambda: task_stats(client)["tasks_total"] == {"preprocess.failed": 1.0}, "the task count",
              tmp_path / "cpu-worker.log")
+
+
+def test_the_cpu_worker_builds_the_default_models_stages_before_its_first_task(stack, tmp_path):
+    """A fresh worker warms its encoders as it starts, so the first job does not wait for them."""
+    log_path = tmp_path / "cpu-worker.log"
+    wait_for(lambda: "CPU stages of tiny-sd2-inpaint ready" in log_path.read_text(errors="replace"),
+             "the CPU stages to be warmed", log_path)
+    _, _, _, client = stack
+    assert client.xlen(PREPARED_STREAM) == 0  # before any task ran
+
+
+def test_a_warm_up_that_fails_is_logged_and_the_task_reports_it(caplog, tmp_path):
+    from backend.models import UnknownModelError
+    from backend.tasks.celery_app import _Process
+
+    state = _Process(load_settings(env={"MASKSERVE_DATA_DIR": str(tmp_path)}))
+    state.warm("no-such-model").join(timeout=30)
+    assert "warming the CPU stages of no-such-model failed" in caplog.text
+    with pytest.raises(UnknownModelError):
+        state.stages("no-such-model")

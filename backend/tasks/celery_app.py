@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
+from celery.signals import worker_process_init
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -72,6 +74,7 @@ class _Process:
         self.settings = settings
         self._client: Redis | None = None
         self._stages: dict[str, object] = {}
+        self._building = threading.Lock()
 
     @property
     def client(self) -> Redis:
@@ -85,13 +88,29 @@ class _Process:
         return JobStateStore(self.client)
 
     def stages(self, model_id: str):
-        if model_id not in self._stages:
-            from backend.engine.factory import build_engine
-            from backend.tasks.core import CpuStages
+        """The model's CPU stages, built once per process (a task waits while a warm-up builds them)."""
+        with self._building:
+            if model_id not in self._stages:
+                from backend.engine.factory import build_engine
+                from backend.tasks.core import CpuStages
 
-            engine = build_engine(self.settings, model_id, device=self.settings.celery.device)
-            self._stages[model_id] = CpuStages(self.settings, engine, self.jobstate())
-        return self._stages[model_id]
+                engine = build_engine(self.settings, model_id, device=self.settings.celery.device)
+                self._stages[model_id] = CpuStages(self.settings, engine, self.jobstate())
+            return self._stages[model_id]
+
+    def warm(self, model_id: str) -> threading.Thread:
+        """Build the default model's stages in the background as the process starts, so the first
+        job does not wait seconds for its encoders (Celery kills a child whose start takes over 4 s,
+        so this cannot run inline). A failure is logged; the first task then raises it properly."""
+        def build() -> None:
+            try:
+                self.stages(model_id)
+                log.info("CPU stages of %s ready", model_id)
+            except Exception as exc:  # the task that needs them reports it to its job
+                log.warning("warming the CPU stages of %s failed: %s", model_id, exc)
+        thread = threading.Thread(target=build, name="warm-stages", daemon=True)
+        thread.start()
+        return thread
 
     def fail(self, job_id: str, message: str) -> None:
         self.jobstate().record_event(JobEvent(job_id=job_id, status="failed", at=time.time(), message=message))
@@ -128,6 +147,10 @@ def make_celery(settings: Settings) -> Celery:
         task_routes={PRE_TASK: {"queue": settings.celery.pre_queue}, POST_TASK: {"queue": settings.celery.post_queue}},
         worker_send_task_events=False, task_default_queue=settings.celery.pre_queue)
     state = _Process(settings)
+
+    @worker_process_init.connect(weak=False)
+    def warm_stages(**_kwargs) -> None:  # fires in each CPU worker child only, never in the API
+        state.warm(settings.engine.model_id)
     retry = dict(autoretry_for=TRANSIENT_ERRORS, retry_backoff=True, retry_backoff_max=30, max_retries=5,
                  retry_jitter=True)
 
