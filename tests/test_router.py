@@ -147,10 +147,43 @@ def test_residency_orders_ram_before_disk_before_absent(cost_model):
         disk = cost_model.estimate(job(), worker("w", running, ram={"a", "b"}, disk={"t0"}))
         absent = cost_model.estimate(job(), worker("w", running, ram={"a", "b"}))
         assert ram["total"] < disk["total"] < absent["total"]
-        assert disk["residency"] == pytest.approx(cost_model.disk_read_s(20)) and ram["residency"] == 0
+        # admitted at once, before its read lands: J and every co-runner wait for the blocking read
+        assert disk["residency"] == pytest.approx(cost_model.disk_read_s(20) * (1 + len(running)))
+        assert ram["residency"] == 0
     # a row already on the worker brought the template into RAM
     sharing = cost_model.estimate(job(), worker("w", [(0.1, 8, "t0")], disk={"t0"}))
     assert sharing["residency"] == 0.0
+
+
+def test_a_read_that_lands_after_admission_stalls_the_whole_batch(cost_model):
+    read = cost_model.disk_read_s(20)
+    alone = cost_model.estimate(job(), worker("w", [(0.1, 10, "a")], ram={"a"}, disk={"t0"}))
+    crowded = cost_model.estimate(job(), worker("w", [(0.1, 10, "a")] * 6, ram={"a"}, disk={"t0"}))
+    assert alone["residency"] == pytest.approx(2 * read) and crowded["residency"] == pytest.approx(7 * read)
+    # a full worker: J waits 10 steps of a full batch for a slot, the prefetch lands long before
+    full = cost_model.estimate(job(), worker("w", [(0.1, 10, "a")] * 8, ram={"a"}, disk={"t0"}))
+    assert full["wait"] > read and full["residency"] == 0.0
+    # the waiting rows' own prefetches (templates on disk only, each once) are read before J's
+    queued = worker("w", [(0.1, 10, "a")], waiting=[(0.1, 20, "x"), (0.1, 20, "y"), (0.1, 20, "x"), (0.1, 20, "a")],
+                    ram={"a"}, disk={"t0", "x", "y"})
+    assert cost_model.estimate(job(), queued)["residency"] == pytest.approx(3 * read * 6)
+
+
+def test_mask_aware_avoids_stalling_a_busy_batch_on_a_read(cost_model):
+    # w0 has a free slot and the template on disk only: its read would stall five running rows;
+    # w1 runs one more row but holds the template in RAM
+    w0 = worker("w0", [(0.1, 20, "a")] * 5, ram={"a"}, disk={"t0"})
+    w1 = worker("w1", [(0.1, 20, "a")] * 6, ram={"a", "t0"}, disk={"t0"})
+    d = router("mask_aware", cost_model).choose(job(), [w0, w1])
+    assert d.worker_id == "w1" and d.costs["w0"] - d.costs["w1"] > 4 * cost_model.disk_read_s(20)
+    for policy in ("flashps", "fewest_requests", "fewest_tokens"):  # blind to residency: the lighter batch
+        assert router(policy, cost_model).choose(job(), [w0, w1]).worker_id == "w0", policy
+    # the same two queues, differing only in the reads queued before J's: the shorter read queue wins
+    waiting = [(0.1, 20, "x"), (0.1, 20, "y")]
+    slow = worker("w0", [(0.1, 10, "a")] * 2, waiting=waiting, ram={"a"}, disk={"t0", "x", "y"})
+    fast = worker("w1", [(0.1, 10, "a")] * 2, waiting=waiting, ram={"a", "x", "y"}, disk={"t0", "x", "y"})
+    d = router("mask_aware", cost_model).choose(job(), [slow, fast])
+    assert d.worker_id == "w1" and d.costs["w0"] - d.costs["w1"] == pytest.approx(2 * cost_model.disk_read_s(20) * 5)
 
 
 def test_estimate_bounds_and_queue_wait(cost_model):

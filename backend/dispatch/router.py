@@ -26,16 +26,21 @@ Policies (``POLICIES``):
     and w_r is row r's masked compute per step: the batch's extra latency shrinks as co-runners
     retire (remaining steps), weighted by how heavy each one is. phi = 1 when every co-runner
     outlives J, which gives the paper's ``n_J * T(R + J)``.
-  - ``residency = max(0, disk_read_s - wait)`` when t_J is only on W's disk: one read of the
-    template's trajectory cache (n_J steps of unit caches, ``disk_read_s_per_byte`` per byte,
-    default 1e-9 = 1 GB/s, a local NVMe/SSD order of magnitude) that the worker prefetches while
-    J waits; 0 for RAM (its copies are inside T) and for a recording (its dense compute is).
+  - ``residency = stall * (1 + |C|)`` with ``stall = max(0, pending + disk_read_s - wait)`` when
+    t_J is only on W's disk: one read of the template's trajectory cache (n_J steps of unit caches,
+    ``disk_read_s_per_byte`` per byte, default 1e-9 = 1 GB/s, a local NVMe/SSD order of magnitude)
+    that the worker prefetches while J waits, one read at a time, so after ``pending``, the reads of
+    the templates its waiting rows have only on disk (each once). A read still in flight when J is
+    admitted is a blocking acquire: the worker's whole batch waits, so J and each co-runner lose
+    ``stall`` (with a free slot and a busy batch this outweighs a RAM hit elsewhere one row
+    heavier; at high load the lost worker time is lost capacity). 0 for RAM (its copies are inside
+    T) and for a recording (its dense compute is).
 
   Invariants (tested): every term is >= 0; T(J) <= run / n_J <= T(C + J); more steps, a larger
   mask for J or one more running row never lower a cost; for one worker state RAM <= disk and
   RAM <= absent, and disk <= absent whenever recomputing densely costs more than the disk read
   (every shipped profile with a positive compute slope: small-flux-fill, 20 steps: ~3.6 s cached,
-  +1 s disk read, ~15 s recording). The recording's cache write is not charged.
+  +1 s disk read per row it stalls, ~15 s recording). The recording's cache write is not charged.
 * ``fewest_requests`` -- min len(R) + len(Q); ``fewest_tokens`` -- min sum of mask ratios over
   R + Q (masked-token balancing, as LLM routers balance tokens); ``round_robin`` -- the next
   candidate by worker id after the last one chosen for this model.
@@ -324,7 +329,16 @@ class RoutingCostModel:
             total_w = sum([weights[i] for _, i in co])
             phi = sum([o * weights[i] for o, i in co]) / (n * total_w) if total_w > 0 else 1.0
             run = n * (t_job + phi * (t_full - t_job))
-        residency = max(0.0, self.disk_read_s(n) - wait) if tier == "disk" else 0.0
+        residency = 0.0
+        if tier == "disk":
+            pending, seen = 0.0, set()  # W reads one template at a time: those its waiting rows prefetch first
+            for r in view.waiting:
+                t = r.template
+                if t and t not in seen and t in view.resident_disk and t not in view.resident_ram:
+                    seen.add(t)
+                    pending += self.disk_read_s(max(1, r.remaining_steps))
+            stall = max(0.0, pending + self.disk_read_s(n) - wait)  # J's read lands after its admission:
+            residency = stall * (1 + len(co))  # a blocking acquire, so every co-runner waits for it too
         return {"wait": wait, "run": run, "residency": residency, "total": wait + run + residency,
                 "admit_step": float(admit)}
 
