@@ -26,6 +26,11 @@ from backend.engine.layout import RowLayout, full_layout, make_layout
 TokenMaskFn = Callable[[tuple[int, int]], torch.Tensor]
 
 
+
+def cat_once(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat``, without the copy when there is only one tensor (one row group: the usual case)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
+
 class CacheSource(Protocol):
     """Cached activations for the rows of one batch, already placed on the compute device."""
 
@@ -81,8 +86,8 @@ class ForwardContext:
     def merge_cached(self, unit: int, name: str, layout: RowLayout, fresh: torch.Tensor) -> torch.Tensor:
         """(rows, L, C): cached ``name`` of ``unit`` with each row's selected tokens replaced by
         ``fresh`` (packed in ``layout``). Rows that select every token read no cache."""
-        return torch.cat([self.merge_group(unit, name, layout, group, layout.group_tokens(fresh, group))
-                          for group in layout.groups])
+        return cat_once([self.merge_group(unit, name, layout, group, layout.group_tokens(fresh, group))
+                         for group in layout.groups])
 
     def merge_group(self, unit: int, name: str, layout: RowLayout, group: tuple[int, int],
                     fresh: torch.Tensor) -> torch.Tensor:
@@ -92,6 +97,21 @@ class ForwardContext:
             return fresh
         cached = self.cached(unit, name, group)
         return replace_rows(cached.reshape(*cached.shape[:2], *fresh.shape[2:]), indices, fresh)
+
+    def merge_group_after(self, unit: int, name: str, layout: RowLayout, group: tuple[int, int],
+                          fresh: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+        """(g, P + L, ...): ``prefix`` (g, P, ...) then what ``merge_group`` gives, built in one buffer,
+        so the cached tokens are copied once (not merged, then copied again by a concatenation)."""
+        indices = layout.indices[group[0]]
+        if indices.numel() == layout.num_tokens:
+            return torch.cat([prefix, fresh], dim=1)
+        cached = self.cached(unit, name, group)
+        cached = cached.reshape(*cached.shape[:2], *fresh.shape[2:])
+        num_prefix = prefix.shape[1]
+        out = fresh.new_empty((fresh.shape[0], num_prefix + cached.shape[1], *fresh.shape[2:]))
+        out[:, :num_prefix] = prefix
+        out[:, num_prefix:] = cached
+        return out.index_copy_(1, indices + num_prefix, fresh)
 
     def timed_unit(self, unit: int):
         """Context manager timing one unit when profiling (synchronising CUDA around it)."""

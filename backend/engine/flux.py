@@ -20,7 +20,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from backend.engine.attention import attend, fused_linear
-from backend.engine.context import ForwardContext, current_context
+from backend.engine.context import ForwardContext, cat_once, current_context
 from backend.engine.layout import RowLayout
 
 HOOK_NAME = "maskserve_flux"
@@ -165,8 +165,9 @@ def _image_qkv(attn, normed: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tens
 
 def _image_keys_for_groups(attn, key_q, value_q, layout_q: RowLayout, full_normed, from_cache: bool, unit: int,
                            shared: _Shared):
-    """Per row group: full image K/V (g, L, H, d). From the queries themselves when dense, from the
-    full normed input in hidden mode, or from the cache with the masked tokens replaced in kv mode."""
+    """``group_kv(group, text_k, text_v)``: per row group, [text ; full image] K and V (g, T + L, H, d).
+    Image K/V come from the queries themselves when dense, from the full normed input in hidden mode,
+    or from the cache with the masked tokens replaced in kv mode."""
     ctx = shared.ctx
     if layout_q.is_full:
         key_full = key_q.reshape(layout_q.num_rows, layout_q.num_tokens, *key_q.shape[1:])
@@ -178,14 +179,15 @@ def _image_keys_for_groups(attn, key_q, value_q, layout_q: RowLayout, full_norme
         key_full = key_flat.reshape(layout_q.num_rows, layout_q.num_tokens, *key_flat.shape[1:])
         value_full = value_flat.reshape(key_full.shape)
     else:
-        def group_kv(group):
-            key = ctx.merge_group(unit, "k", layout_q, group, layout_q.group_tokens(key_q, group))
-            value = ctx.merge_group(unit, "v", layout_q, group, layout_q.group_tokens(value_q, group))
+        def group_kv(group, text_k, text_v):
+            key = ctx.merge_group_after(unit, "k", layout_q, group, layout_q.group_tokens(key_q, group), text_k)
+            value = ctx.merge_group_after(unit, "v", layout_q, group, layout_q.group_tokens(value_q, group), text_v)
             return key, value
         return group_kv
     ctx.record(unit, "k", key_full.flatten(2))
     ctx.record(unit, "v", value_full.flatten(2))
-    return lambda group: (key_full[group[0]:group[1]], value_full[group[0]:group[1]])
+    return lambda group, text_k, text_v: (torch.cat([text_k, key_full[group[0]:group[1]]], dim=1),
+                                          torch.cat([text_v, value_full[group[0]:group[1]]], dim=1))
 
 
 def _joint_attention(text_q, text_k, text_v, query, layout_q: RowLayout, group_kv):
@@ -194,12 +196,11 @@ def _joint_attention(text_q, text_k, text_v, query, layout_q: RowLayout, group_k
     num_text = text_q.shape[1]
     text_out, image_out = [], []
     for start, stop in layout_q.groups:
-        key, value = group_kv((start, stop))
-        out = attend(torch.cat([text_q[start:stop], layout_q.group_tokens(query, (start, stop))], dim=1),
-                     torch.cat([text_k[start:stop], key], dim=1), torch.cat([text_v[start:stop], value], dim=1))
+        key, value = group_kv((start, stop), text_k[start:stop], text_v[start:stop])
+        out = attend(torch.cat([text_q[start:stop], layout_q.group_tokens(query, (start, stop))], dim=1), key, value)
         text_out.append(out[:, :num_text].flatten(2))
         image_out.append(out[:, num_text:].flatten(2).flatten(0, 1))
-    return torch.cat(text_out), torch.cat(image_out)
+    return cat_once(text_out), cat_once(image_out)
 
 
 def _text_qkv(attn, normed_text, rope_text, added: bool, projected=None):
