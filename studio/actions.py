@@ -22,7 +22,7 @@ from backend.jobstate import TERMINAL
 from backend.models import resolve_model
 from backend.protocol import MaskOps
 from studio import masks as studio_masks
-from templates_store.store import TemplateError, TemplateNotFound, TemplateRecord, TemplateStore
+from templates_store.store import TemplateError, TemplateNotFound, TemplateRecord, TemplateStore, split_tags
 
 FOLLOW_SLICE_MS = 1000  # longest single wait for a job's next event
 STAGES = {"queued": "Queued", "preprocessing": "Pre-processing", "waiting": "Waiting for a worker",
@@ -115,7 +115,7 @@ class StudioActions:
         if not files:
             raise StudioError("no files chosen: pick one or more images to upload")
         added, problems = [], []
-        tag_list = [t for t in (tags or "").replace(";", ",").split(",") if t.strip()]
+        tag_list = split_tags(tags)
         for index, file in enumerate(files, start=1):
             path = Path(file) if isinstance(file, (str, PathLike)) else Path(file.name)  # a path, or a temp file
             display = (name or "").strip() or path.stem or "untitled"
@@ -129,10 +129,7 @@ class StudioActions:
 
     def delete(self, template_id: str) -> str:
         record = self.template(template_id)
-        _service_call(self.templates.delete, template_id)
-        from backend.cachestatus import forget
-
-        forget(self.service.client, template_id)
+        _service_call(self.service.delete_template, template_id)
         return record.name
 
     def cache_status(self, template_id: str, model: str = "") -> str:
@@ -224,14 +221,13 @@ class StudioActions:
                 display = f"{self.templates.get(job.get('template_id', '')).name} (edited)"
             except TemplateNotFound:
                 display = f"edit {job_id[:8]}"
-        tag_list = [t for t in (tags or "").split(",") if t.strip()]
-        return _service_call(self.templates.add, data, display, tag_list)
+        return _service_call(self.templates.add, data, display, split_tags(tags))
 
     def history(self, owner: str, limit: int = 50) -> list[dict]:
         return [job for job in self.service.history(owner, limit) if job.get("kind") != "prepare"]
 
-    def thumbnail_path(self, job_id: str) -> Path | None:
-        try:
-            return self.service.thumbnail_path(job_id)
-        except ServiceError:
-            return None
+    def thumbnail_of(self, job: dict) -> Path | None:
+        """The result thumbnail of a job as ``history`` lists it (None until it is done, or expired)."""
+        ref = job.get("thumbnail_ref", "")
+        path = self.service.blobs.path(ref) if ref else None
+        return path if path is not None and path.exists() else None

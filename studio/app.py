@@ -79,8 +79,9 @@ class StudioPage:
             ids.append(record.id)
         return items, ids
 
-    def _history_rows(self, user: str):
-        jobs = self.actions.history(user)
+    def _history_rows(self, request: gr.Request):
+        """The signed-in user's jobs: table rows, result thumbnails, and the jobs (for recall)."""
+        jobs = self.actions.history(_user(request))
         rows = []
         for job in jobs:
             when = dt.datetime.fromtimestamp(job.get("created_at", 0)).strftime("%Y-%m-%d %H:%M:%S")
@@ -88,8 +89,7 @@ class StudioPage:
             rows.append([when, job["status"], job.get("prompt", ""), job.get("seed", ""), job.get("num_steps")
                          or job.get("steps", ""), job.get("model_id", ""),
                          "" if total is None else f"{total:.1f}", job["job_id"]])
-        thumbs = [(str(p), job.get("prompt", "")[:40]) for job in jobs
-                  if (p := self.actions.thumbnail_path(job["job_id"])) is not None]
+        thumbs = [(str(p), job.get("prompt", "")[:40]) for job in jobs if (p := self.actions.thumbnail_of(job))]
         return rows, thumbs, jobs
 
     # ----- the page -------------------------------------------------------------------------------
@@ -213,13 +213,17 @@ class StudioPage:
         if evt is None or evt.index is None or evt.index >= len(template_ids):
             raise StudioError("that template is no longer in the gallery: refresh it")
         template_id = template_ids[evt.index]
-        record = self.actions.template(template_id)
-        path = str(self.actions.templates.image_path(template_id))
+        record, canvas = self._on_canvas(template_id)
         cache = self.actions.cache_status(template_id, model) if model else "unknown"
         picked = (f"**{html.escape(record.name)}** · {record.width}x{record.height}"
                   f"{' · ' + ', '.join(record.tags) if record.tags else ''} · cache: {cache}")
-        canvas = {"background": path, "layers": [], "composite": path}
         return template_id, canvas, picked, None, "Mask: nothing painted yet"
+
+    def _on_canvas(self, template_id: str):
+        """(record, the editor value showing the template with nothing painted)."""
+        record = self.actions.template(template_id)
+        path = str(self.actions.templates.image_path(record.id))
+        return record, {"background": path, "layers": [], "composite": path}
 
     @handler(2)
     def _preview(self, template_id: str, canvas, invert: bool, grow: float, feather: float):
@@ -323,7 +327,7 @@ class StudioPage:
         ui["upload"].click(self._upload, [ui["files"], ui["name"], ui["tags"], ui["query"], ui["tag"]],
                            [*listing, ui["files"]])
         for box in (ui["query"], ui["tag"]):
-            box.change(self._filtered, [ui["query"], ui["tag"]], [ui["gallery"], ui["ids"]], show_progress="hidden")
+            box.change(self._gallery, [ui["query"], ui["tag"]], [ui["gallery"], ui["ids"]], show_progress="hidden")
         ui["gallery"].select(self._select, [ui["ids"], ui["model"]], [ui["selected"], ui["details"], ui["cache"]])
         ui["model"].change(self._cache_text, [ui["selected"], ui["model"]], [ui["cache"]], show_progress="hidden")
         ui["prepare"].click(self._prepare, [ui["selected"], ui["model"]], [ui["cache"]], concurrency_limit=None)
@@ -344,9 +348,6 @@ class StudioPage:
         items, ids = self._gallery(query, tag)
         all_items, all_ids = self._gallery()
         return items, ids, all_items, all_ids, None
-
-    def _filtered(self, query, tag):
-        return self._gallery(query, tag)
 
     @handler(3)
     def _select(self, ids: list, model: str, evt: gr.SelectData):
@@ -393,10 +394,8 @@ class StudioPage:
 
     @handler(6)
     def _edit(self, template_id, model):
-        record = self.actions.template(template_id)
-        path = str(self.actions.templates.image_path(record.id))
+        record, canvas = self._on_canvas(template_id)
         picked = f"**{html.escape(record.name)}** · {record.width}x{record.height}"
-        canvas = {"background": path, "layers": [], "composite": path}
         return record.id, canvas, picked, None, "Mask: nothing painted yet", gr.Tabs(selected="editor")
 
     # ----- history --------------------------------------------------------------------------------
@@ -406,15 +405,11 @@ class StudioPage:
         thumbs = gr.Gallery(label="Results", columns=8, height=200, allow_preview=True, elem_id="ms-results")
         gr.Markdown("Select a row to load its parameters into the editor.", elem_classes="ms-muted")
         for trigger in (history_tab.select, refresh.click):
-            trigger(self._history, None, [table, thumbs, history_jobs])
+            trigger(self._history_rows, None, [table, thumbs, history_jobs])
         recalled = [current, editor["canvas"], editor["picked"], editor["prompt"], editor["negative"],
                     editor["model"], editor["steps"], editor["guidance"], editor["strength"], editor["random_seed"],
                     editor["seed"], editor["invert"], editor["grow"], editor["feather"], editor["use_cache"], tabs]
         table.select(self._recall, [history_jobs], recalled)
-
-    def _history(self, request: gr.Request):
-        rows, thumbs, jobs = self._history_rows(_user(request))
-        return rows, thumbs, jobs
 
     @handler(16)
     def _recall(self, jobs: list, evt: gr.SelectData):
@@ -422,11 +417,9 @@ class StudioPage:
         if row is None or row >= len(jobs):
             raise StudioError("that job is no longer in the history: refresh it")
         job = jobs[row]
-        template_id = job.get("template_id", "")
-        record = self.actions.template(template_id)  # the template may have been deleted since
-        path = str(self.actions.templates.image_path(record.id))
+        record, canvas = self._on_canvas(job.get("template_id", ""))  # it may have been deleted since
         ops = job.get("mask_ops", {})
-        return (record.id, {"background": path, "layers": [], "composite": path},
+        return (record.id, canvas,
                 f"**{html.escape(record.name)}** · recalled from job {job['job_id'][:8]}: paint the mask again",
                 job.get("prompt", ""), job.get("negative_prompt", ""), job.get("model_id"), job.get("steps"),
                 job.get("guidance"), job.get("strength"), False, job.get("seed"), bool(ops.get("invert")),

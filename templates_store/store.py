@@ -116,6 +116,13 @@ def clean_name(name: str) -> str:
     return name
 
 
+def split_tags(values) -> list[str]:
+    """Tags from form fields (a string or a list of them), each of which may hold several
+    comma-separated tags; ``clean_tags`` then validates them."""
+    values = [values] if isinstance(values, str) else list(values or ())
+    return [tag for value in values for tag in str(value).split(",")]
+
+
 def clean_tags(tags) -> tuple[str, ...]:
     """Tags lower-cased and stripped, empties and duplicates dropped (first order kept)."""
     cleaned: list[str] = []

@@ -4,7 +4,6 @@ every policy (not a timing test)."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 from backend.bench.route_bench import (BASELINES, RouteBenchConfig, cost_model_for, decision_time, offered_trace,
@@ -17,9 +16,7 @@ PROFILES = Path(__file__).resolve().parents[1] / "profiles"
 def test_the_route_bench_completes_every_job_under_every_policy_and_writes_its_report(tmp_path):
     cfg = RouteBenchConfig(profiles_dir=str(PROFILES), loads=(0.3, 0.9), duration_s=20.0, num_workers=3, max_batch=2,
                            steps=3, num_templates=12, ram_templates=2, prerecorded=0.5)
-    started = time.perf_counter()
     report = run_route_bench(cfg)
-    assert time.perf_counter() - started < 5.0
     assert report["capacity_rps"] > 0 and report["capacity_bound_rps"] >= report["capacity_rps"] * 0.5
     results = report["results"]
     assert [(r["load"], r["policy"]) for r in results] == [(load, p) for load in cfg.loads for p in POLICIES]
@@ -29,9 +26,13 @@ def test_the_route_bench_completes_every_job_under_every_policy_and_writes_its_r
         assert r["num_jobs"] == r["completed"] == expected > 0, r["policy"]
         assert 0 < r["p50_latency_s"] <= r["p95_latency_s"] and r["avg_latency_s"] > 0 and r["throughput_rps"] > 0
         assert set(r["cache"]) == {"ram_hits", "disk_reads", "dense_rows", "stall_s"}
-        assert 1 <= r["mean_batch_rows"] <= cfg.max_batch and set(r["decision_ms"]) == {"p50", "p95"}
+        assert r["mean_batch_rows"] <= cfg.max_batch
+        assert set(r["decision_ms"]) == {"p50", "p95"} and 0 < r["decision_ms"]["p50"] <= r["decision_ms"]["p95"]
         warm = [a for a in offered_trace(cfg, r["rps"], cfg.seed) if a.arrival_s >= cfg.duration_s / 4]
         assert 0 < r["measured_jobs"] == len(warm) < r["num_jobs"] and r["p95_all_latency_s"] > 0
+    batch = {(r["load"], r["policy"]): r["mean_batch_rows"] for r in results}
+    for policy in POLICIES:  # batches fill up with load: near one row at 0.3, near max_batch at 0.9
+        assert batch[(0.3, policy)] < 1.3 and batch[(0.9, policy)] > 1.5, (policy, batch)
     assert sum(r["cache"]["dense_rows"] for r in results) > 0 and sum(r["cache"]["disk_reads"] for r in results) > 0
     assert set(report["p95_reduction"]) == {"0.3", "0.9"}
     assert all(set(v) == set(BASELINES) for v in report["p95_reduction"].values())

@@ -7,7 +7,7 @@ from pathlib import Path
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse, JSONResponse, Response
 
-from templates_store.store import TemplateRecord, TemplateStore
+from templates_store.store import TemplateRecord, TemplateStore, split_tags
 
 router = APIRouter(prefix="/v1/templates", tags=["templates"])
 
@@ -19,11 +19,6 @@ def _store(request: Request) -> TemplateStore:
 def template_view(record: TemplateRecord) -> dict:
     base = f"/v1/templates/{record.id}"
     return record.to_dict() | {"url": base, "image_url": f"{base}/image", "thumbnail_url": f"{base}/thumbnail"}
-
-
-def split_tags(values: list[str]) -> list[str]:
-    """Tags from repeated form fields, each of which may hold several comma-separated tags."""
-    return [tag for value in values for tag in value.split(",")]
 
 
 @router.post("", status_code=201, summary="Upload a template into the gallery")
@@ -50,10 +45,7 @@ def get_template(request: Request, template_id: str) -> dict:
 
 @router.delete("/{template_id}", status_code=204, summary="Delete a template")
 def delete_template(request: Request, template_id: str) -> Response:
-    _store(request).delete(template_id)
-    from backend.cachestatus import forget
-
-    forget(request.app.state.service.client, template_id)
+    request.app.state.service.delete_template(template_id)
     return Response(status_code=204)
 
 

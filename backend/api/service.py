@@ -165,6 +165,13 @@ class JobService:
         self._queue(job)
         return SubmittedJob(job_id=job_id, seed=0, model_id=spec.model_id, steps=steps)
 
+    def delete_template(self, template_id: str) -> None:
+        """Delete a gallery template and forget its cache status. Raises TemplateNotFound."""
+        from backend.cachestatus import forget
+
+        self.templates.delete(template_id)
+        forget(self.client, template_id)
+
     def cache_status(self, template_id: str, model: str | None = None) -> dict:
         """Where the template's cache for ``model`` is: not prepared, preparing, on disk, in RAM."""
         from backend.cachestatus import cache_status
