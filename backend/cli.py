@@ -218,7 +218,9 @@ def cmd_bench_route(args, settings: Settings) -> int:
                            num_workers=args.workers, max_batch=args.max_batch, steps=args.steps,
                            num_templates=args.templates, ram_templates=args.ram_templates,
                            prerecorded=args.prerecorded, mask_mean=args.mask_mean, burst_factor=args.burst,
-                           disk_read_s_per_byte=1e-9 / args.disk_gbps, seed=args.seed)
+                           disk_read_s_per_byte=1e-9 / args.disk_gbps, seed=args.seed,
+                           late_binding=args.late_binding, queue_depth=args.queue_depth,
+                           capacity_rps=args.capacity_rps)
     report = run_route_bench(cfg, progress=print)
     if args.decisions:
         report["decision_time_ms"] = decision_time(cost_model_for(cfg), decisions=args.decisions)
@@ -338,6 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("--burst", type=float, default=2.0)
     route.add_argument("--disk-gbps", type=float, default=1.0)
     route.add_argument("--seed", type=int, default=0)
+    route.add_argument("--late-binding", action="store_true",
+                       help="the dispatcher holds jobs until a worker has slack (as MASKSERVE_LATE_BINDING)")
+    route.add_argument("--queue-depth", type=int, default=0, help="with --late-binding: waiting rows a worker "
+                       "may hold beyond its batch (as MASKSERVE_QUEUE_DEPTH)")
+    route.add_argument("--capacity-rps", type=float, default=0.0,
+                       help="loads as fractions of this rate (default: the measured saturation throughput)")
     route.add_argument("--decisions", type=int, default=2000, help="routing decisions timed (0: skip)")
     route.add_argument("--real", action="store_true",
                        help="instead of simulating, run each policy on real CPU worker processes (small scale)")

@@ -134,6 +134,10 @@ class DispatcherSettings(_Strict):
     """Routes pre-processed jobs to engine workers (``maskserve dispatcher``)."""
 
     policy: RoutingPolicy = "mask_aware"
+    # Late binding: hold a job (FIFO) until a worker has slack (running + queued < max_batch +
+    # queue_depth) instead of queueing it on the least-loaded worker at once.
+    late_binding: bool = False
+    queue_depth: int = Field(default=0, ge=0, le=64)
     # How often live workers are re-read and dead workers' inboxes recovered.
     check_every_s: float = Field(default=0.5, gt=0.0, le=10.0)
     metrics_port: int = Field(default=0, ge=0, le=65535)  # 0: no /metrics endpoint
@@ -267,6 +271,8 @@ _ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "STUDIO_SHARE": ("studio", "share"),
     "SHARE_SERVER": ("studio", "share_server"),
     "ROUTING_POLICY": ("dispatcher", "policy"),
+    "LATE_BINDING": ("dispatcher", "late_binding"),
+    "QUEUE_DEPTH": ("dispatcher", "queue_depth"),
     "DISPATCHER_METRICS_PORT": ("dispatcher", "metrics_port"),
     "INPUT_RETENTION_HOURS": ("retention", "inputs_hours"),
     "RESULT_RETENTION_HOURS": ("retention", "results_hours"),

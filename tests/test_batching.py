@@ -143,3 +143,20 @@ def test_random_walk_keeps_invariants(mode):
     assert not finished & cancelled
     in_flight = set(scheduler.running) | set(scheduler.waiting)
     assert len(finished) + len(cancelled) + len(in_flight) == added
+
+
+def test_a_row_that_is_not_ready_keeps_its_place_while_later_rows_take_the_slots():
+    scheduler = BatchScheduler(max_batch=2)
+    for name in "abc":
+        scheduler.add(make_row(name, steps=2))
+    reading = {"a"}  # a's cache is still being read
+    out = scheduler.schedule(0.0, lambda row: row.job_id not in reading)
+    assert out.admitted == ["b", "c"] and out.held == ["a"] and list(scheduler.waiting) == ["a"]
+    scheduler.update_from_output(["b", "c"])
+    out = scheduler.schedule(1.0, lambda row: row.job_id not in reading)
+    assert out.admitted == [] and out.held == []  # no free slot: nothing is held back
+    scheduler.update_from_output(["b", "c"])
+    scheduler.add(make_row("d"))
+    reading.clear()  # a's read landed: it goes first, ahead of d
+    out = scheduler.schedule(2.0, lambda row: row.job_id not in reading)
+    assert out.admitted == ["a", "d"] and out.held == []

@@ -300,3 +300,22 @@ def test_start_up_deletes_an_entry_with_a_file_missing(tmp_path, entry_bytes, da
     assert cache.resident(Tier.DISK) == [_key(2).digest()]
     assert not broken.exists() and cache.metrics.corrupt_entries == 1
     assert cache.acquire(_key(1)) is None
+
+
+def test_ready_is_false_while_a_read_is_in_flight_and_starts_one_for_a_disk_entry(tmp_path, entry_bytes, monkeypatch):
+    _record(tmp_path, 1)
+    cache = _open(tmp_path, 2, 4, entry_bytes)
+    assert cache.ready(_key(9)) and not cache.known(_key(9))  # a miss: nothing to wait for
+    started, go = _block_loads_of(monkeypatch, _key(1).digest())
+    assert cache.known(_key(1)) and not cache.ready(_key(1))  # on disk only: ready() starts its read
+    assert started.wait(10) and not cache.ready(_key(1))  # in flight
+    go.set()
+    cache.wait_for_loads(10)
+    assert cache.ready(_key(1)) and isinstance(cache.acquire(_key(1)), MemoryTemplateCache)
+    assert cache.metrics.load_waits == 0 and cache.metrics.bytes_loaded == entry_bytes
+    cache.close()
+    (tmp_path / "big").mkdir()
+    _record(tmp_path / "big", 2)  # larger than the RAM budget: read lazily from disk, never waits
+    big = _open(tmp_path / "big", 0.5, 4, entry_bytes)
+    assert big.known(_key(2)) and big.ready(_key(2))
+    big.close()

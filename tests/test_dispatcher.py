@@ -133,3 +133,19 @@ def test_a_dead_workers_unfinished_jobs_are_redispatched_once(env):
     assert not client.exists(inbox_stream("dead")) and not client.sismember(WORKERS_KEY, "dead")
     run(dispatcher)
     assert inbox_jobs(client, "alive") == ["mid-job"] and dispatcher.counts["redispatched"] == 1
+
+
+def test_late_binding_holds_a_job_until_a_worker_has_slack(redis_url, redis_client):
+    settings = load_settings(env={}, redis={"url": redis_url},
+                             dispatcher={"check_every_s": 0.01, "late_binding": True})
+    client, jobstate = redis_client, JobStateStore(redis_client)
+    rows = [{"job_id": f"r{i}", "mask_ratio": 0.1, "remaining_steps": 3, "template": "t1"} for i in range(8)]
+    beat(client, "w1", running=rows)  # max_batch 8, all 8 slots taken
+    submit(client, jobstate, prepared("held"))
+    dispatcher = Dispatcher(settings, client, consumer="d")
+    run(dispatcher)
+    assert inbox_jobs(client, "w1") == [] and [j.job_id for _, j in dispatcher.backlog] == ["held"]
+    assert client.xpending(PREPARED_STREAM, GROUP)["pending"] == 1  # still pending: not lost if we die now
+    beat(client, "w1", running=rows[:7])  # a row finished: a free slot
+    run(dispatcher)
+    assert inbox_jobs(client, "w1") == ["held"] and not dispatcher.backlog

@@ -4,7 +4,10 @@ every policy (not a timing test)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+
+import pytest
 
 from backend.bench.route_bench import (BASELINES, RouteBenchConfig, cost_model_for, decision_time, offered_trace,
                                        run_route_bench, write_outputs)
@@ -25,7 +28,7 @@ def test_the_route_bench_completes_every_job_under_every_policy_and_writes_its_r
         assert abs(expected / cfg.duration_s - r["rps"]) <= 0.2 * r["rps"]  # short toy traces: coarse
         assert r["num_jobs"] == r["completed"] == expected > 0, r["policy"]
         assert 0 < r["p50_latency_s"] <= r["p95_latency_s"] and r["avg_latency_s"] > 0 and r["throughput_rps"] > 0
-        assert set(r["cache"]) == {"ram_hits", "disk_reads", "dense_rows", "stall_s"}
+        assert set(r["cache"]) == {"ram_hits", "disk_reads", "dense_rows", "held"}
         assert r["mean_batch_rows"] <= cfg.max_batch
         assert set(r["decision_ms"]) == {"p50", "p95"} and 0 < r["decision_ms"]["p50"] <= r["decision_ms"]["p95"]
         warm = [a for a in offered_trace(cfg, r["rps"], cfg.seed) if a.arrival_s >= cfg.duration_s / 4]
@@ -59,3 +62,64 @@ def test_latency_statistics_leave_out_the_warm_up_only():
     half = run_route_bench(RouteBenchConfig(warmup_fraction=0.5, **base))["results"][0]
     assert half["num_jobs"] == every["num_jobs"] and half["completed"] == every["completed"]
     assert 0 < half["measured_jobs"] < every["measured_jobs"] and half["p95_all_latency_s"] == every["p95_all_latency_s"]
+
+
+# ----- the simulation's worker and dispatcher rules (the real worker's and dispatcher's) ------------
+def _sim(policy="fewest_requests", workers=1, disk=(), **kw):
+    from backend.bench.route_bench import _Simulation
+    from backend.dispatch.router import Router
+
+    cfg = RouteBenchConfig(profiles_dir=str(PROFILES), num_workers=workers, max_batch=2, steps=4, noise_cv=0.0, **kw)
+    model = cost_model_for(cfg)
+    router = Router(policy, {(cfg.model_id, cfg.device): model}, allow_queueing=not cfg.late_binding,
+                    queue_depth=cfg.queue_depth)
+    return cfg, model, lambda trace: _Simulation(cfg, model, router, trace, {f"tpl{t}" for t in disk})
+
+
+def _req(index, at, template, mask=0.1):
+    from backend.bench.trace import TraceRequest
+
+    return TraceRequest(index, at, template, mask, seed=index)
+
+
+def test_sim_holds_a_row_whose_read_is_in_flight_without_stalling_the_batch():
+    cfg, model, make = _sim(disk=(0, 1))
+    sim = make([_req(0, 0.0, 0), _req(1, 2.0, 1)])
+    sim.workers[0].ram["tpl0"] = None  # job 0 is a RAM hit; job 1's template is on disk only
+    sim.run()
+    read = cfg.disk_read_s_per_byte * model.step_cache_bytes * cfg.steps
+    alone = model.step_latency([(0.1, "tpl0", True)])
+    assert sim.counts["disk_reads"] == 1 and sim.counts["held"] >= 1
+    # job 0 ran every step alone (nothing stalled it); job 1 joined at the first step end after its read
+    assert sim.done_at[0] == pytest.approx(4 * alone)
+    steps_before = math.ceil((2.0 + read) / alone)
+    assert sim.done_at[1] > 2.0 + read and steps_before * alone <= sim.done_at[1] - 3 * alone + 1e-9
+
+
+def test_sim_an_idle_worker_wakes_when_the_held_read_lands():
+    cfg, model, make = _sim(disk=(1,))
+    sim = make([_req(0, 1.0, 1)])
+    sim.run()
+    read = cfg.disk_read_s_per_byte * model.step_cache_bytes * cfg.steps
+    assert sim.done_at[0] == pytest.approx(1.0 + read + 4 * model.step_latency([(0.1, "tpl1", True)]))
+
+
+def test_sim_records_a_template_once_per_worker_and_its_other_rows_read_the_cache():
+    cfg, model, make = _sim()
+    sim = make([_req(0, 0.0, 5), _req(1, 0.1, 5)])
+    sim.run()
+    read = cfg.disk_read_s_per_byte * model.step_cache_bytes * cfg.steps
+    assert sim.counts["dense_rows"] == 1 and sim.counts["disk_reads"] == 1  # the commit's read into RAM
+    assert sim.done_at[1] > sim.done_at[0] + read  # held until the recording landed in RAM
+
+
+def test_sim_late_binding_holds_jobs_in_arrival_order_until_a_slot_frees():
+    cfg, model, make = _sim(late_binding=True, disk=(0,))
+    sim = make([_req(i, 0.01 * i, 0) for i in range(4)])
+    sim.workers[0].ram["tpl0"] = None
+    sim.run()
+    assert not sim.held and sorted(sim.done_at) == [0, 1, 2, 3]
+    assert sorted(sim.done_at, key=sim.done_at.get) == [0, 1, 2, 3]  # FIFO
+    alone = model.step_latency([(0.1, "tpl0", True)])
+    assert sim.done_at[2] >= sim.done_at[0] + 4 * alone  # dispatched only once job 0 had left
+    assert len(sim.decisions) > 4  # jobs 2 and 3 were refused (held at the dispatcher) before a slot freed

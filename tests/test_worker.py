@@ -42,10 +42,23 @@ def make_worker(engine, tmp_path, mode="continuous", max_batch=8, with_cache=Tru
 
 def run_until_idle(worker, limit=200):
     for _ in range(limit):
-        worker.iterate()
+        if not worker.iterate() and worker.caches is not None:
+            worker.caches.wait_for_loads(10)  # rows held until their prefetch lands
         if worker.scheduler.idle:
             return
     raise AssertionError("worker did not drain its queue")
+
+
+def step_until_running(worker, job_id, limit=50):
+    """Iterate until ``job_id`` runs: admission waits for its cache's prefetch to land
+    (prefetch-gated admission), so let the reads finish between iterations."""
+    for _ in range(limit):
+        worker.iterate()
+        if job_id in worker.scheduler.running or job_id not in worker.jobs:
+            return
+        if worker.caches is not None:
+            worker.caches.wait_for_loads(10)
+    raise AssertionError(f"{job_id} was never admitted")
 
 
 def final_latents(blobs, sink, job_id):
@@ -64,7 +77,7 @@ def test_batched_rows_at_different_steps_equal_one_at_a_time(engine, tmp_path):
     for index, (template_seed, box, seed) in enumerate(JOBS):  # staggered: rows sit at different steps
         inbox.put(make_prepared_job(engine, blobs, f"job{index}", make_template(template_seed), rect_mask(box),
                                     seed, params))
-        worker.iterate()
+        step_until_running(worker, f"job{index}")
     run_until_idle(worker)
     assert worker.stats.max_rows == len(JOBS)  # all three ran in one forward pass
     for index, expected in enumerate(alone):
@@ -79,8 +92,9 @@ def test_admission_of_a_new_row(sd2_engine, tmp_path, mode, joins_at_once):
     params = make_params(sd2_engine, steps=STEPS)
     worker, inbox, sink, blobs = make_worker(sd2_engine, tmp_path, mode=mode)
     inbox.put(make_prepared_job(sd2_engine, blobs, "first", make_template(), rect_mask((0, 0, 64, 64)), 1, params))
-    worker.iterate()
-    inbox.put(make_prepared_job(sd2_engine, blobs, "second", make_template(), rect_mask((64, 64, 128, 128)), 2,
+    step_until_running(worker, "first")
+    # another template: one that "first" may be recording would hold "second" until the commit
+    inbox.put(make_prepared_job(sd2_engine, blobs, "second", make_template(seed=8), rect_mask((64, 64, 128, 128)), 2,
                                 params))
     worker.iterate()
     stepped = [e.step for e in sink.events if e.job_id == "second" and e.status == "running"]
@@ -93,7 +107,7 @@ def test_cancel_removes_the_row_at_the_next_step(sd2_engine, tmp_path):
     params = make_params(sd2_engine, steps=STEPS)
     worker, inbox, sink, blobs = make_worker(sd2_engine, tmp_path)
     inbox.put(make_prepared_job(sd2_engine, blobs, "doomed", make_template(), rect_mask((0, 0, 64, 64)), 1, params))
-    worker.iterate()
+    step_until_running(worker, "doomed")
     inbox.put(CancelJob(job_id="doomed"))
     inbox.put(CancelJob(job_id="early"))  # cancelled before it reached the worker
     worker.iterate()

@@ -12,9 +12,12 @@ the ground truth of time:
   fraction of the templates at the start; every worker has an LRU RAM tier of ``ram_templates``
   templates (fewer than the trace uses). A job whose template is in the worker's RAM runs cached;
   one on disk is read into RAM (``disk_read_s_per_byte`` per byte of its trajectory cache, one
-  read at a time per worker), prefetched from the job's arrival on that worker and, if still
-  unread at admission, stalling the worker (a blocking acquire); a template on no disk is
-  recorded: the row runs densely and, when it finishes, its cache lands on disk and in RAM.
+  read at a time per worker), prefetched from the job's arrival on that worker; admission is
+  prefetch-gated as in the real worker (``_Simulation.start_step``): a row whose read is still in
+  flight keeps its place in the queue while rows behind it take free slots, so no read stalls a
+  batch. A template on no disk is recorded: the row runs densely, other rows of that template on
+  the same worker wait for the recording, and when it finishes its cache lands on disk and is
+  read into RAM (as ``TieredActivationCache.commit`` does).
 * Arrivals: ``trace.poisson_trace`` (bursty Poisson, Zipf templates, Beta mask ratios with the
   production mean 0.11), its nominal rate corrected so that the trace offers the intended rate
   (``offered_trace``). Every policy replays the identical trace at each load level, a fraction of
@@ -77,6 +80,9 @@ class RouteBenchConfig:
     burst_factor: float = 2.0
     disk_read_s_per_byte: float = 1e-9
     noise_cv: float = 0.05
+    capacity_rps: float = 0.0  # > 0: loads are fractions of this rate instead of a measured capacity
+    late_binding: bool = False  # the dispatcher holds a job until a worker has slack (else queues it at once)
+    queue_depth: int = 0  # with late_binding: waiting rows a worker may hold beyond max_batch
     warmup_fraction: float = 0.25  # latency statistics over arrivals after this share of the run
     seed: int = 0
 
@@ -94,7 +100,7 @@ class PolicyResult:
     throughput_rps: float
     avg_queue_s: float
     mean_batch_rows: float
-    cache: dict = field(default_factory=dict)  # ram_hits, disk_reads, dense_rows (recordings), stall_s
+    cache: dict = field(default_factory=dict)  # ram_hits, disk_reads, dense_rows (recordings), held (gated admissions)
     decision_ms: dict = field(default_factory=dict)  # p50, p95 of Router.choose in this run
     measured_jobs: int = 0  # the jobs arriving after the warm-up (the latency statistics' sample)
     p95_all_latency_s: float = 0.0  # P95 over every job, the cold start included
@@ -119,6 +125,7 @@ class _Worker:
         self.fetching: dict[str, float] = {}  # template -> when its read lands in RAM
         self.disk_free_at = 0.0
         self.busy = False
+        self.wake_at: float | None = None  # a wake event is pending for a held read (idle worker)
         self.latency_cache: tuple | None = None  # (batch key, seconds) while the batch is unchanged
 
     def view(self, cfg: RouteBenchConfig, disk: frozenset[str]) -> WorkerView:
@@ -146,12 +153,13 @@ class _Simulation:
                         for i in range(cfg.num_workers)]
         self.read_s = cfg.disk_read_s_per_byte * truth.step_cache_bytes * cfg.steps
         self.events: list = []
+        self.held: deque = deque()  # late binding: jobs the dispatcher holds (FIFO) until a worker has slack
         self.seq = 0
         self.done_at: dict[int, float] = {}
         self.queue_s: list[float] = []
         self.batch_rows: list[int] = []
         self.decisions: list[float] = []
-        self.counts = {"ram_hits": 0, "disk_reads": 0, "dense_rows": 0, "stall_s": 0.0}
+        self.counts = {"ram_hits": 0, "disk_reads": 0, "dense_rows": 0, "held": 0}
 
     def read(self, w: _Worker, template: str, now: float) -> float:
         """Queue a disk -> RAM read of ``template`` on ``w`` (one read at a time); when it lands."""
@@ -171,47 +179,81 @@ class _Simulation:
             now, _, kind, data = heapq.heappop(self.events)
             if kind == "arrive":
                 self.arrive(now, data)
+            elif kind == "wake":
+                self.wake(now, data)
             else:
                 self.step_done(now, data)
 
     def arrive(self, now: float, req) -> None:
+        if self.held or not self.dispatch(now, req):
+            self.held.append(req)  # FIFO: no job overtakes one held before it
+
+    def dispatch_held(self, now: float) -> None:
+        while self.held and self.dispatch(now, self.held[0]):
+            self.held.popleft()
+
+    def dispatch(self, now: float, req) -> bool:
+        """Route ``req`` now; False when the router has no candidate (late binding: every worker full)."""
         views = [w.view(self.cfg, self.disk_view) for w in self.workers]
         job = JobRequest(str(req.index), self.cfg.model_id, req.mask_ratio, self.cfg.steps, f"tpl{req.template}")
         started = time.perf_counter()
         decision = self.router.choose(job, views)
         self.decisions.append(time.perf_counter() - started)
-        w = self.workers[int(decision.worker_id[1:])]  # never None: allow_queueing and one model
-        row = _Row(req.index, job.template, req.mask_ratio, self.cfg.steps, arrived_at=now)
+        if decision.worker_id is None:
+            return False
+        w = self.workers[int(decision.worker_id[1:])]
+        row = _Row(req.index, job.template, req.mask_ratio, self.cfg.steps, arrived_at=req.arrival_s)
         if row.template not in w.ram and row.template in self.disk and row.template not in w.fetching:
             self.read(w, row.template, now)  # prefetch disk -> RAM while the job waits
         w.waiting.append(row)
         if not w.busy:
             self.start_step(w, now)
+        return True
 
     def start_step(self, w: _Worker, now: float) -> None:
-        stall_until = now
+        """Admission at a step boundary, as ``EngineWorker`` with ``BatchScheduler.schedule(ready=)``:
+        waiting rows fill free slots in FIFO order, but a row is admitted only once its cache can be
+        acquired without waiting (prefetch-gated admission): a read still in flight, a template
+        evicted from RAM since (its read starts now) or a template this worker is recording (it
+        lands in RAM after the commit) hold that row in the queue, keeping its place, while rows
+        behind it take the slots; nothing ever stalls the batch. A worker left with nothing to run
+        wakes when the first held read lands."""
+        recording = {r.template for r in w.running if not r.cached}
+        held: list[_Row] = []
+        wake = math.inf
         while w.waiting and len(w.running) < self.cfg.max_batch:
             row = w.waiting.popleft()
             t = row.template
-            if t in w.fetching:  # its read was prefetched; a blocking acquire waits for the rest
-                stall_until = max(stall_until, w.fetching.pop(t))
-            elif t in w.ram:
-                self.counts["ram_hits"] += 1
-            elif t in self.disk:  # evicted since it arrived: a blocking read now
-                stall_until = max(stall_until, self.read(w, t, now))
+            lands = w.fetching.get(t)
+            if lands is not None and lands <= now:  # its read has landed: in RAM now
                 del w.fetching[t]
-            else:  # no cache anywhere: the row runs densely (and records it, unless a row already does)
+                w.touch(t)
+                lands = None
+            elif lands is None and t not in w.ram and t in self.disk:
+                lands = self.read(w, t, now)  # evicted (or published) since it arrived: prefetch now
+            if lands is not None or (t in recording and t not in w.ram):
+                held.append(row)
+                self.counts["held"] += 1
+                wake = min(wake, lands if lands is not None else math.inf)
+                continue
+            if t in w.ram:
+                self.counts["ram_hits"] += 1
+            else:  # no cache anywhere: the row runs densely and records it; the same template waits
                 row.cached = False
+                recording.add(t)
                 self.counts["dense_rows"] += 1
             self.queue_s.append(now - row.arrived_at)
             w.running.append(row)
             if row.cached:
                 w.touch(t)
+        w.waiting.extendleft(reversed(held))
         if not w.running:
             w.busy = False
+            if wake < math.inf and (w.wake_at is None or wake < w.wake_at):
+                w.wake_at = wake
+                self.push(wake, "wake", w)
             return
         w.busy = True
-        self.counts["stall_s"] += stall_until - now
         key = tuple((r.mask_ratio, r.template, r.cached) for r in w.running)
         if w.latency_cache is None or w.latency_cache[0] != key:
             w.latency_cache = (key, self.truth.step_latency(key))
@@ -220,7 +262,13 @@ class _Simulation:
             sigma = math.sqrt(math.log1p(self.cfg.noise_cv ** 2))
             seconds *= float(w.rng.lognormal(-sigma * sigma / 2, sigma))
         self.batch_rows.append(len(w.running))
-        self.push(stall_until + seconds, "step", w)
+        self.push(now + seconds, "step", w)
+
+    def wake(self, now: float, w: _Worker) -> None:
+        if w.wake_at == now:
+            w.wake_at = None
+        if not w.busy:
+            self.start_step(w, now)
 
     def step_done(self, now: float, w: _Worker) -> None:
         still, recorded = [], []
@@ -230,14 +278,17 @@ class _Simulation:
                 still.append(row)
                 continue
             self.done_at[row.index] = now
-            if not row.cached:  # a finished recording: its cache is stored on disk and in RAM
+            if not row.cached:  # a finished recording: its cache is stored on disk, then read into RAM
                 recorded.append(row.template)
-        w.running = still
+        retired, w.running = len(w.running) - len(still), still
         for t in recorded:
             self.disk.add(t)
             self.disk_view = frozenset(self.disk)
-            w.touch(t)
+            if t not in w.ram and t not in w.fetching:
+                self.read(w, t, now)  # TieredActivationCache.commit loads it in the background
         self.start_step(w, now)
+        if retired and self.held:  # a worker's load fell: held jobs may find slack now
+            self.dispatch_held(now)
 
 
 def cost_model_for(cfg: RouteBenchConfig, planner: str = "greedy") -> RoutingCostModel:
@@ -300,13 +351,15 @@ def run_route_bench(cfg: RouteBenchConfig, progress=None) -> dict:
     rng = np.random.default_rng([cfg.seed, 99])
     prerecorded = {f"tpl{i}" for i in range(cfg.num_templates) if rng.random() < cfg.prerecorded}
     bound = capacity_rps(cfg, routing)
-    capacity = saturation_rps(cfg, truth, routing, prerecorded) if cfg.calibrate else bound
+    capacity = (cfg.capacity_rps if cfg.capacity_rps > 0 else saturation_rps(cfg, truth, routing, prerecorded)
+                if cfg.calibrate else bound)
     results: list[PolicyResult] = []
     for load in cfg.loads:
         rps = load * capacity
         trace = offered_trace(cfg, rps, cfg.seed)
         for policy in cfg.policies:
-            router = Router(policy, {(cfg.model_id, cfg.device): routing})
+            router = Router(policy, {(cfg.model_id, cfg.device): routing}, allow_queueing=not cfg.late_binding,
+                            queue_depth=cfg.queue_depth if cfg.late_binding else 0)
             sim = _Simulation(cfg, truth, router, trace, prerecorded)
             sim.run()
             every = [sim.done_at[r.index] - r.arrival_s for r in trace if r.index in sim.done_at]

@@ -259,6 +259,25 @@ class TieredActivationCache:
             if self._manager.residency(key.digest()) is Residency.DISK:
                 self._load_in_background(key.digest(), prefetch_at=time.monotonic())
 
+    def known(self, key: CacheKey) -> bool:
+        """Whether ``key`` has an entry in either tier (or one loading): False means a miss."""
+        with self._lock:
+            return self._manager.residency(key.digest()) is not Residency.MISS
+
+    def ready(self, key: CacheKey) -> bool:
+        """Whether ``acquire(key)`` would return without waiting for a disk read: True for an entry
+        in RAM, a miss, or one too large for RAM (read lazily from disk, file by file). An entry on
+        disk only starts its prefetch here (if none runs: e.g. evicted from RAM since it was
+        prefetched) and reads False until the load lands; the worker keeps such a row queued
+        (prefetch-gated admission) instead of stalling its running batch on the read."""
+        entry_id = key.digest()
+        with self._lock:
+            if entry_id in self._loads:
+                return False
+            if self._manager.residency(entry_id) is Residency.DISK:
+                self._load_in_background(entry_id, prefetch_at=time.monotonic())
+            return entry_id not in self._loads
+
     def _load_in_background(self, entry_id: str, prefetch_at: float | None = None) -> None:
         if self._closed:
             return

@@ -26,29 +26,35 @@ Policies (``POLICIES``):
     and w_r is row r's masked compute per step: the batch's extra latency shrinks as co-runners
     retire (remaining steps), weighted by how heavy each one is. phi = 1 when every co-runner
     outlives J, which gives the paper's ``n_J * T(R + J)``.
-  - ``residency = stall * (1 + |C|)`` with ``stall = max(0, pending + disk_read_s - wait)`` when
-    t_J is only on W's disk: one read of the template's trajectory cache (n_J steps of unit caches,
-    ``disk_read_s_per_byte`` per byte, default 1e-9 = 1 GB/s, a local NVMe/SSD order of magnitude)
-    that the worker prefetches while J waits, one read at a time, so after ``pending``, the reads of
-    the templates its waiting rows have only on disk (each once). A read still in flight when J is
-    admitted is a blocking acquire: the worker's whole batch waits, so J and each co-runner lose
-    ``stall`` (with a free slot and a busy batch this outweighs a RAM hit elsewhere one row
-    heavier; at high load the lost worker time is lost capacity). 0 for RAM (its copies are inside
-    T) and for a recording (its dense compute is).
+  - ``residency``, the time J is held in W's queue with its slot free (the worker's
+    prefetch-gated admission, ``backend.worker.loop``: a row joins only once its cache can be
+    acquired without waiting, so no read ever stalls the batch; J alone waits):
+    ``max(0, pending + disk_read_s - wait)`` when t_J is only on W's disk: one read of the
+    template's trajectory cache (n_J steps of unit caches, ``disk_read_s_per_byte`` per byte,
+    default 1e-9 = 1 GB/s, a local NVMe/SSD order of magnitude) that W prefetches while J waits,
+    one read at a time, so after ``pending``, the reads of the templates its waiting rows have only
+    on disk (each once). When t_J is in neither tier of W but a running row of W has it (that row is
+    recording it: a worker records a template once and holds its other rows until the commit,
+    which loads the entry into RAM), J runs cached after ``max(0, r_rec * T(first batch) +
+    disk_read_s - wait)``, r_rec the recorder's remaining steps (route to the recorder, rather than
+    recording it again elsewhere). 0 for RAM (its copies are inside T) and for a recording (its
+    dense compute is).
 
   Invariants (tested): every term is >= 0; T(J) <= run / n_J <= T(C + J); more steps, a larger
   mask for J or one more running row never lower a cost; for one worker state RAM <= disk and
   RAM <= absent, and disk <= absent whenever recomputing densely costs more than the disk read
   (every shipped profile with a positive compute slope: small-flux-fill, 20 steps: ~3.6 s cached,
-  +1 s disk read per row it stalls, ~15 s recording). The recording's cache write is not charged.
+  +1 s disk read, ~15 s recording). The recording's cache write is not charged.
 * ``fewest_requests`` -- min len(R) + len(Q); ``fewest_tokens`` -- min sum of mask ratios over
   R + Q (masked-token balancing, as LLM routers balance tokens); ``round_robin`` -- the next
   candidate by worker id after the last one chosen for this model.
 
-Candidates are live workers serving J's model with slack (len(R) + len(Q) < B). When none has
-slack and ``allow_queueing`` (default True), a job waits in a worker's queue rather than being
-rejected: the candidates become the least-loaded serving workers (fewest rows) and the policy
-chooses among them (mask_aware then also weighs their queues). Every tie goes to the smallest
+Candidates are live workers serving J's model with slack (len(R) + len(Q) < B + ``queue_depth``,
+default 0). When none has slack and ``allow_queueing`` (default True), a job waits in a worker's
+queue rather than being rejected: the candidates become the least-loaded serving workers (fewest
+rows) and the policy chooses among them (mask_aware then also weighs their queues). Without it
+(late binding, ``DispatcherSettings.late_binding``) the decision is None and the dispatcher holds
+the job (FIFO) until a worker has slack. Every tie goes to the smallest
 worker id, so a decision is a function of its inputs (and, for round_robin, of the last choice).
 
 Speed (decision with 8 workers x 8 rows, small-flux-fill kv profile, 12 units, this 2-core CPU):
@@ -299,7 +305,10 @@ class RoutingCostModel:
             tmpls.append(r.template if c else None)
         finish = [max(0, r.remaining_steps) for r in view.running]
         tier = "ram" if job.template in cached else self.tier(job.template, view)
-        jc = tier in ("ram", "disk")
+        # a running row recording t_J (t_J in no tier of W): J waits for that cache, then reads it
+        recorder = min((max(0, r.remaining_steps) for r in view.running if r.template == job.template),
+                       default=None) if tier == "absent" else None
+        jc = tier in ("ram", "disk") or recorder is not None
         jtoks = self._row(job.mask_ratio, jc)[0]
         jtmpl = job.template if jc else None
         cap = max(1, view.max_batch)
@@ -313,10 +322,12 @@ class RoutingCostModel:
             else:
                 f, _ = heapq.heappop(heap)
                 heapq.heappush(heap, (f + max(0, r.remaining_steps), i))
-        admit, wait = 0, 0.0
+        admit, wait, t_first = 0, 0.0, 0.0
+        if len(heap) >= cap or recorder is not None:
+            t_first = self._latency([toks[i] for i in first], [tmpls[i] for i in first])
         if len(heap) >= cap:
             admit = heap[0][0]
-            wait = admit * self._latency([toks[i] for i in first], [tmpls[i] for i in first])
+            wait = admit * t_first
         n = max(1, job.num_steps)
         co = [(min(f - admit, n), i) for f, i in heap if f > admit]
         memo = {} if memo is None else memo
@@ -337,8 +348,9 @@ class RoutingCostModel:
                 if t and t not in seen and t in view.resident_disk and t not in view.resident_ram:
                     seen.add(t)
                     pending += self.disk_read_s(max(1, r.remaining_steps))
-            stall = max(0.0, pending + self.disk_read_s(n) - wait)  # J's read lands after its admission:
-            residency = stall * (1 + len(co))  # a blocking acquire, so every co-runner waits for it too
+            residency = max(0.0, pending + self.disk_read_s(n) - wait)  # J is held until its read lands
+        elif recorder is not None:  # held until W's recording of t_J is committed and read into RAM
+            residency = max(0.0, recorder * t_first + self.disk_read_s(n) - wait)
         return {"wait": wait, "run": run, "residency": residency, "total": wait + run + residency,
                 "admit_step": float(admit)}
 
@@ -356,10 +368,14 @@ class Router:
     """Chooses a worker per job (module docstring); holds only round-robin positions as state."""
 
     def __init__(self, policy: str, cost_models: Mapping[tuple[str, str], RoutingCostModel] | None = None,
-                 default_cost_model: RoutingCostModel | None = None, allow_queueing: bool = True):
+                 default_cost_model: RoutingCostModel | None = None, allow_queueing: bool = True,
+                 queue_depth: int = 0):
+        if queue_depth < 0:
+            raise ValueError(f"queue_depth must be >= 0, got {queue_depth}")
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; expected one of {', '.join(POLICIES)}")
         self.policy, self.allow_queueing, self.default_cost_model = policy, allow_queueing, default_cost_model
+        self.queue_depth = queue_depth  # waiting rows a worker may hold beyond max_batch and still have slack
         self.cost_models = {(m, device_kind(d)): cm for (m, d), cm in (cost_models or {}).items()}
         self._last: dict[str, str] = {}  # model id -> worker id last chosen by round_robin
 
@@ -370,7 +386,7 @@ class Router:
         serving = sorted((w for w in workers if w.model_id == job.model_id), key=lambda w: w.worker_id)
         if not serving:
             return Decision(None, self.policy, f"no live worker serves {job.model_id}", {})
-        candidates, note = [w for w in serving if w.slack > 0], ""
+        candidates, note = [w for w in serving if w.slack + self.queue_depth > 0], ""
         if not candidates:
             if not self.allow_queueing:
                 return Decision(None, self.policy, f"every worker serving {job.model_id} is full", {})

@@ -10,6 +10,9 @@ workers and their state; ``maskserve:workers`` (a set every worker joins at star
 ones that may have died. Between two heartbeats the dispatcher adds the jobs it has just sent to a
 worker's view, so a burst is not routed as if every worker were still idle.
 
+Late binding (``late_binding``): the router refuses a job while no worker has slack, and the job
+waits in the dispatcher's FIFO backlog (its stream entry still pending) until one has.
+
 Recovery: when a known worker's heartbeat has expired, every job in its inbox that had not reached
 post-processing goes back to ``waiting`` and is routed again; then the dead inbox is deleted. The
 job state's first terminal status wins, so a job finishes at most once even if a worker presumed
@@ -102,7 +105,8 @@ class Dispatcher:
         self.jobstate = JobStateStore(client)
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.costs = CostModels(settings)
-        self.router = Router(settings.dispatcher.policy)
+        d = settings.dispatcher
+        self.router = Router(d.policy, allow_queueing=not d.late_binding, queue_depth=d.queue_depth if d.late_binding else 0)
         self.backlog: deque[tuple[str, PreparedJob]] = deque()  # (entry id, job) with no worker yet
         self._replay_from: str | None = "0"
         self.claim_idle_ms = claim_idle_ms

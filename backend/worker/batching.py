@@ -9,6 +9,13 @@ ones. Modes:
 * ``static``: a batch is formed only when the previous one has completely finished;
 * ``inline``: admission as ``continuous``; the worker also runs pre/post-processing in its own loop.
 
+Prefetch-gated admission: ``schedule(now, ready)`` admits a waiting row only when ``ready(row)``
+says its template cache can be acquired without waiting (the worker: not still being read from
+disk, not being recorded by a running row). A row that is not ready keeps its place at the head of
+the queue while rows behind it take the free slots (``SchedulerOutput.held``); it joins at the
+first step after it becomes ready. No read ever stalls the running batch (FlashPS's bubble-free
+serving); the cluster simulation (``backend.bench.route_bench``) applies the same rule.
+
 Invariants: at most ``max_batch`` rows run; a row is in exactly one of waiting / running / done;
 every running row is stepped exactly once per ``schedule`` -> ``update_from_output`` round (rows
 that cannot share a forward pass, e.g. other resolutions, go into separate groups of the same step);
@@ -18,6 +25,7 @@ a cancelled row never runs another step after the ``schedule`` that follows the 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 MODES = ("continuous", "static", "inline")
@@ -44,6 +52,7 @@ class SchedulerOutput:
     admitted: list[str] = field(default_factory=list)  # rows that join this step (the worker admits them)
     groups: list[list[str]] = field(default_factory=list)  # one forward pass per group, this step
     cancelled: list[str] = field(default_factory=list)  # rows dropped (waiting or running)
+    held: list[str] = field(default_factory=list)  # waiting rows passed over: not ready, a slot was free
 
     @property
     def num_rows(self) -> int:
@@ -77,15 +86,22 @@ class BatchScheduler:
         return False
 
     # ----- one step ---------------------------------------------------------------------------
-    def schedule(self, now: float) -> SchedulerOutput:
+    def schedule(self, now: float, ready: Callable[[Row], bool] | None = None) -> SchedulerOutput:
+        """Retire cancelled rows, admit waiting rows (FIFO, skipping those ``ready`` rejects), and
+        group the running rows into this step's forward passes."""
         out = SchedulerOutput()
         for job_id in sorted(self._cancel_requests):
             if self.waiting.pop(job_id, None) or self.running.pop(job_id, None):
                 out.cancelled.append(job_id)
         self._cancel_requests.clear()
         if self._may_admit():
-            while self.waiting and len(self.running) < self.max_batch:
-                job_id, row = self.waiting.popitem(last=False)
+            for job_id, row in list(self.waiting.items()):
+                if len(self.running) >= self.max_batch:
+                    break
+                if ready is not None and not ready(row):
+                    out.held.append(job_id)
+                    continue
+                del self.waiting[job_id]
                 row.admitted_at = now
                 self.running[job_id] = row
                 out.admitted.append(job_id)

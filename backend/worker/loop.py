@@ -10,6 +10,15 @@ Invariants: every job that reaches the inbox ends with exactly one terminal even
 (denoised -> handed on, failed, or cancelled) and is acked then; a cache entry acquired for a row is
 released when the row leaves; one template is recorded by at most one row at a time.
 
+Prefetch-gated admission (``_ready``, FlashPS's bubble-free serving): a waiting row joins the batch
+only when acquiring its cache will not wait: its disk -> RAM prefetch has landed (``caches.ready``),
+and no row of this worker is recording its template (it waits for that recording's commit, which
+loads the new entry into RAM, rather than computing densely beside it; a row admitted in the same
+step as the recorder waits too). Until then it keeps its place in the queue and rows behind it take
+the free slots; the running batch never stalls on a read. With nothing else to run the loop polls
+its inbox every ``HELD_POLL_S`` while the reads land. ``backend.bench.route_bench`` simulates the
+same rule.
+
 A broken template cache never fails a job: an entry found missing or corrupt when acquired reads as
 a miss (``TieredActivationCache``); one whose file turns out missing or corrupt when the row is
 admitted or at a later step (a disk handle verifies each file on first read) is dropped from both
@@ -42,6 +51,8 @@ from backend.worker.stats import WorkerStats
 
 log = logging.getLogger(__name__)
 
+HELD_POLL_S = 0.005  # inbox poll while every waiting row waits for its cache and nothing runs
+
 
 class TemplateCaches(Protocol):
     """The tiered activation cache as the worker uses it (``backend.cache.TieredActivationCache``)."""
@@ -53,6 +64,10 @@ class TemplateCaches(Protocol):
     def invalidate(self, key: CacheKey, error: Exception) -> None: ...
 
     def prefetch(self, key: CacheKey) -> None: ...
+
+    def ready(self, key: CacheKey) -> bool: ...
+
+    def known(self, key: CacheKey) -> bool: ...
 
     def writer(self, key: CacheKey, num_units: int, halves: int, dtype: torch.dtype): ...
 
@@ -90,6 +105,8 @@ class EngineWorker:
         self.jobs: dict[str, _Job] = {}
         self.stats = WorkerStats()
         self._recording: set[str] = set()  # cache digests being recorded by a running row
+        self._claimed: set[str] = set()  # digests a row admitted in this schedule will record
+        self._held = False  # the last schedule held rows back and nothing ran
         self._cancel_before_arrival: set[str] = set()
 
     # ----- the loop ---------------------------------------------------------------------------
@@ -99,10 +116,13 @@ class EngineWorker:
 
     def iterate(self, idle_poll_s: float = 0.0) -> bool:
         """One iteration; blocks up to ``idle_poll_s`` for work only when nothing runs. True if a step ran."""
-        for message in self.inbox.poll(idle_poll_s if self.scheduler.idle else 0.0):
+        wait_s = idle_poll_s if self.scheduler.idle else min(idle_poll_s, HELD_POLL_S) if self._held else 0.0
+        for message in self.inbox.poll(wait_s):
             self._receive(message)
         started = time.perf_counter()
-        out = self.scheduler.schedule(time.time())
+        self._claimed.clear()
+        out = self.scheduler.schedule(time.time(), self._ready)
+        self._held = bool(out.held) and not self.scheduler.running
         for job_id in out.cancelled:
             self._finish(job_id, "cancelled", "cancelled by the user")
         job_work_started = time.perf_counter()
@@ -173,6 +193,21 @@ class EngineWorker:
         self._emit(message.job_id, "waiting", num_steps=message.num_steps)
 
     # ----- admission ------------------------------------------------------------------------------
+    def _ready(self, row: Row) -> bool:
+        """May ``row`` join the batch now without stalling it (module docstring)?"""
+        job = self.jobs.get(row.job_id)
+        key = job.prepared.cache_key if job is not None else None
+        if key is None or self.caches is None or not job.params.use_cache:
+            return True
+        digest = key.digest()
+        if digest in self._recording or digest in self._claimed:
+            return job.message.prepare  # a prepare job for it ends at once ("being recorded")
+        if not self.caches.ready(key):
+            return False
+        if self._should_record(job, forced=job.message.prepare) and not self.caches.known(key):
+            self._claimed.add(digest)  # this row will record it: same-template rows behind it wait
+        return True
+
     def _admit(self, job_id: str) -> None:
         job = self.jobs[job_id]
         job.timings["wait_s"] = time.time() - job.received_at
