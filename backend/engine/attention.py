@@ -49,16 +49,18 @@ def replace_rows(base: torch.Tensor, indices: torch.Tensor, fresh: torch.Tensor)
 def fused_linear(x: torch.Tensor, modules) -> tuple[torch.Tensor, ...]:
     """Outputs of several ``nn.Linear`` reading the same input, from ONE matmul.
 
-    The concatenated weight is built on first use and kept on the first module (outside its
-    state dict); it is rebuilt whenever any weight moves, changes dtype or is replaced.
+    The concatenated weight of each set of modules is built on first use and kept on the first
+    module (outside its state dict, one entry per set, so sets sharing a first module do not evict
+    each other); it is rebuilt whenever any weight moves, changes dtype or is replaced.
     """
     first = modules[0]
     key = tuple((m.weight.data_ptr(), m.weight.dtype, m.weight.device, m.weight._version) for m in modules)
-    fused = getattr(first, "_maskserve_fused", None)
+    fused_sets = first.__dict__.setdefault("_maskserve_fused", {})
+    fused = fused_sets.get(tuple(id(m) for m in modules))
     if fused is None or fused[0] != key:
         weight = torch.cat([m.weight for m in modules])
         biases = [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules]
         bias = torch.cat(biases) if any(m.bias is not None for m in modules) else None
         fused = (key, weight.detach(), None if bias is None else bias.detach())
-        first._maskserve_fused = fused
+        fused_sets[tuple(id(m) for m in modules)] = fused
     return F.linear(x, fused[1], fused[2]).split([m.out_features for m in modules], dim=-1)

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from diffusers.hooks import HookRegistry, ModelHook
-from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from backend.engine.attention import attend, fused_linear
@@ -65,21 +65,33 @@ class _Shared:
 
     temb: torch.Tensor  # (rows, C)
     masked: RowLayout
-    rope_text: tuple[torch.Tensor, torch.Tensor]  # (T, d) cos, sin
-    rope_image: tuple[torch.Tensor, torch.Tensor]  # (L, d) cos, sin
-    rope_masked: tuple[torch.Tensor, torch.Tensor]  # (total, d) cos, sin of the packed masked tokens
+    rope_text: torch.Tensor  # (T, 1, d/2) complex rotations of the text tokens
+    rope_image: torch.Tensor  # (L, 1, d/2) complex rotations of the image grid
+    rope_masked: torch.Tensor  # (total, 1, d/2) complex rotations of the packed masked tokens
     ctx: ForwardContext
+    last_unit: int  # after it the model drops the text tokens
     _rope_memo: dict = field(default_factory=dict)
 
-    def rope_for(self, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary (cos, sin) of a layout's packed tokens, at their own grid positions (memoised)."""
+    def rope_for(self, layout: RowLayout) -> torch.Tensor:
+        """Rotations of a layout's packed tokens, at their own grid positions (memoised)."""
         if layout is self.masked:
             return self.rope_masked
         if id(layout) not in self._rope_memo:
-            positions = torch.cat(layout.indices)
-            self._rope_memo[id(layout)] = (self.rope_image[0].index_select(0, positions),
-                                           self.rope_image[1].index_select(0, positions))
+            self._rope_memo[id(layout)] = self.rope_image.index_select(0, torch.cat(layout.indices))
         return self._rope_memo[id(layout)]
+
+
+def _rotations(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Flux's interleaved rotary (cos, sin) of shape (S, d), each value repeated for its pair of
+    channels, as complex rotations (S, 1, d/2) that broadcast over heads."""
+    return torch.complex(cos[:, 0::2].float(), sin[:, 0::2].float()).unsqueeze(1)
+
+
+def _rotate(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of (..., S, H, d) tokens as ONE complex multiply: channel pairs (2i, 2i+1)
+    are the real and imaginary parts, as in diffusers' ``apply_rotary_emb`` (use_real, unbind -1)."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2).contiguous())
+    return torch.view_as_real(pairs * rotations).flatten(-2).to(x.dtype)
 
 
 class _State:
@@ -97,13 +109,12 @@ def run_flux(model, ctx: ForwardContext, hidden_states, encoder_hidden_states, p
     else:
         temb = model.time_text_embed(timestep, pooled_projections)
     text = model.context_embedder(encoder_hidden_states)
-    cos, sin = model.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+    rotations = _rotations(*model.pos_embed(torch.cat((txt_ids, img_ids), dim=0)))
     num_text = txt_ids.shape[0]
     masked = ctx.layout(grid)
-    positions = torch.cat(masked.indices)
-    image_cos, image_sin = cos[num_text:], sin[num_text:]
-    shared = _Shared(temb, masked, (cos[:num_text], sin[:num_text]), (image_cos, image_sin),
-                     (image_cos.index_select(0, positions), image_sin.index_select(0, positions)), ctx)
+    image = rotations[num_text:]
+    shared = _Shared(temb, masked, rotations[:num_text], image, image.index_select(0, torch.cat(masked.indices)), ctx,
+                     last_unit=len(model.transformer_blocks) + len(model.single_transformer_blocks) - 1)
     if ctx.uses_cache(0) and ctx.mode == "kv":
         state = _State(None, model.x_embedder(shared.masked.gather(hidden_states)))
     else:
@@ -117,7 +128,7 @@ def run_flux(model, ctx: ForwardContext, hidden_states, encoder_hidden_states, p
     packed = state.packed if state.packed is not None else masked.gather(state.full)
     norm_out = model.norm_out
     scale, shift = norm_out.linear(norm_out.silu(temb).to(temb.dtype)).to(packed.dtype).chunk(2, dim=1)
-    packed = norm_out.norm(packed) * (1 + masked.expand_rows(scale)) + masked.expand_rows(shift)
+    packed = _modulate(norm_out.norm(packed), masked, scale, shift)
     out = model.proj_out(packed)
     return masked.scatter_into(out.new_zeros(num_rows, num_tokens, out.shape[-1]), out)
 
@@ -144,23 +155,29 @@ def _run_unit(block, single: bool, unit: int, state: _State, text, shared: _Shar
 
 
 def _modulate(normed: torch.Tensor, layout: RowLayout, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    return normed * (1 + layout.expand_rows(scale)) + layout.expand_rows(shift)
+    """AdaLN modulation of packed tokens: ``normed * (1 + scale) + shift`` with each token's row values."""
+    return torch.addcmul(layout.expand_rows(shift), normed, layout.expand_rows(1 + scale))
 
 
-def _rope_packed(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotary embedding of packed tokens (total, H, d) given their (cos, sin) rows."""
-    return apply_rotary_emb(x.unsqueeze(0), freqs, sequence_dim=1).squeeze(0)
+def _modulate_rows(normed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """The same for tokens laid out per row, (rows, T, C)."""
+    return torch.addcmul(shift[:, None], normed, (1 + scale)[:, None])
 
 
-def _image_qkv(attn, normed: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor], projected=None):
+def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """diffusers ``RMSNorm`` (q/k norms) as one fused op."""
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
+
+
+def _image_qkv(attn, normed: torch.Tensor, rotations: torch.Tensor, projected=None):
     """Q, K, V (total, H, d) of packed image tokens, after q/k RMS norm and rotary embedding.
-    ``projected``: the q, k, v projections when the caller already ran them (fused)."""
-    head_dim = attn.head_dim
+    ``projected``: the caller's projections (q, k, v), or (k, v) when no queries are needed (Q is
+    then None); when not given, q, k and v are projected here in one fused matmul."""
     if projected is None:
         projected = fused_linear(normed, (attn.to_q, attn.to_k, attn.to_v))
-    query, key, value = (p.unflatten(-1, (-1, head_dim)) for p in projected)
-    query, key = attn.norm_q(query), attn.norm_k(key)
-    return _rope_packed(query, freqs), _rope_packed(key, freqs), value
+    *query, key, value = (p.unflatten(-1, (-1, attn.head_dim)) for p in projected)
+    query = _rotate(_rms_norm(attn.norm_q, query[0]), rotations) if query else None
+    return query, _rotate(_rms_norm(attn.norm_k, key), rotations), value
 
 
 def _image_keys_for_groups(attn, key_q, value_q, layout_q: RowLayout, full_normed, from_cache: bool, unit: int,
@@ -174,8 +191,9 @@ def _image_keys_for_groups(attn, key_q, value_q, layout_q: RowLayout, full_norme
         value_full = value_q.reshape(key_full.shape)
     elif not from_cache:
         dense = ctx.dense_layout(layout_q.num_tokens)
-        _, key_flat, value_flat = _image_qkv(attn, full_normed.reshape(-1, full_normed.shape[-1]),
-                                             shared.rope_for(dense))
+        full_flat = full_normed.reshape(-1, full_normed.shape[-1])
+        _, key_flat, value_flat = _image_qkv(attn, full_flat, shared.rope_for(dense),
+                                             fused_linear(full_flat, (attn.to_k, attn.to_v)))
         key_full = key_flat.reshape(layout_q.num_rows, layout_q.num_tokens, *key_flat.shape[1:])
         value_full = value_flat.reshape(key_full.shape)
     else:
@@ -192,19 +210,24 @@ def _image_keys_for_groups(attn, key_q, value_q, layout_q: RowLayout, full_norme
 
 def _joint_attention(text_q, text_k, text_v, query, layout_q: RowLayout, group_kv):
     """Per row group: [text ; masked image] queries over [text ; all image] keys. Returns text
-    outputs (rows, T, H*d) and packed image outputs (total, H*d)."""
-    num_text = text_q.shape[1]
+    outputs (rows, T, H*d) and packed image outputs (total, H*d). With ``text_q`` None only the
+    image tokens query (text outputs are None)."""
+    num_text = 0 if text_q is None else text_q.shape[1]
     text_out, image_out = [], []
     for start, stop in layout_q.groups:
         key, value = group_kv((start, stop), text_k[start:stop], text_v[start:stop])
-        out = attend(torch.cat([text_q[start:stop], layout_q.group_tokens(query, (start, stop))], dim=1), key, value)
+        queries = layout_q.group_tokens(query, (start, stop))
+        if text_q is not None:
+            queries = torch.cat([text_q[start:stop], queries], dim=1)
+        out = attend(queries, key, value)
         text_out.append(out[:, :num_text].flatten(2))
         image_out.append(out[:, num_text:].flatten(2).flatten(0, 1))
-    return cat_once(text_out), cat_once(image_out)
+    return (None if text_q is None else cat_once(text_out)), cat_once(image_out)
 
 
 def _text_qkv(attn, normed_text, rope_text, added: bool, projected=None):
-    """Q, K, V (rows, T, H, d) of the text tokens (always computed), normed and rotated."""
+    """Q, K, V (rows, T, H, d) of the text tokens (always computed), normed and rotated.
+    ``projected``: the caller's projections, either (q, k, v) or (k, v) only (Q is then None)."""
     head_dim = attn.head_dim
     if added:
         projections = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
@@ -214,11 +237,9 @@ def _text_qkv(attn, normed_text, rope_text, added: bool, projected=None):
         norms = (attn.norm_q, attn.norm_k)
     if projected is None:
         projected = fused_linear(normed_text, projections)
-    query, key, value = (p.unflatten(-1, (-1, head_dim)) for p in projected)
-    query, key = norms[0](query), norms[1](key)
-    query = apply_rotary_emb(query, rope_text, sequence_dim=1)
-    key = apply_rotary_emb(key, rope_text, sequence_dim=1)
-    return query, key, value
+    *query, key, value = (p.unflatten(-1, (-1, head_dim)) for p in projected)
+    query = _rotate(_rms_norm(norms[0], query[0]), rope_text) if query else None
+    return query, _rotate(_rms_norm(norms[1], key), rope_text), value
 
 
 def _double_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared: _Shared):
@@ -228,44 +249,55 @@ def _double_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared
     normed_q = _modulate(block.norm1.norm(x_q), layout_q, scale_msa, shift_msa)
     normed_full = None
     if x_full is not None and not layout_q.is_full:
-        normed_full = block.norm1.norm(x_full) * (1 + scale_msa[:, None]) + shift_msa[:, None]
+        normed_full = _modulate_rows(block.norm1.norm(x_full), scale_msa, shift_msa)
     normed_text, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(text, emb=temb)
     attn = block.attn
     query, key_q, value_q = _image_qkv(attn, normed_q, shared.rope_for(layout_q))
     group_kv = _image_keys_for_groups(attn, key_q, value_q, layout_q, normed_full, from_cache, unit, shared)
     text_q, text_k, text_v = _text_qkv(attn, normed_text, shared.rope_text, added=True)
     text_attn, image_attn = _joint_attention(text_q, text_k, text_v, query, layout_q, group_kv)
-    hidden = x_q + layout_q.expand_rows(gate_msa) * attn.to_out[0](image_attn)
+    hidden = torch.addcmul(x_q, layout_q.expand_rows(gate_msa), attn.to_out[0](image_attn))
     normed = _modulate(block.norm2(hidden), layout_q, scale_mlp, shift_mlp)
-    hidden = hidden + layout_q.expand_rows(gate_mlp) * block.ff(normed)
-    text = text + c_gate_msa.unsqueeze(1) * attn.to_add_out(text_attn)
-    normed_text = block.norm2_context(text) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
-    text = text + c_gate_mlp.unsqueeze(1) * block.ff_context(normed_text)
+    hidden = torch.addcmul(hidden, layout_q.expand_rows(gate_mlp), block.ff(normed))
+    text = torch.addcmul(text, c_gate_msa.unsqueeze(1), attn.to_add_out(text_attn))
+    normed_text = _modulate_rows(block.norm2_context(text), c_scale_mlp, c_shift_mlp)
+    text = torch.addcmul(text, c_gate_mlp.unsqueeze(1), block.ff_context(normed_text))
     return text, hidden
 
 
 def _single_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared: _Shared):
     """Single-stream block. Text and masked image tokens share every linear, so they run as one
-    packed sequence [text of every row ; masked image tokens] through one fused q/k/v/MLP matmul."""
+    packed sequence [text of every row ; masked image tokens] through one fused q/k/v/MLP matmul.
+    In the last unit text tokens only serve as keys and values: the model drops their outputs after
+    it, so their queries, MLP and output projection are skipped (the image outputs are unchanged)."""
     temb = shared.temb
     shift, scale, gate = block.norm.linear(block.norm.silu(temb)).chunk(3, dim=1)
     normed_q = _modulate(block.norm.norm(x_q), layout_q, scale, shift)
     normed_full = None
     if x_full is not None and not layout_q.is_full:
-        normed_full = block.norm.norm(x_full) * (1 + scale[:, None]) + shift[:, None]
-    normed_text = block.norm.norm(text) * (1 + scale[:, None]) + shift[:, None]
+        normed_full = _modulate_rows(block.norm.norm(x_full), scale, shift)
+    normed_text = _modulate_rows(block.norm.norm(text), scale, shift)
     attn = block.attn
     num_rows, num_text, width = text.shape
-    tokens = torch.cat([normed_text.reshape(-1, width), normed_q])
-    projected = fused_linear(tokens, (attn.to_q, attn.to_k, attn.to_v, block.proj_mlp))
     split = num_rows * num_text
-    query, key_q, value_q = _image_qkv(attn, normed_q, shared.rope_for(layout_q), [p[split:] for p in projected[:3]])
+    image_linears = (attn.to_q, attn.to_k, attn.to_v, block.proj_mlp)
+    text_needed = unit != shared.last_unit
+    if text_needed:
+        projected = fused_linear(torch.cat([normed_text.reshape(-1, width), normed_q]), image_linears)
+        image_projected = [p[split:] for p in projected]
+        text_projected = [p[:split].reshape(num_rows, num_text, -1) for p in projected[:3]]
+    else:
+        image_projected = fused_linear(normed_q, image_linears)
+        text_projected = fused_linear(normed_text, (attn.to_k, attn.to_v))
+    query, key_q, value_q = _image_qkv(attn, normed_q, shared.rope_for(layout_q), image_projected[:3])
     group_kv = _image_keys_for_groups(attn, key_q, value_q, layout_q, normed_full, from_cache, unit, shared)
-    text_q, text_k, text_v = _text_qkv(attn, normed_text, shared.rope_text, added=False,
-                                       projected=[p[:split].reshape(num_rows, num_text, -1) for p in projected[:3]])
+    text_q, text_k, text_v = _text_qkv(attn, normed_text, shared.rope_text, added=False, projected=text_projected)
     text_attn, image_attn = _joint_attention(text_q, text_k, text_v, query, layout_q, group_kv)
-    mixed = block.proj_out(torch.cat([torch.cat([text_attn.reshape(split, -1), image_attn]),
-                                      block.act_mlp(projected[3])], dim=-1))
-    hidden = x_q + layout_q.expand_rows(gate) * mixed[split:]
-    text = text + gate.unsqueeze(1) * mixed[:split].reshape(num_rows, num_text, width)
+    mlp = block.act_mlp(projected[3] if text_needed else image_projected[3])
+    attn_rows = torch.cat([text_attn.reshape(split, -1), image_attn]) if text_needed else image_attn
+    mixed = block.proj_out(torch.cat([attn_rows, mlp], dim=-1))
+    if not text_needed:
+        return text, torch.addcmul(x_q, layout_q.expand_rows(gate), mixed)
+    hidden = torch.addcmul(x_q, layout_q.expand_rows(gate), mixed[split:])
+    text = torch.addcmul(text, gate.unsqueeze(1), mixed[:split].reshape(num_rows, num_text, width))
     return text, hidden

@@ -57,7 +57,11 @@ class RowLayout:
         return packed[self.offsets[start]:self.offsets[stop]].reshape(stop - start, -1, *packed.shape[1:])
 
     def expand_rows(self, per_row: torch.Tensor) -> torch.Tensor:
-        """(num_rows, C) row values -> (total, C): each packed token gets its row's value."""
+        """(num_rows, C) row values -> each packed token's row value, for elementwise ops on packed
+        (total, C) tensors: (total, C), or ``per_row`` itself when there is one row (it broadcasts,
+        so no copy is made)."""
+        if len(self.indices) == 1:
+            return per_row
         return per_row.index_select(0, self.row_of_token)
 
 
