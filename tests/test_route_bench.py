@@ -89,7 +89,7 @@ def test_sim_holds_a_row_whose_read_is_in_flight_without_stalling_the_batch():
     sim.run()
     read = cfg.disk_read_s_per_byte * model.step_cache_bytes * cfg.steps
     alone = model.step_latency([(0.1, "tpl0", True)])
-    assert sim.counts["disk_reads"] == 1 and sim.counts["held"] >= 1
+    assert sim.counts["disk_reads"] == 1 and sim.counts["ram_hits"] == 1 and sim.counts["held"] >= 1
     # job 0 ran every step alone (nothing stalled it); job 1 joined at the first step end after its read
     assert sim.done_at[0] == pytest.approx(4 * alone)
     steps_before = math.ceil((2.0 + read) / alone)

@@ -100,7 +100,7 @@ class PolicyResult:
     throughput_rps: float
     avg_queue_s: float
     mean_batch_rows: float
-    cache: dict = field(default_factory=dict)  # ram_hits, disk_reads, dense_rows (recordings), held (gated admissions)
+    cache: dict = field(default_factory=dict)  # ram_hits, disk_reads, dense_rows (recordings), held (row-steps a row was held, slot free)
     decision_ms: dict = field(default_factory=dict)  # p50, p95 of Router.choose in this run
     measured_jobs: int = 0  # the jobs arriving after the warm-up (the latency statistics' sample)
     p95_all_latency_s: float = 0.0  # P95 over every job, the cold start included
@@ -224,11 +224,11 @@ class _Simulation:
         while w.waiting and len(w.running) < self.cfg.max_batch:
             row = w.waiting.popleft()
             t = row.template
-            lands = w.fetching.get(t)
+            lands, read = w.fetching.get(t), False
             if lands is not None and lands <= now:  # its read has landed: in RAM now
                 del w.fetching[t]
                 w.touch(t)
-                lands = None
+                lands, read = None, True
             elif lands is None and t not in w.ram and t in self.disk:
                 lands = self.read(w, t, now)  # evicted (or published) since it arrived: prefetch now
             if lands is not None or (t in recording and t not in w.ram):
@@ -237,7 +237,7 @@ class _Simulation:
                 wake = min(wake, lands if lands is not None else math.inf)
                 continue
             if t in w.ram:
-                self.counts["ram_hits"] += 1
+                self.counts["ram_hits"] += not read  # a row whose read just landed is no hit
             else:  # no cache anywhere: the row runs densely and records it; the same template waits
                 row.cached = False
                 recording.add(t)
