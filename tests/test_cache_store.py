@@ -319,3 +319,22 @@ def test_ready_is_false_while_a_read_is_in_flight_and_starts_one_for_a_disk_entr
     big = _open(tmp_path / "big", 0.5, 4, entry_bytes)
     assert big.known(_key(2)) and big.ready(_key(2))
     big.close()
+
+
+def test_a_recording_published_by_another_worker_on_the_same_directory_is_found(tmp_path, entry_bytes):
+    a, b = _open(tmp_path, 2, 4, entry_bytes), _open(tmp_path, 2, 4, entry_bytes)  # two workers, one directory
+    assert not b.known(_key(3))
+    _record_through(a, 3)  # worker a records and publishes the template after b started
+    assert b.known(_key(3)) and not b.ready(_key(3))  # b finds it on disk and starts reading it
+    b.wait_for_loads(10)
+    assert b.ready(_key(3)) and _same_tensors(b.acquire(_key(3)), a.acquire(_key(3)))
+    b.release(_key(3))
+    # b's own recording of a key a has published meanwhile is dropped; a's entry stays as it was
+    c = _open(tmp_path, 2, 4, entry_bytes)
+    _record_through(a, 4)
+    writer = c.writer(_key(4), NUM_UNITS, 2, torch.float32)
+    _fill(writer, seed=99)
+    assert c.commit(writer) is None
+    assert _same_tensors(TemplateCache.open(tmp_path / _key(4).digest()), a.acquire(_key(4)))
+    for cache in (a, b, c):
+        cache.close()

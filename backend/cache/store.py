@@ -13,7 +13,10 @@ Invariants:
 - disk -> RAM loads (the slow part) run outside the lock; meanwhile their RAM is reserved and the
   entry counts as busy, so nothing evicts or deletes it;
 - a handle from ``acquire`` stays valid until ``release``: pinned entries are never evicted;
-- an unusable entry (missing or corrupt file) is forgotten and deleted, and callers see a miss.
+- an unusable entry (missing or corrupt file) is forgotten and deleted, and callers see a miss;
+- workers sharing one directory see each other's recordings: a key this manager does not know is
+  looked up on disk (``_discover``) before it counts as a miss, and a commit of a key another
+  worker has published meanwhile is dropped, leaving theirs in place.
 """
 
 from __future__ import annotations
@@ -200,12 +203,30 @@ class TieredActivationCache:
             log.info("cache opened root=%s entries=%d disk_bytes=%d", self.root,
                      len(self._manager.resident(Tier.DISK)), self._manager.used_bytes[Tier.DISK])
 
+    def _discover(self, entry_id: str) -> None:
+        """Under the lock: an entry this manager does not know but that is complete on disk (another
+        worker sharing the directory recorded it since start-up) is registered, as at start-up, so
+        this worker reads it instead of recording the template again. One ``stat`` per miss."""
+        if self._manager.residency(entry_id) is not Residency.MISS:
+            return
+        path = self.root / entry_id
+        if not (path / MANIFEST).is_file():
+            return
+        try:
+            cache = TemplateCache.open(path)
+        except UNUSABLE:
+            return  # half-written or damaged: not ours to delete; a miss
+        if cache.key.digest() == entry_id:
+            evictions = self._manager.register_disk(entry_id, cache.bytes_total)
+            self._execute(tuple(e for e in evictions if not (isinstance(e, DeleteFromDisk) and e.entry_id == entry_id)))
+
     # ----- reading ---------------------------------------------------------------------------------
     def acquire(self, key: CacheKey) -> MemoryTemplateCache | TemplateCache | None:
         """A pinned handle for ``key`` (``release`` it when done), from RAM whenever the entry fits
         there, or None on a miss or an unusable entry. Raises only ``CacheMismatchError``."""
         entry_id = key.digest()
         with self._lock:
+            self._discover(entry_id)
             residency = self._manager.lookup(entry_id, now=time.monotonic())
             if residency is Residency.MISS:
                 return None
@@ -256,12 +277,14 @@ class TieredActivationCache:
     def prefetch(self, key: CacheKey) -> None:
         """Start loading ``key`` from disk into RAM in the background; a no-op unless it is on disk only."""
         with self._lock:
+            self._discover(key.digest())
             if self._manager.residency(key.digest()) is Residency.DISK:
                 self._load_in_background(key.digest(), prefetch_at=time.monotonic())
 
     def known(self, key: CacheKey) -> bool:
         """Whether ``key`` has an entry in either tier (or one loading): False means a miss."""
         with self._lock:
+            self._discover(key.digest())
             return self._manager.residency(key.digest()) is not Residency.MISS
 
     def ready(self, key: CacheKey) -> bool:
@@ -274,6 +297,7 @@ class TieredActivationCache:
         with self._lock:
             if entry_id in self._loads:
                 return False
+            self._discover(entry_id)
             if self._manager.residency(entry_id) is Residency.DISK:
                 self._load_in_background(entry_id, prefetch_at=time.monotonic())
             return entry_id not in self._loads
@@ -352,6 +376,7 @@ class TieredActivationCache:
         entry_id = writer.key.digest()
         with self._commit_lock:
             with self._lock:
+                self._discover(entry_id)  # another worker published it meanwhile: keep theirs
                 known = self._manager.residency(entry_id) is not Residency.MISS
                 if writer.failed is not None:
                     self._manager.metrics.store_failures += 1
