@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from backend.engine.attention import ragged_attention, attend, replace_rows
+from backend.engine.attention import attend, fused_linear, ragged_attention, replace_rows
 from backend.engine.cache_store import (CacheCorruptError, CacheError, CacheKey, CacheMismatchError, CacheWriter,
                                         TemplateCache, lookup)
 from backend.engine.layout import full_layout, make_layout
@@ -31,6 +31,31 @@ def test_layout_gather_scatter_round_trip():
     rebuilt = layout.scatter_into(torch.zeros_like(full), packed)
     assert torch.equal(rebuilt[0, 0], full[0, 0]) and torch.equal(rebuilt[0, 1], torch.zeros(3))
     assert torch.equal(layout.expand_rows(torch.tensor([[1.0], [2.0]])).reshape(-1), torch.tensor([1.0, 1.0, 2.0]))
+
+
+def test_expand_rows_of_one_row_broadcasts_without_a_copy():
+    layout = make_layout([torch.tensor([True, False, True, True])])
+    per_row = torch.tensor([[1.0, 2.0]])
+    expanded = layout.expand_rows(per_row)
+    assert expanded is per_row  # one row: broadcast, nothing gathered
+    packed = torch.ones(3, 2)
+    assert torch.equal(packed * expanded, torch.tensor([[1.0, 2.0]] * 3))
+
+
+def test_fused_linear_keeps_one_weight_per_module_set():
+    torch.manual_seed(0)
+    q, k, v, mlp = (torch.nn.Linear(8, n) for n in (8, 8, 8, 16))
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        for _ in range(2):  # alternating sets that share a first module must not evict each other
+            outs = fused_linear(x, (q, k, v, mlp))
+            kv = fused_linear(x, (k, v))
+            for out, module in zip(outs + kv, (q, k, v, mlp, k, v)):
+                assert torch.allclose(out, module(x), atol=1e-6)
+        assert len(q.__dict__["_maskserve_fused"]) == 1 and len(k.__dict__["_maskserve_fused"]) == 1
+        k.weight.mul_(2.0)  # an in-place weight change rebuilds the fused weight
+        assert torch.allclose(fused_linear(x, (q, k, v, mlp))[1], k(x), atol=1e-6)
+        assert torch.allclose(fused_linear(x, (k, v))[0], k(x), atol=1e-6)
 
 
 def test_full_layout_is_identity():
@@ -139,3 +164,17 @@ def test_an_incomplete_recording_is_refused_and_nothing_is_published(tmp_path):
         writer.commit()
     writer.abort()
     assert lookup(tmp_path, _key()) is None
+
+
+def test_flux_rotary_as_complex_multiply_matches_diffusers():
+    from diffusers.models.embeddings import FluxPosEmbed, apply_rotary_emb
+
+    from backend.engine.flux import _rotate, _rotations
+
+    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(6.0), indexing="ij"), -1).reshape(-1, 3)
+    cos, sin = FluxPosEmbed(theta=10000, axes_dim=[4, 6, 6])(ids)
+    x = torch.randn(2, ids.shape[0], 3, 16)  # (rows, tokens, heads, head_dim)
+    expected = apply_rotary_emb(x, (cos, sin), sequence_dim=1)
+    assert torch.allclose(_rotate(x, _rotations(cos, sin)), expected, atol=1e-6)
+    packed = x[0, [1, 5, 7]]  # packed tokens (total, heads, head_dim) with their own rotations
+    assert torch.allclose(_rotate(packed, _rotations(cos, sin)[[1, 5, 7]]), expected[0, [1, 5, 7]], atol=1e-6)
