@@ -113,21 +113,22 @@ def _png(image) -> bytes:
 def _prepare_inputs(cfg: BenchConfig, settings: Settings, engine, trace: list[TraceRequest], blobs: BlobStore):
     """Template and mask files for the trace, and every template's cache recorded on disk (not timed)."""
     params = edit_params(engine.spec, settings, steps=cfg.steps, size=cfg.size)
-    template_refs = []
+    template_refs, entry_bytes = [], []
     for index in tqdm(range(cfg.num_templates), desc="recording template caches"):
         image = sample_template(cfg.size, cfg.size, seed=1000 + index)
         template_refs.append(blobs.put("templates", f"bench-{index}.png", _png(image)))
-        if engine.lookup(image, params) is None:
-            engine.prepare_template(image, params)
+        entry_bytes.append((engine.lookup(image, params) or engine.prepare_template(image, params)).bytes_total)
     from PIL import Image
 
     mask_refs = [blobs.put("masks", f"bench-{r.index}.png", _png(Image.fromarray(
         synthetic_mask(cfg.size, cfg.size, r.mask_ratio, seed=r.seed).astype(np.uint8) * 255))) for r in trace]
-    return template_refs, mask_refs
+    # The RAM budget is counted in the trace's own entries (the cache directory may hold entries of
+    # other models and resolutions, which must not inflate it).
+    return template_refs, mask_refs, sum(entry_bytes) / len(entry_bytes)
 
 
 def _edit_job(cfg: BenchConfig, request: TraceRequest, refs: tuple, mode: str, guidance: float) -> EditJob:
-    template_refs, mask_refs = refs
+    template_refs, mask_refs, _ = refs
     return EditJob(job_id=f"{mode}-{request.index}", model_id=cfg.model_id, template_ref=template_refs[request.template],
                    mask_ref=mask_refs[request.index], prompt=PROMPT, seed=request.seed, steps=cfg.steps,
                    guidance=guidance, resolution=cfg.size, submitted_at=time.time())
@@ -145,8 +146,8 @@ class _Run:
         self.lock = threading.Lock()
         self.inbox = LocalInbox()
         self.sink = LocalSink(on_denoised=None if mode == "inline" else self._post)
-        entry_bytes = max(1, self._entry_bytes(engine))
-        self.caches = TieredActivationCache(engine.cache_root, ram_templates * entry_bytes, 1 << 40,
+        entry_bytes = refs[2] * 1.05  # slack over the mean entry (every file, trajectory included)
+        self.caches = TieredActivationCache(engine.cache_root, int(ram_templates * entry_bytes), 1 << 40,
                                             policy=settings.cache.policy)
         stages = None
         if mode == "inline":
@@ -155,12 +156,6 @@ class _Run:
             stages = _TimedStages(CpuStages(settings, engine), self)
         self.worker = EngineWorker(engine, blobs, self.inbox, self.sink, worker_id=f"bench-{mode}", mode=mode,
                                    max_batch=cfg.max_batch, caches=self.caches, stages=stages)
-
-    @staticmethod
-    def _entry_bytes(engine) -> int:
-        sizes = [p.stat().st_size for p in engine.cache_root.glob("*/step_*.safetensors")]
-        entries = max(1, len(list(engine.cache_root.glob("*/manifest.json"))))
-        return int(sum(sizes) / entries * 1.05)  # plus trajectory and slack
 
     def _post(self, denoised) -> None:
         future = self.pool.submit(_post_in_process, protocol.encode(denoised))

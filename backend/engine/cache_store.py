@@ -16,6 +16,7 @@ error names the entry directory, so a reader can drop that entry and compute wit
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -69,6 +70,12 @@ class CacheKey:
     mask_sha256: str = "none"
 
     def digest(self) -> str:
+        return self._digest
+
+    @functools.cached_property
+    def _digest(self) -> str:
+        """Computed once per key (the worker asks for it for every waiting row at every step);
+        the key is frozen, so it never goes stale."""
         text = json.dumps(asdict(self), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
