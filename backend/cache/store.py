@@ -277,9 +277,13 @@ class TieredActivationCache:
     def prefetch(self, key: CacheKey) -> None:
         """Start loading ``key`` from disk into RAM in the background; a no-op unless it is on disk only."""
         with self._lock:
-            self._discover(key.digest())
-            if self._manager.residency(key.digest()) is Residency.DISK:
-                self._load_in_background(key.digest(), prefetch_at=time.monotonic())
+            self._prefetch_locked(key.digest())
+
+    def _prefetch_locked(self, entry_id: str) -> None:
+        """Under the lock: start the disk -> RAM load of an entry that is on disk only."""
+        self._discover(entry_id)
+        if self._manager.residency(entry_id) is Residency.DISK:
+            self._load_in_background(entry_id, prefetch_at=time.monotonic())
 
     def known(self, key: CacheKey) -> bool:
         """Whether ``key`` has an entry in either tier (or one loading): False means a miss."""
@@ -295,11 +299,8 @@ class TieredActivationCache:
         (prefetch-gated admission) instead of stalling its running batch on the read."""
         entry_id = key.digest()
         with self._lock:
-            if entry_id in self._loads:
-                return False
-            self._discover(entry_id)
-            if self._manager.residency(entry_id) is Residency.DISK:
-                self._load_in_background(entry_id, prefetch_at=time.monotonic())
+            if entry_id not in self._loads:
+                self._prefetch_locked(entry_id)
             return entry_id not in self._loads
 
     def _load_in_background(self, entry_id: str, prefetch_at: float | None = None) -> None:
