@@ -103,6 +103,35 @@ def test_prefetch_lead_time_is_recorded_at_first_lookup():
     assert snapshot["prefetch_lead_s_p50"] == pytest.approx(0.5) and "prefetch_lead_s" not in snapshot
 
 
+def test_a_speculative_prefetch_spares_entries_prefetched_for_earlier_jobs():
+    manager = _manager(ram=100)
+    for entry_id in "abc":
+        _stored(manager, entry_id, 50)
+    for entry_id, at in (("a", 1.0), ("b", 2.0)):  # prefetched for two queued jobs, not used yet
+        manager.prepare_load(entry_id, prefetch_at=at)
+        manager.complete_load(entry_id, ok=True)
+    assert not manager.prepare_load("c", prefetch_at=3.0, spare_prefetched=True).ok  # a third job's
+    assert manager.residency("a") is Residency.RAM and manager.residency("b") is Residency.RAM
+    manager.lookup("a", now=4.0)  # a's job ran: a is an ordinary resident now
+    plan = manager.prepare_load("c", prefetch_at=5.0, spare_prefetched=True)
+    assert plan.ok and plan.evictions == (DropFromRam("a"),)
+    manager.complete_load("c", ok=True)
+    plan = manager.prepare_load("a", prefetch_at=6.0)  # not speculative (a row's turn): may take b
+    assert plan.ok and plan.evictions == (DropFromRam("b"),)
+
+
+def test_fits_ram_tells_an_entry_that_never_fits_from_one_waiting_for_room():
+    manager = _manager(ram=100)
+    _stored(manager, "small", 60)
+    _stored(manager, "large", 150)
+    _loaded(manager, "small")
+    manager.pin("small")
+    _stored(manager, "other", 60)
+    assert not manager.prepare_load("other").ok and manager.fits_ram("other")  # room once "small" is released
+    assert not manager.prepare_load("large").ok and not manager.fits_ram("large")
+    assert not manager.fits_ram("unknown")
+
+
 def test_forget_releases_bytes_pins_and_in_flight_loads():
     manager = _manager()
     _stored(manager, "a", 40)
@@ -217,7 +246,7 @@ def _random_op(shell: _Shell, rng: random.Random) -> None:
     elif op == "lookup":
         manager.lookup(entry_id, now=rng.random())
     elif op == "load":
-        plan = manager.prepare_load(entry_id, prefetch_at=rng.choice([None, 0.0]))
+        plan = manager.prepare_load(entry_id, prefetch_at=rng.choice([None, 0.0]), spare_prefetched=rng.random() < 0.5)
         if plan is not None and plan.ok:
             shell.execute(plan.evictions, busy)
             shell.loads.add(entry_id)

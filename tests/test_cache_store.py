@@ -305,9 +305,9 @@ def test_start_up_deletes_an_entry_with_a_file_missing(tmp_path, entry_bytes, da
 def test_ready_is_false_while_a_read_is_in_flight_and_starts_one_for_a_disk_entry(tmp_path, entry_bytes, monkeypatch):
     _record(tmp_path, 1)
     cache = _open(tmp_path, 2, 4, entry_bytes)
-    assert cache.ready(_key(9)) and not cache.known(_key(9))  # a miss: nothing to wait for
+    assert cache.ready(_key(9)) and cache.acquire(_key(9)) is None  # a miss: nothing to wait for
     started, go = _block_loads_of(monkeypatch, _key(1).digest())
-    assert cache.known(_key(1)) and not cache.ready(_key(1))  # on disk only: ready() starts its read
+    assert not cache.ready(_key(1))  # on disk only: ready() starts its read
     assert started.wait(10) and not cache.ready(_key(1))  # in flight
     go.set()
     cache.wait_for_loads(10)
@@ -317,15 +317,51 @@ def test_ready_is_false_while_a_read_is_in_flight_and_starts_one_for_a_disk_entr
     (tmp_path / "big").mkdir()
     _record(tmp_path / "big", 2)  # larger than the RAM budget: read lazily from disk, never waits
     big = _open(tmp_path / "big", 0.5, 4, entry_bytes)
-    assert big.known(_key(2)) and big.ready(_key(2))
+    assert big.ready(_key(2)) and type(big.acquire(_key(2))) is TemplateCache
     big.close()
+
+
+def test_ready_holds_a_row_while_ram_is_full_of_entries_in_use(tmp_path, entry_bytes):
+    for n in (1, 2):
+        _record(tmp_path, n)
+    cache = _open(tmp_path, 1.5, 4, entry_bytes)  # RAM for one entry
+    cache.prefetch(_key(1))
+    cache.wait_for_loads(10)
+    assert cache.ready(_key(1)) and isinstance(cache.acquire(_key(1)), MemoryTemplateCache)  # pinned: running
+    cache.prefetch(_key(2))  # the next job arrives: no room, nothing evicted
+    assert not cache.ready(_key(2))  # would fit once entry 1 is released: held, not read file by file
+    assert cache.resident(Tier.RAM) == [_key(1).digest()]
+    cache.release(_key(1))  # its row finished
+    assert not cache.ready(_key(2))  # its read starts now
+    cache.wait_for_loads(10)
+    assert cache.ready(_key(2)) and isinstance(cache.acquire(_key(2)), MemoryTemplateCache)
+    assert cache.metrics.ram_misses == 0 and cache.metrics.load_waits == 0
+    cache.close()
+
+
+def test_a_queued_jobs_prefetch_does_not_evict_the_entry_of_a_job_queued_before_it(tmp_path, entry_bytes):
+    for n in (1, 2):
+        _record(tmp_path, n)
+    cache = _open(tmp_path, 1.5, 4, entry_bytes)
+    cache.prefetch(_key(1))  # job A queued
+    cache.wait_for_loads(10)
+    cache.prefetch(_key(2))  # job B queued behind A: must not throw A's entry out again
+    cache.wait_for_loads(10)
+    assert cache.resident(Tier.RAM) == [_key(1).digest()]
+    assert cache.ready(_key(1)) and isinstance(cache.acquire(_key(1)), MemoryTemplateCache)
+    cache.release(_key(1))  # A ran: B's turn, its read may now take A's room
+    assert not cache.ready(_key(2))
+    cache.wait_for_loads(10)
+    assert cache.ready(_key(2)) and cache.resident(Tier.RAM) == [_key(2).digest()]
+    assert cache.metrics.bytes_loaded == 2 * entry_bytes  # each entry read once
+    cache.close()
 
 
 def test_a_recording_published_by_another_worker_on_the_same_directory_is_found(tmp_path, entry_bytes):
     a, b = _open(tmp_path, 2, 4, entry_bytes), _open(tmp_path, 2, 4, entry_bytes)  # two workers, one directory
-    assert not b.known(_key(3))
+    assert b.ready(_key(3)) and b.acquire(_key(3)) is None  # a miss for b
     _record_through(a, 3)  # worker a records and publishes the template after b started
-    assert b.known(_key(3)) and not b.ready(_key(3))  # b finds it on disk and starts reading it
+    assert not b.ready(_key(3))  # b finds it on disk and starts reading it
     b.wait_for_loads(10)
     assert b.ready(_key(3)) and _same_tensors(b.acquire(_key(3)), a.acquire(_key(3)))
     b.release(_key(3))

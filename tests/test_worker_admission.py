@@ -91,3 +91,22 @@ def test_a_row_waits_for_the_recording_of_its_template_and_then_reads_it(engine,
     assert second_runs > first_done  # admitted only after the recording was committed
     assert caches.metrics.load_waits == 0
     caches.close()
+
+
+def test_a_row_waits_for_ram_held_by_running_rows_instead_of_reading_from_disk(engine, tmp_path):
+    engine.cache_root = tmp_path / "tight-cache"
+    params = make_params(engine, steps=STEPS)
+    templates = [make_template(seed=44), make_template(seed=45)]
+    entry_bytes = max(engine.prepare_template(t, params).bytes_total for t in templates)
+    blobs, inbox, sink = BlobStore(tmp_path / "blobs"), LocalInbox(), LocalSink()
+    caches = TieredActivationCache(engine.cache_root, int(1.5 * entry_bytes), 1 << 32)  # RAM for one entry
+    worker = EngineWorker(engine, blobs, inbox, sink, caches=caches)
+    for index, template in enumerate(templates):
+        inbox.put(make_prepared_job(engine, blobs, f"r{index}", template, rect_mask((0, 0, 64, 64)), index, params))
+    drain(worker, caches)
+    assert {j.job_id: j.used_cache for j in sink.denoised_jobs} == {"r0": True, "r1": True}
+    first_done = next(i for i, e in enumerate(sink.events) if e.job_id == "r0" and e.step == STEPS)
+    second_runs = next(i for i, e in enumerate(sink.events) if e.job_id == "r1" and e.status == "running")
+    assert second_runs > first_done  # held until r0 released the RAM, then read into it
+    assert caches.metrics.ram_misses == 0 and caches.metrics.load_waits == 0  # never read file by file
+    caches.close()

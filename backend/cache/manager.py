@@ -232,18 +232,22 @@ class CacheManager:
         entry.pins -= 1
 
     # ----- loads (disk -> RAM) -------------------------------------------------------------------
-    def prepare_load(self, entry_id: str, prefetch_at: float | None = None) -> LoadPlan | None:
+    def prepare_load(self, entry_id: str, prefetch_at: float | None = None,
+                     spare_prefetched: bool = False) -> LoadPlan | None:
         """Reserve RAM for reading ``entry_id`` from disk. None when there is nothing to load
         (already in RAM, load in flight, or not on disk). ``prefetch_at`` marks a prefetch started
-        then; its lead time is recorded at the next ``lookup``."""
+        then; its lead time is recorded at the next ``lookup``. ``spare_prefetched``: a speculative
+        prefetch (a job just queued) must not evict an entry prefetched for an earlier job that has
+        not looked it up yet; otherwise a queue longer than the RAM tier evicts its own head's
+        entries before their rows run and every row reads its template twice."""
         entry = self._entries.get(entry_id)
         if entry is None or entry.in_ram or entry.loading or not entry.on_disk:
             return None
-        if not self._can_fit(Tier.RAM, entry.size_bytes):
+        if not self._can_fit(Tier.RAM, entry.size_bytes, spare_prefetched):
             return LoadPlan(entry_id, entry.size_bytes, ok=False)
         self._update(entry, loading=True)  # reserve first: busy, so no eviction below can take it
         evictions: list[Eviction] = []
-        self._make_room(Tier.RAM, evictions, keep=entry_id)
+        self._make_room(Tier.RAM, evictions, keep=entry_id, spare_prefetched=spare_prefetched)
         if prefetch_at is not None:
             self.metrics.prefetches += 1
             entry.prefetched_at = prefetch_at
@@ -314,17 +318,25 @@ class CacheManager:
         self._remove(entry)
 
     # ----- eviction ------------------------------------------------------------------------------
-    def _candidates(self, tier: Tier, keep: str | None = None) -> list[EntryState]:
-        return [e for e in self._entries.values() if e.resident(tier) and not e.busy and e.entry_id != keep]
+    def _candidates(self, tier: Tier, keep: str | None = None, spare_prefetched: bool = False) -> list[EntryState]:
+        return [e for e in self._entries.values() if e.resident(tier) and not e.busy and e.entry_id != keep
+                and not (spare_prefetched and e.prefetched_at is not None)]
 
-    def _can_fit(self, tier: Tier, size_bytes: int) -> bool:
-        evictable = sum(e.size_bytes for e in self._candidates(tier))
+    def _can_fit(self, tier: Tier, size_bytes: int, spare_prefetched: bool = False) -> bool:
+        evictable = sum(e.size_bytes for e in self._candidates(tier, spare_prefetched=spare_prefetched))
         return self.used_bytes[tier] + size_bytes - evictable <= self.budget_bytes[tier]
 
-    def _make_room(self, tier: Tier, evictions: list[Eviction], keep: str | None) -> None:
+    def fits_ram(self, entry_id: str) -> bool:
+        """Whether ``entry_id`` fits the RAM budget at all (once no entry is in use); False for an
+        unknown entry. An entry that does not is only ever read from disk."""
+        entry = self._entries.get(entry_id)
+        return entry is not None and entry.size_bytes <= self.budget_bytes[Tier.RAM]
+
+    def _make_room(self, tier: Tier, evictions: list[Eviction], keep: str | None,
+                   spare_prefetched: bool = False) -> None:
         """Evict policy-chosen victims until ``tier`` is within budget (callers checked ``_can_fit``)."""
         while self.used_bytes[tier] > self.budget_bytes[tier]:
-            candidates = {e.entry_id: e for e in self._candidates(tier, keep)}
+            candidates = {e.entry_id: e for e in self._candidates(tier, keep, spare_prefetched)}
             if not candidates:
                 raise AssertionError(f"{tier.name} over budget with nothing evictable: _can_fit was skipped")
             victim = candidates[self._policies[tier].choose_victim(list(candidates))]

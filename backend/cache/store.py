@@ -275,44 +275,53 @@ class TieredActivationCache:
             self._discard(key.digest(), error)
 
     def prefetch(self, key: CacheKey) -> None:
-        """Start loading ``key`` from disk into RAM in the background; a no-op unless it is on disk only."""
+        """Start loading ``key`` from disk into RAM in the background; a no-op unless it is on disk
+        only, or when RAM is taken by entries in use or prefetched for jobs queued earlier (their
+        rows come first; ``ready`` starts the read when this row's turn comes)."""
         with self._lock:
-            self._prefetch_locked(key.digest())
+            self._prefetch_locked(key.digest(), speculative=True)
 
-    def _prefetch_locked(self, entry_id: str) -> None:
-        """Under the lock: start the disk -> RAM load of an entry that is on disk only."""
+    def _prefetch_locked(self, entry_id: str, speculative: bool) -> None:
+        """Under the lock: start the disk -> RAM load of an entry that is on disk only. Entries
+        prefetched for queued rows (rows admitted in this very schedule among them: they pin their
+        entry only after it) are evicted only when nothing else makes room, and never for a
+        ``speculative`` load."""
         self._discover(entry_id)
-        if self._manager.residency(entry_id) is Residency.DISK:
+        if self._manager.residency(entry_id) is not Residency.DISK:
+            return
+        self._load_in_background(entry_id, prefetch_at=time.monotonic(), spare_prefetched=True)
+        if not speculative and entry_id not in self._loads:
             self._load_in_background(entry_id, prefetch_at=time.monotonic())
 
-    def known(self, key: CacheKey) -> bool:
-        """Whether ``key`` has an entry in either tier (or one loading): False means a miss."""
-        with self._lock:
-            self._discover(key.digest())
-            return self._manager.residency(key.digest()) is not Residency.MISS
-
     def ready(self, key: CacheKey) -> bool:
-        """Whether ``acquire(key)`` would return without waiting for a disk read: True for an entry
-        in RAM, a miss, or one too large for RAM (read lazily from disk, file by file). An entry on
-        disk only starts its prefetch here (if none runs: e.g. evicted from RAM since it was
-        prefetched) and reads False until the load lands; the worker keeps such a row queued
-        (prefetch-gated admission) instead of stalling its running batch on the read."""
+        """Whether ``acquire(key)`` would return a RAM handle, or one that never gets one, without
+        waiting: True for an entry in RAM, a miss, or one too large for the whole RAM budget (read
+        lazily from disk, file by file). An entry on disk only starts its load here (if none runs:
+        e.g. evicted from RAM since it was prefetched) and reads False until the load lands, or,
+        when RAM is full of entries in use, until a running row releases one: the worker keeps
+        such a row queued (prefetch-gated admission) instead of stalling its running batch on the
+        read, or on file-by-file disk reads in every step."""
         entry_id = key.digest()
         with self._lock:
             if entry_id not in self._loads:
-                self._prefetch_locked(entry_id)
-            return entry_id not in self._loads
+                self._prefetch_locked(entry_id, speculative=False)
+            if entry_id in self._loads:
+                return False
+            on_disk_only = self._manager.residency(entry_id) is Residency.DISK
+            return not (on_disk_only and self._manager.fits_ram(entry_id))
 
-    def _load_in_background(self, entry_id: str, prefetch_at: float | None = None) -> None:
+    def _load_in_background(self, entry_id: str, prefetch_at: float | None = None,
+                            spare_prefetched: bool = False) -> None:
         if self._closed:
             return
-        load = self._reserve_load(entry_id, prefetch_at)
+        load = self._reserve_load(entry_id, prefetch_at, spare_prefetched)
         if load is not None:
             self._executor.submit(self._claim_and_run, entry_id, load)
 
-    def _reserve_load(self, entry_id: str, prefetch_at: float | None = None) -> _Load | None:
-        """Under the lock: reserve RAM and make room; None when the entry cannot fit in RAM."""
-        plan = self._manager.prepare_load(entry_id, prefetch_at)
+    def _reserve_load(self, entry_id: str, prefetch_at: float | None = None,
+                      spare_prefetched: bool = False) -> _Load | None:
+        """Under the lock: reserve RAM and make room; None when the entry cannot fit in RAM now."""
+        plan = self._manager.prepare_load(entry_id, prefetch_at, spare_prefetched)
         if plan is None or not plan.ok:
             return None
         self._execute(plan.evictions)
@@ -397,7 +406,7 @@ class TieredActivationCache:
                     return None
                 self._execute(plan.evictions)
                 self._manager.complete_store(entry_id, ok=True)
-                self._load_in_background(entry_id)  # a template just edited is likely edited again
+                self._load_in_background(entry_id, spare_prefetched=True)  # likely edited again: speculative
         return disk
 
     def _store_failed(self, writer: GuardedCacheWriter, exc: Exception) -> None:

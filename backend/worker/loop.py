@@ -11,11 +11,13 @@ Invariants: every job that reaches the inbox ends with exactly one terminal even
 released when the row leaves; one template is recorded by at most one row at a time.
 
 Prefetch-gated admission (``_ready``, FlashPS's bubble-free serving): a waiting row joins the batch
-only when acquiring its cache will not wait: its disk -> RAM prefetch has landed (``caches.ready``),
-and no row of this worker is recording its template (it waits for that recording's commit, which
+only when acquiring its cache will not wait: its disk -> RAM prefetch has landed (``caches.ready``;
+when RAM is full of entries in use, the read waits until a running row releases one), and no row
+of this worker is recording its template (it waits for that recording's commit, which
 loads the new entry into RAM, rather than computing densely beside it; a row admitted in the same
 step as the recorder waits too). Until then it keeps its place in the queue and rows behind it take
-the free slots; the running batch never stalls on a read. With nothing else to run the loop polls
+the free slots; the running batch never stalls on a read. A row found ready acquires (pins) its
+entry at once, so a read started for a row behind it in the same schedule cannot evict it. With nothing else to run the loop polls
 its inbox every ``HELD_POLL_S`` while the reads land. ``backend.bench.route_bench`` simulates the
 same rule.
 
@@ -67,8 +69,6 @@ class TemplateCaches(Protocol):
 
     def ready(self, key: CacheKey) -> bool: ...
 
-    def known(self, key: CacheKey) -> bool: ...
-
     def writer(self, key: CacheKey, num_units: int, halves: int, dtype: torch.dtype): ...
 
     def commit(self, writer): ...
@@ -90,6 +90,7 @@ class _Job:
     received_at: float
     state: EditState | None = None
     cache_key: CacheKey | None = None  # set while the row holds an acquired cache entry
+    early_cache: tuple | None = None  # (handle, error) acquired when found ready, until ``_admit`` takes it
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -204,15 +205,28 @@ class EngineWorker:
             return job.message.prepare  # a prepare job for it ends at once ("being recorded")
         if not self.caches.ready(key):
             return False
-        if self._should_record(job, forced=job.message.prepare) and not self.caches.known(key):
-            self._claimed.add(digest)  # this row will record it: same-template rows behind it wait
+        try:  # pinned now: a read started for a row behind it in this schedule must not evict it
+            job.early_cache = (self._acquire(job), None)
+        except Exception as exc:  # reported by _admit, where admission failures are handled
+            job.early_cache = (None, exc)
+        if job.early_cache == (None, None) and self._should_record(job, forced=job.message.prepare):
+            self._claimed.add(digest)  # a miss this row will record: same-template rows behind it wait
         return True
+
+    def _take_cache(self, job: _Job):
+        """The row's cache handle: the one ``_ready`` acquired, else acquired now."""
+        if job.early_cache is None:
+            return self._acquire(job)
+        (cache, error), job.early_cache = job.early_cache, None
+        if error is not None:
+            raise error
+        return cache
 
     def _admit(self, job_id: str) -> None:
         job = self.jobs[job_id]
         job.timings["wait_s"] = time.time() - job.received_at
         try:
-            cache = self._acquire(job)
+            cache = self._take_cache(job)
             if job.message.prepare and (cache is not None or not self._should_record(job, forced=True)):
                 self._finish_prepare(job_id, "already prepared" if cache is not None else "being recorded")
                 return
