@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+MIN_JOB_RECORD_S = 7 * 24 * 3600  # a finished job's record is kept at least a week
+
 CacheMode = Literal["kv", "hidden"]
 DTypeName = Literal["float32", "float16", "bfloat16"]
 
@@ -211,12 +213,19 @@ class RetentionSettings(_Strict):
     Inputs and intermediates are worth little once the job is over; results and thumbnails are what
     users come back for. A blob that a job which has not finished references is never deleted. The
     API process runs the janitor (``backend.janitor``) every ``sweep_every_s`` (0: it never runs).
-    Job records themselves expire ``backend.jobstate.JOB_TTL_S`` (7 days) after the job finished.
+    Job records (status, timings, result references: what ``GET /v1/jobs/{id}`` and the histories
+    read) expire ``job_record_s`` after the job finished: as long as its results are kept, and at
+    least a week; never when results are kept forever.
     """
 
     inputs_hours: float = Field(default=24.0, ge=0.0)
     results_hours: float = Field(default=168.0, ge=0.0)
     sweep_every_s: float = Field(default=600.0, ge=0.0)
+
+    @property
+    def job_record_s(self) -> int:
+        """Seconds a finished job's record is kept (0: forever); a result is reachable as long as it is kept."""
+        return 0 if self.results_hours == 0 else max(MIN_JOB_RECORD_S, int(self.results_hours * 3600))
 
 
 class Settings(_Strict):

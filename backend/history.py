@@ -1,8 +1,8 @@
 """Each user's job history: the ids of the jobs they submitted, newest first.
 
 One Redis sorted set per owner (``maskserve:history:<owner digest>``), scored by submission time and
-trimmed to the newest ``limit`` ids; it expires with the job state (``JOB_TTL_S`` after the owner's
-last submission), so a history never lists more than the job state still holds for long. Owners
+trimmed to the newest ``limit`` ids; it expires with the job state (``ttl_s`` after the owner's
+last submission; never when job records never expire), so a history never lists more than the job state still holds for long. Owners
 are hashed into the key: a user name or an API key never appears in a Redis key.
 """
 
@@ -20,8 +20,8 @@ def history_key(owner: str) -> str:
 
 
 class HistoryIndex:
-    def __init__(self, client: Redis, limit: int):
-        self.client, self.limit = client, int(limit)
+    def __init__(self, client: Redis, limit: int, ttl_s: int = JOB_TTL_S):
+        self.client, self.limit, self.ttl_s = client, int(limit), int(ttl_s)
 
     def add(self, owner: str, job_id: str, at: float) -> None:
         """Record that ``owner`` submitted ``job_id`` at ``at``; keeps the newest ``limit``."""
@@ -31,7 +31,8 @@ class HistoryIndex:
         with self.client.pipeline(transaction=True) as pipe:
             pipe.zadd(key, {job_id: at})
             pipe.zremrangebyrank(key, 0, -self.limit - 1)
-            pipe.expire(key, JOB_TTL_S)
+            if self.ttl_s > 0:
+                pipe.expire(key, self.ttl_s)
             pipe.execute()
 
     def job_ids(self, owner: str, limit: int | None = None) -> list[str]:

@@ -26,6 +26,7 @@ import time
 
 from redis import Redis
 
+from backend.config import MIN_JOB_RECORD_S
 from backend.protocol import JobEvent
 
 TERMINAL = ("done", "failed", "cancelled")
@@ -33,7 +34,7 @@ _RANK = {"queued": 0, "preprocessing": 1, "waiting": 2, "running": 3, "postproce
          "done": 5, "failed": 5, "cancelled": 5}
 _RANK_JSON = json.dumps(_RANK)
 EVENTS_MAXLEN = 1000
-JOB_TTL_S = 7 * 24 * 3600  # finished jobs' state is kept a week
+JOB_TTL_S = MIN_JOB_RECORD_S  # the default; services pass ``settings.retention.job_record_s``
 
 # KEYS[1] hash, KEYS[2] events stream. ARGV: new rank, status, event json, maxlen, ttl,
 # then field/value pairs to set. Returns 1 when applied, 0 when dropped.
@@ -49,7 +50,7 @@ if redis.call('HEXISTS', KEYS[1], ARGV[2] .. '_at') == 0 then
   redis.call('HSET', KEYS[1], ARGV[2] .. '_at', redis.call('HGET', KEYS[1], 'updated_at'))
 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'event', ARGV[3])
-if new_rank >= 5 then
+if new_rank >= 5 and tonumber(ARGV[5]) > 0 then
   redis.call('EXPIRE', KEYS[1], ARGV[5])
   redis.call('EXPIRE', KEYS[2], ARGV[5])
 end
@@ -89,7 +90,11 @@ def _text(value) -> str:
 
 
 class JobStateStore:
-    def __init__(self, client: Redis):
+    def __init__(self, client: Redis, ttl_s: int = JOB_TTL_S):
+        """``ttl_s``: a finished job's record and events expire that long after it finished (0: never)."""
+        if ttl_s < 0:
+            raise ValueError(f"job record ttl must be >= 0 s (0 keeps records forever), got {ttl_s}")
+        self.ttl_s = int(ttl_s)
         self.client = client
         self._apply = client.register_script(_APPLY)
         # scripts, not WATCH/MULTI: a worker's events change the same hash at any moment
@@ -117,8 +122,7 @@ class JobStateStore:
                             client=pipe)
             return [bool(applied) for applied in pipe.execute()]
 
-    @staticmethod
-    def _argv(event: JobEvent) -> list:
+    def _argv(self, event: JobEvent) -> list:
         fields = {"status": event.status, "updated_at": event.at}
         if event.num_steps:
             fields |= {"step": event.step, "num_steps": event.num_steps}
@@ -126,7 +130,7 @@ class JobStateStore:
             if getattr(event, name):
                 fields[name] = getattr(event, name)
         fields |= {f"timing.{stage}": seconds for stage, seconds in event.timings.items()}
-        argv = [_RANK[event.status], event.status, json.dumps(_event_dict(event)), EVENTS_MAXLEN, JOB_TTL_S,
+        argv = [_RANK[event.status], event.status, json.dumps(_event_dict(event)), EVENTS_MAXLEN, self.ttl_s,
                 _RANK_JSON]
         for name, value in fields.items():
             argv += [name, str(value)]

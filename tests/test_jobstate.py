@@ -6,7 +6,9 @@ import time
 
 import pytest
 
-from backend.jobstate import JobNotFound, JobStateStore
+from backend.config import MIN_JOB_RECORD_S, RetentionSettings
+from backend.history import HistoryIndex, history_key
+from backend.jobstate import JobNotFound, JobStateStore, events_key, job_key
 from backend.protocol import JobEvent
 
 
@@ -113,3 +115,26 @@ def test_a_job_in_post_processing_is_not_requeued(store):
     store.create("pp")
     store.record_event(event("pp", "postprocessing"))
     assert not store.requeue("pp", "worker died") and store.status("pp") == "postprocessing"
+
+
+@pytest.mark.parametrize("results_hours, ttl_s", [(24.0, MIN_JOB_RECORD_S), (24.0 * 30, 30 * 24 * 3600), (0.0, 0)])
+def test_a_finished_jobs_record_lives_as_long_as_its_results_are_kept(redis_client, results_hours, ttl_s):
+    retention = RetentionSettings(results_hours=results_hours)
+    assert retention.job_record_s == ttl_s
+    store = JobStateStore(redis_client, retention.job_record_s)
+    store.create("kept")
+    store.record_event(event("kept", "running", step=1, num_steps=2))
+    assert redis_client.ttl(job_key("kept")) == -1  # a job in flight never expires
+    store.record_event(event("kept", "done", result_ref="results/kept.png"))
+    for key in (job_key("kept"), events_key("kept")):
+        remaining = redis_client.ttl(key)
+        assert remaining == -1 if ttl_s == 0 else ttl_s - 5 <= remaining <= ttl_s
+    history = HistoryIndex(redis_client, limit=10, ttl_s=retention.job_record_s)
+    history.add("alice", "kept", time.time())
+    remaining = redis_client.ttl(history_key("alice"))
+    assert remaining == -1 if ttl_s == 0 else ttl_s - 5 <= remaining <= ttl_s
+
+
+def test_a_negative_record_ttl_is_refused(redis_client):
+    with pytest.raises(ValueError, match="0 keeps records forever"):
+        JobStateStore(redis_client, -1)

@@ -111,8 +111,8 @@ class JobService:
                  jobstate: JobStateStore | None = None):
         self.settings, self.client, self.celery_app = settings, redis_client, celery_app
         self.blobs, self.templates = blobs, templates
-        self.jobstate = jobstate or JobStateStore(redis_client)
-        self.history_index = HistoryIndex(redis_client, settings.studio.history_limit)
+        self.jobstate = jobstate or JobStateStore(redis_client, settings.retention.job_record_s)
+        self.history_index = HistoryIndex(redis_client, settings.studio.history_limit, settings.retention.job_record_s)
 
     # ----- submit ---------------------------------------------------------------------------------
     def submit(self, request: JobRequest) -> SubmittedJob:

@@ -102,7 +102,7 @@ class Dispatcher:
     def __init__(self, settings: Settings, client: Redis, consumer: str | None = None,
                  claim_idle_ms: int = CLAIM_IDLE_MS):
         self.settings, self.client = settings, client
-        self.jobstate = JobStateStore(client)
+        self.jobstate = JobStateStore(client, settings.retention.job_record_s)
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.costs = CostModels(settings)
         d = settings.dispatcher

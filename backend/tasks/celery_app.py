@@ -85,7 +85,7 @@ class _Process:
     def jobstate(self):
         from backend.jobstate import JobStateStore
 
-        return JobStateStore(self.client)
+        return JobStateStore(self.client, self.settings.retention.job_record_s)
 
     def stages(self, model_id: str):
         """The model's CPU stages, built once per process (a task waits while a warm-up builds them)."""

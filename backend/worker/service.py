@@ -116,7 +116,7 @@ def build_worker(settings: Settings, client: Redis, celery_app=None) -> tuple[En
                                    settings.cache.disk_budget_mb << 20, policy=settings.cache.policy,
                                    pin_memory=settings.engine.device.startswith("cuda"))
     blobs = BlobStore(settings.paths.data_dir / "blobs")
-    jobstate = JobStateStore(client)
+    jobstate = JobStateStore(client, settings.retention.job_record_s)
     celery_app = celery_app or make_celery(settings)
     stages = CpuStages(settings, engine, jobstate) if settings.worker.batching == "inline" else None
     worker = EngineWorker(engine, blobs, RedisInbox(client, settings.worker.worker_id),
