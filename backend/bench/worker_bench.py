@@ -104,13 +104,23 @@ def _post_in_process(denoised_json: str) -> tuple[float, float]:
 
 
 # ----- set-up ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Inputs:
+    """What every mode replays: blob refs of the templates and of each request's mask, and the mean
+    size of the templates' cache entries (the RAM budget is counted in them)."""
+
+    template_refs: list[str]
+    mask_refs: list[str]
+    mean_entry_bytes: float
+
+
 def _png(image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return buffer.getvalue()
 
 
-def _prepare_inputs(cfg: BenchConfig, settings: Settings, engine, trace: list[TraceRequest], blobs: BlobStore):
+def _prepare_inputs(cfg: BenchConfig, settings: Settings, engine, trace: list[TraceRequest], blobs: BlobStore) -> _Inputs:
     """Template and mask files for the trace, and every template's cache recorded on disk (not timed)."""
     params = edit_params(engine.spec, settings, steps=cfg.steps, size=cfg.size)
     template_refs, entry_bytes = [], []
@@ -124,13 +134,13 @@ def _prepare_inputs(cfg: BenchConfig, settings: Settings, engine, trace: list[Tr
         synthetic_mask(cfg.size, cfg.size, r.mask_ratio, seed=r.seed).astype(np.uint8) * 255))) for r in trace]
     # The RAM budget is counted in the trace's own entries (the cache directory may hold entries of
     # other models and resolutions, which must not inflate it).
-    return template_refs, mask_refs, sum(entry_bytes) / len(entry_bytes)
+    return _Inputs(template_refs, mask_refs, sum(entry_bytes) / len(entry_bytes))
 
 
-def _edit_job(cfg: BenchConfig, request: TraceRequest, refs: tuple, mode: str, guidance: float) -> EditJob:
-    template_refs, mask_refs, _ = refs
-    return EditJob(job_id=f"{mode}-{request.index}", model_id=cfg.model_id, template_ref=template_refs[request.template],
-                   mask_ref=mask_refs[request.index], prompt=PROMPT, seed=request.seed, steps=cfg.steps,
+def _edit_job(cfg: BenchConfig, request: TraceRequest, inputs: _Inputs, mode: str, guidance: float) -> EditJob:
+    return EditJob(job_id=f"{mode}-{request.index}", model_id=cfg.model_id,
+                   template_ref=inputs.template_refs[request.template], mask_ref=inputs.mask_refs[request.index],
+                   prompt=PROMPT, seed=request.seed, steps=cfg.steps,
                    guidance=guidance, resolution=cfg.size, submitted_at=time.time())
 
 
@@ -138,15 +148,15 @@ def _edit_job(cfg: BenchConfig, request: TraceRequest, refs: tuple, mode: str, g
 class _Run:
     """Drives one worker through the trace; records arrival and completion times per job."""
 
-    def __init__(self, cfg, settings, engine, blobs, mode, ram_templates, refs, pool):
-        self.cfg, self.mode, self.pool, self.refs = cfg, mode, pool, refs
+    def __init__(self, cfg, settings, engine, blobs, mode, ram_templates, inputs: _Inputs, pool):
+        self.cfg, self.mode, self.pool, self.inputs = cfg, mode, pool, inputs
         self.arrival: dict[str, float] = {}
         self.done: dict[str, float] = {}
         self.post_s: list[float] = []
         self.lock = threading.Lock()
         self.inbox = LocalInbox()
         self.sink = LocalSink(on_denoised=None if mode == "inline" else self._post)
-        entry_bytes = refs[2] * 1.05  # slack over the mean entry (every file, trajectory included)
+        entry_bytes = inputs.mean_entry_bytes * 1.05  # slack over the mean entry (every file, trajectory included)
         self.caches = TieredActivationCache(engine.cache_root, int(ram_templates * entry_bytes), 1 << 40,
                                             policy=settings.cache.policy)
         stages = None
@@ -172,7 +182,7 @@ class _Run:
         guidance = self.worker.engine.spec.default_guidance
         for request in trace:
             time.sleep(max(0.0, start + request.arrival_s - time.time()))
-            job = _edit_job(self.cfg, request, self.refs, self.mode, guidance)
+            job = _edit_job(self.cfg, request, self.inputs, self.mode, guidance)
             with self.lock:
                 self.arrival[job.job_id] = time.time()
             if self.mode == "inline":
@@ -231,7 +241,7 @@ def run_worker_bench(cfg: BenchConfig, settings: Settings) -> list[ModeResult]:
     blobs = BlobStore(settings.paths.data_dir / "blobs")
     trace = poisson_trace(cfg.rps, cfg.duration_s, cfg.num_templates, cfg.mask_mean, seed=cfg.seed,
                           burst_factor=cfg.burst_factor)
-    refs = _prepare_inputs(cfg, settings, engine, trace, blobs)
+    inputs = _prepare_inputs(cfg, settings, engine, trace, blobs)
     context = multiprocessing.get_context("spawn")  # never fork a process that holds torch threads
     results = []
     with ProcessPoolExecutor(1, mp_context=context, initializer=_init_cpu_process,
@@ -241,7 +251,7 @@ def run_worker_bench(cfg: BenchConfig, settings: Settings) -> list[ModeResult]:
         if "continuous" in cfg.modes:
             runs.append(("continuous", "continuous, all templates in RAM", cfg.num_templates))
         for mode, label, ram_templates in runs:
-            run = _Run(cfg, settings, engine, blobs, mode, ram_templates, refs, pool)
+            run = _Run(cfg, settings, engine, blobs, mode, ram_templates, inputs, pool)
             try:
                 summary = run.run(trace)
             finally:

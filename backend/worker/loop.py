@@ -117,8 +117,7 @@ class EngineWorker:
 
     def iterate(self, idle_poll_s: float = 0.0) -> bool:
         """One iteration; blocks up to ``idle_poll_s`` for work only when nothing runs. True if a step ran."""
-        wait_s = idle_poll_s if self.scheduler.idle else min(idle_poll_s, HELD_POLL_S) if self._held else 0.0
-        for message in self.inbox.poll(wait_s):
+        for message in self.inbox.poll(self._inbox_wait_s(idle_poll_s)):
             self._receive(message)
         started = time.perf_counter()
         self._claimed.clear()
@@ -149,6 +148,14 @@ class EngineWorker:
         if stepped:
             self.stats.record_step(len(stepped), time.perf_counter() - started, forward_s, job_work_s)
         return bool(stepped)
+
+    def _inbox_wait_s(self, idle_poll_s: float) -> float:
+        """How long to block on the inbox: the whole poll when there is no work; a short poll when
+        every waiting row is held on its cache and nothing runs (so a landed read is seen soon);
+        none while a batch runs."""
+        if self.scheduler.idle:
+            return idle_poll_s
+        return min(idle_poll_s, HELD_POLL_S) if self._held else 0.0
 
     # ----- arrivals -----------------------------------------------------------------------------
     def _receive(self, message) -> None:
