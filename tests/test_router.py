@@ -205,6 +205,25 @@ def test_mask_aware_sends_a_job_to_the_worker_recording_its_template(cost_model)
     assert cost_model.estimate(job(), other)["residency"] == 0.0
 
 
+def test_a_recording_goes_where_its_dense_row_delays_the_fewest_co_runners(cost_model):
+    """t0 is cached nowhere: J records it densely. On w1 J itself would finish sooner (three light
+    rows beside it instead of one heavy one), but its dense row would slow three rows, not one."""
+    heavy = worker("w0", [(0.5, 20, "a")], ram={"a"})
+    light = worker("w1", [(0.02, 20, "b")] * 3, ram={"b"})
+    on_heavy, on_light = cost_model.estimate(job(), heavy), cost_model.estimate(job(), light)
+    assert on_light["run"] < on_heavy["run"]
+    slowdown = cost_model.step_latency([(0.02, "b", True)] * 3 + [(0.1, "t0", False)]) \
+        - cost_model.step_latency([(0.02, "b", True)] * 3)
+    assert on_light["imposed"] == pytest.approx(3 * 20 * slowdown) and on_light["imposed"] > 2 * on_heavy["imposed"]
+    assert router("mask_aware", cost_model).choose(job(), [heavy, light]).worker_id == "w0"
+    # a row that reads a cache costs its co-runners little and is not charged for them
+    cached = cost_model.estimate(job(), worker("w1", [(0.02, 20, "b")] * 3, ram={"b", "t0"}))
+    assert cached["imposed"] == 0.0
+    assert router("mask_aware", cost_model).choose(job(), [worker("w0", [(0.5, 20, "a")], ram={"a", "t0"}),
+                                                           worker("w1", [(0.02, 20, "b")] * 3, ram={"b", "t0"})]
+                                                    ).worker_id == "w1"
+
+
 def test_estimate_bounds_and_queue_wait(cost_model):
     view = worker("w", [(0.2, 3, "a"), (0.1, 30, "b")], waiting=[(0.3, 20, "c")] * 2, ram={"a", "b", "c", "t0"},
                   max_batch=4)

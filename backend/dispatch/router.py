@@ -11,7 +11,8 @@ Policies (``POLICIES``):
   as cached and resident in host RAM (the paper's assumption); R includes the waiting rows that
   fill free slots at the next step (the paper's scheduler puts a dispatched job straight into the
   running batch); no queue, residency or remaining-steps terms.
-* ``mask_aware`` -- the estimated completion time of J on W: ``cost = wait + run + residency``:
+* ``mask_aware`` -- the estimated completion time of J on W, plus, when J computes densely,
+  the time it costs its co-runners: ``cost = wait + run + residency + imposed``:
 
   - residency of a row (for T): a template in W's RAM or disk is *cached* (masked compute plus the
     host->device copy of its unit caches each step); a template in neither tier is *recorded*:
@@ -39,6 +40,13 @@ Policies (``POLICIES``):
     disk_read_s - wait)``, r_rec the recorder's remaining steps (route to the recorder, rather than
     recording it again elsewhere). 0 for RAM (its copies are inside T) and for a recording (its
     dense compute is).
+  - ``imposed = (T(C + J) - T(C)) * sum o_r`` when J runs densely (it records its template, or has
+    none), else 0: the delay J's dense row adds to each co-runner's overlapping steps. A recording
+    costs a step several cached rows' worth (small-flux-fill: +0.59 s a step against ~0.08 s for a
+    cached row at the mean mask), so the rows beside it lose more than it waits itself; in the
+    route simulation (seed 0, loads 0.5 and 0.8) the jobs above P95 had run beside a recording
+    7-16 times as often as jobs overall. Charged for dense J only: for a cached J the same term (tried as a weighted
+    co-runner delay for every job) made P95 worse at loads 0.65-0.9.
 
   Invariants (tested): every term is >= 0; T(J) <= run / n_J <= T(C + J); more steps, a larger
   mask for J or one more running row never lower a cost; for one worker state RAM <= disk and
@@ -334,12 +342,16 @@ class RoutingCostModel:
         t_job = memo.get((id(self), jc))
         if t_job is None:
             t_job = memo[(id(self), jc)] = self._latency([jtoks], [jtmpl])
-        run = n * t_job
+        run, imposed = n * t_job, 0.0
         if co:
-            t_full = max(t_job, self._latency([toks[i] for _, i in co] + [jtoks], [tmpls[i] for _, i in co] + [jtmpl]))
+            co_toks, co_tmpls = [toks[i] for _, i in co], [tmpls[i] for _, i in co]
+            t_full = max(t_job, self._latency(co_toks + [jtoks], co_tmpls + [jtmpl]))
             total_w = sum([weights[i] for _, i in co])
             phi = sum([o * weights[i] for o, i in co]) / (n * total_w) if total_w > 0 else 1.0
             run = n * (t_job + phi * (t_full - t_job))
+            if not jc:  # J computes densely (records): what it costs its co-runners dwarfs its own wait
+                slowdown = max(0.0, t_full - self._latency(co_toks, co_tmpls))
+                imposed = slowdown * sum([o for o, _ in co])
         residency = 0.0
         if tier == "disk":
             pending, seen = 0.0, set()  # W reads one template at a time: those its waiting rows prefetch first
@@ -351,8 +363,8 @@ class RoutingCostModel:
             residency = max(0.0, pending + self.disk_read_s(n) - wait)  # J is held until its read lands
         elif recorder is not None:  # held until W's recording of t_J is committed and read into RAM
             residency = max(0.0, recorder * t_first + self.disk_read_s(n) - wait)
-        return {"wait": wait, "run": run, "residency": residency, "total": wait + run + residency,
-                "admit_step": float(admit)}
+        return {"wait": wait, "run": run, "residency": residency, "imposed": imposed,
+                "total": wait + run + residency + imposed, "admit_step": float(admit)}
 
 
 def load_cost_models(profiles_dir: Path, mode: str = "kv", **kwargs) -> dict[tuple[str, str], RoutingCostModel]:
@@ -422,7 +434,7 @@ class Router:
         if policy == "mask_aware":
             d = detail[best]
             why = (f"min estimated completion {d['total']:.3f} s (wait {d['wait']:.3f} + run {d['run']:.3f}"
-                   f" + residency {d['residency']:.3f})")
+                   f" + residency {d['residency']:.3f} + imposed {d['imposed']:.3f})")
         else:
             why = f"min {policy} cost {costs[best]:.4g}"
         return Decision(best, policy, f"{why} among {len(candidates)} candidate(s){note}", costs)
