@@ -70,10 +70,13 @@ def test_a_row_whose_cache_is_still_being_read_waits_while_the_batch_runs(engine
     assert worker.iterate()  # still in flight: "first" steps again, "second" still waits
     assert running_steps(sink, "first")[-1] == 3
     assert "running" not in sink.statuses("second") and list(worker.scheduler.waiting) == ["second"]
+    held = worker.stats.snapshot()
+    assert held["held_rows"] == 1 and held["held_row_schedules_total"] >= 2  # what /metrics reports
     go.set()
     drain(worker, caches)
     assert {j.job_id: j.used_cache for j in sink.denoised_jobs} == {"first": True, "second": True}
     assert caches.metrics.load_waits == 0  # no acquire ever waited for a read: the batch never stalled
+    assert worker.stats.snapshot()["held_rows"] == 0
     caches.close()
 
 

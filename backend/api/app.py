@@ -125,7 +125,8 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
     app = FastAPI(title="MaskServe", version="1", summary="Mask-based image edits: template gallery and jobs",
                   docs_url="/docs", redoc_url=None)
     app.state.settings, app.state.redis, app.state.templates = settings, client, templates
-    app.state.service = JobService(settings, client, celery_app, blobs, templates, JobStateStore(client, settings.retention.job_record_s))
+    jobstate = JobStateStore(client, settings.retention.job_record_s)
+    app.state.service = JobService(settings, client, celery_app, blobs, templates, jobstate)
     app.state.metrics = metrics
     app.state.sse_limiter = anyio.CapacityLimiter(MAX_EVENT_STREAMS)
     limiter = RateLimiter(client, settings.api.rate_limit_per_minute, settings.api.rate_limit_burst)

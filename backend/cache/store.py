@@ -294,9 +294,9 @@ class TieredActivationCache:
             self._load_in_background(entry_id, prefetch_at=time.monotonic())
 
     def ready(self, key: CacheKey) -> bool:
-        """Whether ``acquire(key)`` would return a RAM handle, or one that never gets one, without
-        waiting: True for an entry in RAM, a miss, or one too large for the whole RAM budget (read
-        lazily from disk, file by file). An entry on disk only starts its load here (if none runs:
+        """Whether a row of ``key`` may join the batch now, ``acquire(key)`` returning at once: True
+        for an entry in RAM, a miss, or an entry too large for the whole RAM budget (it is only
+        ever read lazily from disk, file by file). An entry on disk only starts its load here (if none runs:
         e.g. evicted from RAM since it was prefetched) and reads False until the load lands, or,
         when RAM is full of entries in use, until a running row releases one: the worker keeps
         such a row queued (prefetch-gated admission) instead of stalling its running batch on the

@@ -17,9 +17,9 @@ of this worker is recording its template (it waits for that recording's commit, 
 loads the new entry into RAM, rather than computing densely beside it; a row admitted in the same
 step as the recorder waits too). Until then it keeps its place in the queue and rows behind it take
 the free slots; the running batch never stalls on a read. A row found ready acquires (pins) its
-entry at once, so a read started for a row behind it in the same schedule cannot evict it. With nothing else to run the loop polls
-its inbox every ``HELD_POLL_S`` while the reads land. ``backend.bench.route_bench`` simulates the
-same rule.
+entry at once, so a read started for a row behind it in the same schedule cannot evict it. With
+nothing else to run the loop polls its inbox every ``HELD_POLL_S`` while the reads land.
+``backend.bench.route_bench`` simulates the same rule.
 
 A broken template cache never fails a job: an entry found missing or corrupt when acquired reads as
 a miss (``TieredActivationCache``); one whose file turns out missing or corrupt when the row is
@@ -123,6 +123,7 @@ class EngineWorker:
         self._claimed.clear()
         out = self.scheduler.schedule(time.time(), self._ready)
         self._held = bool(out.held) and not self.scheduler.running
+        self.stats.record_held(len(out.held))
         for job_id in out.cancelled:
             self._finish(job_id, "cancelled", "cancelled by the user")
         job_work_started = time.perf_counter()

@@ -34,6 +34,8 @@ class WorkerStats:
     max_rows: int = 0
     jobs_by_status: Counter = field(default_factory=Counter)
     cache_fallbacks: int = 0  # rows that found their template cache broken and computed densely
+    held_rows: int = 0  # waiting rows the last schedule held on their cache (a read in flight, RAM full, a recording)
+    held_row_schedules: int = 0  # total of held_rows over every schedule: steady growth = RAM tier or disk too slow
     recent_overhead_s: deque = field(default_factory=deque)
 
     def record_step(self, num_rows: int, iteration_s: float, forward_s: float, job_work_s: float = 0.0) -> None:
@@ -46,6 +48,10 @@ class WorkerStats:
         self.recent_overhead_s.append(max(0.0, iteration_s - forward_s - job_work_s))
         if len(self.recent_overhead_s) > self.window:
             self.recent_overhead_s.popleft()
+
+    def record_held(self, num_rows: int) -> None:
+        self.held_rows = num_rows
+        self.held_row_schedules += num_rows
 
     def record_job(self, status: str) -> None:
         self.jobs_by_status[status] += 1
@@ -63,4 +69,6 @@ class WorkerStats:
             "max_batch_rows": self.max_rows,
             "jobs": dict(self.jobs_by_status),
             "cache_fallbacks_total": self.cache_fallbacks,
+            "held_rows": self.held_rows,
+            "held_row_schedules_total": self.held_row_schedules,
         }
