@@ -42,14 +42,15 @@ from safetensors.torch import save_file
 from backend.cache.manager import CacheManager, CacheMetrics, DeleteFromDisk, DropFromRam, Eviction, Residency, Tier
 from backend.cache.policies import POLICIES
 from backend.engine.cache_store import (MANIFEST, TRAJECTORY, CacheError, CacheCorruptError, CacheKey,
-                                        CacheMismatchError, CacheWriter, TemplateCache, step_file, tensor_name)
+                                        CacheMismatchError, CacheWriter, ManifestView, TemplateCache, step_file,
+                                        tensor_name)
 
 log = logging.getLogger(__name__)
 
 UNUSABLE = (CacheError, OSError, SafetensorError)  # reading an entry failed: delete it, recompute
 
 
-class MemoryTemplateCache:
+class MemoryTemplateCache(ManifestView):
     """One entry with every tensor resident in host memory; the read API of ``TemplateCache``.
 
     Invariants: built only from files whose SHA-256 matches the manifest; reads return the
@@ -75,21 +76,8 @@ class MemoryTemplateCache:
             files[file_name] = {name: t.pin_memory() for name, t in tensors.items()} if pin_memory else tensors
         return cls(path, manifest, files)
 
-    @property
-    def num_steps(self) -> int:
-        return self.manifest["num_steps"]
-
-    @property
-    def num_units(self) -> int:
-        return self.manifest["num_units"]
-
-    @property
-    def bytes_total(self) -> int:
-        return self.manifest["bytes_total"]
-
     def step_tensor(self, step: int, unit: int, name: str) -> torch.Tensor:
-        if not 0 <= step < self.num_steps:
-            raise CacheMismatchError(f"step {step} outside the cache's {self.num_steps} steps")
+        self._check_step(step)
         return self._files[step_file(step)][tensor_name(unit, name)]
 
     def has(self, step: int, unit: int, name: str) -> bool:

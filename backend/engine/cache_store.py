@@ -158,7 +158,30 @@ class CacheWriter:
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
-class TemplateCache:
+class ManifestView:
+    """What a committed entry's manifest says, for every reader of one (``TemplateCache`` here,
+    ``backend.cache.MemoryTemplateCache`` in RAM): ``self.manifest`` is the parsed manifest."""
+
+    manifest: dict
+
+    @property
+    def num_steps(self) -> int:
+        return self.manifest["num_steps"]
+
+    @property
+    def num_units(self) -> int:
+        return self.manifest["num_units"]
+
+    @property
+    def bytes_total(self) -> int:
+        return self.manifest["bytes_total"]
+
+    def _check_step(self, step: int) -> None:
+        if not 0 <= step < self.num_steps:
+            raise CacheMismatchError(f"step {step} outside the cache's {self.num_steps} steps")
+
+
+class TemplateCache(ManifestView):
     """Read access to one committed entry. Tensors are read lazily, one (step, unit, name) at a time."""
 
     def __init__(self, path: Path, manifest: dict):
@@ -194,18 +217,6 @@ class TemplateCache:
                 raise CacheCorruptError(f"cache file {self.path / file_name} is missing: prepare the template again",
                                         self.path)
 
-    @property
-    def num_steps(self) -> int:
-        return self.manifest["num_steps"]
-
-    @property
-    def num_units(self) -> int:
-        return self.manifest["num_units"]
-
-    @property
-    def bytes_total(self) -> int:
-        return self.manifest["bytes_total"]
-
     def _handle(self, file_name: str):
         if file_name not in self._verified:
             file_path = self.path / file_name
@@ -221,8 +232,7 @@ class TemplateCache:
 
     def step_tensor(self, step: int, unit: int, name: str) -> torch.Tensor:
         """(halves, num_tokens, C) tensor recorded for ``unit`` at denoising ``step``."""
-        if not 0 <= step < self.num_steps:
-            raise CacheMismatchError(f"step {step} outside the cache's {self.num_steps} steps")
+        self._check_step(step)
         return self._handle(step_file(step)).get_tensor(tensor_name(unit, name))
 
     def has(self, step: int, unit: int, name: str) -> bool:
