@@ -132,6 +132,28 @@ def test_fits_ram_tells_an_entry_that_never_fits_from_one_waiting_for_room():
     assert not manager.fits_ram("unknown")
 
 
+def test_an_entry_another_process_deleted_from_disk():
+    manager = _manager(ram=100, disk=1000)
+    for entry_id in ("in_ram", "on_disk", "read_lazily"):
+        _stored(manager, entry_id, 40)
+    _loaded(manager, "in_ram")
+    manager.pin("read_lazily")
+    for entry_id in ("in_ram", "on_disk", "read_lazily"):
+        manager.disk_gone(entry_id)
+    assert manager.residency("in_ram") is Residency.RAM and manager.resident(Tier.DISK) == ["read_lazily"]
+    assert manager.residency("on_disk") is Residency.MISS and manager.used_bytes[Tier.DISK] == 40
+    assert manager.metrics.corrupt_entries == 0  # not damage: nothing to report
+    assert manager.prepare_store("on_disk", 40, Tier.DISK).ok  # recorded again from scratch
+
+
+def test_a_use_by_another_process_ranks_the_entry_as_just_used():
+    manager = _manager(disk=100)
+    manager.register_disk("a", 50)
+    manager.register_disk("b", 50)
+    manager.touch("a")  # another worker edited a: b is now the coldest
+    assert manager.register_disk("c", 50) == (DeleteFromDisk("b"),)
+
+
 def test_forget_releases_bytes_pins_and_in_flight_loads():
     manager = _manager()
     _stored(manager, "a", 40)
@@ -235,7 +257,8 @@ def _busy(manager: CacheManager) -> set[str]:
 def _random_op(shell: _Shell, rng: random.Random) -> None:
     manager, ids = shell.manager, [f"e{i}" for i in range(12)]
     entry_id, busy = rng.choice(ids), _busy(manager)
-    op = rng.choice(["store", "lookup", "load", "finish_load", "finish_store", "pin", "unpin", "forget"])
+    op = rng.choice(["store", "lookup", "load", "finish_load", "finish_store", "pin", "unpin", "forget",
+                     "touch", "disk_gone"])
     residency = manager.residency(entry_id)
     if op == "store" and entry_id not in {e.entry_id for e in manager.entries()}:
         tier = rng.choice([Tier.RAM, Tier.DISK, Tier.BOTH])
@@ -272,6 +295,13 @@ def _random_op(shell: _Shell, rng: random.Random) -> None:
         shell.pins[entry_id] -= 1
     elif op == "forget" and rng.random() < 0.3:
         shell.forget(entry_id)
+    elif op == "touch":  # another process sharing the disk tier used it
+        manager.touch(entry_id)
+    elif op == "disk_gone" and entry_id in shell.disk and rng.random() < 0.05:  # another process deleted it
+        in_ram, busy = entry_id in shell.ram, entry_id in busy
+        manager.disk_gone(entry_id)
+        if in_ram or not busy:  # a busy disk-only entry is left to its reader
+            shell.disk.discard(entry_id)
 
 
 def _check_invariants(shell: _Shell) -> None:

@@ -374,3 +374,28 @@ def test_a_recording_published_by_another_worker_on_the_same_directory_is_found(
     assert _same_tensors(TemplateCache.open(tmp_path / _key(4).digest()), a.acquire(_key(4)))
     for cache in (a, b, c):
         cache.close()
+
+
+def test_workers_sharing_a_directory_keep_the_template_another_worker_uses(tmp_path, entry_bytes):
+    a, b = _open(tmp_path, 0, 2.5, entry_bytes), _open(tmp_path, 0, 2.5, entry_bytes)  # one host, two workers
+    for n in (1, 2):
+        _record_through(a, n)  # in a's own view entry 1 is now the coldest
+    assert type(b.acquire(_key(1))) is TemplateCache  # but b edits template 1
+    b.release(_key(1))
+    _record_through(a, 3)  # a makes room: it must drop 2, which nobody used since it was recorded
+    assert (tmp_path / _key(1).digest()).exists() and not (tmp_path / _key(2).digest()).exists()
+    for cache in (a, b):
+        cache.close()
+
+
+def test_workers_sharing_a_directory_keep_it_within_one_budget(tmp_path, entry_bytes):
+    a, b = _open(tmp_path, 0, 2.5, entry_bytes), _open(tmp_path, 0, 2.5, entry_bytes)
+    for n in (1, 2):
+        _record_through(a, n)
+    _record_through(b, 3)  # b counts a's two entries too: the coldest of them goes
+    entries = {p.name for p in tmp_path.iterdir() if (p / cache_store.MANIFEST).exists()}
+    assert entries == {_key(2).digest(), _key(3).digest()}
+    # a has not looked since: entry 1, deleted by b, reads as a miss, not as a damaged entry
+    assert a.acquire(_key(1)) is None and a.metrics.corrupt_entries == 0
+    for cache in (a, b):
+        cache.close()

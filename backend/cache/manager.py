@@ -210,6 +210,26 @@ class CacheManager:
     def resident(self, tier: Tier) -> list[str]:
         return [e.entry_id for e in self._entries.values() if e.resident(tier)]
 
+    # ----- other processes sharing the disk tier ----------------------------------------------------
+    def touch(self, entry_id: str) -> None:
+        """Another process sharing the disk tier used ``entry_id``: rank it as just used (no metrics)."""
+        if entry_id in self._entries:
+            for policy in self._policies.values():
+                policy.on_access(entry_id)
+
+    def disk_gone(self, entry_id: str) -> None:
+        """Another process deleted ``entry_id`` from the shared disk tier. A RAM copy stays usable
+        (RAM-only now: spilled back if evicted, as after a deletion of this manager's own); an
+        entry read lazily from disk or being loaded is left to its reader, which meets the loss
+        and forgets it; otherwise the entry is forgotten (not counted corrupt)."""
+        entry = self._entries.get(entry_id)
+        if entry is None or not entry.on_disk or entry.storing:
+            return
+        if entry.in_ram:
+            self._update(entry, on_disk=False)
+        elif not entry.busy:
+            self._remove(entry)
+
     def entries(self) -> list[EntryState]:
         """Copies of every entry's state (for invariant checks and debugging)."""
         return [replace(e) for e in self._entries.values()]

@@ -16,7 +16,12 @@ Invariants:
 - an unusable entry (missing or corrupt file) is forgotten and deleted, and callers see a miss;
 - workers sharing one directory see each other's recordings: a key this manager does not know is
   looked up on disk (``_discover``) before it counts as a miss, and a commit of a key another
-  worker has published meanwhile is dropped, leaving theirs in place.
+  worker has published meanwhile is dropped, leaving theirs in place;
+- they also share the disk tier's budget and recency: every acquire stamps the entry's manifest
+  mtime, and before a commit makes room on disk the manager folds in the directory as it is
+  (``_sync_with_directory``: entries others published are counted, entries others deleted are
+  forgotten, entries others used more recently than it knew rank as just used), so no worker
+  deletes a template another uses all the time, and the directory stays within one budget.
 """
 
 from __future__ import annotations
@@ -48,6 +53,14 @@ from backend.engine.cache_store import (MANIFEST, TRAJECTORY, CacheError, CacheC
 log = logging.getLogger(__name__)
 
 UNUSABLE = (CacheError, OSError, SafetensorError)  # reading an entry failed: delete it, recompute
+
+
+def _mtime_ns(path: Path) -> int:
+    """``path``'s modification time in ns, 0 when it does not exist."""
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return 0
 
 
 class MemoryTemplateCache(ManifestView):
@@ -161,6 +174,7 @@ class TieredActivationCache:
         self._commit_lock = threading.Lock()  # one commit at a time: two of one key must not interleave
         self._ram: dict[str, MemoryTemplateCache] = {}
         self._loads: dict[str, _Load] = {}
+        self._seen_ns: dict[str, int] = {}  # entry id -> last manifest mtime this worker set or saw
         self._executor = ThreadPoolExecutor(max_workers=prefetch_threads, thread_name_prefix="cache-prefetch")
         self._closed = False
         self._register_existing()
@@ -184,9 +198,10 @@ class TieredActivationCache:
                 log.warning("cache entry ignored path=%s error=%s", path, exc)
                 continue
             if cache.key.digest() == path.name:
-                found.append(((path / MANIFEST).stat().st_mtime, path.name, cache.bytes_total))
+                found.append(((path / MANIFEST).stat().st_mtime_ns, path.name, cache.bytes_total))
         with self._lock:
-            for _, entry_id, size_bytes in sorted(found):
+            for mtime_ns, entry_id, size_bytes in sorted(found):
+                self._seen_ns[entry_id] = mtime_ns
                 self._execute(self._manager.register_disk(entry_id, size_bytes))
             log.info("cache opened root=%s entries=%d disk_bytes=%d", self.root,
                      len(self._manager.resident(Tier.DISK)), self._manager.used_bytes[Tier.DISK])
@@ -205,8 +220,39 @@ class TieredActivationCache:
         except UNUSABLE:
             return  # half-written or damaged: not ours to delete; a miss
         if cache.key.digest() == entry_id:
+            self._seen_ns[entry_id] = _mtime_ns(path / MANIFEST)
             evictions = self._manager.register_disk(entry_id, cache.bytes_total)
             self._execute(tuple(e for e in evictions if not (isinstance(e, DeleteFromDisk) and e.entry_id == entry_id)))
+
+    def _sync_with_directory(self) -> None:
+        """Under the lock: fold in what other workers sharing ``root`` did (module docstring). A
+        directory scan and a ``stat`` per entry: run before a commit makes room on disk, not per step."""
+        listed = {}
+        for path in self.root.iterdir():
+            if not path.name.startswith("."):
+                mtime_ns = _mtime_ns(path / MANIFEST)
+                if mtime_ns:
+                    listed[path.name] = mtime_ns
+        for entry in self._manager.entries():
+            if entry.on_disk and entry.entry_id not in listed:
+                self._manager.disk_gone(entry.entry_id)
+        used_elsewhere = sorted((mtime_ns, entry_id) for entry_id, mtime_ns in listed.items()
+                                if mtime_ns > self._seen_ns.get(entry_id, 0))
+        for mtime_ns, entry_id in used_elsewhere:  # oldest first: the policy's order follows their times
+            if self._manager.residency(entry_id) is Residency.MISS:
+                self._discover(entry_id)  # published by another worker: counted against the budget
+            else:
+                self._manager.touch(entry_id)
+            self._seen_ns[entry_id] = mtime_ns
+
+    def _stamp_use(self, entry_id: str) -> None:
+        """Under the lock: tell workers sharing ``root`` that this entry was just used."""
+        now_ns = time.time_ns()
+        try:
+            os.utime(self.root / entry_id / MANIFEST, ns=(now_ns, now_ns))
+        except OSError:
+            return  # deleted meanwhile: the read meets it
+        self._seen_ns[entry_id] = now_ns
 
     # ----- reading ---------------------------------------------------------------------------------
     def acquire(self, key: CacheKey) -> MemoryTemplateCache | TemplateCache | None:
@@ -218,6 +264,7 @@ class TieredActivationCache:
             residency = self._manager.lookup(entry_id, now=time.monotonic())
             if residency is Residency.MISS:
                 return None
+            self._stamp_use(entry_id)
             self._manager.pin(entry_id)
             handle = self._ram.get(entry_id)
             load, run_here = self._pending_load(entry_id, residency)
@@ -374,6 +421,7 @@ class TieredActivationCache:
         entry_id = writer.key.digest()
         with self._commit_lock:
             with self._lock:
+                self._sync_with_directory()  # budget and recency over what every worker did
                 self._discover(entry_id)  # another worker published it meanwhile: keep theirs
                 known = self._manager.residency(entry_id) is not Residency.MISS
                 if writer.failed is not None:
@@ -394,6 +442,7 @@ class TieredActivationCache:
                     return None
                 self._execute(plan.evictions)
                 self._manager.complete_store(entry_id, ok=True)
+                self._seen_ns[entry_id] = _mtime_ns(disk.path / MANIFEST)  # our own write, not a use elsewhere
                 self._load_in_background(entry_id, spare_prefetched=True)  # likely edited again: speculative
         return disk
 
@@ -419,12 +468,18 @@ class TieredActivationCache:
         handle = self._ram.pop(entry_id)
         try:
             handle.save(self.root)
+            self._seen_ns[entry_id] = _mtime_ns(self.root / entry_id / MANIFEST)
         except OSError as exc:
             log.warning("cache spill failed entry=%s error=%s: entry dropped", entry_id, exc)
             self._manager.forget(entry_id)
             self._manager.metrics.store_failures += 1
 
     def _discard(self, entry_id: str, exc: Exception) -> None:
+        if not (self.root / entry_id).exists():  # another worker sharing the directory deleted it
+            log.info("cache entry gone from disk entry=%s: deleted by another worker", entry_id)
+            self._manager.forget(entry_id)
+            self._ram.pop(entry_id, None)
+            return
         log.warning("cache entry unusable, deleted entry=%s error=%s", entry_id, exc)
         self._manager.forget(entry_id, corrupt=True)
         self._ram.pop(entry_id, None)
