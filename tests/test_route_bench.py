@@ -104,6 +104,17 @@ def test_sim_an_idle_worker_wakes_when_the_held_read_lands():
     assert sim.done_at[0] == pytest.approx(1.0 + read + 4 * model.step_latency([(0.1, "tpl1", True)]))
 
 
+def test_sim_holds_a_row_while_every_ram_slot_holds_a_template_in_use():
+    cfg, model, make = _sim(disk=(0, 1), ram_templates=1)  # as the real worker: no file-by-file reads
+    sim = make([_req(0, 0.0, 0), _req(1, 0.1, 1)])
+    sim.workers[0].ram["tpl0"] = None
+    sim.run()
+    read = cfg.disk_read_s_per_byte * model.step_cache_bytes * cfg.steps
+    alone = model.step_latency([(0.1, "tpl1", True)])
+    assert sim.counts["disk_reads"] == 1 and len(sim.workers[0].ram) == 1
+    assert sim.done_at[1] >= sim.done_at[0] + read + 4 * alone - 1e-9  # its read waited for job 0 to retire
+
+
 def test_sim_records_a_template_once_per_worker_and_its_other_rows_read_the_cache():
     cfg, model, make = _sim()
     sim = make([_req(0, 0.0, 5), _req(1, 0.1, 5)])

@@ -161,6 +161,10 @@ class _Simulation:
         self.decisions: list[float] = []
         self.counts = {"ram_hits": 0, "disk_reads": 0, "dense_rows": 0, "held": 0}
 
+    def ram_in_use(self, w: _Worker) -> bool:
+        """Every RAM slot of ``w`` holds a template a running row uses: a read must wait for one."""
+        return len({r.template for r in w.running if r.cached}) >= self.cfg.ram_templates
+
     def read(self, w: _Worker, template: str, now: float) -> float:
         """Queue a disk -> RAM read of ``template`` on ``w`` (one read at a time); when it lands."""
         w.disk_free_at = max(now, w.disk_free_at) + self.read_s
@@ -203,7 +207,8 @@ class _Simulation:
             return False
         w = self.workers[int(decision.worker_id[1:])]
         row = _Row(req.index, job.template, req.mask_ratio, self.cfg.steps, arrived_at=req.arrival_s)
-        if row.template not in w.ram and row.template in self.disk and row.template not in w.fetching:
+        if (row.template not in w.ram and row.template in self.disk and row.template not in w.fetching
+                and not self.ram_in_use(w)):
             self.read(w, row.template, now)  # prefetch disk -> RAM while the job waits
         w.waiting.append(row)
         if not w.busy:
@@ -214,9 +219,10 @@ class _Simulation:
         """Admission at a step boundary, as ``EngineWorker`` with ``BatchScheduler.schedule(ready=)``:
         waiting rows fill free slots in FIFO order, but a row is admitted only once its cache can be
         acquired without waiting (prefetch-gated admission): a read still in flight, a template
-        evicted from RAM since (its read starts now) or a template this worker is recording (it
-        lands in RAM after the commit) hold that row in the queue, keeping its place, while rows
-        behind it take the slots; nothing ever stalls the batch. A worker left with nothing to run
+        evicted from RAM since (its read starts now, or, while every RAM slot holds a template a
+        running row uses, once a row retires and frees one) or a template this worker is
+        recording (it lands in RAM after the commit) hold that row in the queue, keeping its place,
+        while rows behind it take the slots; nothing ever stalls the batch. A worker left with nothing to run
         wakes when the first held read lands."""
         recording = {r.template for r in w.running if not r.cached}
         held: list[_Row] = []
@@ -225,13 +231,15 @@ class _Simulation:
             row = w.waiting.popleft()
             t = row.template
             lands, read = w.fetching.get(t), False
+            ram_in_use = self.ram_in_use(w)
             if lands is not None and lands <= now:  # its read has landed: in RAM now
                 del w.fetching[t]
                 w.touch(t)
                 lands, read = None, True
-            elif lands is None and t not in w.ram and t in self.disk:
+            elif lands is None and t not in w.ram and t in self.disk and not ram_in_use:
                 lands = self.read(w, t, now)  # evicted (or published) since it arrived: prefetch now
-            if lands is not None or (t in recording and t not in w.ram):
+            room_later = lands is None and t not in w.ram and t in self.disk  # RAM full of templates in use
+            if lands is not None or room_later or (t in recording and t not in w.ram):
                 held.append(row)
                 self.counts["held"] += 1
                 wake = min(wake, lands if lands is not None else math.inf)
