@@ -107,13 +107,16 @@ def cmd_profile(args, settings: Settings) -> int:
 def cmd_up(args, settings: Settings) -> int:
     """Start every role on this machine and wait; Ctrl-C stops them all."""
     from backend.runtime import stop_event_on_signals
-    from backend.services.stack import Stack, engine_devices, plan_roles, stack_api_key, stack_login
+    from backend.services.redis_server import free_port
+    from backend.services.stack import (Stack, assign_metrics_ports, engine_devices, plan_roles, stack_api_key,
+                                        stack_login)
     from studio.share import share_url_path, wait_for_share_url
 
     if args.share and settings.api.auth_disabled:
         raise ValueError("--share publishes the studio on a public link: it needs the login, so unset "
                          "MASKSERVE_AUTH_DISABLED (users come from MASKSERVE_USERS or are generated)")
     roles = plan_roles(settings, engine_devices(), cpu_workers=args.cpu_workers)
+    metrics_ports = assign_metrics_ports(roles, settings, free_port)
     api_key, (user, password) = stack_api_key(settings), stack_login(settings)
     for role in roles:
         if role.name == "api":
@@ -127,9 +130,11 @@ def cmd_up(args, settings: Settings) -> int:
         redis_url = stack.start()
         base = f"http://{settings.api.host}:{settings.api.port}"
         login = f"{user} / {password}" if user else "(from MASKSERVE_USERS)"
+        role_metrics = ", ".join(f"{name} http://127.0.0.1:{port}/metrics" for name, port in metrics_ports.items())
         print(f"Studio     {base}{settings.studio.path}/   (login {login})\n"
               f"REST API   {base}/v1   (docs {base}/docs, metrics {base}/metrics)\n"
               f"API key    {api_key or '(from MASKSERVE_API_KEYS)'}\nRedis      {redis_url}\n"
+              f"metrics    {role_metrics}\n"
               f"logs       {stack.log_dir}/<role>.log\n"
               f"roles      {', '.join(r.name for r in roles)}\nCtrl-C stops everything.", flush=True)
         if stack.wait_ready(f"{base}/readyz", stop):

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 
 STACK_USER = "studio"
 STOP_GRACE_S = 15.0
+METRICS_PORT_VARIABLES = {"worker": "MASKSERVE_WORKER_METRICS_PORT", "cpu-worker": "MASKSERVE_CPU_METRICS_PORT",
+                          "dispatcher": "MASKSERVE_DISPATCHER_METRICS_PORT"}
 
 
 @dataclass
@@ -56,6 +59,23 @@ def plan_roles(settings: Settings, devices: list[str], cpu_workers: int = 1) -> 
     _share_cpu_threads(roles, [r for r in roles if r.name.startswith("cpu-worker")] +
                        [r for r, device in zip(roles[cpu_workers + 1:], devices) if device == "cpu"])
     return roles
+
+
+def assign_metrics_ports(roles: list[Role], settings: Settings, pick_port: Callable[[], int]) -> dict[str, int]:
+    """Give every engine worker, CPU worker and dispatcher its own Prometheus port (the API serves
+    ``/metrics`` on its own port); returns role name -> port. A port configured for a kind of role
+    is the first of its roles' consecutive ports; otherwise ``pick_port`` picks a free one."""
+    configured = {"worker": settings.worker.metrics_port, "cpu-worker": settings.celery.metrics_port,
+                  "dispatcher": settings.dispatcher.metrics_port}
+    ports, seen = {}, {kind: 0 for kind in configured}
+    for role in roles:
+        kind = role.args[0]
+        if kind not in configured:
+            continue
+        ports[role.name] = configured[kind] + seen[kind] if configured[kind] else pick_port()
+        seen[kind] += 1
+        role.env[METRICS_PORT_VARIABLES[kind]] = str(ports[role.name])
+    return ports
 
 
 def _share_cpu_threads(roles: list[Role], heavy: list[Role]) -> None:
