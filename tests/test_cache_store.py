@@ -399,3 +399,15 @@ def test_workers_sharing_a_directory_keep_it_within_one_budget(tmp_path, entry_b
     assert a.acquire(_key(1)) is None and a.metrics.corrupt_entries == 0
     for cache in (a, b):
         cache.close()
+
+
+def test_a_ram_copy_outlives_its_directory_deleted_by_another_worker(tmp_path, entry_bytes):
+    a, b = _open(tmp_path, 2.5, 2.5, entry_bytes), _open(tmp_path, 0, 1.5, entry_bytes)
+    _record_through(a, 1)  # in a's RAM and on disk
+    _record_through(b, 2)  # b's budget holds one entry: it deletes a's directory of entry 1
+    assert not (tmp_path / _key(1).digest()).exists()
+    _record_through(a, 3)  # a folds the deletion in: entry 1 is RAM-only now, still served from RAM
+    assert isinstance(a.acquire(_key(1)), MemoryTemplateCache) and a.metrics.corrupt_entries == 0
+    assert _key(1).digest() in a.resident(Tier.RAM) and _key(1).digest() not in a.resident(Tier.DISK)
+    for cache in (a, b):
+        cache.close()
