@@ -213,13 +213,19 @@ class EngineWorker:
             return job.message.prepare  # a prepare job for it ends at once ("being recorded")
         if not self.caches.ready(key):
             return False
-        try:  # pinned now: a read started for a row behind it in this schedule must not evict it
-            job.early_cache = (self._acquire(job), None)
-        except Exception as exc:  # reported by _admit, where admission failures are handled
-            job.early_cache = (None, exc)
-        if job.early_cache == (None, None) and self._should_record(job, forced=job.message.prepare):
+        cache, error = job.early_cache = self._acquire_early(job)
+        if cache is None and error is None and self._should_record(job, forced=job.message.prepare):
             self._claimed.add(digest)  # a miss this row will record: same-template rows behind it wait
         return True
+
+    def _acquire_early(self, job: _Job) -> tuple:
+        """(handle, error) of the row's cache, acquired (pinned) as soon as the row is found ready: a
+        read started for a row behind it in the same schedule must not evict it. An error is raised
+        later by ``_admit``, where admission failures are handled."""
+        try:
+            return self._acquire(job), None
+        except Exception as exc:
+            return None, exc
 
     def _take_cache(self, job: _Job):
         """The row's cache handle: the one ``_ready`` acquired, else acquired now."""
