@@ -228,7 +228,7 @@ def cmd_bench_route(args, settings: Settings) -> int:
                            prerecorded=args.prerecorded, mask_mean=args.mask_mean, burst_factor=args.burst,
                            disk_read_s_per_byte=1e-9 / args.disk_gbps, seed=args.seed,
                            late_binding=args.late_binding, queue_depth=args.queue_depth,
-                           capacity_rps=args.capacity_rps)
+                           capacity_rps=args.capacity_rps, load_scale=args.load_scale)
     report = run_route_bench(cfg, progress=print)
     if args.decisions:
         report["decision_time_ms"] = decision_time(cost_model_for(cfg), decisions=args.decisions)
@@ -352,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the dispatcher holds jobs until a worker has slack (as MASKSERVE_LATE_BINDING)")
     route.add_argument("--queue-depth", type=int, default=0, help="with --late-binding: waiting rows a worker "
                        "may hold beyond its batch (as MASKSERVE_QUEUE_DEPTH)")
+    route.add_argument("--load-scale", type=float, default=1.0,
+                       help="what-if: multiply the profile's cache-load slope (e.g. a PCIe-bound GPU); not a measurement")
     route.add_argument("--capacity-rps", type=float, default=0.0,
                        help="loads as fractions of this rate (default: the measured saturation throughput)")
     route.add_argument("--decisions", type=int, default=2000, help="routing decisions timed (0: skip)")

@@ -134,3 +134,15 @@ def test_sim_late_binding_holds_jobs_in_arrival_order_until_a_slot_frees():
     alone = model.step_latency([(0.1, "tpl0", True)])
     assert sim.done_at[2] >= sim.done_at[0] + 4 * alone  # dispatched only once job 0 had left
     assert len(sim.decisions) > 4  # jobs 2 and 3 were refused (held at the dispatcher) before a slot freed
+
+
+def test_a_load_scale_what_if_makes_small_masks_load_bound_and_shared_templates_cheap():
+    measured = cost_model_for(RouteBenchConfig(profiles_dir=str(PROFILES)))
+    slow = cost_model_for(RouteBenchConfig(profiles_dir=str(PROFILES), load_scale=650))
+    distinct = [(0.05, f"t{i}", True) for i in range(8)]
+    shared = [(0.05, "t0", True)] * 8
+    assert slow.step_latency(distinct) > 3 * measured.step_latency(distinct)  # eight templates' loads
+    assert slow.step_latency(shared) < slow.step_latency(distinct) / 3  # one template's, paid once
+    assert slow.step_latency([(1.0, "t0", True)]) == pytest.approx(measured.step_latency([(1.0, "t0", True)]))
+    with pytest.raises(ValueError, match="load_scale"):
+        cost_model_for(RouteBenchConfig(profiles_dir=str(PROFILES), load_scale=0))

@@ -46,7 +46,7 @@ import json
 import math
 import time
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +81,7 @@ class RouteBenchConfig:
     disk_read_s_per_byte: float = 1e-9
     noise_cv: float = 0.05
     capacity_rps: float = 0.0  # > 0: loads are fractions of this rate instead of a measured capacity
+    load_scale: float = 1.0  # what-if: the profile's cache-load slope times this (a slower host -> device path)
     late_binding: bool = False  # the dispatcher holds a job until a worker has slack (else queues it at once)
     queue_depth: int = 0  # with late_binding: waiting rows a worker may hold beyond max_batch
     warmup_fraction: float = 0.25  # latency statistics over arrivals after this share of the run
@@ -304,8 +305,12 @@ def cost_model_for(cfg: RouteBenchConfig, planner: str = "greedy") -> RoutingCos
     kind = "cuda" if cfg.device.startswith("cuda") else "cpu"
     safe = cfg.model_id.replace("/", "_").replace(":", "_")
     path = Path(cfg.profiles_dir) / f"{safe}__{kind}__{cfg.mode}.json"
-    return RoutingCostModel.from_profile(CostProfile.from_json(path.read_text()),
-                                         disk_read_s_per_byte=cfg.disk_read_s_per_byte, planner=planner)
+    profile = CostProfile.from_json(path.read_text())
+    if cfg.load_scale != 1.0:  # a what-if, not a measured device: stated as such wherever it is reported
+        if not cfg.load_scale > 0:
+            raise ValueError(f"load_scale must be > 0, got {cfg.load_scale}")
+        profile = replace(profile, load=replace(profile.load, slope=profile.load.slope * cfg.load_scale))
+    return RoutingCostModel.from_profile(profile, disk_read_s_per_byte=cfg.disk_read_s_per_byte, planner=planner)
 
 
 def capacity_rps(cfg: RouteBenchConfig, model: RoutingCostModel) -> float:
