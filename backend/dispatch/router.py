@@ -24,8 +24,9 @@ Policies (``POLICIES``):
     whose slot outlives a_J, each overlapping J for o_r = min(f_r - a_J, n_J) steps.
   - ``wait = a_J * T(R + the waiting rows admitted at the next step)``.
   - ``run = n_J * (T(J) + phi * (T(C + J) - T(J)))`` where ``phi = sum w_r o_r / (n_J sum w_r)``
-    and w_r is row r's masked compute per step: the batch's extra latency shrinks as co-runners
-    retire (remaining steps), weighted by how heavy each one is. phi = 1 when every co-runner
+    and w_r is row r's share of a step (seconds, from the fitted lines): its masked compute plus
+    its template's cache loads split among the rows reading that template. The batch's extra
+    latency shrinks as co-runners retire (remaining steps), weighted by how heavy each one is. phi = 1 when every co-runner
     outlives J, which gives the paper's ``n_J * T(R + J)``.
   - ``residency``, the time J is held in W's queue with its slot free (the worker's
     prefetch-gated admission, ``backend.worker.loop``: a row joins only once its cache can be
@@ -203,6 +204,7 @@ class RoutingCostModel:
         counts, rpr = [sum(1 for g, _ in seq if g == i) for i in range(len(groups))], self.rows_per_request
         self._ntoks = tuple(g[0] for g in groups)
         self._wcoef = tuple((rpr * c * g[1], rpr * c * g[2]) for c, g in zip(counts, groups))
+        self._gload = tuple(c * g[3] for c, g in zip(counts, groups))  # one template's loads per step, per shape
         self.step_cache_bytes = sum(u.cache_bytes for u in profile.units)
         self._rows: dict[tuple[float, bool], tuple[tuple[int, ...], float]] = {}
 
@@ -211,9 +213,10 @@ class RoutingCostModel:
         return cls(profile, **kwargs)  # kwargs: disk_read_s_per_byte, rows_per_request, planner
 
     # ----- one batch ----------------------------------------------------------------------------
-    def _row(self, ratio: float, cached: bool) -> tuple[tuple[int, ...], float]:
-        """(masked tokens per unit shape, compute weight per step) of one request, memoised.
-        Tokens as ``tokens_for_ratio`` (inlined: this runs for every row of every decision)."""
+    def _row(self, ratio: float, cached: bool) -> tuple[tuple[int, ...], float, float]:
+        """(masked tokens per unit shape, compute weight per step (FLOPs), its template's cache loads
+        per step (s)) of one request, memoised. Tokens as ``tokens_for_ratio`` (inlined: this runs
+        for every row of every decision)."""
         hit = self._rows.get((ratio, cached))
         if hit is not None:
             return hit
@@ -227,7 +230,8 @@ class RoutingCostModel:
             weight = toks[0] * self._wcoef[0][0] + self._wcoef[0][1]
         else:
             weight = sum([t * a + b for t, (a, b) in zip(toks, self._wcoef)])
-        hit = self._rows[(ratio, cached)] = (toks, weight)
+        load = sum([ld for t, n, ld in zip(toks, self._ntoks, self._gload) if t < n]) if cached else 0.0
+        hit = self._rows[(ratio, cached)] = (toks, weight, load)
         return hit
 
     def _latency(self, toks: Sequence[tuple[int, ...]], tmpls: Sequence[str | None]) -> float:
@@ -305,12 +309,17 @@ class RoutingCostModel:
         cached = {r.template for r in (*view.running, *view.waiting)
                   if r.template and (r.template in view.resident_ram or r.template in view.resident_disk)}
         toks, weights, tmpls = [], [], []
+        readers: dict[str, int] = {}
         for r in (*view.running, *view.waiting):
             c = r.template in cached
-            tk, w = self._row(r.mask_ratio, c)
+            tk, w, load = self._row(r.mask_ratio, c)
             toks.append(tk)
-            weights.append(w)
+            weights.append((w * self._cslope, load))
             tmpls.append(r.template if c else None)
+            if c:
+                readers[r.template] = readers.get(r.template, 0) + 1
+        # a row's share of a step: its compute, plus its template's loads split among the rows reading it
+        weights = [w + (load / readers[t] if t is not None else 0.0) for (w, load), t in zip(weights, tmpls)]
         finish = [max(0, r.remaining_steps) for r in view.running]
         tier = "ram" if job.template in cached else self.tier(job.template, view)
         # a running row recording t_J (t_J in no tier of W): J waits for that cache, then reads it
