@@ -25,7 +25,7 @@ Policies (``POLICIES``):
   - ``wait = a_J * T(R + the waiting rows admitted at the next step)``.
   - ``run = n_J * (T(J) + phi * (T(C + J) - T(J)))`` where ``phi = sum w_r o_r / (n_J sum w_r)``
     and w_r is row r's share of a step (seconds, from the fitted lines): its masked compute plus
-    its template's cache loads split among the rows reading that template. The batch's extra
+    its template's cache loads split among the co-runners reading that template. The batch's extra
     latency shrinks as co-runners retire (remaining steps), weighted by how heavy each one is. phi = 1 when every co-runner
     outlives J, which gives the paper's ``n_J * T(R + J)``.
   - ``residency``, the time J is held in W's queue with its slot free (the worker's
@@ -226,11 +226,12 @@ class RoutingCostModel:
         if cached:
             r = 1.0 if ratio > 1.0 else (0.0 if ratio < 0.0 else ratio)
             toks = tuple([min(n, max(0, math.ceil(r * n - 1e-9))) for n in toks])
-        if len(toks) == 1:  # one unit shape (Flux): skip the generic sum
+        if len(toks) == 1:  # one unit shape (Flux): skip the generic sums
             weight = toks[0] * self._wcoef[0][0] + self._wcoef[0][1]
+            load = self._gload[0] if cached and toks[0] < self._ntoks[0] else 0.0
         else:
             weight = sum([t * a + b for t, (a, b) in zip(toks, self._wcoef)])
-        load = sum([ld for t, n, ld in zip(toks, self._ntoks, self._gload) if t < n]) if cached else 0.0
+            load = sum([ld for t, n, ld in zip(toks, self._ntoks, self._gload) if t < n]) if cached else 0.0
         hit = self._rows[(ratio, cached)] = (toks, weight, load)
         return hit
 
@@ -308,18 +309,14 @@ class RoutingCostModel:
         total. ``memo``: a dict shared by the estimates of one job on several workers (T(J) reuse)."""
         cached = {r.template for r in (*view.running, *view.waiting)
                   if r.template and (r.template in view.resident_ram or r.template in view.resident_disk)}
-        toks, weights, tmpls = [], [], []
-        readers: dict[str, int] = {}
+        toks, weights, loads, tmpls = [], [], [], []
         for r in (*view.running, *view.waiting):
             c = r.template in cached
             tk, w, load = self._row(r.mask_ratio, c)
             toks.append(tk)
-            weights.append((w * self._cslope, load))
+            weights.append(w)
+            loads.append(load)
             tmpls.append(r.template if c else None)
-            if c:
-                readers[r.template] = readers.get(r.template, 0) + 1
-        # a row's share of a step: its compute, plus its template's loads split among the rows reading it
-        weights = [w + (load / readers[t] if t is not None else 0.0) for (w, load), t in zip(weights, tmpls)]
         finish = [max(0, r.remaining_steps) for r in view.running]
         tier = "ram" if job.template in cached else self.tier(job.template, view)
         # a running row recording t_J (t_J in no tier of W): J waits for that cache, then reads it
@@ -355,8 +352,14 @@ class RoutingCostModel:
         if co:
             co_toks, co_tmpls = [toks[i] for _, i in co], [tmpls[i] for _, i in co]
             t_full = max(t_job, self._latency(co_toks + [jtoks], co_tmpls + [jtmpl]))
-            total_w = sum([weights[i] for _, i in co])
-            phi = sum([o * weights[i] for o, i in co]) / (n * total_w) if total_w > 0 else 1.0
+            # a co-runner's share of a step: its compute, plus its template's loads split among its readers
+            readers: dict[str | None, int] = {}
+            for _, i in co:
+                readers[tmpls[i]] = readers.get(tmpls[i], 0) + 1
+            cs = self._cslope
+            share = [(o, weights[i] * cs + loads[i] / readers[tmpls[i]]) for o, i in co]  # dense rows: load 0
+            total_w = sum([w for _, w in share])
+            phi = sum([o * w for o, w in share]) / (n * total_w) if total_w > 0 else 1.0
             run = n * (t_job + phi * (t_full - t_job))
             if not jc:  # J computes densely (records): what it costs its co-runners dwarfs its own wait
                 slowdown = max(0.0, t_full - self._latency(co_toks, co_tmpls))
