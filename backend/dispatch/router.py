@@ -25,9 +25,9 @@ Policies (``POLICIES``):
   - ``wait = a_J * T(R + the waiting rows admitted at the next step)``.
   - ``run = n_J * (T(J) + phi * (T(C + J) - T(J)))`` where ``phi = sum w_r o_r / (n_J sum w_r)``
     and w_r is row r's share of a step (seconds, from the fitted lines): its masked compute plus
-    its template's cache loads split among the co-runners reading that template. The batch's extra
-    latency shrinks as co-runners retire (remaining steps), weighted by how heavy each one is. phi = 1 when every co-runner
-    outlives J, which gives the paper's ``n_J * T(R + J)``.
+    its template's cache loads split among the co-runners reading that template. The batch's
+    extra latency shrinks as co-runners retire (remaining steps), weighted by how heavy each one
+    is. phi = 1 when every co-runner outlives J, which gives the paper's ``n_J * T(R + J)``.
   - ``residency``, the time J is held in W's queue with its slot free (the worker's
     prefetch-gated admission, ``backend.worker.loop``: a row joins only once its cache can be
     acquired without waiting, so no read ever stalls the batch; J alone waits):
