@@ -224,6 +224,20 @@ def test_a_recording_goes_where_its_dense_row_delays_the_fewest_co_runners(cost_
                                                     ).worker_id == "w1"
 
 
+def test_a_load_bound_co_runner_leaving_early_shortens_the_run_estimate_by_its_loads():
+    """With loads that matter (the route bench's --load-scale what-if), a small-mask row of its own
+    template costs the batch its loads, not its few masked tokens: when it retires after 2 of J's
+    20 steps, the estimate must follow the step-by-step replay (weighting it by compute alone
+    overestimated J's run by 15% here)."""
+    from backend.bench.route_bench import RouteBenchConfig, cost_model_for
+
+    cm = cost_model_for(RouteBenchConfig(profiles_dir=str(PROFILES), load_scale=650))
+    view = worker("w", [(0.05, 2, "a"), (0.5, 20, "b")], ram={"a", "b", "t0"})
+    rows = [(0.05, "a", True), (0.5, "b", True), (0.05, "t0", True)]
+    replay = 2 * cm.step_latency(rows) + 18 * cm.step_latency(rows[1:])
+    assert cm.estimate(job(mask=0.05), view)["run"] == pytest.approx(replay, rel=0.03)
+
+
 def test_estimate_bounds_and_queue_wait(cost_model):
     view = worker("w", [(0.2, 3, "a"), (0.1, 30, "b")], waiting=[(0.3, 20, "c")] * 2, ram={"a", "b", "c", "t0"},
                   max_batch=4)
