@@ -228,8 +228,11 @@ def cmd_bench_route(args, settings: Settings) -> int:
                            prerecorded=args.prerecorded, mask_mean=args.mask_mean, burst_factor=args.burst,
                            disk_read_s_per_byte=1e-9 / args.disk_gbps, seed=args.seed,
                            late_binding=args.late_binding, queue_depth=args.queue_depth,
-                           capacity_rps=args.capacity_rps, load_scale=args.load_scale)
+                           capacity_rps=args.capacity_rps, load_scale=args.load_scale,
+                           load_ratio=args.load_ratio)
     report = run_route_bench(cfg, progress=print)
+    print(f"cache loads of a mean-mask request: {report['load_compute_ratio']:.3g}x its compute"
+          + (" (what-if, not a measured device)" if cfg.load_ratio or cfg.load_scale != 1.0 else ""))
     if args.decisions:
         report["decision_time_ms"] = decision_time(cost_model_for(cfg), decisions=args.decisions)
         print(f"decision time (8 workers x 8 rows): {report['decision_time_ms']}")
@@ -354,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "may hold beyond its batch (as MASKSERVE_QUEUE_DEPTH)")
     route.add_argument("--load-scale", type=float, default=1.0,
                        help="what-if: multiply the profile's cache-load slope (e.g. a PCIe-bound GPU); not a measurement")
+    route.add_argument("--load-ratio", type=float, default=0.0,
+                       help="what-if: scale the cache-load slope so that a mean-mask request's sequential "
+                       "cache loads take this x its compute (FlashPS measured 1.02 on an H800); not a measurement")
     route.add_argument("--capacity-rps", type=float, default=0.0,
                        help="loads as fractions of this rate (default: the measured saturation throughput)")
     route.add_argument("--decisions", type=int, default=2000, help="routing decisions timed (0: skip)")

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from backend.bench.route_bench import (BASELINES, RouteBenchConfig, cost_model_for, decision_time, offered_trace,
-                                       run_route_bench, write_outputs)
+from backend.bench.route_bench import (BASELINES, RouteBenchConfig, cost_model_for, decision_time, load_compute_ratio,
+                                       load_profile, load_scale_for_ratio, offered_trace, run_route_bench,
+                                       write_outputs)
 from backend.dispatch.router import POLICIES
 
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"
@@ -38,6 +39,7 @@ def test_the_route_bench_completes_every_job_under_every_policy_and_writes_its_r
         assert batch[(0.3, policy)] < 1.3 and batch[(0.9, policy)] > 1.5, (policy, batch)
     assert sum(r["cache"]["dense_rows"] for r in results) > 0 and sum(r["cache"]["disk_reads"] for r in results) > 0
     assert set(report["p95_reduction"]) == {"0.3", "0.9"}
+    assert report["load_compute_ratio"] == pytest.approx(load_compute_ratio(load_profile(cfg), cfg.mask_mean))
     assert all(set(v) == set(BASELINES) for v in report["p95_reduction"].values())
     assert set(report["p95_all_reduction"]) == {"0.3", "0.9"}
     plot = write_outputs(cfg, report, tmp_path / "route.json")
@@ -146,3 +148,27 @@ def test_a_load_scale_what_if_makes_small_masks_load_bound_and_shared_templates_
     assert slow.step_latency([(1.0, "t0", True)]) == pytest.approx(measured.step_latency([(1.0, "t0", True)]))
     with pytest.raises(ValueError, match="load_scale"):
         cost_model_for(RouteBenchConfig(profiles_dir=str(PROFILES), load_scale=0))
+
+
+@pytest.mark.parametrize("model_id", ["small-flux-fill", "small-sdxl-inpaint", "small-sd2-inpaint"])
+def test_a_load_ratio_what_if_puts_a_mean_mask_request_s_loads_at_that_multiple_of_its_compute(model_id):
+    """--load-ratio 1.02 (FlashPS measured sequential loads adding 102% to an edit on an H800): the
+    scaled profile's loads are 1.02x the compute of a mean-mask request; this CPU's are under 2%."""
+    cfg = RouteBenchConfig(profiles_dir=str(PROFILES), model_id=model_id)
+    measured = load_profile(cfg)
+    assert load_compute_ratio(measured, cfg.mask_mean) < 0.02
+    what_if = cost_model_for(RouteBenchConfig(profiles_dir=str(PROFILES), model_id=model_id, load_ratio=1.02))
+    assert load_compute_ratio(what_if.profile, cfg.mask_mean) == pytest.approx(1.02, rel=1e-6)
+    scale = load_scale_for_ratio(measured, 1.02, cfg.mask_mean)
+    assert what_if.profile.load.slope == pytest.approx(measured.load.slope * scale)
+    assert what_if.profile.compute == measured.compute and what_if.profile.load.intercept == measured.load.intercept
+    # a smaller mask computes less against the same loads: its ratio is higher
+    assert load_compute_ratio(what_if.profile, 0.05) > 1.02 > load_compute_ratio(what_if.profile, 0.3)
+
+
+def test_a_load_ratio_what_if_refuses_bad_values():
+    for bad in (-1.0, 1e-9):  # negative; below what the load intercepts alone give
+        with pytest.raises(ValueError, match="load_ratio"):
+            cost_model_for(RouteBenchConfig(profiles_dir=str(PROFILES), load_ratio=bad))
+    with pytest.raises(ValueError, match="not both"):
+        cost_model_for(RouteBenchConfig(profiles_dir=str(PROFILES), load_ratio=1.02, load_scale=650))

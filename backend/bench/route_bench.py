@@ -52,8 +52,9 @@ from pathlib import Path
 import numpy as np
 
 from backend.bench.trace import mask_ratios, poisson_trace, zipf_weights
-from backend.dispatch.router import (POLICIES, JobRequest, Router, RoutingCostModel, RowState, WorkerView)
-from backend.engine.costs import CostProfile
+from backend.dispatch.router import (POLICIES, JobRequest, Router, RoutingCostModel, RowState, WorkerView,
+                                     default_rows_per_request)
+from backend.engine.costs import CostProfile, RowWork, batch_unit_costs
 from backend.worker.stats import percentile
 
 BASELINES = tuple(p for p in POLICIES if p != "mask_aware")
@@ -82,6 +83,7 @@ class RouteBenchConfig:
     noise_cv: float = 0.05
     capacity_rps: float = 0.0  # > 0: loads are fractions of this rate instead of a measured capacity
     load_scale: float = 1.0  # what-if: the profile's cache-load slope times this (a slower host -> device path)
+    load_ratio: float = 0.0  # what-if, > 0: set load_scale so that a mean-mask request's loads = this x its compute
     late_binding: bool = False  # the dispatcher holds a job until a worker has slack (else queues it at once)
     queue_depth: int = 0  # with late_binding: waiting rows a worker may hold beyond max_batch
     warmup_fraction: float = 0.25  # latency statistics over arrivals after this share of the run
@@ -300,16 +302,59 @@ class _Simulation:
             self.dispatch_held(now)
 
 
-def cost_model_for(cfg: RouteBenchConfig, planner: str = "greedy") -> RoutingCostModel:
+def load_profile(cfg: RouteBenchConfig) -> CostProfile:
+    """The measured profile ``cfg`` names, as fitted (no what-if applied)."""
     # the file name ``backend.engine.profiler.profile_path`` writes (that module imports torch)
     kind = "cuda" if cfg.device.startswith("cuda") else "cpu"
     safe = cfg.model_id.replace("/", "_").replace(":", "_")
     path = Path(cfg.profiles_dir) / f"{safe}__{kind}__{cfg.mode}.json"
-    profile = CostProfile.from_json(path.read_text())
-    if cfg.load_scale != 1.0:  # a what-if, not a measured device: stated as such wherever it is reported
-        if not cfg.load_scale > 0:
-            raise ValueError(f"load_scale must be > 0, got {cfg.load_scale}")
-        profile = replace(profile, load=replace(profile.load, slope=profile.load.slope * cfg.load_scale))
+    return CostProfile.from_json(path.read_text())
+
+
+def load_compute_ratio(profile: CostProfile, mask_ratio: float) -> float:
+    """Seconds one request of ``mask_ratio`` spends copying its template's cache of every unit,
+    over its compute with the cache: what sequential loading adds to an edit, as a fraction."""
+    rows = [RowWork(mask_ratio, "t")] * default_rows_per_request(profile.model_id)
+    costs = batch_unit_costs(profile, rows)
+    return sum(c.load_s for c in costs) / sum(c.compute_cached_s for c in costs)
+
+
+def _scaled_loads(profile: CostProfile, scale: float) -> CostProfile:
+    return replace(profile, load=replace(profile.load, slope=profile.load.slope * scale))
+
+
+def load_scale_for_ratio(profile: CostProfile, ratio: float, mask_ratio: float) -> float:
+    """The multiplier of the profile's load slope at which ``load_compute_ratio`` is ``ratio``
+    (found by bisection: the ratio grows with the slope, piecewise linearly where a fitted
+    intercept clamps a unit's load at 0). FlashPS (section 2.3, Fig. 4-left) measured sequential
+    loading adding 102% to an SDXL edit on an H800 over PCIe Gen5: ``ratio`` 1.02 puts a CPU
+    profile in that regime."""
+    if not ratio > 0:
+        raise ValueError(f"load_ratio must be > 0, got {ratio}")
+    if not profile.load.slope > 0 or ratio <= load_compute_ratio(_scaled_loads(profile, 0.0), mask_ratio):
+        raise ValueError(f"load_ratio {ratio} is not reachable by scaling the load slope of {profile.model_id}")
+    lo, hi = 0.0, 1.0
+    while load_compute_ratio(_scaled_loads(profile, hi), mask_ratio) < ratio:
+        lo, hi = hi, hi * 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if load_compute_ratio(_scaled_loads(profile, mid), mask_ratio) < ratio else (lo, mid)
+    return hi
+
+
+def cost_model_for(cfg: RouteBenchConfig, planner: str = "greedy") -> RoutingCostModel:
+    """The cost model of ``cfg``'s profile, with the load what-if (``load_ratio`` or
+    ``load_scale``) applied: a what-if, not a measured device, stated as such wherever reported."""
+    profile = load_profile(cfg)
+    scale = cfg.load_scale
+    if cfg.load_ratio:
+        if scale != 1.0:
+            raise ValueError("give load_ratio or load_scale, not both")
+        scale = load_scale_for_ratio(profile, cfg.load_ratio, cfg.mask_mean)
+    if scale != 1.0:
+        if not scale > 0:
+            raise ValueError(f"load_scale must be > 0, got {scale}")
+        profile = _scaled_loads(profile, scale)
     return RoutingCostModel.from_profile(profile, disk_read_s_per_byte=cfg.disk_read_s_per_byte, planner=planner)
 
 
@@ -392,6 +437,7 @@ def run_route_bench(cfg: RouteBenchConfig, progress=None) -> dict:
                          f"(every job: {r.p95_all_latency_s:.2f} s), avg {r.avg_latency_s:.2f} s, "
                          f"{r.completed}/{r.num_jobs} jobs")
     return {"config": asdict(cfg), "capacity_rps": capacity, "capacity_bound_rps": bound,
+            "load_compute_ratio": load_compute_ratio(routing.profile, cfg.mask_mean),
             "results": [asdict(r) for r in results], "p95_reduction": p95_reduction(results),
             "p95_all_reduction": p95_reduction(results, "p95_all_latency_s")}
 
