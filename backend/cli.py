@@ -215,8 +215,10 @@ def cmd_bench_worker(args, settings: Settings) -> int:
 def cmd_bench_route(args, settings: Settings) -> int:
     if args.real:
         return _bench_route_real(args, settings)
+    from dataclasses import replace
+
     from backend.bench.route_bench import (RouteBenchConfig, cost_model_for, decision_time, run_route_bench,
-                                           write_outputs)
+                                           summarize_seeds, summary_table, write_outputs)
     from backend.dispatch.router import POLICIES
 
     cfg = RouteBenchConfig(model_id=args.model, device=args.device_kind, mode=args.mode,
@@ -230,15 +232,27 @@ def cmd_bench_route(args, settings: Settings) -> int:
                            late_binding=args.late_binding, queue_depth=args.queue_depth,
                            capacity_rps=args.capacity_rps, load_scale=args.load_scale,
                            load_ratio=args.load_ratio)
-    report = run_route_bench(cfg, progress=print)
-    print(f"cache loads of a mean-mask request: {report['load_compute_ratio']:.3g}x its compute"
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
+    json_path, reports = Path(args.json), []
+    for seed in seeds:
+        one = replace(cfg, seed=seed)
+        report = run_route_bench(one, progress=lambda line, s=seed: print(f"seed {s}: {line}"))
+        if args.decisions and not reports:
+            report["decision_time_ms"] = decision_time(cost_model_for(one), decisions=args.decisions)
+            print(f"decision time (8 workers x 8 rows): {report['decision_time_ms']}")
+        path = json_path if len(seeds) == 1 else json_path.with_name(f"{json_path.stem}-seed{seed}{json_path.suffix}")
+        write_outputs(one, report, path)
+        reports.append(report)
+    summary = summarize_seeds(reports)
+    if len(seeds) > 1:
+        write_outputs(cfg, summary, json_path)
+    print(f"cache loads of a mean-mask request: {summary['load_compute_ratio']:.3g}x its compute"
           + (" (what-if, not a measured device)" if cfg.load_ratio or cfg.load_scale != 1.0 else ""))
-    if args.decisions:
-        report["decision_time_ms"] = decision_time(cost_model_for(cfg), decisions=args.decisions)
-        print(f"decision time (8 workers x 8 rows): {report['decision_time_ms']}")
-    plot = write_outputs(cfg, report, Path(args.json))
-    print(f"P95 reduction of mask_aware vs each policy: {report['p95_reduction']}")
-    print(f"wrote {args.json} and {plot}")
+    print(f"mean over seeds {summary['seeds']}, capacity {summary['capacity_rps']:.2f} req/s; P95 latency (s), "
+          f"and the P95 cut of mask_aware:")
+    print(summary_table(summary))
+    print(f"wrote {json_path} and {json_path.with_suffix('.png')}"
+          + (f" (the mean; one JSON and plot per seed beside it)" if len(seeds) > 1 else ""))
     return 0
 
 
@@ -351,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("--burst", type=float, default=2.0)
     route.add_argument("--disk-gbps", type=float, default=1.0)
     route.add_argument("--seed", type=int, default=0)
+    route.add_argument("--seeds", default="", help="comma list: one run per seed, then the mean table over them "
+                       "(--json is the mean; one JSON per seed beside it)")
     route.add_argument("--late-binding", action="store_true",
                        help="the dispatcher holds jobs until a worker has slack (as MASKSERVE_LATE_BINDING)")
     route.add_argument("--queue-depth", type=int, default=0, help="with --late-binding: waiting rows a worker "

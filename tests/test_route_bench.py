@@ -11,7 +11,7 @@ import pytest
 
 from backend.bench.route_bench import (BASELINES, RouteBenchConfig, cost_model_for, decision_time, load_compute_ratio,
                                        load_profile, load_scale_for_ratio, offered_trace, run_route_bench,
-                                       write_outputs)
+                                       summarize_seeds, summary_table, write_outputs)
 from backend.dispatch.router import POLICIES
 
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"
@@ -172,3 +172,49 @@ def test_a_load_ratio_what_if_refuses_bad_values():
             cost_model_for(RouteBenchConfig(profiles_dir=str(PROFILES), load_ratio=bad))
     with pytest.raises(ValueError, match="not both"):
         cost_model_for(RouteBenchConfig(profiles_dir=str(PROFILES), load_ratio=1.02, load_scale=650))
+
+
+def _report(seed: int, p95: dict[tuple[float, str], float]) -> dict:
+    return {"config": {"seed": seed}, "capacity_rps": 4.0 + seed, "load_compute_ratio": 0.5,
+            "results": [{"load": load, "policy": policy, "rps": load * 4, "avg_latency_s": v / 2,
+                         "p95_latency_s": v, "p95_all_latency_s": v * 1.1} for (load, policy), v in p95.items()]}
+
+
+def test_summarize_seeds_averages_the_policies_and_cuts_against_the_best_other_of_each_seed():
+    a = _report(0, {(0.5, "mask_aware"): 8.0, (0.5, "fewest_tokens"): 10.0, (0.5, "fewest_requests"): 16.0})
+    b = _report(1, {(0.5, "mask_aware"): 6.0, (0.5, "fewest_tokens"): 12.0, (0.5, "fewest_requests"): 8.0})
+    summary = summarize_seeds([a, b])
+    assert summary["seeds"] == [0, 1] and summary["capacity_rps"] == 4.5
+    mean = {r["policy"]: r["p95_latency_s"] for r in summary["results"]}
+    assert mean == {"mask_aware": 7.0, "fewest_tokens": 11.0, "fewest_requests": 12.0}
+    cut = summary["cuts"]["0.5"]
+    assert cut["best_other"] == {"mean": pytest.approx(0.225), "min": pytest.approx(0.2), "max": pytest.approx(0.25)}
+    assert cut["fewest_requests"]["mean"] == pytest.approx((0.5 + 0.25) / 2)
+    table = summary_table(summary)
+    assert "| 0.5 (2.00) | **7.0** | 11.0 | 12.0 | 22% (20% to 25%) | 35% | 38% |" in table.splitlines()
+    with pytest.raises(ValueError, match="same loads and policies"):
+        summarize_seeds([a, _report(2, {(0.5, "mask_aware"): 1.0})])
+    with pytest.raises(ValueError, match="no reports"):
+        summarize_seeds([])
+
+
+def test_the_route_bench_command_runs_several_seeds_and_writes_their_mean(tmp_path, capsys):
+    from backend.cli import main
+
+    out = tmp_path / "route.json"
+    rc = main(["bench", "route", "--profiles-dir", str(PROFILES), "--loads", "0.4,0.8", "--duration", "20",
+               "--workers", "3", "--max-batch", "2", "--steps", "3", "--templates", "12", "--ram-templates", "2",
+               "--policies", "mask_aware,fewest_tokens", "--seeds", "0,1", "--decisions", "0",
+               "--load-ratio", "1.02", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "1.02x its compute (what-if, not a measured device)" in printed
+    assert "| load (req/s) | mask_aware | fewest_tokens | cut vs best other | vs fewest_tokens |" in printed
+    per_seed = [json.loads((tmp_path / f"route-seed{s}.json").read_text()) for s in (0, 1)]
+    summary = json.loads(out.read_text())
+    assert [r["config"]["seed"] for r in per_seed] == summary["seeds"] == [0, 1]
+    assert all(p.exists() for p in (out.with_suffix(".png"), tmp_path / "route-seed0.png", tmp_path / "route-seed1.png"))
+    first = summary["results"][0]
+    assert first["p95_latency_s"] == pytest.approx(
+        sum(r["results"][0]["p95_latency_s"] for r in per_seed) / 2)
+    assert main(["bench", "route", "--profiles-dir", str(PROFILES), "--load-ratio", "-1", "--json", str(out)]) == 2

@@ -456,6 +456,62 @@ def p95_reduction(results: list[PolicyResult], metric: str = "p95_latency_s") ->
     return out
 
 
+def summarize_seeds(reports: list[dict]) -> dict:
+    """Several seeds' ``run_route_bench`` reports (same policies and loads) as one report: per load
+    and policy the mean over seeds of the rate, average and P95 latency (``results``, so
+    ``write_outputs`` plots the means), and per load the P95 cut of mask_aware against each other
+    policy and against the best other one of each seed (``cuts``: mean, min, max over seeds of
+    (P95 other - P95 mask_aware) / P95 other)."""
+    if not reports:
+        raise ValueError("no reports to summarize")
+    keys = [[(r["load"], r["policy"]) for r in rep["results"]] for rep in reports]
+    if any(k != keys[0] for k in keys):
+        raise ValueError("reports to summarize must cover the same loads and policies")
+    by_seed = [{(r["load"], r["policy"]): r for r in rep["results"]} for rep in reports]
+    results = [{"load": load, "policy": policy,
+                **{f: float(np.mean([b[(load, policy)][f] for b in by_seed]))
+                   for f in ("rps", "avg_latency_s", "p95_latency_s", "p95_all_latency_s")}}
+               for load, policy in keys[0]]
+    cuts: dict[str, dict[str, dict[str, float]]] = {}
+    loads = sorted({load for load, _ in keys[0]})
+    others = [p for p in dict.fromkeys(p for _, p in keys[0]) if p != "mask_aware"]
+    if "mask_aware" in {p for _, p in keys[0]} and others:
+        for load in loads:
+            per: dict[str, list[float]] = {p: [] for p in (*others, "best_other")}
+            for b in by_seed:
+                mine = b[(load, "mask_aware")]["p95_latency_s"]
+                for p in others:
+                    per[p].append(1 - mine / b[(load, p)]["p95_latency_s"])
+                per["best_other"].append(1 - mine / min(b[(load, p)]["p95_latency_s"] for p in others))
+            cuts[f"{load:g}"] = {p: {"mean": float(np.mean(v)), "min": min(v), "max": max(v)} for p, v in per.items()}
+    return {"seeds": [rep["config"]["seed"] for rep in reports],
+            "capacity_rps": float(np.mean([rep["capacity_rps"] for rep in reports])),
+            "load_compute_ratio": reports[0].get("load_compute_ratio"),
+            "results": results, "cuts": cuts}
+
+
+def summary_table(summary: dict) -> str:
+    """The summary as a Markdown table: mean P95 (s) per policy, mask_aware's mean P95 cut (and
+    its range over seeds) against the best other policy, then its mean cut against each other."""
+    policies = list(dict.fromkeys(r["policy"] for r in summary["results"]))
+    others = [p for p in policies if p != "mask_aware"] if summary["cuts"] else []
+    head = ["load (req/s)", *policies] + (["cut vs best other", *(f"vs {p}" for p in others)] if others else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for load in sorted({r["load"] for r in summary["results"]}):
+        rows = {r["policy"]: r for r in summary["results"] if r["load"] == load}
+        p95 = {p: rows[p]["p95_latency_s"] for p in policies}
+        best = min(p95.values())
+        cells = [f"{load:g} ({rows[policies[0]]['rps']:.2f})"]
+        cells += [f"**{p95[p]:.1f}**" if p95[p] == best else f"{p95[p]:.1f}" for p in policies]
+        if others:
+            cut = summary["cuts"][f"{load:g}"]
+            b = cut["best_other"]
+            cells.append(f"{b['mean']:.0%} ({b['min']:.0%} to {b['max']:.0%})")
+            cells += [f"{cut[p]['mean']:.0%}" for p in others]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def decision_time(cost_model: RoutingCostModel, policy: str = "mask_aware", num_workers: int = 8,
                   rows_per_worker: int = 8, max_batch: int = 8, decisions: int = 2000, seed: int = 0) -> dict:
     """p50 / p95 / mean milliseconds of ``Router.choose`` (time.perf_counter around the call only).
