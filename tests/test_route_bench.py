@@ -138,9 +138,9 @@ def test_sim_late_binding_holds_jobs_in_arrival_order_until_a_slot_frees():
     assert len(sim.decisions) > 4  # jobs 2 and 3 were refused (held at the dispatcher) before a slot freed
 
 
-def test_a_load_scale_what_if_makes_small_masks_load_bound_and_shared_templates_cheap():
+def test_a_load_what_if_makes_small_masks_load_bound_and_shared_templates_cheap():
     measured = cost_model_for(RouteBenchConfig(profiles_dir=str(PROFILES)))
-    slow = cost_model_for(RouteBenchConfig(profiles_dir=str(PROFILES), load_scale=650))
+    slow = cost_model_for(RouteBenchConfig(profiles_dir=str(PROFILES), load_ratio=1.02))
     distinct = [(0.05, f"t{i}", True) for i in range(8)]
     shared = [(0.05, "t0", True)] * 8
     assert slow.step_latency(distinct) > 3 * measured.step_latency(distinct)  # eight templates' loads

@@ -569,8 +569,11 @@ def write_outputs(cfg: RouteBenchConfig, report: dict, json_path: Path) -> Path:
         ax.set_ylabel(f"{name} latency (s)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
+    what_if = (f"\nwhat-if, not a measured device: cache loads {report['load_compute_ratio']:.2f}x a mean-mask "
+               f"request's compute" if cfg.load_ratio or cfg.load_scale != 1.0 else "")
     fig.suptitle(f"{cfg.model_id}: {cfg.num_workers} workers x batch {cfg.max_batch}, mask mean {cfg.mask_mean}, "
-                 f"burst x{cfg.burst_factor:g}, {cfg.num_templates} templates, {cfg.ram_templates} in RAM per worker")
+                 f"burst x{cfg.burst_factor:g}, {cfg.num_templates} templates, {cfg.ram_templates} in RAM per worker"
+                 + what_if)
     fig.tight_layout()
     plot = json_path.with_suffix(".png")
     fig.savefig(plot, dpi=120)
