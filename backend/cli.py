@@ -232,7 +232,12 @@ def cmd_bench_route(args, settings: Settings) -> int:
                            late_binding=args.late_binding, queue_depth=args.queue_depth,
                            capacity_rps=args.capacity_rps, load_scale=args.load_scale,
                            load_ratio=args.load_ratio)
-    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
+    except ValueError:
+        raise ValueError(f"--seeds takes a comma list of integers, e.g. 0,1,2; got {args.seeds!r}") from None
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds repeats a seed: {args.seeds!r}")
     json_path, reports = Path(args.json), []
     for seed in seeds:
         one = replace(cfg, seed=seed)
@@ -252,7 +257,7 @@ def cmd_bench_route(args, settings: Settings) -> int:
           f"and the P95 cut of mask_aware:")
     print(summary_table(summary))
     print(f"wrote {json_path} and {json_path.with_suffix('.png')}"
-          + (f" (the mean; one JSON and plot per seed beside it)" if len(seeds) > 1 else ""))
+          + (" (the mean; one JSON and plot per seed beside it)" if len(seeds) > 1 else ""))
     return 0
 
 

@@ -170,6 +170,8 @@ def test_a_load_ratio_what_if_refuses_bad_values():
     for bad in (-1.0, 1e-9):  # negative; below what the load intercepts alone give
         with pytest.raises(ValueError, match="load_ratio"):
             cost_model_for(RouteBenchConfig(profiles_dir=str(PROFILES), load_ratio=bad))
+    with pytest.raises(ValueError, match="not reachable"):  # a whole-image mask reads no cache
+        cost_model_for(RouteBenchConfig(profiles_dir=str(PROFILES), load_ratio=1.02, mask_mean=1.0))
     with pytest.raises(ValueError, match="not both"):
         cost_model_for(RouteBenchConfig(profiles_dir=str(PROFILES), load_ratio=1.02, load_scale=650))
 
@@ -217,4 +219,6 @@ def test_the_route_bench_command_runs_several_seeds_and_writes_their_mean(tmp_pa
     first = summary["results"][0]
     assert first["p95_latency_s"] == pytest.approx(
         sum(r["results"][0]["p95_latency_s"] for r in per_seed) / 2)
-    assert main(["bench", "route", "--profiles-dir", str(PROFILES), "--load-ratio", "-1", "--json", str(out)]) == 2
+    for bad in (["--load-ratio", "-1"], ["--seeds", "0,x"], ["--seeds", "1,1"]):
+        assert main(["bench", "route", "--profiles-dir", str(PROFILES), *bad, "--json", str(out)]) == 2
+    assert "--seeds takes a comma list of integers" in capsys.readouterr().err

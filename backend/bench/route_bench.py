@@ -331,11 +331,17 @@ def load_scale_for_ratio(profile: CostProfile, ratio: float, mask_ratio: float) 
     profile in that regime."""
     if not ratio > 0:
         raise ValueError(f"load_ratio must be > 0, got {ratio}")
+    unreachable = ValueError(f"load_ratio {ratio} is not reachable by scaling the load slope of "
+                             f"{profile.model_id} at mask ratio {mask_ratio}")
     if not profile.load.slope > 0 or ratio <= load_compute_ratio(_scaled_loads(profile, 0.0), mask_ratio):
-        raise ValueError(f"load_ratio {ratio} is not reachable by scaling the load slope of {profile.model_id}")
+        raise unreachable
     lo, hi = 0.0, 1.0
-    while load_compute_ratio(_scaled_loads(profile, hi), mask_ratio) < ratio:
+    for _ in range(200):  # a request that reads no cache (mask ratio 1, no cached unit) never gets there
+        if load_compute_ratio(_scaled_loads(profile, hi), mask_ratio) >= ratio:
+            break
         lo, hi = hi, hi * 2
+    else:
+        raise unreachable
     for _ in range(100):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if load_compute_ratio(_scaled_loads(profile, mid), mask_ratio) < ratio else (lo, mid)
