@@ -24,8 +24,13 @@ KINDS = ("uploads", "templates", "masks", "prepared", "latents", "results", "thu
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # kind -> name of the blob the job itself writes (pre: prepared request and processed mask; worker:
 # final latents; post: result and thumbnail)
-JOB_BLOB_NAMES = {"prepared": "{job_id}.safetensors", "latents": "{job_id}.safetensors",
-                  "masks": "{job_id}-processed.png", "results": "{job_id}.png", "thumbnails": "{job_id}.webp"}
+JOB_BLOB_NAMES = {
+    "prepared": "{job_id}.safetensors",
+    "latents": "{job_id}.safetensors",
+    "masks": "{job_id}-processed.png",
+    "results": "{job_id}.png",
+    "thumbnails": "{job_id}.webp",
+}
 
 
 def job_blob_name(kind: str, job_id: str) -> str:
@@ -110,6 +115,10 @@ class BlobStore:
             for entry in os.scandir(folder):
                 if _NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
                     try:
-                        yield f"{kind}/{entry.name}", Path(entry.path), entry.stat(follow_symlinks=False)
+                        yield (
+                            f"{kind}/{entry.name}",
+                            Path(entry.path),
+                            entry.stat(follow_symlinks=False),
+                        )
                     except FileNotFoundError:  # deleted since the directory was listed
                         continue

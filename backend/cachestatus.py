@@ -38,7 +38,9 @@ def cache_status(client: Redis, template_id: str, model_id: str) -> dict:
     """``{"model", "status", "digest", "workers"}``: the best tier any live worker holds the cache in
     (``workers``: the ids of those holding it), else ``preparing`` while a prepare job runs, else
     ``not prepared``."""
-    from backend.dispatch.service import live_workers  # heartbeats; imported late (it pulls the router)
+    from backend.dispatch.service import (
+        live_workers,
+    )  # heartbeats; imported late (it pulls the router)
 
     stored = {_text(k): _text(v) for k, v in client.hgetall(status_key(template_id)).items()}
     digest = stored.get(model_id, "")

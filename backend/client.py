@@ -41,11 +41,17 @@ def _form_value(value) -> str:
 
 
 class MaskServeClient:
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0,
-                 transport: httpx.BaseTransport | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        transport: httpx.BaseTransport | None = None,
+    ):
         headers = {"X-API-Key": api_key} if api_key else {}
-        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout,
-                                 transport=transport)
+        self.http = httpx.Client(
+            base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, transport=transport
+        )
 
     def close(self) -> None:
         self.http.close()
@@ -73,14 +79,22 @@ class MaskServeClient:
         return self._call("POST", "/v1/templates", data=data, files=files).json()
 
     def templates(self, query: str = "", tag: str = "") -> list[dict]:
-        return self._call("GET", "/v1/templates", params={"query": query, "tag": tag}).json()["templates"]
+        return self._call("GET", "/v1/templates", params={"query": query, "tag": tag}).json()[
+            "templates"
+        ]
 
     def delete_template(self, template_id: str) -> None:
         self._call("DELETE", f"/v1/templates/{template_id}")
 
     # ----- jobs -----------------------------------------------------------------------------------
-    def submit(self, mask: str | Path | bytes, prompt: str = "", template_id: str | None = None,
-               image: str | Path | bytes | None = None, **params) -> dict:
+    def submit(
+        self,
+        mask: str | Path | bytes,
+        prompt: str = "",
+        template_id: str | None = None,
+        image: str | Path | bytes | None = None,
+        **params,
+    ) -> dict:
         """Submit an edit; ``params``: negative_prompt, model, steps, guidance, strength, seed,
         threshold, invert, grow_px, feather_px, resolution, use_cache (None values are left out).
         Returns the 202 body: job_id, seed, status_url, events_url, result_url."""
@@ -103,7 +117,9 @@ class MaskServeClient:
         return self._call("DELETE", f"/v1/jobs/{job_id}").json()
 
     def result_bytes(self, job_id: str, thumbnail: bool = False) -> bytes:
-        return self._call("GET", f"/v1/jobs/{job_id}/result", params={"thumbnail": 1} if thumbnail else None).content
+        return self._call(
+            "GET", f"/v1/jobs/{job_id}/result", params={"thumbnail": 1} if thumbnail else None
+        ).content
 
     def events(self, job_id: str, after: str | None = None, timeout: float | None = None):
         """Yield the job's events (dicts, each with its ``id``) from its event stream until it ends,
@@ -111,7 +127,9 @@ class MaskServeClient:
         until = None if timeout is None else time.monotonic() + timeout
         headers = {"Last-Event-ID": after} if after else {}
         read_timeout = httpx.Timeout(10.0, read=timeout)
-        with self.http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers, timeout=read_timeout) as response:
+        with self.http.stream(
+            "GET", f"/v1/jobs/{job_id}/events", headers=headers, timeout=read_timeout
+        ) as response:
             if response.status_code >= 400:
                 response.read()
                 self._call_error(response)
@@ -142,7 +160,9 @@ class MaskServeClient:
         deadline, last_id = time.monotonic() + timeout, None
         while time.monotonic() < deadline:
             try:
-                for event in self.events(job_id, after=last_id, timeout=max(1.0, deadline - time.monotonic())):
+                for event in self.events(
+                    job_id, after=last_id, timeout=max(1.0, deadline - time.monotonic())
+                ):
                     last_id = event.get("id") or last_id
                     if on_event is not None:
                         on_event(event)
@@ -159,13 +179,21 @@ class MaskServeClient:
 
 def add_submit_arguments(parser) -> None:
     """The arguments ``submit_cli`` reads, for an argparse (sub)parser."""
-    parser.add_argument("--url", default=None, help="API base URL (default: http://<api host>:<api port>)")
-    parser.add_argument("--api-key", dest="api_key", default=None,
-                        help="X-API-Key (default: the first of MASKSERVE_API_KEYS)")
+    parser.add_argument(
+        "--url", default=None, help="API base URL (default: http://<api host>:<api port>)"
+    )
+    parser.add_argument(
+        "--api-key",
+        dest="api_key",
+        default=None,
+        help="X-API-Key (default: the first of MASKSERVE_API_KEYS)",
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--image", help="image file to edit")
     source.add_argument("--template-id", dest="template_id", help="gallery template to edit")
-    parser.add_argument("--mask", required=True, help="mask file: 255 = repaint, same size as the image")
+    parser.add_argument(
+        "--mask", required=True, help="mask file: 255 = repaint, same size as the image"
+    )
     parser.add_argument("--prompt", default="")
     parser.add_argument("--negative-prompt", dest="negative_prompt", default=None)
     parser.add_argument("--model", default=None)
@@ -179,9 +207,15 @@ def add_submit_arguments(parser) -> None:
     parser.add_argument("--feather-px", dest="feather_px", type=float, default=None)
     parser.add_argument("--resolution", type=int, default=None)
     parser.add_argument("--no-cache", dest="no_cache", action="store_true")
-    parser.add_argument("--no-wait", dest="wait", action="store_false", help="print the job id and return")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the result")
-    parser.add_argument("--out", default=None, help="where to write the result PNG (default: <job id>.png)")
+    parser.add_argument(
+        "--no-wait", dest="wait", action="store_false", help="print the job id and return"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds to wait for the result"
+    )
+    parser.add_argument(
+        "--out", default=None, help="where to write the result PNG (default: <job id>.png)"
+    )
 
 
 def submit_cli(args, settings=None) -> int:
@@ -189,24 +223,47 @@ def submit_cli(args, settings=None) -> int:
     accepted job, then the final state). Exit status: 0 done (or submitted with --no-wait), 1 failed,
     cancelled or timed out, 2 refused by the server or unreachable. ``settings`` (optional) supplies
     the URL and key when ``args`` leaves them out."""
-    url = getattr(args, "url", None) or (f"http://{settings.api.host}:{settings.api.port}" if settings
-                                         else "http://127.0.0.1:8000")
-    api_key = getattr(args, "api_key", None) or (settings.api.api_keys[0] if settings and settings.api.api_keys
-                                                 else None)
-    params = {name: getattr(args, name, None) for name in ("negative_prompt", "model", "steps", "guidance", "strength",
-                                                           "seed", "threshold", "grow_px", "feather_px", "resolution")}
+    url = getattr(args, "url", None) or (
+        f"http://{settings.api.host}:{settings.api.port}" if settings else "http://127.0.0.1:8000"
+    )
+    api_key = getattr(args, "api_key", None) or (
+        settings.api.api_keys[0] if settings and settings.api.api_keys else None
+    )
+    params = {
+        name: getattr(args, name, None)
+        for name in (
+            "negative_prompt",
+            "model",
+            "steps",
+            "guidance",
+            "strength",
+            "seed",
+            "threshold",
+            "grow_px",
+            "feather_px",
+            "resolution",
+        )
+    }
     params["invert"] = True if getattr(args, "invert", False) else None
     params["use_cache"] = False if getattr(args, "no_cache", False) else None
     try:
         with MaskServeClient(url, api_key) as client:
-            job = client.submit(args.mask, getattr(args, "prompt", "") or "",
-                                template_id=getattr(args, "template_id", None), image=getattr(args, "image", None),
-                                **params)
+            job = client.submit(
+                args.mask,
+                getattr(args, "prompt", "") or "",
+                template_id=getattr(args, "template_id", None),
+                image=getattr(args, "image", None),
+                **params,
+            )
             print(json.dumps(job), flush=True)
             if not getattr(args, "wait", True):
                 return 0
             final = client.wait(job["job_id"], timeout=getattr(args, "timeout", 600.0) or 600.0)
-            report = {k: final.get(k) for k in ("job_id", "status", "seed", "message", "timings") if k in final}
+            report = {
+                k: final.get(k)
+                for k in ("job_id", "status", "seed", "message", "timings")
+                if k in final
+            }
             if final["status"] == "done":
                 out = Path(getattr(args, "out", None) or f"{job['job_id']}.png")
                 out.write_bytes(client.result_bytes(job["job_id"]))

@@ -118,6 +118,7 @@ class CelerySettings(_Strict):
     @classmethod
     def _device_is_known(cls, value: str) -> str:
         return _check_device(value)
+
     max_upload_pixels: int = Field(default=4096 * 4096, ge=64 * 64)
 
     @field_validator("visibility_timeout_s")
@@ -125,7 +126,9 @@ class CelerySettings(_Strict):
     def _above_time_limit(cls, value: int, info) -> int:
         limit = info.data.get("task_time_limit_s", 0)
         if value <= limit:
-            raise ValueError(f"visibility_timeout_s ({value}) must exceed task_time_limit_s ({limit})")
+            raise ValueError(
+                f"visibility_timeout_s ({value}) must exceed task_time_limit_s ({limit})"
+            )
         return value
 
 
@@ -169,7 +172,9 @@ class ApiSettings(_Strict):
     # Model ids jobs may name; empty: any built-in id (tiny-/small-/arch-<family>). Checkpoints
     # ('<family>:<dir or hub id>', local directories) must be listed here to be accepted over REST.
     models: tuple[str, ...] = ()
-    sse_keepalive_s: float = Field(default=15.0, gt=0.0, le=300.0)  # comment lines on an idle event stream
+    sse_keepalive_s: float = Field(
+        default=15.0, gt=0.0, le=300.0
+    )  # comment lines on an idle event stream
 
     @field_validator("api_keys", "models", "users", mode="before")
     @classmethod
@@ -184,8 +189,10 @@ class ApiSettings(_Strict):
         for entry in users:
             name, _, password = entry.partition(":")
             if not name.strip() or not password:
-                raise ValueError(f"user entry {name.strip()[:40] or '(empty)'!r} must be name:password (the "
-                                 "password non-empty)")
+                raise ValueError(
+                    f"user entry {name.strip()[:40] or '(empty)'!r} must be name:password (the "
+                    "password non-empty)"
+                )
         return users
 
 
@@ -194,15 +201,21 @@ class StudioSettings(_Strict):
 
     enabled: bool = True
     path: str = "/studio"
-    share: bool = False  # a public Gradio share link (``maskserve up --share``), always behind the login
-    share_server: str = ""  # host:port of a self-hosted share (FRP) server; empty: Gradio's public one
+    share: bool = (
+        False  # a public Gradio share link (``maskserve up --share``), always behind the login
+    )
+    share_server: str = (
+        ""  # host:port of a self-hosted share (FRP) server; empty: Gradio's public one
+    )
     history_limit: int = Field(default=200, ge=1, le=10_000)  # jobs kept in each user's history
 
     @field_validator("path")
     @classmethod
     def _mount_path(cls, path: str) -> str:
         if not path.startswith("/") or path.rstrip("/") in ("", "/v1", "/docs") or "//" in path:
-            raise ValueError(f"studio path {path!r} must start with '/' and not be '/', '/v1' or '/docs'")
+            raise ValueError(
+                f"studio path {path!r} must start with '/' and not be '/', '/v1' or '/docs'"
+            )
         return path.rstrip("/")
 
 
@@ -225,7 +238,9 @@ class RetentionSettings(_Strict):
     @property
     def job_record_s(self) -> int:
         """Seconds a finished job's record is kept (0: forever); a result is reachable as long as it is kept."""
-        return 0 if self.results_hours == 0 else max(MIN_JOB_RECORD_S, int(self.results_hours * 3600))
+        return (
+            0 if self.results_hours == 0 else max(MIN_JOB_RECORD_S, int(self.results_hours * 3600))
+        )
 
 
 class Settings(_Strict):
@@ -289,7 +304,18 @@ _ENV_FIELDS: dict[str, tuple[str | None, str]] = {
 }
 # Also read without the prefix: the conventional name every Redis deployment already sets.
 _PLAIN_ENV = {"REDIS_URL": ("redis", "url")}
-_SECTIONS = ("paths", "engine", "worker", "cache", "redis", "celery", "dispatcher", "api", "studio", "retention")
+_SECTIONS = (
+    "paths",
+    "engine",
+    "worker",
+    "cache",
+    "redis",
+    "celery",
+    "dispatcher",
+    "api",
+    "studio",
+    "retention",
+)
 
 
 def env_variable_names() -> frozenset[str]:
@@ -324,4 +350,6 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: dict) -> Se
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
         )
-        raise SettingsError(f"invalid settings ({problems}); set them via {ENV_PREFIX}* variables") from exc
+        raise SettingsError(
+            f"invalid settings ({problems}); set them via {ENV_PREFIX}* variables"
+        ) from exc

@@ -40,8 +40,10 @@ class HistoryIndex:
         if not owner:
             return []
         count = min(self.limit, limit or self.limit)
-        return [jid.decode() if isinstance(jid, bytes) else jid
-                for jid in self.client.zrevrange(history_key(owner), 0, count - 1)]
+        return [
+            jid.decode() if isinstance(jid, bytes) else jid
+            for jid in self.client.zrevrange(history_key(owner), 0, count - 1)
+        ]
 
     def forget(self, owner: str, job_id: str) -> None:
         self.client.zrem(history_key(owner), job_id)

@@ -62,10 +62,12 @@ def list_blobs(blobs: BlobStore) -> list[BlobFile]:
 
 def job_records(client: Redis) -> list[JobRecord]:
     """Every job record in Redis, with the blobs it references and when it finished."""
-    keys = [key for key in client.scan_iter(match=JOB_PATTERN, count=1000) if _text(key).count(":") == 2]
+    keys = [
+        key for key in client.scan_iter(match=JOB_PATTERN, count=1000) if _text(key).count(":") == 2
+    ]
     records = []
     for start in range(0, len(keys), _CHUNK):
-        chunk = keys[start:start + _CHUNK]
+        chunk = keys[start : start + _CHUNK]
         with client.pipeline(transaction=False) as pipe:
             for key in chunk:
                 pipe.hmget(key, *_FIELDS)
@@ -119,8 +121,12 @@ class BlobJanitor:
         return True
 
 
-def start_janitor(settings: Settings, client: Redis, blobs: BlobStore,
-                  on_report: Callable[[SweepReport], None] = lambda report: None) -> threading.Event | None:
+def start_janitor(
+    settings: Settings,
+    client: Redis,
+    blobs: BlobStore,
+    on_report: Callable[[SweepReport], None] = lambda report: None,
+) -> threading.Event | None:
     """Sweep in a daemon thread: at once, then every ``sweep_every_s``. Returns the event that stops
     it, or None when there is nothing to do (no period, or every kind kept forever)."""
     retention = settings.retention
@@ -135,14 +141,21 @@ def start_janitor(settings: Settings, client: Redis, blobs: BlobStore,
         while True:
             try:
                 # held for most of a period: the next sweep may fall to any API process
-                if client.set(LOCK_KEY, owner, nx=True, px=max(1, int(retention.sweep_every_s * 900))):
+                if client.set(
+                    LOCK_KEY, owner, nx=True, px=max(1, int(retention.sweep_every_s * 900))
+                ):
                     report = janitor.sweep()
                     on_report(report)
-                    log.info("blob janitor: deleted %d blobs (%d bytes) in %.2f s", sum(report.deleted.values()),
-                             sum(report.bytes_freed.values()), report.seconds)
+                    log.info(
+                        "blob janitor: deleted %d blobs (%d bytes) in %.2f s",
+                        sum(report.deleted.values()),
+                        sum(report.bytes_freed.values()),
+                        report.seconds,
+                    )
             except Exception:  # Redis away, a disk error: the next period tries again
                 log.warning("blob janitor sweep failed", exc_info=True)
             if stop.wait(retention.sweep_every_s):
                 return
+
     threading.Thread(target=sweep_periodically, name="blob-janitor", daemon=True).start()
     return stop

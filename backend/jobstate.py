@@ -30,8 +30,16 @@ from backend.config import MIN_JOB_RECORD_S
 from backend.protocol import JobEvent
 
 TERMINAL = ("done", "failed", "cancelled")
-_RANK = {"queued": 0, "preprocessing": 1, "waiting": 2, "running": 3, "postprocessing": 4,
-         "done": 5, "failed": 5, "cancelled": 5}
+_RANK = {
+    "queued": 0,
+    "preprocessing": 1,
+    "waiting": 2,
+    "running": 3,
+    "postprocessing": 4,
+    "done": 5,
+    "failed": 5,
+    "cancelled": 5,
+}
 _RANK_JSON = json.dumps(_RANK)
 EVENTS_MAXLEN = 1000
 JOB_TTL_S = MIN_JOB_RECORD_S  # the default; services pass ``settings.retention.job_record_s``
@@ -93,7 +101,9 @@ class JobStateStore:
     def __init__(self, client: Redis, ttl_s: int = JOB_TTL_S):
         """``ttl_s``: a finished job's record and events expire that long after it finished (0: never)."""
         if ttl_s < 0:
-            raise ValueError(f"job record ttl must be >= 0 s (0 keeps records forever), got {ttl_s}")
+            raise ValueError(
+                f"job record ttl must be >= 0 s (0 keeps records forever), got {ttl_s}"
+            )
         self.ttl_s = int(ttl_s)
         self.client = client
         self._apply = client.register_script(_APPLY)
@@ -105,21 +115,36 @@ class JobStateStore:
         """Record a new job as ``queued``; fields are stored as strings (JSON for dicts and lists).
         Creating an existing job again is a no-op (idempotent submission)."""
         now = time.time()
-        values = {"status": "queued", "created_at": now, "updated_at": now, "queued_at": now, "step": 0}
-        values |= {k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in fields.items()}
+        values = {
+            "status": "queued",
+            "created_at": now,
+            "updated_at": now,
+            "queued_at": now,
+            "step": 0,
+        }
+        values |= {
+            k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in fields.items()
+        }
         if self.client.hsetnx(job_key(job_id), "status", "queued"):
             self.client.hset(job_key(job_id), mapping={k: str(v) for k, v in values.items()})
 
     def record_event(self, event: JobEvent) -> bool:
         """Apply one event (see the module invariants); True when it changed the job."""
-        return bool(self._apply(keys=[job_key(event.job_id), events_key(event.job_id)], args=self._argv(event)))
+        return bool(
+            self._apply(
+                keys=[job_key(event.job_id), events_key(event.job_id)], args=self._argv(event)
+            )
+        )
 
     def record_events(self, events: list[JobEvent]) -> list[bool]:
         """Apply several events in one round trip (a worker's progress events of one step)."""
         with self.client.pipeline(transaction=False) as pipe:
             for event in events:
-                self._apply(keys=[job_key(event.job_id), events_key(event.job_id)], args=self._argv(event),
-                            client=pipe)
+                self._apply(
+                    keys=[job_key(event.job_id), events_key(event.job_id)],
+                    args=self._argv(event),
+                    client=pipe,
+                )
             return [bool(applied) for applied in pipe.execute()]
 
     def _argv(self, event: JobEvent) -> list:
@@ -130,8 +155,14 @@ class JobStateStore:
             if getattr(event, name):
                 fields[name] = getattr(event, name)
         fields |= {f"timing.{stage}": seconds for stage, seconds in event.timings.items()}
-        argv = [_RANK[event.status], event.status, json.dumps(_event_dict(event)), EVENTS_MAXLEN, self.ttl_s,
-                _RANK_JSON]
+        argv = [
+            _RANK[event.status],
+            event.status,
+            json.dumps(_event_dict(event)),
+            EVENTS_MAXLEN,
+            self.ttl_s,
+            _RANK_JSON,
+        ]
         for name, value in fields.items():
             argv += [name, str(value)]
         return argv
@@ -168,12 +199,16 @@ class JobStateStore:
         value = self.client.hget(job_key(job_id), "status")
         return None if value is None else _text(value)
 
-    def events(self, job_id: str, after: str = "0", block_ms: int | None = None) -> list[tuple[str, dict]]:
+    def events(
+        self, job_id: str, after: str = "0", block_ms: int | None = None
+    ) -> list[tuple[str, dict]]:
         """(stream id, event dict) after ``after``; waits up to ``block_ms`` for the first."""
         reply = self.client.xread({events_key(job_id): after}, block=block_ms)
         entries = reply[0][1] if reply else []
-        return [(_text(entry_id), json.loads(_text(fields.get(b"event") or fields.get("event"))))
-                for entry_id, fields in entries]
+        return [
+            (_text(entry_id), json.loads(_text(fields.get(b"event") or fields.get("event"))))
+            for entry_id, fields in entries
+        ]
 
 
 def _event_dict(event: JobEvent) -> dict:

@@ -49,9 +49,13 @@ class EditJob:
     strength: float = 1.0
     use_cache: bool = True
     mask_ops: MaskOps = field(default_factory=MaskOps)
-    resolution: int = 0  # the resolution bucket's side (about resolution^2 pixels); 0 = the model's default
+    resolution: int = (
+        0  # the resolution bucket's side (about resolution^2 pixels); 0 = the model's default
+    )
     submitted_at: float = 0.0
-    template_id: str = ""  # the gallery template edited, if any (its cache status is kept per model)
+    template_id: str = (
+        ""  # the gallery template edited, if any (its cache status is kept per model)
+    )
     prepare: bool = False  # record the template's activation cache only: no mask, no image result
 
 
@@ -63,14 +67,20 @@ class PreparedJob:
     job_id: str
     model_id: str
     prepared_ref: str  # blob ref of the PreparedRequest file (tensors)
-    template_ref: str  # the template as uploaded (full resolution), for paste-back in post-processing
+    template_ref: (
+        str  # the template as uploaded (full resolution), for paste-back in post-processing
+    )
     num_steps: int
     mask_ratio: float  # painted pixels / all pixels at the model resolution
     cache_digest: str  # CacheKey digest of the template cache this job reads ("" = no cache)
-    paste: dict = field(default_factory=dict)  # post-processing's paste-back plan (see backend.tasks.core)
+    paste: dict = field(
+        default_factory=dict
+    )  # post-processing's paste-back plan (see backend.tasks.core)
     submitted_at: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds so far
-    prepare: bool = False  # a cache recording: the worker records and finishes it, no post-processing
+    prepare: bool = (
+        False  # a cache recording: the worker records and finishes it, no post-processing
+    )
 
 
 @dataclass(frozen=True)
@@ -95,7 +105,16 @@ class CancelJob:
     job_id: str
 
 
-JOB_STATES = ("queued", "preprocessing", "waiting", "running", "postprocessing", "done", "failed", "cancelled")
+JOB_STATES = (
+    "queued",
+    "preprocessing",
+    "waiting",
+    "running",
+    "postprocessing",
+    "done",
+    "failed",
+    "cancelled",
+)
 
 
 @dataclass(frozen=True)
@@ -116,7 +135,9 @@ class JobEvent:
 
     def __post_init__(self):
         if self.status not in JOB_STATES:
-            raise ProtocolError(f"unknown job status {self.status!r}; expected one of {', '.join(JOB_STATES)}")
+            raise ProtocolError(
+                f"unknown job status {self.status!r}; expected one of {', '.join(JOB_STATES)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -138,8 +159,10 @@ class WorkerHeartbeat:
     stats: dict = field(default_factory=dict)
 
 
-MESSAGE_TYPES: dict[str, type] = {cls.TYPE: cls for cls in (EditJob, PreparedJob, DenoisedJob, CancelJob, JobEvent,
-                                                            WorkerHeartbeat)}
+MESSAGE_TYPES: dict[str, type] = {
+    cls.TYPE: cls
+    for cls in (EditJob, PreparedJob, DenoisedJob, CancelJob, JobEvent, WorkerHeartbeat)
+}
 _NESTED = {"mask_ops": MaskOps}
 
 

@@ -46,7 +46,7 @@ class RetentionPolicy:
     results_s: float  # 0: forever
 
     @classmethod
-    def from_hours(cls, inputs_hours: float, results_hours: float) -> "RetentionPolicy":
+    def from_hours(cls, inputs_hours: float, results_hours: float) -> RetentionPolicy:
         return cls(inputs_hours * HOUR_S, results_hours * HOUR_S)
 
     def keep_s(self, kind: str) -> float:
@@ -57,8 +57,9 @@ class RetentionPolicy:
         return keep_s > 0 and now - last_use >= keep_s
 
 
-def expired_blobs(blobs: Iterable[BlobFile], jobs: Iterable[JobRecord], now: float,
-                  policy: RetentionPolicy) -> list[BlobFile]:
+def expired_blobs(
+    blobs: Iterable[BlobFile], jobs: Iterable[JobRecord], now: float, policy: RetentionPolicy
+) -> list[BlobFile]:
     """The blobs whose retention has passed at ``now`` (see the module invariants), in input order."""
     users: dict[str, list[JobRecord]] = {}
     for job in jobs:

@@ -30,8 +30,13 @@ class JsonFormatter(logging.Formatter):
         self.role = role
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"ts": round(record.created, 3), "level": record.levelname, "logger": record.name,
-                 "role": self.role, "msg": record.getMessage()}
+        entry = {
+            "ts": round(record.created, 3),
+            "level": record.levelname,
+            "logger": record.name,
+            "role": self.role,
+            "msg": record.getMessage(),
+        }
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry)
@@ -61,6 +66,7 @@ def stop_event_on_signals() -> threading.Event:
     def handler(signum, _frame):
         log.info("signal %s: stopping", signal.Signals(signum).name)
         stop.set()
+
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
     return stop

@@ -9,9 +9,9 @@ as ``StudioError`` with a message saying how (the UI shows it as a warning, neve
 from __future__ import annotations
 
 import time
-from os import PathLike
 from collections.abc import Iterator
 from dataclasses import dataclass
+from os import PathLike
 from pathlib import Path
 
 from PIL import Image
@@ -22,12 +22,25 @@ from backend.jobstate import TERMINAL
 from backend.models import resolve_model
 from backend.protocol import MaskOps
 from studio import masks as studio_masks
-from templates_store.store import TemplateError, TemplateNotFound, TemplateRecord, TemplateStore, split_tags
+from templates_store.store import (
+    TemplateError,
+    TemplateNotFound,
+    TemplateRecord,
+    TemplateStore,
+    split_tags,
+)
 
 FOLLOW_SLICE_MS = 1000  # longest single wait for a job's next event
-STAGES = {"queued": "Queued", "preprocessing": "Pre-processing", "waiting": "Waiting for a worker",
-          "running": "Denoising", "postprocessing": "Post-processing", "done": "Done", "failed": "Failed",
-          "cancelled": "Cancelled"}
+STAGES = {
+    "queued": "Queued",
+    "preprocessing": "Pre-processing",
+    "waiting": "Waiting for a worker",
+    "running": "Denoising",
+    "postprocessing": "Post-processing",
+    "done": "Done",
+    "failed": "Failed",
+    "cancelled": "Cancelled",
+}
 
 
 class StudioError(ValueError):
@@ -52,7 +65,9 @@ class EditForm:
 
     @property
     def mask_ops(self) -> MaskOps:
-        return MaskOps(invert=bool(self.invert), grow_px=int(self.grow_px), feather_px=float(self.feather_px))
+        return MaskOps(
+            invert=bool(self.invert), grow_px=int(self.grow_px), feather_px=float(self.feather_px)
+        )
 
 
 @dataclass(frozen=True)
@@ -91,7 +106,9 @@ def _service_call(func, *args, **kwargs):
 
 
 class StudioActions:
-    def __init__(self, service: JobService, templates: TemplateStore, on_submitted=lambda model_id: None):
+    def __init__(
+        self, service: JobService, templates: TemplateStore, on_submitted=lambda model_id: None
+    ):
         """``on_submitted(model_id)`` is called for every accepted edit (the API's metrics count it)."""
         self.service, self.templates, self.on_submitted = service, templates, on_submitted
 
@@ -109,7 +126,9 @@ class StudioActions:
         with Image.open(path) as image:
             return image.convert("RGB")
 
-    def upload(self, files: list, name: str = "", tags: str = "") -> tuple[list[TemplateRecord], list[str]]:
+    def upload(
+        self, files: list, name: str = "", tags: str = ""
+    ) -> tuple[list[TemplateRecord], list[str]]:
         """Add every file; (records added, one message per file that was refused). ``name`` (when
         given) names them all, numbered when there are several; else each file's own name."""
         if not files:
@@ -117,7 +136,9 @@ class StudioActions:
         added, problems = [], []
         tag_list = split_tags(tags)
         for index, file in enumerate(files, start=1):
-            path = Path(file) if isinstance(file, (str, PathLike)) else Path(file.name)  # a path, or a temp file
+            path = (
+                Path(file) if isinstance(file, (str, PathLike)) else Path(file.name)
+            )  # a path, or a temp file
             display = (name or "").strip() or path.stem or "untitled"
             if (name or "").strip() and len(files) > 1:
                 display = f"{display} {index}"
@@ -171,21 +192,38 @@ class StudioActions:
     # ----- jobs -----------------------------------------------------------------------------------
     def submit(self, owner: str, template_id: str, editor_value, form: EditForm) -> SubmittedJob:
         record = self.template(template_id)
-        painted = _service_call(studio_masks.painted_mask, editor_value, (record.width, record.height))
+        painted = _service_call(
+            studio_masks.painted_mask, editor_value, (record.width, record.height)
+        )
         _service_call(studio_masks.require_painted, painted)
-        request = JobRequest(mask=studio_masks.mask_png(painted), prompt=form.prompt or "", template_id=template_id,
-                             negative_prompt=form.negative_prompt or "", model=form.model or None,
-                             steps=form.steps, guidance=form.guidance, strength=form.strength, seed=form.seed,
-                             mask_ops=form.mask_ops, use_cache=bool(form.use_cache), owner=owner)
+        request = JobRequest(
+            mask=studio_masks.mask_png(painted),
+            prompt=form.prompt or "",
+            template_id=template_id,
+            negative_prompt=form.negative_prompt or "",
+            model=form.model or None,
+            steps=form.steps,
+            guidance=form.guidance,
+            strength=form.strength,
+            seed=form.seed,
+            mask_ops=form.mask_ops,
+            use_cache=bool(form.use_cache),
+            owner=owner,
+        )
         submitted = _service_call(self.service.submit, request)
         self.on_submitted(submitted.model_id)
         return submitted
 
     def progress(self, job_id: str) -> Progress:
         job = _service_call(self.service.get, job_id)
-        return Progress(job_id=job_id, status=job["status"], step=int(job.get("step", 0)),
-                        num_steps=int(job.get("num_steps", 0)), queue_position=job.get("queue_position"),
-                        message=job.get("message", ""))
+        return Progress(
+            job_id=job_id,
+            status=job["status"],
+            step=int(job.get("step", 0)),
+            num_steps=int(job.get("num_steps", 0)),
+            queue_position=job.get("queue_position"),
+            message=job.get("message", ""),
+        )
 
     def follow(self, job_id: str, timeout_s: float = 3600.0) -> Iterator[Progress]:
         """The job's progress each time it changes, ending with its terminal state. Waits on the

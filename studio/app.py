@@ -43,6 +43,7 @@ def _user(request: gr.Request | None) -> str:
 def handler(n_outputs: int = 1):
     """A handler feeding ``n_outputs`` components: a StudioError becomes a warning toast and every
     output keeps its value."""
+
     def decorate(func):
         @functools.wraps(func)
         def wrapper(*args, **kwargs):
@@ -51,7 +52,9 @@ def handler(n_outputs: int = 1):
             except StudioError as exc:
                 gr.Warning(str(exc))
                 return gr.skip() if n_outputs == 1 else tuple(gr.skip() for _ in range(n_outputs))
+
         return wrapper
+
     return decorate
 
 
@@ -86,17 +89,32 @@ class StudioPage:
         for job in jobs:
             when = dt.datetime.fromtimestamp(job.get("created_at", 0)).strftime("%Y-%m-%d %H:%M:%S")
             total = job.get("timings", {}).get("total_s")
-            rows.append([when, job["status"], job.get("prompt", ""), job.get("seed", ""), job.get("num_steps")
-                         or job.get("steps", ""), job.get("model_id", ""),
-                         "" if total is None else f"{total:.1f}", job["job_id"]])
-        thumbs = [(str(p), job.get("prompt", "")[:40]) for job in jobs if (p := self.actions.thumbnail_of(job))]
+            rows.append(
+                [
+                    when,
+                    job["status"],
+                    job.get("prompt", ""),
+                    job.get("seed", ""),
+                    job.get("num_steps") or job.get("steps", ""),
+                    job.get("model_id", ""),
+                    "" if total is None else f"{total:.1f}",
+                    job["job_id"],
+                ]
+            )
+        thumbs = [
+            (str(p), job.get("prompt", "")[:40])
+            for job in jobs
+            if (p := self.actions.thumbnail_of(job))
+        ]
         return rows, thumbs, jobs
 
     # ----- the page -------------------------------------------------------------------------------
     def build(self) -> gr.Blocks:
         with gr.Blocks(title=self.title, fill_width=True) as page:
-            gr.Markdown(f"## {self.title}\nPaint over what to change, describe it, and submit. "
-                        "Everything outside the painted area stays exactly as it was.")
+            gr.Markdown(
+                f"## {self.title}\nPaint over what to change, describe it, and submit. "
+                "Everything outside the painted area stays exactly as it was."
+            )
             template_ids = gr.State([])  # gallery index -> template id
             current = gr.State("")  # the template in the editor
             job_id = gr.State("")  # the job this page follows
@@ -108,9 +126,16 @@ class StudioPage:
                     gallery = self._gallery_tab(template_ids, current, tabs, editor)
                 with gr.Tab("History", id="history") as history_tab:
                     self._history_tab(history_tab, history_jobs, current, tabs, editor)
-            page.load(self._refresh_all, [editor["search"]],
-                      [editor["gallery"], template_ids, gallery["gallery"], gallery["ids"]])
-            page.load(self._models, None, [editor["model"], gallery["model"], editor["steps"], editor["guidance"]])
+            page.load(
+                self._refresh_all,
+                [editor["search"]],
+                [editor["gallery"], template_ids, gallery["gallery"], gallery["ids"]],
+            )
+            page.load(
+                self._models,
+                None,
+                [editor["model"], gallery["model"], editor["steps"], editor["guidance"]],
+            )
         return page
 
     def _refresh_all(self, query: str = ""):
@@ -122,7 +147,12 @@ class StudioPage:
         models = self.actions.models()
         first = models[0] if models else None
         steps, guidance = self.actions.model_defaults(first) if first else (gr.skip(), gr.skip())
-        return (gr.update(choices=models, value=first), gr.update(choices=models, value=first), steps, guidance)
+        return (
+            gr.update(choices=models, value=first),
+            gr.update(choices=models, value=first),
+            steps,
+            guidance,
+        )
 
     # ----- editor ---------------------------------------------------------------------------------
     def _editor_tab(self, template_ids, current, job_id) -> dict:
@@ -130,83 +160,192 @@ class StudioPage:
         with gr.Row(equal_height=False):
             with gr.Column(scale=1, min_width=220):
                 ui["search"] = gr.Textbox(label="Find a template", placeholder="name contains...")
-                ui["gallery"] = gr.Gallery(label="Templates", columns=GALLERY_COLUMNS, height=360,
-                                           allow_preview=False, object_fit="contain", elem_id="ms-pick")
-                ui["picked"] = gr.Markdown("No template selected.", elem_classes="ms-muted", elem_id="ms-picked")
+                ui["gallery"] = gr.Gallery(
+                    label="Templates",
+                    columns=GALLERY_COLUMNS,
+                    height=360,
+                    allow_preview=False,
+                    object_fit="contain",
+                    elem_id="ms-pick",
+                )
+                ui["picked"] = gr.Markdown(
+                    "No template selected.", elem_classes="ms-muted", elem_id="ms-picked"
+                )
             with gr.Column(scale=3, min_width=420):
-                ui["canvas"] = gr.ImageEditor(label="Paint the area to change", type="pil", format="png",
-                                              image_mode="RGBA", sources=(), brush=BRUSH,
-                                              eraser=gr.Eraser(default_size=24), transforms=(),
-                                              layers=gr.LayerOptions(allow_additional_layers=False),
-                                              height=560, elem_id="ms-canvas")
+                ui["canvas"] = gr.ImageEditor(
+                    label="Paint the area to change",
+                    type="pil",
+                    format="png",
+                    image_mode="RGBA",
+                    sources=(),
+                    brush=BRUSH,
+                    eraser=gr.Eraser(default_size=24),
+                    transforms=(),
+                    layers=gr.LayerOptions(allow_additional_layers=False),
+                    height=560,
+                    elem_id="ms-canvas",
+                )
                 with gr.Row():
-                    ui["invert"] = gr.Checkbox(label="Invert (repaint everything else)", value=False)
+                    ui["invert"] = gr.Checkbox(
+                        label="Invert (repaint everything else)", value=False
+                    )
                     ui["grow"] = gr.Slider(-64, 64, value=0, step=1, label="Grow / shrink (px)")
                     ui["feather"] = gr.Slider(0, 64, value=0, step=1, label="Feather (px)")
                 ui["ratio"] = gr.Markdown("Mask: nothing painted yet", elem_id="ms-ratio")
                 with gr.Accordion("Mask preview", open=False):
-                    ui["overlay"] = gr.Image(label="Area to repaint (tinted)", interactive=False, height=300)
+                    ui["overlay"] = gr.Image(
+                        label="Area to repaint (tinted)", interactive=False, height=300
+                    )
             with gr.Column(scale=2, min_width=280):
-                ui["prompt"] = gr.Textbox(label="Prompt", lines=3, placeholder="what should appear in the painted area",
-                                          elem_id="ms-prompt")
+                ui["prompt"] = gr.Textbox(
+                    label="Prompt",
+                    lines=3,
+                    placeholder="what should appear in the painted area",
+                    elem_id="ms-prompt",
+                )
                 ui["negative"] = gr.Textbox(label="Negative prompt", lines=1)
                 ui["model"] = gr.Dropdown(label="Model", choices=[], allow_custom_value=False)
                 with gr.Row():
-                    ui["steps"] = gr.Slider(1, 150, value=20, step=1, label="Steps", elem_id="ms-steps")
+                    ui["steps"] = gr.Slider(
+                        1, 150, value=20, step=1, label="Steps", elem_id="ms-steps"
+                    )
                     ui["guidance"] = gr.Slider(0, 20, value=7.5, step=0.5, label="Guidance")
                 ui["strength"] = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Strength")
                 with gr.Row():
                     ui["random_seed"] = gr.Checkbox(label="Random seed", value=True)
-                    ui["seed"] = gr.Number(label="Seed", value=0, precision=0, minimum=0, maximum=2**32 - 1)
-                ui["use_cache"] = gr.Checkbox(label="Reuse the template's cached activations (faster)", value=True)
+                    ui["seed"] = gr.Number(
+                        label="Seed", value=0, precision=0, minimum=0, maximum=2**32 - 1
+                    )
+                ui["use_cache"] = gr.Checkbox(
+                    label="Reuse the template's cached activations (faster)", value=True
+                )
                 with gr.Row():
                     ui["submit"] = gr.Button("Generate", variant="primary", elem_id="ms-submit")
                     ui["cancel"] = gr.Button("Cancel", variant="stop", elem_id="ms-cancel")
                 ui["status"] = gr.HTML("", elem_id="ms-status")
         with gr.Row(equal_height=False):
             with gr.Column(scale=3):
-                ui["compare"] = gr.ImageSlider(label="Before / after", interactive=False, height=520,
-                                               elem_id="ms-compare")
+                ui["compare"] = gr.ImageSlider(
+                    label="Before / after", interactive=False, height=520, elem_id="ms-compare"
+                )
             with gr.Column(scale=2):
                 ui["info"] = gr.Markdown("", elem_id="ms-info")
                 ui["reuse_seed"] = gr.Button("Reuse this seed", visible=False)
-                ui["download"] = gr.DownloadButton("Download PNG", visible=False, elem_id="ms-download")
-                ui["save_name"] = gr.Textbox(label="Save the result as a template named", placeholder="(optional)")
+                ui["download"] = gr.DownloadButton(
+                    "Download PNG", visible=False, elem_id="ms-download"
+                )
+                ui["save_name"] = gr.Textbox(
+                    label="Save the result as a template named", placeholder="(optional)"
+                )
                 ui["save"] = gr.Button("Save result as a new template")
                 ui["seed_used"] = gr.State(None)
         self._wire_editor(ui, template_ids, current, job_id)
         return ui
 
     def _form_inputs(self, ui: dict) -> list:
-        return [ui[name] for name in ("prompt", "negative", "model", "steps", "guidance", "strength", "random_seed",
-                                      "seed", "invert", "grow", "feather", "use_cache")]
+        return [
+            ui[name]
+            for name in (
+                "prompt",
+                "negative",
+                "model",
+                "steps",
+                "guidance",
+                "strength",
+                "random_seed",
+                "seed",
+                "invert",
+                "grow",
+                "feather",
+                "use_cache",
+            )
+        ]
 
     @staticmethod
-    def _form(prompt, negative, model, steps, guidance, strength, random_seed, seed, invert, grow, feather,
-              use_cache) -> EditForm:
-        return EditForm(prompt=prompt or "", negative_prompt=negative or "", model=model or "",
-                        steps=int(steps), guidance=float(guidance), strength=float(strength),
-                        seed=None if random_seed or seed is None else int(seed), invert=bool(invert),
-                        grow_px=int(grow), feather_px=float(feather), use_cache=bool(use_cache))
+    def _form(
+        prompt,
+        negative,
+        model,
+        steps,
+        guidance,
+        strength,
+        random_seed,
+        seed,
+        invert,
+        grow,
+        feather,
+        use_cache,
+    ) -> EditForm:
+        return EditForm(
+            prompt=prompt or "",
+            negative_prompt=negative or "",
+            model=model or "",
+            steps=int(steps),
+            guidance=float(guidance),
+            strength=float(strength),
+            seed=None if random_seed or seed is None else int(seed),
+            invert=bool(invert),
+            grow_px=int(grow),
+            feather_px=float(feather),
+            use_cache=bool(use_cache),
+        )
 
     def _wire_editor(self, ui: dict, template_ids, current, job_id) -> None:
-        ui["search"].change(lambda q: self._gallery(q), [ui["search"]], [ui["gallery"], template_ids],
-                            show_progress="hidden")
-        ui["gallery"].select(self._pick, [template_ids, ui["model"]],
-                             [current, ui["canvas"], ui["picked"], ui["overlay"], ui["ratio"]])
+        ui["search"].change(
+            lambda q: self._gallery(q),
+            [ui["search"]],
+            [ui["gallery"], template_ids],
+            show_progress="hidden",
+        )
+        ui["gallery"].select(
+            self._pick,
+            [template_ids, ui["model"]],
+            [current, ui["canvas"], ui["picked"], ui["overlay"], ui["ratio"]],
+        )
         mask_inputs = [current, ui["canvas"], ui["invert"], ui["grow"], ui["feather"]]
-        for trigger in (ui["canvas"].change, ui["invert"].change, ui["grow"].release, ui["feather"].release):
-            trigger(self._preview, mask_inputs, [ui["overlay"], ui["ratio"]], show_progress="hidden",
-                    trigger_mode="always_last")
+        for trigger in (
+            ui["canvas"].change,
+            ui["invert"].change,
+            ui["grow"].release,
+            ui["feather"].release,
+        ):
+            trigger(
+                self._preview,
+                mask_inputs,
+                [ui["overlay"], ui["ratio"]],
+                show_progress="hidden",
+                trigger_mode="always_last",
+            )
         # .input, not .change: a model recalled from the history keeps the steps and guidance recalled with it
-        ui["model"].input(self._model_defaults, [ui["model"]], [ui["steps"], ui["guidance"]], show_progress="hidden")
-        ui["submit"].click(self._submit, [current, ui["canvas"], *self._form_inputs(ui)],
-                           [job_id, ui["status"], ui["compare"], ui["info"], ui["download"], ui["reuse_seed"],
-                            ui["seed_used"]], concurrency_limit=None)
+        ui["model"].input(
+            self._model_defaults,
+            [ui["model"]],
+            [ui["steps"], ui["guidance"]],
+            show_progress="hidden",
+        )
+        ui["submit"].click(
+            self._submit,
+            [current, ui["canvas"], *self._form_inputs(ui)],
+            [
+                job_id,
+                ui["status"],
+                ui["compare"],
+                ui["info"],
+                ui["download"],
+                ui["reuse_seed"],
+                ui["seed_used"],
+            ],
+            concurrency_limit=None,
+        )
         ui["cancel"].click(self._cancel, [job_id], [ui["status"]], concurrency_limit=None)
-        ui["reuse_seed"].click(lambda seed: (False, seed), [ui["seed_used"]], [ui["random_seed"], ui["seed"]])
-        ui["save"].click(self._save, [job_id, ui["save_name"], ui["search"]], [ui["gallery"], template_ids,
-                                                                              ui["save_name"]])
+        ui["reuse_seed"].click(
+            lambda seed: (False, seed), [ui["seed_used"]], [ui["random_seed"], ui["seed"]]
+        )
+        ui["save"].click(
+            self._save,
+            [job_id, ui["save_name"], ui["search"]],
+            [ui["gallery"], template_ids, ui["save_name"]],
+        )
 
     @handler(5)
     def _pick(self, template_ids: list, model: str, evt: gr.SelectData):
@@ -215,8 +354,10 @@ class StudioPage:
         template_id = template_ids[evt.index]
         record, canvas = self._on_canvas(template_id)
         cache = self.actions.cache_status(template_id, model) if model else "unknown"
-        picked = (f"**{html.escape(record.name)}** · {record.width}x{record.height}"
-                  f"{' · ' + ', '.join(record.tags) if record.tags else ''} · cache: {cache}")
+        picked = (
+            f"**{html.escape(record.name)}** · {record.width}x{record.height}"
+            f"{' · ' + ', '.join(record.tags) if record.tags else ''} · cache: {cache}"
+        )
         return template_id, canvas, picked, None, "Mask: nothing painted yet"
 
     def _on_canvas(self, template_id: str):
@@ -242,21 +383,56 @@ class StudioPage:
         steps, guidance = self.actions.model_defaults(model)
         return steps, guidance
 
-    def _submit(self, template_id, canvas, prompt, negative, model, steps, guidance, strength, random_seed, seed,
-                invert, grow, feather, use_cache, request: gr.Request):
+    def _submit(
+        self,
+        template_id,
+        canvas,
+        prompt,
+        negative,
+        model,
+        steps,
+        guidance,
+        strength,
+        random_seed,
+        seed,
+        invert,
+        grow,
+        feather,
+        use_cache,
+        request: gr.Request,
+    ):
         """A generator: the job id at once, then the progress each time it changes, then the result.
         (Every input is a named positional parameter: Gradio passes ``request`` only to those.)"""
         idle = (gr.skip(),) * 4
-        form = self._form(prompt, negative, model, steps, guidance, strength, random_seed, seed, invert, grow, feather,
-                          use_cache)
+        form = self._form(
+            prompt,
+            negative,
+            model,
+            steps,
+            guidance,
+            strength,
+            random_seed,
+            seed,
+            invert,
+            grow,
+            feather,
+            use_cache,
+        )
         try:
             submitted = self.actions.submit(_user(request), template_id, canvas, form)
         except StudioError as exc:
             gr.Warning(str(exc))
             yield (gr.skip(), gr.skip(), *idle, gr.skip())
             return
-        yield (submitted.job_id, _progress_html(self.actions.progress(submitted.job_id)), None, "",
-               gr.update(visible=False), gr.update(visible=False), submitted.seed)
+        yield (
+            submitted.job_id,
+            _progress_html(self.actions.progress(submitted.job_id)),
+            None,
+            "",
+            gr.update(visible=False),
+            gr.update(visible=False),
+            submitted.seed,
+        )
         final = None
         for progress in self.actions.follow(submitted.job_id):
             final = progress
@@ -267,13 +443,22 @@ class StudioPage:
         original = str(self.actions.templates.image_path(template_id))
         job = self.actions.service.get(submitted.job_id)
         timings = job.get("timings", {})
-        info = (f"**Done.** Seed used: `{submitted.seed}` · model `{submitted.model_id}` · {submitted.steps} steps"
-                f" · job `{submitted.job_id}`"
-                f"<br><span class='ms-muted'>queue {timings.get('queue_s', 0):.1f} s · pre "
-                f"{timings.get('pre_s', 0):.1f} s · denoise {timings.get('denoise_s', 0):.1f} s · post "
-                f"{timings.get('post_s', 0):.1f} s · total {timings.get('total_s', 0):.1f} s</span>")
-        yield (gr.skip(), _progress_html(final), (original, result), info,
-               gr.update(value=result, visible=True), gr.update(visible=True), submitted.seed)
+        info = (
+            f"**Done.** Seed used: `{submitted.seed}` · model `{submitted.model_id}` · {submitted.steps} steps"
+            f" · job `{submitted.job_id}`"
+            f"<br><span class='ms-muted'>queue {timings.get('queue_s', 0):.1f} s · pre "
+            f"{timings.get('pre_s', 0):.1f} s · denoise {timings.get('denoise_s', 0):.1f} s · post "
+            f"{timings.get('post_s', 0):.1f} s · total {timings.get('total_s', 0):.1f} s</span>"
+        )
+        yield (
+            gr.skip(),
+            _progress_html(final),
+            (original, result),
+            info,
+            gr.update(value=result, visible=True),
+            gr.update(visible=True),
+            submitted.seed,
+        )
 
     @handler()
     def _cancel(self, job_id: str):
@@ -294,23 +479,41 @@ class StudioPage:
         with gr.Row(equal_height=False):
             with gr.Column(scale=1, min_width=260):
                 gr.Markdown("### Upload templates")
-                ui["files"] = gr.File(label="Images (PNG, JPEG, WebP, BMP)", file_count="multiple",
-                                      file_types=["image"], elem_id="ms-upload")
-                ui["name"] = gr.Textbox(label="Name", placeholder="(default: the file's name)", elem_id="ms-name")
-                ui["tags"] = gr.Textbox(label="Tags", placeholder="comma-separated, e.g. product, studio")
+                ui["files"] = gr.File(
+                    label="Images (PNG, JPEG, WebP, BMP)",
+                    file_count="multiple",
+                    file_types=["image"],
+                    elem_id="ms-upload",
+                )
+                ui["name"] = gr.Textbox(
+                    label="Name", placeholder="(default: the file's name)", elem_id="ms-name"
+                )
+                ui["tags"] = gr.Textbox(
+                    label="Tags", placeholder="comma-separated, e.g. product, studio"
+                )
                 ui["upload"] = gr.Button("Add to gallery", variant="primary", elem_id="ms-add")
             with gr.Column(scale=3):
                 with gr.Row():
                     ui["query"] = gr.Textbox(label="Search by name", scale=2)
                     ui["tag"] = gr.Textbox(label="Tag", scale=1)
-                ui["gallery"] = gr.Gallery(label="Gallery", columns=5, height=420, allow_preview=False,
-                                           object_fit="contain", elem_id="ms-gallery")
+                ui["gallery"] = gr.Gallery(
+                    label="Gallery",
+                    columns=5,
+                    height=420,
+                    allow_preview=False,
+                    object_fit="contain",
+                    elem_id="ms-gallery",
+                )
                 ui["ids"] = gr.State([])
                 ui["selected"] = gr.State("")
-                ui["details"] = gr.Markdown("Select a template to see its details.", elem_id="ms-details")
+                ui["details"] = gr.Markdown(
+                    "Select a template to see its details.", elem_id="ms-details"
+                )
                 with gr.Row():
                     ui["model"] = gr.Dropdown(label="Model", choices=[], scale=2)
-                    ui["cache"] = gr.Textbox(label="Cache status", interactive=False, scale=2, elem_id="ms-cache")
+                    ui["cache"] = gr.Textbox(
+                        label="Cache status", interactive=False, scale=2, elem_id="ms-cache"
+                    )
                     ui["prepare"] = gr.Button("Prepare cache", scale=1, elem_id="ms-prepare")
                 with gr.Row():
                     ui["edit"] = gr.Button("Edit this template", variant="primary")
@@ -324,19 +527,41 @@ class StudioPage:
 
     def _wire_gallery(self, ui: dict, template_ids, current, tabs, editor) -> None:
         listing = [ui["gallery"], ui["ids"], editor["gallery"], template_ids]
-        ui["upload"].click(self._upload, [ui["files"], ui["name"], ui["tags"], ui["query"], ui["tag"]],
-                           [*listing, ui["files"]])
+        ui["upload"].click(
+            self._upload,
+            [ui["files"], ui["name"], ui["tags"], ui["query"], ui["tag"]],
+            [*listing, ui["files"]],
+        )
         for box in (ui["query"], ui["tag"]):
-            box.change(self._gallery, [ui["query"], ui["tag"]], [ui["gallery"], ui["ids"]], show_progress="hidden")
-        ui["gallery"].select(self._select, [ui["ids"], ui["model"]], [ui["selected"], ui["details"], ui["cache"]])
-        ui["model"].change(self._cache_text, [ui["selected"], ui["model"]], [ui["cache"]], show_progress="hidden")
-        ui["prepare"].click(self._prepare, [ui["selected"], ui["model"]], [ui["cache"]], concurrency_limit=None)
-        ui["delete"].click(self._ask_delete, [ui["selected"]], [ui["confirm_row"], ui["confirm_text"]])
+            box.change(
+                self._gallery,
+                [ui["query"], ui["tag"]],
+                [ui["gallery"], ui["ids"]],
+                show_progress="hidden",
+            )
+        ui["gallery"].select(
+            self._select, [ui["ids"], ui["model"]], [ui["selected"], ui["details"], ui["cache"]]
+        )
+        ui["model"].change(
+            self._cache_text, [ui["selected"], ui["model"]], [ui["cache"]], show_progress="hidden"
+        )
+        ui["prepare"].click(
+            self._prepare, [ui["selected"], ui["model"]], [ui["cache"]], concurrency_limit=None
+        )
+        ui["delete"].click(
+            self._ask_delete, [ui["selected"]], [ui["confirm_row"], ui["confirm_text"]]
+        )
         ui["keep"].click(lambda: gr.update(visible=False), None, [ui["confirm_row"]])
-        ui["confirm"].click(self._delete, [ui["selected"], ui["query"], ui["tag"]],
-                            [*listing, ui["selected"], ui["details"], ui["confirm_row"]])
-        ui["edit"].click(self._edit, [ui["selected"], ui["model"]],
-                         [current, editor["canvas"], editor["picked"], editor["overlay"], editor["ratio"], tabs])
+        ui["confirm"].click(
+            self._delete,
+            [ui["selected"], ui["query"], ui["tag"]],
+            [*listing, ui["selected"], ui["details"], ui["confirm_row"]],
+        )
+        ui["edit"].click(
+            self._edit,
+            [ui["selected"], ui["model"]],
+            [current, editor["canvas"], editor["picked"], editor["overlay"], editor["ratio"], tabs],
+        )
 
     @handler(5)
     def _upload(self, files, name, tags, query, tag):
@@ -355,8 +580,10 @@ class StudioPage:
             raise StudioError("that template is no longer in the gallery: refresh it")
         record = self.actions.template(ids[evt.index])
         created = dt.datetime.fromtimestamp(record.created_at).strftime("%Y-%m-%d %H:%M")
-        details = (f"**{html.escape(record.name)}** · {record.width}x{record.height} · "
-                   f"{record.bytes / 1024:.0f} KiB · tags: {', '.join(record.tags) or '(none)'} · added {created}")
+        details = (
+            f"**{html.escape(record.name)}** · {record.width}x{record.height} · "
+            f"{record.bytes / 1024:.0f} KiB · tags: {', '.join(record.tags) or '(none)'} · added {created}"
+        )
         return record.id, details, self.actions.cache_status(record.id, model) if model else ""
 
     @handler()
@@ -382,7 +609,9 @@ class StudioPage:
     @handler(2)
     def _ask_delete(self, template_id):
         record = self.actions.template(template_id)
-        return gr.update(visible=True), f"Delete **{html.escape(record.name)}**? This cannot be undone."
+        return gr.update(
+            visible=True
+        ), f"Delete **{html.escape(record.name)}**? This cannot be undone."
 
     @handler(7)
     def _delete(self, template_id, query, tag):
@@ -390,25 +619,59 @@ class StudioPage:
         gr.Info(f"Deleted '{name}'")
         items, ids = self._gallery(query, tag)
         all_items, all_ids = self._gallery()
-        return items, ids, all_items, all_ids, "", "Select a template to see its details.", gr.update(visible=False)
+        return (
+            items,
+            ids,
+            all_items,
+            all_ids,
+            "",
+            "Select a template to see its details.",
+            gr.update(visible=False),
+        )
 
     @handler(6)
     def _edit(self, template_id, model):
         record, canvas = self._on_canvas(template_id)
         picked = f"**{html.escape(record.name)}** · {record.width}x{record.height}"
-        return record.id, canvas, picked, None, "Mask: nothing painted yet", gr.Tabs(selected="editor")
+        return (
+            record.id,
+            canvas,
+            picked,
+            None,
+            "Mask: nothing painted yet",
+            gr.Tabs(selected="editor"),
+        )
 
     # ----- history --------------------------------------------------------------------------------
     def _history_tab(self, history_tab, history_jobs, current, tabs, editor) -> None:
         refresh = gr.Button("Refresh")
-        table = gr.Dataframe(headers=HISTORY_HEADERS, interactive=False, wrap=True, elem_id="ms-history")
-        thumbs = gr.Gallery(label="Results", columns=8, height=200, allow_preview=True, elem_id="ms-results")
+        table = gr.Dataframe(
+            headers=HISTORY_HEADERS, interactive=False, wrap=True, elem_id="ms-history"
+        )
+        thumbs = gr.Gallery(
+            label="Results", columns=8, height=200, allow_preview=True, elem_id="ms-results"
+        )
         gr.Markdown("Select a row to load its parameters into the editor.", elem_classes="ms-muted")
         for trigger in (history_tab.select, refresh.click):
             trigger(self._history_rows, None, [table, thumbs, history_jobs])
-        recalled = [current, editor["canvas"], editor["picked"], editor["prompt"], editor["negative"],
-                    editor["model"], editor["steps"], editor["guidance"], editor["strength"], editor["random_seed"],
-                    editor["seed"], editor["invert"], editor["grow"], editor["feather"], editor["use_cache"], tabs]
+        recalled = [
+            current,
+            editor["canvas"],
+            editor["picked"],
+            editor["prompt"],
+            editor["negative"],
+            editor["model"],
+            editor["steps"],
+            editor["guidance"],
+            editor["strength"],
+            editor["random_seed"],
+            editor["seed"],
+            editor["invert"],
+            editor["grow"],
+            editor["feather"],
+            editor["use_cache"],
+            tabs,
+        ]
         table.select(self._recall, [history_jobs], recalled)
 
     @handler(16)
@@ -417,14 +680,28 @@ class StudioPage:
         if row is None or row >= len(jobs):
             raise StudioError("that job is no longer in the history: refresh it")
         job = jobs[row]
-        record, canvas = self._on_canvas(job.get("template_id", ""))  # it may have been deleted since
+        record, canvas = self._on_canvas(
+            job.get("template_id", "")
+        )  # it may have been deleted since
         ops = job.get("mask_ops", {})
-        return (record.id, canvas,
-                f"**{html.escape(record.name)}** · recalled from job {job['job_id'][:8]}: paint the mask again",
-                job.get("prompt", ""), job.get("negative_prompt", ""), job.get("model_id"), job.get("steps"),
-                job.get("guidance"), job.get("strength"), False, job.get("seed"), bool(ops.get("invert")),
-                ops.get("grow_px", 0), ops.get("feather_px", 0), job.get("use_cache", True),
-                gr.Tabs(selected="editor"))
+        return (
+            record.id,
+            canvas,
+            f"**{html.escape(record.name)}** · recalled from job {job['job_id'][:8]}: paint the mask again",
+            job.get("prompt", ""),
+            job.get("negative_prompt", ""),
+            job.get("model_id"),
+            job.get("steps"),
+            job.get("guidance"),
+            job.get("strength"),
+            False,
+            job.get("seed"),
+            bool(ops.get("invert")),
+            ops.get("grow_px", 0),
+            ops.get("feather_px", 0),
+            job.get("use_cache", True),
+            gr.Tabs(selected="editor"),
+        )
 
 
 def build_studio(actions: StudioActions) -> gr.Blocks:

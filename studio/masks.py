@@ -36,7 +36,9 @@ def _as_image(value) -> Image.Image | None:
         return Image.fromarray(value)
     if isinstance(value, (str, bytes)) or hasattr(value, "__fspath__"):
         return Image.open(io.BytesIO(value) if isinstance(value, bytes) else value)
-    raise MaskError(f"the editor sent a layer of an unexpected kind ({type(value).__name__}): reload the page")
+    raise MaskError(
+        f"the editor sent a layer of an unexpected kind ({type(value).__name__}): reload the page"
+    )
 
 
 def _alpha(layer: Image.Image) -> np.ndarray:
@@ -52,8 +54,10 @@ def _to_size(painted: np.ndarray, size_wh: tuple[int, int]) -> np.ndarray:
     if (width, height) == (tw, th):
         return painted
     if abs(width / height - tw / th) > ASPECT_TOLERANCE * (tw / th):
-        raise MaskError(f"the canvas is {width}x{height} but the template is {tw}x{th} (another shape): "
-                        "pick the template again and repaint")
+        raise MaskError(
+            f"the canvas is {width}x{height} but the template is {tw}x{th} (another shape): "
+            "pick the template again and repaint"
+        )
     image = Image.fromarray(painted.astype(np.uint8) * 255, mode="L")
     # BOX when shrinking (any painted pixel under a template pixel counts), NEAREST when enlarging
     resample = Image.Resampling.BOX if width > tw else Image.Resampling.NEAREST
@@ -65,7 +69,9 @@ def painted_mask(editor_value, size_wh: tuple[int, int]) -> np.ndarray:
     painted. An empty painting is returned as is (``require_painted`` refuses it)."""
     if not editor_value:
         raise MaskError("no canvas: pick a template in the gallery first")
-    layers = [image for image in map(_as_image, editor_value.get("layers") or []) if image is not None]
+    layers = [
+        image for image in map(_as_image, editor_value.get("layers") or []) if image is not None
+    ]
     tw, th = size_wh
     union = np.zeros((th, tw), dtype=bool)
     for layer in layers:

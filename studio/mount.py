@@ -19,23 +19,45 @@ from studio.actions import StudioActions
 from studio.app import CSS, build_studio
 from templates_store.store import TemplateStore
 
-NO_USERS_MESSAGE = ("No studio users are configured on this server, so nobody can sign in: the operator must "
-                    "set MASKSERVE_USERS (name:password, comma-separated).")
-LOGIN_MESSAGE = ("Sign in with your MaskServe user (the operator lists users in MASKSERVE_USERS; "
-                 "`maskserve up` prints the generated one).")
+NO_USERS_MESSAGE = (
+    "No studio users are configured on this server, so nobody can sign in: the operator must "
+    "set MASKSERVE_USERS (name:password, comma-separated)."
+)
+LOGIN_MESSAGE = (
+    "Sign in with your MaskServe user (the operator lists users in MASKSERVE_USERS; "
+    "`maskserve up` prints the generated one)."
+)
 
 
-def mount_studio(app: FastAPI, service: JobService, templates: TemplateStore, guard: Guard,
-                 settings: Settings, metrics: ApiMetrics) -> gr.Blocks:
+def mount_studio(
+    app: FastAPI,
+    service: JobService,
+    templates: TemplateStore,
+    guard: Guard,
+    settings: Settings,
+    metrics: ApiMetrics,
+) -> gr.Blocks:
     path = settings.studio.path
     counted = metrics.jobs_submitted
-    page = build_studio(StudioActions(service, templates, lambda model: counted.labels(model, "studio").inc()))
+    page = build_studio(
+        StudioActions(service, templates, lambda model: counted.labels(model, "studio").inc())
+    )
     page.queue(default_concurrency_limit=8)
     auth = guard.check_login if guard.login_required else None
     message = (LOGIN_MESSAGE if guard.has_logins else NO_USERS_MESSAGE) if auth else None
-    gr.mount_gradio_app(app, page, path=path, auth=auth, auth_message=message,
-                        footer_links=["api"], run_history=False, show_error=True, ssr_mode=False,
-                        max_file_size=int(settings.api.max_template_mb * 2**20), css=CSS)
+    gr.mount_gradio_app(
+        app,
+        page,
+        path=path,
+        auth=auth,
+        auth_message=message,
+        footer_links=["api"],
+        run_history=False,
+        show_error=True,
+        ssr_mode=False,
+        max_file_size=int(settings.api.max_template_mb * 2**20),
+        css=CSS,
+    )
 
     @app.get("/", include_in_schema=False)
     def to_studio() -> RedirectResponse:

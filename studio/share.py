@@ -27,19 +27,27 @@ def share_url_path(settings: Settings) -> Path:
 
 def open_share_link(settings: Settings, is_serving) -> threading.Thread:
     """Start a thread that waits for ``is_serving()`` and then opens the tunnel."""
+
     def run() -> None:
         while not is_serving():
             time.sleep(0.2)
         try:
             from gradio import networking
 
-            url = networking.setup_tunnel(settings.api.host, settings.api.port, secrets.token_urlsafe(32),
-                                          settings.studio.share_server or None, None)
+            url = networking.setup_tunnel(
+                settings.api.host,
+                settings.api.port,
+                secrets.token_urlsafe(32),
+                settings.studio.share_server or None,
+                None,
+            )
             outcome = url.rstrip("/") + settings.studio.path + "/"
             log.info("studio share link: %s", outcome)
         except Exception as exc:  # any failure to reach the share server: report it, keep serving
-            outcome = f"error: no share link ({exc}; {exc.__cause__ or 'no further detail'}): is the internet " \
-                      "reachable from this machine?"
+            outcome = (
+                f"error: no share link ({exc}; {exc.__cause__ or 'no further detail'}): is the internet "
+                "reachable from this machine?"
+            )
             log.warning("%s", outcome)
         write_atomic(share_url_path(settings), outcome.encode())
 

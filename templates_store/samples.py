@@ -11,11 +11,14 @@ def sample_template(width: int, height: int, seed: int = 0) -> Image.Image:
     """A reproducible RGB template of the given size; the same (size, seed) gives the same bytes."""
     rng = np.random.default_rng(seed)
     ys, xs = np.mgrid[0:height, 0:width].astype(np.float32)
-    base = np.stack([
-        120 + 80 * np.sin(xs / width * np.pi * rng.uniform(0.5, 2.0) + rng.uniform(0, 6)),
-        110 + 70 * np.cos(ys / height * np.pi * rng.uniform(0.5, 2.0) + rng.uniform(0, 6)),
-        100 + 60 * np.sin((xs + ys) / (width + height) * np.pi * rng.uniform(1, 3)),
-    ], axis=-1)
+    base = np.stack(
+        [
+            120 + 80 * np.sin(xs / width * np.pi * rng.uniform(0.5, 2.0) + rng.uniform(0, 6)),
+            110 + 70 * np.cos(ys / height * np.pi * rng.uniform(0.5, 2.0) + rng.uniform(0, 6)),
+            100 + 60 * np.sin((xs + ys) / (width + height) * np.pi * rng.uniform(1, 3)),
+        ],
+        axis=-1,
+    )
     image = Image.fromarray(np.clip(base, 0, 255).astype(np.uint8))
     draw = ImageDraw.Draw(image)
     for _ in range(6):
@@ -25,4 +28,6 @@ def sample_template(width: int, height: int, seed: int = 0) -> Image.Image:
         draw.ellipse([cx - radius, cy - radius, cx + radius, cy + radius], fill=colour)
     image = image.filter(ImageFilter.GaussianBlur(radius=max(1, min(width, height) // 128)))
     noise = rng.normal(0, 4, (height, width, 3))
-    return Image.fromarray(np.clip(np.asarray(image, dtype=np.float32) + noise, 0, 255).astype(np.uint8))
+    return Image.fromarray(
+        np.clip(np.asarray(image, dtype=np.float32) + noise, 0, 255).astype(np.uint8)
+    )

@@ -86,9 +86,16 @@ class TemplateRecord:
 
     @classmethod
     def from_dict(cls, data: dict) -> TemplateRecord:
-        return cls(id=data["id"], name=data["name"], tags=tuple(data["tags"]), sha256=data["sha256"],
-                   width=int(data["width"]), height=int(data["height"]), bytes=int(data["bytes"]),
-                   created_at=float(data["created_at"]))
+        return cls(
+            id=data["id"],
+            name=data["name"],
+            tags=tuple(data["tags"]),
+            sha256=data["sha256"],
+            width=int(data["width"]),
+            height=int(data["height"]),
+            bytes=int(data["bytes"]),
+            created_at=float(data["created_at"]),
+        )
 
 
 def upload_error_code(exc: UploadError) -> str:
@@ -108,11 +115,15 @@ def clean_name(name: str) -> str:
     if not name:
         raise TemplateError("template name is empty: give the template a name")
     if len(name) > MAX_NAME_CHARS:
-        raise TemplateError(f"template name is {len(name)} characters long, the limit is {MAX_NAME_CHARS}: "
-                            "shorten it")
+        raise TemplateError(
+            f"template name is {len(name)} characters long, the limit is {MAX_NAME_CHARS}: "
+            "shorten it"
+        )
     if any(unicodedata.category(ch).startswith("C") for ch in name):
-        raise TemplateError("template name contains control characters (newlines, tabs, ...): "
-                            "use printable characters only")
+        raise TemplateError(
+            "template name contains control characters (newlines, tabs, ...): "
+            "use printable characters only"
+        )
     return name
 
 
@@ -131,8 +142,10 @@ def clean_tags(tags) -> tuple[str, ...]:
         if not tag or tag in cleaned:
             continue
         if len(tag) > MAX_TAG_CHARS or not _TAG.match(tag):
-            raise TemplateError(f"tag {tag[:40]!r} is not allowed: tags are 1-{MAX_TAG_CHARS} letters, digits, "
-                                "'_', '.' or '-', starting with a letter or digit")
+            raise TemplateError(
+                f"tag {tag[:40]!r} is not allowed: tags are 1-{MAX_TAG_CHARS} letters, digits, "
+                "'_', '.' or '-', starting with a letter or digit"
+            )
         cleaned.append(tag)
     if len(cleaned) > MAX_TAGS:
         raise TemplateError(f"{len(cleaned)} tags given, the limit is {MAX_TAGS}: drop some")
@@ -172,8 +185,11 @@ class TemplateStore:
         """Validate and store one upload. Raises TemplateError (see its ``code``)."""
         name, tags = clean_name(name), clean_tags(tags)
         if len(data) > self.max_bytes:
-            raise TemplateError(f"template file is {len(data) / 2**20:.1f} MiB, the limit is "
-                                f"{self.max_bytes / 2**20:.1f} MiB: upload a smaller file", "too_large")
+            raise TemplateError(
+                f"template file is {len(data) / 2**20:.1f} MiB, the limit is "
+                f"{self.max_bytes / 2**20:.1f} MiB: upload a smaller file",
+                "too_large",
+            )
         try:
             image = decode_image(data, self.max_pixels, what="template")
         except UploadError as exc:
@@ -181,8 +197,16 @@ class TemplateStore:
         png = encode_image(image, "png")
         sha256 = hashlib.sha256(png).hexdigest()
         thumb = thumbnail(image, THUMBNAIL_SIDE)
-        record = TemplateRecord(id=uuid.uuid4().hex, name=name, tags=tags, sha256=sha256, width=image.width,
-                                height=image.height, bytes=len(png), created_at=time.time())
+        record = TemplateRecord(
+            id=uuid.uuid4().hex,
+            name=name,
+            tags=tags,
+            sha256=sha256,
+            width=image.width,
+            height=image.height,
+            bytes=len(png),
+            created_at=time.time(),
+        )
         with self._locked():
             if not self._content_path(sha256).exists():
                 write_atomic(self._content_path(sha256), png)

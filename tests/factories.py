@@ -23,7 +23,9 @@ def make_engine(family: str, models_dir, cache_dir) -> MaskAwareEngine:
 
 
 def make_params(engine: MaskAwareEngine, **overrides) -> EditParams:
-    fields = dict(steps=STEPS, guidance=engine.spec.default_guidance, size=(SIZE, SIZE), template_seed=5)
+    fields = dict(
+        steps=STEPS, guidance=engine.spec.default_guidance, size=(SIZE, SIZE), template_seed=5
+    )
     fields.update(overrides)
     return EditParams(**fields)
 
@@ -47,8 +49,16 @@ def full_mask(size: int = SIZE) -> Image.Image:
 MASK = rect_mask((32, 40, 96, 80))
 
 
-def make_prepared_job(engine: MaskAwareEngine, blobs, job_id: str, template: Image.Image, mask: Image.Image,
-                      seed: int, params: EditParams, prompt: str = "a blue vase"):
+def make_prepared_job(
+    engine: MaskAwareEngine,
+    blobs,
+    job_id: str,
+    template: Image.Image,
+    mask: Image.Image,
+    seed: int,
+    params: EditParams,
+    prompt: str = "a blue vase",
+):
     """What pre-processing hands a worker: the PreparedRequest file, the template PNG and the message."""
     from backend.protocol import PreparedJob
 
@@ -58,6 +68,12 @@ def make_prepared_job(engine: MaskAwareEngine, blobs, job_id: str, template: Ima
     buffer = io.BytesIO()
     template.save(buffer, format="PNG")
     template_ref = blobs.put("templates", f"{job_id}.png", buffer.getvalue())
-    return PreparedJob(job_id=job_id, model_id=engine.spec.model_id, prepared_ref=prepared_ref,
-                       template_ref=template_ref, num_steps=params.steps, mask_ratio=float(prepared.pixels.mean()),
-                       cache_digest=prepared.cache_key.digest() if prepared.cache_key else "")
+    return PreparedJob(
+        job_id=job_id,
+        model_id=engine.spec.model_id,
+        prepared_ref=prepared_ref,
+        template_ref=template_ref,
+        num_steps=params.steps,
+        mask_ratio=float(prepared.pixels.mean()),
+        cache_digest=prepared.cache_key.digest() if prepared.cache_key else "",
+    )

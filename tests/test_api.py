@@ -46,8 +46,11 @@ MASK = mask_png()
 
 
 def make_settings(redis_url, tmp_path, **api):
-    env = {"MASKSERVE_REDIS_URL": redis_url, "MASKSERVE_DATA_DIR": str(tmp_path / "data"),
-           "MASKSERVE_API_KEYS": f"{KEY},{OTHER_KEY}"}
+    env = {
+        "MASKSERVE_REDIS_URL": redis_url,
+        "MASKSERVE_DATA_DIR": str(tmp_path / "data"),
+        "MASKSERVE_API_KEYS": f"{KEY},{OTHER_KEY}",
+    }
     return load_settings(env, api={"rate_limit_per_minute": 0, "sse_keepalive_s": 0.2} | api)
 
 
@@ -58,14 +61,18 @@ def settings(redis_url, tmp_path):
 
 @pytest.fixture
 def client(settings, redis_client):
-    with TestClient(create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}) as test_client:
+    with TestClient(
+        create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}
+    ) as test_client:
         yield test_client
 
 
 def submit(client, data=None, files=None, **fields):
     form = {"prompt": "a red chair", "steps": "4"} | fields
     upload = {"image": ("image.png", IMAGE, "image/png"), "mask": ("mask.png", MASK, "image/png")}
-    return client.post("/v1/jobs", data=form if data is None else data, files=upload if files is None else files)
+    return client.post(
+        "/v1/jobs", data=form if data is None else data, files=upload if files is None else files
+    )
 
 
 def pre_queue_jobs(redis_client, settings) -> list[EditJob]:
@@ -106,24 +113,48 @@ def test_api_key_missing_wrong_and_right(client):
 def test_event_stream_takes_the_key_as_a_query_parameter(client, redis_client):
     """A browser's EventSource cannot send X-API-Key: the event stream (only) takes ?api_key=."""
     job_id = submit(client).json()["job_id"]
-    JobStateStore(redis_client).record_event(JobEvent(job_id=job_id, status="cancelled", at=time.time()))
+    JobStateStore(redis_client).record_event(
+        JobEvent(job_id=job_id, status="cancelled", at=time.time())
+    )
     browser = TestClient(client.app)  # no X-API-Key header
     events = browser.get(f"/v1/jobs/{job_id}/events", params={"api_key": KEY})
-    assert events.status_code == 200 and [e["status"] for e in sse_events(events.text)] == ["cancelled"]
+    assert events.status_code == 200 and [e["status"] for e in sse_events(events.text)] == [
+        "cancelled"
+    ]
     wrong = browser.get(f"/v1/jobs/{job_id}/events", params={"api_key": "nope"})
-    assert wrong.status_code == 403 and "api_key query parameter is not valid" in wrong.json()["error"]
-    header_wins = browser.get(f"/v1/jobs/{job_id}/events", params={"api_key": KEY}, headers={"X-API-Key": "nope"})
-    assert header_wins.status_code == 403 and "X-API-Key header is not valid" in header_wins.json()["error"]
-    assert browser.get(f"/v1/jobs/{job_id}/events", params={"api_key": "nope"},
-                       headers={"X-API-Key": KEY}).status_code == 200
+    assert (
+        wrong.status_code == 403 and "api_key query parameter is not valid" in wrong.json()["error"]
+    )
+    header_wins = browser.get(
+        f"/v1/jobs/{job_id}/events", params={"api_key": KEY}, headers={"X-API-Key": "nope"}
+    )
+    assert (
+        header_wins.status_code == 403
+        and "X-API-Key header is not valid" in header_wins.json()["error"]
+    )
+    assert (
+        browser.get(
+            f"/v1/jobs/{job_id}/events", params={"api_key": "nope"}, headers={"X-API-Key": KEY}
+        ).status_code
+        == 200
+    )
     missing = browser.get(f"/v1/jobs/{job_id}/events")
     assert missing.status_code == 401
-    assert "X-API-Key header" in missing.json()["error"] and "api_key query parameter" in missing.json()["error"]
-    for path in (f"/v1/jobs/{job_id}", "/v1/templates", f"/v1/jobs/{job_id}/result"):  # everywhere else: 401
+    assert (
+        "X-API-Key header" in missing.json()["error"]
+        and "api_key query parameter" in missing.json()["error"]
+    )
+    for path in (
+        f"/v1/jobs/{job_id}",
+        "/v1/templates",
+        f"/v1/jobs/{job_id}/result",
+    ):  # everywhere else: 401
         refused = browser.get(path, params={"api_key": KEY})
         assert refused.status_code == 401, path
         assert "api_key query parameter is not accepted on this route" in refused.json()["error"]
-    schemes = client.get("/openapi.json").json()["paths"]["/v1/jobs/{job_id}/events"]["get"]["security"]
+    schemes = client.get("/openapi.json").json()["paths"]["/v1/jobs/{job_id}/events"]["get"][
+        "security"
+    ]
     assert {"APIKeyQuery": []} in schemes and {"APIKeyHeader": []} in schemes
 
 
@@ -132,40 +163,59 @@ def test_no_keys_configured_fails_closed_unless_auth_disabled(redis_url, redis_c
     with TestClient(create_app(closed, redis_client=redis_client)) as test_client:
         refused = test_client.get("/v1/templates", headers={"X-API-Key": "anything"})
         assert refused.status_code == 401 and "MASKSERVE_API_KEYS" in refused.json()["error"]
-    opened = load_settings({"MASKSERVE_REDIS_URL": redis_url, "MASKSERVE_DATA_DIR": str(tmp_path),
-                            "MASKSERVE_AUTH_DISABLED": "1"})
+    opened = load_settings(
+        {
+            "MASKSERVE_REDIS_URL": redis_url,
+            "MASKSERVE_DATA_DIR": str(tmp_path),
+            "MASKSERVE_AUTH_DISABLED": "1",
+        }
+    )
     with TestClient(create_app(opened, redis_client=redis_client)) as test_client:
         assert test_client.get("/v1/templates").status_code == 200
 
 
 def test_rate_limit_per_key_with_retry_after(redis_url, redis_client, tmp_path):
     settings = make_settings(redis_url, tmp_path, rate_limit_per_minute=6, rate_limit_burst=3)
-    with TestClient(create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}) as test_client:
+    with TestClient(
+        create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}
+    ) as test_client:
         assert [test_client.get("/v1/templates").status_code for _ in range(3)] == [200, 200, 200]
         limited = test_client.get("/v1/templates")
         assert limited.status_code == 429 and "rate limit" in limited.json()["error"]
         # 6 a minute = one token every 10 s; the bucket is empty, less what refilled while the burst was sent
         assert limited.headers["Retry-After"] in ("9", "10")
-        assert test_client.get("/v1/templates", headers={"X-API-Key": OTHER_KEY}).status_code == 200  # own bucket
+        assert (
+            test_client.get("/v1/templates", headers={"X-API-Key": OTHER_KEY}).status_code == 200
+        )  # own bucket
         assert test_client.get("/healthz").status_code == 200  # not limited
         assert "maskserve_api_rate_limited_total 1.0" in test_client.get("/metrics").text
     # the bucket lives in Redis: a second API process sees the same one
-    with TestClient(create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}) as second:
+    with TestClient(
+        create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}
+    ) as second:
         assert second.get("/v1/templates").status_code == 429
 
 
 def test_body_limit_413_declared_and_streamed(redis_url, redis_client, tmp_path):
     settings = make_settings(redis_url, tmp_path, max_body_mb=0.05)
     big = b"\0" * 100_000
-    with TestClient(create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}) as test_client:
-        declared = test_client.post("/v1/templates", files={"file": ("big.png", big)}, data={"name": "x"})
+    with TestClient(
+        create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}
+    ) as test_client:
+        declared = test_client.post(
+            "/v1/templates", files={"file": ("big.png", big)}, data={"name": "x"}
+        )
         assert declared.status_code == 413 and "limit of 51 KiB" in declared.json()["error"]
 
         def chunks():
             for _ in range(10):
                 yield b"x" * 10_000
-        streamed = test_client.post("/v1/templates", content=chunks(),
-                                    headers={"Content-Type": "multipart/form-data; boundary=zzz"})
+
+        streamed = test_client.post(
+            "/v1/templates",
+            content=chunks(),
+            headers={"Content-Type": "multipart/form-data; boundary=zzz"},
+        )
         assert streamed.status_code == 413 and "limit" in streamed.json()["error"]
         assert submit(test_client).status_code == 202  # small requests still pass
         assert 'status="413"' in test_client.get("/metrics").text
@@ -195,9 +245,14 @@ BAD_FIELDS = [
 ]
 
 
-@pytest.mark.parametrize("fields, status, message", BAD_FIELDS,
-                         ids=[f"{name}={value[:12]}" for fields, _, _ in BAD_FIELDS for name, value in fields.items()])
-def test_bad_fields_are_4xx_saying_what_to_fix(client, redis_client, settings, fields, status, message):
+@pytest.mark.parametrize(
+    "fields, status, message",
+    BAD_FIELDS,
+    ids=[f"{name}={value[:12]}" for fields, _, _ in BAD_FIELDS for name, value in fields.items()],
+)
+def test_bad_fields_are_4xx_saying_what_to_fix(
+    client, redis_client, settings, fields, status, message
+):
     response = submit(client, **fields)
     assert response.status_code == status, response.text
     assert message in response.json()["error"]
@@ -209,24 +264,64 @@ def upload(name, data, mime="image/png"):
 
 
 BAD_FILES = [
-    ({"image": upload("i.png", IMAGE), "mask": upload("m.png", mask_png(size=(32, 32), box=(0, 0, 8, 8)))}, 422,
-     "mask size 32x32 does not match image size 64x48"),
-    ({"image": upload("i.png", IMAGE), "mask": upload("m.png", mask_png(box=(0, 0, 0, 0)))}, 422, "mask is empty"),
-    ({"image": upload("i.png", IMAGE), "mask": upload("m.txt", b"plain text", "text/plain")}, 415,
-     "mask is not an image file"),
-    ({"image": upload("i.gif", png(Image.new("P", (WIDTH, HEIGHT)), "GIF"), "image/gif"),
-      "mask": upload("m.png", MASK)}, 415, "image is a GIF file, which is not supported"),
-    ({"image": upload("i.png", IMAGE[: len(IMAGE) // 2]), "mask": upload("m.png", MASK)}, 422, "truncated"),
-    ({"image": upload("i.png", png(Image.new("RGB", (5000, 4000)))), "mask": upload("m.png", MASK)}, 413,
-     "the limit is 16.8 MP"),
+    (
+        {
+            "image": upload("i.png", IMAGE),
+            "mask": upload("m.png", mask_png(size=(32, 32), box=(0, 0, 8, 8))),
+        },
+        422,
+        "mask size 32x32 does not match image size 64x48",
+    ),
+    (
+        {"image": upload("i.png", IMAGE), "mask": upload("m.png", mask_png(box=(0, 0, 0, 0)))},
+        422,
+        "mask is empty",
+    ),
+    (
+        {"image": upload("i.png", IMAGE), "mask": upload("m.txt", b"plain text", "text/plain")},
+        415,
+        "mask is not an image file",
+    ),
+    (
+        {
+            "image": upload("i.gif", png(Image.new("P", (WIDTH, HEIGHT)), "GIF"), "image/gif"),
+            "mask": upload("m.png", MASK),
+        },
+        415,
+        "image is a GIF file, which is not supported",
+    ),
+    (
+        {"image": upload("i.png", IMAGE[: len(IMAGE) // 2]), "mask": upload("m.png", MASK)},
+        422,
+        "truncated",
+    ),
+    (
+        {
+            "image": upload("i.png", png(Image.new("RGB", (5000, 4000)))),
+            "mask": upload("m.png", MASK),
+        },
+        413,
+        "the limit is 16.8 MP",
+    ),
     ({"mask": upload("m.png", MASK)}, 422, "exactly one of template_id"),
     ({"image": upload("i.png", IMAGE)}, 422, "mask: Field required"),
 ]
 
 
-@pytest.mark.parametrize("files, status, message", BAD_FILES,
-                         ids=["size-mismatch", "empty-mask", "mask-not-image", "gif", "truncated", "too-many-pixels",
-                              "no-image", "no-mask"])
+@pytest.mark.parametrize(
+    "files, status, message",
+    BAD_FILES,
+    ids=[
+        "size-mismatch",
+        "empty-mask",
+        "mask-not-image",
+        "gif",
+        "truncated",
+        "too-many-pixels",
+        "no-image",
+        "no-mask",
+    ],
+)
 def test_bad_files_are_4xx_saying_what_to_fix(client, files, status, message):
     response = submit(client, files=files)
     assert response.status_code == status, response.text
@@ -234,33 +329,51 @@ def test_bad_files_are_4xx_saying_what_to_fix(client, files, status, message):
 
 
 def test_inverting_a_full_mask_leaves_nothing(client):
-    full = {"image": upload("i.png", IMAGE), "mask": upload("m.png", mask_png(box=(0, 0, WIDTH, HEIGHT)))}
+    full = {
+        "image": upload("i.png", IMAGE),
+        "mask": upload("m.png", mask_png(box=(0, 0, WIDTH, HEIGHT))),
+    }
     response = submit(client, files=full, invert="true")
     assert response.status_code == 422 and "after inverting" in response.json()["error"]
 
 
 def test_garbage_body_is_a_4xx(client):
-    response = client.post("/v1/jobs", content=b"--zzz\r\ngarbage", headers={"Content-Type": "multipart/form-data"})
+    response = client.post(
+        "/v1/jobs", content=b"--zzz\r\ngarbage", headers={"Content-Type": "multipart/form-data"}
+    )
     assert 400 <= response.status_code < 500
 
 
 # ----- templates ---------------------------------------------------------------------------------------
 def test_template_crud(client):
-    created = client.post("/v1/templates", files={"file": ("room.jpg", png(sample_template(80, 60), "JPEG"))},
-                          data={"name": "Living room", "tags": "interior, Sofa"})
+    created = client.post(
+        "/v1/templates",
+        files={"file": ("room.jpg", png(sample_template(80, 60), "JPEG"))},
+        data={"name": "Living room", "tags": "interior, Sofa"},
+    )
     assert created.status_code == 201, created.text
     record = created.json()
     assert record["name"] == "Living room" and record["tags"] == ["interior", "sofa"]
     assert (record["width"], record["height"]) == (80, 60)
-    other = client.post("/v1/templates", files={"file": ("garden.png", png(sample_template(32, 32)))}).json()
+    other = client.post(
+        "/v1/templates", files={"file": ("garden.png", png(sample_template(32, 32)))}
+    ).json()
     assert other["name"] == "garden"  # default name: the file's stem
-    assert [t["id"] for t in client.get("/v1/templates").json()["templates"]] == [other["id"], record["id"]]
-    assert [t["id"] for t in client.get("/v1/templates", params={"tag": "sofa"}).json()["templates"]] == [record["id"]]
-    assert [t["id"] for t in client.get("/v1/templates", params={"query": "LIVING"}).json()["templates"]] == \
-        [record["id"]]
+    assert [t["id"] for t in client.get("/v1/templates").json()["templates"]] == [
+        other["id"],
+        record["id"],
+    ]
+    assert [
+        t["id"] for t in client.get("/v1/templates", params={"tag": "sofa"}).json()["templates"]
+    ] == [record["id"]]
+    assert [
+        t["id"] for t in client.get("/v1/templates", params={"query": "LIVING"}).json()["templates"]
+    ] == [record["id"]]
     assert client.get(record["url"]).json() == record
     image = client.get(record["image_url"])
-    assert image.headers["content-type"] == "image/png" and Image.open(io.BytesIO(image.content)).size == (80, 60)
+    assert image.headers["content-type"] == "image/png" and Image.open(
+        io.BytesIO(image.content)
+    ).size == (80, 60)
     thumb = client.get(record["thumbnail_url"])
     assert thumb.headers["content-type"] == "image/webp"
     assert client.delete(record["url"]).status_code == 204
@@ -270,12 +383,15 @@ def test_template_crud(client):
     assert client.delete(record["url"]).status_code == 404
 
 
-@pytest.mark.parametrize("data, file, status, message", [
-    ({"name": "x"}, b"not an image", 415, "not an image"),
-    ({"name": "a\nb"}, IMAGE, 422, "control characters"),
-    ({"name": "x", "tags": "bad tag!"}, IMAGE, 422, "tag"),
-    ({"name": "x" * 500}, IMAGE, 422, "limit is 120"),
-])
+@pytest.mark.parametrize(
+    "data, file, status, message",
+    [
+        ({"name": "x"}, b"not an image", 415, "not an image"),
+        ({"name": "a\nb"}, IMAGE, 422, "control characters"),
+        ({"name": "x", "tags": "bad tag!"}, IMAGE, 422, "tag"),
+        ({"name": "x" * 500}, IMAGE, 422, "limit is 120"),
+    ],
+)
 def test_template_upload_errors(client, data, file, status, message):
     response = client.post("/v1/templates", files={"file": ("f.png", file)}, data=data)
     assert response.status_code == status and message in response.json()["error"]
@@ -288,16 +404,34 @@ def test_template_ids_never_reach_the_file_system(client):
 
 # ----- jobs --------------------------------------------------------------------------------------------
 def test_submit_returns_202_at_once_and_queues_the_edit(client, redis_client, settings):
-    response = submit(client, seed="1234", negative_prompt="blurry", guidance="6.5", strength="0.9", grow_px="2",
-                      invert="false", use_cache="false")
+    response = submit(
+        client,
+        seed="1234",
+        negative_prompt="blurry",
+        guidance="6.5",
+        strength="0.9",
+        grow_px="2",
+        invert="false",
+        use_cache="false",
+    )
     assert response.status_code == 202, response.text
     body = response.json()
     job_id = body["job_id"]
     assert len(job_id) == 32 and body["seed"] == 1234 and body["status"] == "queued"
-    assert body["status_url"] == f"/v1/jobs/{job_id}" and response.headers["Location"] == body["status_url"]
-    assert body["events_url"] == f"/v1/jobs/{job_id}/events" and body["result_url"] == f"/v1/jobs/{job_id}/result"
+    assert (
+        body["status_url"] == f"/v1/jobs/{job_id}"
+        and response.headers["Location"] == body["status_url"]
+    )
+    assert (
+        body["events_url"] == f"/v1/jobs/{job_id}/events"
+        and body["result_url"] == f"/v1/jobs/{job_id}/result"
+    )
     state = JobStateStore(redis_client).get(job_id)
-    assert state["status"] == "queued" and state["seed"] == 1234 and state["model_id"] == "tiny-sd2-inpaint"
+    assert (
+        state["status"] == "queued"
+        and state["seed"] == 1234
+        and state["model_id"] == "tiny-sd2-inpaint"
+    )
     [job] = pre_queue_jobs(redis_client, settings)
     assert job.job_id == job_id and job.seed == 1234 and job.steps == 4 and job.guidance == 6.5
     assert job.negative_prompt == "blurry" and job.strength == 0.9 and not job.use_cache
@@ -305,11 +439,21 @@ def test_submit_returns_202_at_once_and_queues_the_edit(client, redis_client, se
     blobs = BlobStore(settings.paths.data_dir / "blobs")
     assert blobs.get(job.template_ref) == IMAGE and blobs.get(job.mask_ref) == MASK
     shown = client.get(body["status_url"]).json()
-    assert shown["status"] == "queued" and shown["seed"] == 1234 and shown["prompt"] == "a red chair"
-    assert shown["guidance"] == 6.5 and shown["use_cache"] is False and shown["mask_ops"]["grow_px"] == 2
+    assert (
+        shown["status"] == "queued" and shown["seed"] == 1234 and shown["prompt"] == "a red chair"
+    )
+    assert (
+        shown["guidance"] == 6.5
+        and shown["use_cache"] is False
+        and shown["mask_ops"]["grow_px"] == 2
+    )
     metrics = client.get("/metrics").text
-    assert 'maskserve_api_jobs_submitted_total{model="tiny-sd2-inpaint",source="rest"} 1.0' in metrics
-    assert 'maskserve_api_requests_total{method="POST",route="/v1/jobs",status="202"} 1.0' in metrics
+    assert (
+        'maskserve_api_jobs_submitted_total{model="tiny-sd2-inpaint",source="rest"} 1.0' in metrics
+    )
+    assert (
+        'maskserve_api_requests_total{method="POST",route="/v1/jobs",status="202"} 1.0' in metrics
+    )
     assert 'route="/v1/jobs/{job_id}"' in metrics
 
 
@@ -322,25 +466,36 @@ def test_random_seed_is_chosen_stored_and_defaults_apply(client, redis_client, s
 
 
 def test_submit_from_a_gallery_template(client, redis_client, settings):
-    template = client.post("/v1/templates", files={"file": ("t.png", IMAGE)}, data={"name": "t"}).json()
+    template = client.post(
+        "/v1/templates", files={"file": ("t.png", IMAGE)}, data={"name": "t"}
+    ).json()
     files = {"mask": ("m.png", MASK, "image/png")}
     response = submit(client, files=files, template_id=template["id"])
     assert response.status_code == 202, response.text
     [job] = pre_queue_jobs(redis_client, settings)
-    assert job.template_ref == f"uploads/{template['sha256'][:32]}.png"  # shared by every job on this template
+    assert (
+        job.template_ref == f"uploads/{template['sha256'][:32]}.png"
+    )  # shared by every job on this template
     stored = BlobStore(settings.paths.data_dir / "blobs").get(job.template_ref)
     assert Image.open(io.BytesIO(stored)).size == (WIDTH, HEIGHT)
     assert client.get(response.json()["status_url"]).json()["template_id"] == template["id"]
     unknown = submit(client, files=files, template_id="f" * 32)
     assert unknown.status_code == 404 and "no template" in unknown.json()["error"]
-    wrong_size = submit(client, files={"mask": ("m.png", mask_png(size=(10, 10), box=(0, 0, 5, 5)))},
-                        template_id=template["id"])
+    wrong_size = submit(
+        client,
+        files={"mask": ("m.png", mask_png(size=(10, 10), box=(0, 0, 5, 5)))},
+        template_id=template["id"],
+    )
     assert wrong_size.status_code == 422 and "does not match" in wrong_size.json()["error"]
 
 
 def test_unknown_job_is_404(client):
-    for path in (f"/v1/jobs/{'a' * 32}", "/v1/jobs/not-an-id", f"/v1/jobs/{'a' * 32}/events",
-                 f"/v1/jobs/{'a' * 32}/result"):
+    for path in (
+        f"/v1/jobs/{'a' * 32}",
+        "/v1/jobs/not-an-id",
+        f"/v1/jobs/{'a' * 32}/events",
+        f"/v1/jobs/{'a' * 32}/result",
+    ):
         response = client.get(path)
         assert response.status_code == 404 and "no job" in response.json()["error"], path
     assert client.delete(f"/v1/jobs/{'a' * 32}").status_code == 404
@@ -354,23 +509,36 @@ def _events(job_id, *specs):
 def test_event_stream_replays_in_order_and_ends_after_terminal(client, redis_client):
     job_id = submit(client).json()["job_id"]
     store = JobStateStore(redis_client)
-    for event in _events(job_id, {"status": "preprocessing"}, {"status": "running", "step": 1, "num_steps": 2,
-                                                                "worker_id": "w1"},
-                         {"status": "running", "step": 2, "num_steps": 2, "worker_id": "w1"},
-                         {"status": "done", "result_ref": "results/x.png"}):
+    for event in _events(
+        job_id,
+        {"status": "preprocessing"},
+        {"status": "running", "step": 1, "num_steps": 2, "worker_id": "w1"},
+        {"status": "running", "step": 2, "num_steps": 2, "worker_id": "w1"},
+        {"status": "done", "result_ref": "results/x.png"},
+    ):
         assert store.record_event(event)
     other = submit(client).json()["job_id"]  # another job's events never show up
     store.record_event(JobEvent(job_id=other, status="preprocessing", at=time.time()))
     response = client.get(f"/v1/jobs/{job_id}/events")
-    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    assert response.status_code == 200 and response.headers["content-type"].startswith(
+        "text/event-stream"
+    )
     events = sse_events(response.text)
-    assert [(e["status"], e.get("step", 0)) for e in events] == [("preprocessing", 0), ("running", 1),
-                                                                 ("running", 2), ("done", 0)]
+    assert [(e["status"], e.get("step", 0)) for e in events] == [
+        ("preprocessing", 0),
+        ("running", 1),
+        ("running", 2),
+        ("done", 0),
+    ]
     assert {e["job_id"] for e in events} == {job_id} and response.text.startswith("retry:")
-    resumed = sse_events(client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": events[1]["id"]}).text)
+    resumed = sse_events(
+        client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": events[1]["id"]}).text
+    )
     assert [e["id"] for e in resumed] == [e["id"] for e in events[2:]]
     after_end = client.get(f"/v1/jobs/{job_id}/events", params={"after": events[-1]["id"]})
-    assert after_end.status_code == 200 and sse_events(after_end.text) == []  # finished: ends at once
+    assert (
+        after_end.status_code == 200 and sse_events(after_end.text) == []
+    )  # finished: ends at once
     bad = client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "yesterday"})
     assert bad.status_code == 422 and "stream id" in bad.json()["error"]
 
@@ -381,10 +549,14 @@ def test_event_stream_follows_live_events_with_keepalives(client, redis_client):
 
     def pipeline():
         time.sleep(0.5)  # the stream is open and idle by now: keep-alive comments go out
-        for event in _events(job_id, {"status": "running", "step": 1, "num_steps": 1, "worker_id": "w"},
-                             {"status": "failed", "message": "boom"}):
+        for event in _events(
+            job_id,
+            {"status": "running", "step": 1, "num_steps": 1, "worker_id": "w"},
+            {"status": "failed", "message": "boom"},
+        ):
             store.record_event(event)
             time.sleep(0.1)
+
     worker = threading.Thread(target=pipeline)
     worker.start()
     started = time.monotonic()
@@ -399,15 +571,27 @@ def test_result_409_until_done_then_png_and_thumbnail(client, redis_client, sett
     early = client.get(f"/v1/jobs/{job_id}/result")
     assert early.status_code == 409 and "the job is queued" in early.json()["error"]
     store = JobStateStore(redis_client)
-    store.record_event(JobEvent(job_id=job_id, status="running", at=time.time(), step=3, num_steps=4, worker_id="w"))
+    store.record_event(
+        JobEvent(
+            job_id=job_id, status="running", at=time.time(), step=3, num_steps=4, worker_id="w"
+        )
+    )
     running = client.get(f"/v1/jobs/{job_id}/result")
     assert running.status_code == 409 and "step 3/4" in running.json()["error"]
     blobs = BlobStore(settings.paths.data_dir / "blobs")
     result = sample_template(WIDTH, HEIGHT, seed=9)
     result_ref = blobs.put("results", f"{job_id}.png", encode_image(result, "png"))
     thumb_ref = blobs.put("thumbnails", f"{job_id}.webp", encode_image(result, "webp"))
-    store.record_event(JobEvent(job_id=job_id, status="done", at=time.time(), result_ref=result_ref,
-                                thumbnail_ref=thumb_ref, timings={"total_s": 1.5}))
+    store.record_event(
+        JobEvent(
+            job_id=job_id,
+            status="done",
+            at=time.time(),
+            result_ref=result_ref,
+            thumbnail_ref=thumb_ref,
+            timings={"total_s": 1.5},
+        )
+    )
     done = client.get(f"/v1/jobs/{job_id}/result")
     assert done.status_code == 200 and done.headers["content-type"] == "image/png"
     assert done.content == blobs.get(result_ref)
@@ -420,19 +604,27 @@ def test_result_409_until_done_then_png_and_thumbnail(client, redis_client, sett
 
 def test_result_of_failed_job_is_409_with_its_message(client, redis_client):
     job_id = submit(client).json()["job_id"]
-    JobStateStore(redis_client).record_event(JobEvent(job_id=job_id, status="failed", at=time.time(),
-                                                      message="mask outside the crop"))
+    JobStateStore(redis_client).record_event(
+        JobEvent(job_id=job_id, status="failed", at=time.time(), message="mask outside the crop")
+    )
     response = client.get(f"/v1/jobs/{job_id}/result")
-    assert response.status_code == 409 and "failed: mask outside the crop" in response.json()["error"]
+    assert (
+        response.status_code == 409 and "failed: mask outside the crop" in response.json()["error"]
+    )
 
 
 def test_cancel_queued_job(client, redis_client):
     job_id = submit(client).json()["job_id"]
     response = client.delete(f"/v1/jobs/{job_id}")
-    assert response.status_code == 200 and response.json() == {"job_id": job_id, "status": "cancelled",
-                                                               "worker_notified": False}
+    assert response.status_code == 200 and response.json() == {
+        "job_id": job_id,
+        "status": "cancelled",
+        "worker_notified": False,
+    }
     assert JobStateStore(redis_client).status(job_id) == "cancelled"
-    assert [e["status"] for e in sse_events(client.get(f"/v1/jobs/{job_id}/events").text)] == ["cancelled"]
+    assert [e["status"] for e in sse_events(client.get(f"/v1/jobs/{job_id}/events").text)] == [
+        "cancelled"
+    ]
     again = client.delete(f"/v1/jobs/{job_id}")
     assert again.status_code == 409 and "job already finished" in again.json()["error"]
 
@@ -442,8 +634,16 @@ def test_cancel_running_job_reaches_its_workers_inbox_only(client, redis_client)
     bystander = submit(client).json()["job_id"]
     store = JobStateStore(redis_client)
     for some_job in (job_id, bystander):
-        store.record_event(JobEvent(job_id=some_job, status="running", at=time.time(), step=1, num_steps=4,
-                                    worker_id="worker-7"))
+        store.record_event(
+            JobEvent(
+                job_id=some_job,
+                status="running",
+                at=time.time(),
+                step=1,
+                num_steps=4,
+                worker_id="worker-7",
+            )
+        )
     response = client.delete(f"/v1/jobs/{job_id}")
     assert response.status_code == 200 and response.json()["worker_notified"] is True
     entries = redis_client.xrange(inbox_stream("worker-7"))
@@ -453,17 +653,26 @@ def test_cancel_running_job_reaches_its_workers_inbox_only(client, redis_client)
 
 def test_cancel_finished_job_is_409(client, redis_client):
     job_id = submit(client).json()["job_id"]
-    JobStateStore(redis_client).record_event(JobEvent(job_id=job_id, status="done", at=time.time(),
-                                                      result_ref="results/r.png"))
+    JobStateStore(redis_client).record_event(
+        JobEvent(job_id=job_id, status="done", at=time.time(), result_ref="results/r.png")
+    )
     response = client.delete(f"/v1/jobs/{job_id}")
-    assert response.status_code == 409 and "job already finished (status done)" in response.json()["error"]
+    assert (
+        response.status_code == 409
+        and "job already finished (status done)" in response.json()["error"]
+    )
 
 
 # ----- ops -----------------------------------------------------------------------------------------------
 def test_readyz_follows_redis(client, tmp_path):
     assert client.get("/readyz").json() == {"status": "ready"}
-    down = load_settings({"MASKSERVE_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
-                          "MASKSERVE_DATA_DIR": str(tmp_path / "down"), "MASKSERVE_API_KEYS": KEY})
+    down = load_settings(
+        {
+            "MASKSERVE_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
+            "MASKSERVE_DATA_DIR": str(tmp_path / "down"),
+            "MASKSERVE_API_KEYS": KEY,
+        }
+    )
     with TestClient(create_app(down), headers={"X-API-Key": KEY}) as test_client:
         assert test_client.get("/healthz").status_code == 200
         ready = test_client.get("/readyz")
@@ -478,21 +687,34 @@ def test_create_app_needs_a_redis_url(tmp_path):
 
 
 def test_api_settings_from_env():
-    settings = load_settings({"MASKSERVE_API_KEYS": " k1, k2 ,,", "MASKSERVE_API_PORT": "9001",
-                              "MASKSERVE_RATE_LIMIT_PER_MINUTE": "30", "MASKSERVE_MAX_BODY_MB": "8",
-                              "MASKSERVE_API_MODELS": "tiny-flux-fill"})
+    settings = load_settings(
+        {
+            "MASKSERVE_API_KEYS": " k1, k2 ,,",
+            "MASKSERVE_API_PORT": "9001",
+            "MASKSERVE_RATE_LIMIT_PER_MINUTE": "30",
+            "MASKSERVE_MAX_BODY_MB": "8",
+            "MASKSERVE_API_MODELS": "tiny-flux-fill",
+        }
+    )
     api = settings.api
     assert api.api_keys == ("k1", "k2") and api.port == 9001 and api.rate_limit_per_minute == 30
     assert api.max_body_mb == 8 and api.models == ("tiny-flux-fill",) and not api.auth_disabled
-    assert api.host == "127.0.0.1" and "k1" not in repr(settings)  # keys never show up in logs of settings
+    assert api.host == "127.0.0.1" and "k1" not in repr(
+        settings
+    )  # keys never show up in logs of settings
     assert load_settings({}).api.api_keys == ()
 
 
 def test_api_models_allow_list(redis_url, redis_client, tmp_path):
     settings = make_settings(redis_url, tmp_path, models=("tiny-flux-fill",))
-    with TestClient(create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}) as test_client:
+    with TestClient(
+        create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}
+    ) as test_client:
         refused = submit(test_client, model="tiny-sd2-inpaint")
-        assert refused.status_code == 422 and "not served here: use one of tiny-flux-fill" in refused.json()["error"]
+        assert (
+            refused.status_code == 422
+            and "not served here: use one of tiny-flux-fill" in refused.json()["error"]
+        )
         assert submit(test_client, model="tiny-flux-fill").status_code == 202
 
 
@@ -501,7 +723,9 @@ def test_service_without_http_takes_a_ui_s_float_numbers(client, redis_client, s
 
     service = client.app.state.service  # what the Studio UI calls directly
     submitted = service.submit(JobRequest(mask=MASK, image=IMAGE, prompt="p", steps=3.0, seed=11.0))
-    assert (submitted.steps, submitted.seed) == (3, 11) and service.get(submitted.job_id)["seed"] == 11
+    assert (submitted.steps, submitted.seed) == (3, 11) and service.get(submitted.job_id)[
+        "seed"
+    ] == 11
     with pytest.raises(ServiceError, match="seed must be a whole number") as err:
         service.submit(JobRequest(mask=MASK, image=IMAGE, prompt="p", seed=2.5))
     assert err.value.code == "invalid"
@@ -513,14 +737,29 @@ def test_a_waiting_job_shows_its_place_in_its_workers_queue(client, redis_client
 
     job_id = submit(client).json()["job_id"]
     store = JobStateStore(redis_client)
-    store.record_event(JobEvent(job_id=job_id, status="waiting", at=time.time(), worker_id="w9", num_steps=4))
-    assert client.get(f"/v1/jobs/{job_id}").json()["queue_position"] is None  # not in a heartbeat yet
-    beat = WorkerHeartbeat(worker_id="w9", model_id="tiny-sd2-inpaint", device="cpu", at=time.time(), max_batch=8,
-                           batching="continuous", waiting=[{"job_id": "ahead", "mask_ratio": 0.1, "num_steps": 4},
-                                                           {"job_id": job_id, "mask_ratio": 0.2, "num_steps": 4}])
+    store.record_event(
+        JobEvent(job_id=job_id, status="waiting", at=time.time(), worker_id="w9", num_steps=4)
+    )
+    assert (
+        client.get(f"/v1/jobs/{job_id}").json()["queue_position"] is None
+    )  # not in a heartbeat yet
+    beat = WorkerHeartbeat(
+        worker_id="w9",
+        model_id="tiny-sd2-inpaint",
+        device="cpu",
+        at=time.time(),
+        max_batch=8,
+        batching="continuous",
+        waiting=[
+            {"job_id": "ahead", "mask_ratio": 0.1, "num_steps": 4},
+            {"job_id": job_id, "mask_ratio": 0.2, "num_steps": 4},
+        ],
+    )
     redis_client.set(heartbeat_key("w9"), protocol.encode(beat), ex=5)
     assert client.get(f"/v1/jobs/{job_id}").json()["queue_position"] == 2
-    store.record_event(JobEvent(job_id=job_id, status="running", at=time.time(), step=1, num_steps=4))
+    store.record_event(
+        JobEvent(job_id=job_id, status="running", at=time.time(), step=1, num_steps=4)
+    )
     assert "queue_position" not in client.get(f"/v1/jobs/{job_id}").json()
 
 
@@ -529,8 +768,9 @@ def test_prepare_queues_a_recording_and_cache_status_follows_it(client, redis_cl
     from backend.protocol import WorkerHeartbeat
     from backend.worker.service import heartbeat_key
 
-    template_id = client.post("/v1/templates", files={"file": ("t.png", IMAGE, "image/png")},
-                              data={"name": "room"}).json()["id"]
+    template_id = client.post(
+        "/v1/templates", files={"file": ("t.png", IMAGE, "image/png")}, data={"name": "room"}
+    ).json()["id"]
     assert client.get(f"/v1/templates/{template_id}/cache").json()["status"] == "not prepared"
     accepted = client.post(f"/v1/templates/{template_id}/prepare", data={"steps": "6"})
     assert accepted.status_code == 202, accepted.text
@@ -541,14 +781,29 @@ def test_prepare_queues_a_recording_and_cache_status_follows_it(client, redis_cl
     assert result.status_code == 404 and "no result" in result.json()["error"]
     # pre-processing records the digest; a worker reports the cache in RAM
     record_digest(redis_client, template_id, job.model_id, "digest-1")
-    beat = WorkerHeartbeat(worker_id="w1", model_id=job.model_id, device="cpu", at=time.time(), max_batch=8,
-                           batching="continuous", resident_ram=["digest-1"])
+    beat = WorkerHeartbeat(
+        worker_id="w1",
+        model_id=job.model_id,
+        device="cpu",
+        at=time.time(),
+        max_batch=8,
+        batching="continuous",
+        resident_ram=["digest-1"],
+    )
     redis_client.set(heartbeat_key("w1"), protocol.encode(beat), ex=5)
     status = client.get(f"/v1/templates/{template_id}/cache").json()
-    assert status == {"model": job.model_id, "status": "in RAM", "digest": "digest-1", "workers": ["w1"]}
+    assert status == {
+        "model": job.model_id,
+        "status": "in RAM",
+        "digest": "digest-1",
+        "workers": ["w1"],
+    }
     missing = client.post("/v1/templates/0123456789abcdef0123456789abcdef/prepare")
     assert missing.status_code == 404
-    assert client.get(f"/v1/templates/{template_id}/cache", params={"model": "nope"}).status_code == 422
+    assert (
+        client.get(f"/v1/templates/{template_id}/cache", params={"model": "nope"}).status_code
+        == 422
+    )
 
 
 def test_each_key_lists_only_its_own_jobs_newest_first(client):

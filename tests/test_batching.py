@@ -126,14 +126,18 @@ def test_random_walk_keeps_invariants(mode):
     added, finished, cancelled, steps_run = 0, set(), set(), {}
     for tick in range(400):
         if rng.random() < 0.4:
-            scheduler.add(make_row(f"j{added}", steps=rng.randint(1, 6), key=rng.choice(["x", "y"])))
+            scheduler.add(
+                make_row(f"j{added}", steps=rng.randint(1, 6), key=rng.choice(["x", "y"]))
+            )
             added += 1
         if rng.random() < 0.05 and scheduler.running:
             scheduler.cancel(rng.choice(list(scheduler.running)))
         out = scheduler.schedule(float(tick))
         cancelled.update(out.cancelled)
         stepped = [j for g in out.groups for j in g]
-        assert len(stepped) == len(set(stepped)) <= 3  # each running row once, never above max_batch
+        assert (
+            len(stepped) == len(set(stepped)) <= 3
+        )  # each running row once, never above max_batch
         assert set(stepped) == set(scheduler.running)
         for job_id in stepped:
             steps_run[job_id] = steps_run.get(job_id, 0) + 1

@@ -37,8 +37,15 @@ def aged(blobs: BlobStore, ref: str, hours: float, data: bytes = b"x" * 100) -> 
 def make_job(store: JobStateStore, job_id: str, finished_h_ago: float | None, **refs) -> None:
     store.create(job_id, model_id="tiny-sd2-inpaint", **refs)
     if finished_h_ago is not None:
-        store.record_event(JobEvent(job_id=job_id, status="done", at=time.time() - finished_h_ago * HOUR,
-                                    result_ref=f"results/{job_id}.png", thumbnail_ref=f"thumbnails/{job_id}.webp"))
+        store.record_event(
+            JobEvent(
+                job_id=job_id,
+                status="done",
+                at=time.time() - finished_h_ago * HOUR,
+                result_ref=f"results/{job_id}.png",
+                thumbnail_ref=f"thumbnails/{job_id}.webp",
+            )
+        )
 
 
 @pytest.fixture
@@ -48,12 +55,34 @@ def blobs(tmp_path):
 
 def test_a_sweep_deletes_expired_blobs_only_and_counts_them(redis_client, blobs):
     store = JobStateStore(redis_client)
-    make_job(store, "old", 200, template_ref=aged(blobs, "uploads/old.img", 201), mask_ref="uploads/old.mask")
-    make_job(store, "day", 30, template_ref=aged(blobs, "uploads/shared.img", 31), mask_ref="uploads/day.mask")
-    make_job(store, "live", None, template_ref="uploads/shared.img", mask_ref=aged(blobs, "uploads/live.mask", 48))
+    make_job(
+        store,
+        "old",
+        200,
+        template_ref=aged(blobs, "uploads/old.img", 201),
+        mask_ref="uploads/old.mask",
+    )
+    make_job(
+        store,
+        "day",
+        30,
+        template_ref=aged(blobs, "uploads/shared.img", 31),
+        mask_ref="uploads/day.mask",
+    )
+    make_job(
+        store,
+        "live",
+        None,
+        template_ref="uploads/shared.img",
+        mask_ref=aged(blobs, "uploads/live.mask", 48),
+    )
     for job_id, age in (("old", 201), ("day", 31)):
-        for ref in (f"uploads/{job_id}.mask", f"masks/{job_id}-processed.png", f"results/{job_id}.png",
-                    f"thumbnails/{job_id}.webp"):
+        for ref in (
+            f"uploads/{job_id}.mask",
+            f"masks/{job_id}-processed.png",
+            f"results/{job_id}.png",
+            f"thumbnails/{job_id}.webp",
+        ):
             aged(blobs, ref, age)
     aged(blobs, "prepared/live.safetensors", 48)  # a running job's intermediates
     aged(blobs, "uploads/orphan.img", 25)  # its job's record expired
@@ -62,10 +91,21 @@ def test_a_sweep_deletes_expired_blobs_only_and_counts_them(redis_client, blobs)
     report = BlobJanitor(redis_client, blobs, POLICY).sweep()
 
     left = {ref for ref, _, _ in blobs.files()}
-    assert left == {"uploads/shared.img", "uploads/live.mask", "prepared/live.safetensors", "uploads/fresh.img",
-                    "results/day.png", "thumbnails/day.webp"}
+    assert left == {
+        "uploads/shared.img",
+        "uploads/live.mask",
+        "prepared/live.safetensors",
+        "uploads/fresh.img",
+        "results/day.png",
+        "thumbnails/day.webp",
+    }
     assert dict(report.deleted) == {"uploads": 4, "masks": 2, "results": 1, "thumbnails": 1}
-    assert dict(report.bytes_freed) == {"uploads": 400, "masks": 200, "results": 100, "thumbnails": 100}
+    assert dict(report.bytes_freed) == {
+        "uploads": 400,
+        "masks": 200,
+        "results": 100,
+        "thumbnails": 100,
+    }
     metrics = ApiMetrics()
     metrics.record_sweep(report)
     text = generate_latest(metrics.registry).decode()
@@ -83,14 +123,17 @@ def test_a_blob_reused_during_the_sweep_is_kept(redis_client, blobs, monkeypatch
     def records_while_a_job_is_submitted(client):
         blobs.touch(reused)
         return real_job_records(client)
+
     monkeypatch.setattr(janitor_module, "job_records", records_while_a_job_is_submitted)
     report = BlobJanitor(redis_client, blobs, POLICY).sweep()
     assert blobs.exists(reused) and report.kept_in_use == 1 and report.deleted == {}
 
 
 def test_the_janitor_thread_sweeps_and_reports(redis_url, redis_client, tmp_path, blobs):
-    settings = load_settings({"MASKSERVE_REDIS_URL": redis_url, "MASKSERVE_DATA_DIR": str(tmp_path)},
-                             retention={"sweep_every_s": 0.2})
+    settings = load_settings(
+        {"MASKSERVE_REDIS_URL": redis_url, "MASKSERVE_DATA_DIR": str(tmp_path)},
+        retention={"sweep_every_s": 0.2},
+    )
     expired = aged(blobs, "uploads/orphan.img", 25)
     reports = []
     stop = start_janitor(settings, redis_client, blobs, reports.append)
@@ -102,20 +145,31 @@ def test_the_janitor_thread_sweeps_and_reports(redis_url, redis_client, tmp_path
         stop.set()
     assert not blobs.exists(expired) and reports[0].deleted == {"uploads": 1}
     assert redis_client.exists(LOCK_KEY)  # one sweep per period across API processes
-    keep_forever = load_settings({"MASKSERVE_INPUT_RETENTION_HOURS": "0", "MASKSERVE_RESULT_RETENTION_HOURS": "0"})
+    keep_forever = load_settings(
+        {"MASKSERVE_INPUT_RETENTION_HOURS": "0", "MASKSERVE_RESULT_RETENTION_HOURS": "0"}
+    )
     assert start_janitor(keep_forever, redis_client, blobs) is None
 
 
-def test_expired_result_is_410_saying_when_it_expired_and_queued_uploads_are_kept(redis_url, redis_client,
-                                                                                   tmp_path):
+def test_expired_result_is_410_saying_when_it_expired_and_queued_uploads_are_kept(
+    redis_url, redis_client, tmp_path
+):
     settings = make_settings(redis_url, tmp_path)
-    with TestClient(create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}) as client:
+    with TestClient(
+        create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}
+    ) as client:
         blobs = client.app.state.service.blobs
         queued, finished = submit(client).json()["job_id"], submit(client).json()["job_id"]
         store = JobStateStore(redis_client)
-        store.record_event(JobEvent(job_id=finished, status="done", at=time.time() - 170 * HOUR,
-                                    result_ref=aged(blobs, f"results/{finished}.png", 170, IMAGE),
-                                    thumbnail_ref=aged(blobs, f"thumbnails/{finished}.webp", 170)))
+        store.record_event(
+            JobEvent(
+                job_id=finished,
+                status="done",
+                at=time.time() - 170 * HOUR,
+                result_ref=aged(blobs, f"results/{finished}.png", 170, IMAGE),
+                thumbnail_ref=aged(blobs, f"thumbnails/{finished}.webp", 170),
+            )
+        )
         uploads = {store.get(queued)["template_ref"], store.get(queued)["mask_ref"]}
         for ref in uploads:  # the queued job has waited two days: its uploads stay all the same
             then = time.time() - 48 * HOUR
@@ -124,19 +178,32 @@ def test_expired_result_is_410_saying_when_it_expired_and_queued_uploads_are_kep
 
         report = BlobJanitor(redis_client, blobs, POLICY).sweep()
 
-        assert report.deleted == {"results": 1, "thumbnails": 1} and all(blobs.exists(ref) for ref in uploads)
+        assert report.deleted == {"results": 1, "thumbnails": 1} and all(
+            blobs.exists(ref) for ref in uploads
+        )
         for params in ({}, {"thumbnail": 1}):
             gone = client.get(f"/v1/jobs/{finished}/result", params=params)
             assert gone.status_code == 410, gone.text
-            assert "expired: results are kept 168 hours after their job finishes" in gone.json()["error"]
+            assert (
+                "expired: results are kept 168 hours after their job finishes"
+                in gone.json()["error"]
+            )
             assert "finished 170.0 hours ago" in gone.json()["error"]
-        assert client.get(f"/v1/jobs/{finished}").json()["status"] == "done"  # the record outlives the blobs
+        assert (
+            client.get(f"/v1/jobs/{finished}").json()["status"] == "done"
+        )  # the record outlives the blobs
 
 
-def test_a_gallery_template_reused_by_a_new_job_starts_its_retention_again(redis_url, redis_client, tmp_path):
+def test_a_gallery_template_reused_by_a_new_job_starts_its_retention_again(
+    redis_url, redis_client, tmp_path
+):
     settings = make_settings(redis_url, tmp_path)
-    with TestClient(create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}) as client:
-        template_id = client.post("/v1/templates", files={"file": ("t.png", IMAGE)}, data={"name": "t"}).json()["id"]
+    with TestClient(
+        create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}
+    ) as client:
+        template_id = client.post(
+            "/v1/templates", files={"file": ("t.png", IMAGE)}, data={"name": "t"}
+        ).json()["id"]
         files = {"mask": ("m.png", MASK, "image/png")}
         first = submit(client, files=files, template_id=template_id).json()["job_id"]
         store = JobStateStore(redis_client)
@@ -145,9 +212,15 @@ def test_a_gallery_template_reused_by_a_new_job_starts_its_retention_again(redis
         blobs = client.app.state.service.blobs
         then = time.time() - 48 * HOUR
         os.utime(blobs.path(ref), (then, then))
-        assert BlobJanitor(redis_client, blobs, POLICY).sweep().deleted == {"uploads": 1}  # the template copy
-        assert submit(client, files=files, template_id=template_id).status_code == 202  # copied again
+        assert BlobJanitor(redis_client, blobs, POLICY).sweep().deleted == {
+            "uploads": 1
+        }  # the template copy
+        assert (
+            submit(client, files=files, template_id=template_id).status_code == 202
+        )  # copied again
         assert blobs.exists(ref)
         os.utime(blobs.path(ref), (then, then))
-        assert submit(client, files=files, template_id=template_id).status_code == 202  # reused: touched
+        assert (
+            submit(client, files=files, template_id=template_id).status_code == 202
+        )  # reused: touched
         assert time.time() - blobs.path(ref).stat().st_mtime < 60

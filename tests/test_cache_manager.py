@@ -6,7 +6,14 @@ import random
 
 import pytest
 
-from backend.cache.manager import (CacheManager, DeleteFromDisk, DropFromRam, Residency, SpillToDisk, Tier)
+from backend.cache.manager import (
+    CacheManager,
+    DeleteFromDisk,
+    DropFromRam,
+    Residency,
+    SpillToDisk,
+    Tier,
+)
 from backend.cache.policies import POLICIES, LFUPolicy, LRUPolicy
 
 
@@ -100,7 +107,9 @@ def test_prefetch_lead_time_is_recorded_at_first_lookup():
     manager.lookup("a", now=12.0)  # only the first use counts
     snapshot = manager.metrics.snapshot()
     assert snapshot["prefetches"] == 1 and snapshot["prefetch_uses"] == 1
-    assert snapshot["prefetch_lead_s_p50"] == pytest.approx(0.5) and "prefetch_lead_s" not in snapshot
+    assert (
+        snapshot["prefetch_lead_s_p50"] == pytest.approx(0.5) and "prefetch_lead_s" not in snapshot
+    )
 
 
 def test_a_speculative_prefetch_spares_entries_prefetched_for_earlier_jobs():
@@ -127,7 +136,9 @@ def test_fits_ram_tells_an_entry_that_never_fits_from_one_waiting_for_room():
     _loaded(manager, "small")
     manager.pin("small")
     _stored(manager, "other", 60)
-    assert not manager.prepare_load("other").ok and manager.fits_ram("other")  # room once "small" is released
+    assert not manager.prepare_load("other").ok and manager.fits_ram(
+        "other"
+    )  # room once "small" is released
     assert not manager.prepare_load("large").ok and not manager.fits_ram("large")
     assert not manager.fits_ram("unknown")
 
@@ -140,7 +151,9 @@ def test_an_entry_another_process_deleted_from_disk():
     manager.pin("read_lazily")
     for entry_id in ("in_ram", "on_disk", "read_lazily"):
         manager.disk_gone(entry_id)
-    assert manager.residency("in_ram") is Residency.RAM and manager.resident(Tier.DISK) == ["read_lazily"]
+    assert manager.residency("in_ram") is Residency.RAM and manager.resident(Tier.DISK) == [
+        "read_lazily"
+    ]
     assert manager.residency("on_disk") is Residency.MISS and manager.used_bytes[Tier.DISK] == 40
     assert manager.metrics.corrupt_entries == 0  # not damage: nothing to report
     assert manager.prepare_store("on_disk", 40, Tier.DISK).ok  # recorded again from scratch
@@ -160,7 +173,9 @@ def test_forget_releases_bytes_pins_and_in_flight_loads():
     manager.pin("a")
     manager.prepare_load("a")
     manager.forget("a", corrupt=True)
-    assert manager.used_bytes == {Tier.RAM: 0, Tier.DISK: 0} and manager.lookup("a") is Residency.MISS
+    assert (
+        manager.used_bytes == {Tier.RAM: 0, Tier.DISK: 0} and manager.lookup("a") is Residency.MISS
+    )
     manager.complete_load("a", ok=True)  # the load finishing later changes nothing
     manager.unpin("a")
     assert manager.entries() == [] and manager.metrics.corrupt_entries == 1
@@ -257,8 +272,20 @@ def _busy(manager: CacheManager) -> set[str]:
 def _random_op(shell: _Shell, rng: random.Random) -> None:
     manager, ids = shell.manager, [f"e{i}" for i in range(12)]
     entry_id, busy = rng.choice(ids), _busy(manager)
-    op = rng.choice(["store", "lookup", "load", "finish_load", "finish_store", "pin", "unpin", "forget",
-                     "touch", "disk_gone"])
+    op = rng.choice(
+        [
+            "store",
+            "lookup",
+            "load",
+            "finish_load",
+            "finish_store",
+            "pin",
+            "unpin",
+            "forget",
+            "touch",
+            "disk_gone",
+        ]
+    )
     residency = manager.residency(entry_id)
     if op == "store" and entry_id not in {e.entry_id for e in manager.entries()}:
         tier = rng.choice([Tier.RAM, Tier.DISK, Tier.BOTH])
@@ -269,7 +296,9 @@ def _random_op(shell: _Shell, rng: random.Random) -> None:
     elif op == "lookup":
         manager.lookup(entry_id, now=rng.random())
     elif op == "load":
-        plan = manager.prepare_load(entry_id, prefetch_at=rng.choice([None, 0.0]), spare_prefetched=rng.random() < 0.5)
+        plan = manager.prepare_load(
+            entry_id, prefetch_at=rng.choice([None, 0.0]), spare_prefetched=rng.random() < 0.5
+        )
         if plan is not None and plan.ok:
             shell.execute(plan.evictions, busy)
             shell.loads.add(entry_id)
@@ -297,7 +326,9 @@ def _random_op(shell: _Shell, rng: random.Random) -> None:
         shell.forget(entry_id)
     elif op == "touch":  # another process sharing the disk tier used it
         manager.touch(entry_id)
-    elif op == "disk_gone" and entry_id in shell.disk and rng.random() < 0.05:  # another process deleted it
+    elif (
+        op == "disk_gone" and entry_id in shell.disk and rng.random() < 0.05
+    ):  # another process deleted it
         in_ram, busy = entry_id in shell.ram, entry_id in busy
         manager.disk_gone(entry_id)
         if in_ram or not busy:  # a busy disk-only entry is left to its reader
@@ -329,7 +360,9 @@ def test_random_walk_keeps_every_invariant(policy, seed):
         _random_op(shell, rng)
         _check_invariants(shell)
     metrics = shell.manager.metrics
-    assert metrics.ram_evictions > 0 and metrics.disk_evictions > 0  # the walk did exercise eviction
+    assert (
+        metrics.ram_evictions > 0 and metrics.disk_evictions > 0
+    )  # the walk did exercise eviction
 
 
 # ----- policy contract: every policy, same expectations -----------------------------------------------

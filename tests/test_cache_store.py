@@ -18,16 +18,31 @@ NUM_STEPS, NUM_UNITS = 2, 2
 
 
 def _key(n: int) -> CacheKey:
-    return CacheKey(image_sha256=f"{n:064x}", model_id="tiny-sd2-inpaint", model_revision="r1", height=64,
-                    width=64, num_steps=NUM_STEPS, scheduler="EulerDiscreteScheduler", strength=1.0,
-                    template_seed=0, mode="kv")
+    return CacheKey(
+        image_sha256=f"{n:064x}",
+        model_id="tiny-sd2-inpaint",
+        model_revision="r1",
+        height=64,
+        width=64,
+        num_steps=NUM_STEPS,
+        scheduler="EulerDiscreteScheduler",
+        strength=1.0,
+        template_seed=0,
+        mode="kv",
+    )
 
 
 def _fill(writer: CacheWriter, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     for step in range(NUM_STEPS):
-        writer.write_step(step, {(u, n): torch.randn(2, 8, 4, generator=generator)
-                                 for u in range(NUM_UNITS) for n in ("k", "v")})
+        writer.write_step(
+            step,
+            {
+                (u, n): torch.randn(2, 8, 4, generator=generator)
+                for u in range(NUM_UNITS)
+                for n in ("k", "v")
+            },
+        )
     writer.write_trajectory({"latents": torch.randn(NUM_STEPS + 1, 4, 2, 2, generator=generator)})
 
 
@@ -51,13 +66,21 @@ def entry_bytes(tmp_path_factory) -> int:
     return _record(tmp_path_factory.mktemp("probe"), 0).bytes_total
 
 
-def _open(root, ram_entries: float, disk_entries: float, entry_bytes: int, **kwargs) -> TieredActivationCache:
-    return TieredActivationCache(root, int(ram_entries * entry_bytes), int(disk_entries * entry_bytes), **kwargs)
+def _open(
+    root, ram_entries: float, disk_entries: float, entry_bytes: int, **kwargs
+) -> TieredActivationCache:
+    return TieredActivationCache(
+        root, int(ram_entries * entry_bytes), int(disk_entries * entry_bytes), **kwargs
+    )
 
 
 def _same_tensors(a, b) -> bool:
-    steps = all(torch.equal(a.step_tensor(s, u, n), b.step_tensor(s, u, n))
-                for s in range(NUM_STEPS) for u in range(NUM_UNITS) for n in ("k", "v"))
+    steps = all(
+        torch.equal(a.step_tensor(s, u, n), b.step_tensor(s, u, n))
+        for s in range(NUM_STEPS)
+        for u in range(NUM_UNITS)
+        for n in ("k", "v")
+    )
     return steps and torch.equal(a.trajectory("latents"), b.trajectory("latents"))
 
 
@@ -68,7 +91,11 @@ def test_acquire_loads_a_disk_entry_into_ram_with_the_same_tensors(tmp_path, ent
     assert isinstance(handle, MemoryTemplateCache) and _same_tensors(handle, disk)
     assert (handle.num_steps, handle.num_units) == (disk.num_steps, disk.num_units)
     assert handle.bytes_total == disk.bytes_total
-    assert handle.unit_bytes(1) == disk.unit_bytes(1) and handle.has(1, 0, "v") and not handle.has(1, 0, "out")
+    assert (
+        handle.unit_bytes(1) == disk.unit_bytes(1)
+        and handle.has(1, 0, "v")
+        and not handle.has(1, 0, "out")
+    )
     assert cache.resident(Tier.RAM) == [_key(1).digest()]
     cache.release(_key(1))
     assert cache.acquire(_key(1)) is handle and cache.acquire(_key(2)) is None
@@ -136,7 +163,9 @@ def test_prefetch_then_acquire_is_a_ram_hit_with_a_lead_time(tmp_path, entry_byt
     cache.prefetch(_key(9))  # unknown: a no-op
     assert isinstance(cache.acquire(_key(1)), MemoryTemplateCache)
     snapshot = cache.metrics.snapshot()
-    assert snapshot["ram_hits"] == 1 and snapshot["prefetches"] == 1 and snapshot["prefetch_uses"] == 1
+    assert (
+        snapshot["ram_hits"] == 1 and snapshot["prefetches"] == 1 and snapshot["prefetch_uses"] == 1
+    )
     assert snapshot["prefetch_lead_s_min"] >= 0.0
     cache.close()
 
@@ -163,7 +192,9 @@ def test_acquire_waits_for_a_running_prefetch(tmp_path, entry_bytes, monkeypatch
     assert started.wait(10)
     threading.Timer(0.05, go.set).start()
     assert isinstance(cache.acquire(_key(1)), MemoryTemplateCache)
-    assert cache.metrics.load_waits == 1 and cache.metrics.bytes_loaded == entry_bytes  # loaded once
+    assert (
+        cache.metrics.load_waits == 1 and cache.metrics.bytes_loaded == entry_bytes
+    )  # loaded once
 
 
 def test_acquire_does_not_queue_behind_other_prefetches(tmp_path, entry_bytes, monkeypatch):
@@ -269,7 +300,9 @@ def test_concurrent_acquire_and_prefetch_keep_budgets(tmp_path, entry_bytes):
                 handle = cache.acquire(key)
                 assert handle is not None and handle.key == key
                 cache.release(key)
-        except Exception as exc:  # surfaced below: a thread's assert does not fail the test by itself
+        except (
+            Exception
+        ) as exc:  # surfaced below: a thread's assert does not fail the test by itself
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
@@ -302,7 +335,9 @@ def test_start_up_deletes_an_entry_with_a_file_missing(tmp_path, entry_bytes, da
     assert cache.acquire(_key(1)) is None
 
 
-def test_ready_is_false_while_a_read_is_in_flight_and_starts_one_for_a_disk_entry(tmp_path, entry_bytes, monkeypatch):
+def test_ready_is_false_while_a_read_is_in_flight_and_starts_one_for_a_disk_entry(
+    tmp_path, entry_bytes, monkeypatch
+):
     _record(tmp_path, 1)
     cache = _open(tmp_path, 2, 4, entry_bytes)
     assert cache.ready(_key(9)) and cache.acquire(_key(9)) is None  # a miss: nothing to wait for
@@ -327,9 +362,13 @@ def test_ready_holds_a_row_while_ram_is_full_of_entries_in_use(tmp_path, entry_b
     cache = _open(tmp_path, 1.5, 4, entry_bytes)  # RAM for one entry
     cache.prefetch(_key(1))
     cache.wait_for_loads(10)
-    assert cache.ready(_key(1)) and isinstance(cache.acquire(_key(1)), MemoryTemplateCache)  # pinned: running
+    assert cache.ready(_key(1)) and isinstance(
+        cache.acquire(_key(1)), MemoryTemplateCache
+    )  # pinned: running
     cache.prefetch(_key(2))  # the next job arrives: no room, nothing evicted
-    assert not cache.ready(_key(2))  # would fit once entry 1 is released: held, not read file by file
+    assert not cache.ready(
+        _key(2)
+    )  # would fit once entry 1 is released: held, not read file by file
     assert cache.resident(Tier.RAM) == [_key(1).digest()]
     cache.release(_key(1))  # its row finished
     assert not cache.ready(_key(2))  # its read starts now
@@ -339,7 +378,9 @@ def test_ready_holds_a_row_while_ram_is_full_of_entries_in_use(tmp_path, entry_b
     cache.close()
 
 
-def test_a_queued_jobs_prefetch_does_not_evict_the_entry_of_a_job_queued_before_it(tmp_path, entry_bytes):
+def test_a_queued_jobs_prefetch_does_not_evict_the_entry_of_a_job_queued_before_it(
+    tmp_path, entry_bytes
+):
     for n in (1, 2):
         _record(tmp_path, n)
     cache = _open(tmp_path, 1.5, 4, entry_bytes)
@@ -357,8 +398,13 @@ def test_a_queued_jobs_prefetch_does_not_evict_the_entry_of_a_job_queued_before_
     cache.close()
 
 
-def test_a_recording_published_by_another_worker_on_the_same_directory_is_found(tmp_path, entry_bytes):
-    a, b = _open(tmp_path, 2, 4, entry_bytes), _open(tmp_path, 2, 4, entry_bytes)  # two workers, one directory
+def test_a_recording_published_by_another_worker_on_the_same_directory_is_found(
+    tmp_path, entry_bytes
+):
+    a, b = (
+        _open(tmp_path, 2, 4, entry_bytes),
+        _open(tmp_path, 2, 4, entry_bytes),
+    )  # two workers, one directory
     assert b.ready(_key(3)) and b.acquire(_key(3)) is None  # a miss for b
     _record_through(a, 3)  # worker a records and publishes the template after b started
     assert not b.ready(_key(3))  # b finds it on disk and starts reading it
@@ -377,7 +423,10 @@ def test_a_recording_published_by_another_worker_on_the_same_directory_is_found(
 
 
 def test_workers_sharing_a_directory_keep_the_template_another_worker_uses(tmp_path, entry_bytes):
-    a, b = _open(tmp_path, 0, 2.5, entry_bytes), _open(tmp_path, 0, 2.5, entry_bytes)  # one host, two workers
+    a, b = (
+        _open(tmp_path, 0, 2.5, entry_bytes),
+        _open(tmp_path, 0, 2.5, entry_bytes),
+    )  # one host, two workers
     for n in (1, 2):
         _record_through(a, n)  # in a's own view entry 1 is now the coldest
     assert type(b.acquire(_key(1))) is TemplateCache  # but b edits template 1
@@ -408,6 +457,8 @@ def test_a_ram_copy_outlives_its_directory_deleted_by_another_worker(tmp_path, e
     assert not (tmp_path / _key(1).digest()).exists()
     _record_through(a, 3)  # a folds the deletion in: entry 1 is RAM-only now, still served from RAM
     assert isinstance(a.acquire(_key(1)), MemoryTemplateCache) and a.metrics.corrupt_entries == 0
-    assert _key(1).digest() in a.resident(Tier.RAM) and _key(1).digest() not in a.resident(Tier.DISK)
+    assert _key(1).digest() in a.resident(Tier.RAM) and _key(1).digest() not in a.resident(
+        Tier.DISK
+    )
     for cache in (a, b):
         cache.close()

@@ -30,19 +30,30 @@ WAIT_S = 120  # the CPU worker loads its model on its first task
 
 @pytest.fixture(scope="module")
 def engine(models_dir, tmp_path_factory):
-    return make_engine("sd2-inpaint", models_dir, tmp_path_factory.mktemp("celery-cache"))  # builds the model
+    return make_engine(
+        "sd2-inpaint", models_dir, tmp_path_factory.mktemp("celery-cache")
+    )  # builds the model
 
 
 @pytest.fixture
 def stack(redis_url, models_dir, tmp_path, engine):
     """Settings, Celery app, job state and a running `maskserve cpu-worker` subprocess."""
-    env = {**os.environ, "MASKSERVE_REDIS_URL": redis_url, "MASKSERVE_DATA_DIR": str(tmp_path),
-           "MASKSERVE_MODELS_DIR": str(models_dir), "MASKSERVE_MODEL": "tiny-sd2-inpaint",
-           "MASKSERVE_CPU_METRICS_PORT": str(free_port())}
+    env = {
+        **os.environ,
+        "MASKSERVE_REDIS_URL": redis_url,
+        "MASKSERVE_DATA_DIR": str(tmp_path),
+        "MASKSERVE_MODELS_DIR": str(models_dir),
+        "MASKSERVE_MODEL": "tiny-sd2-inpaint",
+        "MASKSERVE_CPU_METRICS_PORT": str(free_port()),
+    }
     settings = load_settings(env={k: v for k, v in env.items() if k.startswith("MASKSERVE_")})
     log = open(tmp_path / "cpu-worker.log", "wb")
-    process = subprocess.Popen([sys.executable, "-m", "backend.cli", "cpu-worker"], env=env, stdout=log,
-                               stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "backend.cli", "cpu-worker"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     app = make_celery(settings)
     from redis import Redis
 
@@ -61,10 +72,18 @@ def stack(redis_url, models_dir, tmp_path, engine):
 
 def submit(settings, app, jobstate, job_id, template_bytes, mask_bytes) -> EditJob:
     blobs = BlobStore(settings.paths.data_dir / "blobs")
-    job = EditJob(job_id=job_id, model_id="tiny-sd2-inpaint",
-                  template_ref=blobs.put("uploads", f"{job_id}-t.png", template_bytes),
-                  mask_ref=blobs.put("uploads", f"{job_id}-m.png", mask_bytes), prompt="a blue vase", seed=9,
-                  steps=3, guidance=7.5, resolution=128, submitted_at=time.time())
+    job = EditJob(
+        job_id=job_id,
+        model_id="tiny-sd2-inpaint",
+        template_ref=blobs.put("uploads", f"{job_id}-t.png", template_bytes),
+        mask_ref=blobs.put("uploads", f"{job_id}-m.png", mask_bytes),
+        prompt="a blue vase",
+        seed=9,
+        steps=3,
+        guidance=7.5,
+        resolution=128,
+        submitted_at=time.time(),
+    )
     jobstate.create(job_id, prompt=job.prompt, seed=job.seed)
     submit_edit(app, job)
     return job
@@ -77,7 +96,9 @@ def wait_for(predicate, what: str, log_path):
         if value:
             return value
         time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}; cpu-worker log:\n{log_path.read_text()[-3000:]}")
+    raise AssertionError(
+        f"timed out waiting for {what}; cpu-worker log:\n{log_path.read_text()[-3000:]}"
+    )
 
 
 def handed_off(client) -> list:
@@ -88,26 +109,44 @@ def test_a_job_runs_pre_and_post_on_celery_around_the_worker(stack, engine, tmp_
     settings, app, jobstate, client = stack
     template = sample_template(WIDTH, HEIGHT, seed=12)
     job = submit(settings, app, jobstate, "celery-1", png(template), png(painted_mask()))
-    (prepared,) = wait_for(lambda: handed_off(client), "the pre-processed job", tmp_path / "cpu-worker.log")
+    (prepared,) = wait_for(
+        lambda: handed_off(client), "the pre-processed job", tmp_path / "cpu-worker.log"
+    )
     assert prepared.job_id == job.job_id and jobstate.status(job.job_id) == "preprocessing"
 
     blobs = BlobStore(settings.paths.data_dir / "blobs")
     inbox = LocalInbox()
-    worker = EngineWorker(engine, blobs, inbox, RedisSink(jobstate, app, settings.celery.post_queue))
+    worker = EngineWorker(
+        engine, blobs, inbox, RedisSink(jobstate, app, settings.celery.post_queue)
+    )
     inbox.put(prepared)
     while not inbox.acked:
         worker.iterate()
-    wait_for(lambda: jobstate.status(job.job_id) == "done", "the job to finish", tmp_path / "cpu-worker.log")
+    wait_for(
+        lambda: jobstate.status(job.job_id) == "done",
+        "the job to finish",
+        tmp_path / "cpu-worker.log",
+    )
     record = jobstate.get(job.job_id)
-    assert set(record["timings"]) >= {"queue_s", "pre_s", "wait_s", "denoise_s", "post_s", "total_s"}
+    assert set(record["timings"]) >= {
+        "queue_s",
+        "pre_s",
+        "wait_s",
+        "denoise_s",
+        "post_s",
+        "total_s",
+    }
     assert record["step"] == record["num_steps"] == 3
     assert_edited_inside_only(blobs.get(record["result_ref"]), template)
     statuses = [e["status"] for _, e in jobstate.events(job.job_id)]
     assert statuses[0] == "preprocessing" and statuses[-2:] == ["postprocessing", "done"]
     url = f"http://127.0.0.1:{settings.celery.metrics_port}/metrics"
     # the task counts itself just after it marks the job done
-    wait_for(lambda: task_stats(client)["tasks_total"].get("postprocess.done"), "the task count",
-             tmp_path / "cpu-worker.log")
+    wait_for(
+        lambda: task_stats(client)["tasks_total"].get("postprocess.done"),
+        "the task count",
+        tmp_path / "cpu-worker.log",
+    )
     metrics = urllib.request.urlopen(url, timeout=5).read().decode()
     assert 'maskserve_cpu_tasks_total{key="preprocess.done"} 1.0' in metrics
     assert 'maskserve_cpu_tasks_total{key="postprocess.done"} 1.0' in metrics
@@ -115,29 +154,58 @@ def test_a_job_runs_pre_and_post_on_celery_around_the_worker(stack, engine, tmp_
 
 def test_a_redelivered_pre_task_hands_its_job_off_once(stack, tmp_path):
     settings, app, jobstate, client = stack
-    job = submit(settings, app, jobstate, "celery-twice", png(sample_template(WIDTH, HEIGHT)), png(painted_mask()))
+    job = submit(
+        settings,
+        app,
+        jobstate,
+        "celery-twice",
+        png(sample_template(WIDTH, HEIGHT)),
+        png(painted_mask()),
+    )
     submit_edit(app, job)  # the same task again, as a broker redelivery would
-    submit(settings, app, jobstate, "celery-after", png(sample_template(WIDTH, HEIGHT)), png(painted_mask()))
+    submit(
+        settings,
+        app,
+        jobstate,
+        "celery-after",
+        png(sample_template(WIDTH, HEIGHT)),
+        png(painted_mask()),
+    )
     # the queue is FIFO with one CPU process: once the later job is out, both copies have run
-    wait_for(lambda: any(p.job_id == "celery-after" for p in handed_off(client)), "the later job",
-             tmp_path / "cpu-worker.log")
+    wait_for(
+        lambda: any(p.job_id == "celery-after" for p in handed_off(client)),
+        "the later job",
+        tmp_path / "cpu-worker.log",
+    )
     assert [p.job_id for p in handed_off(client)].count("celery-twice") == 1
 
 
 def test_a_bad_upload_fails_its_job_with_the_reason(stack, tmp_path):
     settings, app, jobstate, client = stack
-    job = submit(settings, app, jobstate, "celery-bad", b"this is not a picture", png(painted_mask()))
-    wait_for(lambda: jobstate.status(job.job_id) == "failed", "the job to fail", tmp_path / "cpu-worker.log")
+    job = submit(
+        settings, app, jobstate, "celery-bad", b"this is not a picture", png(painted_mask())
+    )
+    wait_for(
+        lambda: jobstate.status(job.job_id) == "failed",
+        "the job to fail",
+        tmp_path / "cpu-worker.log",
+    )
     assert "not an image" in jobstate.get(job.job_id)["message"]
-    wait_for(lambda: task_stats(client)["tasks_total"] == {"preprocess.failed": 1.0}, "the task count",
-             tmp_path / "cpu-worker.log")
+    wait_for(
+        lambda: task_stats(client)["tasks_total"] == {"preprocess.failed": 1.0},
+        "the task count",
+        tmp_path / "cpu-worker.log",
+    )
 
 
 def test_the_cpu_worker_builds_the_default_models_stages_before_its_first_task(stack, tmp_path):
     """A fresh worker warms its encoders as it starts, so the first job does not wait for them."""
     log_path = tmp_path / "cpu-worker.log"
-    wait_for(lambda: "CPU stages of tiny-sd2-inpaint ready" in log_path.read_text(errors="replace"),
-             "the CPU stages to be warmed", log_path)
+    wait_for(
+        lambda: "CPU stages of tiny-sd2-inpaint ready" in log_path.read_text(errors="replace"),
+        "the CPU stages to be warmed",
+        log_path,
+    )
     _, _, _, client = stack
     assert client.xlen(PREPARED_STREAM) == 0  # before any task ran
 

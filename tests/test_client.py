@@ -36,14 +36,25 @@ KEY = "client-test-key"
 def api(redis_url, tmp_path):
     """A running `run_api` process; yields (base url, settings)."""
     port = free_port()
-    env = {"MASKSERVE_REDIS_URL": redis_url, "MASKSERVE_DATA_DIR": str(tmp_path / "data"),
-           "MASKSERVE_API_KEYS": KEY, "MASKSERVE_API_PORT": str(port), "MASKSERVE_RATE_LIMIT_PER_MINUTE": "0"}
+    env = {
+        "MASKSERVE_REDIS_URL": redis_url,
+        "MASKSERVE_DATA_DIR": str(tmp_path / "data"),
+        "MASKSERVE_API_KEYS": KEY,
+        "MASKSERVE_API_PORT": str(port),
+        "MASKSERVE_RATE_LIMIT_PER_MINUTE": "0",
+    }
     settings = load_settings(env)
-    code = ("from backend.api.server import run_api; from backend.config import load_settings; "
-            "from backend.runtime import run_role; raise SystemExit(run_role('api', run_api, load_settings()))")
+    code = (
+        "from backend.api.server import run_api; from backend.config import load_settings; "
+        "from backend.runtime import run_role; raise SystemExit(run_role('api', run_api, load_settings()))"
+    )
     log = open(tmp_path / "api.log", "wb")
-    process = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **env}, stdout=log,
-                               stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -54,7 +65,9 @@ def api(redis_url, tmp_path):
             except httpx.TransportError:
                 pass
             if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"API did not start: {(tmp_path / 'api.log').read_text()[-2000:]}")
+                raise AssertionError(
+                    f"API did not start: {(tmp_path / 'api.log').read_text()[-2000:]}"
+                )
             time.sleep(0.1)
         yield base, settings
     finally:
@@ -79,16 +92,35 @@ def fake_pipeline(settings, num_jobs: int = 1, fail: bool = False) -> threading.
             store.record_event(JobEvent(job_id=job.job_id, status="preprocessing", at=time.time()))
             for step in range(1, job.steps + 1):
                 time.sleep(0.05)
-                store.record_event(JobEvent(job_id=job.job_id, status="running", at=time.time(), step=step,
-                                            num_steps=job.steps, worker_id="worker-0"))
+                store.record_event(
+                    JobEvent(
+                        job_id=job.job_id,
+                        status="running",
+                        at=time.time(),
+                        step=step,
+                        num_steps=job.steps,
+                        worker_id="worker-0",
+                    )
+                )
             if fail:
-                store.record_event(JobEvent(job_id=job.job_id, status="failed", at=time.time(), message="boom"))
+                store.record_event(
+                    JobEvent(job_id=job.job_id, status="failed", at=time.time(), message="boom")
+                )
                 continue
             result = sample_template(WIDTH, HEIGHT, seed=job.seed % 1000)
             ref = blobs.put("results", f"{job.job_id}.png", encode_image(result, "png"))
             thumb = blobs.put("thumbnails", f"{job.job_id}.webp", encode_image(result, "webp"))
-            store.record_event(JobEvent(job_id=job.job_id, status="done", at=time.time(), result_ref=ref,
-                                        thumbnail_ref=thumb, timings={"total_s": 0.2}))
+            store.record_event(
+                JobEvent(
+                    job_id=job.job_id,
+                    status="done",
+                    at=time.time(),
+                    result_ref=ref,
+                    thumbnail_ref=thumb,
+                    timings={"total_s": 0.2},
+                )
+            )
+
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
@@ -100,13 +132,21 @@ def test_client_upload_submit_wait_result(api):
         template = client.upload_template(IMAGE, name="Room", tags=["interior"])
         assert [t["id"] for t in client.templates(tag="interior")] == [template["id"]]
         pipeline = fake_pipeline(settings)
-        job = client.submit(MASK, "a lamp", template_id=template["id"], seed=77, steps=3, invert=False)
+        job = client.submit(
+            MASK, "a lamp", template_id=template["id"], seed=77, steps=3, invert=False
+        )
         assert job["seed"] == 77
         seen = []
         final = client.wait(job["job_id"], timeout=30, on_event=seen.append)
         pipeline.join(5)
         assert final["status"] == "done" and final["seed"] == 77
-        assert [e["status"] for e in seen] == ["preprocessing", "running", "running", "running", "done"]
+        assert [e["status"] for e in seen] == [
+            "preprocessing",
+            "running",
+            "running",
+            "running",
+            "done",
+        ]
         png = client.result_bytes(job["job_id"])
         assert png == BlobStore(settings.paths.data_dir / "blobs").get(final["result_ref"])
         assert client.result_bytes(job["job_id"], thumbnail=True)[:4] == b"RIFF"
@@ -143,13 +183,30 @@ def test_submit_cli(api, tmp_path, capsys):
     (tmp_path / "image.png").write_bytes(IMAGE)
     (tmp_path / "mask.png").write_bytes(MASK)
     out = tmp_path / "edited.png"
-    common = ["--url", base, "--image", str(tmp_path / "image.png"), "--mask", str(tmp_path / "mask.png"),
-              "--prompt", "a vase", "--steps", "2"]
+    common = [
+        "--url",
+        base,
+        "--image",
+        str(tmp_path / "image.png"),
+        "--mask",
+        str(tmp_path / "mask.png"),
+        "--prompt",
+        "a vase",
+        "--steps",
+        "2",
+    ]
     pipeline = fake_pipeline(settings)
-    code = submit_cli(_args(common + ["--api-key", KEY, "--seed", "5", "--out", str(out), "--timeout", "30"]))
+    code = submit_cli(
+        _args(common + ["--api-key", KEY, "--seed", "5", "--out", str(out), "--timeout", "30"])
+    )
     pipeline.join(5)
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert code == 0 and lines[0]["seed"] == 5 and lines[-1]["status"] == "done" and lines[-1]["out"] == str(out)
+    assert (
+        code == 0
+        and lines[0]["seed"] == 5
+        and lines[-1]["status"] == "done"
+        and lines[-1]["out"] == str(out)
+    )
     assert Image.open(out).size == (WIDTH, HEIGHT)
     # the key (and URL) may come from settings instead
     pipeline = fake_pipeline(settings, fail=True)

@@ -18,9 +18,17 @@ from backend.config import env_variable_names, load_settings
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
-MASKSERVE = {name: service for name, service in SERVICES.items() if service.get("command", [""])[0] == "maskserve"}
-ROLES = {cli.cmd_api: "api", cli.cmd_dispatcher: "dispatcher", cli.cmd_cpu_worker: "cpu-worker",
-         cli.cmd_worker: "worker"}  # the long-running roles; one-shot commands have no place in a stack
+MASKSERVE = {
+    name: service
+    for name, service in SERVICES.items()
+    if service.get("command", [""])[0] == "maskserve"
+}
+ROLES = {
+    cli.cmd_api: "api",
+    cli.cmd_dispatcher: "dispatcher",
+    cli.cmd_cpu_worker: "cpu-worker",
+    cli.cmd_worker: "worker",
+}  # the long-running roles; one-shot commands have no place in a stack
 _INTERPOLATION = re.compile(r"\$\{(\w+)(?::?([-?])([^}]*))?\}")
 
 
@@ -35,9 +43,14 @@ def parse_command(service: dict):
 def container_env(service: dict) -> dict[str, str]:
     """The service's environment as the container gets it, compose interpolation resolved: a default
     for ``${VAR:-default}``, a placeholder for a required ``${VAR:?message}``."""
+
     def resolve(match: re.Match) -> str:
         return "placeholder" if match.group(2) == "?" else (match.group(3) or "")
-    return {name: _INTERPOLATION.sub(resolve, str(value)) for name, value in service.get("environment", {}).items()}
+
+    return {
+        name: _INTERPOLATION.sub(resolve, str(value))
+        for name, value in service.get("environment", {}).items()
+    }
 
 
 def test_the_stack_runs_every_role_and_one_cpu_engine_worker_by_default():
@@ -60,26 +73,40 @@ def test_the_gpu_worker_is_profile_gated_and_reserves_an_nvidia_device():
     (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
     assert "cu" in gpu["build"]["args"]["TORCH_INDEX_URL"]  # a CUDA build of torch in its image
-    ids = [parse_command(s).worker_id for s in MASKSERVE.values() if parse_command(s).func is cli.cmd_worker]
+    ids = [
+        parse_command(s).worker_id
+        for s in MASKSERVE.values()
+        if parse_command(s).func is cli.cmd_worker
+    ]
     assert len(set(ids)) == len(ids)  # heartbeats and inboxes are per worker id
 
 
 @pytest.mark.parametrize("name", sorted(MASKSERVE))
 def test_every_variable_is_one_config_reads_and_its_value_validates(name):
     env = container_env(MASKSERVE[name])
-    unknown = sorted(var for var in env if var.startswith("MASKSERVE_") and var not in env_variable_names())
+    unknown = sorted(
+        var for var in env if var.startswith("MASKSERVE_") and var not in env_variable_names()
+    )
     assert unknown == [], f"{name} sets variables backend/config.py never reads: {unknown}"
     args = parse_command(MASKSERVE[name])
-    load_settings(env, **(args.overrides(args) if hasattr(args, "overrides") else {}))  # raises when invalid
+    load_settings(
+        env, **(args.overrides(args) if hasattr(args, "overrides") else {})
+    )  # raises when invalid
 
 
 @pytest.mark.parametrize("name", sorted(MASKSERVE))
 def test_every_role_waits_for_a_healthy_redis_it_can_reach_and_shares_the_data_volume(name):
     service, env = MASKSERVE[name], container_env(MASKSERVE[name])
     assert urlparse(env["MASKSERVE_REDIS_URL"]).hostname in SERVICES
-    assert service["depends_on"]["redis"]["condition"] == "service_healthy" and SERVICES["redis"]["healthcheck"]
+    assert (
+        service["depends_on"]["redis"]["condition"] == "service_healthy"
+        and SERVICES["redis"]["healthcheck"]
+    )
     mounts = dict(volume.split(":", 1) for volume in service["volumes"])
-    assert mounts.get("maskserve-data") == env["MASKSERVE_DATA_DIR"] and "maskserve-data" in COMPOSE["volumes"]
+    assert (
+        mounts.get("maskserve-data") == env["MASKSERVE_DATA_DIR"]
+        and "maskserve-data" in COMPOSE["volumes"]
+    )
 
 
 def test_the_api_listens_on_every_interface_of_its_container_behind_the_published_port():
@@ -94,10 +121,14 @@ def test_the_image_pins_torch_as_the_makefile_does():
     makefile, dockerfile = (ROOT / "Makefile").read_text(), (ROOT / "Dockerfile").read_text()
     (pin,) = set(re.findall(r'pip install [^\n]*"(torch==[\w.+]+)"', makefile))
     installs = [line for line in dockerfile.splitlines() if line.startswith("RUN pip install")]
-    assert f'"{pin}"' in installs[0] and installs[-1] == "RUN pip install ."  # torch before the project
+    assert (
+        f'"{pin}"' in installs[0] and installs[-1] == "RUN pip install ."
+    )  # torch before the project
     env_lines = re.findall(r"\b(MASKSERVE_\w+)=", dockerfile)
     assert env_lines and set(env_lines) <= env_variable_names()
     for copied in ("backend", "studio", "templates_store", "profiles"):
         assert f"COPY {copied} {copied}" in dockerfile
     ignored = (ROOT / ".dockerignore").read_text().split()
-    assert {".venv", ".maskserve", ".git"} <= set(ignored)  # a build context without the environment
+    assert {".venv", ".maskserve", ".git"} <= set(
+        ignored
+    )  # a build context without the environment

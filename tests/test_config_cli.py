@@ -14,8 +14,14 @@ from tests.factories import make_template, rect_mask
 
 
 def test_settings_from_env_and_overrides(tmp_path):
-    settings = load_settings({"MASKSERVE_DATA_DIR": str(tmp_path), "MASKSERVE_MODEL": "tiny-flux-fill",
-                              "MASKSERVE_CACHE_MODE": "hidden", "MASKSERVE_MASK_MARGIN": "2"})
+    settings = load_settings(
+        {
+            "MASKSERVE_DATA_DIR": str(tmp_path),
+            "MASKSERVE_MODEL": "tiny-flux-fill",
+            "MASKSERVE_CACHE_MODE": "hidden",
+            "MASKSERVE_MASK_MARGIN": "2",
+        }
+    )
     assert settings.engine.model_id == "tiny-flux-fill" and settings.engine.cache_mode == "hidden"
     assert settings.engine.mask_margin_tokens == 2
     assert settings.paths.resolved_cache_dir() == tmp_path / "template_cache"
@@ -23,10 +29,15 @@ def test_settings_from_env_and_overrides(tmp_path):
     assert overridden.engine.device == "cuda:1"
 
 
-@pytest.mark.parametrize("env, field", [({"MASKSERVE_CACHE_MODE": "both"}, "cache_mode"),
-                                        ({"MASKSERVE_DEVICE": "tpu"}, "device"),
-                                        ({"MASKSERVE_MASK_MARGIN": "-1"}, "mask_margin_tokens"),
-                                        ({"MASKSERVE_LOG_LEVEL": "LOUD"}, "log_level")])
+@pytest.mark.parametrize(
+    "env, field",
+    [
+        ({"MASKSERVE_CACHE_MODE": "both"}, "cache_mode"),
+        ({"MASKSERVE_DEVICE": "tpu"}, "device"),
+        ({"MASKSERVE_MASK_MARGIN": "-1"}, "mask_margin_tokens"),
+        ({"MASKSERVE_LOG_LEVEL": "LOUD"}, "log_level"),
+    ],
+)
 def test_bad_settings_name_the_field(env, field):
     with pytest.raises(SettingsError, match=field):
         load_settings(env)
@@ -53,8 +64,19 @@ def test_prepare_then_edit_uses_the_cache(cli_env, capsys):
     code, out, _ = _run(capsys, "prepare", *base)
     assert code == 0 and json.loads(out)["bytes"] > 0
     target = cli_env / "edited.png"
-    code, out, _ = _run(capsys, "edit", *base, "--mask", str(cli_env / "mask.png"), "--prompt", "a vase",
-                        "--seed", "4", "--out", str(target))
+    code, out, _ = _run(
+        capsys,
+        "edit",
+        *base,
+        "--mask",
+        str(cli_env / "mask.png"),
+        "--prompt",
+        "a vase",
+        "--seed",
+        "4",
+        "--out",
+        str(target),
+    )
     report = json.loads(out)
     assert code == 0 and report["used_cache"] and report["seed"] == 4
     edited = np.asarray(Image.open(target))
@@ -63,7 +85,16 @@ def test_prepare_then_edit_uses_the_cache(cli_env, capsys):
 
 
 def test_edit_with_bad_inputs_exits_2_with_a_message(cli_env, capsys):
-    base = ["--size", "128", "--steps", "2", "--image", str(cli_env / "template.png"), "--prompt", "x"]
+    base = [
+        "--size",
+        "128",
+        "--steps",
+        "2",
+        "--image",
+        str(cli_env / "template.png"),
+        "--prompt",
+        "x",
+    ]
     rect_mask((0, 0, 0, 0)).save(cli_env / "empty.png")
     code, _, err = _run(capsys, "edit", *base, "--mask", str(cli_env / "empty.png"))
     assert code == 2 and "empty" in err
@@ -73,7 +104,9 @@ def test_edit_with_bad_inputs_exits_2_with_a_message(cli_env, capsys):
     (cli_env / "junk.png").write_bytes(b"not an image")
     with pytest.raises(SystemExit, match="not an image"):
         main(["edit", *base, "--mask", str(cli_env / "junk.png")])
-    code, _, err = _run(capsys, "edit", *base, "--mask", str(cli_env / "mask.png"), "--model", "tiny-nothing")
+    code, _, err = _run(
+        capsys, "edit", *base, "--mask", str(cli_env / "mask.png"), "--model", "tiny-nothing"
+    )
     assert code == 2 and "unknown model" in err
 
 

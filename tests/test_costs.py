@@ -7,21 +7,43 @@ import json
 import numpy as np
 import pytest
 
-from backend.engine.costs import (FORMAT_VERSION, CostProfile, LinearModel, RowWork, UnitShape,
-                                  batch_unit_costs, build_profile, fit_linear, ideal_speedup,
-                                  unit_flops)
-from backend.engine.plan import UnitCost, solve_plan
+from backend.costmodel.costs import (
+    FORMAT_VERSION,
+    CostProfile,
+    LinearModel,
+    RowWork,
+    UnitShape,
+    batch_unit_costs,
+    build_profile,
+    fit_linear,
+    ideal_speedup,
+    unit_flops,
+)
+from backend.costmodel.plan import UnitCost, solve_plan
 
 UNITS = [
-    UnitShape("down.0", 0, num_tokens=1024, hidden_dim=320, num_text_tokens=77, cache_bytes_per_token=1280),
-    UnitShape("down.1", 0, num_tokens=1024, hidden_dim=320, num_text_tokens=77, cache_bytes_per_token=1280),
-    UnitShape("mid.0", 1, num_tokens=64, hidden_dim=1280, num_text_tokens=77, cache_bytes_per_token=5120),
+    UnitShape(
+        "down.0", 0, num_tokens=1024, hidden_dim=320, num_text_tokens=77, cache_bytes_per_token=1280
+    ),
+    UnitShape(
+        "down.1", 0, num_tokens=1024, hidden_dim=320, num_text_tokens=77, cache_bytes_per_token=1280
+    ),
+    UnitShape(
+        "mid.0", 1, num_tokens=64, hidden_dim=1280, num_text_tokens=77, cache_bytes_per_token=5120
+    ),
 ]
 
 
 def make_profile(**overrides) -> CostProfile:
-    fields = dict(format_version=FORMAT_VERSION, model_id="tiny-sd2-inpaint", device="cpu", mode="kv",
-                  compute=LinearModel(1e-12, 1e-4, 0.99), load=LinearModel(1e-9, 2e-5, 0.98), units=list(UNITS))
+    fields = dict(
+        format_version=FORMAT_VERSION,
+        model_id="tiny-sd2-inpaint",
+        device="cpu",
+        mode="kv",
+        compute=LinearModel(1e-12, 1e-4, 0.99),
+        load=LinearModel(1e-9, 2e-5, 0.98),
+        units=list(UNITS),
+    )
     fields.update(overrides)
     return CostProfile(**fields)
 
@@ -43,8 +65,14 @@ def test_fit_on_noisy_data_has_r2_below_one():
     assert model.slope == pytest.approx(2.0, abs=0.15)
 
 
-@pytest.mark.parametrize("xs,ys,match", [([1.0], [1.0], "at least 2"), ([2.0, 2.0], [1.0, 3.0], "distinct"),
-                                         ([1.0, 2.0], [1.0], "equally long")])
+@pytest.mark.parametrize(
+    "xs,ys,match",
+    [
+        ([1.0], [1.0], "at least 2"),
+        ([2.0, 2.0], [1.0, 3.0], "distinct"),
+        ([1.0, 2.0], [1.0], "equally long"),
+    ],
+)
 def test_fit_rejects_degenerate_input(xs, ys, match):
     with pytest.raises(ValueError, match=match):
         fit_linear(xs, ys)
@@ -81,7 +109,9 @@ def test_batch_compute_pays_the_intercept_once_per_unit():
     for a, b, unit in zip(one, two, UNITS):
         intercept = profile.compute.intercept
         assert b.compute_cached_s - intercept == pytest.approx(2 * (a.compute_cached_s - intercept))
-        assert b.compute_dense_s == pytest.approx(profile.compute.predict(2 * unit_flops(unit, 0, dense=True)))
+        assert b.compute_dense_s == pytest.approx(
+            profile.compute.predict(2 * unit_flops(unit, 0, dense=True))
+        )
         assert a.compute_cached_s < a.compute_dense_s
         assert a.load_s == b.load_s == 0.0
 
@@ -108,7 +138,9 @@ def test_masked_tokens_per_stack_and_the_planner_consume_the_costs():
     profile = make_profile()
     costs = profile.unit_costs([RowWork({0: 100, 1: 10}, "t1"), RowWork([50, 64], "t2")])
     assert len(costs) == 3 and all(isinstance(c, UnitCost) for c in costs)
-    assert costs[2].load_s == pytest.approx(profile.load.predict(UNITS[2].cache_bytes))  # t2 masks all of stack 1
+    assert costs[2].load_s == pytest.approx(
+        profile.load.predict(UNITS[2].cache_bytes)
+    )  # t2 masks all of stack 1
     plan = solve_plan(costs, profile.stack_ids, monotone_within_stack=True)
     assert len(plan.use_cache) == 3
     with pytest.raises(ValueError, match="stack 1"):
@@ -130,18 +162,21 @@ def test_json_round_trip():
     assert again.units[2] == UNITS[2] and again.compute.predict(1e9) == profile.compute.predict(1e9)
 
 
-@pytest.mark.parametrize("mutate,match", [
-    (lambda d: "{not json", "not valid JSON"),
-    (lambda d: "[1, 2]", "JSON object"),
-    (lambda d: {**d, "format_version": 99}, "format_version 99 is not supported"),
-    (lambda d: {k: v for k, v in d.items() if k != "format_version"}, "format_version None"),
-    (lambda d: {k: v for k, v in d.items() if k != "load"}, "missing field.*load"),
-    (lambda d: {**d, "extra": 1}, "unknown field.*extra"),
-    (lambda d: {**d, "mode": "both"}, "mode"),
-    (lambda d: {**d, "compute": {**d["compute"], "slope": "fast"}}, "compute.slope"),
-    (lambda d: {**d, "units": [{**d["units"][0], "num_tokens": 0}]}, "unit 0.*num_tokens"),
-    (lambda d: {**d, "units": [{**d["units"][0], "hidden": 3}]}, "unit 0 has unknown"),
-])
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda d: "{not json", "not valid JSON"),
+        (lambda d: "[1, 2]", "JSON object"),
+        (lambda d: {**d, "format_version": 99}, "format_version 99 is not supported"),
+        (lambda d: {k: v for k, v in d.items() if k != "format_version"}, "format_version None"),
+        (lambda d: {k: v for k, v in d.items() if k != "load"}, "missing field.*load"),
+        (lambda d: {**d, "extra": 1}, "unknown field.*extra"),
+        (lambda d: {**d, "mode": "both"}, "mode"),
+        (lambda d: {**d, "compute": {**d["compute"], "slope": "fast"}}, "compute.slope"),
+        (lambda d: {**d, "units": [{**d["units"][0], "num_tokens": 0}]}, "unit 0.*num_tokens"),
+        (lambda d: {**d, "units": [{**d["units"][0], "hidden": 3}]}, "unit 0 has unknown"),
+    ],
+)
 def test_bad_json_is_rejected_with_a_clear_message(mutate, match):
     data = json.loads(make_profile().to_json())
     bad = mutate(data)
@@ -151,8 +186,14 @@ def test_bad_json_is_rejected_with_a_clear_message(mutate, match):
 
 def test_build_profile_fits_both_lines():
     flops = [1e9, 4e9, 9e9]
-    profile = build_profile("m", "cuda:0", "kv", UNITS, [(f, 2e-12 * f + 1e-4) for f in flops],
-                            [(b, 1e-9 * b + 1e-5) for b in (1e5, 1e6, 1e7)])
+    profile = build_profile(
+        "m",
+        "cuda:0",
+        "kv",
+        UNITS,
+        [(f, 2e-12 * f + 1e-4) for f in flops],
+        [(b, 1e-9 * b + 1e-5) for b in (1e5, 1e6, 1e7)],
+    )
     assert profile.compute.slope == pytest.approx(2e-12) and profile.load.r2 == pytest.approx(1.0)
     with pytest.raises(ValueError, match="mode"):
         build_profile("m", "cpu", "sparse", UNITS, [], [])

@@ -37,14 +37,16 @@ def painted_mask(box=BOX, size=(WIDTH, HEIGHT)) -> Image.Image:
     return Image.fromarray(pixels)
 
 
-def assert_edited_inside_only(result_png: bytes, template: Image.Image, box=BOX, reach: int = 0) -> None:
+def assert_edited_inside_only(
+    result_png: bytes, template: Image.Image, box=BOX, reach: int = 0
+) -> None:
     """The result has the template's size, its pixels outside ``box`` grown by ``reach`` are the
     template's own, and the painted area changed."""
     result = np.asarray(Image.open(io.BytesIO(result_png)).convert("RGB"))
     before = np.asarray(template.convert("RGB"))
     x0, y0, x1, y1 = box
     outside = np.ones(before.shape[:2], dtype=bool)
-    outside[max(0, y0 - reach):y1 + reach, max(0, x0 - reach):x1 + reach] = False
+    outside[max(0, y0 - reach) : y1 + reach, max(0, x0 - reach) : x1 + reach] = False
     assert result.shape == before.shape and np.array_equal(result[outside], before[outside])
     assert np.abs(result[y0:y1, x0:x1].astype(int) - before[y0:y1, x0:x1]).mean() > 1.0
 
@@ -59,10 +61,17 @@ def stages(models_dir, tmp_path_factory):
 
 def edit_job(stages, job_id, template_bytes, mask_bytes, **fields) -> EditJob:
     blobs = stages.blobs
-    values = dict(job_id=job_id, model_id=stages.engine.spec.model_id,
-                  template_ref=blobs.put("uploads", f"{job_id}-template.png", template_bytes),
-                  mask_ref=blobs.put("uploads", f"{job_id}-mask.png", mask_bytes), prompt="a blue vase", seed=3,
-                  steps=3, guidance=7.5, resolution=128)
+    values = dict(
+        job_id=job_id,
+        model_id=stages.engine.spec.model_id,
+        template_ref=blobs.put("uploads", f"{job_id}-template.png", template_bytes),
+        mask_ref=blobs.put("uploads", f"{job_id}-mask.png", mask_bytes),
+        prompt="a blue vase",
+        seed=3,
+        steps=3,
+        guidance=7.5,
+        resolution=128,
+    )
     values.update(fields)
     return EditJob(**values)
 
@@ -80,18 +89,29 @@ def run_worker(stages, prepared):
 
 def test_an_upload_goes_through_pre_worker_and_post_to_a_result_at_its_own_size(stages):
     template = sample_template(WIDTH, HEIGHT, seed=4)
-    job = edit_job(stages, "e2e", png(template), png(painted_mask()), mask_ops=MaskOps(feather_px=3))
+    job = edit_job(
+        stages, "e2e", png(template), png(painted_mask()), mask_ops=MaskOps(feather_px=3)
+    )
     prepared = stages.preprocess(job)
     assert prepared.template_ref == job.template_ref and 0.0 < prepared.mask_ratio < 0.5
     assert prepared.timings["pre_s"] > 0 and stages.blobs.exists(prepared.prepared_ref)
     denoised = run_worker(stages, prepared)
     event = stages.postprocess(denoised)
-    assert event.status == "done" and set(event.timings) >= {"pre_s", "wait_s", "denoise_s", "post_s"}
-    assert_edited_inside_only(stages.blobs.get(event.result_ref), template, reach=4)  # the feather's reach
+    assert event.status == "done" and set(event.timings) >= {
+        "pre_s",
+        "wait_s",
+        "denoise_s",
+        "post_s",
+    }
+    assert_edited_inside_only(
+        stages.blobs.get(event.result_ref), template, reach=4
+    )  # the feather's reach
     thumb = Image.open(io.BytesIO(stages.blobs.get(event.thumbnail_ref)))
     assert max(thumb.size) <= 256
     # intermediates are gone once the result is stored
-    assert not stages.blobs.exists(denoised.latents_ref) and not stages.blobs.exists(denoised.prepared_ref)
+    assert not stages.blobs.exists(denoised.latents_ref) and not stages.blobs.exists(
+        denoised.prepared_ref
+    )
 
 
 def test_pre_processing_is_deterministic(stages):
@@ -102,22 +122,34 @@ def test_pre_processing_is_deterministic(stages):
     assert stages.blobs.get(first.prepared_ref) == stages.blobs.get(second.prepared_ref)
 
 
-@pytest.mark.parametrize("template_bytes, mask_bytes, error, words", [
-    (b"not an image", None, UploadError, "not an image"),
-    (b"", None, UploadError, "empty"),
-    (None, png(Image.new("L", (WIDTH, HEIGHT), 0)), MaskError, "empty"),
-    (None, png(Image.new("L", (64, 64), 255)), MaskError, "does not match"),
-])
-def test_bad_uploads_fail_with_a_message_before_any_model_runs(stages, template_bytes, mask_bytes, error, words):
-    template_bytes = png(sample_template(WIDTH, HEIGHT, seed=6)) if template_bytes is None else template_bytes
+@pytest.mark.parametrize(
+    "template_bytes, mask_bytes, error, words",
+    [
+        (b"not an image", None, UploadError, "not an image"),
+        (b"", None, UploadError, "empty"),
+        (None, png(Image.new("L", (WIDTH, HEIGHT), 0)), MaskError, "empty"),
+        (None, png(Image.new("L", (64, 64), 255)), MaskError, "does not match"),
+    ],
+)
+def test_bad_uploads_fail_with_a_message_before_any_model_runs(
+    stages, template_bytes, mask_bytes, error, words
+):
+    template_bytes = (
+        png(sample_template(WIDTH, HEIGHT, seed=6)) if template_bytes is None else template_bytes
+    )
     mask_bytes = png(painted_mask()) if mask_bytes is None else mask_bytes
     with pytest.raises(error, match=words):
         stages.preprocess(edit_job(stages, "bad", template_bytes, mask_bytes))
 
 
 def test_a_job_for_another_model_is_refused(stages):
-    job = edit_job(stages, "other", png(sample_template(WIDTH, HEIGHT)), png(painted_mask()),
-                   model_id="tiny-flux-fill")
+    job = edit_job(
+        stages,
+        "other",
+        png(sample_template(WIDTH, HEIGHT)),
+        png(painted_mask()),
+        model_id="tiny-flux-fill",
+    )
     with pytest.raises(ValueError, match="this CPU worker serves tiny-sd2-inpaint"):
         stages.preprocess(job)
 
@@ -146,7 +178,9 @@ def test_a_prepare_job_records_the_templates_cache_once(stages, tmp_path):
         worker.iterate()
         if inbox.acked:
             break
-    assert sink.statuses("prep-1")[-1] == "done" and sink.denoised_jobs == []  # no image, no post-processing
+    assert (
+        sink.statuses("prep-1")[-1] == "done" and sink.denoised_jobs == []
+    )  # no image, no post-processing
     assert sink.events[-1].message == "cache recorded"
     params = stages._params(job, (128, 128))
     cache = stages.engine.lookup(fit_to_bucket(template, (128, 128)), params)
@@ -157,5 +191,8 @@ def test_a_prepare_job_records_the_templates_cache_once(stages, tmp_path):
     inbox.put(stages.preprocess(edit_job(stages, "prep-2", png(template), b"", prepare=True)))
     for _ in range(10):
         worker.iterate()
-    assert sink.statuses("prep-2") == ["waiting", "done"] and sink.events[-1].message == "already prepared"
+    assert (
+        sink.statuses("prep-2") == ["waiting", "done"]
+        and sink.events[-1].message == "already prepared"
+    )
     caches.close()

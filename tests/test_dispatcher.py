@@ -20,19 +20,37 @@ MODEL = "tiny-sd2-inpaint"
 
 
 def beat(client, worker_id, model_id=MODEL, running=(), resident_ram=()):
-    message = WorkerHeartbeat(worker_id=worker_id, model_id=model_id, device="cpu", at=time.time(), max_batch=8,
-                              batching="continuous", running=list(running), resident_ram=list(resident_ram))
+    message = WorkerHeartbeat(
+        worker_id=worker_id,
+        model_id=model_id,
+        device="cpu",
+        at=time.time(),
+        max_batch=8,
+        batching="continuous",
+        running=list(running),
+        resident_ram=list(resident_ram),
+    )
     client.set(heartbeat_key(worker_id), protocol.encode(message), ex=HEARTBEAT_TTL_S)
     client.sadd(WORKERS_KEY, worker_id)
 
 
 def prepared(job_id, mask_ratio=0.1, template="t1", model_id=MODEL) -> PreparedJob:
-    return PreparedJob(job_id=job_id, model_id=model_id, prepared_ref=f"prepared/{job_id}.safetensors",
-                       template_ref="uploads/t.png", num_steps=4, mask_ratio=mask_ratio, cache_digest=template)
+    return PreparedJob(
+        job_id=job_id,
+        model_id=model_id,
+        prepared_ref=f"prepared/{job_id}.safetensors",
+        template_ref="uploads/t.png",
+        num_steps=4,
+        mask_ratio=mask_ratio,
+        cache_digest=template,
+    )
 
 
 def inbox_jobs(client, worker_id) -> list[str]:
-    return [protocol.decode(fields[b"msg"]).job_id for _, fields in client.xrange(inbox_stream(worker_id))]
+    return [
+        protocol.decode(fields[b"msg"]).job_id
+        for _, fields in client.xrange(inbox_stream(worker_id))
+    ]
 
 
 @pytest.fixture
@@ -120,8 +138,11 @@ def test_a_dead_workers_unfinished_jobs_are_redispatched_once(env):
     client.sadd(WORKERS_KEY, "dead")  # started once, its heartbeat is gone
     for job_id, status in (("mid-job", "running"), ("almost", "postprocessing"), ("over", "done")):
         jobstate.create(job_id)
-        jobstate.record_event(JobEvent(job_id=job_id, status=status, at=time.time(), step=2, num_steps=4,
-                                       worker_id="dead"))
+        jobstate.record_event(
+            JobEvent(
+                job_id=job_id, status=status, at=time.time(), step=2, num_steps=4, worker_id="dead"
+            )
+        )
         send_to_inbox(client, "dead", prepared(job_id))
     send_to_inbox(client, "dead", CancelJob(job_id="mid-job"))
     dispatcher = Dispatcher(settings, client, consumer="d")
@@ -136,16 +157,22 @@ def test_a_dead_workers_unfinished_jobs_are_redispatched_once(env):
 
 
 def test_late_binding_holds_a_job_until_a_worker_has_slack(redis_url, redis_client):
-    settings = load_settings(env={}, redis={"url": redis_url},
-                             dispatcher={"check_every_s": 0.01, "late_binding": True})
+    settings = load_settings(
+        env={}, redis={"url": redis_url}, dispatcher={"check_every_s": 0.01, "late_binding": True}
+    )
     client, jobstate = redis_client, JobStateStore(redis_client)
-    rows = [{"job_id": f"r{i}", "mask_ratio": 0.1, "remaining_steps": 3, "template": "t1"} for i in range(8)]
+    rows = [
+        {"job_id": f"r{i}", "mask_ratio": 0.1, "remaining_steps": 3, "template": "t1"}
+        for i in range(8)
+    ]
     beat(client, "w1", running=rows)  # max_batch 8, all 8 slots taken
     submit(client, jobstate, prepared("held"))
     dispatcher = Dispatcher(settings, client, consumer="d")
     run(dispatcher)
     assert inbox_jobs(client, "w1") == [] and [j.job_id for _, j in dispatcher.backlog] == ["held"]
-    assert client.xpending(PREPARED_STREAM, GROUP)["pending"] == 1  # still pending: not lost if we die now
+    assert (
+        client.xpending(PREPARED_STREAM, GROUP)["pending"] == 1
+    )  # still pending: not lost if we die now
     beat(client, "w1", running=rows[:7])  # a row finished: a free slot
     run(dispatcher)
     assert inbox_jobs(client, "w1") == ["held"] and not dispatcher.backlog

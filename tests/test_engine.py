@@ -12,7 +12,15 @@ from backend.engine.cache_store import CacheCorruptError, CacheMismatchError
 from backend.engine.ordinary import run_ordinary
 from backend.imaging.masks import MaskError
 from backend.models import UnknownModelError, resolve_model
-from tests.factories import FAMILIES, SIZE, full_mask, make_engine, make_params, make_template, rect_mask
+from tests.factories import (
+    FAMILIES,
+    SIZE,
+    full_mask,
+    make_engine,
+    make_params,
+    make_template,
+    rect_mask,
+)
 
 TOL = 1e-4
 MODES = ("kv", "hidden")
@@ -26,7 +34,9 @@ def engine(request, models_dir, tmp_path_factory):
 
 
 def _ordinary_latents(engine, mask, seed, params, prompt=PROMPT):
-    return run_ordinary(engine.pipe, engine.spec, make_template(), mask, prompt, seed, params, output_type="latent")
+    return run_ordinary(
+        engine.pipe, engine.spec, make_template(), mask, prompt, seed, params, output_type="latent"
+    )
 
 
 def test_all_masked_equals_ordinary_pipeline(engine):
@@ -109,7 +119,9 @@ def test_batched_rows_equal_one_at_a_time(engine):
     params = make_params(engine, mode="kv")
     templates = [make_template(7), make_template(8)]
     caches = [engine.prepare_template(t, params) for t in templates]
-    inputs = list(zip(templates, [MASK, rect_mask((0, 0, 48, 128))], (PROMPT, "a cat"), (1, 2), caches))
+    inputs = list(
+        zip(templates, [MASK, rect_mask((0, 0, 48, 128))], (PROMPT, "a cat"), (1, 2), caches)
+    )
 
     def new_state(i):
         template, mask, prompt, seed, cache = inputs[i]
@@ -145,7 +157,13 @@ def test_empty_mask_is_rejected(engine):
 
 def test_mask_of_wrong_size_is_rejected(engine):
     with pytest.raises(MaskError, match="size"):
-        engine.edit(make_template(), rect_mask((0, 0, 10, 10), size=SIZE // 2), PROMPT, 0, make_params(engine))
+        engine.edit(
+            make_template(),
+            rect_mask((0, 0, 10, 10), size=SIZE // 2),
+            PROMPT,
+            0,
+            make_params(engine),
+        )
 
 
 def test_bad_size_and_mode_are_rejected(engine):
@@ -164,7 +182,14 @@ def test_cache_of_other_resolution_or_model_is_rejected(engine):
     params = make_params(engine)
     cache = engine.prepare_template(make_template(), params)
     with pytest.raises(CacheMismatchError, match="height"):
-        engine.edit(make_template(), MASK, PROMPT, 0, make_params(engine, size=(2 * SIZE, 2 * SIZE)), cache=cache)
+        engine.edit(
+            make_template(),
+            MASK,
+            PROMPT,
+            0,
+            make_params(engine, size=(2 * SIZE, 2 * SIZE)),
+            cache=cache,
+        )
     with pytest.raises(CacheMismatchError, match="num_steps"):
         engine.edit(make_template(), MASK, PROMPT, 0, make_params(engine, steps=2), cache=cache)
 
@@ -172,7 +197,9 @@ def test_cache_of_other_resolution_or_model_is_rejected(engine):
 def test_cache_of_another_model_is_rejected(engine, models_dir, tmp_path):
     other_family = next(f for f in FAMILIES if f != engine.spec.family)
     other = make_engine(other_family, models_dir, tmp_path)
-    cache = other.prepare_template(make_template(), make_params(other, guidance=engine.spec.default_guidance))
+    cache = other.prepare_template(
+        make_template(), make_params(other, guidance=engine.spec.default_guidance)
+    )
     with pytest.raises(CacheMismatchError, match="model_id"):
         engine.edit(make_template(), MASK, PROMPT, 0, make_params(engine), cache=cache)
 
@@ -199,7 +226,9 @@ def test_mask_above_dense_ratio_runs_dense(engine):
 
 def test_margin_grows_the_computed_region(engine):
     plain = engine.edit(make_template(), MASK, PROMPT, 2, make_params(engine, use_cache=False))
-    grown = engine.edit(make_template(), MASK, PROMPT, 2, make_params(engine, use_cache=False, mask_margin=1))
+    grown = engine.edit(
+        make_template(), MASK, PROMPT, 2, make_params(engine, use_cache=False, mask_margin=1)
+    )
     assert grown.mask_ratio > plain.mask_ratio
 
 
@@ -208,8 +237,10 @@ def test_feathered_paste_back_keeps_far_pixels(engine):
     cache = engine.prepare_template(make_template(), params)
     result = engine.edit(make_template(), MASK, PROMPT, 2, params, cache=cache)
     far_outside = np.ones((SIZE, SIZE), dtype=bool)
-    far_outside[40 - 8:80 + 8, 32 - 8:96 + 8] = False
-    assert np.array_equal(np.asarray(result.image)[far_outside], np.asarray(make_template())[far_outside])
+    far_outside[40 - 8 : 80 + 8, 32 - 8 : 96 + 8] = False
+    assert np.array_equal(
+        np.asarray(result.image)[far_outside], np.asarray(make_template())[far_outside]
+    )
     border = np.zeros((SIZE, SIZE), dtype=bool)  # just outside the mask: the feather blends in
     border[36:40, 32:96] = True
     assert not np.array_equal(np.asarray(result.image)[border], np.asarray(make_template())[border])

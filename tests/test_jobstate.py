@@ -29,15 +29,35 @@ def test_a_job_moves_through_its_states_with_steps_timings_and_refs(store):
     for step in range(1, 4):
         assert store.record_event(event("j1", "running", step=step, num_steps=3, worker_id="w0"))
     store.record_event(event("j1", "postprocessing"))
-    store.record_event(event("j1", "done", result_ref="results/j1.png", thumbnail_ref="thumbnails/j1.webp",
-                             timings={"pre_s": 0.5, "denoise_s": 2.0, "post_s": 0.25}))
+    store.record_event(
+        event(
+            "j1",
+            "done",
+            result_ref="results/j1.png",
+            thumbnail_ref="thumbnails/j1.webp",
+            timings={"pre_s": 0.5, "denoise_s": 2.0, "post_s": 0.25},
+        )
+    )
     job = store.get("j1")
-    assert job["status"] == "done" and job["step"] == 3 and job["num_steps"] == 3 and job["worker_id"] == "w0"
+    assert (
+        job["status"] == "done"
+        and job["step"] == 3
+        and job["num_steps"] == 3
+        and job["worker_id"] == "w0"
+    )
     assert job["seed"] == 42 and job["prompt"] == "a vase" and job["result_ref"] == "results/j1.png"
     assert job["timings"] == {"pre_s": 0.5, "denoise_s": 2.0, "post_s": 0.25}
     assert job["queued_at"] <= job["running_at"] <= job["done_at"]
     statuses = [e["status"] for _, e in store.events("j1")]
-    assert statuses == ["preprocessing", "waiting", "running", "running", "running", "postprocessing", "done"]
+    assert statuses == [
+        "preprocessing",
+        "waiting",
+        "running",
+        "running",
+        "running",
+        "postprocessing",
+        "done",
+    ]
 
 
 def test_a_late_event_of_an_earlier_stage_is_dropped(store):
@@ -86,7 +106,7 @@ def test_requeue_resets_an_unfinished_job_only(store):
 def test_events_read_after_an_id_and_block_for_new_ones(store):
     store.create("j6")
     store.record_event(event("j6", "preprocessing"))
-    (last_id, _), = store.events("j6")
+    ((last_id, _),) = store.events("j6")
     assert store.events("j6", after=last_id, block_ms=50) == []
     store.record_event(event("j6", "waiting"))
     assert [e["status"] for _, e in store.events("j6", after=last_id)] == ["waiting"]
@@ -96,9 +116,13 @@ def test_a_steps_events_go_in_one_round_trip_and_keep_the_rules(store):
     store.create("a")
     store.create("b")
     store.record_event(event("b", "done"))
-    applied = store.record_events([event("a", "running", step=1, num_steps=2),
-                                   event("b", "running", step=1, num_steps=2),
-                                   event("ghost", "running", step=1, num_steps=2)])
+    applied = store.record_events(
+        [
+            event("a", "running", step=1, num_steps=2),
+            event("b", "running", step=1, num_steps=2),
+            event("ghost", "running", step=1, num_steps=2),
+        ]
+    )
     assert applied == [True, False, False]
     assert store.get("a")["step"] == 1 and store.status("b") == "done"
 
@@ -117,8 +141,12 @@ def test_a_job_in_post_processing_is_not_requeued(store):
     assert not store.requeue("pp", "worker died") and store.status("pp") == "postprocessing"
 
 
-@pytest.mark.parametrize("results_hours, ttl_s", [(24.0, MIN_JOB_RECORD_S), (24.0 * 30, 30 * 24 * 3600), (0.0, 0)])
-def test_a_finished_jobs_record_lives_as_long_as_its_results_are_kept(redis_client, results_hours, ttl_s):
+@pytest.mark.parametrize(
+    "results_hours, ttl_s", [(24.0, MIN_JOB_RECORD_S), (24.0 * 30, 30 * 24 * 3600), (0.0, 0)]
+)
+def test_a_finished_jobs_record_lives_as_long_as_its_results_are_kept(
+    redis_client, results_hours, ttl_s
+):
     retention = RetentionSettings(results_hours=results_hours)
     assert retention.job_record_s == ttl_s
     store = JobStateStore(redis_client, retention.job_record_s)

@@ -8,14 +8,31 @@ import pytest
 import torch
 
 from backend.engine.attention import attend, fused_linear, ragged_attention, replace_rows
-from backend.engine.cache_store import (CacheCorruptError, CacheError, CacheKey, CacheMismatchError, CacheWriter,
-                                        TemplateCache, lookup)
+from backend.engine.cache_store import (
+    CacheCorruptError,
+    CacheError,
+    CacheKey,
+    CacheMismatchError,
+    CacheWriter,
+    TemplateCache,
+    lookup,
+)
 from backend.engine.layout import full_layout, make_layout
 
 
 def _key(**overrides) -> CacheKey:
-    fields = dict(image_sha256="ab" * 32, model_id="tiny-sd2-inpaint", model_revision="r1", height=256, width=256,
-                  num_steps=2, scheduler="EulerDiscreteScheduler", strength=1.0, template_seed=0, mode="kv")
+    fields = dict(
+        image_sha256="ab" * 32,
+        model_id="tiny-sd2-inpaint",
+        model_revision="r1",
+        height=256,
+        width=256,
+        num_steps=2,
+        scheduler="EulerDiscreteScheduler",
+        strength=1.0,
+        template_seed=0,
+        mode="kv",
+    )
     fields.update(overrides)
     return CacheKey(**fields)
 
@@ -30,7 +47,9 @@ def test_layout_gather_scatter_round_trip():
     assert torch.equal(packed[2], full[1, 3])
     rebuilt = layout.scatter_into(torch.zeros_like(full), packed)
     assert torch.equal(rebuilt[0, 0], full[0, 0]) and torch.equal(rebuilt[0, 1], torch.zeros(3))
-    assert torch.equal(layout.expand_rows(torch.tensor([[1.0], [2.0]])).reshape(-1), torch.tensor([1.0, 1.0, 2.0]))
+    assert torch.equal(
+        layout.expand_rows(torch.tensor([[1.0], [2.0]])).reshape(-1), torch.tensor([1.0, 1.0, 2.0])
+    )
 
 
 def test_expand_rows_of_one_row_broadcasts_without_a_copy():
@@ -68,10 +87,12 @@ def test_ragged_attention_matches_dense_rows():
     torch.manual_seed(0)
     keys, values = torch.randn(2, 6, 2, 4), torch.randn(2, 6, 2, 4)
     queries = torch.randn(2, 6, 2, 4)
-    layout = make_layout([torch.tensor([1, 0, 1, 0, 0, 1], dtype=torch.bool), torch.ones(6, dtype=torch.bool)])
+    layout = make_layout(
+        [torch.tensor([1, 0, 1, 0, 0, 1], dtype=torch.bool), torch.ones(6, dtype=torch.bool)]
+    )
     packed_q = layout.gather(queries.flatten(2)).unflatten(-1, (2, 4))
     assert layout.groups == ((0, 1), (1, 2))
-    out = ragged_attention(packed_q, layout, lambda g: (keys[g[0]:g[1]], values[g[0]:g[1]]))
+    out = ragged_attention(packed_q, layout, lambda g: (keys[g[0] : g[1]], values[g[0] : g[1]]))
     dense = attend(queries, keys, values)
     assert torch.allclose(out[:3], dense[0, layout.indices[0]], atol=1e-6)
     assert torch.allclose(out[3:], dense[1], atol=1e-6)
@@ -94,7 +115,10 @@ def test_replace_rows_keeps_base_untouched():
 def _write(tmp_path, key, steps=2):
     writer = CacheWriter(tmp_path, key, num_units=2, halves=2, storage_dtype=torch.float32)
     for step in range(steps):
-        writer.write_step(step, {(u, n): torch.full((2, 8, 4), float(step * 10 + u)) for u in range(2) for n in "kv"})
+        writer.write_step(
+            step,
+            {(u, n): torch.full((2, 8, 4), float(step * 10 + u)) for u in range(2) for n in "kv"},
+        )
     writer.write_trajectory({"latents": torch.zeros(steps + 1, 4, 2, 2)})
     return writer.commit()
 
@@ -157,8 +181,14 @@ def test_an_incomplete_recording_is_refused_and_nothing_is_published(tmp_path):
     then fail on: commit refuses it and leaves no entry."""
     writer = CacheWriter(tmp_path, _key(), num_units=2, halves=2, storage_dtype=torch.float32)
     writer.write_step(0, {(u, n): torch.zeros(2, 8, 4) for u in range(2) for n in "kv"})
-    writer.write_step(1, {(1, "k"): torch.zeros(2, 8, 4), (0, "v"): torch.zeros(2, 8, 4),
-                          (1, "v"): torch.zeros(2, 8, 4)})
+    writer.write_step(
+        1,
+        {
+            (1, "k"): torch.zeros(2, 8, 4),
+            (0, "v"): torch.zeros(2, 8, 4),
+            (1, "v"): torch.zeros(2, 8, 4),
+        },
+    )
     writer.write_trajectory({"latents": torch.zeros(3, 4, 2, 2)})
     with pytest.raises(CacheError, match="step 1 lacks u000.k"):
         writer.commit()
@@ -171,10 +201,14 @@ def test_flux_rotary_as_complex_multiply_matches_diffusers():
 
     from backend.engine.flux import _rotate, _rotations
 
-    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(6.0), indexing="ij"), -1).reshape(-1, 3)
+    ids = torch.stack(
+        torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(6.0), indexing="ij"), -1
+    ).reshape(-1, 3)
     cos, sin = FluxPosEmbed(theta=10000, axes_dim=[4, 6, 6])(ids)
     x = torch.randn(2, ids.shape[0], 3, 16)  # (rows, tokens, heads, head_dim)
     expected = apply_rotary_emb(x, (cos, sin), sequence_dim=1)
     assert torch.allclose(_rotate(x, _rotations(cos, sin)), expected, atol=1e-6)
     packed = x[0, [1, 5, 7]]  # packed tokens (total, heads, head_dim) with their own rotations
-    assert torch.allclose(_rotate(packed, _rotations(cos, sin)[[1, 5, 7]]), expected[0, [1, 5, 7]], atol=1e-6)
+    assert torch.allclose(
+        _rotate(packed, _rotations(cos, sin)[[1, 5, 7]]), expected[0, [1, 5, 7]], atol=1e-6
+    )

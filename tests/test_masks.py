@@ -6,8 +6,20 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from backend.imaging.masks import (MaskError, crop_to_mask, feather, grow, invert, load_mask, mask_ratio,
-                                   paste_back, require_nonempty, shrink, synthetic_mask, token_mask)
+from backend.imaging.masks import (
+    MaskError,
+    crop_to_mask,
+    feather,
+    grow,
+    invert,
+    load_mask,
+    mask_ratio,
+    paste_back,
+    require_nonempty,
+    shrink,
+    synthetic_mask,
+    token_mask,
+)
 
 
 def square(h=32, w=32, box=(8, 8, 16, 16)) -> np.ndarray:
@@ -22,7 +34,9 @@ def test_load_mask_reads_grayscale_with_threshold():
     values = np.array([[0, 127, 128, 255]], dtype=np.uint8)
     mask = load_mask(Image.fromarray(values, mode="L"), expected_size=(4, 1))
     assert mask.dtype == bool and mask.tolist() == [[False, False, True, True]]
-    assert load_mask(Image.fromarray(values), None, threshold=0).tolist() == [[False, True, True, True]]
+    assert load_mask(Image.fromarray(values), None, threshold=0).tolist() == [
+        [False, True, True, True]
+    ]
 
 
 def test_load_mask_accepts_rgba_alpha_rgb_and_bilevel():
@@ -97,7 +111,10 @@ def test_paste_back_is_exact_outside_and_inside_the_mask():
     assert np.array_equal(out[alpha == 0], np.asarray(original)[alpha == 0])
     assert np.array_equal(out[alpha == 1], np.asarray(generated)[alpha == 1])
     soft = (alpha > 0) & (alpha < 1)
-    expected = np.rint(alpha[..., None] * np.asarray(generated, float) + (1 - alpha[..., None]) * np.asarray(original, float))
+    expected = np.rint(
+        alpha[..., None] * np.asarray(generated, float)
+        + (1 - alpha[..., None]) * np.asarray(original, float)
+    )
     assert np.array_equal(out[soft], expected[soft].astype(np.uint8))
     with pytest.raises(ValueError, match="alpha"):
         paste_back(generated, original, np.full((16, 16), 1.5))
@@ -112,7 +129,12 @@ def test_crop_to_mask_pads_clips_and_rounds_to_a_multiple():
     corner = square(100, 120, (0, 0, 3, 3))
     assert crop_to_mask(corner, padding=4, multiple=16) == (0, 0, 16, 16)
     odd = np.ones((10, 10), dtype=bool)
-    assert crop_to_mask(odd, padding=0, multiple=8) == (0, 0, 10, 10)  # no multiple of 8 fits 10 > 8
+    assert crop_to_mask(odd, padding=0, multiple=8) == (
+        0,
+        0,
+        10,
+        10,
+    )  # no multiple of 8 fits 10 > 8
     with pytest.raises(MaskError, match="empty"):
         crop_to_mask(np.zeros((4, 4), bool), 0, 1)
 
@@ -129,7 +151,11 @@ def test_synthetic_masks_hit_the_ratio_and_are_not_prefixes(kind, ratio):
 
 
 def test_synthetic_mask_extremes_and_seeds():
-    assert synthetic_mask(16, 16, 1.0, seed=0).all() and not synthetic_mask(16, 16, 0.0, seed=0).any()
-    assert not np.array_equal(synthetic_mask(64, 64, 0.3, seed=1), synthetic_mask(64, 64, 0.3, seed=2))
+    assert (
+        synthetic_mask(16, 16, 1.0, seed=0).all() and not synthetic_mask(16, 16, 0.0, seed=0).any()
+    )
+    assert not np.array_equal(
+        synthetic_mask(64, 64, 0.3, seed=1), synthetic_mask(64, 64, 0.3, seed=2)
+    )
     with pytest.raises(ValueError, match="kind"):
         synthetic_mask(8, 8, 0.5, seed=0, kind="star")

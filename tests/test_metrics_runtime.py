@@ -32,6 +32,12 @@ def test_counters_and_overhead():
 
 
 def test_json_log_lines():
-    record = logging.LogRecord("maskserve.worker", logging.WARNING, __file__, 1, "cache %s lost", ("abc",), None)
+    record = logging.LogRecord(
+        "maskserve.worker", logging.WARNING, __file__, 1, "cache %s lost", ("abc",), None
+    )
     entry = json.loads(JsonFormatter("worker").format(record))
-    assert entry["msg"] == "cache abc lost" and entry["role"] == "worker" and entry["level"] == "WARNING"
+    assert (
+        entry["msg"] == "cache abc lost"
+        and entry["role"] == "worker"
+        and entry["level"] == "WARNING"
+    )

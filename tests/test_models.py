@@ -13,11 +13,19 @@ import pytest
 import torch
 from PIL import Image
 
-from backend.models import (FAMILIES, FORMS, UnknownModelError, known_model_ids, load_pipeline, materialize,
-                            pipeline_class, resolve_model)
+from backend.models import (
+    FAMILIES,
+    FORMS,
+    UnknownModelError,
+    known_model_ids,
+    load_pipeline,
+    materialize,
+    pipeline_class,
+    resolve_model,
+)
 from backend.models.builders import build_components, build_pipeline
 from backend.models.configs import CONFIGS
-from backend.models.registry import MARKER
+from backend.models.registry import MARKER, model_revision
 from backend.models.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
 SIZE = 128
@@ -25,7 +33,9 @@ SIZE = 128
 
 def _template(size: int = SIZE) -> Image.Image:
     y, x = np.mgrid[0:size, 0:size]
-    pixels = np.stack([x * 255 // size, y * 255 // size, (x + y) * 127 // size], axis=-1).astype(np.uint8)
+    pixels = np.stack([x * 255 // size, y * 255 // size, (x + y) * 127 // size], axis=-1).astype(
+        np.uint8
+    )
     return Image.fromarray(pixels)
 
 
@@ -53,32 +63,65 @@ def _assert_same_weights(first, second, what: str) -> None:
 
 def _edit(pipe, spec, steps: int = 2):
     kwargs = {"max_sequence_length": spec.max_sequence_length} if spec.max_sequence_length else {}
-    return pipe(prompt="A red leather armchair", image=_template(), mask_image=_rect_mask((16, 24, 96, 80)),
-                height=SIZE, width=SIZE, num_inference_steps=steps, guidance_scale=spec.default_guidance,
-                generator=torch.Generator().manual_seed(0), **kwargs).images[0]
+    return pipe(
+        prompt="A red leather armchair",
+        image=_template(),
+        mask_image=_rect_mask((16, 24, 96, 80)),
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=steps,
+        guidance_scale=spec.default_guidance,
+        generator=torch.Generator().manual_seed(0),
+        **kwargs,
+    ).images[0]
 
 
 # ---- ids and specs -------------------------------------------------------------------------------
+
 
 def test_known_ids_cover_every_family_and_form():
     ids = known_model_ids()
     assert sorted(ids) == sorted(f"{form}-{family}" for family in FAMILIES for form in FORMS)
     for model_id in ids:
         spec = resolve_model(model_id)
-        assert spec.model_id == model_id and f"{spec.form}-{spec.family}" == model_id and spec.source is None
+        assert (
+            spec.model_id == model_id
+            and f"{spec.form}-{spec.family}" == model_id
+            and spec.source is None
+        )
         assert spec.uses_cfg == (spec.family != "flux-fill")
         assert spec.default_guidance == (7.5 if spec.uses_cfg else 30.0)
         assert (spec.max_sequence_length is None) == spec.uses_cfg
-    expected = {"tiny-sd2-inpaint": (256, 20), "small-sdxl-inpaint": (512, 20), "arch-sd2-inpaint": (512, 50),
-                "arch-sdxl-inpaint": (1024, 50), "arch-flux-fill": (1024, 28)}
+    expected = {
+        "tiny-sd2-inpaint": (256, 20),
+        "small-sdxl-inpaint": (512, 20),
+        "arch-sd2-inpaint": (512, 50),
+        "arch-sdxl-inpaint": (1024, 50),
+        "arch-flux-fill": (1024, 28),
+    }
     for model_id, (resolution, steps) in expected.items():
         spec = resolve_model(model_id)
         assert (spec.default_resolution, spec.default_steps) == (resolution, steps)
-    assert [resolve_model(f"{form}-flux-fill").max_sequence_length for form in FORMS] == [48, 64, 512]
+    assert [resolve_model(f"{form}-flux-fill").max_sequence_length for form in FORMS] == [
+        48,
+        64,
+        512,
+    ]
 
 
-@pytest.mark.parametrize("bad", ["tiny-sd9-inpaint", "huge-flux-fill", "flux-fill", "nosuch:/tmp/x",
-                                 "sd2-inpaint:", "", "tiny-", "Tiny-flux-fill"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "tiny-sd9-inpaint",
+        "huge-flux-fill",
+        "flux-fill",
+        "nosuch:/tmp/x",
+        "sd2-inpaint:",
+        "",
+        "tiny-",
+        "Tiny-flux-fill",
+    ],
+)
 def test_unknown_ids_list_the_known_ones(bad):
     with pytest.raises(UnknownModelError, match="tiny-sd2-inpaint") as error:
         resolve_model(bad)
@@ -88,8 +131,11 @@ def test_unknown_ids_list_the_known_ones(bad):
 
 def test_pipeline_classes():
     names = {family: pipeline_class(family).__name__ for family in FAMILIES}
-    assert names == {"sd2-inpaint": "StableDiffusionInpaintPipeline",
-                     "sdxl-inpaint": "StableDiffusionXLInpaintPipeline", "flux-fill": "FluxFillPipeline"}
+    assert names == {
+        "sd2-inpaint": "StableDiffusionInpaintPipeline",
+        "sdxl-inpaint": "StableDiffusionXLInpaintPipeline",
+        "flux-fill": "FluxFillPipeline",
+    }
     with pytest.raises(UnknownModelError):
         pipeline_class("sd15")
 
@@ -100,7 +146,7 @@ def test_checkpoint_ids_keep_the_source(tmp_path):
     assert spec.max_sequence_length == 512 and spec.default_steps == 28
     assert materialize(spec.model_id, tmp_path / "models") == tmp_path
     hub = resolve_model("flux-fill:black-forest-labs/FLUX.1-Fill-dev")
-    assert hub.source == hub.revision == "black-forest-labs/FLUX.1-Fill-dev"
+    assert hub.source == model_revision(hub) == "black-forest-labs/FLUX.1-Fill-dev"
 
 
 def test_local_directory_is_recognised_by_its_pipeline_class(tmp_path):
@@ -108,9 +154,11 @@ def test_local_directory_is_recognised_by_its_pipeline_class(tmp_path):
     index.write_text(json.dumps({"_class_name": "StableDiffusionXLInpaintPipeline"}))
     spec = resolve_model(str(tmp_path))
     assert (spec.family, spec.form, spec.source) == ("sdxl-inpaint", "checkpoint", str(tmp_path))
-    before = spec.revision
+    before = model_revision(spec)
     os.utime(index, ns=(1, 1))
-    assert resolve_model(str(tmp_path)).revision != before  # the revision follows model_index.json
+    assert (
+        model_revision(resolve_model(str(tmp_path))) != before
+    )  # the revision follows model_index.json
     index.write_text(json.dumps({"_class_name": "SomethingElsePipeline"}))
     with pytest.raises(UnknownModelError):
         resolve_model(str(tmp_path))
@@ -122,19 +170,24 @@ def test_missing_checkpoint_directory_is_a_clear_error(tmp_path):
 
 
 def test_revision_changes_with_the_config():
-    revisions = {resolve_model(model_id).revision for model_id in known_model_ids()}
+    revisions = {model_revision(resolve_model(model_id)) for model_id in known_model_ids()}
     assert len(revisions) == len(known_model_ids())
-    assert resolve_model("tiny-sd2-inpaint").revision == resolve_model("tiny-sd2-inpaint").revision
+    assert model_revision(resolve_model("tiny-sd2-inpaint")) == model_revision(
+        resolve_model("tiny-sd2-inpaint")
+    )
 
 
 # ---- configs -------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_configs_are_consistent(family, form):
     configs = CONFIGS[(family, form)]
     vae = configs["vae"]
-    assert len(vae["block_out_channels"]) == 4 and len(vae["down_block_types"]) == 4  # downsample by 8
+    assert (
+        len(vae["block_out_channels"]) == 4 and len(vae["down_block_types"]) == 4
+    )  # downsample by 8
     assert vae["latent_channels"] == (16 if family == "flux-fill" else 4)
     if form != "arch":
         assert vae["mid_block_add_attention"] is False  # slow at 256+ px on a CPU
@@ -144,18 +197,28 @@ def test_configs_are_consistent(family, form):
         packed = vae["latent_channels"] * 4  # 2x2 packing of the latents
         assert flux["in_channels"] == packed + packed + 64 * 4 and flux["out_channels"] == packed
         assert sum(flux["axes_dims_rope"]) == flux["attention_head_dim"] and flux["guidance_embeds"]
-        assert flux["joint_attention_dim"] == t5["d_model"] and flux["pooled_projection_dim"] == clip["hidden_size"]
+        assert (
+            flux["joint_attention_dim"] == t5["d_model"]
+            and flux["pooled_projection_dim"] == clip["hidden_size"]
+        )
     else:
         unet = configs["unet"]
-        assert unet["in_channels"] == 9 and unet["out_channels"] == 4 and unet["use_linear_projection"]
+        assert (
+            unet["in_channels"] == 9 and unet["out_channels"] == 4 and unet["use_linear_projection"]
+        )
         if family == "sd2-inpaint":
             assert unet["cross_attention_dim"] == clip["hidden_size"]
         else:
             clip2 = configs["text_encoder_2"]
-            assert unet["down_block_types"][0] == "DownBlock2D" and unet["addition_embed_type"] == "text_time"
+            assert (
+                unet["down_block_types"][0] == "DownBlock2D"
+                and unet["addition_embed_type"] == "text_time"
+            )
             assert unet["cross_attention_dim"] == clip["hidden_size"] + clip2["hidden_size"]
-            assert unet["projection_class_embeddings_input_dim"] == \
-                clip2["projection_dim"] + 6 * unet["addition_time_embed_dim"]
+            assert (
+                unet["projection_class_embeddings_input_dim"]
+                == clip2["projection_dim"] + 6 * unet["addition_time_embed_dim"]
+            )
 
 
 @pytest.mark.parametrize("form", ["small", "arch"])
@@ -174,7 +237,10 @@ def test_arch_components_have_published_sizes():
         return sum(p.numel() for p in parts[name].parameters())
 
     with torch.device("meta"):
-        flux, sdxl, sd2 = (build_components(family, "arch") for family in ("flux-fill", "sdxl-inpaint", "sd2-inpaint"))
+        flux, sdxl, sd2 = (
+            build_components(family, "arch")
+            for family in ("flux-fill", "sdxl-inpaint", "sd2-inpaint")
+        )
     assert 11.8e9 < count(flux, "transformer") < 12.0e9  # Flux.1 Fill dev: 11.9 B
     assert 4.7e9 < count(flux, "text_encoder_2") < 4.8e9  # T5-XXL encoder: 4.76 B
     assert 2.5e9 < count(sdxl, "unet") < 2.7e9  # SDXL UNet: 2.57 B
@@ -186,6 +252,7 @@ def test_arch_components_have_published_sizes():
 
 
 # ---- tiny forms: build, save, reload, run -----------------------------------------------------------
+
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_building_twice_gives_identical_weights(family):
@@ -202,7 +269,9 @@ def test_saved_model_reloads_identically_and_runs(family, models_dir):
     model_id = f"tiny-{family}"
     spec = resolve_model(model_id)
     path = materialize(model_id, models_dir)
-    assert (path / "model_index.json").exists() and (path / MARKER).read_text() == spec.revision
+    assert (path / "model_index.json").exists() and (path / MARKER).read_text() == model_revision(
+        spec
+    )
     pipe = load_pipeline(model_id, models_dir)
     built = build_pipeline(spec)
     _assert_same_weights(built, pipe, f"{model_id} save/reload")
@@ -214,7 +283,9 @@ def test_saved_model_reloads_identically_and_runs(family, models_dir):
     first, second = _edit(pipe, spec), _edit(pipe, spec)
     assert first.size == (SIZE, SIZE)
     assert np.array_equal(np.asarray(first), np.asarray(second))
-    assert np.array_equal(np.asarray(first), np.asarray(_edit(built, spec)))  # reloaded == freshly built
+    assert np.array_equal(
+        np.asarray(first), np.asarray(_edit(built, spec))
+    )  # reloaded == freshly built
 
 
 def test_materialize_is_idempotent(models_dir):
@@ -229,11 +300,11 @@ def test_materialize_replaces_incomplete_and_stale_directories(tmp_path):
     target.mkdir()
     (target / "model_index.json").write_text("{half written")  # no marker: an interrupted build
     assert materialize("tiny-flux-fill", tmp_path) == target
-    assert (target / MARKER).read_text() == resolve_model("tiny-flux-fill").revision
+    assert (target / MARKER).read_text() == model_revision(resolve_model("tiny-flux-fill"))
     json.loads((target / "model_index.json").read_text())
     (target / MARKER).write_text("older-revision")
     materialize("tiny-flux-fill", tmp_path)
-    assert (target / MARKER).read_text() == resolve_model("tiny-flux-fill").revision
+    assert (target / MARKER).read_text() == model_revision(resolve_model("tiny-flux-fill"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-flux-fill"]  # no staging leftovers
 
 
@@ -255,6 +326,7 @@ def test_publish_keeps_a_complete_build_published_by_someone_else(tmp_path):
 
 # ---- tokenizers ------------------------------------------------------------------------------------
 
+
 def test_tokenizers_are_deterministic_and_offline():
     clip, t5 = build_clip_tokenizer(), build_t5_tokenizer()
     text = "A Red leather armchair, 42! café ☕"
@@ -264,5 +336,11 @@ def test_tokenizers_are_deterministic_and_offline():
     assert len(padded) == 77 and padded[0] == clip.bos_token_id
     assert len(clip("word " * 200, truncation=True, max_length=77).input_ids) == 77
     ids = t5(text).input_ids
-    assert ids[-1] == t5.eos_token_id and (t5.pad_token_id, t5.eos_token_id, t5.unk_token_id) == (0, 1, 2)
-    assert t5.unk_token_id not in t5("A Photo of a CAT, 3 dogs & (one) bird?").input_ids  # all of ASCII
+    assert ids[-1] == t5.eos_token_id and (t5.pad_token_id, t5.eos_token_id, t5.unk_token_id) == (
+        0,
+        1,
+        2,
+    )
+    assert (
+        t5.unk_token_id not in t5("A Photo of a CAT, 3 dogs & (one) bird?").input_ids
+    )  # all of ASCII

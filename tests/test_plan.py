@@ -6,19 +6,27 @@ import random
 
 import pytest
 
-from backend.engine.plan import (LoadingPlan, UnitCost, brute_force_plan, greedy_plan, simulate_plan,
-                                 solve_plan)
+from backend.costmodel.plan import (
+    LoadingPlan,
+    UnitCost,
+    brute_force_plan,
+    greedy_plan,
+    simulate_plan,
+    solve_plan,
+)
 
 
 def random_costs(rng: random.Random, n: int, kind: str) -> list[UnitCost]:
     """'float': generic reals; 'int': small integers, so exact ties are common (exercises the tie
     rule); 'resident': some loads are 0, which makes compute differences vanish inside max()."""
+
     def value(hi: float) -> float:
         if kind == "int":
             return float(rng.randint(0, 3))
         if kind == "resident" and rng.random() < 0.4:
             return 0.0
         return rng.uniform(0.0, hi)
+
     return [UnitCost(value(1.0), value(2.0), value(2.0)) for _ in range(n)]
 
 
@@ -122,7 +130,10 @@ def test_simulate_follows_the_recurrence():
 
 def test_large_model_solves_fast_and_beats_all_dense():
     rng = random.Random(11)
-    costs = [UnitCost(rng.uniform(0.1, 0.4), rng.uniform(0.8, 1.2), rng.uniform(0.2, 1.5)) for _ in range(60)]
+    costs = [
+        UnitCost(rng.uniform(0.1, 0.4), rng.uniform(0.8, 1.2), rng.uniform(0.2, 1.5))
+        for _ in range(60)
+    ]
     stacks = [0] * 19 + [1] * 41  # Flux-like: double-stream then single-stream blocks
     for monotone in (False, True):
         plan = solve_plan(costs, stacks, monotone)
@@ -134,15 +145,20 @@ def test_large_model_solves_fast_and_beats_all_dense():
 
 def test_identical_units_solve_fast():
     # Many plans tie exactly here; the frontier must still collapse.
-    plan = solve_plan([UnitCost(0.3, 1.0, 0.8)] * 60, [0] * 20 + [1] * 40, monotone_within_stack=True)
+    plan = solve_plan(
+        [UnitCost(0.3, 1.0, 0.8)] * 60, [0] * 20 + [1] * 40, monotone_within_stack=True
+    )
     assert 0 < plan.num_cached < 60
 
 
-@pytest.mark.parametrize("bad", [
-    dict(compute_cached_s=-1.0, compute_dense_s=1.0, load_s=0.0),
-    dict(compute_cached_s=1.0, compute_dense_s=float("nan"), load_s=0.0),
-    dict(compute_cached_s=1.0, compute_dense_s=1.0, load_s=float("inf")),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(compute_cached_s=-1.0, compute_dense_s=1.0, load_s=0.0),
+        dict(compute_cached_s=1.0, compute_dense_s=float("nan"), load_s=0.0),
+        dict(compute_cached_s=1.0, compute_dense_s=1.0, load_s=float("inf")),
+    ],
+)
 def test_invalid_costs_are_rejected(bad):
     with pytest.raises(ValueError, match="UnitCost"):
         UnitCost(**bad)

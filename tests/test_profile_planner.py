@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.engine.costs import CostProfile, RowWork
-from backend.engine.profiler import load_planners, make_planner, measure_profile, profile_path
+from backend.costmodel.costs import CostProfile, RowWork
+from backend.costmodel.profiles import profile_path
+from backend.engine.profiler import load_planners, make_planner, measure_profile
 from tests.factories import MASK, make_engine, make_params, make_template
 
 
@@ -34,11 +35,20 @@ def test_planner_drives_the_edit_and_stays_exact(flux_engine):
     """Whatever the plan, an exact replay still reproduces the recording (dense units included)."""
     profile = measure_profile(flux_engine, "kv", 128, "cpu", repeats=1)
     # a profile where loading is very slow makes the plan keep every unit dense
-    slow = CostProfile(profile.format_version, profile.model_id, profile.device, profile.mode, profile.compute,
-                       type(profile.load)(slope=1.0, intercept=10.0, r2=1.0), profile.units)
+    slow = CostProfile(
+        profile.format_version,
+        profile.model_id,
+        profile.device,
+        profile.mode,
+        profile.compute,
+        type(profile.load)(slope=1.0, intercept=10.0, r2=1.0),
+        profile.units,
+    )
     params = make_params(flux_engine, mode="kv", template_seed=9)
     cache = flux_engine.prepare_template(make_template(), params, prompt="a blue vase", mask=MASK)
-    reference = flux_engine.edit(make_template(), MASK, "a blue vase", 9, params, cache=cache).latents
+    reference = flux_engine.edit(
+        make_template(), MASK, "a blue vase", 9, params, cache=cache
+    ).latents
     flux_engine.planners = {"kv": make_planner(slow, flux_engine.num_units)}
     try:
         state = flux_engine.start(make_template(), MASK, "a blue vase", 9, params, cache=cache)

@@ -7,21 +7,59 @@ import json
 import pytest
 
 from backend import protocol
-from backend.protocol import (CancelJob, DenoisedJob, EditJob, JobEvent, MaskOps, PreparedJob, ProtocolError,
-                              WorkerHeartbeat)
+from backend.protocol import (
+    CancelJob,
+    DenoisedJob,
+    EditJob,
+    JobEvent,
+    MaskOps,
+    PreparedJob,
+    ProtocolError,
+    WorkerHeartbeat,
+)
 
 MESSAGES = [
-    EditJob(job_id="j1", model_id="tiny-sd2-inpaint", template_ref="templates/a.png", mask_ref="masks/a.png",
-            prompt="a lamp", seed=3, steps=20, guidance=7.5, mask_ops=MaskOps(invert=True, grow_px=4)),
-    PreparedJob(job_id="j1", model_id="tiny-sd2-inpaint", prepared_ref="prepared/j1.safetensors",
-                template_ref="templates/j1.png", num_steps=20, mask_ratio=0.12, cache_digest="abc",
-                timings={"pre_s": 0.1}),
-    DenoisedJob(job_id="j1", model_id="m", latents_ref="latents/j1.safetensors", prepared_ref="prepared/j1.safetensors",
-                template_ref="templates/j1.png", used_cache=True),
+    EditJob(
+        job_id="j1",
+        model_id="tiny-sd2-inpaint",
+        template_ref="templates/a.png",
+        mask_ref="masks/a.png",
+        prompt="a lamp",
+        seed=3,
+        steps=20,
+        guidance=7.5,
+        mask_ops=MaskOps(invert=True, grow_px=4),
+    ),
+    PreparedJob(
+        job_id="j1",
+        model_id="tiny-sd2-inpaint",
+        prepared_ref="prepared/j1.safetensors",
+        template_ref="templates/j1.png",
+        num_steps=20,
+        mask_ratio=0.12,
+        cache_digest="abc",
+        timings={"pre_s": 0.1},
+    ),
+    DenoisedJob(
+        job_id="j1",
+        model_id="m",
+        latents_ref="latents/j1.safetensors",
+        prepared_ref="prepared/j1.safetensors",
+        template_ref="templates/j1.png",
+        used_cache=True,
+    ),
     CancelJob(job_id="j1"),
     JobEvent(job_id="j1", status="running", at=1.5, step=3, num_steps=20),
-    WorkerHeartbeat(worker_id="w0", model_id="m", device="cpu", at=2.0, max_batch=8, batching="continuous",
-                    running=[{"job_id": "j1", "mask_ratio": 0.1, "remaining_steps": 4}], resident_ram=["abc"]),
+    WorkerHeartbeat(
+        worker_id="w0",
+        model_id="m",
+        device="cpu",
+        at=2.0,
+        max_batch=8,
+        batching="continuous",
+        running=[{"job_id": "j1", "mask_ratio": 0.1, "remaining_steps": 4}],
+        resident_ram=["abc"],
+    ),
 ]
 
 

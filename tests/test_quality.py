@@ -13,7 +13,7 @@ from backend.imaging.quality import psnr, ssim
 
 def base_image(shape=(48, 48, 3)) -> np.ndarray:
     """Smooth float image in [0.2, 0.8] so added noise never clips."""
-    yy, xx = np.mgrid[0:shape[0], 0:shape[1]] / shape[0]
+    yy, xx = np.mgrid[0 : shape[0], 0 : shape[1]] / shape[0]
     gray = 0.5 + 0.3 * np.sin(6 * xx) * np.cos(4 * yy)
     return np.repeat(gray[..., None], shape[2], axis=2) if len(shape) == 3 else gray
 
@@ -66,12 +66,15 @@ def test_full_mask_equals_no_mask():
     assert psnr(img, noisy, full) == psnr(img, noisy)
 
 
-@pytest.mark.parametrize("a,b,mask,match", [
-    (np.zeros((4, 4)), np.zeros((4, 5)), None, "shape"),
-    (np.full((4, 4), 2.0), np.zeros((4, 4)), None, r"\[0, 1\]"),
-    (np.zeros((4, 4)), np.zeros((4, 4)), np.zeros((4, 4), bool), "empty"),
-    (np.zeros((4, 4)), np.zeros((4, 4)), np.ones((3, 3), bool), "mask shape"),
-])
+@pytest.mark.parametrize(
+    "a,b,mask,match",
+    [
+        (np.zeros((4, 4)), np.zeros((4, 5)), None, "shape"),
+        (np.full((4, 4), 2.0), np.zeros((4, 4)), None, r"\[0, 1\]"),
+        (np.zeros((4, 4)), np.zeros((4, 4)), np.zeros((4, 4), bool), "empty"),
+        (np.zeros((4, 4)), np.zeros((4, 4)), np.ones((3, 3), bool), "mask shape"),
+    ],
+)
 def test_invalid_inputs_are_rejected(a, b, mask, match):
     with pytest.raises(ValueError, match=match):
         ssim(a, b, mask)

@@ -44,9 +44,17 @@ def pid_alive(pid: int) -> bool:
 
 
 def prepared(job_id: str, **over) -> PreparedJob:
-    fields = {"job_id": job_id, "model_id": "small-flux-fill", "prepared_ref": f"prepared/{job_id}.safetensors",
-              "template_ref": f"templates/{job_id}.png", "num_steps": 8, "mask_ratio": 0.25,
-              "cache_digest": "abc123", "submitted_at": 1700000000.5, "timings": {"preprocess": 0.125}}
+    fields = {
+        "job_id": job_id,
+        "model_id": "small-flux-fill",
+        "prepared_ref": f"prepared/{job_id}.safetensors",
+        "template_ref": f"templates/{job_id}.png",
+        "num_steps": 8,
+        "mask_ratio": 0.25,
+        "cache_digest": "abc123",
+        "submitted_at": 1700000000.5,
+        "timings": {"preprocess": 0.125},
+    }
     return PreparedJob(**{**fields, **over})
 
 
@@ -165,11 +173,14 @@ def test_port_race_retries_another_port(tmp_path, monkeypatch):
 
 def test_server_dies_with_its_parent(tmp_path):
     """A parent killed with SIGKILL (no cleanup ran) still takes its Redis server with it."""
-    script = ("import sys, time; from pathlib import Path; from backend.services.redis_server import RedisServer; "
-              "s = RedisServer(Path(sys.argv[1])); s.start(); print(s.process.pid, s.port, flush=True); "
-              "time.sleep(60)")
-    parent = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
-                              text=True)
+    script = (
+        "import sys, time; from pathlib import Path; from backend.services.redis_server import RedisServer; "
+        "s = RedisServer(Path(sys.argv[1])); s.start(); print(s.process.pid, s.port, flush=True); "
+        "time.sleep(60)"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     try:
         pid, port = map(int, parent.stdout.readline().split())
         assert pid_alive(pid) and port_open(port)
@@ -221,8 +232,17 @@ def test_unreachable_url_hides_its_password(tmp_path):
 def test_messages_round_trip(redis_client):
     inbox = RedisInbox(redis_client, "w1")
     job = prepared("job-1")
-    edit = EditJob(job_id="job-2", model_id="m", template_ref="t.png", mask_ref="m.png", prompt="a vase", seed=3,
-                   steps=4, guidance=3.5, mask_ops=MaskOps(threshold=10, invert=True, grow_px=-2, feather_px=1.5))
+    edit = EditJob(
+        job_id="job-2",
+        model_id="m",
+        template_ref="t.png",
+        mask_ref="m.png",
+        prompt="a vase",
+        seed=3,
+        steps=4,
+        guidance=3.5,
+        mask_ops=MaskOps(threshold=10, invert=True, grow_px=-2, feather_px=1.5),
+    )
     for message in (job, edit, CancelJob(job_id="job-0")):
         entry = send_to_inbox(redis_client, "w1", message)
         assert isinstance(entry, str) and "-" in entry
@@ -248,7 +268,10 @@ def test_unacked_messages_are_replayed_after_a_crash(redis_client):
 
     restarted = RedisInbox(redis_client, "w1")
     send_to_inbox(redis_client, "w1", prepared("job-3"))
-    assert [m.job_id for m in restarted.poll(0)] == ["job-0", "job-2"]  # its own pending entries first
+    assert [m.job_id for m in restarted.poll(0)] == [
+        "job-0",
+        "job-2",
+    ]  # its own pending entries first
     assert [m.job_id for m in restarted.poll(0)] == ["job-3"]
     for job_id in ("job-0", "job-2", "job-3"):
         restarted.ack(job_id)
@@ -288,15 +311,28 @@ def test_malformed_entries_are_dropped_without_crashing(redis_client, caplog):
     redis_client.xadd(stream, {"msg": b"[1, 2]"})
     redis_client.xadd(stream, {"msg": b"\xff\xfe"})
     redis_client.xadd(stream, {"other": b"no msg field"})
-    redis_client.xadd(stream, {"msg": protocol.encode(prepared("old")).replace('"version":1', '"version":99')})
-    redis_client.xadd(stream, {"msg": b'{"type":"prepared_job","version":1,"job_id":"x"}'})  # missing fields
-    redis_client.xadd(stream, {"msg": b'{"type":"edit_job","version":1,"job_id":"x","model_id":"m","template_ref":'
-                                      b'"t","mask_ref":"m","prompt":"p","seed":1,"steps":1,"guidance":1.0,'
-                                      b'"mask_ops":{"bogus":1}}'})  # bad nested field
-    send_to_inbox(redis_client, "w1", JobEvent(job_id="x", status="done", at=1.0))  # not an inbox message
+    redis_client.xadd(
+        stream, {"msg": protocol.encode(prepared("old")).replace('"version":1', '"version":99')}
+    )
+    redis_client.xadd(
+        stream, {"msg": b'{"type":"prepared_job","version":1,"job_id":"x"}'}
+    )  # missing fields
+    redis_client.xadd(
+        stream,
+        {
+            "msg": b'{"type":"edit_job","version":1,"job_id":"x","model_id":"m","template_ref":'
+            b'"t","mask_ref":"m","prompt":"p","seed":1,"steps":1,"guidance":1.0,'
+            b'"mask_ops":{"bogus":1}}'
+        },
+    )  # bad nested field
+    send_to_inbox(
+        redis_client, "w1", JobEvent(job_id="x", status="done", at=1.0)
+    )  # not an inbox message
     send_to_inbox(redis_client, "w1", prepared("good"))
     assert inbox.poll(0) == [prepared("good")]
-    assert inbox.pending() == 1  # the malformed ones were acked, or they would be redelivered forever
+    assert (
+        inbox.pending() == 1
+    )  # the malformed ones were acked, or they would be redelivered forever
     assert sum("dropping unreadable inbox entry" in r.getMessage() for r in caplog.records) == 8
 
 

@@ -27,16 +27,27 @@ API_KEY = "e2e-key"
 def stack(redis_url, redis_client, models_dir, tmp_path, monkeypatch):
     from tests.factories import make_engine
 
-    make_engine("sd2-inpaint", models_dir, tmp_path / "warm")  # build the tiny model once, before 4 processes load it
+    make_engine(
+        "sd2-inpaint", models_dir, tmp_path / "warm"
+    )  # build the tiny model once, before 4 processes load it
     port = free_port()
-    for name, value in {"MASKSERVE_MODELS_DIR": str(models_dir), "MASKSERVE_MODEL": "tiny-sd2-inpaint",
-                        "MASKSERVE_API_KEYS": API_KEY, "MASKSERVE_API_PORT": str(port)}.items():
+    for name, value in {
+        "MASKSERVE_MODELS_DIR": str(models_dir),
+        "MASKSERVE_MODEL": "tiny-sd2-inpaint",
+        "MASKSERVE_API_KEYS": API_KEY,
+        "MASKSERVE_API_PORT": str(port),
+    }.items():
         monkeypatch.setenv(name, value)
-    settings = load_settings(env=dict(os.environ), paths={"data_dir": str(tmp_path / "data")},
-                             redis={"url": redis_url})
-    roles = [Role("cpu-worker", ["cpu-worker"]), Role("dispatcher", ["dispatcher"]),
-             Role("worker-a", ["worker", "--worker-id", "w-a"]), Role("worker-b", ["worker", "--worker-id", "w-b"]),
-             Role("api", ["api"])]
+    settings = load_settings(
+        env=dict(os.environ), paths={"data_dir": str(tmp_path / "data")}, redis={"url": redis_url}
+    )
+    roles = [
+        Role("cpu-worker", ["cpu-worker"]),
+        Role("dispatcher", ["dispatcher"]),
+        Role("worker-a", ["worker", "--worker-id", "w-a"]),
+        Role("worker-b", ["worker", "--worker-id", "w-b"]),
+        Role("api", ["api"]),
+    ]
     running = Stack(settings, roles)
     running.start()
     import threading
@@ -70,8 +81,14 @@ def test_a_job_over_rest_finishes_with_the_expected_image_and_timings(stack, red
     running, client, jobstate = stack
     wait_for_workers(redis_client)
     template = sample_template(WIDTH, HEIGHT, seed=21)
-    accepted = client.submit(png(painted_mask()), prompt="a blue vase", image=png(template), steps=4, seed=5,
-                             resolution=128)
+    accepted = client.submit(
+        png(painted_mask()),
+        prompt="a blue vase",
+        image=png(template),
+        steps=4,
+        seed=5,
+        resolution=128,
+    )
     final = client.wait(accepted["job_id"], timeout=120)
     assert final["status"] == "done", final
     assert set(final["timings"]) >= {"queue_s", "pre_s", "wait_s", "denoise_s", "post_s", "total_s"}
@@ -83,8 +100,14 @@ def test_a_worker_killed_mid_job_leaves_it_to_the_other_which_finishes_it_once(s
     running, client, jobstate = stack
     wait_for_workers(redis_client)
     template = sample_template(256, 256, seed=22)
-    accepted = client.submit(png(painted_mask(size=(256, 256))), prompt="a red chair", image=png(template),
-                             steps=150, seed=6, resolution=256)
+    accepted = client.submit(
+        png(painted_mask(size=(256, 256))),
+        prompt="a red chair",
+        image=png(template),
+        steps=150,
+        seed=6,
+        resolution=256,
+    )
     job_id = accepted["job_id"]
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -103,5 +126,5 @@ def test_a_worker_killed_mid_job_leaves_it_to_the_other_which_finishes_it_once(s
     assert final["status"] == "done", diagnose(running, jobstate, job_id)
     assert final["worker_id"] != victim
     statuses = [event["status"] for _, event in jobstate.events(job_id)]
-    assert statuses.count("done") == 1 and "waiting" in statuses[statuses.index("running"):]
+    assert statuses.count("done") == 1 and "waiting" in statuses[statuses.index("running") :]
     assert Image.open(io.BytesIO(client.result_bytes(job_id))).size == (256, 256)

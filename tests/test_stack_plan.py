@@ -9,8 +9,17 @@ from backend.services.stack import assign_metrics_ports, plan_roles
 def test_one_engine_worker_per_gpu_and_cpu_threads_shared(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 16)
-    roles = {r.name: r for r in plan_roles(load_settings(env={}), ["cuda:0", "cuda:1"], cpu_workers=2)}
-    assert set(roles) == {"cpu-worker-0", "cpu-worker-1", "dispatcher", "worker-0", "worker-1", "api"}
+    roles = {
+        r.name: r for r in plan_roles(load_settings(env={}), ["cuda:0", "cuda:1"], cpu_workers=2)
+    }
+    assert set(roles) == {
+        "cpu-worker-0",
+        "cpu-worker-1",
+        "dispatcher",
+        "worker-0",
+        "worker-1",
+        "api",
+    }
     assert roles["worker-1"].args == ["worker", "--device", "cuda:1", "--worker-id", "worker-0-1"]
     assert roles["cpu-worker-0"].env == {"OMP_NUM_THREADS": "8"} and roles["worker-0"].env == {}
 
@@ -38,6 +47,7 @@ def test_every_role_but_the_api_gets_its_own_metrics_port(monkeypatch):
     assert not any("METRICS" in key for key in by_name["api"].env)
     # a configured port is the first of its kind's: two engine workers cannot both bind it
     roles = plan_roles(load_settings(env={}), ["cuda:0", "cuda:1"])
-    configured = assign_metrics_ports(roles, load_settings(env={"MASKSERVE_WORKER_METRICS_PORT": "9300"}),
-                                      lambda: next(free))
+    configured = assign_metrics_ports(
+        roles, load_settings(env={"MASKSERVE_WORKER_METRICS_PORT": "9300"}), lambda: next(free)
+    )
     assert (configured["worker-0"], configured["worker-1"]) == (9300, 9301)

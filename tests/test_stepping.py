@@ -14,7 +14,9 @@ AT_STEPS = (0, 3, 7, 9)  # rows at different steps, the last one finishing
 
 
 def euler(prediction_type: str):
-    scheduler = EulerDiscreteScheduler(**{**SCHEDULERS["sd2-inpaint"], "prediction_type": prediction_type})
+    scheduler = EulerDiscreteScheduler(
+        **{**SCHEDULERS["sd2-inpaint"], "prediction_type": prediction_type}
+    )
     scheduler.set_timesteps(STEPS)
     return scheduler
 
@@ -31,11 +33,14 @@ def at_step(make, step: int):
     return scheduler
 
 
-@pytest.mark.parametrize("make, shape", [
-    (lambda: euler("epsilon"), (1, 4, 8, 8)),
-    (lambda: euler("v_prediction"), (1, 4, 8, 8)),
-    (flow, (1, 16, 64)),
-])
+@pytest.mark.parametrize(
+    "make, shape",
+    [
+        (lambda: euler("epsilon"), (1, 4, 8, 8)),
+        (lambda: euler("v_prediction"), (1, 4, 8, 8)),
+        (flow, (1, 16, 64)),
+    ],
+)
 def test_a_batched_step_equals_each_rows_own_diffusers_step(make, shape):
     generator = torch.Generator().manual_seed(0)
     outputs = [torch.randn(shape, generator=generator) for _ in AT_STEPS]
@@ -43,7 +48,9 @@ def test_a_batched_step_equals_each_rows_own_diffusers_step(make, shape):
     expected = []
     for step, output, sample in zip(AT_STEPS, outputs, samples):
         scheduler = at_step(make, step)
-        expected.append(scheduler.step(output, scheduler.timesteps[step], sample, return_dict=False)[0])
+        expected.append(
+            scheduler.step(output, scheduler.timesteps[step], sample, return_dict=False)[0]
+        )
     schedulers = [at_step(make, step) for step in AT_STEPS]
     result = batched_step(schedulers, torch.cat(outputs), torch.cat(samples))
     assert torch.equal(result, torch.cat(expected))
@@ -51,7 +58,9 @@ def test_a_batched_step_equals_each_rows_own_diffusers_step(make, shape):
 
 
 def test_unsupported_schedulers_are_left_to_the_row_by_row_path():
-    ddim = DDIMScheduler(**{k: v for k, v in SCHEDULERS["sd2-inpaint"].items() if k != "timestep_spacing"})
+    ddim = DDIMScheduler(
+        **{k: v for k, v in SCHEDULERS["sd2-inpaint"].items() if k != "timestep_spacing"}
+    )
     ddim.set_timesteps(STEPS)
     ddim._step_index = 2
     assert batched_step([ddim], torch.zeros(1, 4, 8, 8), torch.zeros(1, 4, 8, 8)) is None
@@ -68,8 +77,8 @@ def test_guidance_of_a_batch_equals_per_row_guidance():
     scales = [7.5, 1.0, 3.0]
     guided = guide_all(prediction, [2, 2, 2], scales)
     for row, scale in enumerate(scales):
-        uncond, cond = prediction[2 * row:2 * row + 2].chunk(2)
-        assert torch.equal(guided[row:row + 1], uncond + scale * (cond - uncond))
+        uncond, cond = prediction[2 * row : 2 * row + 2].chunk(2)
+        assert torch.equal(guided[row : row + 1], uncond + scale * (cond - uncond))
     assert guide_all(prediction, [1] * 6, [0.0] * 6) is prediction
     with pytest.raises(ValueError, match="1 or 2 halves"):
         guide_all(prediction, [3, 3], [1.0, 1.0])

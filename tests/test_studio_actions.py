@@ -35,7 +35,9 @@ def app(settings, redis_client):
 @pytest.fixture
 def actions(app) -> StudioActions:
     counted = app.state.metrics.jobs_submitted
-    return StudioActions(app.state.service, app.state.templates, lambda model: counted.labels(model, "studio").inc())
+    return StudioActions(
+        app.state.service, app.state.templates, lambda model: counted.labels(model, "studio").inc()
+    )
 
 
 def upload_file(tmp_path, name="street.png", seed=3, size=(W, H)):
@@ -54,8 +56,11 @@ def stroke(box=(20, 10, 50, 40), size=(W, H)) -> dict:
 def finish(service, job_id: str, image: Image.Image) -> None:
     """Post-processing's part, done the way the real post task records it: the result blob, then `done`."""
     ref = service.blobs.put_content("results", encode_image(image, "png"), ".png")
-    service.jobstate.record_event(JobEvent(job_id=job_id, status="done", at=time.time(), result_ref=ref,
-                                           timings={"total_s": 1.5}))
+    service.jobstate.record_event(
+        JobEvent(
+            job_id=job_id, status="done", at=time.time(), result_ref=ref, timings={"total_s": 1.5}
+        )
+    )
 
 
 # ----- gallery --------------------------------------------------------------------------------------
@@ -91,21 +96,33 @@ def test_cache_status_and_prepare(actions, tmp_path, settings, redis_client):
     submitted = actions.prepare(record.id, "tiny-sd2-inpaint")
     assert actions.cache_status(record.id, "tiny-sd2-inpaint") == "preparing"
     queued = pre_queue_jobs(redis_client, settings)
-    assert [(j.job_id, j.prepare, j.template_id) for j in queued] == [(submitted.job_id, True, record.id)]
+    assert [(j.job_id, j.prepare, j.template_id) for j in queued] == [
+        (submitted.job_id, True, record.id)
+    ]
     with pytest.raises(StudioError, match="unknown model"):
         actions.cache_status(record.id, "no-such-model")
 
 
 # ----- editing --------------------------------------------------------------------------------------
-def test_submit_sends_the_painted_alpha_as_the_mask_and_records_the_users_history(app, actions, tmp_path, settings,
-                                                                                    redis_client):
+def test_submit_sends_the_painted_alpha_as_the_mask_and_records_the_users_history(
+    app, actions, tmp_path, settings, redis_client
+):
     (record,), _ = actions.upload([upload_file(tmp_path)])
-    form = EditForm(prompt="a red door", model="tiny-sd2-inpaint", steps=4, guidance=5.0, seed=None, grow_px=3,
-                    feather_px=2.0)
+    form = EditForm(
+        prompt="a red door",
+        model="tiny-sd2-inpaint",
+        steps=4,
+        guidance=5.0,
+        seed=None,
+        grow_px=3,
+        feather_px=2.0,
+    )
     submitted = actions.submit(USER, record.id, stroke(), form)
     assert 0 <= submitted.seed < 2**32 and submitted.steps == 4
     (job,) = pre_queue_jobs(redis_client, settings)
-    assert job.template_id == record.id and job.prompt == "a red door" and job.seed == submitted.seed
+    assert (
+        job.template_id == record.id and job.prompt == "a red door" and job.seed == submitted.seed
+    )
     assert (job.mask_ops.grow_px, job.mask_ops.feather_px) == (3, 2.0)
     mask = np.asarray(Image.open(actions.service.blobs.path(job.mask_ref)))
     expected = np.zeros((H, W), dtype=bool)
@@ -114,32 +131,50 @@ def test_submit_sends_the_painted_alpha_as_the_mask_and_records_the_users_histor
     assert [j["job_id"] for j in actions.history(USER)] == [submitted.job_id]
     assert actions.history("someone else") == []
     counted = {"model": "tiny-sd2-inpaint", "source": "studio"}
-    assert app.state.metrics.registry.get_sample_value("maskserve_api_jobs_submitted_total", counted) == 1
+    assert (
+        app.state.metrics.registry.get_sample_value("maskserve_api_jobs_submitted_total", counted)
+        == 1
+    )
 
 
 def test_bad_edits_are_refused_with_what_to_fix(actions, tmp_path):
     (record,), _ = actions.upload([upload_file(tmp_path)])
     form = EditForm(prompt="x", model="tiny-sd2-inpaint", steps=4)
     empty = {"background": None, "layers": [Image.new("RGBA", (W, H))], "composite": None}
-    cases = [("", stroke(), form, "pick one in the gallery"), (record.id, empty, form, "nothing is painted"),
-             (record.id, stroke(size=(W, W)), form, "another shape"),
-             (record.id, stroke(), EditForm(prompt="x", model="nope"), "unknown model"),
-             (record.id, stroke(), EditForm(prompt="x", steps=0), "steps 0 is out of range"),
-             (record.id, stroke(), EditForm(prompt="x", grow_px=-40), "empty after")]
+    cases = [
+        ("", stroke(), form, "pick one in the gallery"),
+        (record.id, empty, form, "nothing is painted"),
+        (record.id, stroke(size=(W, W)), form, "another shape"),
+        (record.id, stroke(), EditForm(prompt="x", model="nope"), "unknown model"),
+        (record.id, stroke(), EditForm(prompt="x", steps=0), "steps 0 is out of range"),
+        (record.id, stroke(), EditForm(prompt="x", grow_px=-40), "empty after"),
+    ]
     for template_id, canvas, bad_form, message in cases:
         with pytest.raises(StudioError, match=message):
             actions.submit(USER, template_id, canvas, bad_form)
 
 
-def test_follow_reports_each_change_until_the_job_ends_and_the_result_can_be_saved(actions, tmp_path):
+def test_follow_reports_each_change_until_the_job_ends_and_the_result_can_be_saved(
+    actions, tmp_path
+):
     (record,), _ = actions.upload([upload_file(tmp_path)])
-    submitted = actions.submit(USER, record.id, stroke(), EditForm(prompt="p", model="tiny-sd2-inpaint", steps=2))
+    submitted = actions.submit(
+        USER, record.id, stroke(), EditForm(prompt="p", model="tiny-sd2-inpaint", steps=2)
+    )
     service = actions.service
     seen = []
     follower = actions.follow(submitted.job_id)
     seen.append(next(follower))
-    service.jobstate.record_event(JobEvent(job_id=submitted.job_id, status="running", at=time.time(), step=1,
-                                           num_steps=2, worker_id="w"))
+    service.jobstate.record_event(
+        JobEvent(
+            job_id=submitted.job_id,
+            status="running",
+            at=time.time(),
+            step=1,
+            num_steps=2,
+            worker_id="w",
+        )
+    )
     seen.append(next(follower))
     finish(service, submitted.job_id, sample_template(W, H, seed=9))
     seen.extend(follower)
@@ -153,7 +188,9 @@ def test_follow_reports_each_change_until_the_job_ends_and_the_result_can_be_sav
 
 def test_cancel_ends_a_queued_job_and_its_progress(actions, tmp_path):
     (record,), _ = actions.upload([upload_file(tmp_path)])
-    submitted = actions.submit(USER, record.id, stroke(), EditForm(prompt="p", model="tiny-sd2-inpaint", steps=2))
+    submitted = actions.submit(
+        USER, record.id, stroke(), EditForm(prompt="p", model="tiny-sd2-inpaint", steps=2)
+    )
     assert "next step" in actions.cancel(submitted.job_id)
     (final,) = list(actions.follow(submitted.job_id))
     assert final.status == "cancelled" and "cancelled by the user" in final.describe()
@@ -184,7 +221,9 @@ def test_the_studio_is_mounted_in_the_api_app_behind_the_login(app):
 def test_without_users_every_studio_login_is_refused(redis_url, tmp_path, redis_client):
     app = create_app(make_settings(redis_url, tmp_path), redis_client=redis_client)
     with TestClient(app) as client:
-        assert "MASKSERVE_USERS" in client.get("/studio/").text  # the login page says why nobody can sign in
+        assert (
+            "MASKSERVE_USERS" in client.get("/studio/").text
+        )  # the login page says why nobody can sign in
         refused = client.post("/studio/login", data={"username": "studio", "password": "anything"})
         assert refused.status_code in (400, 401)
         assert client.get("/studio/config").status_code == 401
@@ -192,6 +231,8 @@ def test_without_users_every_studio_login_is_refused(redis_url, tmp_path, redis_
 
 def test_the_studio_can_be_switched_off(redis_url, tmp_path, redis_client):
     settings = make_settings(redis_url, tmp_path)
-    off = settings.model_copy(update={"studio": settings.studio.model_copy(update={"enabled": False})})
+    off = settings.model_copy(
+        update={"studio": settings.studio.model_copy(update={"enabled": False})}
+    )
     with TestClient(create_app(off, redis_client=redis_client)) as client:
         assert client.get("/studio/").status_code == 404

@@ -28,8 +28,16 @@ from templates_store.samples import sample_template
 
 CHROMIUM = "/usr/bin/chromium"
 # the flags a sandboxed root session on a closed network needs (no background fetches, no sandbox)
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 USER, PASSWORD, API_KEY = "tess", "paint-it-red", "browser-key"
 W, H = 192, 128
 OUTPUT = Path(__file__).resolve().parent.parent / "test-output" / "studio"
@@ -40,23 +48,37 @@ def studio_stack(redis_url, models_dir, tmp_path, monkeypatch):
     from tests.factories import make_engine
 
     if not os.access(CHROMIUM, os.X_OK):
-        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)")
-    make_engine("sd2-inpaint", models_dir, tmp_path / "warm")  # build the tiny model once, before the roles load it
+        pytest.fail(
+            f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)"
+        )
+    make_engine(
+        "sd2-inpaint", models_dir, tmp_path / "warm"
+    )  # build the tiny model once, before the roles load it
     port = free_port()
-    for name, value in {"MASKSERVE_MODELS_DIR": str(models_dir), "MASKSERVE_MODEL": "tiny-sd2-inpaint",
-                        "MASKSERVE_API_KEYS": API_KEY, "MASKSERVE_USERS": f"{USER}:{PASSWORD}",
-                        "MASKSERVE_API_PORT": str(port)}.items():
+    for name, value in {
+        "MASKSERVE_MODELS_DIR": str(models_dir),
+        "MASKSERVE_MODEL": "tiny-sd2-inpaint",
+        "MASKSERVE_API_KEYS": API_KEY,
+        "MASKSERVE_USERS": f"{USER}:{PASSWORD}",
+        "MASKSERVE_API_PORT": str(port),
+    }.items():
         monkeypatch.setenv(name, value)
-    settings = load_settings(env=dict(os.environ), paths={"data_dir": str(tmp_path / "data")},
-                             redis={"url": redis_url})
-    roles = [Role("cpu-worker", ["cpu-worker"]), Role("dispatcher", ["dispatcher"]),
-             Role("worker", ["worker", "--worker-id", "w-browser"]), Role("api", ["api"])]
+    settings = load_settings(
+        env=dict(os.environ), paths={"data_dir": str(tmp_path / "data")}, redis={"url": redis_url}
+    )
+    roles = [
+        Role("cpu-worker", ["cpu-worker"]),
+        Role("dispatcher", ["dispatcher"]),
+        Role("worker", ["worker", "--worker-id", "w-browser"]),
+        Role("api", ["api"]),
+    ]
     running = Stack(settings, roles)
     running.start()
     base = f"http://127.0.0.1:{port}"
     try:
-        assert running.wait_ready(f"{base}/readyz", threading.Event(), timeout_s=120), \
-            {name: running.log_tail(name) for name in running.processes}
+        assert running.wait_ready(f"{base}/readyz", threading.Event(), timeout_s=120), {
+            name: running.log_tail(name) for name in running.processes
+        }
         yield base, running
     finally:
         running.stop()
@@ -130,11 +152,16 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(studio_stack, browser_page,
     upload_template(page, template_path, "courtyard")
     page.reload()  # a fresh page lists the gallery from storage (the login is kept)
     page.get_by_role("tab", name="Gallery").click()
-    page.locator("#ms-gallery").get_by_text(name := "courtyard").click()  # select it, then record its cache
+    page.locator("#ms-gallery").get_by_text(
+        name := "courtyard"
+    ).click()  # select it, then record its cache
     page.locator("#ms-details").get_by_text(f"{W}x{H}").wait_for(timeout=30_000)
     page.locator("#ms-prepare").click()
-    page.wait_for_function("() => /in RAM|on disk|recorded|already prepared/i.test("
-                           "document.querySelector('#ms-cache textarea').value)", timeout=120_000)
+    page.wait_for_function(
+        "() => /in RAM|on disk|recorded|already prepared/i.test("
+        "document.querySelector('#ms-cache textarea').value)",
+        timeout=120_000,
+    )
     screenshot(page, tmp_path, "1-gallery")
     page.get_by_role("tab", name="Editor").click()
     page.locator("#ms-pick").get_by_text(name).click()
@@ -164,7 +191,9 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(studio_stack, browser_page,
     # the mask the studio sent: the painted layer's alpha, grayscale, 255 = repaint, at the template's size
     with Image.open(tmp_path / "data" / "blobs" / job["mask_ref"]) as stored:
         painted = np.asarray(stored.convert("L")) > 127
-    assert painted.shape == (H, W) and painted[H // 2, W // 2], "the stroke through the centre is not in the mask"
+    assert painted.shape == (H, W) and painted[H // 2, W // 2], (
+        "the stroke through the centre is not in the mask"
+    )
     assert 0.02 < painted.mean() < 0.5 and not painted[:, :8].any() and not painted[:, -8:].any()
     changed = np.any(np.asarray(result).astype(int) != np.asarray(template).astype(int), axis=-1)
     assert not changed[~painted].any(), "pixels outside the stroke differ from the template"
@@ -179,7 +208,9 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(studio_stack, browser_page,
     screenshot(page, tmp_path, "4-history")
     page.locator("#ms-history [data-testid=cell-0-2]").click()  # the newest job's prompt cell
     page.locator("#ms-canvas canvas").first.wait_for(timeout=30_000)
-    page.wait_for_function("() => document.querySelector('#ms-prompt textarea').value === 'a red lantern'",
-                           timeout=30_000)
+    page.wait_for_function(
+        "() => document.querySelector('#ms-prompt textarea').value === 'a red lantern'",
+        timeout=30_000,
+    )
     assert page.locator("#ms-steps input[type=number]").input_value() == "6"
     assert re.search(r"recalled from job", page.locator("#ms-picked").inner_text())

@@ -44,8 +44,14 @@ def test_a_brush_colour_equal_to_the_image_pixels_still_counts():
     image = template()
     x0, y0, x1, y1 = 30, 20, 50, 40
     stroke = Image.new("RGBA", (W, H), (0, 0, 0, 0))
-    stroke.paste(image.crop((x0, y0, x1, y1)).convert("RGBA"), (x0, y0))  # paints the very pixels underneath
-    value = {"background": image.convert("RGBA"), "layers": [stroke], "composite": image.convert("RGBA")}
+    stroke.paste(
+        image.crop((x0, y0, x1, y1)).convert("RGBA"), (x0, y0)
+    )  # paints the very pixels underneath
+    value = {
+        "background": image.convert("RGBA"),
+        "layers": [stroke],
+        "composite": image.convert("RGBA"),
+    }
     mask = masks.painted_mask(value, (W, H))
     assert mask[y0:y1, x0:x1].all() and mask.sum() == (x1 - x0) * (y1 - y0)
 
@@ -65,7 +71,9 @@ def test_a_resized_canvas_is_scaled_back_to_the_template_and_thin_strokes_surviv
     mask = masks.painted_mask(editor_value(small), (W, H))
     assert mask.shape == (H, W) and mask[10:12, 20:22].all() and mask.sum() == 4
     large = Image.new("RGBA", (W * 2, H * 2), (0, 0, 0, 0))
-    large.putpixel((41, 21), (255, 0, 0, 255))  # a single pixel of a 2x canvas still marks its template pixel
+    large.putpixel(
+        (41, 21), (255, 0, 0, 255)
+    )  # a single pixel of a 2x canvas still marks its template pixel
     assert masks.painted_mask(editor_value(large), (W, H))[10, 20]
 
 
@@ -96,7 +104,9 @@ def test_the_mask_png_follows_the_contract():
     mask[5:9, 7:11] = True
     image = Image.open(io.BytesIO(masks.mask_png(mask)))
     assert image.mode == "L" and image.size == (W, H)
-    assert set(np.unique(np.asarray(image))) == {0, 255} and np.array_equal(np.asarray(image) == 255, mask)
+    assert set(np.unique(np.asarray(image))) == {0, 255} and np.array_equal(
+        np.asarray(image) == 255, mask
+    )
 
 
 def test_the_preview_applies_the_mask_ops_like_pre_processing():
@@ -115,5 +125,9 @@ def test_the_overlay_tints_only_the_area_to_repaint():
     mask[0:8, 0:8] = 1.0
     shown = np.asarray(masks.overlay(image, mask)).astype(int)
     original = np.asarray(image).astype(int)
-    assert np.array_equal(shown[8:, :], original[8:, :]) and np.array_equal(shown[:, 8:], original[:, 8:])
-    assert (shown[0:8, 0:8, 0] >= original[0:8, 0:8, 0]).all() and (shown[0:8, 0:8] != original[0:8, 0:8]).any()
+    assert np.array_equal(shown[8:, :], original[8:, :]) and np.array_equal(
+        shown[:, 8:], original[:, 8:]
+    )
+    assert (shown[0:8, 0:8, 0] >= original[0:8, 0:8, 0]).all() and (
+        shown[0:8, 0:8] != original[0:8, 0:8]
+    ).any()

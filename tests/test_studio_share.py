@@ -22,7 +22,9 @@ def test_share_without_the_login_is_refused(tmp_path, monkeypatch, capsys):
 
 def test_an_unreachable_share_server_is_reported_not_fatal(tmp_path):
     closed = f"127.0.0.1:{free_port()}"  # nothing listens there
-    settings = load_settings(env={}, paths={"data_dir": str(tmp_path)}, studio={"share": True, "share_server": closed})
+    settings = load_settings(
+        env={}, paths={"data_dir": str(tmp_path)}, studio={"share": True, "share_server": closed}
+    )
     thread = open_share_link(settings, lambda: True)
     thread.join(timeout=60)
     assert not thread.is_alive()

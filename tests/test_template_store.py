@@ -11,7 +11,13 @@ import pytest
 from PIL import Image
 
 from templates_store.samples import sample_template
-from templates_store.store import MAX_NAME_CHARS, MAX_TAGS, TemplateError, TemplateNotFound, TemplateStore
+from templates_store.store import (
+    MAX_NAME_CHARS,
+    MAX_TAGS,
+    TemplateError,
+    TemplateNotFound,
+    TemplateStore,
+)
 
 
 def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
@@ -27,8 +33,14 @@ def store(tmp_path):
 
 def test_add_stores_png_thumbnail_and_record(store):
     image = sample_template(96, 64, seed=1)
-    record = store.add(encoded(image, "JPEG"), "  Living room  ", ["Interior", "sofa", "interior", ""])
-    assert len(record.id) == 32 and record.name == "Living room" and record.tags == ("interior", "sofa")
+    record = store.add(
+        encoded(image, "JPEG"), "  Living room  ", ["Interior", "sofa", "interior", ""]
+    )
+    assert (
+        len(record.id) == 32
+        and record.name == "Living room"
+        and record.tags == ("interior", "sofa")
+    )
     assert (record.width, record.height) == (96, 64)
     stored = store.image_path(record.id)
     assert stored.suffix == ".png" and stored.stat().st_size == record.bytes
@@ -50,13 +62,20 @@ def test_same_pixels_share_one_content_file_until_the_last_delete(store):
     with pytest.raises(TemplateNotFound):
         store.get(first.id)
     store.delete(second.id)
-    assert not list((store.root / "content").iterdir()) and not list((store.root / "thumbs").iterdir())
+    assert not list((store.root / "content").iterdir()) and not list(
+        (store.root / "thumbs").iterdir()
+    )
 
 
 def test_list_searches_names_filters_tags_newest_first(store):
     records = []
-    for i, (name, tags) in enumerate([("Kitchen day", ["interior"]), ("Garden", ["outdoor"]),
-                                      ("kitchen night", ["interior", "night"])]):
+    for i, (name, tags) in enumerate(
+        [
+            ("Kitchen day", ["interior"]),
+            ("Garden", ["outdoor"]),
+            ("kitchen night", ["interior", "night"]),
+        ]
+    ):
         records.append(store.add(encoded(sample_template(32, 32, seed=i)), name, tags))
         time.sleep(0.002)
     assert [r.name for r in store.list()] == ["kitchen night", "Garden", "Kitchen day"]
@@ -72,16 +91,29 @@ def test_unreadable_record_is_skipped(store):
     assert [r.id for r in store.list()] == [record.id]
 
 
-@pytest.mark.parametrize("name, message", [("", "empty"), ("   ", "empty"), ("x" * (MAX_NAME_CHARS + 1), "limit"),
-                                           ("two\nlines", "control characters")])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("", "empty"),
+        ("   ", "empty"),
+        ("x" * (MAX_NAME_CHARS + 1), "limit"),
+        ("two\nlines", "control characters"),
+    ],
+)
 def test_bad_names_are_refused(store, name, message):
     with pytest.raises(TemplateError, match=message):
         store.add(encoded(sample_template(32, 32)), name, [])
 
 
-@pytest.mark.parametrize("tags, message", [(["has space"], "not allowed"), (["../etc"], "not allowed"),
-                                           (["x" * 40], "not allowed"),
-                                           ([f"t{i}" for i in range(MAX_TAGS + 1)], "limit")])
+@pytest.mark.parametrize(
+    "tags, message",
+    [
+        (["has space"], "not allowed"),
+        (["../etc"], "not allowed"),
+        (["x" * 40], "not allowed"),
+        ([f"t{i}" for i in range(MAX_TAGS + 1)], "limit"),
+    ],
+)
 def test_bad_tags_are_refused(store, tags, message):
     with pytest.raises(TemplateError, match=message):
         store.add(encoded(sample_template(32, 32)), "ok", tags)
@@ -90,7 +122,12 @@ def test_bad_tags_are_refused(store, tags, message):
 def test_names_are_display_strings_never_paths(store):
     record = store.add(encoded(sample_template(32, 32)), "../../etc/passwd", [])
     assert record.name == "../../etc/passwd"
-    assert {p.parent.name for p in store.root.rglob("*") if p.is_file()} <= {"content", "thumbs", "records", "gallery"}
+    assert {p.parent.name for p in store.root.rglob("*") if p.is_file()} <= {
+        "content",
+        "thumbs",
+        "records",
+        "gallery",
+    }
 
 
 def test_image_problems_carry_a_code(store):

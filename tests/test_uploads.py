@@ -40,11 +40,19 @@ def _noise(w: int, h: int, seed: int = 0) -> Image.Image:
 
 def _png_header_only(w: int, h: int) -> bytes:
     """A valid PNG signature + IHDR claiming w x h, with almost no pixel data behind it."""
+
     def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        return (
+            struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        )
+
     ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 16))
-            + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\x00" * 16))
+        + chunk(b"IEND", b"")
+    )
 
 
 def _mask_image(h: int, w: int, box: tuple[int, int, int, int], value: int = 255) -> Image.Image:
@@ -60,6 +68,7 @@ def _bbox(mask: np.ndarray) -> tuple[int, int, int, int]:
 
 
 # --- decode_image -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("fmt", ALLOWED_FORMATS)
 def test_round_trip_every_allowed_format(fmt):
@@ -145,8 +154,11 @@ def test_other_formats_rejected_with_allowed_list(fmt):
     assert fmt in message and all(name in message for name in ALLOWED_FORMATS)
 
 
-@pytest.mark.parametrize("data", [b"", b"definitely not an image", b"\x89PNG\r\n\x1a\n"],
-                         ids=["empty", "garbage", "signature-only"])
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"definitely not an image", b"\x89PNG\r\n\x1a\n"],
+    ids=["empty", "garbage", "signature-only"],
+)
 def test_bad_bytes_are_upload_errors(data):
     with pytest.raises(UploadError, match="^mask "):
         decode_image(data, LIMIT, what="mask")
@@ -160,9 +172,21 @@ def test_truncated_png_is_an_upload_error():
 
 # --- buckets ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("multiple", [8, 16, 64])
-@pytest.mark.parametrize("size", [(512, 512), (1920, 1080), (1080, 1920), (4000, 3000),
-                                  (3000, 100), (100, 3000), (1, 1), (777, 333)])
+@pytest.mark.parametrize(
+    "size",
+    [
+        (512, 512),
+        (1920, 1080),
+        (1080, 1920),
+        (4000, 3000),
+        (3000, 100),
+        (100, 3000),
+        (1, 1),
+        (777, 333),
+    ],
+)
 @pytest.mark.parametrize("base", [512, 1024])
 def test_bucket_properties(size, multiple, base):
     w, h = size
@@ -181,7 +205,9 @@ def test_bucket_examples():
     assert resolution_bucket(1920, 1080, 1024, 16) == (768, 1360)
 
 
-@pytest.mark.parametrize("args", [(0, 10, 512, 8), (10, -1, 512, 8), (10, 10, 0, 8), (10, 10, 512, 0)])
+@pytest.mark.parametrize(
+    "args", [(0, 10, 512, 8), (10, -1, 512, 8), (10, 10, 0, 8), (10, 10, 512, 0)]
+)
 def test_bucket_rejects_non_positive(args):
     with pytest.raises(ValueError):
         resolution_bucket(*args)
@@ -199,9 +225,14 @@ def test_fit_to_bucket_same_size_is_a_copy():
     assert out is not img and np.array_equal(np.asarray(out), np.asarray(img))
 
 
-@pytest.mark.parametrize("size, rect", [((300, 200), (120, 50, 180, 110)),
-                                        ((600, 100), (250, 20, 330, 70)),
-                                        ((90, 250), (10, 100, 70, 160))])
+@pytest.mark.parametrize(
+    "size, rect",
+    [
+        ((300, 200), (120, 50, 180, 110)),
+        ((600, 100), (250, 20, 330, 70)),
+        ((90, 250), (10, 100, 70, 160)),
+    ],
+)
 def test_fit_to_bucket_and_prepare_mask_stay_aligned(size, rect):
     w, h = size
     x0, y0, x1, y1 = rect
@@ -286,16 +317,25 @@ def test_prepare_mask_size_mismatch():
         prepare_mask(_mask_image(32, 64, RECT), (64, 64), (64, 64), MaskOps())
 
 
-@pytest.mark.parametrize("ops, text", [(MaskOps(threshold=255), "0..254"), (MaskOps(threshold=-1), "0..254"),
-                                       (MaskOps(grow_px=513), "-512..512"), (MaskOps(grow_px=-513), "-512..512"),
-                                       (MaskOps(feather_px=-0.5), "0..256"), (MaskOps(feather_px=257), "0..256"),
-                                       (MaskOps(feather_px=float("nan")), "0..256")])
+@pytest.mark.parametrize(
+    "ops, text",
+    [
+        (MaskOps(threshold=255), "0..254"),
+        (MaskOps(threshold=-1), "0..254"),
+        (MaskOps(grow_px=513), "-512..512"),
+        (MaskOps(grow_px=-513), "-512..512"),
+        (MaskOps(feather_px=-0.5), "0..256"),
+        (MaskOps(feather_px=257), "0..256"),
+        (MaskOps(feather_px=float("nan")), "0..256"),
+    ],
+)
 def test_prepare_mask_rejects_bad_ops(ops, text):
     with pytest.raises(MaskError, match=text.replace(".", r"\.")):
         _prepared(ops)
 
 
 # --- encoding -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("fmt", ["png", "webp", "PNG"])
 def test_encode_round_trip_and_deterministic(fmt):
@@ -313,7 +353,9 @@ def test_encode_rejects_other_formats():
         encode_image(_noise(4, 4), "jpeg")
 
 
-@pytest.mark.parametrize("size, expected_long", [((1000, 500), 256), ((300, 900), 256), ((100, 40), 100)])
+@pytest.mark.parametrize(
+    "size, expected_long", [((1000, 500), 256), ((300, 900), 256), ((100, 40), 100)]
+)
 def test_thumbnail_bounds_and_no_upscale(size, expected_long):
     thumb = Image.open(io.BytesIO(thumbnail(_noise(*size))))
     assert thumb.format == "WEBP" and max(thumb.size) == expected_long

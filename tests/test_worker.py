@@ -12,7 +12,14 @@ from backend.cache import TieredActivationCache
 from backend.protocol import CancelJob
 from backend.worker.channels import LocalInbox, LocalSink
 from backend.worker.loop import EngineWorker
-from tests.factories import FAMILIES, make_engine, make_params, make_prepared_job, make_template, rect_mask
+from tests.factories import (
+    FAMILIES,
+    make_engine,
+    make_params,
+    make_prepared_job,
+    make_template,
+    rect_mask,
+)
 
 TOL = 1e-4  # fp32: a batched matmul may sum in another order than a single row's
 STEPS = 4
@@ -25,7 +32,9 @@ JOBS = (  # (template seed, mask box, request seed): two templates, three masks
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def engine(request, models_dir, tmp_path_factory):
-    return make_engine(request.param, models_dir, tmp_path_factory.mktemp(f"worker-cache-{request.param}"))
+    return make_engine(
+        request.param, models_dir, tmp_path_factory.mktemp(f"worker-cache-{request.param}")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +80,25 @@ def test_batched_rows_at_different_steps_equal_one_at_a_time(engine, tmp_path):
     for template_seed in {t for t, _, _ in JOBS}:
         if engine.lookup(make_template(template_seed), params) is None:
             engine.prepare_template(make_template(template_seed), params)
-    alone = [engine.edit(make_template(t), rect_mask(box), "a blue vase", seed, params).latents
-             for t, box, seed in JOBS]
+    alone = [
+        engine.edit(make_template(t), rect_mask(box), "a blue vase", seed, params).latents
+        for t, box, seed in JOBS
+    ]
     worker, inbox, sink, blobs = make_worker(engine, tmp_path)
-    for index, (template_seed, box, seed) in enumerate(JOBS):  # staggered: rows sit at different steps
-        inbox.put(make_prepared_job(engine, blobs, f"job{index}", make_template(template_seed), rect_mask(box),
-                                    seed, params))
+    for index, (template_seed, box, seed) in enumerate(
+        JOBS
+    ):  # staggered: rows sit at different steps
+        inbox.put(
+            make_prepared_job(
+                engine,
+                blobs,
+                f"job{index}",
+                make_template(template_seed),
+                rect_mask(box),
+                seed,
+                params,
+            )
+        )
         step_until_running(worker, f"job{index}")
     run_until_idle(worker)
     assert worker.stats.max_rows == len(JOBS)  # all three ran in one forward pass
@@ -91,11 +113,24 @@ def test_batched_rows_at_different_steps_equal_one_at_a_time(engine, tmp_path):
 def test_admission_of_a_new_row(sd2_engine, tmp_path, mode, joins_at_once):
     params = make_params(sd2_engine, steps=STEPS)
     worker, inbox, sink, blobs = make_worker(sd2_engine, tmp_path, mode=mode)
-    inbox.put(make_prepared_job(sd2_engine, blobs, "first", make_template(), rect_mask((0, 0, 64, 64)), 1, params))
+    inbox.put(
+        make_prepared_job(
+            sd2_engine, blobs, "first", make_template(), rect_mask((0, 0, 64, 64)), 1, params
+        )
+    )
     step_until_running(worker, "first")
     # another template: one that "first" may be recording would hold "second" until the commit
-    inbox.put(make_prepared_job(sd2_engine, blobs, "second", make_template(seed=8), rect_mask((64, 64, 128, 128)), 2,
-                                params))
+    inbox.put(
+        make_prepared_job(
+            sd2_engine,
+            blobs,
+            "second",
+            make_template(seed=8),
+            rect_mask((64, 64, 128, 128)),
+            2,
+            params,
+        )
+    )
     worker.iterate()
     stepped = [e.step for e in sink.events if e.job_id == "second" and e.status == "running"]
     assert (1 in stepped) is joins_at_once
@@ -106,12 +141,20 @@ def test_admission_of_a_new_row(sd2_engine, tmp_path, mode, joins_at_once):
 def test_cancel_removes_the_row_at_the_next_step(sd2_engine, tmp_path):
     params = make_params(sd2_engine, steps=STEPS)
     worker, inbox, sink, blobs = make_worker(sd2_engine, tmp_path)
-    inbox.put(make_prepared_job(sd2_engine, blobs, "doomed", make_template(), rect_mask((0, 0, 64, 64)), 1, params))
+    inbox.put(
+        make_prepared_job(
+            sd2_engine, blobs, "doomed", make_template(), rect_mask((0, 0, 64, 64)), 1, params
+        )
+    )
     step_until_running(worker, "doomed")
     inbox.put(CancelJob(job_id="doomed"))
     inbox.put(CancelJob(job_id="early"))  # cancelled before it reached the worker
     worker.iterate()
-    inbox.put(make_prepared_job(sd2_engine, blobs, "early", make_template(), rect_mask((0, 0, 64, 64)), 1, params))
+    inbox.put(
+        make_prepared_job(
+            sd2_engine, blobs, "early", make_template(), rect_mask((0, 0, 64, 64)), 1, params
+        )
+    )
     run_until_idle(worker)
     assert sink.statuses("doomed")[-1] == "cancelled"
     assert max(e.step for e in sink.events if e.job_id == "doomed") == 1
@@ -126,8 +169,11 @@ def test_first_edit_records_the_cache_and_the_second_reuses_it(sd2_engine, tmp_p
     worker, inbox, sink, blobs = make_worker(sd2_engine, tmp_path)
     template = make_template(seed=23)
     for index in range(2):
-        inbox.put(make_prepared_job(sd2_engine, blobs, f"e{index}", template, rect_mask((0, 0, 64, 64)), index,
-                                    params))
+        inbox.put(
+            make_prepared_job(
+                sd2_engine, blobs, f"e{index}", template, rect_mask((0, 0, 64, 64)), index, params
+            )
+        )
         run_until_idle(worker)
     first, second = sink.denoised_jobs
     assert not first.used_cache and second.used_cache
@@ -142,20 +188,36 @@ def test_a_recording_row_beside_cached_rows_records_a_complete_cache(sd2_engine,
     warm, cold = make_template(seed=31), make_template(seed=32)
     sd2_engine.prepare_template(warm, params)
     worker, inbox, sink, blobs = make_worker(sd2_engine, tmp_path)
-    inbox.put(make_prepared_job(sd2_engine, blobs, "cached", warm, rect_mask((0, 0, 64, 64)), 1, params))
-    inbox.put(make_prepared_job(sd2_engine, blobs, "records", cold, rect_mask((0, 0, 64, 64)), 2, params))
+    inbox.put(
+        make_prepared_job(sd2_engine, blobs, "cached", warm, rect_mask((0, 0, 64, 64)), 1, params)
+    )
+    inbox.put(
+        make_prepared_job(sd2_engine, blobs, "records", cold, rect_mask((0, 0, 64, 64)), 2, params)
+    )
     run_until_idle(worker)
-    inbox.put(make_prepared_job(sd2_engine, blobs, "reads", cold, rect_mask((64, 64, 128, 128)), 3, params))
+    inbox.put(
+        make_prepared_job(
+            sd2_engine, blobs, "reads", cold, rect_mask((64, 64, 128, 128)), 3, params
+        )
+    )
     run_until_idle(worker)
     assert [e.status for e in sink.events if e.status == "failed"] == []
-    assert {j.job_id: j.used_cache for j in sink.denoised_jobs} == {"cached": True, "records": False, "reads": True}
+    assert {j.job_id: j.used_cache for j in sink.denoised_jobs} == {
+        "cached": True,
+        "records": False,
+        "reads": True,
+    }
 
 
 def test_unreadable_prepared_request_fails_that_job_only(sd2_engine, tmp_path):
     params = make_params(sd2_engine, steps=STEPS)
     worker, inbox, sink, blobs = make_worker(sd2_engine, tmp_path, with_cache=False)
-    good = make_prepared_job(sd2_engine, blobs, "good", make_template(), rect_mask((0, 0, 64, 64)), 1, params)
-    bad = make_prepared_job(sd2_engine, blobs, "bad", make_template(), rect_mask((0, 0, 64, 64)), 1, params)
+    good = make_prepared_job(
+        sd2_engine, blobs, "good", make_template(), rect_mask((0, 0, 64, 64)), 1, params
+    )
+    bad = make_prepared_job(
+        sd2_engine, blobs, "bad", make_template(), rect_mask((0, 0, 64, 64)), 1, params
+    )
     blobs.path(bad.prepared_ref).write_bytes(b"not a safetensors file")
     inbox.put(bad)
     inbox.put(good)

@@ -42,7 +42,9 @@ def running_steps(sink, job_id):
     return [e.step for e in sink.events if e.job_id == job_id and e.status == "running"]
 
 
-def test_a_row_whose_cache_is_still_being_read_waits_while_the_batch_runs(engine, tmp_path, monkeypatch):
+def test_a_row_whose_cache_is_still_being_read_waits_while_the_batch_runs(
+    engine, tmp_path, monkeypatch
+):
     engine.cache_root = tmp_path / "cache"
     params = make_params(engine, steps=STEPS)
     warm, cold = make_template(seed=41), make_template(seed=42)
@@ -64,7 +66,9 @@ def test_a_row_whose_cache_is_still_being_read_waits_while_the_batch_runs(engine
         return load(path, pin_memory)
 
     monkeypatch.setattr(MemoryTemplateCache, "load", staticmethod(slow_load))
-    inbox.put(make_prepared_job(engine, blobs, "second", cold, rect_mask((64, 64, 128, 128)), 2, params))
+    inbox.put(
+        make_prepared_job(engine, blobs, "second", cold, rect_mask((64, 64, 128, 128)), 2, params)
+    )
     assert worker.iterate()  # "first" steps; "second" arrives, its prefetch starts, it is held
     assert started.wait(10)
     assert worker.iterate()  # still in flight: "first" steps again, "second" still waits
@@ -75,7 +79,9 @@ def test_a_row_whose_cache_is_still_being_read_waits_while_the_batch_runs(engine
     go.set()
     drain(worker, caches)
     assert {j.job_id: j.used_cache for j in sink.denoised_jobs} == {"first": True, "second": True}
-    assert caches.metrics.load_waits == 0  # no acquire ever waited for a read: the batch never stalled
+    assert (
+        caches.metrics.load_waits == 0
+    )  # no acquire ever waited for a read: the batch never stalled
     assert worker.stats.snapshot()["held_rows"] == 0
     caches.close()
 
@@ -85,12 +91,20 @@ def test_a_row_waits_for_the_recording_of_its_template_and_then_reads_it(engine,
     params = make_params(engine, steps=STEPS)
     template = make_template(seed=43)
     worker, caches, inbox, sink, blobs = make_worker(engine, tmp_path)
-    for index in range(2):  # arrive together: the first records, the second must not compute densely
-        inbox.put(make_prepared_job(engine, blobs, f"e{index}", template, rect_mask((0, 0, 64, 64)), index, params))
+    for index in range(
+        2
+    ):  # arrive together: the first records, the second must not compute densely
+        inbox.put(
+            make_prepared_job(
+                engine, blobs, f"e{index}", template, rect_mask((0, 0, 64, 64)), index, params
+            )
+        )
     drain(worker, caches)
     assert {j.job_id: j.used_cache for j in sink.denoised_jobs} == {"e0": False, "e1": True}
     first_done = next(i for i, e in enumerate(sink.events) if e.job_id == "e0" and e.step == STEPS)
-    second_runs = next(i for i, e in enumerate(sink.events) if e.job_id == "e1" and e.status == "running")
+    second_runs = next(
+        i for i, e in enumerate(sink.events) if e.job_id == "e1" and e.status == "running"
+    )
     assert second_runs > first_done  # admitted only after the recording was committed
     assert caches.metrics.load_waits == 0
     caches.close()
@@ -102,14 +116,24 @@ def test_a_row_waits_for_ram_held_by_running_rows_instead_of_reading_from_disk(e
     templates = [make_template(seed=44), make_template(seed=45)]
     entry_bytes = max(engine.prepare_template(t, params).bytes_total for t in templates)
     blobs, inbox, sink = BlobStore(tmp_path / "blobs"), LocalInbox(), LocalSink()
-    caches = TieredActivationCache(engine.cache_root, int(1.5 * entry_bytes), 1 << 32)  # RAM for one entry
+    caches = TieredActivationCache(
+        engine.cache_root, int(1.5 * entry_bytes), 1 << 32
+    )  # RAM for one entry
     worker = EngineWorker(engine, blobs, inbox, sink, caches=caches)
     for index, template in enumerate(templates):
-        inbox.put(make_prepared_job(engine, blobs, f"r{index}", template, rect_mask((0, 0, 64, 64)), index, params))
+        inbox.put(
+            make_prepared_job(
+                engine, blobs, f"r{index}", template, rect_mask((0, 0, 64, 64)), index, params
+            )
+        )
     drain(worker, caches)
     assert {j.job_id: j.used_cache for j in sink.denoised_jobs} == {"r0": True, "r1": True}
     first_done = next(i for i, e in enumerate(sink.events) if e.job_id == "r0" and e.step == STEPS)
-    second_runs = next(i for i, e in enumerate(sink.events) if e.job_id == "r1" and e.status == "running")
+    second_runs = next(
+        i for i, e in enumerate(sink.events) if e.job_id == "r1" and e.status == "running"
+    )
     assert second_runs > first_done  # held until r0 released the RAM, then read into it
-    assert caches.metrics.ram_misses == 0 and caches.metrics.load_waits == 0  # never read file by file
+    assert (
+        caches.metrics.ram_misses == 0 and caches.metrics.load_waits == 0
+    )  # never read file by file
     caches.close()

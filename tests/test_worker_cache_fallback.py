@@ -39,42 +39,73 @@ def run_job(engine, tmp_path, job_id, template, seed, caches=None, box=MASK_BOX)
     """(worker, sink, blobs) after one edit ran to its end."""
     blobs, inbox, sink = BlobStore(tmp_path / "blobs"), LocalInbox(), LocalSink()
     worker = EngineWorker(engine, blobs, inbox, sink, caches=caches)
-    inbox.put(make_prepared_job(engine, blobs, job_id, template, rect_mask(box), seed, make_params(engine, steps=STEPS)))
+    inbox.put(
+        make_prepared_job(
+            engine, blobs, job_id, template, rect_mask(box), seed, make_params(engine, steps=STEPS)
+        )
+    )
     run_until_idle(worker)
     return worker, sink, blobs
 
 
 # (file, damage, RAM budget) -> where the worker meets it
 CASES = {
-    "deleted-step-read-from-disk": ("step_001.safetensors", "unlink", NO_RAM),  # opening the entry: a miss
-    "corrupt-step-read-from-disk": ("step_001.safetensors", "flip", NO_RAM),  # at step 1: restart densely
+    "deleted-step-read-from-disk": (
+        "step_001.safetensors",
+        "unlink",
+        NO_RAM,
+    ),  # opening the entry: a miss
+    "corrupt-step-read-from-disk": (
+        "step_001.safetensors",
+        "flip",
+        NO_RAM,
+    ),  # at step 1: restart densely
     "corrupt-trajectory-read-from-disk": ("trajectory.safetensors", "flip", NO_RAM),  # at admission
-    "deleted-step-loaded-into-ram": ("step_001.safetensors", "unlink", WHOLE_RAM),  # loading it: a miss
+    "deleted-step-loaded-into-ram": (
+        "step_001.safetensors",
+        "unlink",
+        WHOLE_RAM,
+    ),  # loading it: a miss
     "corrupt-step-loaded-into-ram": ("step_001.safetensors", "flip", WHOLE_RAM),
 }
 
 
 @pytest.mark.parametrize("file_name, how, ram_bytes", CASES.values(), ids=CASES.keys())
-def test_broken_cache_file_falls_back_to_dense_and_is_recorded_again(engine, tmp_path, caplog, file_name, how,
-                                                                     ram_bytes):
+def test_broken_cache_file_falls_back_to_dense_and_is_recorded_again(
+    engine, tmp_path, caplog, file_name, how, ram_bytes
+):
     engine.cache_root = tmp_path / "cache"
     template = make_template(seed=41)
     entry = engine.prepare_template(template, make_params(engine, steps=STEPS)).path
-    _, dense_sink, dense_blobs = run_job(engine, tmp_path / "dense", "dense", template, seed=5)  # no cache at all
+    _, dense_sink, dense_blobs = run_job(
+        engine, tmp_path / "dense", "dense", template, seed=5
+    )  # no cache at all
     caches = TieredActivationCache(engine.cache_root, ram_bytes, 1 << 32)  # the worker is up...
     damage(entry / file_name, how)  # ...when the file goes bad
     with caplog.at_level(logging.WARNING):
-        worker, sink, blobs = run_job(engine, tmp_path / "edit", "edit", template, seed=5, caches=caches)
+        worker, sink, blobs = run_job(
+            engine, tmp_path / "edit", "edit", template, seed=5, caches=caches
+        )
     caches.wait_for_loads()
 
-    assert "failed" not in sink.statuses("edit") and [j.used_cache for j in sink.denoised_jobs] == [False]
-    difference = (final_latents(blobs, sink, "edit") - final_latents(dense_blobs, dense_sink, "dense")).abs().max()
+    assert "failed" not in sink.statuses("edit") and [j.used_cache for j in sink.denoised_jobs] == [
+        False
+    ]
+    difference = (
+        (final_latents(blobs, sink, "edit") - final_latents(dense_blobs, dense_sink, "dense"))
+        .abs()
+        .max()
+    )
     assert difference.item() <= TOL
     assert caches.metrics.corrupt_entries == 1 and "unusable" in caplog.text
-    met_midway = how == "flip" and ram_bytes == NO_RAM  # a lazily read file is verified on first read only
+    met_midway = (
+        how == "flip" and ram_bytes == NO_RAM
+    )  # a lazily read file is verified on first read only
     assert worker.stats.snapshot()["cache_fallbacks_total"] == int(met_midway)
     restarted = [e for e in sink.events if e.message.startswith("template cache unusable")]
-    assert [(e.status, e.step) for e in restarted] == ([("running", 0)] if met_midway and "step" in file_name else [])
+    assert [(e.status, e.step) for e in restarted] == (
+        [("running", 0)] if met_midway and "step" in file_name else []
+    )
     MemoryTemplateCache.load(entry)  # recorded again: every file there and passing its checksum
     _, again, _ = run_job(engine, tmp_path / "again", "again", template, seed=6, caches=caches)
     assert [j.used_cache for j in again.denoised_jobs] == [True]
@@ -100,7 +131,10 @@ def test_a_row_on_a_healthy_cache_keeps_its_result_beside_a_restarted_one(engine
     run_until_idle(worker)
 
     assert [e for e in sink.events if e.status == "failed"] == []
-    assert {j.job_id: j.used_cache for j in sink.denoised_jobs} == {"healthy": True, "broken": False}
+    assert {j.job_id: j.used_cache for j in sink.denoised_jobs} == {
+        "healthy": True,
+        "broken": False,
+    }
     assert (final_latents(blobs, sink, "healthy") - expected).abs().max().item() <= TOL
     dense = final_latents(dense_blobs, dense_sink, "dense")
     assert (final_latents(blobs, sink, "broken") - dense).abs().max().item() <= TOL

@@ -20,9 +20,13 @@ from tests.factories import MASK, make_params, make_prepared_job, make_template
 
 @pytest.fixture
 def service(redis_url, redis_client, models_dir, tmp_path):
-    settings = load_settings(env={}, paths={"data_dir": str(tmp_path), "models_dir": str(models_dir)},
-                             redis={"url": redis_url}, worker={"worker_id": "w-test"},
-                             cache={"ram_budget_mb": 64, "disk_budget_mb": 256})
+    settings = load_settings(
+        env={},
+        paths={"data_dir": str(tmp_path), "models_dir": str(models_dir)},
+        redis={"url": redis_url},
+        worker={"worker_id": "w-test"},
+        cache={"ram_budget_mb": 64, "disk_budget_mb": 256},
+    )
     worker, caches = build_worker(settings, redis_client, make_celery(settings))
     yield settings, worker, caches, JobStateStore(redis_client)
     caches.close()
@@ -32,7 +36,10 @@ def drain(worker, jobstate, job_id, limit=200):
     """Iterate until the job left the worker (acked: nothing pending in its inbox)."""
     for _ in range(limit):
         worker.iterate(0.01)
-        if jobstate.status(job_id) not in ("queued", "preprocessing") and worker.inbox.pending() == 0:
+        if (
+            jobstate.status(job_id) not in ("queued", "preprocessing")
+            and worker.inbox.pending() == 0
+        ):
             return
     raise AssertionError("the worker did not finish the job")
 
@@ -63,8 +70,19 @@ def test_a_cancel_through_the_inbox_ends_the_job(service, redis_client):
     blobs = BlobStore(settings.paths.data_dir / "blobs")
     params = make_params(worker.engine, size=(worker.engine.spec.default_resolution,) * 2)
     template = make_template(size=params.size[0])
-    send_to_inbox(redis_client, "w-test", make_prepared_job(worker.engine, blobs, "svc-2", template,
-                                                            MASK.resize(template.size), seed=1, params=params))
+    send_to_inbox(
+        redis_client,
+        "w-test",
+        make_prepared_job(
+            worker.engine,
+            blobs,
+            "svc-2",
+            template,
+            MASK.resize(template.size),
+            seed=1,
+            params=params,
+        ),
+    )
     drain(worker, jobstate, "svc-2")
     assert jobstate.status("svc-2") == "cancelled"
     assert redis_client.llen(settings.celery.post_queue) == 0
@@ -75,12 +93,15 @@ def test_the_heartbeat_carries_live_state_under_a_short_ttl(service, redis_clien
     Heartbeat(redis_client, worker, caches, settings).refresh(force=True)
     beat = protocol.decode(redis_client.get(heartbeat_key("w-test")))
     assert isinstance(beat, WorkerHeartbeat) and beat.model_id == worker.engine.spec.model_id
-    assert beat.device == "cpu" and beat.max_batch == settings.worker.max_batch and beat.running == []
+    assert (
+        beat.device == "cpu" and beat.max_batch == settings.worker.max_batch and beat.running == []
+    )
     assert 0 < redis_client.ttl(heartbeat_key("w-test")) <= HEARTBEAT_TTL_S
 
 
-def test_the_worker_process_serves_its_inbox_exports_metrics_and_stops_cleanly(redis_url, redis_client, models_dir,
-                                                                              tmp_path, service):
+def test_the_worker_process_serves_its_inbox_exports_metrics_and_stops_cleanly(
+    redis_url, redis_client, models_dir, tmp_path, service
+):
     """`maskserve worker` as a process: a job sent to its inbox reaches the post queue, /metrics
     answers, SIGTERM stops it with status 0 and its heartbeat key is gone."""
     import os
@@ -93,27 +114,51 @@ def test_the_worker_process_serves_its_inbox_exports_metrics_and_stops_cleanly(r
 
     settings, worker, _, jobstate = service  # the in-process engine builds the model files first
     port = free_port()
-    env = {**os.environ, "MASKSERVE_REDIS_URL": redis_url, "MASKSERVE_DATA_DIR": str(settings.paths.data_dir),
-           "MASKSERVE_MODELS_DIR": str(models_dir), "MASKSERVE_WORKER_ID": "w-proc",
-           "MASKSERVE_WORKER_METRICS_PORT": str(port)}
+    env = {
+        **os.environ,
+        "MASKSERVE_REDIS_URL": redis_url,
+        "MASKSERVE_DATA_DIR": str(settings.paths.data_dir),
+        "MASKSERVE_MODELS_DIR": str(models_dir),
+        "MASKSERVE_WORKER_ID": "w-proc",
+        "MASKSERVE_WORKER_METRICS_PORT": str(port),
+    }
     log = open(tmp_path / "worker.log", "wb")
-    process = subprocess.Popen([sys.executable, "-m", "backend.cli", "worker", "--model", "tiny-sd2-inpaint"],
-                               env=env, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "backend.cli", "worker", "--model", "tiny-sd2-inpaint"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         blobs = BlobStore(settings.paths.data_dir / "blobs")
         params = make_params(worker.engine, size=(worker.engine.spec.default_resolution,) * 2)
         template = make_template(size=params.size[0])
         jobstate.create("proc-1")
-        send_to_inbox(redis_client, "w-proc", make_prepared_job(worker.engine, blobs, "proc-1", template,
-                                                                MASK.resize(template.size), seed=2, params=params))
+        send_to_inbox(
+            redis_client,
+            "w-proc",
+            make_prepared_job(
+                worker.engine,
+                blobs,
+                "proc-1",
+                template,
+                MASK.resize(template.size),
+                seed=2,
+                params=params,
+            ),
+        )
         deadline = time.time() + 90
         while redis_client.llen(settings.celery.post_queue) == 0 and time.time() < deadline:
             assert process.poll() is None, (tmp_path / "worker.log").read_text()
             time.sleep(0.1)
-        assert redis_client.llen(settings.celery.post_queue) == 1, (tmp_path / "worker.log").read_text()
+        assert redis_client.llen(settings.celery.post_queue) == 1, (
+            tmp_path / "worker.log"
+        ).read_text()
         assert redis_client.exists(heartbeat_key("w-proc"))
         time.sleep(1.2)  # the next heartbeat carries the finished step's statistics
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        metrics = (
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        )
         assert "maskserve_worker_steps" in metrics and "maskserve_cache_ram_hits" in metrics
     finally:
         process.send_signal(signal.SIGTERM)

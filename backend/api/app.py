@@ -25,7 +25,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.api import routes_jobs, routes_templates
 from backend.api.middleware import ApiMetrics, BodyLimitMiddleware, MetricsMiddleware
-from backend.api.security import API_KEY_QUERY, Guard, RateLimiter, accepts_query_key, api_key_header
+from backend.api.security import (
+    API_KEY_QUERY,
+    Guard,
+    RateLimiter,
+    accepts_query_key,
+    api_key_header,
+)
 from backend.api.service import JobService, ServiceError
 from backend.blobs import BlobError, BlobStore
 from backend.config import Settings
@@ -36,8 +42,15 @@ log = logging.getLogger(__name__)
 
 MB = 2**20
 MAX_EVENT_STREAMS = 256  # threads that may wait on Redis for event streams at once
-STATUS_BY_CODE = {"invalid": 422, "not_found": 404, "conflict": 409, "gone": 410, "unsupported_format": 415,
-                  "too_large": 413, "unavailable": 503}
+STATUS_BY_CODE = {
+    "invalid": 422,
+    "not_found": 404,
+    "conflict": 409,
+    "gone": 410,
+    "unsupported_format": 415,
+    "too_large": 413,
+    "unavailable": 503,
+}
 
 
 def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
@@ -47,7 +60,11 @@ def _error(status: int, message: str, headers: dict | None = None) -> JSONRespon
 def _validation_message(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "header", "form"))
+        where = ".".join(
+            str(p)
+            for p in err.get("loc", ())
+            if p not in ("body", "query", "path", "header", "form")
+        )
         parts.append(f"{where or 'request'}: {err.get('msg', 'invalid')}")
     return "; ".join(parts) + " (see /docs for the expected fields)"
 
@@ -80,6 +97,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def redis_down(_request, exc: Exception):
         log.warning("Redis unavailable: %s", exc)
         return _error(503, f"Redis is unavailable ({exc}): try again shortly")
+
     app.add_exception_handler(RedisConnectionError, redis_down)
     app.add_exception_handler(RedisTimeoutError, redis_down)
 
@@ -94,7 +112,9 @@ def _ops_routes(app: FastAPI, client: Redis, metrics: ApiMetrics) -> None:
         try:
             client.ping()
         except Exception as exc:  # any failure means not ready; say which
-            return JSONResponse({"status": "unavailable", "error": f"Redis does not answer: {exc}"}, status_code=503)
+            return JSONResponse(
+                {"status": "unavailable", "error": f"Redis does not answer: {exc}"}, status_code=503
+            )
         return JSONResponse({"status": "ready"})
 
     @app.get("/metrics", tags=["ops"], summary="Prometheus metrics", response_class=Response)
@@ -104,9 +124,13 @@ def _ops_routes(app: FastAPI, client: Redis, metrics: ApiMetrics) -> None:
 
 def _redis_client(settings: Settings) -> Redis:
     if not settings.redis.url:
-        raise ValueError("the API needs a Redis URL: set MASKSERVE_REDIS_URL (or start the stack with `maskserve up`)")
+        raise ValueError(
+            "the API needs a Redis URL: set MASKSERVE_REDIS_URL (or start the stack with `maskserve up`)"
+        )
     # event streams block on Redis for at most a second at a time (routes_jobs.BLOCK_SLICE_MS)
-    return Redis.from_url(settings.redis.url, socket_connect_timeout=5, socket_timeout=10, health_check_interval=30)
+    return Redis.from_url(
+        settings.redis.url, socket_connect_timeout=5, socket_timeout=10, health_check_interval=30
+    )
 
 
 def create_app(settings: Settings, redis_client: Redis | None = None, celery_app=None) -> FastAPI:
@@ -119,11 +143,19 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
     client = redis_client if redis_client is not None else _redis_client(settings)
     data_dir = settings.paths.data_dir
     blobs = BlobStore(data_dir / "blobs")
-    templates = TemplateStore(data_dir / "templates", max_pixels=settings.celery.max_upload_pixels,
-                              max_bytes=int(settings.api.max_template_mb * MB))
+    templates = TemplateStore(
+        data_dir / "templates",
+        max_pixels=settings.celery.max_upload_pixels,
+        max_bytes=int(settings.api.max_template_mb * MB),
+    )
     metrics = ApiMetrics()
-    app = FastAPI(title="MaskServe", version="1", summary="Mask-based image edits: template gallery and jobs",
-                  docs_url="/docs", redoc_url=None)
+    app = FastAPI(
+        title="MaskServe",
+        version="1",
+        summary="Mask-based image edits: template gallery and jobs",
+        docs_url="/docs",
+        redoc_url=None,
+    )
     app.state.settings, app.state.redis, app.state.templates = settings, client, templates
     jobstate = JobStateStore(client, settings.retention.job_record_s)
     app.state.service = JobService(settings, client, celery_app, blobs, templates, jobstate)
@@ -134,8 +166,9 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
 
     def require_api_key(request: Request, api_key: str | None = Security(api_key_header)) -> None:
         # the caller's identity owns the jobs it submits (its history: GET /v1/jobs)
-        request.state.caller = guard.check(request, api_key, request.query_params.get(API_KEY_QUERY),
-                                           accepts_query_key(request))
+        request.state.caller = guard.check(
+            request, api_key, request.query_params.get(API_KEY_QUERY), accepts_query_key(request)
+        )
 
     # routers carry their full /v1/... prefix themselves: the route template then is the metrics label
     for router in (routes_templates.router, routes_jobs.router):

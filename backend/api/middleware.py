@@ -14,9 +14,15 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 def _error_response(status: int, message: str, headers: list | None = None) -> tuple[dict, dict]:
     body = json.dumps({"error": message}).encode()
-    start = {"type": "http.response.start", "status": status,
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                         *(headers or [])]}
+    start = {
+        "type": "http.response.start",
+        "status": status,
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            *(headers or []),
+        ],
+    }
     return start, {"type": "http.response.body", "body": body}
 
 
@@ -35,8 +41,10 @@ class BodyLimitMiddleware:
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, int(max_bytes)
-        self.message = (f"request body is larger than this server's limit of {human_bytes(self.max_bytes)}: "
-                        "send smaller files")
+        self.message = (
+            f"request body is larger than this server's limit of {human_bytes(self.max_bytes)}: "
+            "send smaller files"
+        )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -80,20 +88,42 @@ class ApiMetrics:
 
     def __init__(self):
         self.registry = CollectorRegistry()
-        self.requests = Counter("maskserve_api_requests", "HTTP requests by route template and status",
-                                ["method", "route", "status"], registry=self.registry)
-        self.latency = Histogram("maskserve_api_request_seconds", "Time to the response's first byte",
-                                 ["route"], registry=self.registry,
-                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
-        self.jobs_submitted = Counter("maskserve_api_jobs_submitted", "Jobs accepted, by model and by where they came "
-                                      "from (rest, studio)", ["model", "source"],
-                                      registry=self.registry)
-        self.rate_limited = Counter("maskserve_api_rate_limited", "Requests refused by the rate limit",
-                                    registry=self.registry)
-        self.blobs_deleted = Counter("maskserve_blobs_deleted", "Blobs the janitor deleted (retention passed), "
-                                     "by kind", ["kind"], registry=self.registry)
-        self.blob_bytes_freed = Counter("maskserve_blob_bytes_freed", "Bytes the janitor freed, by blob kind",
-                                        ["kind"], registry=self.registry)
+        self.requests = Counter(
+            "maskserve_api_requests",
+            "HTTP requests by route template and status",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "maskserve_api_request_seconds",
+            "Time to the response's first byte",
+            ["route"],
+            registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.jobs_submitted = Counter(
+            "maskserve_api_jobs_submitted",
+            "Jobs accepted, by model and by where they came from (rest, studio)",
+            ["model", "source"],
+            registry=self.registry,
+        )
+        self.rate_limited = Counter(
+            "maskserve_api_rate_limited",
+            "Requests refused by the rate limit",
+            registry=self.registry,
+        )
+        self.blobs_deleted = Counter(
+            "maskserve_blobs_deleted",
+            "Blobs the janitor deleted (retention passed), by kind",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.blob_bytes_freed = Counter(
+            "maskserve_blob_bytes_freed",
+            "Bytes the janitor freed, by blob kind",
+            ["kind"],
+            registry=self.registry,
+        )
 
     def record_sweep(self, report) -> None:
         """Count what one janitor sweep (``backend.janitor.SweepReport``) deleted."""

@@ -40,39 +40,66 @@ def _read(upload: UploadFile | None) -> bytes | None:
 
 
 @router.post("", status_code=202, summary="Submit an edit (returns at once)")
-def submit_job(request: Request,
-               mask: UploadFile = File(..., description="Mask: grayscale, 255 = repaint, same size as the image "
-                                                        "(or RGBA, painted area in alpha)"),
-               image: UploadFile | None = File(None, description="The image to edit (or give template_id)"),
-               template_id: str | None = Form(None, description="A gallery template to edit (or upload image)"),
-               prompt: str = Form("", description="What to paint in the masked area"),
-               negative_prompt: str = Form(""),
-               model: str | None = Form(None, description="Model id (default: the server's model)"),
-               steps: int | None = Form(None, description="1..150 (default: the model's)"),
-               guidance: float | None = Form(None, description="0..50 (default: the model's)"),
-               strength: float = Form(1.0, description="(0, 1]"),
-               seed: int | None = Form(None, description="0..2^32-1; empty: random (returned)"),
-               threshold: int = Form(127, description="Mask pixels above this are repainted (0..254)"),
-               invert: bool = Form(False),
-               grow_px: int = Form(0, description="Grow (or, negative, shrink) the mask by this many pixels"),
-               feather_px: float = Form(0.0, description="Soften the paste-back edge (0..256 px)"),
-               resolution: int = Form(0, description="Model resolution bucket side; 0: the model's default"),
-               use_cache: bool = Form(True, description="Reuse the template's cached activations")) -> JSONResponse:
-    job_request = JobRequest(mask=_read(mask) or b"", image=_read(image), template_id=template_id or None,
-                             prompt=prompt, negative_prompt=negative_prompt, model=model or None, steps=steps,
-                             guidance=guidance, strength=strength, seed=seed,
-                             mask_ops=MaskOps(threshold=threshold, invert=invert, grow_px=grow_px,
-                                              feather_px=feather_px),
-                             resolution=resolution, use_cache=use_cache, owner=request.state.caller)
+def submit_job(
+    request: Request,
+    mask: UploadFile = File(
+        ...,
+        description="Mask: grayscale, 255 = repaint, same size as the image "
+        "(or RGBA, painted area in alpha)",
+    ),
+    image: UploadFile | None = File(None, description="The image to edit (or give template_id)"),
+    template_id: str | None = Form(
+        None, description="A gallery template to edit (or upload image)"
+    ),
+    prompt: str = Form("", description="What to paint in the masked area"),
+    negative_prompt: str = Form(""),
+    model: str | None = Form(None, description="Model id (default: the server's model)"),
+    steps: int | None = Form(None, description="1..150 (default: the model's)"),
+    guidance: float | None = Form(None, description="0..50 (default: the model's)"),
+    strength: float = Form(1.0, description="(0, 1]"),
+    seed: int | None = Form(None, description="0..2^32-1; empty: random (returned)"),
+    threshold: int = Form(127, description="Mask pixels above this are repainted (0..254)"),
+    invert: bool = Form(False),
+    grow_px: int = Form(0, description="Grow (or, negative, shrink) the mask by this many pixels"),
+    feather_px: float = Form(0.0, description="Soften the paste-back edge (0..256 px)"),
+    resolution: int = Form(0, description="Model resolution bucket side; 0: the model's default"),
+    use_cache: bool = Form(True, description="Reuse the template's cached activations"),
+) -> JSONResponse:
+    job_request = JobRequest(
+        mask=_read(mask) or b"",
+        image=_read(image),
+        template_id=template_id or None,
+        prompt=prompt,
+        negative_prompt=negative_prompt,
+        model=model or None,
+        steps=steps,
+        guidance=guidance,
+        strength=strength,
+        seed=seed,
+        mask_ops=MaskOps(
+            threshold=threshold, invert=invert, grow_px=grow_px, feather_px=feather_px
+        ),
+        resolution=resolution,
+        use_cache=use_cache,
+        owner=request.state.caller,
+    )
     submitted = _service(request).submit(job_request)
     request.app.state.metrics.jobs_submitted.labels(submitted.model_id, "rest").inc()
-    body = {"job_id": submitted.job_id, "seed": submitted.seed, "model": submitted.model_id,
-            "steps": submitted.steps, "status": "queued", **job_links(submitted.job_id)}
+    body = {
+        "job_id": submitted.job_id,
+        "seed": submitted.seed,
+        "model": submitted.model_id,
+        "steps": submitted.steps,
+        "status": "queued",
+        **job_links(submitted.job_id),
+    }
     return JSONResponse(body, status_code=202, headers={"Location": body["status_url"]})
 
 
 @router.get("", summary="The caller's own jobs, newest first (submitted with this API key)")
-def list_jobs(request: Request, limit: int = Query(50, ge=1, le=500, description="At most this many")) -> dict:
+def list_jobs(
+    request: Request, limit: int = Query(50, ge=1, le=500, description="At most this many")
+) -> dict:
     jobs = _service(request).history(request.state.caller, limit)
     return {"jobs": [job | job_links(job["job_id"], done=job["status"] == "done") for job in jobs]}
 
@@ -83,27 +110,45 @@ def get_job(request: Request, job_id: str) -> dict:
     return job | job_links(job_id, done=job["status"] == "done")
 
 
-@router.get("/{job_id}/result", summary="The result (PNG), or its thumbnail (WebP) with ?thumbnail=1",
-            response_class=FileResponse)
+@router.get(
+    "/{job_id}/result",
+    summary="The result (PNG), or its thumbnail (WebP) with ?thumbnail=1",
+    response_class=FileResponse,
+)
 def job_result(request: Request, job_id: str, thumbnail: bool = Query(False)) -> FileResponse:
     service = _service(request)
     if thumbnail:
         return FileResponse(service.thumbnail_path(job_id), media_type="image/webp")
-    return FileResponse(service.result_path(job_id), media_type="image/png", filename=f"{job_id}.png",
-                        content_disposition_type="inline")
+    return FileResponse(
+        service.result_path(job_id),
+        media_type="image/png",
+        filename=f"{job_id}.png",
+        content_disposition_type="inline",
+    )
 
 
-@router.delete("/{job_id}", summary="Cancel a job (queued: dropped; running: leaves its batch at the next step)")
+@router.delete(
+    "/{job_id}",
+    summary="Cancel a job (queued: dropped; running: leaves its batch at the next step)",
+)
 def cancel_job(request: Request, job_id: str) -> dict:
     return {"job_id": job_id, **_service(request).cancel(job_id)}
 
 
 # the one route that takes the key as ?api_key= too: a browser's EventSource cannot send headers
-@router.get("/{job_id}/events", summary="Server-sent events of one job", response_class=StreamingResponse,
-            responses={200: {"content": {"text/event-stream": {}}}}, dependencies=[Security(api_key_query)])
-async def job_events(request: Request, job_id: str,
-                     last_event_id: str | None = Header(None, alias="Last-Event-ID"),
-                     after: str | None = Query(None, description="Replay after this event id (default: all)")):
+@router.get(
+    "/{job_id}/events",
+    summary="Server-sent events of one job",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"text/event-stream": {}}}},
+    dependencies=[Security(api_key_query)],
+)
+async def job_events(
+    request: Request,
+    job_id: str,
+    last_event_id: str | None = Header(None, alias="Last-Event-ID"),
+    after: str | None = Query(None, description="Replay after this event id (default: all)"),
+):
     """Replays the job's events from the start (or after ``Last-Event-ID`` / ``after``), then sends
     new ones as they happen; the stream ends after a terminal status (done, failed, cancelled).
     Each message: ``id`` = the event id, ``data`` = the event as JSON. Comment lines keep an idle
@@ -112,20 +157,27 @@ async def job_events(request: Request, job_id: str,
     start = last_event_id or after or "0"
     await _run(app_state, service.get, job_id)  # 404 before the stream starts
     first = await _run(app_state, service.events, job_id, start, None)  # validates ``start`` too
-    stream = _event_stream(app_state, service, job_id, start, first, app_state.settings.api.sse_keepalive_s)
-    return StreamingResponse(stream, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    stream = _event_stream(
+        app_state, service, job_id, start, first, app_state.settings.api.sse_keepalive_s
+    )
+    return StreamingResponse(
+        stream,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 async def _run(app_state, func, *args):
     """A blocking Redis call on a thread of the event streams' own pool: streams waiting on Redis
     never starve the pool the other (sync) routes run on."""
-    return await anyio.to_thread.run_sync(lambda: func(*args), limiter=app_state.sse_limiter,
-                                          abandon_on_cancel=True)
+    return await anyio.to_thread.run_sync(
+        lambda: func(*args), limiter=app_state.sse_limiter, abandon_on_cancel=True
+    )
 
 
-async def _event_stream(app_state, service: JobService, job_id: str, cursor: str, entries: list,
-                        keepalive_s: float) -> AsyncIterator[str]:
+async def _event_stream(
+    app_state, service: JobService, job_id: str, cursor: str, entries: list, keepalive_s: float
+) -> AsyncIterator[str]:
     """Blocking reads are sliced (``BLOCK_SLICE_MS``): a Redis client's socket timeout (5 s by default
     in redis-py) must never cut a read short, and an idle stream notices within a slice when its job
     ended without a further event (expired, or finished at or before ``cursor``)."""
@@ -142,7 +194,9 @@ async def _event_stream(app_state, service: JobService, job_id: str, cursor: str
             status = await _run(app_state, service.jobstate.status, job_id)
             if status is None or status in TERMINAL:
                 for event_id, event in await _run(app_state, service.events, job_id, cursor, None):
-                    yield _message(job_id, event_id, event)  # a terminal event that came after our read
+                    yield _message(
+                        job_id, event_id, event
+                    )  # a terminal event that came after our read
                 return
             if time.monotonic() - last_sent >= keepalive_s:
                 yield ": keep-alive\n\n"

@@ -18,14 +18,20 @@ def _store(request: Request) -> TemplateStore:
 
 def template_view(record: TemplateRecord) -> dict:
     base = f"/v1/templates/{record.id}"
-    return record.to_dict() | {"url": base, "image_url": f"{base}/image", "thumbnail_url": f"{base}/thumbnail"}
+    return record.to_dict() | {
+        "url": base,
+        "image_url": f"{base}/image",
+        "thumbnail_url": f"{base}/thumbnail",
+    }
 
 
 @router.post("", status_code=201, summary="Upload a template into the gallery")
-def upload_template(request: Request,
-                    file: UploadFile = File(..., description="The image: PNG, JPEG, WebP or BMP"),
-                    name: str | None = Form(None, description="Display name (default: the file's name)"),
-                    tags: list[str] = Form([], description="Tags, comma-separated or repeated")) -> dict:
+def upload_template(
+    request: Request,
+    file: UploadFile = File(..., description="The image: PNG, JPEG, WebP or BMP"),
+    name: str | None = Form(None, description="Display name (default: the file's name)"),
+    tags: list[str] = Form([], description="Tags, comma-separated or repeated"),
+) -> dict:
     data = file.file.read()
     display = name if name is not None else Path(file.filename or "").stem or "untitled"
     record = _store(request).add(data, display, split_tags(tags))
@@ -33,8 +39,11 @@ def upload_template(request: Request,
 
 
 @router.get("", summary="List templates, newest first")
-def list_templates(request: Request, query: str = Query("", description="Name contains (case-insensitive)"),
-                   tag: str = Query("", description="Only templates with this tag")) -> dict:
+def list_templates(
+    request: Request,
+    query: str = Query("", description="Name contains (case-insensitive)"),
+    tag: str = Query("", description="Only templates with this tag"),
+) -> dict:
     return {"templates": [template_view(r) for r in _store(request).list(query=query, tag=tag)]}
 
 
@@ -51,29 +60,52 @@ def delete_template(request: Request, template_id: str) -> Response:
 
 @router.get("/{template_id}/image", summary="The template image (PNG)", response_class=FileResponse)
 def template_image(request: Request, template_id: str) -> FileResponse:
-    return FileResponse(_store(request).image_path(template_id), media_type="image/png",
-                        headers={"Cache-Control": "private, max-age=86400"})
+    return FileResponse(
+        _store(request).image_path(template_id),
+        media_type="image/png",
+        headers={"Cache-Control": "private, max-age=86400"},
+    )
 
 
-@router.get("/{template_id}/thumbnail", summary="The template thumbnail (WebP)", response_class=FileResponse)
+@router.get(
+    "/{template_id}/thumbnail", summary="The template thumbnail (WebP)", response_class=FileResponse
+)
 def template_thumbnail(request: Request, template_id: str) -> FileResponse:
-    return FileResponse(_store(request).thumbnail_path(template_id), media_type="image/webp",
-                        headers={"Cache-Control": "private, max-age=86400"})
+    return FileResponse(
+        _store(request).thumbnail_path(template_id),
+        media_type="image/webp",
+        headers={"Cache-Control": "private, max-age=86400"},
+    )
 
 
-@router.post("/{template_id}/prepare", status_code=202, summary="Record the template's activation cache for a model")
-def prepare_template(request: Request, template_id: str,
-                     model: str | None = Form(None, description="Model id (default: the server's model)"),
-                     steps: int | None = Form(None, description="Steps the edits will use (default: the model's)"),
-                     resolution: int = Form(0, description="Resolution bucket side; 0: the model's default")
-                     ) -> JSONResponse:
+@router.post(
+    "/{template_id}/prepare",
+    status_code=202,
+    summary="Record the template's activation cache for a model",
+)
+def prepare_template(
+    request: Request,
+    template_id: str,
+    model: str | None = Form(None, description="Model id (default: the server's model)"),
+    steps: int | None = Form(None, description="Steps the edits will use (default: the model's)"),
+    resolution: int = Form(0, description="Resolution bucket side; 0: the model's default"),
+) -> JSONResponse:
     submitted = request.app.state.service.prepare_template(template_id, model, steps, resolution)
-    body = {"job_id": submitted.job_id, "model": submitted.model_id, "steps": submitted.steps, "status": "queued",
-            "status_url": f"/v1/jobs/{submitted.job_id}", "cache_url": f"/v1/templates/{template_id}/cache"}
+    body = {
+        "job_id": submitted.job_id,
+        "model": submitted.model_id,
+        "steps": submitted.steps,
+        "status": "queued",
+        "status_url": f"/v1/jobs/{submitted.job_id}",
+        "cache_url": f"/v1/templates/{template_id}/cache",
+    }
     return JSONResponse(body, status_code=202, headers={"Location": body["status_url"]})
 
 
 @router.get("/{template_id}/cache", summary="The template's cache status for a model")
-def template_cache(request: Request, template_id: str,
-                   model: str | None = Query(None, description="Model id (default: the server's model)")) -> dict:
+def template_cache(
+    request: Request,
+    template_id: str,
+    model: str | None = Query(None, description="Model id (default: the server's model)"),
+) -> dict:
     return request.app.state.service.cache_status(template_id, model)

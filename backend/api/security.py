@@ -37,14 +37,20 @@ from backend.config import ApiSettings
 
 API_KEY_HEADER = "X-API-Key"
 API_KEY_QUERY = "api_key"
-api_key_header = APIKeyHeader(name=API_KEY_HEADER, auto_error=False,
-                              description="One of the keys in MASKSERVE_API_KEYS")
+api_key_header = APIKeyHeader(
+    name=API_KEY_HEADER, auto_error=False, description="One of the keys in MASKSERVE_API_KEYS"
+)
 # Declared by the routes that accept the key in the URL (``accepts_query_key``): the event stream.
-api_key_query = APIKeyQuery(name=API_KEY_QUERY, auto_error=False,
-                            description="The API key for a browser's EventSource, which cannot send "
-                                        f"{API_KEY_HEADER} (the job event stream only; the header wins)")
-_BOTH_WAYS = (f"send it in the {API_KEY_HEADER} header (or, on GET /v1/jobs/{{job_id}}/events only, as the "
-              f"{API_KEY_QUERY} query parameter)")
+api_key_query = APIKeyQuery(
+    name=API_KEY_QUERY,
+    auto_error=False,
+    description="The API key for a browser's EventSource, which cannot send "
+    f"{API_KEY_HEADER} (the job event stream only; the header wins)",
+)
+_BOTH_WAYS = (
+    f"send it in the {API_KEY_HEADER} header (or, on GET /v1/jobs/{{job_id}}/events only, as the "
+    f"{API_KEY_QUERY} query parameter)"
+)
 
 # KEYS[1] bucket hash. ARGV: capacity, refill per second, now (s), ttl (s).
 # Returns {allowed (0/1), milliseconds until one token is back}.
@@ -106,7 +112,10 @@ def accepts_query_key(request: Request) -> bool:
     """Whether the matched route declared ``Security(api_key_query)`` (FastAPI puts the route in
     the scope before it runs the route's dependencies)."""
     route = request.scope.get("route")
-    return any(getattr(dep, "dependency", None) is api_key_query for dep in getattr(route, "dependencies", ()))
+    return any(
+        getattr(dep, "dependency", None) is api_key_query
+        for dep in getattr(route, "dependencies", ())
+    )
 
 
 class Guard:
@@ -133,8 +142,13 @@ class Guard:
         # compare against every entry so the time taken does not say which user exists
         return any([hmac.compare_digest(given, login) for login in self._logins])
 
-    def identity(self, request: Request, api_key: str | None, query_key: str | None = None,
-                 query_allowed: bool = False) -> str:
+    def identity(
+        self,
+        request: Request,
+        api_key: str | None,
+        query_key: str | None = None,
+        query_allowed: bool = False,
+    ) -> str:
         """Who is calling (the key itself, or ``addr:<host>`` with auth disabled); raises 401/403.
 
         ``api_key`` comes from the header, ``query_key`` from the ``api_key`` query parameter, which
@@ -142,31 +156,51 @@ class Guard:
         if self.settings.auth_disabled:
             return f"addr:{request.client.host if request.client else 'unknown'}"
         if not self._keys:
-            raise HTTPException(401, "no API keys are configured on this server: the operator must set "
-                                     "MASKSERVE_API_KEYS (or MASKSERVE_AUTH_DISABLED=1 for local use)")
+            raise HTTPException(
+                401,
+                "no API keys are configured on this server: the operator must set "
+                "MASKSERVE_API_KEYS (or MASKSERVE_AUTH_DISABLED=1 for local use)",
+            )
         source = f"the {API_KEY_HEADER} header"
         if not api_key and query_key:
             if not query_allowed:
-                raise HTTPException(401, f"the {API_KEY_QUERY} query parameter is not accepted on this route: "
-                                         f"{_BOTH_WAYS}", headers={"WWW-Authenticate": API_KEY_HEADER})
+                raise HTTPException(
+                    401,
+                    f"the {API_KEY_QUERY} query parameter is not accepted on this route: "
+                    f"{_BOTH_WAYS}",
+                    headers={"WWW-Authenticate": API_KEY_HEADER},
+                )
             api_key, source = query_key, f"the {API_KEY_QUERY} query parameter"
         if not api_key:
-            raise HTTPException(401, f"missing API key: {_BOTH_WAYS}", headers={"WWW-Authenticate": API_KEY_HEADER})
+            raise HTTPException(
+                401, f"missing API key: {_BOTH_WAYS}", headers={"WWW-Authenticate": API_KEY_HEADER}
+            )
         given = api_key.encode()
         # compare against every key so the time taken does not say which key came close
         if not any([hmac.compare_digest(given, key) for key in self._keys]):
-            raise HTTPException(403, f"the API key in {source} is not valid: check it for typos, or ask for a "
-                                     f"new one ({_BOTH_WAYS})")
+            raise HTTPException(
+                403,
+                f"the API key in {source} is not valid: check it for typos, or ask for a "
+                f"new one ({_BOTH_WAYS})",
+            )
         return f"key:{api_key}"
 
-    def check(self, request: Request, api_key: str | None, query_key: str | None = None,
-              query_allowed: bool = False) -> str:
+    def check(
+        self,
+        request: Request,
+        api_key: str | None,
+        query_key: str | None = None,
+        query_allowed: bool = False,
+    ) -> str:
         """Authenticate and rate-limit; returns the caller's identity (see ``identity``)."""
         caller = self.identity(request, api_key, query_key, query_allowed)
         decision = self.limiter.take(caller)
         if not decision.allowed:
             self.on_limited()
-            raise HTTPException(429, f"rate limit of {self.limiter.per_minute} requests a minute (bursts of "
-                                     f"{self.limiter.burst}) exceeded: retry in {decision.retry_after_s} s",
-                                headers={"Retry-After": str(decision.retry_after_s)})
+            raise HTTPException(
+                429,
+                f"rate limit of {self.limiter.per_minute} requests a minute (bursts of "
+                f"{self.limiter.burst}) exceeded: retry in {decision.retry_after_s} s",
+                headers={"Retry-After": str(decision.retry_after_s)},
+            )
         return caller

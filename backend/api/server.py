@@ -32,23 +32,40 @@ def run_api(settings: Settings) -> int:
 
     api = settings.api
     if settings.studio.share and api.auth_disabled:
-        raise ValueError("a studio share link is public: it needs the login, so unset MASKSERVE_AUTH_DISABLED")
+        raise ValueError(
+            "a studio share link is public: it needs the login, so unset MASKSERVE_AUTH_DISABLED"
+        )
     if api.auth_disabled:
-        log.warning("API auth is DISABLED (MASKSERVE_AUTH_DISABLED): anyone who reaches %s:%d can submit jobs",
-                    api.host, api.port)
+        log.warning(
+            "API auth is DISABLED (MASKSERVE_AUTH_DISABLED): anyone who reaches %s:%d can submit jobs",
+            api.host,
+            api.port,
+        )
     elif not api.api_keys:
-        log.error("no API keys configured: every /v1 request will be refused with 401; set MASKSERVE_API_KEYS "
-                  "(comma-separated) or MASKSERVE_AUTH_DISABLED=1 for local use")
+        log.error(
+            "no API keys configured: every /v1 request will be refused with 401; set MASKSERVE_API_KEYS "
+            "(comma-separated) or MASKSERVE_AUTH_DISABLED=1 for local use"
+        )
     app = create_app(settings)
-    config = uvicorn.Config(app, host=api.host, port=api.port, log_config=None, access_log=False,
-                            proxy_headers=False, timeout_graceful_shutdown=5, server_header=False)
+    config = uvicorn.Config(
+        app,
+        host=api.host,
+        port=api.port,
+        log_config=None,
+        access_log=False,
+        proxy_headers=False,
+        timeout_graceful_shutdown=5,
+        server_header=False,
+    )
     log.info("API on http://%s:%d (docs at /docs)", api.host, api.port)
     server = _Server(config)
     if settings.studio.share:
         from studio.share import open_share_link
 
         open_share_link(settings, lambda: server.started)
-    stop_janitor = start_janitor(settings, app.state.redis, app.state.service.blobs, app.state.metrics.record_sweep)
+    stop_janitor = start_janitor(
+        settings, app.state.redis, app.state.service.blobs, app.state.metrics.record_sweep
+    )
     try:
         server.run()
     finally:

@@ -28,15 +28,17 @@ from pathlib import Path
 
 from kombu.exceptions import OperationalError as BrokerError
 
+from backend import protocol
 from backend.blobs import BlobStore
 from backend.config import Settings
 from backend.history import HistoryIndex
 from backend.imaging.masks import MaskError
 from backend.imaging.uploads import UploadError, decode_image, process_mask
-from backend.imaging.uploads import _validate_ops as validate_mask_ops  # the pre task's exact ranges
+from backend.imaging.uploads import (
+    _validate_ops as validate_mask_ops,
+)  # the pre task's exact ranges
 from backend.jobstate import TERMINAL, JobNotFound, JobStateStore
 from backend.models import UnknownModelError, known_model_ids, resolve_model
-from backend import protocol
 from backend.protocol import CancelJob, EditJob, JobEvent, MaskOps
 from backend.tasks.celery_app import submit_edit
 from backend.worker.redis_inbox import send_to_inbox
@@ -49,7 +51,10 @@ MAX_SEED = 2**32 - 1
 RESOLUTION_RANGE = (64, 2048)
 _JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 _EVENT_ID = re.compile(r"^\d+(-\d+)?$")
-ON_WORKER = ("waiting", "running")  # statuses in which a job with a worker_id is that worker's to cancel
+ON_WORKER = (
+    "waiting",
+    "running",
+)  # statuses in which a job with a worker_id is that worker's to cancel
 
 
 class ServiceError(ValueError):
@@ -80,7 +85,9 @@ class JobRequest:
     mask_ops: MaskOps = field(default_factory=MaskOps)
     resolution: int = 0  # 0: the model's default resolution bucket
     use_cache: bool = True
-    owner: str = ""  # who submitted it (a studio user, or an API key's identity): their history lists it
+    owner: str = (
+        ""  # who submitted it (a studio user, or an API key's identity): their history lists it
+    )
 
 
 @dataclass(frozen=True)
@@ -96,7 +103,9 @@ def _check_range(name: str, value, low, high, low_open: bool = False) -> None:
         raise ServiceError(f"{name} must be a finite number, got {value}")
     if (value <= low if low_open else value < low) or value > high:
         bracket = "(" if low_open else "["
-        raise ServiceError(f"{name} {value} is out of range: use a value in {bracket}{low}, {high}]")
+        raise ServiceError(
+            f"{name} {value} is out of range: use a value in {bracket}{low}, {high}]"
+        )
 
 
 def _whole(name: str, value) -> int:
@@ -107,12 +116,21 @@ def _whole(name: str, value) -> int:
 
 
 class JobService:
-    def __init__(self, settings: Settings, redis_client, celery_app, blobs: BlobStore, templates: TemplateStore,
-                 jobstate: JobStateStore | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        redis_client,
+        celery_app,
+        blobs: BlobStore,
+        templates: TemplateStore,
+        jobstate: JobStateStore | None = None,
+    ):
         self.settings, self.client, self.celery_app = settings, redis_client, celery_app
         self.blobs, self.templates = blobs, templates
         self.jobstate = jobstate or JobStateStore(redis_client, settings.retention.job_record_s)
-        self.history_index = HistoryIndex(redis_client, settings.studio.history_limit, settings.retention.job_record_s)
+        self.history_index = HistoryIndex(
+            redis_client, settings.studio.history_limit, settings.retention.job_record_s
+        )
 
     # ----- submit ---------------------------------------------------------------------------------
     def submit(self, request: JobRequest) -> SubmittedJob:
@@ -120,30 +138,60 @@ class JobService:
         steps = spec.default_steps if request.steps is None else request.steps
         guidance = spec.default_guidance if request.guidance is None else request.guidance
         seed = secrets.randbelow(MAX_SEED + 1) if request.seed is None else request.seed
-        steps, seed = _whole("steps", steps), _whole("seed", seed)  # a UI's number widget gives floats
+        steps, seed = (
+            _whole("steps", steps),
+            _whole("seed", seed),
+        )  # a UI's number widget gives floats
         self._check_numbers(request, steps, guidance, seed)
         template_ref, image_size = self._template(request)
         mask_ref = self._mask(request, image_size)
         job_id = uuid.uuid4().hex
-        job = EditJob(job_id=job_id, model_id=spec.model_id, template_ref=template_ref, mask_ref=mask_ref,
-                      prompt=request.prompt, seed=seed, steps=steps, guidance=float(guidance),
-                      negative_prompt=request.negative_prompt, strength=float(request.strength),
-                      use_cache=bool(request.use_cache), mask_ops=request.mask_ops,
-                      resolution=request.resolution, submitted_at=time.time(),
-                      template_id=request.template_id or "")
-        self.jobstate.create(job_id, model_id=spec.model_id, prompt=request.prompt,
-                             negative_prompt=request.negative_prompt, seed=seed, steps=steps,
-                             guidance=float(guidance), strength=float(request.strength),
-                             resolution=request.resolution, use_cache=int(bool(request.use_cache)),
-                             mask_ops=vars(request.mask_ops), template_id=request.template_id or "",
-                             width=image_size[0], height=image_size[1], template_ref=template_ref,
-                             mask_ref=mask_ref)  # the refs keep these blobs from the janitor while the job runs
+        job = EditJob(
+            job_id=job_id,
+            model_id=spec.model_id,
+            template_ref=template_ref,
+            mask_ref=mask_ref,
+            prompt=request.prompt,
+            seed=seed,
+            steps=steps,
+            guidance=float(guidance),
+            negative_prompt=request.negative_prompt,
+            strength=float(request.strength),
+            use_cache=bool(request.use_cache),
+            mask_ops=request.mask_ops,
+            resolution=request.resolution,
+            submitted_at=time.time(),
+            template_id=request.template_id or "",
+        )
+        self.jobstate.create(
+            job_id,
+            model_id=spec.model_id,
+            prompt=request.prompt,
+            negative_prompt=request.negative_prompt,
+            seed=seed,
+            steps=steps,
+            guidance=float(guidance),
+            strength=float(request.strength),
+            resolution=request.resolution,
+            use_cache=int(bool(request.use_cache)),
+            mask_ops=vars(request.mask_ops),
+            template_id=request.template_id or "",
+            width=image_size[0],
+            height=image_size[1],
+            template_ref=template_ref,
+            mask_ref=mask_ref,
+        )  # the refs keep these blobs from the janitor while the job runs
         self.history_index.add(request.owner, job_id, job.submitted_at)
         self._queue(job)
         return SubmittedJob(job_id=job_id, seed=seed, model_id=spec.model_id, steps=steps)
 
-    def prepare_template(self, template_id: str, model: str | None = None, steps: int | None = None,
-                         resolution: int = 0) -> SubmittedJob:
+    def prepare_template(
+        self,
+        template_id: str,
+        model: str | None = None,
+        steps: int | None = None,
+        resolution: int = 0,
+    ) -> SubmittedJob:
         """Queue a recording of a gallery template's activation cache for ``model`` (a job with no
         mask and no image result; it ends ``done`` with "cache recorded" or "already prepared")."""
         from backend.cachestatus import record_prepare_job
@@ -156,11 +204,29 @@ class JobService:
         except TemplateNotFound as exc:
             raise ServiceError(str(exc), "not_found") from None
         job_id = uuid.uuid4().hex
-        job = EditJob(job_id=job_id, model_id=spec.model_id, template_ref=self._template_blob(template_id, record),
-                      mask_ref="", prompt="", seed=0, steps=steps, guidance=float(spec.default_guidance),
-                      resolution=resolution, submitted_at=time.time(), template_id=template_id, prepare=True)
-        self.jobstate.create(job_id, model_id=spec.model_id, kind="prepare", template_id=template_id, steps=steps,
-                             resolution=resolution, template_ref=job.template_ref)
+        job = EditJob(
+            job_id=job_id,
+            model_id=spec.model_id,
+            template_ref=self._template_blob(template_id, record),
+            mask_ref="",
+            prompt="",
+            seed=0,
+            steps=steps,
+            guidance=float(spec.default_guidance),
+            resolution=resolution,
+            submitted_at=time.time(),
+            template_id=template_id,
+            prepare=True,
+        )
+        self.jobstate.create(
+            job_id,
+            model_id=spec.model_id,
+            kind="prepare",
+            template_id=template_id,
+            steps=steps,
+            resolution=resolution,
+            template_ref=job.template_ref,
+        )
         record_prepare_job(self.client, template_id, spec.model_id, job_id)
         self._queue(job)
         return SubmittedJob(job_id=job_id, seed=0, model_id=spec.model_id, steps=steps)
@@ -187,9 +253,17 @@ class JobService:
         try:
             submit_edit(self.celery_app, job)
         except BrokerError as exc:
-            self.jobstate.record_event(JobEvent(job_id=job.job_id, status="failed", at=time.time(),
-                                                message=f"could not be queued: {exc}"))
-            raise ServiceError(f"the job queue is unavailable ({exc}): try again shortly", "unavailable") from exc
+            self.jobstate.record_event(
+                JobEvent(
+                    job_id=job.job_id,
+                    status="failed",
+                    at=time.time(),
+                    message=f"could not be queued: {exc}",
+                )
+            )
+            raise ServiceError(
+                f"the job queue is unavailable ({exc}): try again shortly", "unavailable"
+            ) from exc
 
     def _model(self, model_id: str):
         allowed = self.settings.api.models
@@ -198,11 +272,15 @@ class JobService:
         except UnknownModelError as exc:
             raise ServiceError(str(exc)) from None
         if allowed and model_id not in allowed:
-            raise ServiceError(f"model {model_id!r} is not served here: use one of {', '.join(allowed)}")
+            raise ServiceError(
+                f"model {model_id!r} is not served here: use one of {', '.join(allowed)}"
+            )
         if not allowed and spec.form == "checkpoint":
-            raise ServiceError(f"model {model_id!r} is a checkpoint, which this deployment does not serve over the "
-                               f"API: use one of {', '.join(known_model_ids())} (or ask the operator to list it "
-                               "in MASKSERVE_API_MODELS)")
+            raise ServiceError(
+                f"model {model_id!r} is a checkpoint, which this deployment does not serve over the "
+                f"API: use one of {', '.join(known_model_ids())} (or ask the operator to list it "
+                "in MASKSERVE_API_MODELS)"
+            )
         return spec
 
     @staticmethod
@@ -211,15 +289,25 @@ class JobService:
         _check_range("guidance", float(guidance), 0.0, MAX_GUIDANCE)
         _check_range("strength", float(request.strength), 0.0, 1.0, low_open=True)
         _check_range("seed", seed, 0, MAX_SEED)
-        for name, text in (("prompt", request.prompt), ("negative_prompt", request.negative_prompt)):
+        for name, text in (
+            ("prompt", request.prompt),
+            ("negative_prompt", request.negative_prompt),
+        ):
             if not isinstance(text, str):
                 raise ServiceError(f"{name} must be text")
             if len(text) > MAX_PROMPT_CHARS:
-                raise ServiceError(f"{name} is {len(text)} characters long, the limit is {MAX_PROMPT_CHARS}: "
-                                   "shorten it")
-        if request.resolution and not RESOLUTION_RANGE[0] <= request.resolution <= RESOLUTION_RANGE[1]:
-            raise ServiceError(f"resolution {request.resolution} is out of range: use 0 (the model's default) or "
-                               f"{RESOLUTION_RANGE[0]}..{RESOLUTION_RANGE[1]}")
+                raise ServiceError(
+                    f"{name} is {len(text)} characters long, the limit is {MAX_PROMPT_CHARS}: "
+                    "shorten it"
+                )
+        if (
+            request.resolution
+            and not RESOLUTION_RANGE[0] <= request.resolution <= RESOLUTION_RANGE[1]
+        ):
+            raise ServiceError(
+                f"resolution {request.resolution} is out of range: use 0 (the model's default) or "
+                f"{RESOLUTION_RANGE[0]}..{RESOLUTION_RANGE[1]}"
+            )
         try:
             validate_mask_ops(request.mask_ops)
         except MaskError as exc:
@@ -228,7 +316,9 @@ class JobService:
     def _template(self, request: JobRequest) -> tuple[str, tuple[int, int]]:
         """(blob ref of the template image, its (width, height))."""
         if (request.template_id is None) == (request.image is None):
-            raise ServiceError("give exactly one of template_id (a gallery template) and image (an uploaded file)")
+            raise ServiceError(
+                "give exactly one of template_id (a gallery template) and image (an uploaded file)"
+            )
         limit = self.settings.celery.max_upload_pixels
         if request.template_id is not None:
             try:
@@ -236,8 +326,11 @@ class JobService:
             except TemplateNotFound as exc:
                 raise ServiceError(str(exc), "not_found") from None
             if record.width * record.height > limit:
-                raise ServiceError(f"template is {record.width}x{record.height}, over this deployment's limit of "
-                                   f"{limit / 1e6:.1f} MP: upload a smaller template", "too_large")
+                raise ServiceError(
+                    f"template is {record.width}x{record.height}, over this deployment's limit of "
+                    f"{limit / 1e6:.1f} MP: upload a smaller template",
+                    "too_large",
+                )
             return self._template_blob(request.template_id, record), (record.width, record.height)
         image = self._decode(request.image, "image")
         return self.blobs.put_content("uploads", request.image, ".img"), image.size
@@ -247,7 +340,9 @@ class JobService:
         names it: copied once, shared by every job that edits this template."""
         ref = self.blobs.ref("uploads", record.sha256[:32] + ".png")
         try:
-            self.blobs.touch(ref)  # reused by a new job: its retention starts again (backend.janitor)
+            self.blobs.touch(
+                ref
+            )  # reused by a new job: its retention starts again (backend.janitor)
         except FileNotFoundError:
             try:
                 data = self.templates.image_path(template_id).read_bytes()
@@ -276,7 +371,9 @@ class JobService:
         try:
             job = self.jobstate.get(self._job_id(job_id))
         except JobNotFound:
-            raise ServiceError(f"no job with id {job_id!r} (never submitted, or expired)", "not_found") from None
+            raise ServiceError(
+                f"no job with id {job_id!r} (never submitted, or expired)", "not_found"
+            ) from None
         for name in ("guidance", "strength"):
             if name in job:
                 job[name] = float(job[name])
@@ -316,11 +413,15 @@ class JobService:
                 self.history_index.forget(owner, job_id)
         return jobs
 
-    def events(self, job_id: str, after: str = "0", block_ms: int | None = None) -> list[tuple[str, dict]]:
+    def events(
+        self, job_id: str, after: str = "0", block_ms: int | None = None
+    ) -> list[tuple[str, dict]]:
         """(event id, event) of one job after ``after``, waiting up to ``block_ms`` for the first."""
         if not _EVENT_ID.match(after or ""):
-            raise ServiceError(f"event id {after[:40]!r} is not a stream id: use one like 1700000000000-0, or 0 "
-                               "for the whole history")
+            raise ServiceError(
+                f"event id {after[:40]!r} is not a stream id: use one like 1700000000000-0, or 0 "
+                "for the whole history"
+            )
         return self.jobstate.events(self._job_id(job_id), after, block_ms)
 
     def result_path(self, job_id: str) -> Path:
@@ -333,13 +434,21 @@ class JobService:
         job = self.get(job_id)
         status = job["status"]
         if job.get("kind") == "prepare":
-            raise ServiceError(f"job {job_id} records a template's cache: it has no {what}", "not_found")
+            raise ServiceError(
+                f"job {job_id} records a template's cache: it has no {what}", "not_found"
+            )
         if status != "done":
-            detail = {"failed": f"the job failed: {job.get('message', '')}",
-                      "cancelled": "the job was cancelled"}.get(status)
+            detail = {
+                "failed": f"the job failed: {job.get('message', '')}",
+                "cancelled": "the job was cancelled",
+            }.get(status)
             if detail is None:
-                progress = f" (step {job['step']}/{job['num_steps']})" if job.get("num_steps") else ""
-                detail = f"the job is {status}{progress}: the {what} is ready when its status is done"
+                progress = (
+                    f" (step {job['step']}/{job['num_steps']})" if job.get("num_steps") else ""
+                )
+                detail = (
+                    f"the job is {status}{progress}: the {what} is ready when its status is done"
+                )
             raise ServiceError(f"no {what}: {detail}", "conflict")
         ref = job.get(field_name, "")
         path = self.blobs.path(ref) if ref else None
@@ -352,14 +461,18 @@ class JobService:
         finished_at = job.get("done_at") or job.get("updated_at") or 0.0
         age_h = (time.time() - finished_at) / 3600
         if hours > 0 and age_h >= hours:
-            return (f"the {what} of job {job['job_id']} expired: results are kept {hours:g} hours after their job "
-                    f"finishes and this one finished {age_h:.1f} hours ago; submit the edit again")
+            return (
+                f"the {what} of job {job['job_id']} expired: results are kept {hours:g} hours after their job "
+                f"finishes and this one finished {age_h:.1f} hours ago; submit the edit again"
+            )
         return f"the {what} of job {job['job_id']} is no longer stored: submit the edit again"
 
     @staticmethod
     def _job_id(job_id: str) -> str:
         if not isinstance(job_id, str) or not _JOB_ID.match(job_id):
-            raise ServiceError(f"no job with id {str(job_id)[:40]!r}: job ids are 32 hex digits", "not_found")
+            raise ServiceError(
+                f"no job with id {str(job_id)[:40]!r}: job ids are 32 hex digits", "not_found"
+            )
         return job_id
 
     # ----- cancel ---------------------------------------------------------------------------------
@@ -375,14 +488,25 @@ class JobService:
         job = self.get(job_id)
         status, worker_id = job["status"], job.get("worker_id", "")
         if status in TERMINAL:
-            raise ServiceError(f"job already finished (status {status}): nothing to cancel", "conflict")
+            raise ServiceError(
+                f"job already finished (status {status}): nothing to cancel", "conflict"
+            )
         notify = bool(worker_id) and status in ON_WORKER
         if notify:
             send_to_inbox(self.client, worker_id, CancelJob(job_id=job_id))
-        event = JobEvent(job_id=job_id, status="cancelled", at=time.time(), message="cancelled by the user",
-                         worker_id=worker_id)
-        if not self.jobstate.record_event(event):  # it finished in the meantime (first terminal wins)
+        event = JobEvent(
+            job_id=job_id,
+            status="cancelled",
+            at=time.time(),
+            message="cancelled by the user",
+            worker_id=worker_id,
+        )
+        if not self.jobstate.record_event(
+            event
+        ):  # it finished in the meantime (first terminal wins)
             final = self.jobstate.status(job_id)
             if final != "cancelled":
-                raise ServiceError(f"job already finished (status {final}): nothing to cancel", "conflict")
+                raise ServiceError(
+                    f"job already finished (status {final}): nothing to cancel", "conflict"
+                )
         return {"status": "cancelled", "worker_notified": notify}

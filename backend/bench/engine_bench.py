@@ -70,8 +70,12 @@ def _interleaved(runs: dict, repeats: int, warm_up: bool) -> tuple[dict[str, flo
 
 def _quality(image: Image.Image, reference: Image.Image, pixels: np.ndarray) -> dict[str, float]:
     ours, theirs = np.asarray(image), np.asarray(reference)
-    return {"ssim": ssim(ours, theirs), "psnr": psnr(ours, theirs),
-            "ssim_masked": ssim(ours, theirs, mask=pixels), "psnr_masked": psnr(ours, theirs, mask=pixels)}
+    return {
+        "ssim": ssim(ours, theirs),
+        "psnr": psnr(ours, theirs),
+        "ssim_masked": ssim(ours, theirs, mask=pixels),
+        "psnr_masked": psnr(ours, theirs, mask=pixels),
+    }
 
 
 def _step_flops(engine: MaskAwareEngine, template, mask, params, cache) -> int:
@@ -82,9 +86,19 @@ def _step_flops(engine: MaskAwareEngine, template, mask, params, cache) -> int:
     return count.total
 
 
-def run_engine_bench(model_id: str, mask_ratios: list[float], steps: int, models_dir: Path, cache_dir: Path,
-                     modes: tuple[str, ...] = ("kv", "hidden"), repeats: int = 1, resolution: int | None = None,
-                     device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 1) -> list[EngineBenchRecord]:
+def run_engine_bench(
+    model_id: str,
+    mask_ratios: list[float],
+    steps: int,
+    models_dir: Path,
+    cache_dir: Path,
+    modes: tuple[str, ...] = ("kv", "hidden"),
+    repeats: int = 1,
+    resolution: int | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 1,
+) -> list[EngineBenchRecord]:
     spec = resolve_model(model_id)
     size = resolution or spec.default_resolution
     pipe = load_pipeline(model_id, models_dir, device=device, dtype=dtype)
@@ -93,31 +107,63 @@ def run_engine_bench(model_id: str, mask_ratios: list[float], steps: int, models
     records: list[EngineBenchRecord] = []
     caches = {}
     for mode in modes:
-        params = EditParams(steps=steps, guidance=spec.default_guidance, size=(size, size), mode=mode,
-                            record_on_first_edit=False)
+        params = EditParams(
+            steps=steps,
+            guidance=spec.default_guidance,
+            size=(size, size),
+            mode=mode,
+            record_on_first_edit=False,
+        )
         on_disk = engine.lookup(template, params) or engine.prepare_template(template, params)
         # A hot template, as the worker serves it: resident in the host-RAM tier (pinned on CUDA).
-        caches[mode] = (params, MemoryTemplateCache.load(on_disk.path, pin_memory=device.startswith("cuda")))
-    ordinary_params = EditParams(steps=steps, guidance=spec.default_guidance, size=(size, size), use_cache=False)
+        caches[mode] = (
+            params,
+            MemoryTemplateCache.load(on_disk.path, pin_memory=device.startswith("cuda")),
+        )
+    ordinary_params = EditParams(
+        steps=steps, guidance=spec.default_guidance, size=(size, size), use_cache=False
+    )
     dense_flops = None
     for ratio in tqdm(mask_ratios, desc=f"bench {model_id}", unit="ratio"):
-        mask = Image.fromarray(synthetic_mask(size, size, ratio, seed=11, kind="blob").astype(np.uint8) * 255)
+        mask = Image.fromarray(
+            synthetic_mask(size, size, ratio, seed=11, kind="blob").astype(np.uint8) * 255
+        )
         pixels = np.asarray(mask) > 127
-        runs = {"ordinary": lambda: run_ordinary(pipe, spec, template, mask, PROMPT, seed, ordinary_params)}
+        runs = {
+            "ordinary": lambda: run_ordinary(
+                pipe, spec, template, mask, PROMPT, seed, ordinary_params
+            )
+        }
         for mode, (params, cache) in caches.items():
-            runs[mode] = lambda p=params, c=cache: engine.edit(template, mask, PROMPT, seed, p, cache=c)
+            runs[mode] = lambda p=params, c=cache: engine.edit(
+                template, mask, PROMPT, seed, p, cache=c
+            )
         seconds, outputs = _interleaved(runs, repeats, warm_up=not records)
         reference = paste_back(outputs["ordinary"], template, pixels.astype(np.float32))
         if dense_flops is None:
             dense_flops = _step_flops(engine, template, mask, ordinary_params, None)
         for mode, (params, cache) in caches.items():
             result = outputs[mode]
-            records.append(EngineBenchRecord(
-                model=model_id, mode=mode, mask_ratio=ratio, measured_mask_ratio=result.mask_ratio, steps=steps,
-                resolution=size, device=device, ordinary_s=seconds["ordinary"], maskaware_s=seconds[mode],
-                speedup=seconds["ordinary"] / seconds[mode],
-                ideal_speedup=dense_flops / _step_flops(engine, template, mask, params, cache if result.used_cache else None),
-                cache_bytes=cache.bytes_total, **_quality(result.image, reference, pixels)))
+            records.append(
+                EngineBenchRecord(
+                    model=model_id,
+                    mode=mode,
+                    mask_ratio=ratio,
+                    measured_mask_ratio=result.mask_ratio,
+                    steps=steps,
+                    resolution=size,
+                    device=device,
+                    ordinary_s=seconds["ordinary"],
+                    maskaware_s=seconds[mode],
+                    speedup=seconds["ordinary"] / seconds[mode],
+                    ideal_speedup=dense_flops
+                    / _step_flops(
+                        engine, template, mask, params, cache if result.used_cache else None
+                    ),
+                    cache_bytes=cache.bytes_total,
+                    **_quality(result.image, reference, pixels),
+                )
+            )
     return records
 
 
@@ -133,12 +179,27 @@ def write_outputs(records: list[EngineBenchRecord], json_path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     for model in sorted({r.model for r in records}):
         for mode in sorted({r.mode for r in records}):
-            rows = sorted((r for r in records if r.model == model and r.mode == mode), key=lambda r: r.mask_ratio)
+            rows = sorted(
+                (r for r in records if r.model == model and r.mode == mode),
+                key=lambda r: r.mask_ratio,
+            )
             if rows:
-                ax.plot([r.mask_ratio for r in rows], [r.speedup for r in rows], marker="o", label=f"{model} {mode}")
-        ideal = sorted((r for r in records if r.model == model and r.mode == "kv"), key=lambda r: r.mask_ratio)
+                ax.plot(
+                    [r.mask_ratio for r in rows],
+                    [r.speedup for r in rows],
+                    marker="o",
+                    label=f"{model} {mode}",
+                )
+        ideal = sorted(
+            (r for r in records if r.model == model and r.mode == "kv"), key=lambda r: r.mask_ratio
+        )
         if ideal:
-            ax.plot([r.mask_ratio for r in ideal], [r.ideal_speedup for r in ideal], ls="--", label=f"{model} FLOP ideal")
+            ax.plot(
+                [r.mask_ratio for r in ideal],
+                [r.ideal_speedup for r in ideal],
+                ls="--",
+                label=f"{model} FLOP ideal",
+            )
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("mask ratio")
     ax.set_ylabel("speedup vs ordinary pipeline")

@@ -52,9 +52,17 @@ from pathlib import Path
 import numpy as np
 
 from backend.bench.trace import mask_ratios, poisson_trace, zipf_weights
-from backend.dispatch.router import (POLICIES, JobRequest, Router, RoutingCostModel, RowState, WorkerView,
-                                     default_rows_per_request)
-from backend.engine.costs import CostProfile, RowWork, batch_unit_costs
+from backend.costmodel import profiles
+from backend.costmodel.costs import CostProfile, RowWork, batch_unit_costs
+from backend.dispatch.router import (
+    POLICIES,
+    JobRequest,
+    Router,
+    RoutingCostModel,
+    RowState,
+    WorkerView,
+    default_rows_per_request,
+)
 from backend.worker.stats import percentile
 
 BASELINES = tuple(p for p in POLICIES if p != "mask_aware")
@@ -81,10 +89,18 @@ class RouteBenchConfig:
     burst_factor: float = 2.0
     disk_read_s_per_byte: float = 1e-9
     noise_cv: float = 0.05
-    capacity_rps: float = 0.0  # > 0: loads are fractions of this rate instead of a measured capacity
-    load_scale: float = 1.0  # what-if: the profile's cache-load slope times this (a slower host -> device path)
-    load_ratio: float = 0.0  # what-if, > 0: set load_scale so that a mean-mask request's loads = this x its compute
-    late_binding: bool = False  # the dispatcher holds a job until a worker has slack (else queues it at once)
+    capacity_rps: float = (
+        0.0  # > 0: loads are fractions of this rate instead of a measured capacity
+    )
+    load_scale: float = (
+        1.0  # what-if: the profile's cache-load slope times this (a slower host -> device path)
+    )
+    load_ratio: float = (
+        0.0  # what-if, > 0: set load_scale so that a mean-mask request's loads = this x its compute
+    )
+    late_binding: bool = (
+        False  # the dispatcher holds a job until a worker has slack (else queues it at once)
+    )
     queue_depth: int = 0  # with late_binding: waiting rows a worker may hold beyond max_batch
     warmup_fraction: float = 0.25  # latency statistics over arrivals after this share of the run
     seed: int = 0
@@ -103,7 +119,9 @@ class PolicyResult:
     throughput_rps: float
     avg_queue_s: float
     mean_batch_rows: float
-    cache: dict = field(default_factory=dict)  # ram_hits, disk_reads, dense_rows (recordings), held (row-steps a row was held, slot free)
+    cache: dict = field(
+        default_factory=dict
+    )  # ram_hits, disk_reads, dense_rows (recordings), held (row-steps a row was held, slot free)
     decision_ms: dict = field(default_factory=dict)  # p50, p95 of Router.choose in this run
     measured_jobs: int = 0  # the jobs arriving after the warm-up (the latency statistics' sample)
     p95_all_latency_s: float = 0.0  # P95 over every job, the cold start included
@@ -132,10 +150,20 @@ class _Worker:
         self.latency_cache: tuple | None = None  # (batch key, seconds) while the batch is unchanged
 
     def view(self, cfg: RouteBenchConfig, disk: frozenset[str]) -> WorkerView:
-        return WorkerView(self.wid, cfg.model_id, cfg.device, cfg.max_batch,
-                          tuple(RowState(str(r.index), r.mask_ratio, r.remaining, r.template) for r in self.running),
-                          tuple(RowState(str(r.index), r.mask_ratio, r.remaining, r.template) for r in self.waiting),
-                          frozenset(self.ram), disk)
+        return WorkerView(
+            self.wid,
+            cfg.model_id,
+            cfg.device,
+            cfg.max_batch,
+            tuple(
+                RowState(str(r.index), r.mask_ratio, r.remaining, r.template) for r in self.running
+            ),
+            tuple(
+                RowState(str(r.index), r.mask_ratio, r.remaining, r.template) for r in self.waiting
+            ),
+            frozenset(self.ram),
+            disk,
+        )
 
     def touch(self, template: str) -> None:
         self.ram[template] = None
@@ -148,15 +176,21 @@ class _Worker:
 
 
 class _Simulation:
-    def __init__(self, cfg: RouteBenchConfig, truth: RoutingCostModel, router: Router, trace, disk: set[str]):
+    def __init__(
+        self, cfg: RouteBenchConfig, truth: RoutingCostModel, router: Router, trace, disk: set[str]
+    ):
         self.cfg, self.truth, self.router, self.trace = cfg, truth, router, trace
         self.disk = set(disk)
         self.disk_view = frozenset(self.disk)
-        self.workers = [_Worker(f"w{i:02d}", cfg, np.random.default_rng([cfg.seed, i]))
-                        for i in range(cfg.num_workers)]
+        self.workers = [
+            _Worker(f"w{i:02d}", cfg, np.random.default_rng([cfg.seed, i]))
+            for i in range(cfg.num_workers)
+        ]
         self.read_s = cfg.disk_read_s_per_byte * truth.step_cache_bytes * cfg.steps
         self.events: list = []
-        self.held: deque = deque()  # late binding: jobs the dispatcher holds (FIFO) until a worker has slack
+        self.held: deque = (
+            deque()
+        )  # late binding: jobs the dispatcher holds (FIFO) until a worker has slack
         self.seq = 0
         self.done_at: dict[int, float] = {}
         self.queue_s: list[float] = []
@@ -202,16 +236,24 @@ class _Simulation:
     def dispatch(self, now: float, req) -> bool:
         """Route ``req`` now; False when the router has no candidate (late binding: every worker full)."""
         views = [w.view(self.cfg, self.disk_view) for w in self.workers]
-        job = JobRequest(str(req.index), self.cfg.model_id, req.mask_ratio, self.cfg.steps, f"tpl{req.template}")
+        job = JobRequest(
+            str(req.index), self.cfg.model_id, req.mask_ratio, self.cfg.steps, f"tpl{req.template}"
+        )
         started = time.perf_counter()
         decision = self.router.choose(job, views)
         self.decisions.append(time.perf_counter() - started)
         if decision.worker_id is None:
             return False
         w = self.workers[int(decision.worker_id[1:])]
-        row = _Row(req.index, job.template, req.mask_ratio, self.cfg.steps, arrived_at=req.arrival_s)
-        if (row.template not in w.ram and row.template in self.disk and row.template not in w.fetching
-                and not self.ram_in_use(w)):
+        row = _Row(
+            req.index, job.template, req.mask_ratio, self.cfg.steps, arrived_at=req.arrival_s
+        )
+        if (
+            row.template not in w.ram
+            and row.template in self.disk
+            and row.template not in w.fetching
+            and not self.ram_in_use(w)
+        ):
             self.read(w, row.template, now)  # prefetch disk -> RAM while the job waits
         w.waiting.append(row)
         if not w.busy:
@@ -240,8 +282,12 @@ class _Simulation:
                 w.touch(t)
                 lands, read = None, True
             elif lands is None and t not in w.ram and t in self.disk and not ram_in_use:
-                lands = self.read(w, t, now)  # evicted (or published) since it arrived: prefetch now
-            room_later = lands is None and t not in w.ram and t in self.disk  # RAM full of templates in use
+                lands = self.read(
+                    w, t, now
+                )  # evicted (or published) since it arrived: prefetch now
+            room_later = (
+                lands is None and t not in w.ram and t in self.disk
+            )  # RAM full of templates in use
             if lands is not None or room_later or (t in recording and t not in w.ram):
                 held.append(row)
                 self.counts["held"] += 1
@@ -270,7 +316,7 @@ class _Simulation:
             w.latency_cache = (key, self.truth.step_latency(key))
         seconds = w.latency_cache[1]
         if self.cfg.noise_cv > 0:
-            sigma = math.sqrt(math.log1p(self.cfg.noise_cv ** 2))
+            sigma = math.sqrt(math.log1p(self.cfg.noise_cv**2))
             seconds *= float(w.rng.lognormal(-sigma * sigma / 2, sigma))
         self.batch_rows.append(len(w.running))
         self.push(now + seconds, "step", w)
@@ -289,7 +335,9 @@ class _Simulation:
                 still.append(row)
                 continue
             self.done_at[row.index] = now
-            if not row.cached:  # a finished recording: its cache is stored on disk, then read into RAM
+            if (
+                not row.cached
+            ):  # a finished recording: its cache is stored on disk, then read into RAM
                 recorded.append(row.template)
         retired, w.running = len(w.running) - len(still), still
         for t in recorded:
@@ -304,11 +352,7 @@ class _Simulation:
 
 def load_profile(cfg: RouteBenchConfig) -> CostProfile:
     """The measured profile ``cfg`` names, as fitted (no what-if applied)."""
-    # the file name ``backend.engine.profiler.profile_path`` writes (that module imports torch)
-    kind = "cuda" if cfg.device.startswith("cuda") else "cpu"
-    safe = cfg.model_id.replace("/", "_").replace(":", "_")
-    path = Path(cfg.profiles_dir) / f"{safe}__{kind}__{cfg.mode}.json"
-    return CostProfile.from_json(path.read_text())
+    return profiles.load_profile(cfg.profiles_dir, cfg.model_id, cfg.device, cfg.mode)
 
 
 def load_compute_ratio(profile: CostProfile, mask_ratio: float) -> float:
@@ -331,12 +375,18 @@ def load_scale_for_ratio(profile: CostProfile, ratio: float, mask_ratio: float) 
     profile in that regime."""
     if not ratio > 0:
         raise ValueError(f"load_ratio must be > 0, got {ratio}")
-    unreachable = ValueError(f"load_ratio {ratio} is not reachable by scaling the load slope of "
-                             f"{profile.model_id} at mask ratio {mask_ratio}")
-    if not profile.load.slope > 0 or ratio <= load_compute_ratio(_scaled_loads(profile, 0.0), mask_ratio):
+    unreachable = ValueError(
+        f"load_ratio {ratio} is not reachable by scaling the load slope of "
+        f"{profile.model_id} at mask ratio {mask_ratio}"
+    )
+    if not profile.load.slope > 0 or ratio <= load_compute_ratio(
+        _scaled_loads(profile, 0.0), mask_ratio
+    ):
         raise unreachable
     lo, hi = 0.0, 1.0
-    for _ in range(200):  # a request that reads no cache (mask ratio 1, no cached unit) never gets there
+    for _ in range(
+        200
+    ):  # a request that reads no cache (mask ratio 1, no cached unit) never gets there
         if load_compute_ratio(_scaled_loads(profile, hi), mask_ratio) >= ratio:
             break
         lo, hi = hi, hi * 2
@@ -344,7 +394,11 @@ def load_scale_for_ratio(profile: CostProfile, ratio: float, mask_ratio: float) 
         raise unreachable
     for _ in range(100):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if load_compute_ratio(_scaled_loads(profile, mid), mask_ratio) < ratio else (lo, mid)
+        lo, hi = (
+            (mid, hi)
+            if load_compute_ratio(_scaled_loads(profile, mid), mask_ratio) < ratio
+            else (lo, mid)
+        )
     return hi
 
 
@@ -361,7 +415,9 @@ def cost_model_for(cfg: RouteBenchConfig, planner: str = "greedy") -> RoutingCos
         if not scale > 0:
             raise ValueError(f"load_scale must be > 0, got {scale}")
         profile = _scaled_loads(profile, scale)
-    return RoutingCostModel.from_profile(profile, disk_read_s_per_byte=cfg.disk_read_s_per_byte, planner=planner)
+    return RoutingCostModel.from_profile(
+        profile, disk_read_s_per_byte=cfg.disk_read_s_per_byte, planner=planner
+    )
 
 
 def capacity_rps(cfg: RouteBenchConfig, model: RoutingCostModel) -> float:
@@ -371,8 +427,9 @@ def capacity_rps(cfg: RouteBenchConfig, model: RoutingCostModel) -> float:
     return cfg.num_workers * cfg.max_batch / (cfg.steps * model.step_latency(full))
 
 
-def saturation_rps(cfg: RouteBenchConfig, truth: RoutingCostModel, routing: RoutingCostModel,
-                   prerecorded: set[str]) -> float:
+def saturation_rps(
+    cfg: RouteBenchConfig, truth: RoutingCostModel, routing: RoutingCostModel, prerecorded: set[str]
+) -> float:
     """Measured capacity: completions per second while the cluster is overloaded (arrivals at 1.5x
     ``capacity_rps`` for ``duration_s``, fewest_requests routing, the first quarter as warm-up):
     what the cluster sustains with this trace's disk reads and recordings."""
@@ -390,8 +447,15 @@ def offered_trace(cfg: RouteBenchConfig, rps: float, seed: int) -> list:
     corrected until the trace offers the intended load."""
     nominal = rps
     for _ in range(6):
-        trace = poisson_trace(nominal, cfg.duration_s, cfg.num_templates, cfg.mask_mean, seed=seed,
-                              zipf_exponent=cfg.zipf_exponent, burst_factor=cfg.burst_factor)
+        trace = poisson_trace(
+            nominal,
+            cfg.duration_s,
+            cfg.num_templates,
+            cfg.mask_mean,
+            seed=seed,
+            zipf_exponent=cfg.zipf_exponent,
+            burst_factor=cfg.burst_factor,
+        )
         realised = len(trace) / cfg.duration_s
         if not trace or abs(realised - rps) <= 0.01 * rps:
             break
@@ -410,45 +474,82 @@ def run_route_bench(cfg: RouteBenchConfig, progress=None) -> dict:
     ``progress``: optional callable(str) told about each finished run."""
     unknown = set(cfg.policies) - set(POLICIES)
     if unknown:
-        raise ValueError(f"unknown routing policies {sorted(unknown)}; expected some of {', '.join(POLICIES)}")
+        raise ValueError(
+            f"unknown routing policies {sorted(unknown)}; expected some of {', '.join(POLICIES)}"
+        )
     truth, routing = cost_model_for(cfg, "exact"), cost_model_for(cfg)
     rng = np.random.default_rng([cfg.seed, 99])
     prerecorded = {f"tpl{i}" for i in range(cfg.num_templates) if rng.random() < cfg.prerecorded}
     bound = capacity_rps(cfg, routing)
-    capacity = (cfg.capacity_rps if cfg.capacity_rps > 0 else saturation_rps(cfg, truth, routing, prerecorded)
-                if cfg.calibrate else bound)
+    capacity = (
+        cfg.capacity_rps
+        if cfg.capacity_rps > 0
+        else saturation_rps(cfg, truth, routing, prerecorded)
+        if cfg.calibrate
+        else bound
+    )
     results: list[PolicyResult] = []
     for load in cfg.loads:
         rps = load * capacity
         trace = offered_trace(cfg, rps, cfg.seed)
         for policy in cfg.policies:
-            router = Router(policy, {(cfg.model_id, cfg.device): routing}, allow_queueing=not cfg.late_binding,
-                            queue_depth=cfg.queue_depth if cfg.late_binding else 0)
+            router = Router(
+                policy,
+                {(cfg.model_id, cfg.device): routing},
+                allow_queueing=not cfg.late_binding,
+                queue_depth=cfg.queue_depth if cfg.late_binding else 0,
+            )
             sim = _Simulation(cfg, truth, router, trace, prerecorded)
             sim.run()
             every = [sim.done_at[r.index] - r.arrival_s for r in trace if r.index in sim.done_at]
             warm = cfg.warmup_fraction * cfg.duration_s
-            lat = [sim.done_at[r.index] - r.arrival_s for r in trace if r.index in sim.done_at and r.arrival_s >= warm]
+            lat = [
+                sim.done_at[r.index] - r.arrival_s
+                for r in trace
+                if r.index in sim.done_at and r.arrival_s >= warm
+            ]
             span = (max(sim.done_at.values()) - trace[0].arrival_s) if sim.done_at else 0.0
             ms = [d * 1e3 for d in sim.decisions]
-            results.append(PolicyResult(
-                policy, load, rps, len(trace), len(sim.done_at), float(np.mean(lat)) if lat else 0.0,
-                _summary(lat, 50), _summary(lat, 95), len(sim.done_at) / span if span > 0 else 0.0,
-                float(np.mean(sim.queue_s)) if sim.queue_s else 0.0,
-                float(np.mean(sim.batch_rows)) if sim.batch_rows else 0.0, dict(sim.counts),
-                {"p50": _summary(ms, 50), "p95": _summary(ms, 95)}, len(lat), _summary(every, 95)))
+            results.append(
+                PolicyResult(
+                    policy,
+                    load,
+                    rps,
+                    len(trace),
+                    len(sim.done_at),
+                    float(np.mean(lat)) if lat else 0.0,
+                    _summary(lat, 50),
+                    _summary(lat, 95),
+                    len(sim.done_at) / span if span > 0 else 0.0,
+                    float(np.mean(sim.queue_s)) if sim.queue_s else 0.0,
+                    float(np.mean(sim.batch_rows)) if sim.batch_rows else 0.0,
+                    dict(sim.counts),
+                    {"p50": _summary(ms, 50), "p95": _summary(ms, 95)},
+                    len(lat),
+                    _summary(every, 95),
+                )
+            )
             if progress:
                 r = results[-1]
-                progress(f"load {load:.2f} ({rps:.2f} req/s) {policy}: P95 {r.p95_latency_s:.2f} s "
-                         f"(every job: {r.p95_all_latency_s:.2f} s), avg {r.avg_latency_s:.2f} s, "
-                         f"{r.completed}/{r.num_jobs} jobs")
-    return {"config": asdict(cfg), "capacity_rps": capacity, "capacity_bound_rps": bound,
-            "load_compute_ratio": load_compute_ratio(routing.profile, cfg.mask_mean),
-            "results": [asdict(r) for r in results], "p95_reduction": p95_reduction(results),
-            "p95_all_reduction": p95_reduction(results, "p95_all_latency_s")}
+                progress(
+                    f"load {load:.2f} ({rps:.2f} req/s) {policy}: P95 {r.p95_latency_s:.2f} s "
+                    f"(every job: {r.p95_all_latency_s:.2f} s), avg {r.avg_latency_s:.2f} s, "
+                    f"{r.completed}/{r.num_jobs} jobs"
+                )
+    return {
+        "config": asdict(cfg),
+        "capacity_rps": capacity,
+        "capacity_bound_rps": bound,
+        "load_compute_ratio": load_compute_ratio(routing.profile, cfg.mask_mean),
+        "results": [asdict(r) for r in results],
+        "p95_reduction": p95_reduction(results),
+        "p95_all_reduction": p95_reduction(results, "p95_all_latency_s"),
+    }
 
 
-def p95_reduction(results: list[PolicyResult], metric: str = "p95_latency_s") -> dict[str, dict[str, float]]:
+def p95_reduction(
+    results: list[PolicyResult], metric: str = "p95_latency_s"
+) -> dict[str, dict[str, float]]:
     """Per load: (P95 of baseline - P95 of mask_aware) / P95 of baseline, for every baseline run
     (``metric``: ``p95_latency_s``, after the warm-up, or ``p95_all_latency_s``, every job)."""
     out: dict[str, dict[str, float]] = {}
@@ -457,8 +558,11 @@ def p95_reduction(results: list[PolicyResult], metric: str = "p95_latency_s") ->
         if policy != "mask_aware":
             continue
         mine = getattr(ours, metric)
-        out[f"{load:g}"] = {b: (getattr(by[(b, load)], metric) - mine) / getattr(by[(b, load)], metric)
-                            for b in BASELINES if (b, load) in by and getattr(by[(b, load)], metric) > 0}
+        out[f"{load:g}"] = {
+            b: (getattr(by[(b, load)], metric) - mine) / getattr(by[(b, load)], metric)
+            for b in BASELINES
+            if (b, load) in by and getattr(by[(b, load)], metric) > 0
+        }
     return out
 
 
@@ -474,10 +578,17 @@ def summarize_seeds(reports: list[dict]) -> dict:
     if any(k != keys[0] for k in keys):
         raise ValueError("reports to summarize must cover the same loads and policies")
     by_seed = [{(r["load"], r["policy"]): r for r in rep["results"]} for rep in reports]
-    results = [{"load": load, "policy": policy,
-                **{f: float(np.mean([b[(load, policy)][f] for b in by_seed]))
-                   for f in ("rps", "avg_latency_s", "p95_latency_s", "p95_all_latency_s")}}
-               for load, policy in keys[0]]
+    results = [
+        {
+            "load": load,
+            "policy": policy,
+            **{
+                f: float(np.mean([b[(load, policy)][f] for b in by_seed]))
+                for f in ("rps", "avg_latency_s", "p95_latency_s", "p95_all_latency_s")
+            },
+        }
+        for load, policy in keys[0]
+    ]
     cuts: dict[str, dict[str, dict[str, float]]] = {}
     loads = sorted({load for load, _ in keys[0]})
     others = [p for p in dict.fromkeys(p for _, p in keys[0]) if p != "mask_aware"]
@@ -488,12 +599,19 @@ def summarize_seeds(reports: list[dict]) -> dict:
                 mine = b[(load, "mask_aware")]["p95_latency_s"]
                 for p in others:
                     per[p].append(1 - mine / b[(load, p)]["p95_latency_s"])
-                per["best_other"].append(1 - mine / min(b[(load, p)]["p95_latency_s"] for p in others))
-            cuts[f"{load:g}"] = {p: {"mean": float(np.mean(v)), "min": min(v), "max": max(v)} for p, v in per.items()}
-    return {"seeds": [rep["config"]["seed"] for rep in reports],
-            "capacity_rps": float(np.mean([rep["capacity_rps"] for rep in reports])),
-            "load_compute_ratio": reports[0].get("load_compute_ratio"),
-            "results": results, "cuts": cuts}
+                per["best_other"].append(
+                    1 - mine / min(b[(load, p)]["p95_latency_s"] for p in others)
+                )
+            cuts[f"{load:g}"] = {
+                p: {"mean": float(np.mean(v)), "min": min(v), "max": max(v)} for p, v in per.items()
+            }
+    return {
+        "seeds": [rep["config"]["seed"] for rep in reports],
+        "capacity_rps": float(np.mean([rep["capacity_rps"] for rep in reports])),
+        "load_compute_ratio": reports[0].get("load_compute_ratio"),
+        "results": results,
+        "cuts": cuts,
+    }
 
 
 def summary_table(summary: dict) -> str:
@@ -501,7 +619,9 @@ def summary_table(summary: dict) -> str:
     its range over seeds) against the best other policy, then its mean cut against each other."""
     policies = list(dict.fromkeys(r["policy"] for r in summary["results"]))
     others = [p for p in policies if p != "mask_aware"] if summary["cuts"] else []
-    head = ["load (req/s)", *policies] + (["cut vs best other", *(f"vs {p}" for p in others)] if others else [])
+    head = ["load (req/s)", *policies] + (
+        ["cut vs best other", *(f"vs {p}" for p in others)] if others else []
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for load in sorted({r["load"] for r in summary["results"]}):
         rows = {r["policy"]: r for r in summary["results"] if r["load"] == load}
@@ -518,8 +638,15 @@ def summary_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def decision_time(cost_model: RoutingCostModel, policy: str = "mask_aware", num_workers: int = 8,
-                  rows_per_worker: int = 8, max_batch: int = 8, decisions: int = 2000, seed: int = 0) -> dict:
+def decision_time(
+    cost_model: RoutingCostModel,
+    policy: str = "mask_aware",
+    num_workers: int = 8,
+    rows_per_worker: int = 8,
+    max_batch: int = 8,
+    decisions: int = 2000,
+    seed: int = 0,
+) -> dict:
     """p50 / p95 / mean milliseconds of ``Router.choose`` (time.perf_counter around the call only).
 
     Every decision sees a fresh random cluster (no memo carries over between views): each worker
@@ -534,23 +661,51 @@ def decision_time(cost_model: RoutingCostModel, policy: str = "mask_aware", num_
         tpls = rng.choice(64, size=num_workers * (rows_per_worker + 8) + 1, p=weights)
         views = []
         for w in range(num_workers):
-            rows = [RowState(f"{d}.{w}.{i}", float(masks[w * rows_per_worker + i]), int(rng.integers(1, 21)),
-                             f"tpl{tpls[w * rows_per_worker + i]}") for i in range(rows_per_worker)]
+            rows = [
+                RowState(
+                    f"{d}.{w}.{i}",
+                    float(masks[w * rows_per_worker + i]),
+                    int(rng.integers(1, 21)),
+                    f"tpl{tpls[w * rows_per_worker + i]}",
+                )
+                for i in range(rows_per_worker)
+            ]
             n_run = int(rng.integers(rows_per_worker // 2, min(rows_per_worker, max_batch) + 1))
-            ram = frozenset(f"tpl{t}" for t in tpls[num_workers * rows_per_worker + w * 8:][:8])
-            views.append(WorkerView(f"w{w:02d}", cost_model.model_id, cost_model.device, max_batch,
-                                    tuple(rows[:n_run]), tuple(rows[n_run:]), ram,
-                                    frozenset(f"tpl{t}" for t in range(48))))
-        cases.append((JobRequest(f"j{d}", cost_model.model_id, float(masks[-1]), 20, f"tpl{tpls[-1]}"), views))
+            ram = frozenset(f"tpl{t}" for t in tpls[num_workers * rows_per_worker + w * 8 :][:8])
+            views.append(
+                WorkerView(
+                    f"w{w:02d}",
+                    cost_model.model_id,
+                    cost_model.device,
+                    max_batch,
+                    tuple(rows[:n_run]),
+                    tuple(rows[n_run:]),
+                    ram,
+                    frozenset(f"tpl{t}" for t in range(48)),
+                )
+            )
+        cases.append(
+            (
+                JobRequest(f"j{d}", cost_model.model_id, float(masks[-1]), 20, f"tpl{tpls[-1]}"),
+                views,
+            )
+        )
     times = []
     gc.collect()  # the cases above are many small objects: start the timing with a clean heap
     for job, views in cases:
         started = time.perf_counter()
         router.choose(job, views)
         times.append((time.perf_counter() - started) * 1e3)
-    return {"policy": policy, "workers": num_workers, "rows_per_worker": rows_per_worker, "decisions": decisions,
-            "p50_ms": percentile(times, 50), "p95_ms": percentile(times, 95), "mean_ms": float(np.mean(times)),
-            "max_ms": max(times)}
+    return {
+        "policy": policy,
+        "workers": num_workers,
+        "rows_per_worker": rows_per_worker,
+        "decisions": decisions,
+        "p50_ms": percentile(times, 50),
+        "p95_ms": percentile(times, 95),
+        "mean_ms": float(np.mean(times)),
+        "max_ms": max(times),
+    }
 
 
 def write_outputs(cfg: RouteBenchConfig, report: dict, json_path: Path) -> Path:
@@ -566,7 +721,9 @@ def write_outputs(cfg: RouteBenchConfig, report: dict, json_path: Path) -> Path:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
     for policy in cfg.policies:
-        rows = sorted((r for r in report["results"] if r["policy"] == policy), key=lambda r: r["load"])
+        rows = sorted(
+            (r for r in report["results"] if r["policy"] == policy), key=lambda r: r["load"]
+        )
         loads = [r["load"] for r in rows]
         axes[0].plot(loads, [r["avg_latency_s"] for r in rows], marker="o", label=policy)
         axes[1].plot(loads, [r["p95_latency_s"] for r in rows], marker="o", label=policy)
@@ -575,11 +732,17 @@ def write_outputs(cfg: RouteBenchConfig, report: dict, json_path: Path) -> Path:
         ax.set_ylabel(f"{name} latency (s)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    what_if = (f"\nwhat-if, not a measured device: cache loads {report['load_compute_ratio']:.2f}x a mean-mask "
-               f"request's compute" if cfg.load_ratio or cfg.load_scale != 1.0 else "")
-    fig.suptitle(f"{cfg.model_id}: {cfg.num_workers} workers x batch {cfg.max_batch}, mask mean {cfg.mask_mean}, "
-                 f"burst x{cfg.burst_factor:g}, {cfg.num_templates} templates, {cfg.ram_templates} in RAM per worker"
-                 + what_if)
+    what_if = (
+        f"\nwhat-if, not a measured device: cache loads {report['load_compute_ratio']:.2f}x a mean-mask "
+        f"request's compute"
+        if cfg.load_ratio or cfg.load_scale != 1.0
+        else ""
+    )
+    fig.suptitle(
+        f"{cfg.model_id}: {cfg.num_workers} workers x batch {cfg.max_batch}, mask mean {cfg.mask_mean}, "
+        f"burst x{cfg.burst_factor:g}, {cfg.num_templates} templates, {cfg.ram_templates} in RAM per worker"
+        + what_if
+    )
     fig.tight_layout()
     plot = json_path.with_suffix(".png")
     fig.savefig(plot, dpi=120)

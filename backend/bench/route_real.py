@@ -55,8 +55,14 @@ def _png(image: Image.Image) -> bytes:
 def _stack(settings: Settings, policy: str, workers: int):
     from backend.services.stack import Role, Stack
 
-    roles = [Role("cpu-worker", ["cpu-worker"]), Role(f"dispatcher-{policy}", ["dispatcher", "--policy", policy])]
-    roles += [Role(f"worker-{i}", ["worker", "--device", "cpu", "--worker-id", f"w{i}"]) for i in range(workers)]
+    roles = [
+        Role("cpu-worker", ["cpu-worker"]),
+        Role(f"dispatcher-{policy}", ["dispatcher", "--policy", policy]),
+    ]
+    roles += [
+        Role(f"worker-{i}", ["worker", "--device", "cpu", "--worker-id", f"w{i}"])
+        for i in range(workers)
+    ]
     return Stack(settings, roles)
 
 
@@ -75,9 +81,18 @@ def _submit_trace(cfg, app, jobstate, blobs, refs, trace, prefix: str) -> list[s
     start, job_ids = time.time(), []
     for request in trace:
         time.sleep(max(0.0, start + request.arrival_s - time.time()))
-        job = EditJob(job_id=f"{prefix}-{request.index}", model_id="tiny-sd2-inpaint",
-                      template_ref=template_refs[request.template], mask_ref=mask_refs[request.index], prompt=PROMPT,
-                      seed=request.seed, steps=cfg.steps, guidance=7.5, resolution=cfg.size, submitted_at=time.time())
+        job = EditJob(
+            job_id=f"{prefix}-{request.index}",
+            model_id="tiny-sd2-inpaint",
+            template_ref=template_refs[request.template],
+            mask_ref=mask_refs[request.index],
+            prompt=PROMPT,
+            seed=request.seed,
+            steps=cfg.steps,
+            guidance=7.5,
+            resolution=cfg.size,
+            submitted_at=time.time(),
+        )
         jobstate.create(job.job_id)
         submit_edit(app, job)
         job_ids.append(job.job_id)
@@ -105,11 +120,31 @@ def run_real_route_bench(cfg: RealRouteConfig, settings: Settings, progress=prin
     client, blobs = Redis.from_url(url), BlobStore(settings.paths.data_dir / "blobs")
     jobstate, app = JobStateStore(client), make_celery(settings)
     trace = poisson_trace(cfg.rps, cfg.duration_s, cfg.num_templates, cfg.mask_mean, seed=cfg.seed)
-    refs = ([blobs.put("uploads", f"route-t{i}.png", _png(sample_template(cfg.size, cfg.size, seed=500 + i)))
-             for i in range(cfg.num_templates)],
-            [blobs.put("uploads", f"route-m{r.index}.png", _png(Image.fromarray(
-                synthetic_mask(cfg.size, cfg.size, r.mask_ratio, seed=r.seed).astype(np.uint8) * 255)))
-             for r in trace])
+    refs = (
+        [
+            blobs.put(
+                "uploads",
+                f"route-t{i}.png",
+                _png(sample_template(cfg.size, cfg.size, seed=500 + i)),
+            )
+            for i in range(cfg.num_templates)
+        ],
+        [
+            blobs.put(
+                "uploads",
+                f"route-m{r.index}.png",
+                _png(
+                    Image.fromarray(
+                        synthetic_mask(cfg.size, cfg.size, r.mask_ratio, seed=r.seed).astype(
+                            np.uint8
+                        )
+                        * 255
+                    )
+                ),
+            )
+            for r in trace
+        ],
+    )
     results = {}
     try:
         for policy in ("warm-up",) + tuple(cfg.policies):
@@ -117,8 +152,14 @@ def run_real_route_bench(cfg: RealRouteConfig, settings: Settings, progress=prin
             stack.start()
             try:
                 _wait_for_workers(client, cfg.workers)
-                jobs = trace if policy != "warm-up" else [r for r in trace if r.index < cfg.num_templates * 2]
-                job_ids = _submit_trace(cfg, app, jobstate, blobs, refs, jobs, f"{policy}-{int(time.time())}")
+                jobs = (
+                    trace
+                    if policy != "warm-up"
+                    else [r for r in trace if r.index < cfg.num_templates * 2]
+                )
+                job_ids = _submit_trace(
+                    cfg, app, jobstate, blobs, refs, jobs, f"{policy}-{int(time.time())}"
+                )
                 records = _wait_done(jobstate, job_ids, cfg.timeout_s)
             finally:
                 stack.stop()
@@ -126,10 +167,17 @@ def run_real_route_bench(cfg: RealRouteConfig, settings: Settings, progress=prin
             if policy == "warm-up":
                 continue
             latencies = [r["done_at"] - r["queued_at"] for r in records if r["status"] == "done"]
-            results[policy] = {"jobs": len(records), "done": len(latencies), "avg_s": float(np.mean(latencies)),
-                               "p50_s": percentile(latencies, 50), "p95_s": percentile(latencies, 95)}
-            progress(f"{policy:16s} P95 {results[policy]['p95_s']:.2f} s  avg {results[policy]['avg_s']:.2f} s  "
-                     f"{results[policy]['done']}/{results[policy]['jobs']} done")
+            results[policy] = {
+                "jobs": len(records),
+                "done": len(latencies),
+                "avg_s": float(np.mean(latencies)),
+                "p50_s": percentile(latencies, 50),
+                "p95_s": percentile(latencies, 95),
+            }
+            progress(
+                f"{policy:16s} P95 {results[policy]['p95_s']:.2f} s  avg {results[policy]['avg_s']:.2f} s  "
+                f"{results[policy]['done']}/{results[policy]['jobs']} done"
+            )
     finally:
         client.close()
         if server is not None:

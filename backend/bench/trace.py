@@ -25,11 +25,13 @@ class TraceRequest:
 
 def zipf_weights(num_templates: int, exponent: float) -> np.ndarray:
     ranks = np.arange(1, num_templates + 1, dtype=np.float64)
-    weights = ranks ** -exponent
+    weights = ranks**-exponent
     return weights / weights.sum()
 
 
-def mask_ratios(rng: np.random.Generator, count: int, mean: float, concentration: float = 6.0) -> np.ndarray:
+def mask_ratios(
+    rng: np.random.Generator, count: int, mean: float, concentration: float = 6.0
+) -> np.ndarray:
     """Beta(a, b) draws with mean ``mean``; ``concentration`` = a + b (smaller: more spread)."""
     if not 0.0 < mean < 1.0:
         raise ValueError(f"mean mask ratio must be in (0, 1), got {mean}")
@@ -37,8 +39,15 @@ def mask_ratios(rng: np.random.Generator, count: int, mean: float, concentration
     return np.clip(rng.beta(alpha, beta, size=count), 0.02, 0.9)
 
 
-def poisson_trace(rps: float, duration_s: float, num_templates: int, mask_mean: float, seed: int = 0,
-                  zipf_exponent: float = 1.1, burst_factor: float = 1.0) -> list[TraceRequest]:
+def poisson_trace(
+    rps: float,
+    duration_s: float,
+    num_templates: int,
+    mask_mean: float,
+    seed: int = 0,
+    zipf_exponent: float = 1.1,
+    burst_factor: float = 1.0,
+) -> list[TraceRequest]:
     """Requests arriving over ``duration_s`` at ``rps`` on average.
 
     ``burst_factor`` > 1 alternates calm and busy periods (rate / f and rate * f, 2 s each, same mean
@@ -55,8 +64,12 @@ def poisson_trace(rps: float, duration_s: float, num_templates: int, mask_mean: 
         if now >= duration_s:
             break
         arrivals.append(now)
-    templates = rng.choice(num_templates, size=len(arrivals), p=zipf_weights(num_templates, zipf_exponent))
+    templates = rng.choice(
+        num_templates, size=len(arrivals), p=zipf_weights(num_templates, zipf_exponent)
+    )
     ratios = mask_ratios(rng, len(arrivals), mask_mean)
     seeds = rng.integers(0, 2**31 - 1, size=len(arrivals))
-    return [TraceRequest(i, float(a), int(t), float(r), int(s))
-            for i, (a, t, r, s) in enumerate(zip(arrivals, templates, ratios, seeds))]
+    return [
+        TraceRequest(i, float(a), int(t), float(r), int(s))
+        for i, (a, t, r, s) in enumerate(zip(arrivals, templates, ratios, seeds))
+    ]

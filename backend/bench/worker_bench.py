@@ -50,7 +50,9 @@ class BenchConfig:
     rps: float = 2.0
     duration_s: float = 30.0
     num_templates: int = 24
-    ram_templates: int = 6  # RAM tier budget, in templates (fewer than the trace uses: spills to disk)
+    ram_templates: int = (
+        6  # RAM tier budget, in templates (fewer than the trace uses: spills to disk)
+    )
     mask_mean: float = 0.11
     steps: int = 20
     size: int = 256
@@ -120,28 +122,53 @@ def _png(image) -> bytes:
     return buffer.getvalue()
 
 
-def _prepare_inputs(cfg: BenchConfig, settings: Settings, engine, trace: list[TraceRequest], blobs: BlobStore) -> _Inputs:
+def _prepare_inputs(
+    cfg: BenchConfig, settings: Settings, engine, trace: list[TraceRequest], blobs: BlobStore
+) -> _Inputs:
     """Template and mask files for the trace, and every template's cache recorded on disk (not timed)."""
     params = edit_params(engine.spec, settings, steps=cfg.steps, size=cfg.size)
     template_refs, entry_bytes = [], []
     for index in tqdm(range(cfg.num_templates), desc="recording template caches"):
         image = sample_template(cfg.size, cfg.size, seed=1000 + index)
         template_refs.append(blobs.put("templates", f"bench-{index}.png", _png(image)))
-        entry_bytes.append((engine.lookup(image, params) or engine.prepare_template(image, params)).bytes_total)
+        entry_bytes.append(
+            (engine.lookup(image, params) or engine.prepare_template(image, params)).bytes_total
+        )
     from PIL import Image
 
-    mask_refs = [blobs.put("masks", f"bench-{r.index}.png", _png(Image.fromarray(
-        synthetic_mask(cfg.size, cfg.size, r.mask_ratio, seed=r.seed).astype(np.uint8) * 255))) for r in trace]
+    mask_refs = [
+        blobs.put(
+            "masks",
+            f"bench-{r.index}.png",
+            _png(
+                Image.fromarray(
+                    synthetic_mask(cfg.size, cfg.size, r.mask_ratio, seed=r.seed).astype(np.uint8)
+                    * 255
+                )
+            ),
+        )
+        for r in trace
+    ]
     # The RAM budget is counted in the trace's own entries (the cache directory may hold entries of
     # other models and resolutions, which must not inflate it).
     return _Inputs(template_refs, mask_refs, sum(entry_bytes) / len(entry_bytes))
 
 
-def _edit_job(cfg: BenchConfig, request: TraceRequest, inputs: _Inputs, mode: str, guidance: float) -> EditJob:
-    return EditJob(job_id=f"{mode}-{request.index}", model_id=cfg.model_id,
-                   template_ref=inputs.template_refs[request.template], mask_ref=inputs.mask_refs[request.index],
-                   prompt=PROMPT, seed=request.seed, steps=cfg.steps,
-                   guidance=guidance, resolution=cfg.size, submitted_at=time.time())
+def _edit_job(
+    cfg: BenchConfig, request: TraceRequest, inputs: _Inputs, mode: str, guidance: float
+) -> EditJob:
+    return EditJob(
+        job_id=f"{mode}-{request.index}",
+        model_id=cfg.model_id,
+        template_ref=inputs.template_refs[request.template],
+        mask_ref=inputs.mask_refs[request.index],
+        prompt=PROMPT,
+        seed=request.seed,
+        steps=cfg.steps,
+        guidance=guidance,
+        resolution=cfg.size,
+        submitted_at=time.time(),
+    )
 
 
 # ----- one mode -----------------------------------------------------------------------------------------
@@ -156,22 +183,39 @@ class _Run:
         self.lock = threading.Lock()
         self.inbox = LocalInbox()
         self.sink = LocalSink(on_denoised=None if mode == "inline" else self._post)
-        entry_bytes = inputs.mean_entry_bytes * 1.05  # slack over the mean entry (every file, trajectory included)
-        self.caches = TieredActivationCache(engine.cache_root, int(ram_templates * entry_bytes), 1 << 40,
-                                            policy=settings.cache.policy)
+        entry_bytes = (
+            inputs.mean_entry_bytes * 1.05
+        )  # slack over the mean entry (every file, trajectory included)
+        self.caches = TieredActivationCache(
+            engine.cache_root,
+            int(ram_templates * entry_bytes),
+            1 << 40,
+            policy=settings.cache.policy,
+        )
         stages = None
         if mode == "inline":
             from backend.tasks.core import CpuStages
 
             stages = _TimedStages(CpuStages(settings, engine), self)
-        self.worker = EngineWorker(engine, blobs, self.inbox, self.sink, worker_id=f"bench-{mode}", mode=mode,
-                                   max_batch=cfg.max_batch, caches=self.caches, stages=stages)
+        self.worker = EngineWorker(
+            engine,
+            blobs,
+            self.inbox,
+            self.sink,
+            worker_id=f"bench-{mode}",
+            mode=mode,
+            max_batch=cfg.max_batch,
+            caches=self.caches,
+            stages=stages,
+        )
 
     def _post(self, denoised) -> None:
         future = self.pool.submit(_post_in_process, protocol.encode(denoised))
         future.add_done_callback(lambda f, job_id=denoised.job_id: self._finished(job_id, f))
 
-    def _finished(self, job_id: str, future: Future | None = None, at: float = 0.0, post_s: float = 0.0) -> None:
+    def _finished(
+        self, job_id: str, future: Future | None = None, at: float = 0.0, post_s: float = 0.0
+    ) -> None:
         if future is not None:
             at, post_s = future.result()
         with self.lock:
@@ -210,14 +254,22 @@ class _Run:
         stats = self.worker.stats.snapshot()
         span = max(self.done.values()) - min(self.arrival.values())
         mean = lambda key: float(np.mean([t.get(key, 0.0) for t in timings])) if timings else 0.0  # noqa: E731
-        return dict(num_jobs=len(latencies), avg_latency_s=float(np.mean(latencies)),
-                    p50_latency_s=percentile(latencies, 50), p95_latency_s=percentile(latencies, 95),
-                    throughput_rps=len(latencies) / span, avg_queue_s=mean("queue_s") + mean("wait_s"),
-                    avg_pre_s=mean("pre_s"), avg_post_s=float(np.mean(self.post_s)) if self.post_s else 0.0,
-                    mean_step_s=stats["mean_step_s"], mean_overhead_ms=stats["mean_overhead_s"] * 1e3,
-                    mean_job_work_ms=stats["mean_job_work_s"] * 1e3,
-                    p50_overhead_ms=stats["p50_overhead_s"] * 1e3, mean_batch_rows=stats["mean_batch_rows"],
-                    cache=self.caches.metrics.snapshot())
+        return dict(
+            num_jobs=len(latencies),
+            avg_latency_s=float(np.mean(latencies)),
+            p50_latency_s=percentile(latencies, 50),
+            p95_latency_s=percentile(latencies, 95),
+            throughput_rps=len(latencies) / span,
+            avg_queue_s=mean("queue_s") + mean("wait_s"),
+            avg_pre_s=mean("pre_s"),
+            avg_post_s=float(np.mean(self.post_s)) if self.post_s else 0.0,
+            mean_step_s=stats["mean_step_s"],
+            mean_overhead_ms=stats["mean_overhead_s"] * 1e3,
+            mean_job_work_ms=stats["mean_job_work_s"] * 1e3,
+            p50_overhead_ms=stats["p50_overhead_s"] * 1e3,
+            mean_batch_rows=stats["mean_batch_rows"],
+            cache=self.caches.metrics.snapshot(),
+        )
 
 
 class _TimedStages:
@@ -239,13 +291,23 @@ def run_worker_bench(cfg: BenchConfig, settings: Settings) -> list[ModeResult]:
     torch.set_num_threads(1)
     engine = build_engine(settings, cfg.model_id)
     blobs = BlobStore(settings.paths.data_dir / "blobs")
-    trace = poisson_trace(cfg.rps, cfg.duration_s, cfg.num_templates, cfg.mask_mean, seed=cfg.seed,
-                          burst_factor=cfg.burst_factor)
+    trace = poisson_trace(
+        cfg.rps,
+        cfg.duration_s,
+        cfg.num_templates,
+        cfg.mask_mean,
+        seed=cfg.seed,
+        burst_factor=cfg.burst_factor,
+    )
     inputs = _prepare_inputs(cfg, settings, engine, trace, blobs)
     context = multiprocessing.get_context("spawn")  # never fork a process that holds torch threads
     results = []
-    with ProcessPoolExecutor(1, mp_context=context, initializer=_init_cpu_process,
-                             initargs=(settings.model_dump_json(), cfg.model_id)) as pool:
+    with ProcessPoolExecutor(
+        1,
+        mp_context=context,
+        initializer=_init_cpu_process,
+        initargs=(settings.model_dump_json(), cfg.model_id),
+    ) as pool:
         pool.submit(time.time).result()  # start the CPU process (loads its model) before timing
         runs = [(mode, mode, cfg.ram_templates) for mode in cfg.modes]
         if "continuous" in cfg.modes:
@@ -263,7 +325,9 @@ def run_worker_bench(cfg: BenchConfig, settings: Settings) -> list[ModeResult]:
 def write_outputs(cfg: BenchConfig, results: list[ModeResult], json_path: Path) -> Path:
     json_path = Path(json_path)
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({"config": asdict(cfg), "results": [asdict(r) for r in results]}, indent=1))
+    json_path.write_text(
+        json.dumps({"config": asdict(cfg), "results": [asdict(r) for r in results]}, indent=1)
+    )
     import matplotlib
 
     matplotlib.use("Agg")
@@ -272,12 +336,16 @@ def write_outputs(cfg: BenchConfig, results: list[ModeResult], json_path: Path) 
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [r.label for r in results]
     x = np.arange(len(results))
-    for offset, (name, key) in zip((-0.25, 0, 0.25), (("average", "avg_latency_s"), ("P50", "p50_latency_s"),
-                                                      ("P95", "p95_latency_s"))):
+    for offset, (name, key) in zip(
+        (-0.25, 0, 0.25),
+        (("average", "avg_latency_s"), ("P50", "p50_latency_s"), ("P95", "p95_latency_s")),
+    ):
         ax.bar(x + offset, [getattr(r, key) for r in results], width=0.25, label=name)
     ax.set_xticks(x, labels, rotation=12, fontsize=8)
     ax.set_ylabel("latency (s)")
-    ax.set_title(f"{cfg.model_id}: {cfg.rps} req/s for {cfg.duration_s:.0f} s, mask mean {cfg.mask_mean}")
+    ax.set_title(
+        f"{cfg.model_id}: {cfg.rps} req/s for {cfg.duration_s:.0f} s, mask mean {cfg.mask_mean}"
+    )
     ax.legend()
     fig.tight_layout()
     plot = json_path.with_suffix(".png")

@@ -5,21 +5,47 @@ executes their decisions on files and tensors. The shell's names are imported on
 that importing the core never pulls in torch.
 """
 
-from backend.cache.manager import (CacheManager, CacheMetrics, DeleteFromDisk, DropFromRam, EntryState, Eviction,
-                                   LoadPlan, Residency, SpillToDisk, StorePlan, Tier)
+from backend.cache.manager import (
+    CacheManager,
+    CacheMetrics,
+    DeleteFromDisk,
+    DropFromRam,
+    EntryState,
+    Eviction,
+    LoadPlan,
+    Residency,
+    SpillToDisk,
+    StorePlan,
+    Tier,
+)
 from backend.cache.policies import POLICIES, EvictionPolicy, LFUPolicy, LRUPolicy, PolicyFactory
 
 _SHELL = ("GuardedCacheWriter", "MemoryTemplateCache", "TieredActivationCache")
 
 __all__ = [
-    "CacheManager", "CacheMetrics", "DeleteFromDisk", "DropFromRam", "EntryState", "Eviction", "LoadPlan",
-    "Residency", "SpillToDisk", "StorePlan", "Tier", "POLICIES", "EvictionPolicy", "LFUPolicy", "LRUPolicy",
-    "PolicyFactory", *_SHELL,
+    "CacheManager",
+    "CacheMetrics",
+    "DeleteFromDisk",
+    "DropFromRam",
+    "EntryState",
+    "Eviction",
+    "LoadPlan",
+    "Residency",
+    "SpillToDisk",
+    "StorePlan",
+    "Tier",
+    "POLICIES",
+    "EvictionPolicy",
+    "LFUPolicy",
+    "LRUPolicy",
+    "PolicyFactory",
+    *_SHELL,
 ]
 
 
 def __getattr__(name: str):
     if name in _SHELL:
         from backend.cache import store
+
         return getattr(store, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

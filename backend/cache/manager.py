@@ -161,7 +161,9 @@ class CacheMetrics:
         lookups = self.ram_hits + self.ram_misses
         out["ram_hit_rate"] = self.ram_hits / lookups if lookups else 0.0  # of all lookups
         # of RAM misses, those the disk tier served (read at once, or a prefetch already under way)
-        out["disk_hit_rate"] = (self.disk_hits + self.load_waits) / self.ram_misses if self.ram_misses else 0.0
+        out["disk_hit_rate"] = (
+            (self.disk_hits + self.load_waits) / self.ram_misses if self.ram_misses else 0.0
+        )
         leads = sorted(self.prefetch_lead_s)
         out["prefetch_lead_s_min"] = leads[0] if leads else None
         out["prefetch_lead_s_p50"] = leads[len(leads) // 2] if leads else None
@@ -173,7 +175,12 @@ class CacheManager:
     """Which entries live in which tier, what is reserved, and what to evict. Not thread-safe:
     the shell serialises calls."""
 
-    def __init__(self, ram_budget_bytes: int, disk_budget_bytes: int, policy_factory: PolicyFactory = LRUPolicy):
+    def __init__(
+        self,
+        ram_budget_bytes: int,
+        disk_budget_bytes: int,
+        policy_factory: PolicyFactory = LRUPolicy,
+    ):
         if ram_budget_bytes < 0 or disk_budget_bytes < 0:
             raise ValueError("cache budgets must be >= 0 bytes")
         self.budget_bytes = {Tier.RAM: ram_budget_bytes, Tier.DISK: disk_budget_bytes}
@@ -252,8 +259,9 @@ class CacheManager:
         entry.pins -= 1
 
     # ----- loads (disk -> RAM) -------------------------------------------------------------------
-    def prepare_load(self, entry_id: str, prefetch_at: float | None = None,
-                     spare_prefetched: bool = False) -> LoadPlan | None:
+    def prepare_load(
+        self, entry_id: str, prefetch_at: float | None = None, spare_prefetched: bool = False
+    ) -> LoadPlan | None:
         """Reserve RAM for reading ``entry_id`` from disk. None when there is nothing to load
         (already in RAM, load in flight, or not on disk). ``prefetch_at`` marks a prefetch started
         then; its lead time is recorded at the next ``lookup``. ``spare_prefetched``: a speculative
@@ -286,14 +294,18 @@ class CacheManager:
     def prepare_store(self, entry_id: str, size_bytes: int, tier: Tier) -> StorePlan:
         """Reserve ``size_bytes`` in every tier of ``tier`` for a new entry, evicting as needed."""
         if entry_id in self._entries:
-            raise ValueError(f"cache entry {entry_id} already exists: forget it before storing it again")
+            raise ValueError(
+                f"cache entry {entry_id} already exists: forget it before storing it again"
+            )
         if not tier:
             raise ValueError("store into at least one tier")
         for one in (Tier.DISK, Tier.RAM):
             if one in tier and not self._can_fit(one, size_bytes):
                 self.metrics.store_failures += 1
-                reason = (f"{size_bytes} bytes do not fit the {one.name} budget of {self.budget_bytes[one]} "
-                          f"bytes even after evicting every unpinned entry")
+                reason = (
+                    f"{size_bytes} bytes do not fit the {one.name} budget of {self.budget_bytes[one]} "
+                    f"bytes even after evicting every unpinned entry"
+                )
                 return StorePlan(entry_id, size_bytes, tier, ok=False, reason=reason)
         entry = self._entries[entry_id] = EntryState(entry_id, size_bytes)
         self._update(entry, storing=tier)
@@ -310,7 +322,9 @@ class CacheManager:
             return
         if ok:
             stored = entry.storing
-            self._update(entry, storing=Tier(0), in_ram=Tier.RAM in stored, on_disk=Tier.DISK in stored)
+            self._update(
+                entry, storing=Tier(0), in_ram=Tier.RAM in stored, on_disk=Tier.DISK in stored
+            )
         else:
             self.metrics.store_failures += 1
             self._remove(entry)
@@ -338,12 +352,22 @@ class CacheManager:
         self._remove(entry)
 
     # ----- eviction ------------------------------------------------------------------------------
-    def _candidates(self, tier: Tier, keep: str | None = None, spare_prefetched: bool = False) -> list[EntryState]:
-        return [e for e in self._entries.values() if e.resident(tier) and not e.busy and e.entry_id != keep
-                and not (spare_prefetched and e.prefetched_at is not None)]
+    def _candidates(
+        self, tier: Tier, keep: str | None = None, spare_prefetched: bool = False
+    ) -> list[EntryState]:
+        return [
+            e
+            for e in self._entries.values()
+            if e.resident(tier)
+            and not e.busy
+            and e.entry_id != keep
+            and not (spare_prefetched and e.prefetched_at is not None)
+        ]
 
     def _can_fit(self, tier: Tier, size_bytes: int, spare_prefetched: bool = False) -> bool:
-        evictable = sum(e.size_bytes for e in self._candidates(tier, spare_prefetched=spare_prefetched))
+        evictable = sum(
+            e.size_bytes for e in self._candidates(tier, spare_prefetched=spare_prefetched)
+        )
         return self.used_bytes[tier] + size_bytes - evictable <= self.budget_bytes[tier]
 
     def fits_ram(self, entry_id: str) -> bool:
@@ -352,13 +376,20 @@ class CacheManager:
         entry = self._entries.get(entry_id)
         return entry is not None and entry.size_bytes <= self.budget_bytes[Tier.RAM]
 
-    def _make_room(self, tier: Tier, evictions: list[Eviction], keep: str | None,
-                   spare_prefetched: bool = False) -> None:
+    def _make_room(
+        self,
+        tier: Tier,
+        evictions: list[Eviction],
+        keep: str | None,
+        spare_prefetched: bool = False,
+    ) -> None:
         """Evict policy-chosen victims until ``tier`` is within budget (callers checked ``_can_fit``)."""
         while self.used_bytes[tier] > self.budget_bytes[tier]:
             candidates = {e.entry_id: e for e in self._candidates(tier, keep, spare_prefetched)}
             if not candidates:
-                raise AssertionError(f"{tier.name} over budget with nothing evictable: _can_fit was skipped")
+                raise AssertionError(
+                    f"{tier.name} over budget with nothing evictable: _can_fit was skipped"
+                )
             victim = candidates[self._policies[tier].choose_victim(list(candidates))]
             if tier is Tier.RAM:
                 self._evict_from_ram(victim, evictions)
@@ -372,7 +403,9 @@ class CacheManager:
             evictions.append(DropFromRam(victim.entry_id))
         elif self._can_fit(Tier.DISK, victim.size_bytes):
             self._update(victim, in_ram=False, on_disk=True)
-            self._make_room(Tier.DISK, evictions, keep=victim.entry_id)  # deletions run before the spill
+            self._make_room(
+                Tier.DISK, evictions, keep=victim.entry_id
+            )  # deletions run before the spill
             evictions.append(SpillToDisk(victim.entry_id, victim.size_bytes))
             self.metrics.bytes_spilled += victim.size_bytes
         else:  # the disk cannot take it: the entry is lost
@@ -383,7 +416,9 @@ class CacheManager:
         self.metrics.disk_evictions += 1
         evictions.append(DeleteFromDisk(victim.entry_id))
         if victim.in_ram:
-            self._update(victim, on_disk=False)  # still readable from RAM; spilled back if evicted there
+            self._update(
+                victim, on_disk=False
+            )  # still readable from RAM; spilled back if evicted there
         else:
             self._remove(victim)
 

@@ -44,11 +44,29 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 
-from backend.cache.manager import CacheManager, CacheMetrics, DeleteFromDisk, DropFromRam, Eviction, Residency, Tier
+from backend.cache.manager import (
+    CacheManager,
+    CacheMetrics,
+    DeleteFromDisk,
+    DropFromRam,
+    Eviction,
+    Residency,
+    Tier,
+)
 from backend.cache.policies import POLICIES
-from backend.engine.cache_store import (MANIFEST, TRAJECTORY, CacheError, CacheCorruptError, CacheKey,
-                                        CacheMismatchError, CacheWriter, ManifestView, TemplateCache, step_file,
-                                        tensor_name)
+from backend.engine.cache_store import (
+    MANIFEST,
+    TRAJECTORY,
+    CacheCorruptError,
+    CacheError,
+    CacheKey,
+    CacheMismatchError,
+    CacheWriter,
+    ManifestView,
+    TemplateCache,
+    step_file,
+    tensor_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,21 +90,28 @@ class MemoryTemplateCache(ManifestView):
     """
 
     def __init__(self, path: Path, manifest: dict, files: dict[str, dict[str, torch.Tensor]]):
-        self.path, self.manifest = Path(path), manifest  # path: the disk entry it came from (an identity)
+        self.path, self.manifest = (
+            Path(path),
+            manifest,
+        )  # path: the disk entry it came from (an identity)
         self.key = CacheKey(**manifest["key"])
         self._files = files
 
     @classmethod
-    def load(cls, path: Path, pin_memory: bool = False) -> "MemoryTemplateCache":
+    def load(cls, path: Path, pin_memory: bool = False) -> MemoryTemplateCache:
         """Read and verify every file of the entry at ``path``; raises one of ``UNUSABLE``."""
         manifest = TemplateCache.open(path).manifest
         files = {}
         for file_name, digest in manifest["files"].items():
             data = (Path(path) / file_name).read_bytes()
             if hashlib.sha256(data).hexdigest() != digest:
-                raise CacheCorruptError(f"cache file {Path(path) / file_name} fails its checksum", Path(path))
+                raise CacheCorruptError(
+                    f"cache file {Path(path) / file_name} fails its checksum", Path(path)
+                )
             tensors = load_safetensors(data)
-            files[file_name] = {name: t.pin_memory() for name, t in tensors.items()} if pin_memory else tensors
+            files[file_name] = (
+                {name: t.pin_memory() for name, t in tensors.items()} if pin_memory else tensors
+            )
         return cls(path, manifest, files)
 
     def step_tensor(self, step: int, unit: int, name: str) -> torch.Tensor:
@@ -102,8 +127,11 @@ class MemoryTemplateCache(ManifestView):
     def unit_bytes(self, unit: int) -> int:
         """Bytes of one step's tensors for ``unit`` (same for every step)."""
         prefix = tensor_name(unit, "")
-        return sum(t.numel() * t.element_size() for n, t in self._files.get(step_file(0), {}).items()
-                   if n.startswith(prefix))
+        return sum(
+            t.numel() * t.element_size()
+            for n, t in self._files.get(step_file(0), {}).items()
+            if n.startswith(prefix)
+        )
 
     def save(self, root: Path) -> None:
         """Write the entry to ``root/<key digest>`` in the ``cache_store`` layout (a spill)."""
@@ -112,7 +140,9 @@ class MemoryTemplateCache(ManifestView):
         try:
             for file_name, tensors in self._files.items():
                 save_file(tensors, str(tmp / file_name))
-            checksums = {name: hashlib.sha256((tmp / name).read_bytes()).hexdigest() for name in self._files}
+            checksums = {
+                name: hashlib.sha256((tmp / name).read_bytes()).hexdigest() for name in self._files
+            }
             sizes = sum((tmp / name).stat().st_size for name in self._files)
             manifest = {**self.manifest, "files": checksums, "bytes_total": sizes}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -145,8 +175,11 @@ class GuardedCacheWriter(CacheWriter):
             write(*args)
         except OSError as exc:
             self.failed = exc
-            log.warning("cache recording failed entry=%s error=%s: the edit continues without it",
-                        self.key.digest(), exc)
+            log.warning(
+                "cache recording failed entry=%s error=%s: the edit continues without it",
+                self.key.digest(),
+                exc,
+            )
             self.abort()
 
 
@@ -162,20 +195,33 @@ class TieredActivationCache:
     """Template caches in host RAM (``ram_budget_bytes``) above disk entries under ``root``
     (``disk_budget_bytes``); eviction order from ``POLICIES[policy]``. Thread-safe."""
 
-    def __init__(self, root: Path, ram_budget_bytes: int, disk_budget_bytes: int, policy: str = "lru",
-                 pin_memory: bool = False, prefetch_threads: int = 1):
+    def __init__(
+        self,
+        root: Path,
+        ram_budget_bytes: int,
+        disk_budget_bytes: int,
+        policy: str = "lru",
+        pin_memory: bool = False,
+        prefetch_threads: int = 1,
+    ):
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}: choose one of {sorted(POLICIES)}")
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.pin_memory = pin_memory  # the worker sets it on CUDA: host -> device copies can then run async
+        self.pin_memory = (
+            pin_memory  # the worker sets it on CUDA: host -> device copies can then run async
+        )
         self._manager = CacheManager(ram_budget_bytes, disk_budget_bytes, POLICIES[policy])
         self._lock = threading.Lock()
-        self._commit_lock = threading.Lock()  # one commit at a time: two of one key must not interleave
+        self._commit_lock = (
+            threading.Lock()
+        )  # one commit at a time: two of one key must not interleave
         self._ram: dict[str, MemoryTemplateCache] = {}
         self._loads: dict[str, _Load] = {}
         self._seen_ns: dict[str, int] = {}  # entry id -> last manifest mtime this worker set or saw
-        self._executor = ThreadPoolExecutor(max_workers=prefetch_threads, thread_name_prefix="cache-prefetch")
+        self._executor = ThreadPoolExecutor(
+            max_workers=prefetch_threads, thread_name_prefix="cache-prefetch"
+        )
         self._closed = False
         self._register_existing()
 
@@ -203,8 +249,12 @@ class TieredActivationCache:
             for mtime_ns, entry_id, size_bytes in sorted(found):
                 self._seen_ns[entry_id] = mtime_ns
                 self._execute(self._manager.register_disk(entry_id, size_bytes))
-            log.info("cache opened root=%s entries=%d disk_bytes=%d", self.root,
-                     len(self._manager.resident(Tier.DISK)), self._manager.used_bytes[Tier.DISK])
+            log.info(
+                "cache opened root=%s entries=%d disk_bytes=%d",
+                self.root,
+                len(self._manager.resident(Tier.DISK)),
+                self._manager.used_bytes[Tier.DISK],
+            )
 
     def _discover(self, entry_id: str) -> None:
         """Under the lock: an entry this manager does not know but that is complete on disk (another
@@ -222,7 +272,13 @@ class TieredActivationCache:
         if cache.key.digest() == entry_id:
             self._seen_ns[entry_id] = _mtime_ns(path / MANIFEST)
             evictions = self._manager.register_disk(entry_id, cache.bytes_total)
-            self._execute(tuple(e for e in evictions if not (isinstance(e, DeleteFromDisk) and e.entry_id == entry_id)))
+            self._execute(
+                tuple(
+                    e
+                    for e in evictions
+                    if not (isinstance(e, DeleteFromDisk) and e.entry_id == entry_id)
+                )
+            )
 
     def _sync_with_directory(self) -> None:
         """Under the lock: fold in what other workers sharing ``root`` did (module docstring). A
@@ -236,9 +292,15 @@ class TieredActivationCache:
         for entry in self._manager.entries():
             if entry.on_disk and entry.entry_id not in listed:
                 self._manager.disk_gone(entry.entry_id)
-        used_elsewhere = sorted((mtime_ns, entry_id) for entry_id, mtime_ns in listed.items()
-                                if mtime_ns > self._seen_ns.get(entry_id, 0))
-        for mtime_ns, entry_id in used_elsewhere:  # oldest first: the policy's order follows their times
+        used_elsewhere = sorted(
+            (mtime_ns, entry_id)
+            for entry_id, mtime_ns in listed.items()
+            if mtime_ns > self._seen_ns.get(entry_id, 0)
+        )
+        for (
+            mtime_ns,
+            entry_id,
+        ) in used_elsewhere:  # oldest first: the policy's order follows their times
             if self._manager.residency(entry_id) is Residency.MISS:
                 self._discover(entry_id)  # published by another worker: counted against the budget
             else:
@@ -275,8 +337,10 @@ class TieredActivationCache:
             return None
         if handle.key != key:
             self.release(key)
-            raise CacheMismatchError("template cache was recorded for other inputs: "
-                                     + "; ".join(key.mismatches(handle.key)))
+            raise CacheMismatchError(
+                "template cache was recorded for other inputs: "
+                + "; ".join(key.mismatches(handle.key))
+            )
         return handle
 
     def _pending_load(self, entry_id: str, residency: Residency) -> tuple[_Load | None, bool]:
@@ -284,14 +348,19 @@ class TieredActivationCache:
         whether this thread runs it."""
         if residency is Residency.RAM:
             return None, False
-        load = self._loads.get(entry_id) if residency is Residency.LOADING else self._reserve_load(entry_id)
+        load = (
+            self._loads.get(entry_id)
+            if residency is Residency.LOADING
+            else self._reserve_load(entry_id)
+        )
         if load is None or load.claimed:
             return load, False
         load.claimed = True  # run it in this thread rather than queue behind other prefetches
         return load, True
 
-    def _finish_load(self, entry_id: str, load: _Load | None,
-                     run_here: bool) -> MemoryTemplateCache | TemplateCache | None:
+    def _finish_load(
+        self, entry_id: str, load: _Load | None, run_here: bool
+    ) -> MemoryTemplateCache | TemplateCache | None:
         if load is None:
             return self._open_disk(entry_id)
         if run_here:
@@ -345,16 +414,18 @@ class TieredActivationCache:
             on_disk_only = self._manager.residency(entry_id) is Residency.DISK
             return not (on_disk_only and self._manager.fits_ram(entry_id))
 
-    def _load_in_background(self, entry_id: str, prefetch_at: float | None = None,
-                            spare_prefetched: bool = False) -> None:
+    def _load_in_background(
+        self, entry_id: str, prefetch_at: float | None = None, spare_prefetched: bool = False
+    ) -> None:
         if self._closed:
             return
         load = self._reserve_load(entry_id, prefetch_at, spare_prefetched)
         if load is not None:
             self._executor.submit(self._claim_and_run, entry_id, load)
 
-    def _reserve_load(self, entry_id: str, prefetch_at: float | None = None,
-                      spare_prefetched: bool = False) -> _Load | None:
+    def _reserve_load(
+        self, entry_id: str, prefetch_at: float | None = None, spare_prefetched: bool = False
+    ) -> _Load | None:
         """Under the lock: reserve RAM and make room; None when the entry cannot fit in RAM now."""
         plan = self._manager.prepare_load(entry_id, prefetch_at, spare_prefetched)
         if plan is None or not plan.ok:
@@ -387,8 +458,12 @@ class TieredActivationCache:
                 self._discard(entry_id, error)
             elif self._manager.residency(entry_id) is Residency.RAM:
                 self._ram[entry_id] = handle
-                log.debug("cache load entry=%s bytes=%d seconds=%.3f", entry_id, handle.bytes_total,
-                          time.perf_counter() - started)
+                log.debug(
+                    "cache load entry=%s bytes=%d seconds=%.3f",
+                    entry_id,
+                    handle.bytes_total,
+                    time.perf_counter() - started,
+                )
             else:
                 handle = None  # forgotten while loading
         load.done.set_result(handle)
@@ -404,7 +479,9 @@ class TieredActivationCache:
             return None
 
     # ----- recording -------------------------------------------------------------------------------
-    def writer(self, key: CacheKey, num_units: int, halves: int, dtype: torch.dtype) -> GuardedCacheWriter | None:
+    def writer(
+        self, key: CacheKey, num_units: int, halves: int, dtype: torch.dtype
+    ) -> GuardedCacheWriter | None:
         """A writer for a new recording of ``key`` (None when even its temporary directory fails)."""
         try:
             return GuardedCacheWriter(self.root, key, num_units, halves, dtype)
@@ -442,15 +519,21 @@ class TieredActivationCache:
                     return None
                 self._execute(plan.evictions)
                 self._manager.complete_store(entry_id, ok=True)
-                self._seen_ns[entry_id] = _mtime_ns(disk.path / MANIFEST)  # our own write, not a use elsewhere
-                self._load_in_background(entry_id, spare_prefetched=True)  # likely edited again: speculative
+                self._seen_ns[entry_id] = _mtime_ns(
+                    disk.path / MANIFEST
+                )  # our own write, not a use elsewhere
+                self._load_in_background(
+                    entry_id, spare_prefetched=True
+                )  # likely edited again: speculative
         return disk
 
     def _store_failed(self, writer: GuardedCacheWriter, exc: Exception) -> None:
         entry_id = writer.key.digest()
         log.warning("cache commit failed entry=%s error=%s", entry_id, exc)
         writer.abort()
-        shutil.rmtree(self.root / entry_id, ignore_errors=True)  # unregistered: ours if anything is there
+        shutil.rmtree(
+            self.root / entry_id, ignore_errors=True
+        )  # unregistered: ours if anything is there
         with self._lock:
             self._manager.metrics.store_failures += 1
 

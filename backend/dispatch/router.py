@@ -89,8 +89,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from backend.engine.costs import CostProfile, LinearModel, RowWork, batch_unit_costs, unit_flops
-from backend.engine.plan import solve_plan
+from backend.costmodel.costs import CostProfile, LinearModel, RowWork, batch_unit_costs, unit_flops
+from backend.costmodel.plan import solve_plan
+from backend.costmodel.profiles import all_profiles, device_kind
+from backend.models.catalog import UnknownModelError, rows_per_request
 
 POLICIES = ("mask_aware", "flashps", "round_robin", "fewest_requests", "fewest_tokens")
 DEFAULT_DISK_READ_S_PER_BYTE = 1e-9  # 1 GB/s
@@ -142,25 +144,46 @@ class Decision:
     costs: dict[str, float]  # candidate worker id -> the policy's cost (lower wins)
 
 
-def device_kind(device: str) -> str:
-    """'cuda:1' -> 'cuda', 'cpu' -> 'cpu': profiles are fitted per device kind."""
-    return "cuda" if device.startswith("cuda") else device.split(":", 1)[0]
-
-
 def view_from_heartbeat(beat) -> WorkerView:
     """A router's view of a ``backend.protocol.WorkerHeartbeat`` (waiting rows: remaining = num_steps)."""
-    running = tuple(RowState(str(r["job_id"]), float(r["mask_ratio"]), int(r["remaining_steps"]),
-                             str(r.get("template", ""))) for r in beat.running)
-    waiting = tuple(RowState(str(r["job_id"]), float(r["mask_ratio"]), int(r["num_steps"]),
-                             str(r.get("template", ""))) for r in beat.waiting)
-    return WorkerView(beat.worker_id, beat.model_id, beat.device, int(beat.max_batch), running, waiting,
-                      frozenset(beat.resident_ram), frozenset(beat.resident_disk))
+    running = tuple(
+        RowState(
+            str(r["job_id"]),
+            float(r["mask_ratio"]),
+            int(r["remaining_steps"]),
+            str(r.get("template", "")),
+        )
+        for r in beat.running
+    )
+    waiting = tuple(
+        RowState(
+            str(r["job_id"]),
+            float(r["mask_ratio"]),
+            int(r["num_steps"]),
+            str(r.get("template", "")),
+        )
+        for r in beat.waiting
+    )
+    return WorkerView(
+        beat.worker_id,
+        beat.model_id,
+        beat.device,
+        int(beat.max_batch),
+        running,
+        waiting,
+        frozenset(beat.resident_ram),
+        frozenset(beat.resident_disk),
+    )
 
 
 def default_rows_per_request(model_id: str) -> int:
-    """Engine rows per request: 2 with classifier-free guidance (SD2/SDXL inpaint), 1 for Flux Fill
-    (guidance embedding), as ``backend.models.registry`` decides ``uses_cfg``."""
-    return 1 if "flux-fill" in model_id else 2
+    """Engine rows per request of ``model_id``, from the model catalog (2 with classifier-free
+    guidance, 1 for Flux Fill's guidance embedding); 2 for a model the catalog cannot resolve
+    on this host (a checkpoint directory only the workers have)."""
+    try:
+        return rows_per_request(model_id)
+    except UnknownModelError:
+        return 2
 
 
 class RoutingCostModel:
@@ -169,12 +192,19 @@ class RoutingCostModel:
     A row is ``(mask_ratio, template, cached)``; ``cached=False`` computes densely and loads nothing.
     """
 
-    def __init__(self, profile: CostProfile, disk_read_s_per_byte: float = DEFAULT_DISK_READ_S_PER_BYTE,
-                 rows_per_request: int | None = None, planner: str = "greedy"):
+    def __init__(
+        self,
+        profile: CostProfile,
+        disk_read_s_per_byte: float = DEFAULT_DISK_READ_S_PER_BYTE,
+        rows_per_request: int | None = None,
+        planner: str = "greedy",
+    ):
         if planner not in PLANNERS:
             raise ValueError(f"planner must be one of {PLANNERS}, got {planner!r}")
         if not profile.units or not disk_read_s_per_byte >= 0:
-            raise ValueError(f"{profile.model_id}: a cost model needs units and disk_read_s_per_byte >= 0")
+            raise ValueError(
+                f"{profile.model_id}: a cost model needs units and disk_read_s_per_byte >= 0"
+            )
         self.profile, self.planner = profile, planner
         self.model_id, self.device = profile.model_id, device_kind(profile.device)
         self.disk_read_s_per_byte = float(disk_read_s_per_byte)
@@ -184,13 +214,25 @@ class RoutingCostModel:
         shapes: dict[tuple, int] = {}
         groups, seq, prev = [], [], None
         for unit in profile.units:
-            key = (unit.num_tokens, unit.hidden_dim, unit.num_text_tokens, unit.ffn_mult, unit.cache_bytes)
+            key = (
+                unit.num_tokens,
+                unit.hidden_dim,
+                unit.num_text_tokens,
+                unit.ffn_mult,
+                unit.cache_bytes,
+            )
             if key not in shapes:
                 shapes[key] = len(groups)
                 text = unit_flops(unit, 0, dense=False)  # the text tokens' K/V projections
                 per_query = unit_flops(unit, 1, dense=False) - text
-                load = max(0.0, max(0.0, profile.load.slope) * unit.cache_bytes + profile.load.intercept) \
-                    if unit.cache_bytes > 0 else 0.0
+                load = (
+                    max(
+                        0.0,
+                        max(0.0, profile.load.slope) * unit.cache_bytes + profile.load.intercept,
+                    )
+                    if unit.cache_bytes > 0
+                    else 0.0
+                )
                 groups.append((unit.num_tokens, per_query, text, load))
             seq.append((shapes[key], prev is not None and unit.stack_id == prev))
             prev = unit.stack_id
@@ -201,10 +243,15 @@ class RoutingCostModel:
                 self._runs[-1][1] += 1
             else:
                 self._runs.append([g, 1, same])
-        counts, rpr = [sum(1 for g, _ in seq if g == i) for i in range(len(groups))], self.rows_per_request
+        counts, rpr = (
+            [sum(1 for g, _ in seq if g == i) for i in range(len(groups))],
+            self.rows_per_request,
+        )
         self._ntoks = tuple(g[0] for g in groups)
         self._wcoef = tuple((rpr * c * g[1], rpr * c * g[2]) for c, g in zip(counts, groups))
-        self._gload = tuple(c * g[3] for c, g in zip(counts, groups))  # one template's loads per step, per shape
+        self._gload = tuple(
+            c * g[3] for c, g in zip(counts, groups)
+        )  # one template's loads per step, per shape
         self.step_cache_bytes = sum(u.cache_bytes for u in profile.units)
         self._rows: dict[tuple[float, bool], tuple[tuple[int, ...], float]] = {}
 
@@ -231,7 +278,11 @@ class RoutingCostModel:
             load = self._gload[0] if cached and toks[0] < self._ntoks[0] else 0.0
         else:
             weight = sum([t * a + b for t, (a, b) in zip(toks, self._wcoef)])
-            load = sum([ld for t, n, ld in zip(toks, self._ntoks, self._gload) if t < n]) if cached else 0.0
+            load = (
+                sum([ld for t, n, ld in zip(toks, self._ntoks, self._gload) if t < n])
+                if cached
+                else 0.0
+            )
         hit = self._rows[(ratio, cached)] = (toks, weight, load)
         return hit
 
@@ -246,7 +297,11 @@ class RoutingCostModel:
         costs = []
         for g, (num_tokens, per_query, text, load) in enumerate(self._groups):
             masked = sum([t[g] for t in toks])
-            templates = len({m for t, m in zip(toks, tmpls) if m is not None and t[g] < num_tokens}) if load else 0
+            templates = (
+                len({m for t, m in zip(toks, tmpls) if m is not None and t[g] < num_tokens})
+                if load
+                else 0
+            )
             cw = slope * (rpr * masked * per_query + n * text) + icpt
             cwo = slope * n * (num_tokens * per_query + text) + icpt
             costs.append((cw if cw > 0 else 0.0, cwo if cwo > 0 else 0.0, templates * load))
@@ -256,7 +311,9 @@ class RoutingCostModel:
             cw, cwo, lt = costs[g]
             forced = monotone and cont and prev_cached
             while k:
-                if forced:  # k identical cached units at once: max-plus closed form of the recurrence
+                if (
+                    forced
+                ):  # k identical cached units at once: max-plus closed form of the recurrence
                     comp = max(comp + k * cw, load_t + max(lt + k * cw, k * lt + cw))
                     load_t, prev_cached, k = load_t + k * lt, True, 0
                     break
@@ -272,11 +329,20 @@ class RoutingCostModel:
     def _exact(self, toks, tmpls) -> float:
         """Reference: ``solve_plan`` over ``batch_unit_costs`` (slopes clamped as above)."""
         p = self.profile
-        profile = replace(p, compute=LinearModel(self._cslope, p.compute.intercept, p.compute.r2),
-                          load=LinearModel(max(0.0, p.load.slope), p.load.intercept, p.load.r2))
-        work = [RowWork({u.stack_id: tk[g] for u, (g, _) in zip(p.units, self._seq)}, tm or f"dense{i}",
-                        needs_load=tm is not None)
-                for i, (tk, tm) in enumerate(zip(toks, tmpls)) for _ in range(self.rows_per_request)]
+        profile = replace(
+            p,
+            compute=LinearModel(self._cslope, p.compute.intercept, p.compute.r2),
+            load=LinearModel(max(0.0, p.load.slope), p.load.intercept, p.load.r2),
+        )
+        work = [
+            RowWork(
+                {u.stack_id: tk[g] for u, (g, _) in zip(p.units, self._seq)},
+                tm or f"dense{i}",
+                needs_load=tm is not None,
+            )
+            for i, (tk, tm) in enumerate(zip(toks, tmpls))
+            for _ in range(self.rows_per_request)
+        ]
         if len({u.stack_id for u in p.units}) != len({(u.stack_id, u.num_tokens) for u in p.units}):
             raise ValueError("planner='exact' needs one token grid per stack")
         costs = batch_unit_costs(profile, work)
@@ -284,7 +350,9 @@ class RoutingCostModel:
 
     def step_latency(self, rows: Sequence[tuple[float, str, bool]]) -> float:
         """Seconds of one denoising step of a batch of requests ``(mask_ratio, template, cached)``."""
-        return self._latency([self._row(m, c)[0] for m, _, c in rows], [t if c else None for _, t, c in rows])
+        return self._latency(
+            [self._row(m, c)[0] for m, _, c in rows], [t if c else None for _, t, c in rows]
+        )
 
     def disk_read_s(self, num_steps: int) -> float:
         """One read of a template's trajectory cache (``num_steps`` steps of unit caches) from disk."""
@@ -294,21 +362,37 @@ class RoutingCostModel:
     def paper_cost(self, job: JobRequest, view: WorkerView) -> float:
         """FlashPS Algorithm 2: T(running batch + J) with every cached template in RAM, times n_J.
         The running batch includes the waiting rows that join it at the next step (dispatched)."""
-        rows = (*view.running, *view.waiting[:max(0, view.max_batch - len(view.running))], job)
-        return self._latency([self._row(r.mask_ratio, bool(r.template))[0] for r in rows],
-                             [r.template or None for r in rows]) * job.num_steps
+        rows = (*view.running, *view.waiting[: max(0, view.max_batch - len(view.running))], job)
+        return (
+            self._latency(
+                [self._row(r.mask_ratio, bool(r.template))[0] for r in rows],
+                [r.template or None for r in rows],
+            )
+            * job.num_steps
+        )
 
     def tier(self, template: str, view: WorkerView) -> str:
         """'ram', 'disk', 'absent' (the row records densely) or 'none' (no template: dense)."""
         if not template:
             return "none"
-        return "ram" if template in view.resident_ram else "disk" if template in view.resident_disk else "absent"
+        return (
+            "ram"
+            if template in view.resident_ram
+            else "disk"
+            if template in view.resident_disk
+            else "absent"
+        )
 
-    def estimate(self, job: JobRequest, view: WorkerView, memo: dict | None = None) -> dict[str, float]:
+    def estimate(
+        self, job: JobRequest, view: WorkerView, memo: dict | None = None
+    ) -> dict[str, float]:
         """Completion-time estimate of ``job`` on ``view`` (module docstring): wait, run, residency,
         total. ``memo``: a dict shared by the estimates of one job on several workers (T(J) reuse)."""
-        cached = {r.template for r in (*view.running, *view.waiting)
-                  if r.template and (r.template in view.resident_ram or r.template in view.resident_disk)}
+        cached = {
+            r.template
+            for r in (*view.running, *view.waiting)
+            if r.template and (r.template in view.resident_ram or r.template in view.resident_disk)
+        }
         toks, weights, loads, tmpls = [], [], [], []
         for r in (*view.running, *view.waiting):
             c = r.template in cached
@@ -320,8 +404,14 @@ class RoutingCostModel:
         finish = [max(0, r.remaining_steps) for r in view.running]
         tier = "ram" if job.template in cached else self.tier(job.template, view)
         # a running row recording t_J (t_J in no tier of W): J waits for that cache, then reads it
-        recorder = min((max(0, r.remaining_steps) for r in view.running if r.template == job.template),
-                       default=None) if tier == "absent" else None
+        recorder = (
+            min(
+                (max(0, r.remaining_steps) for r in view.running if r.template == job.template),
+                default=None,
+            )
+            if tier == "absent"
+            else None
+        )
         jc = tier in ("ram", "disk") or recorder is not None
         jtoks = self._row(job.mask_ratio, jc)[0]
         jtmpl = job.template if jc else None
@@ -357,33 +447,50 @@ class RoutingCostModel:
             for _, i in co:
                 readers[tmpls[i]] = readers.get(tmpls[i], 0) + 1
             cs = self._cslope
-            share = [(o, weights[i] * cs + loads[i] / readers[tmpls[i]]) for o, i in co]  # dense rows: load 0
+            share = [
+                (o, weights[i] * cs + loads[i] / readers[tmpls[i]]) for o, i in co
+            ]  # dense rows: load 0
             total_w = sum([w for _, w in share])
             phi = sum([o * w for o, w in share]) / (n * total_w) if total_w > 0 else 1.0
             run = n * (t_job + phi * (t_full - t_job))
-            if not jc:  # J computes densely (records): what it costs its co-runners dwarfs its own wait
+            if (
+                not jc
+            ):  # J computes densely (records): what it costs its co-runners dwarfs its own wait
                 slowdown = max(0.0, t_full - self._latency(co_toks, co_tmpls))
                 imposed = slowdown * sum([o for o, _ in co])
         residency = 0.0
         if tier == "disk":
-            pending, seen = 0.0, set()  # W reads one template at a time: those its waiting rows prefetch first
+            pending, seen = (
+                0.0,
+                set(),
+            )  # W reads one template at a time: those its waiting rows prefetch first
             for r in view.waiting:
                 t = r.template
                 if t and t not in seen and t in view.resident_disk and t not in view.resident_ram:
                     seen.add(t)
                     pending += self.disk_read_s(max(1, r.remaining_steps))
-            residency = max(0.0, pending + self.disk_read_s(n) - wait)  # J is held until its read lands
+            residency = max(
+                0.0, pending + self.disk_read_s(n) - wait
+            )  # J is held until its read lands
         elif recorder is not None:  # held until W's recording of t_J is committed and read into RAM
             residency = max(0.0, recorder * t_first + self.disk_read_s(n) - wait)
-        return {"wait": wait, "run": run, "residency": residency, "imposed": imposed,
-                "total": wait + run + residency + imposed, "admit_step": float(admit)}
+        return {
+            "wait": wait,
+            "run": run,
+            "residency": residency,
+            "imposed": imposed,
+            "total": wait + run + residency + imposed,
+            "admit_step": float(admit),
+        }
 
 
-def load_cost_models(profiles_dir: Path, mode: str = "kv", **kwargs) -> dict[tuple[str, str], RoutingCostModel]:
+def load_cost_models(
+    profiles_dir: Path, mode: str = "kv", **kwargs
+) -> dict[tuple[str, str], RoutingCostModel]:
     """A cost model per (model_id, device kind) from every ``*__{mode}.json`` profile in ``profiles_dir``."""
     models = {}
-    for path in sorted(Path(profiles_dir).glob(f"*__{mode}.json")):
-        model = RoutingCostModel.from_profile(CostProfile.from_json(path.read_text()), **kwargs)
+    for profile in all_profiles(profiles_dir, mode):
+        model = RoutingCostModel.from_profile(profile, **kwargs)
         models[(model.model_id, model.device)] = model
     return models
 
@@ -391,15 +498,28 @@ def load_cost_models(profiles_dir: Path, mode: str = "kv", **kwargs) -> dict[tup
 class Router:
     """Chooses a worker per job (module docstring); holds only round-robin positions as state."""
 
-    def __init__(self, policy: str, cost_models: Mapping[tuple[str, str], RoutingCostModel] | None = None,
-                 default_cost_model: RoutingCostModel | None = None, allow_queueing: bool = True,
-                 queue_depth: int = 0):
+    def __init__(
+        self,
+        policy: str,
+        cost_models: Mapping[tuple[str, str], RoutingCostModel] | None = None,
+        default_cost_model: RoutingCostModel | None = None,
+        allow_queueing: bool = True,
+        queue_depth: int = 0,
+    ):
         if queue_depth < 0:
             raise ValueError(f"queue_depth must be >= 0, got {queue_depth}")
         if policy not in POLICIES:
-            raise ValueError(f"unknown routing policy {policy!r}; expected one of {', '.join(POLICIES)}")
-        self.policy, self.allow_queueing, self.default_cost_model = policy, allow_queueing, default_cost_model
-        self.queue_depth = queue_depth  # waiting rows a worker may hold beyond max_batch and still have slack
+            raise ValueError(
+                f"unknown routing policy {policy!r}; expected one of {', '.join(POLICIES)}"
+            )
+        self.policy, self.allow_queueing, self.default_cost_model = (
+            policy,
+            allow_queueing,
+            default_cost_model,
+        )
+        self.queue_depth = (
+            queue_depth  # waiting rows a worker may hold beyond max_batch and still have slack
+        )
         self.cost_models = {(m, device_kind(d)): cm for (m, d), cm in (cost_models or {}).items()}
         self._last: dict[str, str] = {}  # model id -> worker id last chosen by round_robin
 
@@ -407,29 +527,44 @@ class Router:
         return self.cost_models.get((model_id, device_kind(device)), self.default_cost_model)
 
     def choose(self, job: JobRequest, workers: Sequence[WorkerView]) -> Decision:
-        serving = sorted((w for w in workers if w.model_id == job.model_id), key=lambda w: w.worker_id)
+        serving = sorted(
+            (w for w in workers if w.model_id == job.model_id), key=lambda w: w.worker_id
+        )
         if not serving:
             return Decision(None, self.policy, f"no live worker serves {job.model_id}", {})
         candidates, note = [w for w in serving if w.slack + self.queue_depth > 0], ""
         if not candidates:
             if not self.allow_queueing:
-                return Decision(None, self.policy, f"every worker serving {job.model_id} is full", {})
+                return Decision(
+                    None, self.policy, f"every worker serving {job.model_id} is full", {}
+                )
             fewest = min(w.load for w in serving)
             candidates = [w for w in serving if w.load == fewest]
             note = f"; all full, queued on the least loaded ({fewest} rows)"
         policy = self.policy
         if policy in ("mask_aware", "flashps"):
-            missing = sorted({device_kind(w.device) for w in candidates
-                              if self.cost_model(job.model_id, w.device) is None})
+            missing = sorted(
+                {
+                    device_kind(w.device)
+                    for w in candidates
+                    if self.cost_model(job.model_id, w.device) is None
+                }
+            )
             if missing:
                 policy = "fewest_requests"
                 note += f"; no cost model for {job.model_id} on {', '.join(missing)}: fell back to fewest_requests"
         if policy == "round_robin":
             last = self._last.get(job.model_id)
-            pick = next((w for w in candidates if last is None or w.worker_id > last), candidates[0])
+            pick = next(
+                (w for w in candidates if last is None or w.worker_id > last), candidates[0]
+            )
             self._last[job.model_id] = pick.worker_id
-            return Decision(pick.worker_id, policy, f"round_robin: next after {last}{note}",
-                            {w.worker_id: float(i) for i, w in enumerate(candidates)})
+            return Decision(
+                pick.worker_id,
+                policy,
+                f"round_robin: next after {last}{note}",
+                {w.worker_id: float(i) for i, w in enumerate(candidates)},
+            )
         costs, detail, memo = {}, {}, {}  # type: ignore[var-annotated]
         for w in candidates:
             cm = self.cost_model(job.model_id, w.device)
@@ -445,8 +580,10 @@ class Router:
         best = min(candidates, key=lambda w: (costs[w.worker_id], w.worker_id)).worker_id
         if policy == "mask_aware":
             d = detail[best]
-            why = (f"min estimated completion {d['total']:.3f} s (wait {d['wait']:.3f} + run {d['run']:.3f}"
-                   f" + residency {d['residency']:.3f} + imposed {d['imposed']:.3f})")
+            why = (
+                f"min estimated completion {d['total']:.3f} s (wait {d['wait']:.3f} + run {d['run']:.3f}"
+                f" + residency {d['residency']:.3f} + imposed {d['imposed']:.3f})"
+            )
         else:
             why = f"min {policy} cost {costs[best]:.4g}"
         return Decision(best, policy, f"{why} among {len(candidates)} candidate(s){note}", costs)

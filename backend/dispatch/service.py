@@ -35,8 +35,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from backend import protocol
 from backend.config import Settings
-from backend.dispatch.router import (JobRequest, RowState, Router, RoutingCostModel, device_kind,
-                                     view_from_heartbeat)
+from backend.costmodel.profiles import device_kind, load_profile
+from backend.dispatch.router import (
+    JobRequest,
+    Router,
+    RoutingCostModel,
+    RowState,
+    view_from_heartbeat,
+)
 from backend.jobstate import TERMINAL, JobStateStore
 from backend.protocol import PreparedJob, WorkerHeartbeat
 from backend.tasks.celery_app import PREPARED_STREAM
@@ -86,27 +92,38 @@ class CostModels:
         """The cost model of ``model_id`` on ``device``'s kind, loaded on first use; None without a profile."""
         key = (model_id, device_kind(device))
         if key not in self.models and key not in self._missing:
-            from backend.engine.costs import CostProfile
-            from backend.engine.profiler import profile_path
-
-            path = profile_path(self.profiles_dir, model_id, key[1], self.mode)
             try:
-                self.models[key] = RoutingCostModel.from_profile(CostProfile.from_json(path.read_text()))
+                profile = load_profile(self.profiles_dir, model_id, key[1], self.mode)
+                self.models[key] = RoutingCostModel.from_profile(profile)
             except (OSError, ValueError) as exc:
-                log.warning("no cost profile for %s on %s (%s): routing it by request count", model_id, device, exc)
+                log.warning(
+                    "no cost profile for %s on %s (%s): routing it by request count",
+                    model_id,
+                    device,
+                    exc,
+                )
                 self._missing.add(key)
         return self.models.get(key)
 
 
 class Dispatcher:
-    def __init__(self, settings: Settings, client: Redis, consumer: str | None = None,
-                 claim_idle_ms: int = CLAIM_IDLE_MS):
+    def __init__(
+        self,
+        settings: Settings,
+        client: Redis,
+        consumer: str | None = None,
+        claim_idle_ms: int = CLAIM_IDLE_MS,
+    ):
         self.settings, self.client = settings, client
         self.jobstate = JobStateStore(client, settings.retention.job_record_s)
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.costs = CostModels(settings)
         d = settings.dispatcher
-        self.router = Router(d.policy, allow_queueing=not d.late_binding, queue_depth=d.queue_depth if d.late_binding else 0)
+        self.router = Router(
+            d.policy,
+            allow_queueing=not d.late_binding,
+            queue_depth=d.queue_depth if d.late_binding else 0,
+        )
         self.backlog: deque[tuple[str, PreparedJob]] = deque()  # (entry id, job) with no worker yet
         self._replay_from: str | None = "0"
         self.claim_idle_ms = claim_idle_ms
@@ -144,8 +161,13 @@ class Dispatcher:
 
     def _read(self, block_ms: int) -> list[tuple[str, PreparedJob]]:
         replaying = self._replay_from is not None
-        reply = self.client.xreadgroup(GROUP, self.consumer, {PREPARED_STREAM: self._replay_from or ">"}, count=64,
-                                       block=None if replaying or block_ms <= 0 else block_ms)
+        reply = self.client.xreadgroup(
+            GROUP,
+            self.consumer,
+            {PREPARED_STREAM: self._replay_from or ">"},
+            count=64,
+            block=None if replaying or block_ms <= 0 else block_ms,
+        )
         entries = reply[0][1] if reply else []
         if replaying:  # our own pending entries first (a restart), then new ones
             self._replay_from = _text(entries[-1][0]) if len(entries) == 64 else None
@@ -154,8 +176,14 @@ class Dispatcher:
     def _claim_orphans(self) -> list[tuple[str, PreparedJob]]:
         """Entries a dead dispatcher left pending (XAUTOCLAIM), minus our own backlog."""
         mine = {entry_id for entry_id, _ in self.backlog}
-        reply = self.client.xautoclaim(PREPARED_STREAM, GROUP, self.consumer, min_idle_time=self.claim_idle_ms,
-                                       start_id="0-0", count=100)
+        reply = self.client.xautoclaim(
+            PREPARED_STREAM,
+            GROUP,
+            self.consumer,
+            min_idle_time=self.claim_idle_ms,
+            start_id="0-0",
+            count=100,
+        )
         return [(e, j) for e, j in self._decode_entries(reply[1]) if e not in mine]
 
     def _decode_entries(self, entries) -> list[tuple[str, PreparedJob]]:
@@ -163,9 +191,13 @@ class Dispatcher:
         for entry_id, fields in entries:
             entry_id = _text(entry_id)
             try:
-                job = protocol.decode((fields or {}).get(b"msg") or (fields or {}).get("msg") or b"")
+                job = protocol.decode(
+                    (fields or {}).get(b"msg") or (fields or {}).get("msg") or b""
+                )
                 if not isinstance(job, PreparedJob):
-                    raise protocol.ProtocolError(f"expected a prepared job, got {type(job).__name__}")
+                    raise protocol.ProtocolError(
+                        f"expected a prepared job, got {type(job).__name__}"
+                    )
             except protocol.ProtocolError as exc:
                 log.error("dropping unreadable entry %s: %s", entry_id, exc)
                 self.counts["unreadable"] += 1
@@ -189,8 +221,13 @@ class Dispatcher:
 
     def place(self, job: PreparedJob) -> str | None:
         """Choose a worker and put the job in its inbox; None when no worker can take it yet."""
-        request = JobRequest(job_id=job.job_id, model_id=job.model_id, mask_ratio=job.mask_ratio,
-                             num_steps=job.num_steps, template=job.cache_digest)
+        request = JobRequest(
+            job_id=job.job_id,
+            model_id=job.model_id,
+            mask_ratio=job.mask_ratio,
+            num_steps=job.num_steps,
+            template=job.cache_digest,
+        )
         started = time.perf_counter()
         decision = self.router.choose(request, list(self._views.values()))
         self.decision_s.append(time.perf_counter() - started)
@@ -199,10 +236,19 @@ class Dispatcher:
         send_to_inbox(self.client, decision.worker_id, job)
         self.jobstate.assign(job.job_id, decision.worker_id)
         view = self._views[decision.worker_id]  # count it until the worker's next heartbeat does
-        self._views[decision.worker_id] = replace(view, waiting=view.waiting + (
-            RowState(job.job_id, job.mask_ratio, job.num_steps, job.cache_digest),))
+        self._views[decision.worker_id] = replace(
+            view,
+            waiting=view.waiting
+            + (RowState(job.job_id, job.mask_ratio, job.num_steps, job.cache_digest),),
+        )
         self.counts["routed"] += 1
-        log.info("routed %s to %s (%s: %s)", job.job_id, decision.worker_id, decision.policy, decision.reason)
+        log.info(
+            "routed %s to %s (%s: %s)",
+            job.job_id,
+            decision.worker_id,
+            decision.policy,
+            decision.reason,
+        )
         return decision.worker_id
 
     # ----- recovery ------------------------------------------------------------------------------
@@ -232,9 +278,13 @@ class Dispatcher:
         log.warning("worker %s is gone: %d inbox entries recovered", worker_id, len(entries))
 
     def stats(self) -> dict:
-        return {**{f"{k}_total": v for k, v in self.counts.items()}, "backlog": len(self.backlog),
-                "live_workers": len(self._views),
-                "decision_p50_s": percentile(self.decision_s, 50), "decision_p95_s": percentile(self.decision_s, 95)}
+        return {
+            **{f"{k}_total": v for k, v in self.counts.items()},
+            "backlog": len(self.backlog),
+            "live_workers": len(self._views),
+            "decision_p50_s": percentile(self.decision_s, 50),
+            "decision_p95_s": percentile(self.decision_s, 95),
+        }
 
 
 def run_dispatcher(settings: Settings) -> int:
@@ -244,13 +294,18 @@ def run_dispatcher(settings: Settings) -> int:
     client = Redis.from_url(settings.redis.url)
     client.ping()
     dispatcher = Dispatcher(settings, client)
-    serve_metrics(settings.dispatcher.metrics_port, make_registry({"maskserve_dispatcher": dispatcher.stats}))
+    serve_metrics(
+        settings.dispatcher.metrics_port, make_registry({"maskserve_dispatcher": dispatcher.stats})
+    )
     stop = stop_event_on_signals()
     log.info("dispatcher %s routing with %s", dispatcher.consumer, settings.dispatcher.policy)
     while not stop.is_set():
         try:
             dispatcher.iterate()
-        except (RedisConnectionError, RedisTimeoutError) as exc:  # Redis restarting: wait, resume from the stream
+        except (
+            RedisConnectionError,
+            RedisTimeoutError,
+        ) as exc:  # Redis restarting: wait, resume from the stream
             log.warning("Redis unavailable (%s); retrying in 1 s", exc)
             stop.wait(1.0)
     return 0

@@ -19,11 +19,15 @@ KVForGroup = Callable[[Group], tuple[torch.Tensor, torch.Tensor]]
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """(g, n, H, d) x (g, m, H, d) x (g, m, H, d) -> (g, n, H, d) scaled dot-product attention."""
-    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+    out = F.scaled_dot_product_attention(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    )
     return out.transpose(1, 2)
 
 
-def ragged_attention(query: torch.Tensor, layout: RowLayout, kv_for_group: KVForGroup) -> torch.Tensor:
+def ragged_attention(
+    query: torch.Tensor, layout: RowLayout, kv_for_group: KVForGroup
+) -> torch.Tensor:
     """Packed queries (total, H, d) -> packed outputs. Each group of rows that select the same
     tokens runs as one batched call with keys/values ``kv_for_group(group)`` of shape (g, m, H, d)."""
     outputs = []
@@ -54,12 +58,16 @@ def fused_linear(x: torch.Tensor, modules) -> tuple[torch.Tensor, ...]:
     each other); it is rebuilt whenever any weight moves, changes dtype or is replaced.
     """
     first = modules[0]
-    key = tuple((m.weight.data_ptr(), m.weight.dtype, m.weight.device, m.weight._version) for m in modules)
+    key = tuple(
+        (m.weight.data_ptr(), m.weight.dtype, m.weight.device, m.weight._version) for m in modules
+    )
     fused_sets = first.__dict__.setdefault("_maskserve_fused", {})
     fused = fused_sets.get(tuple(id(m) for m in modules))
     if fused is None or fused[0] != key:
         weight = torch.cat([m.weight for m in modules])
-        biases = [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules]
+        biases = [
+            m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules
+        ]
         bias = torch.cat(biases) if any(m.bias is not None for m in modules) else None
         fused = (key, weight.detach(), None if bias is None else bias.detach())
         fused_sets[tuple(id(m) for m in modules)] = fused

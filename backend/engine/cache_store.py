@@ -79,9 +79,13 @@ class CacheKey:
         text = json.dumps(asdict(self), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
-    def mismatches(self, other: "CacheKey") -> list[str]:
+    def mismatches(self, other: CacheKey) -> list[str]:
         mine, theirs = asdict(self), asdict(other)
-        return [f"{k}: cache has {theirs[k]!r}, request needs {mine[k]!r}" for k in mine if mine[k] != theirs[k]]
+        return [
+            f"{k}: cache has {theirs[k]!r}, request needs {mine[k]!r}"
+            for k in mine
+            if mine[k] != theirs[k]
+        ]
 
 
 def _sha256(path: Path) -> str:
@@ -103,7 +107,9 @@ def tensor_name(unit: int, name: str) -> str:
 class CacheWriter:
     """Collects one recording run step by step, then publishes it atomically with ``commit``."""
 
-    def __init__(self, root: Path, key: CacheKey, num_units: int, halves: int, storage_dtype: torch.dtype):
+    def __init__(
+        self, root: Path, key: CacheKey, num_units: int, halves: int, storage_dtype: torch.dtype
+    ):
         self.root, self.key = Path(root), key
         self.root.mkdir(parents=True, exist_ok=True)
         self._tmp = Path(tempfile.mkdtemp(prefix=f".{key.digest()}.", dir=self.root))
@@ -114,7 +120,10 @@ class CacheWriter:
     def write_step(self, step: int, recorded: dict[tuple[int, str], torch.Tensor]) -> None:
         if step != self._steps:
             raise ValueError(f"steps must be written in order: expected {self._steps}, got {step}")
-        tensors = {tensor_name(u, n): t.to("cpu", self._dtype).contiguous() for (u, n), t in recorded.items()}
+        tensors = {
+            tensor_name(u, n): t.to("cpu", self._dtype).contiguous()
+            for (u, n), t in recorded.items()
+        }
         self._save(step_file(step), tensors)
         self._steps += 1
 
@@ -123,7 +132,9 @@ class CacheWriter:
 
     def _save(self, file_name: str, tensors: dict[str, torch.Tensor]) -> None:
         save_file(tensors, str(self._tmp / file_name))
-        self._tensors[file_name] = {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in tensors.items()}
+        self._tensors[file_name] = {
+            k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in tensors.items()
+        }
 
     def _check_complete(self) -> None:
         """Every step must hold, for every unit, what an edit in this cache mode reads (K and V, or
@@ -132,19 +143,30 @@ class CacheWriter:
         needed = ("k", "v") if self.key.mode == "kv" else ("out",)
         for step in range(self._steps):
             held = self._tensors.get(step_file(step), {})
-            missing = [tensor_name(u, n) for u in range(self._num_units) for n in needed
-                       if tensor_name(u, n) not in held]
+            missing = [
+                tensor_name(u, n)
+                for u in range(self._num_units)
+                for n in needed
+                if tensor_name(u, n) not in held
+            ]
             if missing:
-                raise CacheError(f"recording of {self.key.digest()} is incomplete: step {step} lacks "
-                                 f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+                raise CacheError(
+                    f"recording of {self.key.digest()} is incomplete: step {step} lacks "
+                    f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+                )
 
-    def commit(self) -> "TemplateCache":
+    def commit(self) -> TemplateCache:
         self._check_complete()
         files = {name: _sha256(self._tmp / name) for name in self._tensors}
         manifest = {
-            "format_version": FORMAT_VERSION, "key": asdict(self.key), "key_digest": self.key.digest(),
-            "num_steps": self._steps, "num_units": self._num_units, "halves": self._halves,
-            "tensors": self._tensors, "files": files,
+            "format_version": FORMAT_VERSION,
+            "key": asdict(self.key),
+            "key_digest": self.key.digest(),
+            "num_steps": self._steps,
+            "num_units": self._num_units,
+            "halves": self._halves,
+            "tensors": self._tensors,
+            "files": files,
             "bytes_total": sum((self._tmp / n).stat().st_size for n in files),
         }
         (self._tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -191,21 +213,28 @@ class TemplateCache(ManifestView):
         self._handles: dict[str, object] = {}
 
     @classmethod
-    def open(cls, path: Path, expected: CacheKey | None = None) -> "TemplateCache":
+    def open(cls, path: Path, expected: CacheKey | None = None) -> TemplateCache:
         path = Path(path)
         try:
             manifest = json.loads((path / MANIFEST).read_text())
         except FileNotFoundError as exc:
-            raise CacheCorruptError(f"no cache manifest at {path}: prepare the template again", path) from exc
+            raise CacheCorruptError(
+                f"no cache manifest at {path}: prepare the template again", path
+            ) from exc
         except json.JSONDecodeError as exc:
-            raise CacheCorruptError(f"cache manifest at {path} is not valid JSON: prepare the template again",
-                                    path) from exc
+            raise CacheCorruptError(
+                f"cache manifest at {path} is not valid JSON: prepare the template again", path
+            ) from exc
         if manifest.get("format_version") != FORMAT_VERSION:
             raise CacheMismatchError(
-                f"cache format {manifest.get('format_version')} at {path}, this build reads {FORMAT_VERSION}: re-prepare")
+                f"cache format {manifest.get('format_version')} at {path}, this build reads {FORMAT_VERSION}: re-prepare"
+            )
         cache = cls(path, manifest)
         if expected is not None and cache.key != expected:
-            raise CacheMismatchError("template cache was recorded for other inputs: " + "; ".join(expected.mismatches(cache.key)))
+            raise CacheMismatchError(
+                "template cache was recorded for other inputs: "
+                + "; ".join(expected.mismatches(cache.key))
+            )
         cache._check_files_present()
         return cache
 
@@ -214,17 +243,23 @@ class TemplateCache(ManifestView):
         (checksums are verified lazily, per file, on first read)."""
         for file_name in self.manifest["files"]:
             if not (self.path / file_name).is_file():
-                raise CacheCorruptError(f"cache file {self.path / file_name} is missing: prepare the template again",
-                                        self.path)
+                raise CacheCorruptError(
+                    f"cache file {self.path / file_name} is missing: prepare the template again",
+                    self.path,
+                )
 
     def _handle(self, file_name: str):
         if file_name not in self._verified:
             file_path = self.path / file_name
             if not file_path.exists():
-                raise CacheCorruptError(f"cache file {file_path} is missing: prepare the template again", self.path)
+                raise CacheCorruptError(
+                    f"cache file {file_path} is missing: prepare the template again", self.path
+                )
             if _sha256(file_path) != self.manifest["files"].get(file_name):
-                raise CacheCorruptError(f"cache file {file_path} fails its checksum: prepare the template again",
-                                        self.path)
+                raise CacheCorruptError(
+                    f"cache file {file_path} fails its checksum: prepare the template again",
+                    self.path,
+                )
             self._verified.add(file_name)
         if file_name not in self._handles:
             self._handles[file_name] = safe_open(str(self.path / file_name), framework="pt")
@@ -250,7 +285,12 @@ class TemplateCache(ManifestView):
                 numel = 1
                 for dim in meta["shape"]:
                     numel *= dim
-                total += numel * torch.empty(0, dtype=getattr(torch, meta["dtype"].split(".")[-1])).element_size()
+                total += (
+                    numel
+                    * torch.empty(
+                        0, dtype=getattr(torch, meta["dtype"].split(".")[-1])
+                    ).element_size()
+                )
         return total
 
 

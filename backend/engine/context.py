@@ -26,10 +26,10 @@ from backend.engine.layout import RowLayout, full_layout, make_layout
 TokenMaskFn = Callable[[tuple[int, int]], torch.Tensor]
 
 
-
 def cat_once(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
     """``torch.cat``, without the copy when there is only one tensor (one row group: the usual case)."""
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
+
 
 class CacheSource(Protocol):
     """Cached activations for the rows of one batch, already placed on the compute device."""
@@ -83,14 +83,21 @@ class ForwardContext:
         assert self.cache is not None
         return self.cache.rows_tensor(unit, name, group)
 
-    def merge_cached(self, unit: int, name: str, layout: RowLayout, fresh: torch.Tensor) -> torch.Tensor:
+    def merge_cached(
+        self, unit: int, name: str, layout: RowLayout, fresh: torch.Tensor
+    ) -> torch.Tensor:
         """(rows, L, C): cached ``name`` of ``unit`` with each row's selected tokens replaced by
         ``fresh`` (packed in ``layout``). Rows that select every token read no cache."""
-        return cat_once([self.merge_group(unit, name, layout, group, layout.group_tokens(fresh, group))
-                         for group in layout.groups])
+        return cat_once(
+            [
+                self.merge_group(unit, name, layout, group, layout.group_tokens(fresh, group))
+                for group in layout.groups
+            ]
+        )
 
-    def merge_group(self, unit: int, name: str, layout: RowLayout, group: tuple[int, int],
-                    fresh: torch.Tensor) -> torch.Tensor:
+    def merge_group(
+        self, unit: int, name: str, layout: RowLayout, group: tuple[int, int], fresh: torch.Tensor
+    ) -> torch.Tensor:
         """(g, L, ...): one group's cached tensor with its selected tokens replaced by ``fresh`` (g, n, ...)."""
         indices = layout.indices[group[0]]
         if indices.numel() == layout.num_tokens:
@@ -98,8 +105,15 @@ class ForwardContext:
         cached = self.cached(unit, name, group)
         return replace_rows(cached.reshape(*cached.shape[:2], *fresh.shape[2:]), indices, fresh)
 
-    def merge_group_after(self, unit: int, name: str, layout: RowLayout, group: tuple[int, int],
-                          fresh: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+    def merge_group_after(
+        self,
+        unit: int,
+        name: str,
+        layout: RowLayout,
+        group: tuple[int, int],
+        fresh: torch.Tensor,
+        prefix: torch.Tensor,
+    ) -> torch.Tensor:
         """(g, P + L, ...): ``prefix`` (g, P, ...) then what ``merge_group`` gives, built in one buffer,
         so the cached tokens are copied once (not merged, then copied again by a concatenation)."""
         indices = layout.indices[group[0]]
@@ -141,7 +155,9 @@ class _UnitTimer:
         self.sink[self.unit] = self.sink.get(self.unit, 0.0) + time.perf_counter() - self.started
 
 
-_ACTIVE: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("maskserve_ctx", default=None)
+_ACTIVE: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
+    "maskserve_ctx", default=None
+)
 
 
 def current_context() -> ForwardContext | None:

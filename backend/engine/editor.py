@@ -28,12 +28,13 @@ from backend.engine import cache_store
 from backend.engine.cache_store import CacheKey, CacheWriter, TemplateCache
 from backend.engine.context import ForwardContext, active_context
 from backend.engine.families import ADAPTERS, RequestTensors
-from backend.engine.prepared import PreparedRequest
-from backend.engine.stepping import batched_step, guide_all
 from backend.engine.feeder import MODE_TENSORS, BatchCacheFeeder, RowCacheRef
 from backend.engine.flux import install_flux_hooks
+from backend.engine.prepared import PreparedRequest
+from backend.engine.stepping import batched_step, guide_all
 from backend.engine.unet import install_unet_hooks
 from backend.imaging.masks import feather, load_mask, paste_back, require_nonempty, token_mask
+from backend.models.registry import model_revision
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class EditParams:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "EditParams":
+    def from_dict(cls, values: dict) -> EditParams:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -121,10 +122,18 @@ class MaskAwareEngine:
     def cache_key(self, template: Image.Image, params: EditParams) -> CacheKey:
         scheduler = self.pipe.scheduler
         return CacheKey(
-            image_sha256=image_sha256(template), model_id=self.spec.model_id, model_revision=self.spec.revision,
-            height=params.size[0], width=params.size[1], num_steps=params.steps,
-            scheduler=type(scheduler).__name__, strength=params.strength, template_seed=params.template_seed,
-            mode=params.mode, guidance=params.guidance if not self.adapter.uses_cfg else 0.0)
+            image_sha256=image_sha256(template),
+            model_id=self.spec.model_id,
+            model_revision=model_revision(self.spec),
+            height=params.size[0],
+            width=params.size[1],
+            num_steps=params.steps,
+            scheduler=type(scheduler).__name__,
+            strength=params.strength,
+            template_seed=params.template_seed,
+            mode=params.mode,
+            guidance=params.guidance if not self.adapter.uses_cfg else 0.0,
+        )
 
     @property
     def size_multiple(self) -> int:
@@ -135,26 +144,42 @@ class MaskAwareEngine:
         height, width = params.size
         multiple = self.size_multiple
         if height % multiple or width % multiple or height <= 0 or width <= 0:
-            raise ValueError(f"size {width}x{height} must be positive multiples of {multiple} px for {self.spec.model_id}")
+            raise ValueError(
+                f"size {width}x{height} must be positive multiples of {multiple} px for {self.spec.model_id}"
+            )
         if params.mode not in MODE_TENSORS:
-            raise ValueError(f"cache mode must be one of {sorted(MODE_TENSORS)}, got {params.mode!r}")
+            raise ValueError(
+                f"cache mode must be one of {sorted(MODE_TENSORS)}, got {params.mode!r}"
+            )
         if not 0.0 < params.strength <= 1.0:
             raise ValueError(f"strength must be in (0, 1], got {params.strength}")
         if params.steps < 1:
             raise ValueError(f"steps must be at least 1, got {params.steps}")
 
-    def pixel_mask(self, image: Image.Image, mask: Image.Image | None, params: EditParams) -> np.ndarray:
+    def pixel_mask(
+        self, image: Image.Image, mask: Image.Image | None, params: EditParams
+    ) -> np.ndarray:
         """Bool (H, W) mask at the model resolution; ``None`` means keep everything (recording)."""
         if mask is None:
             return np.zeros(params.size, dtype=bool)
         pixels = load_mask(mask, expected_size=image.size)
-        resized = Image.fromarray(pixels.astype(np.uint8) * 255).resize(params.size[::-1], Image.NEAREST)
+        resized = Image.fromarray(pixels.astype(np.uint8) * 255).resize(
+            params.size[::-1], Image.NEAREST
+        )
         return np.asarray(resized) > 127
 
     # ----- batch-ready core -----------------------------------------------------------------
     @torch.no_grad()
-    def encode(self, image: Image.Image, mask: Image.Image | None, prompt: str, seed: int, params: EditParams,
-               pixels: np.ndarray | None = None, record: bool = False) -> PreparedRequest:
+    def encode(
+        self,
+        image: Image.Image,
+        mask: Image.Image | None,
+        prompt: str,
+        seed: int,
+        params: EditParams,
+        pixels: np.ndarray | None = None,
+        record: bool = False,
+    ) -> PreparedRequest:
         """Pre-processing (text encoders, VAE encode, mask resize): everything before the first step.
 
         ``pixels``: the mask already read by ``pixel_mask`` (else it is read from ``mask``)."""
@@ -163,34 +188,69 @@ class MaskAwareEngine:
             pixels = self.pixel_mask(image, mask, params)
         rgb = image.convert("RGB")
         mask_image = Image.fromarray(pixels.astype(np.uint8) * 255)
-        req = self.adapter.prepare(rgb, mask_image, prompt, params.negative_prompt, params.guidance, params.steps,
-                                   params.strength, seed, params.size)
+        req = self.adapter.prepare(
+            rgb,
+            mask_image,
+            prompt,
+            params.negative_prompt,
+            params.guidance,
+            params.steps,
+            params.strength,
+            seed,
+            params.size,
+        )
         template_latents = None
         if not record and pixels.mean() < 1.0:
-            template_latents = self.adapter.template_latents(rgb, params.steps, params.strength,
-                                                             params.template_seed, params.size)
+            template_latents = self.adapter.template_latents(
+                rgb, params.steps, params.strength, params.template_seed, params.size
+            )
         key = self.cache_key(image, params) if params.use_cache else None
-        return PreparedRequest(model_id=self.spec.model_id, params=params.to_dict(), seed=seed, pixels=pixels,
-                               init_latents=req.init_latents, conditioning=req.conditioning,
-                               extra_channels=req.extra_channels, halves=req.halves, guidance=req.guidance,
-                               shared=req.shared, template_latents=template_latents, cache_key=key)
+        return PreparedRequest(
+            model_id=self.spec.model_id,
+            params=params.to_dict(),
+            seed=seed,
+            pixels=pixels,
+            init_latents=req.init_latents,
+            conditioning=req.conditioning,
+            extra_channels=req.extra_channels,
+            halves=req.halves,
+            guidance=req.guidance,
+            shared=req.shared,
+            template_latents=template_latents,
+            cache_key=key,
+        )
 
-    def admit(self, prepared: PreparedRequest, cache: TemplateCache | None = None,
-              record: bool = False) -> EditState:
+    def admit(
+        self, prepared: PreparedRequest, cache: TemplateCache | None = None, record: bool = False
+    ) -> EditState:
         """Turn a prepared request into a running ``EditState`` (no encoder runs here)."""
         if prepared.model_id != self.spec.model_id:
-            raise ValueError(f"request was prepared for {prepared.model_id}, this engine serves {self.spec.model_id}")
+            raise ValueError(
+                f"request was prepared for {prepared.model_id}, this engine serves {self.spec.model_id}"
+            )
         params = EditParams.from_dict(prepared.params)
         scheduler, timesteps = self.adapter.schedule(params.steps, params.strength, params.size)
-        req = RequestTensors(init_latents=prepared.init_latents, conditioning=prepared.conditioning,
-                             extra_channels=prepared.extra_channels, scheduler=scheduler, timesteps=timesteps,
-                             guidance=prepared.guidance, halves=prepared.halves, shared=prepared.shared)
+        req = RequestTensors(
+            init_latents=prepared.init_latents,
+            conditioning=prepared.conditioning,
+            extra_channels=prepared.extra_channels,
+            scheduler=scheduler,
+            timesteps=timesteps,
+            guidance=prepared.guidance,
+            halves=prepared.halves,
+            shared=prepared.shared,
+        )
         grid = (params.size[0] // self.token_size, params.size[1] // self.token_size)
         fresh_tokens = token_mask(prepared.pixels, grid, params.mask_margin)
         ratio = float(fresh_tokens.mean())
         dense = record or cache is None or ratio > params.dense_above_ratio
-        state = EditState(req=req, latents=req.init_latents, fresh=self._fresh(fresh_tokens, req), mask_ratio=ratio,
-                          token_masks=None if dense else self._token_mask_fn(prepared.pixels, params.mask_margin))
+        state = EditState(
+            req=req,
+            latents=req.init_latents,
+            fresh=self._fresh(fresh_tokens, req),
+            mask_ratio=ratio,
+            token_masks=None if dense else self._token_mask_fn(prepared.pixels, params.mask_margin),
+        )
         if not dense:
             state.cache, state.trajectory = cache, cache.trajectory("latents").to(req.init_latents)
             state.latents = torch.where(state.fresh, req.init_latents, state.trajectory[0:1])
@@ -198,15 +258,29 @@ class MaskAwareEngine:
             state.latents = torch.where(state.fresh, req.init_latents, prepared.template_latents)
         return state
 
-    def start(self, image: Image.Image, mask: Image.Image | None, prompt: str, seed: int, params: EditParams,
-              cache: TemplateCache | None = None, record: bool = False,
-              pixels: np.ndarray | None = None) -> EditState:
+    def start(
+        self,
+        image: Image.Image,
+        mask: Image.Image | None,
+        prompt: str,
+        seed: int,
+        params: EditParams,
+        cache: TemplateCache | None = None,
+        record: bool = False,
+        pixels: np.ndarray | None = None,
+    ) -> EditState:
         """``encode`` then ``admit`` in one process."""
-        return self.admit(self.encode(image, mask, prompt, seed, params, pixels, record), cache, record)
+        return self.admit(
+            self.encode(image, mask, prompt, seed, params, pixels, record), cache, record
+        )
 
     def _fresh(self, tokens: np.ndarray, req: RequestTensors) -> torch.Tensor:
         fresh = torch.from_numpy(tokens).to(req.init_latents.device)
-        return fresh.reshape(1, 1, *tokens.shape) if req.init_latents.dim() == 4 else fresh.reshape(1, -1, 1)
+        return (
+            fresh.reshape(1, 1, *tokens.shape)
+            if req.init_latents.dim() == 4
+            else fresh.reshape(1, -1, 1)
+        )
 
     def _token_mask_fn(self, pixels: np.ndarray, margin: int):
         memo: dict[tuple[int, int], torch.Tensor] = {}
@@ -215,6 +289,7 @@ class MaskAwareEngine:
             if grid_hw not in memo:
                 memo[grid_hw] = torch.from_numpy(token_mask(pixels, grid_hw, margin).reshape(-1))
             return memo[grid_hw]
+
         return tokens
 
     def plan(self, states: list[EditState], mode: str) -> tuple[bool, ...]:
@@ -226,7 +301,9 @@ class MaskAwareEngine:
         return tuple(planner(states, mode))
 
     @torch.no_grad()
-    def step(self, states: list[EditState], mode: str, unit_seconds: dict[int, float] | None = None) -> float:
+    def step(
+        self, states: list[EditState], mode: str, unit_seconds: dict[int, float] | None = None
+    ) -> float:
         """One denoising step for every state in ``states`` (all of one cache mode).
 
         Returns the seconds the denoiser's forward pass took (the rest of the call is batching work).
@@ -246,9 +323,18 @@ class MaskAwareEngine:
         recording = any(s.writer is not None for s in states)
         if recording and units and any(s.cache is not None for s in states):
             # a cached unit computes only masked tokens, so it could not record a full K/V
-            raise ValueError("a batch cannot both record a template cache and read caches: step them apart")
-        ctx = ForwardContext(masks, use_cache, mode, feeder, {} if recording else None, rows[0].device,
-                             unit_seconds=unit_seconds)
+            raise ValueError(
+                "a batch cannot both record a template cache and read caches: step them apart"
+            )
+        ctx = ForwardContext(
+            masks,
+            use_cache,
+            mode,
+            feeder,
+            {} if recording else None,
+            rows[0].device,
+            unit_seconds=unit_seconds,
+        )
         # Nothing to reuse, record or time: the model's own (fastest dense) forward does the same math.
         ordinary = not units and not recording and unit_seconds is None
         batch_rows, batch_t = torch.cat(rows), torch.cat(row_t)
@@ -261,8 +347,14 @@ class MaskAwareEngine:
         offset = 0
         for s in states:
             if s.writer is not None:
-                s.writer.write_step(s.step, {k: v[offset:offset + s.req.halves] for k, v in ctx.recorder.items()
-                                             if k[1] in MODE_TENSORS[mode]})
+                s.writer.write_step(
+                    s.step,
+                    {
+                        k: v[offset : offset + s.req.halves]
+                        for k, v in ctx.recorder.items()
+                        if k[1] in MODE_TENSORS[mode]
+                    },
+                )
                 s.recorded_latents.append(s.latents)
             offset += s.req.halves
         self._advance(states, prediction)
@@ -271,17 +363,22 @@ class MaskAwareEngine:
     def _advance(self, states: list[EditState], prediction: torch.Tensor) -> None:
         """Guidance and scheduler update of every row, vectorised where the scheduler allows
         (``backend.engine.stepping``), else row by row through diffusers."""
-        guided = guide_all(prediction, [s.req.halves for s in states], [s.req.guidance for s in states])
-        stepped = batched_step([s.req.scheduler for s in states], guided, torch.cat([s.latents for s in states]))
+        guided = guide_all(
+            prediction, [s.req.halves for s in states], [s.req.guidance for s in states]
+        )
+        stepped = batched_step(
+            [s.req.scheduler for s in states], guided, torch.cat([s.latents for s in states])
+        )
         for row, s in enumerate(states):
             if stepped is not None:
-                latents = stepped[row:row + 1]
+                latents = stepped[row : row + 1]
             else:
-                latents = s.req.scheduler.step(guided[row:row + 1], s.req.timesteps[s.step], s.latents,
-                                               return_dict=False)[0]
+                latents = s.req.scheduler.step(
+                    guided[row : row + 1], s.req.timesteps[s.step], s.latents, return_dict=False
+                )[0]
             s.step += 1
             if s.trajectory is not None:
-                latents = torch.where(s.fresh, latents, s.trajectory[s.step:s.step + 1])
+                latents = torch.where(s.fresh, latents, s.trajectory[s.step : s.step + 1])
             s.latents = latents
 
     @torch.no_grad()
@@ -290,21 +387,37 @@ class MaskAwareEngine:
         return self.adapter.decode(latents, params.size)
 
     @staticmethod
-    def compose(generated: Image.Image, image: Image.Image, pixels: np.ndarray, params: EditParams) -> Image.Image:
+    def compose(
+        generated: Image.Image, image: Image.Image, pixels: np.ndarray, params: EditParams
+    ) -> Image.Image:
         """Post-processing, second half: generated pixels inside the (feathered) mask, the original outside."""
-        original = image.convert("RGB").resize(params.size[::-1], Image.LANCZOS) \
-            if image.size != params.size[::-1] else image.convert("RGB")
-        alpha = feather(pixels, params.feather_px) if params.feather_px > 0 else pixels.astype(np.float32)
+        original = (
+            image.convert("RGB").resize(params.size[::-1], Image.LANCZOS)
+            if image.size != params.size[::-1]
+            else image.convert("RGB")
+        )
+        alpha = (
+            feather(pixels, params.feather_px)
+            if params.feather_px > 0
+            else pixels.astype(np.float32)
+        )
         return paste_back(generated, original, alpha)
 
-    def finish(self, state: EditState, image: Image.Image, pixels: np.ndarray, params: EditParams) -> tuple:
+    def finish(
+        self, state: EditState, image: Image.Image, pixels: np.ndarray, params: EditParams
+    ) -> tuple:
         generated = self.decode(state.latents, params)
         return self.compose(generated, image, pixels, params), generated
 
     # ----- one-request loops ----------------------------------------------------------------
     @torch.no_grad()
-    def prepare_template(self, image: Image.Image, params: EditParams, prompt: str = "",
-                         mask: Image.Image | None = None) -> TemplateCache:
+    def prepare_template(
+        self,
+        image: Image.Image,
+        params: EditParams,
+        prompt: str = "",
+        mask: Image.Image | None = None,
+    ) -> TemplateCache:
         """Run the ordinary computation over ``image`` with the template seed and record its cache."""
         key = self.cache_key(image, params)
         state = self.start(image, mask, prompt, params.template_seed, params, record=True)
@@ -312,11 +425,15 @@ class MaskAwareEngine:
         return state.writer.commit()
 
     def _record(self, state: EditState, key: CacheKey, params: EditParams) -> None:
-        state.writer = CacheWriter(self.cache_root, key, self.num_units, state.req.halves, self.adapter.dtype)
+        state.writer = CacheWriter(
+            self.cache_root, key, self.num_units, state.req.halves, self.adapter.dtype
+        )
         try:
             while not state.done:
                 self.step([state], params.mode)
-            state.writer.write_trajectory({"latents": torch.cat(state.recorded_latents + [state.latents])})
+            state.writer.write_trajectory(
+                {"latents": torch.cat(state.recorded_latents + [state.latents])}
+            )
         except BaseException:
             state.writer.abort()
             raise
@@ -324,29 +441,48 @@ class MaskAwareEngine:
     def _check_cache(self, cache: TemplateCache, expected: CacheKey) -> None:
         if cache.key != expected:
             raise cache_store.CacheMismatchError(
-                "template cache does not fit this edit: " + "; ".join(expected.mismatches(cache.key)))
+                "template cache does not fit this edit: "
+                + "; ".join(expected.mismatches(cache.key))
+            )
         if cache.num_units != self.num_units:
             raise cache_store.CacheMismatchError(
                 f"template cache has {cache.num_units} transformer units, {self.spec.model_id} has "
-                f"{self.num_units}: the model changed, prepare the template again")
+                f"{self.num_units}: the model changed, prepare the template again"
+            )
 
     def lookup(self, image: Image.Image, params: EditParams) -> TemplateCache | None:
         return cache_store.lookup(self.cache_root, self.cache_key(image, params))
 
     @torch.no_grad()
-    def edit(self, image: Image.Image, mask: Image.Image, prompt: str, seed: int, params: EditParams,
-             cache: TemplateCache | None = None) -> EditResult:
+    def edit(
+        self,
+        image: Image.Image,
+        mask: Image.Image,
+        prompt: str,
+        seed: int,
+        params: EditParams,
+        cache: TemplateCache | None = None,
+    ) -> EditResult:
         timings, started = {}, time.perf_counter()
         pixels = self.pixel_mask(image, mask, params)
         require_nonempty(pixels)
-        key = self.cache_key(image, params) if params.use_cache else None  # hashes every pixel: once
+        key = (
+            self.cache_key(image, params) if params.use_cache else None
+        )  # hashes every pixel: once
         if cache is None and key is not None:
             cache = cache_store.lookup(self.cache_root, key)
         if cache is not None and key is not None:
             self._check_cache(cache, key)
         record = cache is None and params.use_cache and params.record_on_first_edit
-        state = self.start(image, mask, prompt, seed, params, cache=cache if params.use_cache else None,
-                           pixels=pixels)
+        state = self.start(
+            image,
+            mask,
+            prompt,
+            seed,
+            params,
+            cache=cache if params.use_cache else None,
+            pixels=pixels,
+        )
         timings["prepare_s"] = time.perf_counter() - started
         if record:
             self._record(state, key, params)
@@ -357,5 +493,12 @@ class MaskAwareEngine:
         timings["denoise_s"] = time.perf_counter() - started - timings["prepare_s"]
         result_image, generated = self.finish(state, image, pixels, params)
         timings["total_s"] = time.perf_counter() - started
-        return EditResult(result_image, generated, state.latents, seed, state.mask_ratio, state.cache is not None,
-                          timings)
+        return EditResult(
+            result_image,
+            generated,
+            state.latents,
+            seed,
+            state.mask_ratio,
+            state.cache is not None,
+            timings,
+        )

@@ -27,8 +27,12 @@ class RequestTensors:
 
     init_latents: torch.Tensor  # latents before step 0 (Flux: packed tokens)
     conditioning: dict[str, torch.Tensor]  # per-row model conditioning, leading dim = halves
-    extra_channels: torch.Tensor  # concatenated to the latent input every step (mask + masked image)
-    scheduler: object  # the request's own scheduler (diffusers schedulers keep a mutable step index)
+    extra_channels: (
+        torch.Tensor
+    )  # concatenated to the latent input every step (mask + masked image)
+    scheduler: (
+        object  # the request's own scheduler (diffusers schedulers keep a mutable step index)
+    )
     timesteps: torch.Tensor
     guidance: float
     halves: int
@@ -55,29 +59,49 @@ class FamilyAdapter(ABC):
     def denoiser(self) -> torch.nn.Module: ...
 
     @abstractmethod
-    def prepare(self, image: Image.Image, mask: Image.Image, prompt: str, negative_prompt: str,
-                guidance: float, steps: int, strength: float, seed: int, size: tuple[int, int]) -> RequestTensors:
+    def prepare(
+        self,
+        image: Image.Image,
+        mask: Image.Image,
+        prompt: str,
+        negative_prompt: str,
+        guidance: float,
+        steps: int,
+        strength: float,
+        seed: int,
+        size: tuple[int, int],
+    ) -> RequestTensors:
         """Request tensors; ``size`` is (height, width) in pixels."""
 
     @abstractmethod
-    def schedule(self, steps: int, strength: float, size: tuple[int, int]) -> tuple[object, torch.Tensor]:
+    def schedule(
+        self, steps: int, strength: float, size: tuple[int, int]
+    ) -> tuple[object, torch.Tensor]:
         """A fresh scheduler for one request and its timesteps (deterministic: pre and worker agree)."""
 
     @abstractmethod
     def _init_latents(self, init, scheduler, timesteps, strength, seed, size): ...
 
-    def template_latents(self, image: Image.Image, steps: int, strength: float, seed: int, size) -> torch.Tensor:
+    def template_latents(
+        self, image: Image.Image, steps: int, strength: float, seed: int, size
+    ) -> torch.Tensor:
         """The latents before step 0 that ``prepare`` would draw with ``seed`` (the template's noise)."""
         scheduler, timesteps = self.schedule(steps, strength, size)
-        init = self.pipe.image_processor.preprocess(image, height=size[0], width=size[1]).to(dtype=torch.float32)
+        init = self.pipe.image_processor.preprocess(image, height=size[0], width=size[1]).to(
+            dtype=torch.float32
+        )
         return self._init_latents(init, scheduler, timesteps, strength, seed, size)[0]
 
     @abstractmethod
-    def step_rows(self, req: RequestTensors, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def step_rows(
+        self, req: RequestTensors, latents: torch.Tensor, t: torch.Tensor
+    ) -> torch.Tensor:
         """Model input rows (halves, ...) of one request at timestep ``t``."""
 
     @abstractmethod
-    def denoise(self, rows: torch.Tensor, row_timesteps: torch.Tensor, reqs: list[RequestTensors]) -> torch.Tensor:
+    def denoise(
+        self, rows: torch.Tensor, row_timesteps: torch.Tensor, reqs: list[RequestTensors]
+    ) -> torch.Tensor:
         """Run the denoiser over all rows of a batch (rows of each request consecutive)."""
 
     @abstractmethod
@@ -101,12 +125,16 @@ class FamilyAdapter(ABC):
             timesteps, steps = retrieve_timesteps(scheduler, steps, self.device, **kwargs)
             timesteps, steps = self.pipe.get_timesteps(steps, strength, self.device)
         if steps < 1:
-            raise ValueError(f"strength {strength} leaves no denoising steps: raise strength or steps")
+            raise ValueError(
+                f"strength {strength} leaves no denoising steps: raise strength or steps"
+            )
         return scheduler, timesteps
 
     def _images(self, image: Image.Image, mask: Image.Image, size: tuple[int, int]):
         height, width = size
-        init = self.pipe.image_processor.preprocess(image, height=height, width=width).to(dtype=torch.float32)
+        init = self.pipe.image_processor.preprocess(image, height=height, width=width).to(
+            dtype=torch.float32
+        )
         mask_t = self.pipe.mask_processor.preprocess(mask, height=height, width=width)
         return init, mask_t
 
@@ -127,17 +155,34 @@ class UnetAdapter(FamilyAdapter):
         latents, gen = self._init_latents(init, scheduler, timesteps, strength, seed, size)
         masked_image = init * (mask_t < 0.5)
         mask_lat, masked_lat = self.pipe.prepare_mask_latents(
-            mask_t, masked_image, 1, size[0], size[1], self.dtype, self.device, gen, False)
+            mask_t, masked_image, 1, size[0], size[1], self.dtype, self.device, gen, False
+        )
         return RequestTensors(
-            init_latents=latents, conditioning=conditioning, extra_channels=torch.cat([mask_lat, masked_lat], dim=1),
-            scheduler=scheduler, timesteps=timesteps, guidance=guidance, halves=2)
+            init_latents=latents,
+            conditioning=conditioning,
+            extra_channels=torch.cat([mask_lat, masked_lat], dim=1),
+            scheduler=scheduler,
+            timesteps=timesteps,
+            guidance=guidance,
+            halves=2,
+        )
 
     def _init_latents(self, init, scheduler, timesteps, strength, seed, size):
         pipe, gen = self.pipe, self._generator(seed)
         with self._using(scheduler):
             latents, _noise = pipe.prepare_latents(
-                1, pipe.vae.config.latent_channels, size[0], size[1], self.dtype, self.device, gen,
-                image=init, timestep=timesteps[:1], is_strength_max=strength == 1.0, return_noise=True)
+                1,
+                pipe.vae.config.latent_channels,
+                size[0],
+                size[1],
+                self.dtype,
+                self.device,
+                gen,
+                image=init,
+                timestep=timesteps[:1],
+                is_strength_max=strength == 1.0,
+                return_noise=True,
+            )
         return latents, gen
 
     def schedule(self, steps, strength, size):
@@ -152,11 +197,18 @@ class UnetAdapter(FamilyAdapter):
         return torch.cat([scaled, torch.cat([req.extra_channels] * 2)], dim=1)
 
     def denoise(self, rows, row_timesteps, reqs):
-        conditioning = {k: torch.cat([r.conditioning[k] for r in reqs]) for k in reqs[0].conditioning}
+        conditioning = {
+            k: torch.cat([r.conditioning[k] for r in reqs]) for k in reqs[0].conditioning
+        }
         text = conditioning.pop("encoder_hidden_states")
         added = conditioning or None
-        return self.pipe.unet(rows, row_timesteps, encoder_hidden_states=text, added_cond_kwargs=added,
-                              return_dict=False)[0]
+        return self.pipe.unet(
+            rows,
+            row_timesteps,
+            encoder_hidden_states=text,
+            added_cond_kwargs=added,
+            return_dict=False,
+        )[0]
 
     def decode(self, latents, size):
         vae = self.pipe.vae
@@ -170,16 +222,34 @@ class SdxlAdapter(UnetAdapter):
     def _encode(self, prompt, negative_prompt, size):
         pipe = self.pipe
         embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
-            prompt=prompt, device=self.device, num_images_per_prompt=1, do_classifier_free_guidance=True,
-            negative_prompt=negative_prompt)
-        projection_dim = pipe.text_encoder_2.config.projection_dim if pipe.text_encoder_2 is not None \
+            prompt=prompt,
+            device=self.device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=True,
+            negative_prompt=negative_prompt,
+        )
+        projection_dim = (
+            pipe.text_encoder_2.config.projection_dim
+            if pipe.text_encoder_2 is not None
             else int(pooled.shape[-1])
+        )
         time_ids, negative_time_ids = pipe._get_add_time_ids(
-            size, (0, 0), size, 6.0, 2.5, size, (0, 0), size, dtype=embeds.dtype,
-            text_encoder_projection_dim=projection_dim)
-        return {"encoder_hidden_states": torch.cat([negative, embeds]),
-                "text_embeds": torch.cat([negative_pooled, pooled]),
-                "time_ids": torch.cat([negative_time_ids, time_ids]).to(self.device)}
+            size,
+            (0, 0),
+            size,
+            6.0,
+            2.5,
+            size,
+            (0, 0),
+            size,
+            dtype=embeds.dtype,
+            text_encoder_projection_dim=projection_dim,
+        )
+        return {
+            "encoder_hidden_states": torch.cat([negative, embeds]),
+            "text_embeds": torch.cat([negative_pooled, pooled]),
+            "time_ids": torch.cat([negative_time_ids, time_ids]).to(self.device),
+        }
 
 
 class FluxFillAdapter(FamilyAdapter):
@@ -194,27 +264,52 @@ class FluxFillAdapter(FamilyAdapter):
     def prepare(self, image, mask, prompt, negative_prompt, guidance, steps, strength, seed, size):
         pipe = self.pipe
         embeds, pooled, text_ids = pipe.encode_prompt(
-            prompt=prompt, prompt_2=None, device=self.device, num_images_per_prompt=1,
-            max_sequence_length=self.max_sequence_length or 512)
+            prompt=prompt,
+            prompt_2=None,
+            device=self.device,
+            num_images_per_prompt=1,
+            max_sequence_length=self.max_sequence_length or 512,
+        )
         scheduler, timesteps = self.schedule(steps, strength, size)
         init, mask_t = self._images(image, mask, size)
-        (latents, image_ids), gen = self._init_latents(init, scheduler, timesteps, strength, seed, size)
+        (latents, image_ids), gen = self._init_latents(
+            init, scheduler, timesteps, strength, seed, size
+        )
         masked_image = (init * (1 - mask_t)).to(device=self.device, dtype=self.dtype)
         channels = pipe.vae.config.latent_channels
-        mask_lat, masked_lat = pipe.prepare_mask_latents(mask_t, masked_image, 1, channels, 1, size[0], size[1],
-                                                         self.dtype, self.device, gen)
-        conditioning = {"encoder_hidden_states": embeds, "pooled_projections": pooled,
-                        "guidance": torch.full([1], guidance, device=self.device, dtype=torch.float32)}
+        mask_lat, masked_lat = pipe.prepare_mask_latents(
+            mask_t, masked_image, 1, channels, 1, size[0], size[1], self.dtype, self.device, gen
+        )
+        conditioning = {
+            "encoder_hidden_states": embeds,
+            "pooled_projections": pooled,
+            "guidance": torch.full([1], guidance, device=self.device, dtype=torch.float32),
+        }
         return RequestTensors(
-            init_latents=latents, conditioning=conditioning, extra_channels=torch.cat((masked_lat, mask_lat), dim=-1),
-            scheduler=scheduler, timesteps=timesteps, guidance=guidance, halves=1,
-            shared={"txt_ids": text_ids, "img_ids": image_ids})
+            init_latents=latents,
+            conditioning=conditioning,
+            extra_channels=torch.cat((masked_lat, mask_lat), dim=-1),
+            scheduler=scheduler,
+            timesteps=timesteps,
+            guidance=guidance,
+            halves=1,
+            shared={"txt_ids": text_ids, "img_ids": image_ids},
+        )
 
     def _init_latents(self, init, scheduler, timesteps, strength, seed, size):
         pipe, gen = self.pipe, self._generator(seed)
         with self._using(scheduler):
-            packed = pipe.prepare_latents(init, timesteps[:1], 1, pipe.vae.config.latent_channels, size[0], size[1],
-                                          self.dtype, self.device, gen)
+            packed = pipe.prepare_latents(
+                init,
+                timesteps[:1],
+                1,
+                pipe.vae.config.latent_channels,
+                size[0],
+                size[1],
+                self.dtype,
+                self.device,
+                gen,
+            )
         return packed, gen
 
     def schedule(self, steps, strength, size):
@@ -222,8 +317,13 @@ class FluxFillAdapter(FamilyAdapter):
         pipe = self.pipe
         seq_len = (height // pipe.vae_scale_factor // 2) * (width // pipe.vae_scale_factor // 2)
         config = pipe.scheduler.config
-        mu = calculate_shift(seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                             config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+        mu = calculate_shift(
+            seq_len,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
         sigmas = np.linspace(1.0, 1 / steps, steps)
         return self._timesteps(steps, strength, sigmas=sigmas, mu=mu)
 
@@ -234,11 +334,17 @@ class FluxFillAdapter(FamilyAdapter):
         return torch.cat((latents, req.extra_channels), dim=2)
 
     def denoise(self, rows, row_timesteps, reqs):
-        conditioning = {k: torch.cat([r.conditioning[k] for r in reqs]) for k in reqs[0].conditioning}
+        conditioning = {
+            k: torch.cat([r.conditioning[k] for r in reqs]) for k in reqs[0].conditioning
+        }
         # rows of one batch share a resolution and a text length, hence one set of position ids
         return self.pipe.transformer(
-            hidden_states=rows, timestep=row_timesteps.to(rows.dtype) / 1000, return_dict=False,
-            **reqs[0].shared, **conditioning)[0]
+            hidden_states=rows,
+            timestep=row_timesteps.to(rows.dtype) / 1000,
+            return_dict=False,
+            **reqs[0].shared,
+            **conditioning,
+        )[0]
 
     def decode(self, latents, size):
         pipe, vae = self.pipe, self.pipe.vae

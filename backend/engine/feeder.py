@@ -28,8 +28,13 @@ class RowCacheRef:
 
 
 class BatchCacheFeeder:
-    def __init__(self, rows: Sequence[RowCacheRef | None], units: Sequence[int], mode: str,
-                 device: torch.device | str):
+    def __init__(
+        self,
+        rows: Sequence[RowCacheRef | None],
+        units: Sequence[int],
+        mode: str,
+        device: torch.device | str,
+    ):
         self.device = torch.device(device)
         self._names = MODE_TENSORS[mode]
         self._groups: dict[tuple[str, int], RowCacheRef] = {}
@@ -89,12 +94,16 @@ class BatchCacheFeeder:
         return self._loaded[key]
 
     def rows_tensor(self, unit: int, name: str, rows: tuple[int, int]) -> torch.Tensor:
-        entries = self._row_group[rows[0]:rows[1]]
+        entries = self._row_group[rows[0] : rows[1]]
         if any(entry is None for entry in entries):
             raise KeyError(f"rows {rows} include a row with no template cache")
         first_group, first_half = entries[0]
         halves = [half for _, half in entries]
-        if all(g == first_group for g, _ in entries) and halves == list(range(first_half, first_half + len(entries))):
+        if all(g == first_group for g, _ in entries) and halves == list(
+            range(first_half, first_half + len(entries))
+        ):
             # the usual case (the CFG halves of one request): a view, no copy
-            return self._group_tensor(first_group, unit, name)[first_half:first_half + len(entries)]
+            return self._group_tensor(first_group, unit, name)[
+                first_half : first_half + len(entries)
+            ]
         return torch.stack([self._group_tensor(g, unit, name)[half] for g, half in entries])

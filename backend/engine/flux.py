@@ -99,13 +99,26 @@ class _State:
         self.full, self.packed = full, packed
 
 
-def run_flux(model, ctx: ForwardContext, hidden_states, encoder_hidden_states, pooled_projections, timestep,
-             img_ids, txt_ids, guidance=None, return_dict=True, **_unused) -> torch.Tensor:
+def run_flux(
+    model,
+    ctx: ForwardContext,
+    hidden_states,
+    encoder_hidden_states,
+    pooled_projections,
+    timestep,
+    img_ids,
+    txt_ids,
+    guidance=None,
+    return_dict=True,
+    **_unused,
+) -> torch.Tensor:
     num_rows, num_tokens, _ = hidden_states.shape
     grid = (int(img_ids[:, 1].max()) + 1, int(img_ids[:, 2].max()) + 1)
     timestep = timestep.to(hidden_states.dtype) * 1000
     if guidance is not None:
-        temb = model.time_text_embed(timestep, guidance.to(hidden_states.dtype) * 1000, pooled_projections)
+        temb = model.time_text_embed(
+            timestep, guidance.to(hidden_states.dtype) * 1000, pooled_projections
+        )
     else:
         temb = model.time_text_embed(timestep, pooled_projections)
     text = model.context_embedder(encoder_hidden_states)
@@ -113,8 +126,15 @@ def run_flux(model, ctx: ForwardContext, hidden_states, encoder_hidden_states, p
     num_text = txt_ids.shape[0]
     masked = ctx.layout(grid)
     image = rotations[num_text:]
-    shared = _Shared(temb, masked, rotations[:num_text], image, image.index_select(0, torch.cat(masked.indices)), ctx,
-                     last_unit=len(model.transformer_blocks) + len(model.single_transformer_blocks) - 1)
+    shared = _Shared(
+        temb,
+        masked,
+        rotations[:num_text],
+        image,
+        image.index_select(0, torch.cat(masked.indices)),
+        ctx,
+        last_unit=len(model.transformer_blocks) + len(model.single_transformer_blocks) - 1,
+    )
     if ctx.uses_cache(0) and ctx.mode == "kv":
         state = _State(None, model.x_embedder(shared.masked.gather(hidden_states)))
     else:
@@ -127,7 +147,9 @@ def run_flux(model, ctx: ForwardContext, hidden_states, encoder_hidden_states, p
     masked = shared.masked
     packed = state.packed if state.packed is not None else masked.gather(state.full)
     norm_out = model.norm_out
-    scale, shift = norm_out.linear(norm_out.silu(temb).to(temb.dtype)).to(packed.dtype).chunk(2, dim=1)
+    scale, shift = (
+        norm_out.linear(norm_out.silu(temb).to(temb.dtype)).to(packed.dtype).chunk(2, dim=1)
+    )
     packed = _modulate(norm_out.norm(packed), masked, scale, shift)
     out = model.proj_out(packed)
     return masked.scatter_into(out.new_zeros(num_rows, num_tokens, out.shape[-1]), out)
@@ -140,8 +162,16 @@ def _run_unit(block, single: bool, unit: int, state: _State, text, shared: _Shar
         if state.full is None:
             raise RuntimeError(f"unit {unit}: a dense unit cannot follow a cached unit in kv mode")
         dense = ctx.dense_layout(state.full.shape[1])
-        text, out = forward(block, unit, state.full.reshape(-1, state.full.shape[-1]), dense, state.full, False,
-                            text, shared)
+        text, out = forward(
+            block,
+            unit,
+            state.full.reshape(-1, state.full.shape[-1]),
+            dense,
+            state.full,
+            False,
+            text,
+            shared,
+        )
         out_full = out.reshape(state.full.shape)
         ctx.record(unit, "out", out_full)
         return text, _State(out_full, None)
@@ -150,11 +180,15 @@ def _run_unit(block, single: bool, unit: int, state: _State, text, shared: _Shar
         packed = state.packed if state.packed is not None else masked.gather(state.full)
         text, out = forward(block, unit, packed, masked, None, True, text, shared)
         return text, _State(None, out)
-    text, out = forward(block, unit, masked.gather(state.full), masked, state.full, False, text, shared)
+    text, out = forward(
+        block, unit, masked.gather(state.full), masked, state.full, False, text, shared
+    )
     return text, _State(ctx.merge_cached(unit, "out", masked, out), None)
 
 
-def _modulate(normed: torch.Tensor, layout: RowLayout, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+def _modulate(
+    normed: torch.Tensor, layout: RowLayout, scale: torch.Tensor, shift: torch.Tensor
+) -> torch.Tensor:
     """AdaLN modulation of packed tokens: ``normed * (1 + scale) + shift`` with each token's row values."""
     return torch.addcmul(layout.expand_rows(shift), normed, layout.expand_rows(1 + scale))
 
@@ -180,8 +214,16 @@ def _image_qkv(attn, normed: torch.Tensor, rotations: torch.Tensor, projected=No
     return query, _rotate(_rms_norm(attn.norm_k, key), rotations), value
 
 
-def _image_keys_for_groups(attn, key_q, value_q, layout_q: RowLayout, full_normed, from_cache: bool, unit: int,
-                           shared: _Shared):
+def _image_keys_for_groups(
+    attn,
+    key_q,
+    value_q,
+    layout_q: RowLayout,
+    full_normed,
+    from_cache: bool,
+    unit: int,
+    shared: _Shared,
+):
     """``group_kv(group, text_k, text_v)``: per row group, [text ; full image] K and V (g, T + L, H, d).
     Image K/V come from the queries themselves when dense, from the full normed input in hidden mode,
     or from the cache with the masked tokens replaced in kv mode."""
@@ -192,20 +234,29 @@ def _image_keys_for_groups(attn, key_q, value_q, layout_q: RowLayout, full_norme
     elif not from_cache:
         dense = ctx.dense_layout(layout_q.num_tokens)
         full_flat = full_normed.reshape(-1, full_normed.shape[-1])
-        _, key_flat, value_flat = _image_qkv(attn, full_flat, shared.rope_for(dense),
-                                             fused_linear(full_flat, (attn.to_k, attn.to_v)))
+        _, key_flat, value_flat = _image_qkv(
+            attn, full_flat, shared.rope_for(dense), fused_linear(full_flat, (attn.to_k, attn.to_v))
+        )
         key_full = key_flat.reshape(layout_q.num_rows, layout_q.num_tokens, *key_flat.shape[1:])
         value_full = value_flat.reshape(key_full.shape)
     else:
+
         def group_kv(group, text_k, text_v):
-            key = ctx.merge_group_after(unit, "k", layout_q, group, layout_q.group_tokens(key_q, group), text_k)
-            value = ctx.merge_group_after(unit, "v", layout_q, group, layout_q.group_tokens(value_q, group), text_v)
+            key = ctx.merge_group_after(
+                unit, "k", layout_q, group, layout_q.group_tokens(key_q, group), text_k
+            )
+            value = ctx.merge_group_after(
+                unit, "v", layout_q, group, layout_q.group_tokens(value_q, group), text_v
+            )
             return key, value
+
         return group_kv
     ctx.record(unit, "k", key_full.flatten(2))
     ctx.record(unit, "v", value_full.flatten(2))
-    return lambda group, text_k, text_v: (torch.cat([text_k, key_full[group[0]:group[1]]], dim=1),
-                                          torch.cat([text_v, value_full[group[0]:group[1]]], dim=1))
+    return lambda group, text_k, text_v: (
+        torch.cat([text_k, key_full[group[0] : group[1]]], dim=1),
+        torch.cat([text_v, value_full[group[0] : group[1]]], dim=1),
+    )
 
 
 def _joint_attention(text_q, text_k, text_v, query, layout_q: RowLayout, group_kv):
@@ -245,15 +296,20 @@ def _text_qkv(attn, normed_text, rope_text, added: bool, projected=None):
 def _double_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared: _Shared):
     temb = shared.temb
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1.linear(
-        block.norm1.silu(temb)).chunk(6, dim=1)
+        block.norm1.silu(temb)
+    ).chunk(6, dim=1)
     normed_q = _modulate(block.norm1.norm(x_q), layout_q, scale_msa, shift_msa)
     normed_full = None
     if x_full is not None and not layout_q.is_full:
         normed_full = _modulate_rows(block.norm1.norm(x_full), scale_msa, shift_msa)
-    normed_text, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(text, emb=temb)
+    normed_text, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(
+        text, emb=temb
+    )
     attn = block.attn
     query, key_q, value_q = _image_qkv(attn, normed_q, shared.rope_for(layout_q))
-    group_kv = _image_keys_for_groups(attn, key_q, value_q, layout_q, normed_full, from_cache, unit, shared)
+    group_kv = _image_keys_for_groups(
+        attn, key_q, value_q, layout_q, normed_full, from_cache, unit, shared
+    )
     text_q, text_k, text_v = _text_qkv(attn, normed_text, shared.rope_text, added=True)
     text_attn, image_attn = _joint_attention(text_q, text_k, text_v, query, layout_q, group_kv)
     hidden = torch.addcmul(x_q, layout_q.expand_rows(gate_msa), attn.to_out[0](image_attn))
@@ -283,15 +339,23 @@ def _single_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared
     image_linears = (attn.to_q, attn.to_k, attn.to_v, block.proj_mlp)
     text_needed = unit != shared.last_unit
     if text_needed:
-        projected = fused_linear(torch.cat([normed_text.reshape(-1, width), normed_q]), image_linears)
+        projected = fused_linear(
+            torch.cat([normed_text.reshape(-1, width), normed_q]), image_linears
+        )
         image_projected = [p[split:] for p in projected]
         text_projected = [p[:split].reshape(num_rows, num_text, -1) for p in projected[:3]]
     else:
         image_projected = fused_linear(normed_q, image_linears)
         text_projected = fused_linear(normed_text, (attn.to_k, attn.to_v))
-    query, key_q, value_q = _image_qkv(attn, normed_q, shared.rope_for(layout_q), image_projected[:3])
-    group_kv = _image_keys_for_groups(attn, key_q, value_q, layout_q, normed_full, from_cache, unit, shared)
-    text_q, text_k, text_v = _text_qkv(attn, normed_text, shared.rope_text, added=False, projected=text_projected)
+    query, key_q, value_q = _image_qkv(
+        attn, normed_q, shared.rope_for(layout_q), image_projected[:3]
+    )
+    group_kv = _image_keys_for_groups(
+        attn, key_q, value_q, layout_q, normed_full, from_cache, unit, shared
+    )
+    text_q, text_k, text_v = _text_qkv(
+        attn, normed_text, shared.rope_text, added=False, projected=text_projected
+    )
     text_attn, image_attn = _joint_attention(text_q, text_k, text_v, query, layout_q, group_kv)
     mlp = block.act_mlp(projected[3] if text_needed else image_projected[3])
     attn_rows = torch.cat([text_attn.reshape(split, -1), image_attn]) if text_needed else image_attn

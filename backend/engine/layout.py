@@ -54,7 +54,9 @@ class RowLayout:
     def group_tokens(self, packed: torch.Tensor, group: tuple[int, int]) -> torch.Tensor:
         """Packed rows of one group as (rows, tokens, ...)."""
         start, stop = group
-        return packed[self.offsets[start]:self.offsets[stop]].reshape(stop - start, -1, *packed.shape[1:])
+        return packed[self.offsets[start] : self.offsets[stop]].reshape(
+            stop - start, -1, *packed.shape[1:]
+        )
 
     def expand_rows(self, per_row: torch.Tensor) -> torch.Tensor:
         """(num_rows, C) row values -> each packed token's row value, for elementwise ops on packed
@@ -80,15 +82,23 @@ def make_layout(row_masks: list[torch.Tensor], device: torch.device | str = "cpu
         flat.append(idx + row * num_tokens)
         rows.append(torch.full_like(idx, row))
     is_full = offsets[-1] == num_tokens * len(row_masks)
-    return RowLayout(num_tokens, tuple(indices), tuple(offsets), torch.cat(flat), torch.cat(rows), is_full,
-                     _runs(row_masks))
+    return RowLayout(
+        num_tokens,
+        tuple(indices),
+        tuple(offsets),
+        torch.cat(flat),
+        torch.cat(rows),
+        is_full,
+        _runs(row_masks),
+    )
 
 
 def _runs(row_masks: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
     runs, start = [], 0
     for row in range(1, len(row_masks) + 1):
-        if row == len(row_masks) or not (row_masks[row] is row_masks[start]
-                                          or torch.equal(row_masks[row], row_masks[start])):
+        if row == len(row_masks) or not (
+            row_masks[row] is row_masks[start] or torch.equal(row_masks[row], row_masks[start])
+        ):
             runs.append((start, row))
             start = row
     return tuple(runs)

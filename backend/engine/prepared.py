@@ -47,22 +47,34 @@ class PreparedRequest:
 
     def save(self, path: Path) -> Path:
         """Write atomically (temp file + rename): a reader never sees half a request."""
-        tensors = {"init_latents": self.init_latents, "extra_channels": self.extra_channels,
-                   "pixels": torch.from_numpy(self.pixels.astype(np.uint8))}
+        tensors = {
+            "init_latents": self.init_latents,
+            "extra_channels": self.extra_channels,
+            "pixels": torch.from_numpy(self.pixels.astype(np.uint8)),
+        }
         tensors |= {f"cond.{k}": v for k, v in self.conditioning.items()}
         tensors |= {f"shared.{k}": v for k, v in self.shared.items()}
         if self.template_latents is not None:
             tensors["template_latents"] = self.template_latents
-        header = {"format_version": FORMAT_VERSION, "model_id": self.model_id, "params": self.params,
-                  "seed": self.seed, "halves": self.halves, "guidance": self.guidance,
-                  "cache_key": asdict(self.cache_key) if self.cache_key else None}
+        header = {
+            "format_version": FORMAT_VERSION,
+            "model_id": self.model_id,
+            "params": self.params,
+            "seed": self.seed,
+            "halves": self.halves,
+            "guidance": self.guidance,
+            "cache_key": asdict(self.cache_key) if self.cache_key else None,
+        }
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, tmp = tempfile.mkstemp(prefix=".prep.", dir=path.parent)
         os.close(handle)
         try:
-            save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp,
-                      metadata={"maskserve": json.dumps(header)})
+            save_file(
+                {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
+                tmp,
+                metadata={"maskserve": json.dumps(header)},
+            )
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -70,7 +82,7 @@ class PreparedRequest:
         return path
 
     @classmethod
-    def load(cls, path: Path, device: torch.device | str = "cpu") -> "PreparedRequest":
+    def load(cls, path: Path, device: torch.device | str = "cpu") -> PreparedRequest:
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as handle:
@@ -80,11 +92,20 @@ class PreparedRequest:
         tensors = load_file(str(path), device=str(device))
 
         def group(prefix: str) -> dict[str, torch.Tensor]:
-            return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+
         key = header["cache_key"]
-        return cls(model_id=header["model_id"], params=header["params"], seed=header["seed"],
-                   pixels=tensors["pixels"].cpu().numpy().astype(bool), init_latents=tensors["init_latents"],
-                   conditioning=group("cond."), extra_channels=tensors["extra_channels"], halves=header["halves"],
-                   guidance=header["guidance"], shared=group("shared."),
-                   template_latents=tensors.get("template_latents"),
-                   cache_key=CacheKey(**key) if key else None)
+        return cls(
+            model_id=header["model_id"],
+            params=header["params"],
+            seed=header["seed"],
+            pixels=tensors["pixels"].cpu().numpy().astype(bool),
+            init_latents=tensors["init_latents"],
+            conditioning=group("cond."),
+            extra_channels=tensors["extra_channels"],
+            halves=header["halves"],
+            guidance=header["guidance"],
+            shared=group("shared."),
+            template_latents=tensors.get("template_latents"),
+            cache_key=CacheKey(**key) if key else None,
+        )

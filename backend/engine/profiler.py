@@ -17,20 +17,22 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from backend.engine.costs import CostProfile, RowWork, UnitShape, build_profile, tokens_for_ratio, unit_flops
+from backend.costmodel.costs import (
+    CostProfile,
+    RowWork,
+    UnitShape,
+    build_profile,
+    tokens_for_ratio,
+    unit_flops,
+)
+from backend.costmodel.plan import solve_plan
+from backend.costmodel.profiles import load_profile, profile_path
 from backend.engine.editor import EditParams, EditState, MaskAwareEngine
 from backend.engine.feeder import MODE_TENSORS
-from backend.engine.plan import solve_plan
 from backend.imaging.masks import synthetic_mask, token_mask
 from templates_store.samples import sample_template
 
 PROFILE_RATIOS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75)
-
-
-def profile_path(profiles_dir: Path, model_id: str, device: str, mode: str) -> Path:
-    device_kind = "cuda" if device.startswith("cuda") else "cpu"
-    safe_model = model_id.replace("/", "_").replace(":", "_")
-    return Path(profiles_dir) / f"{safe_model}__{device_kind}__{mode}.json"
 
 
 def unit_shapes(engine: MaskAwareEngine, cache, mode: str) -> list[UnitShape]:
@@ -46,8 +48,16 @@ def unit_shapes(engine: MaskAwareEngine, cache, mode: str) -> list[UnitShape]:
             num_tokens = tensor.shape[1]
             width = max(width, tensor.shape[2])
             per_token += tensor.shape[0] * tensor.shape[2] * tensor.element_size()
-        shapes.append(UnitShape(f"unit{unit:03d}", engine.stack_ids[unit], num_tokens, width, text_tokens,
-                                cache_bytes_per_token=per_token))
+        shapes.append(
+            UnitShape(
+                f"unit{unit:03d}",
+                engine.stack_ids[unit],
+                num_tokens,
+                width,
+                text_tokens,
+                cache_bytes_per_token=per_token,
+            )
+        )
     return shapes
 
 
@@ -56,26 +66,43 @@ def _grid_ratio(pixels: np.ndarray, num_tokens: int) -> float:
     return float(token_mask(pixels, (side, side)).mean())
 
 
-def measure_profile(engine: MaskAwareEngine, mode: str, size: int, device: str, repeats: int = 2) -> CostProfile:
-    params = EditParams(steps=2, guidance=engine.spec.default_guidance, size=(size, size), mode=mode,
-                        dense_above_ratio=1.0, record_on_first_edit=False)
+def measure_profile(
+    engine: MaskAwareEngine, mode: str, size: int, device: str, repeats: int = 2
+) -> CostProfile:
+    params = EditParams(
+        steps=2,
+        guidance=engine.spec.default_guidance,
+        size=(size, size),
+        mode=mode,
+        dense_above_ratio=1.0,
+        record_on_first_edit=False,
+    )
     template = sample_template(size, size, seed=3)
     cache = engine.prepare_template(template, params)
     shapes = unit_shapes(engine, cache, mode)
     compute, load = [], []
-    for ratio in tqdm((*PROFILE_RATIOS, None), desc=f"profile {engine.spec.model_id} {mode}", unit="ratio"):
+    for ratio in tqdm(
+        (*PROFILE_RATIOS, None), desc=f"profile {engine.spec.model_id} {mode}", unit="ratio"
+    ):
         pixels = synthetic_mask(size, size, ratio or 1.0, seed=5, kind="blob")
         mask = Image.fromarray(pixels.astype(np.uint8) * 255)
         for _ in range(repeats):
-            state = engine.start(template, mask, "profile", 0, params, cache=cache if ratio else None)
+            state = engine.start(
+                template, mask, "profile", 0, params, cache=cache if ratio else None
+            )
             seconds: dict[int, float] = {}
             engine.step([state], mode, unit_seconds=seconds)
             for unit, shape in enumerate(shapes):
-                masked = shape.num_tokens if ratio is None else tokens_for_ratio(
-                    shape.num_tokens, _grid_ratio(pixels, shape.num_tokens))
+                masked = (
+                    shape.num_tokens
+                    if ratio is None
+                    else tokens_for_ratio(shape.num_tokens, _grid_ratio(pixels, shape.num_tokens))
+                )
                 flops = state.req.halves * unit_flops(shape, masked, dense=ratio is None)
                 compute.append((flops, seconds[unit]))
-    _time_load(cache, range(engine.num_units), mode, device)  # checksum check and page cache, untimed
+    _time_load(
+        cache, range(engine.num_units), mode, device
+    )  # checksum check and page cache, untimed
     for count in range(1, engine.num_units + 1):  # growing batches of units: distinct byte counts
         load.append(_time_load(cache, range(count), mode, device))
     return build_profile(engine.spec.model_id, device, mode, shapes, compute, load)
@@ -101,13 +128,24 @@ def _time_load(cache, units, mode: str, device: str) -> tuple[float, float]:
 def make_planner(profile: CostProfile, num_units: int):
     """A batch planner for ``MaskAwareEngine``: the exact Algorithm 1 plan over the profile."""
     if len(profile.units) != num_units:
-        raise ValueError(f"profile has {len(profile.units)} units, the model has {num_units}: re-run `maskserve profile`")
+        raise ValueError(
+            f"profile has {len(profile.units)} units, the model has {num_units}: re-run `maskserve profile`"
+        )
 
     def plan(states: list[EditState], mode: str) -> tuple[bool, ...]:
-        rows = [RowWork(s.mask_ratio if s.token_masks is not None else 1.0,
-                        str(s.cache.path) if s.cache else "dense", needs_load=s.cache is not None)
-                for s in states for _ in range(s.req.halves)]
-        return solve_plan(profile.unit_costs(rows), profile.stack_ids, monotone_within_stack=mode == "kv").use_cache
+        rows = [
+            RowWork(
+                s.mask_ratio if s.token_masks is not None else 1.0,
+                str(s.cache.path) if s.cache else "dense",
+                needs_load=s.cache is not None,
+            )
+            for s in states
+            for _ in range(s.req.halves)
+        ]
+        return solve_plan(
+            profile.unit_costs(rows), profile.stack_ids, monotone_within_stack=mode == "kv"
+        ).use_cache
+
     return plan
 
 
@@ -115,9 +153,8 @@ def load_planners(profiles_dir: Path, model_id: str, device: str, num_units: int
     """Planners for every mode whose profile file exists and fits the model (others are skipped)."""
     planners = {}
     for mode in MODE_TENSORS:
-        path = profile_path(profiles_dir, model_id, device, mode)
-        if path.exists():
-            profile = CostProfile.from_json(path.read_text())
+        if profile_path(profiles_dir, model_id, device, mode).exists():
+            profile = load_profile(profiles_dir, model_id, device, mode)
             if len(profile.units) == num_units:
                 planners[mode] = make_planner(profile, num_units)
     return planners

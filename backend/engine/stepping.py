@@ -23,7 +23,9 @@ _EULER = "EulerDiscreteScheduler"
 _FLOW = "FlowMatchEulerDiscreteScheduler"
 
 
-def guide_all(prediction: torch.Tensor, halves: Sequence[int], guidance: Sequence[float]) -> torch.Tensor:
+def guide_all(
+    prediction: torch.Tensor, halves: Sequence[int], guidance: Sequence[float]
+) -> torch.Tensor:
     """Classifier-free guidance of a batch whose rows are ``halves[i]`` consecutive predictions
     (uncond, cond) each: one guided row per request. Equals ``uncond + g * (cond - uncond)`` per row."""
     if all(h == 1 for h in halves):
@@ -38,12 +40,25 @@ def guide_all(prediction: torch.Tensor, halves: Sequence[int], guidance: Sequenc
 
 def _supported(schedulers: Sequence) -> str | None:
     names = {type(s).__name__ for s in schedulers}
-    if len(names) != 1 or not names <= {_EULER, _FLOW} or any(s.step_index is None for s in schedulers):
+    if (
+        len(names) != 1
+        or not names <= {_EULER, _FLOW}
+        or any(s.step_index is None for s in schedulers)
+    ):
         return None
     name = names.pop()
     config = schedulers[0].config
-    if name == _EULER and config.prediction_type in ("epsilon", "v_prediction", "sample", "original_sample"):
-        return name if all(s.config.prediction_type == config.prediction_type for s in schedulers) else None
+    if name == _EULER and config.prediction_type in (
+        "epsilon",
+        "v_prediction",
+        "sample",
+        "original_sample",
+    ):
+        return (
+            name
+            if all(s.config.prediction_type == config.prediction_type for s in schedulers)
+            else None
+        )
     if name == _FLOW and not getattr(config, "stochastic_sampling", False):
         return name
     return None
@@ -54,7 +69,9 @@ def _sigmas(schedulers: Sequence, offset: int, like: torch.Tensor) -> torch.Tens
     return values.to(device=like.device, dtype=torch.float32).view(-1, *[1] * (like.dim() - 1))
 
 
-def batched_step(schedulers: Sequence, model_output: torch.Tensor, samples: torch.Tensor) -> torch.Tensor | None:
+def batched_step(
+    schedulers: Sequence, model_output: torch.Tensor, samples: torch.Tensor
+) -> torch.Tensor | None:
     """The next samples of every row (row i: ``schedulers[i]``, ``model_output[i]``, ``samples[i]``),
     or None when these schedulers are not supported (nothing is changed then)."""
     kind = _supported(schedulers)

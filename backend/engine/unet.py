@@ -21,7 +21,10 @@ from dataclasses import dataclass
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
-from diffusers.models.transformers.transformer_2d import Transformer2DModel, Transformer2DModelOutput
+from diffusers.models.transformers.transformer_2d import (
+    Transformer2DModel,
+    Transformer2DModelOutput,
+)
 
 from backend.engine.attention import fused_linear, ragged_attention
 from backend.engine.context import ForwardContext, current_context
@@ -39,7 +42,11 @@ class UnetStackInfo:
 
 def unet_stacks(unet: torch.nn.Module) -> list[Transformer2DModel]:
     """Transformer2DModel modules of a UNet in execution order (down, mid, up)."""
-    parts = list(unet.down_blocks) + ([unet.mid_block] if unet.mid_block is not None else []) + list(unet.up_blocks)
+    parts = (
+        list(unet.down_blocks)
+        + ([unet.mid_block] if unet.mid_block is not None else [])
+        + list(unet.up_blocks)
+    )
     return [attn for part in parts for attn in getattr(part, "attentions", [])]
 
 
@@ -48,10 +55,14 @@ class _MaskAwareStackHook(ModelHook):
         super().__init__()
         self.info = info
 
-    def new_forward(self, module: Transformer2DModel, hidden_states, encoder_hidden_states=None, *args, **kwargs):
+    def new_forward(
+        self, module: Transformer2DModel, hidden_states, encoder_hidden_states=None, *args, **kwargs
+    ):
         ctx = current_context()
         if ctx is None:
-            return self.fn_ref.original_forward(hidden_states, encoder_hidden_states, *args, **kwargs)
+            return self.fn_ref.original_forward(
+                hidden_states, encoder_hidden_states, *args, **kwargs
+            )
         sample = run_stack(module, self.info, hidden_states, encoder_hidden_states, ctx)
         if kwargs.get("return_dict", True):
             return Transformer2DModelOutput(sample=sample)
@@ -63,7 +74,9 @@ def install_unet_hooks(unet: torch.nn.Module) -> list[UnetStackInfo]:
     infos, first_unit = [], 0
     for stack_id, stack in enumerate(unet_stacks(unet)):
         if not stack.is_input_continuous or not stack.use_linear_projection:
-            raise ValueError("mask-aware UNet stacks need continuous inputs with linear projections")
+            raise ValueError(
+                "mask-aware UNet stacks need continuous inputs with linear projections"
+            )
         _check_blocks(stack)
         info = UnetStackInfo(stack_id, first_unit, len(stack.transformer_blocks))
         registry = HookRegistry.check_if_exists_or_initialize(stack)
@@ -76,8 +89,14 @@ def install_unet_hooks(unet: torch.nn.Module) -> list[UnetStackInfo]:
 
 def _check_blocks(stack: Transformer2DModel) -> None:
     for block in stack.transformer_blocks:
-        if block.norm_type != "layer_norm" or block.only_cross_attention or block.pos_embed is not None:
-            raise ValueError("mask-aware UNet blocks must be plain layer-norm BasicTransformerBlocks")
+        if (
+            block.norm_type != "layer_norm"
+            or block.only_cross_attention
+            or block.pos_embed is not None
+        ):
+            raise ValueError(
+                "mask-aware UNet blocks must be plain layer-norm BasicTransformerBlocks"
+            )
         if block.attn1.group_norm is not None or block.attn1.norm_q is not None:
             raise ValueError("mask-aware UNet attention must have no group norm and no q/k norm")
 
@@ -90,8 +109,13 @@ class _State:
         self.full, self.packed = full, packed
 
 
-def run_stack(stack: Transformer2DModel, info: UnetStackInfo, x: torch.Tensor, text: torch.Tensor,
-              ctx: ForwardContext) -> torch.Tensor:
+def run_stack(
+    stack: Transformer2DModel,
+    info: UnetStackInfo,
+    x: torch.Tensor,
+    text: torch.Tensor,
+    ctx: ForwardContext,
+) -> torch.Tensor:
     num_rows, channels, height, width = x.shape
     residual = x
     normed = stack.norm(x).permute(0, 2, 3, 1).reshape(num_rows, height * width, channels)
@@ -118,14 +142,23 @@ def run_stack(stack: Transformer2DModel, info: UnetStackInfo, x: torch.Tensor, t
     return delta + residual
 
 
-def _run_unit(block, unit: int, state: _State, text: torch.Tensor, masked: RowLayout,
-              ctx: ForwardContext) -> _State:
+def _run_unit(
+    block, unit: int, state: _State, text: torch.Tensor, masked: RowLayout, ctx: ForwardContext
+) -> _State:
     if not ctx.uses_cache(unit):
         if state.full is None:
             raise RuntimeError(f"unit {unit}: a dense unit cannot follow a cached unit in kv mode")
         dense = ctx.dense_layout(state.full.shape[1])
-        out = _block_forward(block, unit, state.full.reshape(-1, state.full.shape[-1]), dense, state.full,
-                             None, text, ctx)
+        out = _block_forward(
+            block,
+            unit,
+            state.full.reshape(-1, state.full.shape[-1]),
+            dense,
+            state.full,
+            None,
+            text,
+            ctx,
+        )
         out_full = out.reshape(state.full.shape)
         ctx.record(unit, "out", out_full)
         return _State(out_full, None)
@@ -133,7 +166,9 @@ def _run_unit(block, unit: int, state: _State, text: torch.Tensor, masked: RowLa
     if ctx.mode == "kv":
         packed = state.packed if state.packed is not None else masked.gather(state.full)
         return _State(None, _block_forward(block, unit, packed, masked, None, unit, text, ctx))
-    packed = _block_forward(block, unit, masked.gather(state.full), masked, state.full, None, text, ctx)
+    packed = _block_forward(
+        block, unit, masked.gather(state.full), masked, state.full, None, text, ctx
+    )
     return _State(ctx.merge_cached(unit, "out", masked, packed), None)
 
 
@@ -142,8 +177,16 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.unflatten(-1, (heads, -1))
 
 
-def _block_forward(block, unit: int, x_q: torch.Tensor, layout_q: RowLayout, x_full: torch.Tensor | None,
-                   kv_cache_unit: int | None, text: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+def _block_forward(
+    block,
+    unit: int,
+    x_q: torch.Tensor,
+    layout_q: RowLayout,
+    x_full: torch.Tensor | None,
+    kv_cache_unit: int | None,
+    text: torch.Tensor,
+    ctx: ForwardContext,
+) -> torch.Tensor:
     """One BasicTransformerBlock on packed query tokens ``x_q`` (total, C).
 
     K/V of self-attention come from ``x_full`` (rows, L, C) when given (dense or hidden mode), else
@@ -159,25 +202,39 @@ def _block_forward(block, unit: int, x_q: torch.Tensor, layout_q: RowLayout, x_f
     query = _heads(query, heads)
     if x_full is not None:
         if layout_q.is_full:
-            key_full, value_full = key_q.reshape(x_full.shape[:2] + (-1,)), value_q.reshape(x_full.shape[:2] + (-1,))
+            key_full, value_full = (
+                key_q.reshape(x_full.shape[:2] + (-1,)),
+                value_q.reshape(x_full.shape[:2] + (-1,)),
+            )
         else:
             key_full, value_full = fused_linear(block.norm1(x_full), (attn1.to_k, attn1.to_v))
         ctx.record(unit, "k", key_full)
         ctx.record(unit, "v", value_full)
 
         def kv_for_group(group):
-            return _heads(key_full[group[0]:group[1]], heads), _heads(value_full[group[0]:group[1]], heads)
+            return _heads(key_full[group[0] : group[1]], heads), _heads(
+                value_full[group[0] : group[1]], heads
+            )
     else:
+
         def kv_for_group(group):
-            key = ctx.merge_group(kv_cache_unit, "k", layout_q, group, layout_q.group_tokens(key_q, group))
-            value = ctx.merge_group(kv_cache_unit, "v", layout_q, group, layout_q.group_tokens(value_q, group))
+            key = ctx.merge_group(
+                kv_cache_unit, "k", layout_q, group, layout_q.group_tokens(key_q, group)
+            )
+            value = ctx.merge_group(
+                kv_cache_unit, "v", layout_q, group, layout_q.group_tokens(value_q, group)
+            )
             return _heads(key, heads), _heads(value, heads)
 
     attn_out = ragged_attention(query, layout_q, kv_for_group).flatten(1)
     hidden = attn1.to_out[0](attn_out) + x_q
     if attn2 is not None:
         query2 = _heads(attn2.to_q(block.norm2(hidden)), attn2.heads)
-        key2, value2 = (_heads(p, attn2.heads) for p in fused_linear(text, (attn2.to_k, attn2.to_v)))
-        cross = ragged_attention(query2, layout_q, lambda g: (key2[g[0]:g[1]], value2[g[0]:g[1]]))
+        key2, value2 = (
+            _heads(p, attn2.heads) for p in fused_linear(text, (attn2.to_k, attn2.to_v))
+        )
+        cross = ragged_attention(
+            query2, layout_q, lambda g: (key2[g[0] : g[1]], value2[g[0] : g[1]])
+        )
         hidden = attn2.to_out[0](cross.flatten(1)) + hidden
     return block.ff(block.norm3(hidden)) + hidden

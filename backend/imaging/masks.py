@@ -21,7 +21,9 @@ class MaskError(ValueError):
     """A mask the user must fix; the message says what is wrong and how to fix it."""
 
 
-def load_mask(img: Image.Image, expected_size: tuple[int, int] | None = None, threshold: int = 127) -> np.ndarray:
+def load_mask(
+    img: Image.Image, expected_size: tuple[int, int] | None = None, threshold: int = 127
+) -> np.ndarray:
     """Bool (H, W) mask, True where the value is > ``threshold``.
 
     ``expected_size`` is PIL's (width, height) of the image the mask belongs to. Raises MaskError
@@ -30,8 +32,10 @@ def load_mask(img: Image.Image, expected_size: tuple[int, int] | None = None, th
     """
     if expected_size is not None and tuple(img.size) != tuple(expected_size):
         (mw, mh), (iw, ih) = img.size, expected_size
-        raise MaskError(f"mask size {mw}x{mh} does not match image size {iw}x{ih}: "
-                        "draw the mask on the image being edited")
+        raise MaskError(
+            f"mask size {mw}x{mh} does not match image size {iw}x{ih}: "
+            "draw the mask on the image being edited"
+        )
     if img.mode in ("RGBA", "LA", "PA"):
         alpha = np.asarray(img.getchannel("A"))
         # a uniform alpha carries no painting (an opaque black/white mask saved as RGBA):
@@ -131,8 +135,10 @@ def token_mask(mask: np.ndarray, grid_hw: tuple[int, int], margin: int = 0) -> n
     mask = _as_bool_2d(mask)
     (h, w), (gh, gw) = mask.shape, grid_hw
     if gh < 1 or gw < 1 or h % gh or w % gw:
-        raise MaskError(f"mask of {h}x{w} pixels does not divide into a {gh}x{gw} token grid: "
-                        "use an image size that is a multiple of the model's token size")
+        raise MaskError(
+            f"mask of {h}x{w} pixels does not divide into a {gh}x{gw} token grid: "
+            "use an image size that is a multiple of the model's token size"
+        )
     if margin < 0:
         raise ValueError(f"token margin must be >= 0, got {margin}")
     tokens = mask.reshape(gh, h // gh, gw, w // gw).any(axis=(1, 3))
@@ -155,8 +161,10 @@ def paste_back(generated: Image.Image, original: Image.Image, alpha: np.ndarray)
     the generated image exactly (both are selected, not recomputed).
     """
     if generated.size != original.size:
-        raise MaskError(f"generated size {generated.size[0]}x{generated.size[1]} does not match "
-                        f"original size {original.size[0]}x{original.size[1]}")
+        raise MaskError(
+            f"generated size {generated.size[0]}x{generated.size[1]} does not match "
+            f"original size {original.size[0]}x{original.size[1]}"
+        )
     mode = original.mode if original.mode in ("L", "RGB", "RGBA") else "RGB"
     gen = np.asarray(generated.convert(mode), dtype=np.float64)
     orig_u8 = np.asarray(original.convert(mode))
@@ -221,7 +229,7 @@ def _rect_mask(height: int, width: int, area: float, rng: np.random.Generator) -
     y = int(rng.integers(0, height - h + 1))
     x = int(rng.integers(0, width - w + 1))
     out = np.zeros((height, width), dtype=bool)
-    out[y:y + h, x:x + w] = True
+    out[y : y + h, x : x + w] = True
     return out
 
 
@@ -246,7 +254,9 @@ def _blob_mask(height: int, width: int, count: int, rng: np.random.Generator) ->
     return out.reshape(height, width)
 
 
-def synthetic_mask(height: int, width: int, ratio: float, seed: int, kind: str = "blob") -> np.ndarray:
+def synthetic_mask(
+    height: int, width: int, ratio: float, seed: int, kind: str = "blob"
+) -> np.ndarray:
     """Realistic bool (H, W) mask covering about ``ratio`` of the image, for benchmarks.
 
     ``blob``: union of random ellipses, area exact to one pixel; ``rect``: a rectangle, area within

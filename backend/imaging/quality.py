@@ -30,7 +30,9 @@ def _as_float(img: np.ndarray | Image.Image, name: str) -> np.ndarray:
         raise ValueError(f"{name} must be uint8 or float in [0, 1], got dtype {arr.dtype}")
     arr = arr.astype(np.float64)
     if arr.size and not (np.all(np.isfinite(arr)) and arr.min() >= 0.0 and arr.max() <= 1.0):
-        raise ValueError(f"{name} is float but not in [0, 1]: scale 0-255 images to [0, 1] or pass uint8")
+        raise ValueError(
+            f"{name} is float but not in [0, 1]: scale 0-255 images to [0, 1] or pass uint8"
+        )
     return arr
 
 
@@ -70,7 +72,9 @@ def _gaussian_filter(values: np.ndarray) -> np.ndarray:
     return out
 
 
-def ssim(a: np.ndarray | Image.Image, b: np.ndarray | Image.Image, mask: np.ndarray | None = None) -> float:
+def ssim(
+    a: np.ndarray | Image.Image, b: np.ndarray | Image.Image, mask: np.ndarray | None = None
+) -> float:
     """Mean SSIM (Gaussian window 11, sigma 1.5, K1 0.01, K2 0.03), channels averaged.
 
     With ``mask`` the SSIM map is computed from masked pixels only and averaged over them.
@@ -90,14 +94,16 @@ def ssim(a: np.ndarray | Image.Image, b: np.ndarray | Image.Image, mask: np.ndar
     var_x = local_mean(x * x) - mu_x * mu_x
     var_y = local_mean(y * y) - mu_y * mu_y
     cov = local_mean(x * y) - mu_x * mu_y
-    c1, c2 = K1 ** 2, K2 ** 2
+    c1, c2 = K1**2, K2**2
     num = (2 * mu_x * mu_y + c1) * (2 * cov + c2)
     den = (mu_x * mu_x + mu_y * mu_y + c1) * (var_x + var_y + c2)
     ssim_map = (num / den).mean(axis=2)
     return float(ssim_map[m].mean())
 
 
-def psnr(a: np.ndarray | Image.Image, b: np.ndarray | Image.Image, mask: np.ndarray | None = None) -> float:
+def psnr(
+    a: np.ndarray | Image.Image, b: np.ndarray | Image.Image, mask: np.ndarray | None = None
+) -> float:
     """Peak signal-to-noise ratio in dB (data range 1) over all channels of the (masked) pixels;
     ``inf`` when they are identical."""
     x, y, m = _prepare(a, b, mask)

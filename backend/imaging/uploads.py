@@ -49,15 +49,19 @@ def _open(data: bytes, max_pixels: int, what: str) -> Image.Image:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             return Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise UploadError(f"{what} is too large to decode safely, the limit is "
-                          f"{max_pixels / 1e6:.1f} MP: upload a smaller {what}") from exc
+        raise UploadError(
+            f"{what} is too large to decode safely, the limit is "
+            f"{max_pixels / 1e6:.1f} MP: upload a smaller {what}"
+        ) from exc
     except Exception as exc:  # any parser failure on untrusted bytes is the file's fault
         other = _sniff_other(bytes(data[:16]))
         if other is not None:
-            raise UploadError(f"{what} is a {other} file, which is not supported: "
-                              f"upload one of {_ALLOWED_TEXT}") from exc
-        raise UploadError(f"{what} is not an image file (or is corrupt): "
-                          f"upload one of {_ALLOWED_TEXT}") from exc
+            raise UploadError(
+                f"{what} is a {other} file, which is not supported: upload one of {_ALLOWED_TEXT}"
+            ) from exc
+        raise UploadError(
+            f"{what} is not an image file (or is corrupt): upload one of {_ALLOWED_TEXT}"
+        ) from exc
 
 
 def _to_8bit(img: Image.Image) -> Image.Image:
@@ -93,14 +97,18 @@ def decode_image(data: bytes, max_pixels: int, what: str = "image") -> Image.Ima
     img = _open(data, max_pixels, what)
     w, h = img.size  # from the header: no pixel is decoded before this check
     if w * h > max_pixels:
-        raise UploadError(f"{what} is {w}x{h} = {w * h / 1e6:.1f} MP, the limit is "
-                          f"{max_pixels / 1e6:.1f} MP: upload a smaller {what}")
+        raise UploadError(
+            f"{what} is {w}x{h} = {w * h / 1e6:.1f} MP, the limit is "
+            f"{max_pixels / 1e6:.1f} MP: upload a smaller {what}"
+        )
     try:
         img.load()
         ImageOps.exif_transpose(img, in_place=True)
     except Exception as exc:  # truncated data, bad EXIF, decoder errors: all the file's fault
-        raise UploadError(f"{what} could not be decoded, the file is truncated or corrupt "
-                          f"({exc}): export it again as one of {_ALLOWED_TEXT}") from exc
+        raise UploadError(
+            f"{what} could not be decoded, the file is truncated or corrupt "
+            f"({exc}): export it again as one of {_ALLOWED_TEXT}"
+        ) from exc
     img = _to_8bit(img)
     if what == "mask":
         if img.mode == "P" and "transparency" in img.info:
@@ -113,8 +121,9 @@ def _round_to(value: float, multiple: int) -> int:
     return max(multiple, int(value / multiple + 0.5) * multiple)
 
 
-def resolution_bucket(width: int, height: int, base: int, multiple: int,
-                      max_aspect: float = 2.0) -> tuple[int, int]:
+def resolution_bucket(
+    width: int, height: int, base: int, multiple: int, max_aspect: float = 2.0
+) -> tuple[int, int]:
     """(height, width) for the model: about ``base * base`` pixels, each side a positive multiple
     of ``multiple``, the upload's aspect clamped to [1 / max_aspect, max_aspect].
 
@@ -123,8 +132,9 @@ def resolution_bucket(width: int, height: int, base: int, multiple: int,
     ``base % multiple == 0``.
     """
     if min(width, height, base, multiple) <= 0:
-        raise ValueError(f"bucket needs positive sizes, got {width}x{height}, base {base}, "
-                         f"multiple {multiple}")
+        raise ValueError(
+            f"bucket needs positive sizes, got {width}x{height}, base {base}, multiple {multiple}"
+        )
     if not max_aspect >= 1.0:
         raise ValueError(f"max_aspect must be >= 1, got {max_aspect}")
     aspect = min(max(width / height, 1.0 / max_aspect), max_aspect)
@@ -137,8 +147,9 @@ def resolution_bucket(width: int, height: int, base: int, multiple: int,
     return h, w
 
 
-def _fix_aspect(long: int, short: int, multiple: int, max_aspect: float,
-                area: int) -> tuple[int, int]:
+def _fix_aspect(
+    long: int, short: int, multiple: int, max_aspect: float, area: int
+) -> tuple[int, int]:
     """Bring long/short back within max_aspect by one step: grow the short side (always enough,
     as (a + m) / (b + m) <= a / b for a >= b) or shrink the long side, whichever stays in range
     closer to the target area."""
@@ -181,8 +192,9 @@ def _validate_ops(ops: MaskOps) -> None:
     if not 0 <= ops.threshold <= 254:
         raise MaskError(f"mask threshold {ops.threshold} is out of range: use 0..254")
     if not abs(ops.grow_px) <= 512:
-        raise MaskError(f"mask grow {ops.grow_px} px is out of range: use -512..512 "
-                        "(negative shrinks)")
+        raise MaskError(
+            f"mask grow {ops.grow_px} px is out of range: use -512..512 (negative shrinks)"
+        )
     if not 0 <= ops.feather_px <= 256:  # also rejects NaN
         raise MaskError(f"mask feather {ops.feather_px} px is out of range: use 0..256")
 
@@ -201,12 +213,16 @@ def process_mask(mask: Image.Image, image_size_wh: tuple[int, int], ops: MaskOps
     if ops.invert:
         painted = masks.invert(painted)
         if not painted.any():  # say so: "reduce the shrink" below would be the wrong advice
-            raise MaskError("mask is empty after the mask operations: after inverting it nothing is left "
-                            "(everything was painted): paint less or turn invert off")
+            raise MaskError(
+                "mask is empty after the mask operations: after inverting it nothing is left "
+                "(everything was painted): paint less or turn invert off"
+            )
     px = int(ops.grow_px)
     painted = masks.grow(painted, px) if px >= 0 else masks.shrink(painted, -px)
     if not painted.any():
-        raise MaskError("mask is empty after the mask operations: paint a larger area or reduce the shrink")
+        raise MaskError(
+            "mask is empty after the mask operations: paint a larger area or reduce the shrink"
+        )
     return painted
 
 
@@ -224,13 +240,16 @@ def mask_to_bucket(full_mask: np.ndarray, size_hw: tuple[int, int]) -> np.ndarra
     resized = np.asarray(as_image.resize((tw, th), Image.Resampling.BOX, box=box)) > 0
     if not resized.any():
         left, top, right, bottom = box
-        raise MaskError(f"the painted area lies outside the part of the image the model edits "
-                        f"(x {left}-{right}, y {top}-{bottom} for this aspect ratio): paint inside it")
+        raise MaskError(
+            f"the painted area lies outside the part of the image the model edits "
+            f"(x {left}-{right}, y {top}-{bottom} for this aspect ratio): paint inside it"
+        )
     return resized
 
 
-def prepare_mask(mask: Image.Image, image_size_wh: tuple[int, int], size_hw: tuple[int, int],
-                 ops: MaskOps) -> np.ndarray:
+def prepare_mask(
+    mask: Image.Image, image_size_wh: tuple[int, int], size_hw: tuple[int, int], ops: MaskOps
+) -> np.ndarray:
     """Bool (H, W) = ``size_hw`` mask at the model resolution: ``process_mask`` then ``mask_to_bucket``."""
     return mask_to_bucket(process_mask(mask, image_size_wh, ops), size_hw)
 

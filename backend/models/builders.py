@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import torch
-from diffusers import (AutoencoderKL, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler,
-                       FluxTransformer2DModel, UNet2DConditionModel)
-from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config,
-                          T5EncoderModel)
+from diffusers import (
+    AutoencoderKL,
+    EulerDiscreteScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    FluxTransformer2DModel,
+    UNet2DConditionModel,
+)
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    T5Config,
+    T5EncoderModel,
+)
 
 from backend.models.configs import CONFIGS, SCHEDULERS
 from backend.models.tokenizers import build_clip_tokenizer, build_t5_tokenizer
@@ -23,25 +33,38 @@ def build_scheduler(family: str):
     """The family's scheduler (``configs.SCHEDULERS``); Euler steps add no noise, so an edit is a
     function of its inputs and seed."""
     kind = FlowMatchEulerDiscreteScheduler if family == "flux-fill" else EulerDiscreteScheduler
-    with torch.device("cpu"):  # schedulers keep CPU tensors, even inside `with torch.device("meta")`
+    with torch.device(
+        "cpu"
+    ):  # schedulers keep CPU tensors, even inside `with torch.device("meta")`
         return kind(**SCHEDULERS[family])
 
 
 def build_components(family: str, form: str) -> dict:
     """Pipeline components of a built form; under ``with torch.device("meta")`` no weights are allocated."""
     configs = CONFIGS[(family, form)]
-    parts = {"vae": _seeded(AutoencoderKL, **configs["vae"]),
-             "text_encoder": _seeded(CLIPTextModel, CLIPTextConfig(**configs["text_encoder"])),
-             "tokenizer": build_clip_tokenizer()}
+    parts = {
+        "vae": _seeded(AutoencoderKL, **configs["vae"]),
+        "text_encoder": _seeded(CLIPTextModel, CLIPTextConfig(**configs["text_encoder"])),
+        "tokenizer": build_clip_tokenizer(),
+    }
     if family == "flux-fill":
-        parts.update(transformer=_seeded(FluxTransformer2DModel, **configs["transformer"]),
-                     text_encoder_2=_seeded(T5EncoderModel, T5Config(**configs["text_encoder_2"])),
-                     tokenizer_2=build_t5_tokenizer(), scheduler=build_scheduler(family))
+        parts.update(
+            transformer=_seeded(FluxTransformer2DModel, **configs["transformer"]),
+            text_encoder_2=_seeded(T5EncoderModel, T5Config(**configs["text_encoder_2"])),
+            tokenizer_2=build_t5_tokenizer(),
+            scheduler=build_scheduler(family),
+        )
         return parts
-    parts.update(unet=_seeded(UNet2DConditionModel, **configs["unet"]), scheduler=build_scheduler(family))
+    parts.update(
+        unet=_seeded(UNet2DConditionModel, **configs["unet"]), scheduler=build_scheduler(family)
+    )
     if family == "sdxl-inpaint":
-        parts.update(text_encoder_2=_seeded(CLIPTextModelWithProjection, CLIPTextConfig(**configs["text_encoder_2"])),
-                     tokenizer_2=build_clip_tokenizer())
+        parts.update(
+            text_encoder_2=_seeded(
+                CLIPTextModelWithProjection, CLIPTextConfig(**configs["text_encoder_2"])
+            ),
+            tokenizer_2=build_clip_tokenizer(),
+        )
     return parts
 
 

@@ -1,8 +1,5 @@
-"""Model registry: ids -> ``ModelSpec``; building, saving and loading pipelines.
+"""Model loading: building, saving and loading the pipelines of ``catalog`` specs.
 
-Ids: ``tiny-<family>``, ``small-<family>``, ``arch-<family>`` (built from configs with fixed seeds),
-``<family>:<local diffusers directory or hub id>`` for real checkpoints, or the path of a local
-diffusers directory whose ``model_index.json`` names one of the three pipeline classes.
 Invariants: building an id twice gives identical weights; ``materialize`` publishes a model
 directory atomically (built in a temp dir, renamed into place, completion marker written last).
 """
@@ -15,47 +12,45 @@ import os
 import shutil
 import tempfile
 import uuid
-from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
 
-from backend.models.configs import BUILDER_VERSION, CONFIGS, DEFAULTS, SCHEDULERS
+from backend.models.catalog import (
+    FAMILIES,
+    FAMILY_TRAITS,
+    ModelSpec,
+    UnknownModelError,
+    resolve_model,
+)
+from backend.models.configs import BUILDER_VERSION, CONFIGS, SCHEDULERS
 from backend.models.tokenizers import tokenizer_fingerprint
 
-FAMILIES = ("sd2-inpaint", "sdxl-inpaint", "flux-fill")
-FORMS = ("tiny", "small", "arch")
 MARKER = ".maskserve-complete"  # written last into a model directory; holds the spec's revision
-PIPELINE_FAMILIES = {"StableDiffusionInpaintPipeline": "sd2-inpaint", "StableDiffusionPipeline": "sd2-inpaint",
-                     "StableDiffusionXLInpaintPipeline": "sdxl-inpaint", "StableDiffusionXLPipeline": "sdxl-inpaint",
-                     "FluxFillPipeline": "flux-fill"}
 
 
-class UnknownModelError(ValueError):
-    """The model id names no known model; the message lists what is known."""
+def model_revision(spec: ModelSpec) -> str:
+    """Changes whenever the weights of ``spec`` change (built config, builder, tokenizers or the
+    checkpoint's ``model_index.json``)."""
+    if spec.form != "checkpoint":
+        return _config_revision(spec.family, spec.form)
+    return _checkpoint_revision(spec.source or "")
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    model_id: str
-    family: str
-    form: str  # tiny | small | arch | checkpoint
-    source: str | None  # checkpoint directory or hub id (form == "checkpoint")
-    revision: str  # changes whenever the weights change
-    default_resolution: int
-    default_steps: int
-    default_guidance: float
-    uses_cfg: bool
-    max_sequence_length: int | None
-
-
-def known_model_ids() -> list[str]:
-    return [f"{form}-{family}" for family in FAMILIES for form in FORMS]
-
-
+@cache  # hashing the tokenizers costs about a second; configs never change in a process
 def _config_revision(family: str, form: str) -> str:
-    text = json.dumps({"configs": CONFIGS[(family, form)], "scheduler": SCHEDULERS[family], "seed": 0,
-                       "builder": BUILDER_VERSION, "tokenizers": tokenizer_fingerprint()}, sort_keys=True, default=str)
+    text = json.dumps(
+        {
+            "configs": CONFIGS[(family, form)],
+            "scheduler": SCHEDULERS[family],
+            "seed": 0,
+            "builder": BUILDER_VERSION,
+            "tokenizers": tokenizer_fingerprint(),
+        },
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -66,51 +61,13 @@ def _checkpoint_revision(source: str) -> str:
     return source  # a hub id (resolved by ``from_pretrained``)
 
 
-def _directory_family(path: str) -> str | None:
-    """Family of a local diffusers directory, from the pipeline class its model_index.json names."""
-    index = Path(path) / "model_index.json"
-    try:
-        return PIPELINE_FAMILIES.get(json.loads(index.read_text()).get("_class_name"))
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def _unknown(model_id: str) -> UnknownModelError:
-    return UnknownModelError(
-        f"unknown model {model_id!r}: use one of {', '.join(known_model_ids())}, "
-        f"'<family>:<diffusers checkpoint dir or hub id>' with family in {', '.join(FAMILIES)} "
-        f"(e.g. 'flux-fill:/models/FLUX.1-Fill-dev'), or the path of a local diffusers directory")
-
-
-def resolve_model(model_id: str) -> ModelSpec:
-    """Spec of ``model_id``; raises ``UnknownModelError`` with the known ids otherwise."""
-    family, form, source = None, None, None
-    for candidate in FORMS:
-        if model_id.startswith(candidate + "-") and model_id[len(candidate) + 1:] in FAMILIES:
-            form, family = candidate, model_id[len(candidate) + 1:]
-    prefix, colon, rest = model_id.partition(":")
-    if form is None and colon and prefix in FAMILIES and rest:
-        form, family, source = "checkpoint", prefix, rest
-    if form is None and model_id and (family := _directory_family(model_id)) is not None:
-        form, source = "checkpoint", model_id
-    if form is None:
-        raise _unknown(model_id)
-    defaults_form = "arch" if form == "checkpoint" else form
-    resolution, steps, max_len = DEFAULTS[(family, defaults_form)]
-    revision = _checkpoint_revision(source) if form == "checkpoint" else _config_revision(family, form)
-    uses_cfg = family != "flux-fill"
-    return ModelSpec(model_id, family, form, source, revision, resolution, steps, 7.5 if uses_cfg else 30.0,
-                     uses_cfg, max_len)
-
-
 def pipeline_class(family: str):
-    from diffusers import FluxFillPipeline, StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline
-
-    classes = {"sd2-inpaint": StableDiffusionInpaintPipeline, "sdxl-inpaint": StableDiffusionXLInpaintPipeline,
-               "flux-fill": FluxFillPipeline}
-    if family not in classes:
+    """The diffusers pipeline class that loads ``family`` (named by the catalog's traits)."""
+    if family not in FAMILY_TRAITS:
         raise UnknownModelError(f"unknown family {family!r}: use one of {', '.join(FAMILIES)}")
-    return classes[family]
+    import diffusers
+
+    return getattr(diffusers, FAMILY_TRAITS[family].pipeline_class)
 
 
 def _is_complete(path: Path, revision: str) -> bool:
@@ -128,14 +85,16 @@ def materialize(model_id: str, models_dir: Path) -> Path:
         return Path(spec.source)
     models_dir = Path(models_dir)
     target = models_dir / model_id
-    if _is_complete(target, spec.revision):
+    if _is_complete(target, model_revision(spec)):
         return target
     models_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{model_id}.building-", dir=models_dir))
     try:
         build_pipeline(spec).save_pretrained(staging)
-        (staging / MARKER).write_text(spec.revision)  # last: a directory with the marker is complete
-        _publish(staging, target, spec.revision)
+        (staging / MARKER).write_text(
+            model_revision(spec)
+        )  # last: a directory with the marker is complete
+        _publish(staging, target, model_revision(spec))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
@@ -175,10 +134,13 @@ def _quiet_loading():
             lib.set_verbosity(level)
             if bars:
                 lib.enable_progress_bar()
+
     return restore
 
 
-def load_pipeline(model_id: str, models_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+def load_pipeline(
+    model_id: str, models_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32
+):
     """The diffusers pipeline of ``model_id`` on ``device``, loaded with ``from_pretrained``.
 
     UNet checkpoints get an ``EulerDiscreteScheduler`` built from their own scheduler config, like the
@@ -189,9 +151,14 @@ def load_pipeline(model_id: str, models_dir: Path, device: str = "cpu", dtype: t
     restore = _quiet_loading()
     try:
         pipe = pipeline_class(spec.family).from_pretrained(str(path), dtype=dtype)
-    except Exception as exc:  # hub, filesystem and format errors all mean "this checkpoint is unusable"
-        hint = " (no model hub is reachable offline: pass a local diffusers directory)" \
-            if spec.form == "checkpoint" and not Path(spec.source).exists() else ""
+    except (
+        Exception
+    ) as exc:  # hub, filesystem and format errors all mean "this checkpoint is unusable"
+        hint = (
+            " (no model hub is reachable offline: pass a local diffusers directory)"
+            if spec.form == "checkpoint" and not Path(spec.source).exists()
+            else ""
+        )
         raise UnknownModelError(f"cannot load {model_id!r} from {path}{hint}: {exc}") from exc
     finally:
         restore()

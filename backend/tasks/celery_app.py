@@ -34,8 +34,8 @@ from backend import protocol
 from backend.blobs import BlobError
 from backend.config import Settings
 from backend.imaging.masks import MaskError
-from backend.metrics import make_registry, serve_metrics
 from backend.imaging.uploads import UploadError
+from backend.metrics import make_registry, serve_metrics
 from backend.protocol import JobEvent, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -62,9 +62,16 @@ def record_task(client: Redis, task: str, outcome: str, seconds: float) -> None:
 
 def task_stats(client: Redis) -> dict:
     """Snapshot for the metrics endpoint: ``tasks_total`` and ``task_seconds_total`` by key."""
-    raw = {k.decode() if isinstance(k, bytes) else k: float(v) for k, v in client.hgetall(STATS_KEY).items()}
-    return {"tasks_total": {k: v for k, v in raw.items() if not k.endswith(".seconds")},
-            "task_seconds_total": {k.removesuffix(".seconds"): v for k, v in raw.items() if k.endswith(".seconds")}}
+    raw = {
+        k.decode() if isinstance(k, bytes) else k: float(v)
+        for k, v in client.hgetall(STATS_KEY).items()
+    }
+    return {
+        "tasks_total": {k: v for k, v in raw.items() if not k.endswith(".seconds")},
+        "task_seconds_total": {
+            k.removesuffix(".seconds"): v for k, v in raw.items() if k.endswith(".seconds")
+        },
+    }
 
 
 class _Process:
@@ -102,18 +109,22 @@ class _Process:
         """Build the default model's stages in the background as the process starts, so the first
         job does not wait seconds for its encoders (Celery kills a child whose start takes over 4 s,
         so this cannot run inline). A failure is logged; the first task then raises it properly."""
+
         def build() -> None:
             try:
                 self.stages(model_id)
                 log.info("CPU stages of %s ready", model_id)
             except Exception as exc:  # the task that needs them reports it to its job
                 log.warning("warming the CPU stages of %s failed: %s", model_id, exc)
+
         thread = threading.Thread(target=build, name="warm-stages", daemon=True)
         thread.start()
         return thread
 
     def fail(self, job_id: str, message: str) -> None:
-        self.jobstate().record_event(JobEvent(job_id=job_id, status="failed", at=time.time(), message=message))
+        self.jobstate().record_event(
+            JobEvent(job_id=job_id, status="failed", at=time.time(), message=message)
+        )
 
 
 # Once per job, atomically: a redelivered pre-processing task must not route its job twice.
@@ -129,30 +140,57 @@ HAND_OFF_TTL_S = 7 * 24 * 3600
 def hand_off(client: Redis, prepared) -> str | None:
     """Queue a pre-processed job for routing (the dispatcher reads ``PREPARED_STREAM``); the stream
     entry id, or None when this job was handed off before."""
-    entry = client.eval(_HAND_OFF_ONCE, 2, f"maskserve:handoff:{prepared.job_id}", PREPARED_STREAM,
-                        protocol.encode(prepared), PREPARED_MAXLEN, HAND_OFF_TTL_S)
+    entry = client.eval(
+        _HAND_OFF_ONCE,
+        2,
+        f"maskserve:handoff:{prepared.job_id}",
+        PREPARED_STREAM,
+        protocol.encode(prepared),
+        PREPARED_MAXLEN,
+        HAND_OFF_TTL_S,
+    )
     return entry.decode() if isinstance(entry, bytes) else entry
 
 
 def make_celery(settings: Settings) -> Celery:
     if not settings.redis.url:
-        raise ValueError("Celery needs a Redis URL: set MASKSERVE_REDIS_URL (or start the stack with `maskserve up`)")
+        raise ValueError(
+            "Celery needs a Redis URL: set MASKSERVE_REDIS_URL (or start the stack with `maskserve up`)"
+        )
     app = Celery("maskserve", broker=settings.redis.url)
     app.conf.update(
-        task_serializer="json", accept_content=["json"], result_serializer="json", task_ignore_result=True,
-        task_acks_late=True, task_reject_on_worker_lost=True, worker_prefetch_multiplier=1,
-        task_soft_time_limit=settings.celery.task_soft_time_limit_s, task_time_limit=settings.celery.task_time_limit_s,
+        task_serializer="json",
+        accept_content=["json"],
+        result_serializer="json",
+        task_ignore_result=True,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_soft_time_limit=settings.celery.task_soft_time_limit_s,
+        task_time_limit=settings.celery.task_time_limit_s,
         broker_transport_options={"visibility_timeout": settings.celery.visibility_timeout_s},
-        broker_connection_retry_on_startup=True, worker_hijack_root_logger=False,
-        task_routes={PRE_TASK: {"queue": settings.celery.pre_queue}, POST_TASK: {"queue": settings.celery.post_queue}},
-        worker_send_task_events=False, task_default_queue=settings.celery.pre_queue)
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        task_routes={
+            PRE_TASK: {"queue": settings.celery.pre_queue},
+            POST_TASK: {"queue": settings.celery.post_queue},
+        },
+        worker_send_task_events=False,
+        task_default_queue=settings.celery.pre_queue,
+    )
     state = _Process(settings)
 
     @worker_process_init.connect(weak=False)
     def warm_stages(**_kwargs) -> None:  # fires in each CPU worker child only, never in the API
         state.warm(settings.engine.model_id)
-    retry = dict(autoretry_for=TRANSIENT_ERRORS, retry_backoff=True, retry_backoff_max=30, max_retries=5,
-                 retry_jitter=True)
+
+    retry = dict(
+        autoretry_for=TRANSIENT_ERRORS,
+        retry_backoff=True,
+        retry_backoff_max=30,
+        max_retries=5,
+        retry_jitter=True,
+    )
 
     def run(task: str, job_id: str, work, failure_prefix: str) -> None:
         started, outcome = time.time(), "done"
@@ -175,6 +213,7 @@ def make_celery(settings: Settings) -> Celery:
                 log.info("pre-processing of %s skipped: the job already moved on", job.job_id)
                 return "skipped"
             hand_off(state.client, state.stages(job.model_id).preprocess(job))
+
         run("preprocess", job.job_id, work, "")
 
     @app.task(name=POST_TASK, **retry)
@@ -183,6 +222,7 @@ def make_celery(settings: Settings) -> Celery:
 
         def work():
             return "done" if state.stages(job.model_id).postprocess(job) else "skipped"
+
         run("postprocess", job.job_id, work, "post-processing failed: ")
 
     return app
@@ -197,10 +237,27 @@ def run_cpu_worker(settings: Settings) -> int:
     """One Celery worker consuming both queues (``-Q``), ``concurrency`` processes."""
     app = make_celery(settings)
     client = Redis.from_url(settings.redis.url)
-    serve_metrics(settings.celery.metrics_port, make_registry({"maskserve_cpu": lambda: task_stats(client)}))
+    serve_metrics(
+        settings.celery.metrics_port, make_registry({"maskserve_cpu": lambda: task_stats(client)})
+    )
     queues = f"{settings.celery.pre_queue},{settings.celery.post_queue}"
     # prefork even for one process: the solo pool cannot enforce time limits
-    app.worker_main(["worker", "-Q", queues, "--concurrency", str(settings.celery.concurrency), "--pool", "prefork",
-                     "--loglevel", settings.log_level, "--hostname", f"cpu-{os.getpid()}@%h",
-                     "--without-gossip", "--without-mingle", "--without-heartbeat"])
+    app.worker_main(
+        [
+            "worker",
+            "-Q",
+            queues,
+            "--concurrency",
+            str(settings.celery.concurrency),
+            "--pool",
+            "prefork",
+            "--loglevel",
+            settings.log_level,
+            "--hostname",
+            f"cpu-{os.getpid()}@%h",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ]
+    )
     return 0

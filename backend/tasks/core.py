@@ -32,8 +32,16 @@ from backend.engine.editor import EditParams, MaskAwareEngine
 from backend.engine.factory import edit_params
 from backend.engine.prepared import PreparedRequest
 from backend.imaging.masks import feather, paste_back
-from backend.imaging.uploads import (crop_box_for, decode_image, encode_image, fit_to_bucket, mask_to_bucket,
-                                     process_mask, resolution_bucket, thumbnail)
+from backend.imaging.uploads import (
+    crop_box_for,
+    decode_image,
+    encode_image,
+    fit_to_bucket,
+    mask_to_bucket,
+    process_mask,
+    resolution_bucket,
+    thumbnail,
+)
 from backend.protocol import DenoisedJob, EditJob, JobEvent, PreparedJob
 
 log = logging.getLogger(__name__)
@@ -45,7 +53,13 @@ class CpuStages:
     """Pre/post-processing for one model. ``jobstate`` (a ``JobStateStore``) is optional: without it
     (benchmarks) nothing is reported."""
 
-    def __init__(self, settings: Settings, engine: MaskAwareEngine, jobstate=None, blobs: BlobStore | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        engine: MaskAwareEngine,
+        jobstate=None,
+        blobs: BlobStore | None = None,
+    ):
         self.settings, self.engine, self.jobstate = settings, engine, jobstate
         self.blobs = blobs or BlobStore(settings.paths.data_dir / "blobs")
 
@@ -54,11 +68,17 @@ class CpuStages:
         started = time.time()
         self._event(job.job_id, "preprocessing")
         if job.model_id != self.engine.spec.model_id:
-            raise ValueError(f"job is for model {job.model_id}, this CPU worker serves {self.engine.spec.model_id}")
+            raise ValueError(
+                f"job is for model {job.model_id}, this CPU worker serves {self.engine.spec.model_id}"
+            )
         limit = self.settings.celery.max_upload_pixels
         template = decode_image(self.blobs.get(job.template_ref), limit, what="template")
-        size_hw = resolution_bucket(template.width, template.height, job.resolution or
-                                    self.engine.spec.default_resolution, self.engine.size_multiple)
+        size_hw = resolution_bucket(
+            template.width,
+            template.height,
+            job.resolution or self.engine.spec.default_resolution,
+            self.engine.size_multiple,
+        )
         params = self._params(job, size_hw)
         if job.prepare:
             return self._prepare_recording(job, template, size_hw, params, started)
@@ -66,46 +86,89 @@ class CpuStages:
         full_mask = process_mask(mask_image, template.size, job.mask_ops)
         box = crop_box_for(template.size, size_hw)
         pixels = mask_to_bucket(full_mask, size_hw)
-        prepared = self.engine.encode(fit_to_bucket(template, size_hw), None, job.prompt, job.seed, params,
-                                      pixels=pixels)
+        prepared = self.engine.encode(
+            fit_to_bucket(template, size_hw), None, job.prompt, job.seed, params, pixels=pixels
+        )
         prepared_ref, path = self.blobs.new_path("prepared", job_blob_name("prepared", job.job_id))
         prepared.save(path)
         self._record_digest(job, prepared)
-        mask_ref = self.blobs.put("masks", job_blob_name("masks", job.job_id),
-                                  encode_image(Image.fromarray(full_mask.astype(np.uint8) * 255)))
-        timings = {"queue_s": max(0.0, started - job.submitted_at) if job.submitted_at else 0.0,
-                   "pre_s": time.time() - started}
-        return PreparedJob(job_id=job.job_id, model_id=job.model_id, prepared_ref=prepared_ref,
-                           template_ref=job.template_ref, num_steps=len(self._timesteps(params)),
-                           mask_ratio=float(pixels.mean()),
-                           cache_digest=prepared.cache_key.digest() if prepared.cache_key else "",
-                           paste={"mask_ref": mask_ref, "crop_box": list(box), "feather_px": job.mask_ops.feather_px},
-                           submitted_at=job.submitted_at, timings=timings)
+        mask_ref = self.blobs.put(
+            "masks",
+            job_blob_name("masks", job.job_id),
+            encode_image(Image.fromarray(full_mask.astype(np.uint8) * 255)),
+        )
+        timings = {
+            "queue_s": max(0.0, started - job.submitted_at) if job.submitted_at else 0.0,
+            "pre_s": time.time() - started,
+        }
+        return PreparedJob(
+            job_id=job.job_id,
+            model_id=job.model_id,
+            prepared_ref=prepared_ref,
+            template_ref=job.template_ref,
+            num_steps=len(self._timesteps(params)),
+            mask_ratio=float(pixels.mean()),
+            cache_digest=prepared.cache_key.digest() if prepared.cache_key else "",
+            paste={
+                "mask_ref": mask_ref,
+                "crop_box": list(box),
+                "feather_px": job.mask_ops.feather_px,
+            },
+            submitted_at=job.submitted_at,
+            timings=timings,
+        )
 
-    def _prepare_recording(self, job: EditJob, template, size_hw, params: EditParams, started: float) -> PreparedJob:
+    def _prepare_recording(
+        self, job: EditJob, template, size_hw, params: EditParams, started: float
+    ) -> PreparedJob:
         """A cache recording: the ordinary computation over the whole template with the template
         seed, as ``MaskAwareEngine.prepare_template`` runs it (nothing masked, no prompt)."""
         pixels = np.zeros(size_hw, dtype=bool)
-        prepared = self.engine.encode(fit_to_bucket(template, size_hw), None, "", params.template_seed, params,
-                                      pixels=pixels, record=True)
+        prepared = self.engine.encode(
+            fit_to_bucket(template, size_hw),
+            None,
+            "",
+            params.template_seed,
+            params,
+            pixels=pixels,
+            record=True,
+        )
         prepared_ref, path = self.blobs.new_path("prepared", job_blob_name("prepared", job.job_id))
         prepared.save(path)
         self._record_digest(job, prepared)
-        return PreparedJob(job_id=job.job_id, model_id=job.model_id, prepared_ref=prepared_ref,
-                           template_ref=job.template_ref, num_steps=len(self._timesteps(params)), mask_ratio=1.0,
-                           cache_digest=prepared.cache_key.digest(), submitted_at=job.submitted_at,
-                           timings={"pre_s": time.time() - started}, prepare=True)
+        return PreparedJob(
+            job_id=job.job_id,
+            model_id=job.model_id,
+            prepared_ref=prepared_ref,
+            template_ref=job.template_ref,
+            num_steps=len(self._timesteps(params)),
+            mask_ratio=1.0,
+            cache_digest=prepared.cache_key.digest(),
+            submitted_at=job.submitted_at,
+            timings={"pre_s": time.time() - started},
+            prepare=True,
+        )
 
     def _record_digest(self, job: EditJob, prepared) -> None:
         if self.jobstate is not None and job.template_id and prepared.cache_key is not None:
             from backend.cachestatus import record_digest
 
-            record_digest(self.jobstate.client, job.template_id, job.model_id, prepared.cache_key.digest())
+            record_digest(
+                self.jobstate.client, job.template_id, job.model_id, prepared.cache_key.digest()
+            )
 
     def _params(self, job: EditJob, size_hw: tuple[int, int]) -> EditParams:
-        return edit_params(self.engine.spec, self.settings, steps=job.steps, guidance=job.guidance,
-                           size=size_hw, strength=job.strength, negative_prompt=job.negative_prompt,
-                           use_cache=job.use_cache, feather_px=job.mask_ops.feather_px)
+        return edit_params(
+            self.engine.spec,
+            self.settings,
+            steps=job.steps,
+            guidance=job.guidance,
+            size=size_hw,
+            strength=job.strength,
+            negative_prompt=job.negative_prompt,
+            use_cache=job.use_cache,
+            feather_px=job.mask_ops.feather_px,
+        )
 
     def _timesteps(self, params: EditParams):
         return self.engine.adapter.schedule(params.steps, params.strength, params.size)[1]
@@ -113,38 +176,66 @@ class CpuStages:
     # ----- post ---------------------------------------------------------------------------------
     def postprocess(self, job: DenoisedJob) -> JobEvent | None:
         """Decode, paste back, store the result; returns the ``done`` event (None if already done)."""
-        if self.jobstate is not None and self.jobstate.status(job.job_id) in ("done", "failed", "cancelled"):
+        if self.jobstate is not None and self.jobstate.status(job.job_id) in (
+            "done",
+            "failed",
+            "cancelled",
+        ):
             log.info("post-processing of %s skipped: the job already finished", job.job_id)
             return None
         started = time.time()
         self._event(job.job_id, "postprocessing")
         prepared = PreparedRequest.load(self.blobs.path(job.prepared_ref))
         params = EditParams.from_dict(prepared.params)
-        latents = load_file(str(self.blobs.path(job.latents_ref)))["latents"].to(self.engine.adapter.device)
+        latents = load_file(str(self.blobs.path(job.latents_ref)))["latents"].to(
+            self.engine.adapter.device
+        )
         with torch.no_grad():
             generated = self.engine.decode(latents, params)
-        template = decode_image(self.blobs.get(job.template_ref), self.settings.celery.max_upload_pixels,
-                                what="template")
+        template = decode_image(
+            self.blobs.get(job.template_ref),
+            self.settings.celery.max_upload_pixels,
+            what="template",
+        )
         result = self._paste(generated, template, prepared, params, job.paste)
-        result_ref = self.blobs.put("results", job_blob_name("results", job.job_id), encode_image(result, "png"))
-        thumb_ref = self.blobs.put("thumbnails", job_blob_name("thumbnails", job.job_id),
-                                  thumbnail(result, THUMBNAIL_SIDE))
+        result_ref = self.blobs.put(
+            "results", job_blob_name("results", job.job_id), encode_image(result, "png")
+        )
+        thumb_ref = self.blobs.put(
+            "thumbnails", job_blob_name("thumbnails", job.job_id), thumbnail(result, THUMBNAIL_SIDE)
+        )
         timings = {**job.timings, "post_s": time.time() - started}
-        timings["total_s"] = time.time() - job.submitted_at if job.submitted_at else sum(timings.values())
-        event = JobEvent(job_id=job.job_id, status="done", at=time.time(), timings=timings, result_ref=result_ref,
-                         thumbnail_ref=thumb_ref)
+        timings["total_s"] = (
+            time.time() - job.submitted_at if job.submitted_at else sum(timings.values())
+        )
+        event = JobEvent(
+            job_id=job.job_id,
+            status="done",
+            at=time.time(),
+            timings=timings,
+            result_ref=result_ref,
+            thumbnail_ref=thumb_ref,
+        )
         if self.jobstate is not None:
             self.jobstate.record_event(event)
         for ref in (job.latents_ref, job.prepared_ref):  # intermediates: the result is stored now
             self.blobs.delete(ref)
         return event
 
-    def _paste(self, generated: Image.Image, template: Image.Image, prepared: PreparedRequest,
-               params: EditParams, paste: dict) -> Image.Image:
+    def _paste(
+        self,
+        generated: Image.Image,
+        template: Image.Image,
+        prepared: PreparedRequest,
+        params: EditParams,
+        paste: dict,
+    ) -> Image.Image:
         if not paste:  # a job prepared at the model resolution (no bucket crop): paste back there
             return self.engine.compose(generated, template, prepared.pixels, params)
         left, top, right, bottom = paste["crop_box"]
-        mask = np.asarray(Image.open(io.BytesIO(self.blobs.get(paste["mask_ref"]))).convert("L")) > 127
+        mask = (
+            np.asarray(Image.open(io.BytesIO(self.blobs.get(paste["mask_ref"]))).convert("L")) > 127
+        )
         inside = np.zeros_like(mask)
         inside[top:bottom, left:right] = True  # the bucket crop's margins were never generated
         alpha = feather(mask & inside, paste.get("feather_px", 0.0)) * inside

@@ -35,7 +35,9 @@ MODES = ("continuous", "static", "inline")
 class Row:
     job_id: str
     num_steps: int
-    group_key: str  # rows with equal keys can share one forward pass (same cache mode and resolution)
+    group_key: (
+        str  # rows with equal keys can share one forward pass (same cache mode and resolution)
+    )
     mask_ratio: float = 1.0
     enqueued_at: float = 0.0
     template: str = ""  # cache digest of the row's template ("" = none), for routing by residency
@@ -49,10 +51,14 @@ class Row:
 
 @dataclass
 class SchedulerOutput:
-    admitted: list[str] = field(default_factory=list)  # rows that join this step (the worker admits them)
+    admitted: list[str] = field(
+        default_factory=list
+    )  # rows that join this step (the worker admits them)
     groups: list[list[str]] = field(default_factory=list)  # one forward pass per group, this step
     cancelled: list[str] = field(default_factory=list)  # rows dropped (waiting or running)
-    held: list[str] = field(default_factory=list)  # waiting rows passed over: not ready, a slot was free
+    held: list[str] = field(
+        default_factory=list
+    )  # waiting rows passed over: not ready, a slot was free
 
     @property
     def num_rows(self) -> int:
@@ -145,8 +151,25 @@ class BatchScheduler:
 
     def live_state(self) -> dict:
         """Running batch and queue, as the worker's heartbeat reports them."""
-        return {"running": [{"job_id": r.job_id, "mask_ratio": r.mask_ratio, "remaining_steps": r.remaining_steps,
-                             "template": r.template} for r in self.running.values()],
-                "waiting": [{"job_id": r.job_id, "mask_ratio": r.mask_ratio, "num_steps": r.num_steps,
-                             "template": r.template} for r in self.waiting.values()],
-                "max_batch": self.max_batch, "mode": self.mode}
+        return {
+            "running": [
+                {
+                    "job_id": r.job_id,
+                    "mask_ratio": r.mask_ratio,
+                    "remaining_steps": r.remaining_steps,
+                    "template": r.template,
+                }
+                for r in self.running.values()
+            ],
+            "waiting": [
+                {
+                    "job_id": r.job_id,
+                    "mask_ratio": r.mask_ratio,
+                    "num_steps": r.num_steps,
+                    "template": r.template,
+                }
+                for r in self.waiting.values()
+            ],
+            "max_batch": self.max_batch,
+            "mode": self.mode,
+        }

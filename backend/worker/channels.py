@@ -48,7 +48,9 @@ class LocalInbox:
     def poll(self, timeout_s: float) -> list:
         messages = []
         try:
-            first = self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait()
+            first = (
+                self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait()
+            )
         except queue.Empty:
             return messages
         messages.append(protocol.decode(first))

@@ -90,14 +90,26 @@ class _Job:
     received_at: float
     state: EditState | None = None
     cache_key: CacheKey | None = None  # set while the row holds an acquired cache entry
-    early_cache: tuple | None = None  # (handle, error) acquired when found ready, until ``_admit`` takes it
+    early_cache: tuple | None = (
+        None  # (handle, error) acquired when found ready, until ``_admit`` takes it
+    )
     timings: dict[str, float] = field(default_factory=dict)
 
 
 class EngineWorker:
-    def __init__(self, engine: MaskAwareEngine, blobs: BlobStore, inbox: Inbox, sink: JobSink, *,
-                 worker_id: str = "worker-0", mode: str = "continuous", max_batch: int = 8,
-                 caches: TemplateCaches | None = None, stages: InlineStages | None = None):
+    def __init__(
+        self,
+        engine: MaskAwareEngine,
+        blobs: BlobStore,
+        inbox: Inbox,
+        sink: JobSink,
+        *,
+        worker_id: str = "worker-0",
+        mode: str = "continuous",
+        max_batch: int = 8,
+        caches: TemplateCaches | None = None,
+        stages: InlineStages | None = None,
+    ):
         if mode == "inline" and stages is None:
             raise ValueError("inline batching runs pre/post-processing in the loop: pass `stages`")
         self.engine, self.blobs, self.inbox, self.sink = engine, blobs, inbox, sink
@@ -132,7 +144,9 @@ class EngineWorker:
         job_work_s = time.perf_counter() - job_work_started
         stepped, forward_s = [], 0.0
         for group in out.groups:
-            group = [j for j in group if j in self.jobs and self.jobs[j].state is not None]  # admitted ok
+            group = [
+                j for j in group if j in self.jobs and self.jobs[j].state is not None
+            ]  # admitted ok
             # a row recording its template's cache runs apart from rows reading caches: cached units
             # skip the K/V the recording needs (see MaskAwareEngine.step)
             recording = [j for j in group if self.jobs[j].state.writer is not None]
@@ -147,7 +161,9 @@ class EngineWorker:
             self._retire(row)
         job_work_s += time.perf_counter() - job_work_started
         if stepped:
-            self.stats.record_step(len(stepped), time.perf_counter() - started, forward_s, job_work_s)
+            self.stats.record_step(
+                len(stepped), time.perf_counter() - started, forward_s, job_work_s
+            )
         return bool(stepped)
 
     def _inbox_wait_s(self, idle_poll_s: float) -> float:
@@ -186,7 +202,9 @@ class EngineWorker:
 
     def _enqueue(self, message: PreparedJob) -> None:
         try:
-            prepared = PreparedRequest.load(self.blobs.path(message.prepared_ref), self.engine.adapter.device)
+            prepared = PreparedRequest.load(
+                self.blobs.path(message.prepared_ref), self.engine.adapter.device
+            )
             params = EditParams.from_dict(prepared.params)
         except Exception as exc:
             self._emit(message.job_id, "failed", message=f"prepared request unreadable: {exc}")
@@ -195,8 +213,16 @@ class EngineWorker:
         job = _Job(message, prepared, params, received_at=time.time())
         self.jobs[message.job_id] = job
         key = f"{params.mode}:{params.size[0]}x{params.size[1]}"
-        self.scheduler.add(Row(message.job_id, message.num_steps, key, message.mask_ratio, job.received_at,
-                               template=message.cache_digest))
+        self.scheduler.add(
+            Row(
+                message.job_id,
+                message.num_steps,
+                key,
+                message.mask_ratio,
+                job.received_at,
+                template=message.cache_digest,
+            )
+        )
         if self.caches is not None and params.use_cache and prepared.cache_key is not None:
             self.caches.prefetch(prepared.cache_key)  # disk -> RAM while the job waits for a slot
         self._emit(message.job_id, "waiting", num_steps=message.num_steps)
@@ -215,7 +241,9 @@ class EngineWorker:
             return False
         cache, error = job.early_cache = self._acquire_early(job)
         if cache is None and error is None and self._should_record(job, forced=job.message.prepare):
-            self._claimed.add(digest)  # a miss this row will record: same-template rows behind it wait
+            self._claimed.add(
+                digest
+            )  # a miss this row will record: same-template rows behind it wait
         return True
 
     def _acquire_early(self, job: _Job) -> tuple:
@@ -241,8 +269,12 @@ class EngineWorker:
         job.timings["wait_s"] = time.time() - job.received_at
         try:
             cache = self._take_cache(job)
-            if job.message.prepare and (cache is not None or not self._should_record(job, forced=True)):
-                self._finish_prepare(job_id, "already prepared" if cache is not None else "being recorded")
+            if job.message.prepare and (
+                cache is not None or not self._should_record(job, forced=True)
+            ):
+                self._finish_prepare(
+                    job_id, "already prepared" if cache is not None else "being recorded"
+                )
                 return
             job.state = self._admit_state(job, cache)
             if job.state.cache is None and self._should_record(job, forced=job.message.prepare):
@@ -266,8 +298,13 @@ class EngineWorker:
             return self.engine.admit(job.prepared, None, record=job.message.prepare)
 
     def _drop_broken_cache(self, job: _Job, exc: CacheCorruptError) -> None:
-        log.warning("template cache %s of %s is unusable (%s): the row computes densely and the cache is "
-                    "recorded again", job.cache_key.digest(), job.message.job_id, exc)
+        log.warning(
+            "template cache %s of %s is unusable (%s): the row computes densely and the cache is "
+            "recorded again",
+            job.cache_key.digest(),
+            job.message.job_id,
+            exc,
+        )
         self.caches.invalidate(job.cache_key, exc)
         self._release(job)
         self.stats.cache_fallbacks += 1
@@ -281,8 +318,12 @@ class EngineWorker:
             return None
         job.cache_key = key
         if cache.num_units != self.engine.num_units:
-            log.warning("cache %s has %d units, model has %d: computing densely", key.digest(), cache.num_units,
-                        self.engine.num_units)
+            log.warning(
+                "cache %s has %d units, model has %d: computing densely",
+                key.digest(),
+                cache.num_units,
+                self.engine.num_units,
+            )
             self._release(job)
             return None
         return cache
@@ -291,12 +332,19 @@ class EngineWorker:
         """Record this row's template cache on its way: on a first edit when the settings say so,
         always for a prepare job (``forced``); never twice at once for one template."""
         key = job.prepared.cache_key
-        return (self.caches is not None and key is not None and job.params.use_cache
-                and (forced or job.params.record_on_first_edit) and key.digest() not in self._recording)
+        return (
+            self.caches is not None
+            and key is not None
+            and job.params.use_cache
+            and (forced or job.params.record_on_first_edit)
+            and key.digest() not in self._recording
+        )
 
     def _start_recording(self, job: _Job) -> None:
         key, state = job.prepared.cache_key, job.state
-        state.writer = self.caches.writer(key, self.engine.num_units, state.req.halves, self.engine.adapter.dtype)
+        state.writer = self.caches.writer(
+            key, self.engine.num_units, state.req.halves, self.engine.adapter.dtype
+        )
         if state.writer is not None:
             self._recording.add(key.digest())
 
@@ -315,17 +363,32 @@ class EngineWorker:
                 self._finish(job_id, "failed", f"denoising failed: {exc}")
             return [], 0.0
         now = time.time()
-        self.sink.step_events([JobEvent(job_id=job_id, status="running", at=now, worker_id=self.worker_id,
-                                        step=state.step, num_steps=len(state.req.timesteps))
-                               for job_id, state in zip(job_ids, states)])
+        self.sink.step_events(
+            [
+                JobEvent(
+                    job_id=job_id,
+                    status="running",
+                    at=now,
+                    worker_id=self.worker_id,
+                    step=state.step,
+                    num_steps=len(state.req.timesteps),
+                )
+                for job_id, state in zip(job_ids, states)
+            ]
+        )
         return job_ids, forward_s
 
     def _restart_rows_on_broken_cache(self, job_ids: list[str], exc: Exception) -> bool:
         """The rows reading the entry ``exc`` names start over densely at step 0 (see the module
         docstring); False when ``exc`` is not a broken cache entry one of these rows reads."""
         entry = getattr(exc, "entry_path", None) if isinstance(exc, CacheCorruptError) else None
-        broken = [j for j in job_ids if entry is not None and self.jobs[j].state.cache is not None
-                  and Path(self.jobs[j].state.cache.path) == Path(entry)]
+        broken = [
+            j
+            for j in job_ids
+            if entry is not None
+            and self.jobs[j].state.cache is not None
+            and Path(self.jobs[j].state.cache.path) == Path(entry)
+        ]
         for job_id in broken:
             job = self.jobs[job_id]
             self._drop_broken_cache(job, exc)
@@ -333,8 +396,13 @@ class EngineWorker:
             if self._should_record(job):
                 self._start_recording(job)
             self.scheduler.restart(job_id)
-            self._emit(job_id, "running", step=0, num_steps=job.message.num_steps,
-                       message="template cache unusable: recomputing without it from step 0")
+            self._emit(
+                job_id,
+                "running",
+                step=0,
+                num_steps=job.message.num_steps,
+                message="template cache unusable: recomputing without it from step 0",
+            )
         return bool(broken)
 
     # ----- leaving -----------------------------------------------------------------------------------
@@ -351,11 +419,17 @@ class EngineWorker:
         save_file({"latents": state.latents.detach().to("cpu").contiguous()}, str(path))
         job.timings["denoise_s"] = time.time() - job.timings.pop("admitted_at")
         timings = {**job.message.timings, **job.timings}
-        denoised = DenoisedJob(job_id=row.job_id, model_id=job.message.model_id, latents_ref=latents_ref,
-                               prepared_ref=job.message.prepared_ref, template_ref=job.message.template_ref,
-                               used_cache=state.cache is not None, paste=job.message.paste,
-                               submitted_at=job.message.submitted_at,
-                               timings=timings)
+        denoised = DenoisedJob(
+            job_id=row.job_id,
+            model_id=job.message.model_id,
+            latents_ref=latents_ref,
+            prepared_ref=job.message.prepared_ref,
+            template_ref=job.message.template_ref,
+            used_cache=state.cache is not None,
+            paste=job.message.paste,
+            submitted_at=job.message.submitted_at,
+            timings=timings,
+        )
         self._release(job)
         del self.jobs[row.job_id]
         self.stats.record_job("denoised")
@@ -369,7 +443,9 @@ class EngineWorker:
         state = job.state
         self._recording.discard(job.prepared.cache_key.digest())
         try:
-            state.writer.write_trajectory({"latents": torch.cat(state.recorded_latents + [state.latents])})
+            state.writer.write_trajectory(
+                {"latents": torch.cat(state.recorded_latents + [state.latents])}
+            )
             self.caches.commit(state.writer)
         except (OSError, CacheError) as exc:  # the edit itself is fine; only the cache is lost
             log.warning("recording the cache of %s failed: %s", job.message.job_id, exc)
@@ -404,4 +480,8 @@ class EngineWorker:
     def _emit(self, job_id: str, status: str, **fields) -> None:
         if status in ("cancelled", "failed"):
             self.stats.record_job(status)
-        self.sink.event(JobEvent(job_id=job_id, status=status, at=time.time(), worker_id=self.worker_id, **fields))
+        self.sink.event(
+            JobEvent(
+                job_id=job_id, status=status, at=time.time(), worker_id=self.worker_id, **fields
+            )
+        )

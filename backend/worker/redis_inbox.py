@@ -20,7 +20,11 @@ log = logging.getLogger(__name__)
 
 GROUP = "workers"
 INBOX_MAXLEN = 100_000
-INBOX_TYPES = (PreparedJob, EditJob, CancelJob)  # what a worker's inbox carries; anything else is dropped
+INBOX_TYPES = (
+    PreparedJob,
+    EditJob,
+    CancelJob,
+)  # what a worker's inbox carries; anything else is dropped
 
 
 def inbox_stream(worker_id: str) -> str:
@@ -29,8 +33,12 @@ def inbox_stream(worker_id: str) -> str:
 
 def send_to_inbox(client: Redis, worker_id: str, message) -> str:
     """Append ``message`` to a worker's inbox; returns the stream entry id."""
-    entry = client.xadd(inbox_stream(worker_id), {"msg": protocol.encode(message)}, maxlen=INBOX_MAXLEN,
-                        approximate=True)
+    entry = client.xadd(
+        inbox_stream(worker_id),
+        {"msg": protocol.encode(message)},
+        maxlen=INBOX_MAXLEN,
+        approximate=True,
+    )
     return entry.decode() if isinstance(entry, bytes) else entry
 
 
@@ -54,8 +62,9 @@ class RedisInbox:
         start_id = self._replay_from if replaying else ">"
         block = None if replaying or timeout_s <= 0 else max(1, int(timeout_s * 1000))
         try:
-            reply = self.client.xreadgroup(GROUP, self.worker_id, {self.stream: start_id}, count=self.batch,
-                                           block=block)
+            reply = self.client.xreadgroup(
+                GROUP, self.worker_id, {self.stream: start_id}, count=self.batch, block=block
+            )
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
@@ -66,19 +75,32 @@ class RedisInbox:
         entries = reply[0][1] if reply else []
         if replaying:  # pending entries are re-read from an id, not consumed: walk past them once
             self._replay_from = entries[-1][0] if len(entries) == self.batch else None
-        return [m for m in (self._read(entry_id, fields) for entry_id, fields in entries) if m is not None]
+        return [
+            m
+            for m in (self._read(entry_id, fields) for entry_id, fields in entries)
+            if m is not None
+        ]
 
     def _read(self, entry_id, fields):
         entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-        fields = fields or {}  # a pending entry deleted (XDEL, MAXLEN trim) since it was delivered has none
+        fields = (
+            fields or {}
+        )  # a pending entry deleted (XDEL, MAXLEN trim) since it was delivered has none
         raw = fields.get(b"msg") or fields.get("msg")
         try:
             if raw is None:
                 raise protocol.ProtocolError("no 'msg' field (deleted, or not a MaskServe message)")
-            message = protocol.decode(raw)  # TypeError too: protocol.from_dict lets a bad nested field through
+            message = protocol.decode(
+                raw
+            )  # TypeError too: protocol.from_dict lets a bad nested field through
             if not isinstance(message, INBOX_TYPES):
-                raise protocol.ProtocolError(f"a {message.TYPE} message does not belong in a worker's inbox")
-        except (ValueError, TypeError) as exc:  # unreadable: drop it, or it would be redelivered forever
+                raise protocol.ProtocolError(
+                    f"a {message.TYPE} message does not belong in a worker's inbox"
+                )
+        except (
+            ValueError,
+            TypeError,
+        ) as exc:  # unreadable: drop it, or it would be redelivered forever
             log.error("dropping unreadable inbox entry %s: %s", entry_id, exc)
             self.client.xack(self.stream, GROUP, entry_id)
             return None

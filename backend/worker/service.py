@@ -15,7 +15,7 @@ from redis import Redis
 
 from backend import protocol
 from backend.blobs import BlobStore
-from backend.cache import TieredActivationCache, Tier
+from backend.cache import Tier, TieredActivationCache
 from backend.config import Settings
 from backend.jobstate import JobStateStore
 from backend.metrics import make_registry, serve_metrics
@@ -63,7 +63,9 @@ class Heartbeat:
     snapshots taken here, never the live objects.
     """
 
-    def __init__(self, client: Redis, worker: EngineWorker, caches: TieredActivationCache, settings: Settings):
+    def __init__(
+        self, client: Redis, worker: EngineWorker, caches: TieredActivationCache, settings: Settings
+    ):
         self.client, self.worker, self.caches, self.settings = client, worker, caches, settings
         self._built_at = 0.0
         self._encoded: str | None = None
@@ -73,12 +75,23 @@ class Heartbeat:
 
     def message(self) -> WorkerHeartbeat:
         live = self.worker.scheduler.live_state()
-        self.worker_stats, self.cache_stats = self.worker.stats.snapshot(), self.caches.metrics.snapshot()
+        self.worker_stats, self.cache_stats = (
+            self.worker.stats.snapshot(),
+            self.caches.metrics.snapshot(),
+        )
         return WorkerHeartbeat(
-            worker_id=self.worker.worker_id, model_id=self.worker.engine.spec.model_id,
-            device=self.settings.engine.device, at=time.time(), max_batch=live["max_batch"], batching=live["mode"],
-            running=live["running"], waiting=live["waiting"], resident_ram=self.caches.resident(Tier.RAM),
-            resident_disk=self.caches.resident(Tier.DISK), stats=self.worker_stats)
+            worker_id=self.worker.worker_id,
+            model_id=self.worker.engine.spec.model_id,
+            device=self.settings.engine.device,
+            at=time.time(),
+            max_batch=live["max_batch"],
+            batching=live["mode"],
+            running=live["running"],
+            waiting=live["waiting"],
+            resident_ram=self.caches.resident(Tier.RAM),
+            resident_disk=self.caches.resident(Tier.DISK),
+            stats=self.worker_stats,
+        )
 
     def refresh(self, force: bool = False) -> None:
         """From the worker loop: rebuild the message when it is due (or ``force``) and publish it."""
@@ -102,27 +115,41 @@ class Heartbeat:
                     self.publish()
                 except Exception:  # Redis away for a moment: the next beat retries
                     log.warning("heartbeat not published", exc_info=True)
+
         thread = threading.Thread(target=publish_until_stopped, name="heartbeat", daemon=True)
         thread.start()
         return thread
 
 
-def build_worker(settings: Settings, client: Redis, celery_app=None) -> tuple[EngineWorker, TieredActivationCache]:
+def build_worker(
+    settings: Settings, client: Redis, celery_app=None
+) -> tuple[EngineWorker, TieredActivationCache]:
     from backend.engine.factory import build_engine
     from backend.tasks.core import CpuStages
 
     engine = build_engine(settings)
-    caches = TieredActivationCache(engine.cache_root, settings.cache.ram_budget_mb << 20,
-                                   settings.cache.disk_budget_mb << 20, policy=settings.cache.policy,
-                                   pin_memory=settings.engine.device.startswith("cuda"))
+    caches = TieredActivationCache(
+        engine.cache_root,
+        settings.cache.ram_budget_mb << 20,
+        settings.cache.disk_budget_mb << 20,
+        policy=settings.cache.policy,
+        pin_memory=settings.engine.device.startswith("cuda"),
+    )
     blobs = BlobStore(settings.paths.data_dir / "blobs")
     jobstate = JobStateStore(client, settings.retention.job_record_s)
     celery_app = celery_app or make_celery(settings)
     stages = CpuStages(settings, engine, jobstate) if settings.worker.batching == "inline" else None
-    worker = EngineWorker(engine, blobs, RedisInbox(client, settings.worker.worker_id),
-                          RedisSink(jobstate, celery_app, settings.celery.post_queue),
-                          worker_id=settings.worker.worker_id, mode=settings.worker.batching,
-                          max_batch=settings.worker.max_batch, caches=caches, stages=stages)
+    worker = EngineWorker(
+        engine,
+        blobs,
+        RedisInbox(client, settings.worker.worker_id),
+        RedisSink(jobstate, celery_app, settings.celery.post_queue),
+        worker_id=settings.worker.worker_id,
+        mode=settings.worker.batching,
+        max_batch=settings.worker.max_batch,
+        caches=caches,
+        stages=stages,
+    )
     return worker, caches
 
 
@@ -131,14 +158,29 @@ def run_worker(settings: Settings) -> int:
     client.ping()
     worker, caches = build_worker(settings, client)
     heartbeat = Heartbeat(client, worker, caches, settings)
-    serve_metrics(settings.worker.metrics_port, make_registry({
-        "maskserve_worker": lambda: heartbeat.worker_stats, "maskserve_cache": lambda: heartbeat.cache_stats}))
+    serve_metrics(
+        settings.worker.metrics_port,
+        make_registry(
+            {
+                "maskserve_worker": lambda: heartbeat.worker_stats,
+                "maskserve_cache": lambda: heartbeat.cache_stats,
+            }
+        ),
+    )
     stop = stop_event_on_signals()
-    log.info("worker %s serving %s on %s (%s batching, max batch %d)", worker.worker_id, worker.engine.spec.model_id,
-             settings.engine.device, worker.mode, worker.scheduler.max_batch)
+    log.info(
+        "worker %s serving %s on %s (%s batching, max batch %d)",
+        worker.worker_id,
+        worker.engine.spec.model_id,
+        settings.engine.device,
+        worker.mode,
+        worker.scheduler.max_batch,
+    )
     heartbeat.refresh(force=True)
     heartbeat.start_publisher(stop)
-    client.sadd(WORKERS_KEY, worker.worker_id)  # the dispatcher recovers this inbox if the heartbeat stops
+    client.sadd(
+        WORKERS_KEY, worker.worker_id
+    )  # the dispatcher recovers this inbox if the heartbeat stops
     try:
         while not stop.is_set():
             worker.iterate(settings.worker.idle_poll_s)

@@ -35,10 +35,14 @@ class WorkerStats:
     jobs_by_status: Counter = field(default_factory=Counter)
     cache_fallbacks: int = 0  # rows that found their template cache broken and computed densely
     held_rows: int = 0  # waiting rows the last schedule held on their cache (a read in flight, RAM full, a recording)
-    held_row_schedules: int = 0  # total of held_rows over every schedule: steady growth = RAM tier or disk too slow
+    held_row_schedules: int = (
+        0  # total of held_rows over every schedule: steady growth = RAM tier or disk too slow
+    )
     recent_overhead_s: deque = field(default_factory=deque)
 
-    def record_step(self, num_rows: int, iteration_s: float, forward_s: float, job_work_s: float = 0.0) -> None:
+    def record_step(
+        self, num_rows: int, iteration_s: float, forward_s: float, job_work_s: float = 0.0
+    ) -> None:
         self.steps += 1
         self.step_s_total += iteration_s
         self.forward_s_total += forward_s
@@ -61,7 +65,8 @@ class WorkerStats:
         return {
             "steps": self.steps,
             "mean_step_s": self.step_s_total / steps,
-            "mean_overhead_s": (self.step_s_total - self.forward_s_total - self.job_work_s_total) / steps,
+            "mean_overhead_s": (self.step_s_total - self.forward_s_total - self.job_work_s_total)
+            / steps,
             "mean_job_work_s": self.job_work_s_total / steps,
             "p50_overhead_s": percentile(self.recent_overhead_s, 50),
             "p95_overhead_s": percentile(self.recent_overhead_s, 95),

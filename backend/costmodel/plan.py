@@ -79,8 +79,10 @@ class _State:
 
 def _exact(costs: Sequence[UnitCost]) -> tuple[list[_Exact], int]:
     """Costs as integers in units of ``2**-shift`` seconds, exactly (floats are binary fractions)."""
-    ratios = [[v.as_integer_ratio() for v in (c.compute_cached_s, c.compute_dense_s, c.load_s)]
-              for c in costs]
+    ratios = [
+        [v.as_integer_ratio() for v in (c.compute_cached_s, c.compute_dense_s, c.load_s)]
+        for c in costs
+    ]
     shift = max((den.bit_length() - 1 for unit in ratios for _, den in unit), default=0)
     scaled = [tuple(num << (shift - den.bit_length() + 1) for num, den in unit) for unit in ratios]
     return scaled, shift  # type: ignore[return-value]
@@ -138,8 +140,12 @@ def _dominates(a: _State, b: _State) -> bool:
     lexicographically preferred prefix. A free stack (not ``stack_used``) admits every suffix a
     used one does.
     """
-    return (a.comp <= b.comp and a.load <= b.load and a.stack_used <= b.stack_used
-            and (a.num_cached, a.bits) >= (b.num_cached, b.bits))
+    return (
+        a.comp <= b.comp
+        and a.load <= b.load
+        and a.stack_used <= b.stack_used
+        and (a.num_cached, a.bits) >= (b.num_cached, b.bits)
+    )
 
 
 def _prune(states: list[_State]) -> list[_State]:
@@ -194,8 +200,9 @@ def _prepend(front: _Frontier, cost: _Exact, cached: bool) -> list[tuple[int, in
     return [(a + cw, load + max(a + cw, b)) for a, b in zip(front[0], front[1])]
 
 
-def _suffix_frontiers(costs: Sequence[_Exact], ids: list[int], monotone: bool
-                      ) -> tuple[list[_Frontier], list[_Frontier]]:
+def _suffix_frontiers(
+    costs: Sequence[_Exact], ids: list[int], monotone: bool
+) -> tuple[list[_Frontier], list[_Frontier]]:
     """Per layer k: best suffixes over units [k, N) when unit k is free, and when it is forced to
     be cached (kv mode, an earlier unit of its stack is cached). Index N is the empty suffix."""
     n = len(costs)
@@ -219,8 +226,11 @@ def _best_completion(front: _Frontier, comp: int, load: int) -> int:
     return min(max(comp + a_s[i], load + b_s[i]) for i in (j - 1, j) if 0 <= i < len(a_s))
 
 
-def solve_plan(costs: Sequence[UnitCost], stack_ids: Sequence[int] | None = None,
-               monotone_within_stack: bool = False) -> LoadingPlan:
+def solve_plan(
+    costs: Sequence[UnitCost],
+    stack_ids: Sequence[int] | None = None,
+    monotone_within_stack: bool = False,
+) -> LoadingPlan:
     """Exact optimum under the tie rule (module docstring); equals ``brute_force_plan``.
 
     ``stack_ids`` gives each unit's stack (contiguous runs; None = a single stack); it only
@@ -241,7 +251,12 @@ def solve_plan(costs: Sequence[UnitCost], stack_ids: Sequence[int] | None = None
         new_stack = i == 0 or ids[i] != ids[i - 1]
         candidates = []
         for s in _expand(frontier, cost, new_stack, monotone_within_stack):
-            held = monotone_within_stack and s.stack_used and i + 1 < len(exact) and ids[i + 1] == ids[i]
+            held = (
+                monotone_within_stack
+                and s.stack_used
+                and i + 1 < len(exact)
+                and ids[i + 1] == ids[i]
+            )
             if _best_completion(forced[i + 1] if held else free[i + 1], s.comp, s.load) == optimum:
                 candidates.append(s)
         frontier = _prune(candidates)
@@ -258,12 +273,17 @@ def _feasible(choices: Sequence[bool], ids: Sequence[int]) -> bool:
     return True
 
 
-def brute_force_plan(costs: Sequence[UnitCost], stack_ids: Sequence[int] | None = None,
-                     monotone_within_stack: bool = False) -> LoadingPlan:
+def brute_force_plan(
+    costs: Sequence[UnitCost],
+    stack_ids: Sequence[int] | None = None,
+    monotone_within_stack: bool = False,
+) -> LoadingPlan:
     """Reference oracle: enumerate every feasible plan and minimise ``(latency, -num_cached,
     choices)`` with cached ranking first. Only for tests and N <= BRUTE_FORCE_MAX_UNITS."""
     if len(costs) > BRUTE_FORCE_MAX_UNITS:
-        raise ValueError(f"brute force is limited to {BRUTE_FORCE_MAX_UNITS} units, got {len(costs)}")
+        raise ValueError(
+            f"brute force is limited to {BRUTE_FORCE_MAX_UNITS} units, got {len(costs)}"
+        )
     ids = _check_stacks(len(costs), stack_ids)
     exact, shift = _exact(costs)
     best_key, best_choices = None, ()
@@ -278,8 +298,11 @@ def brute_force_plan(costs: Sequence[UnitCost], stack_ids: Sequence[int] | None 
     return LoadingPlan(tuple(best_choices), _seconds(best_key[0], shift), sum(best_choices))
 
 
-def greedy_plan(costs: Sequence[UnitCost], stack_ids: Sequence[int] | None = None,
-                monotone_within_stack: bool = False) -> LoadingPlan:
+def greedy_plan(
+    costs: Sequence[UnitCost],
+    stack_ids: Sequence[int] | None = None,
+    monotone_within_stack: bool = False,
+) -> LoadingPlan:
     """The paper's greedy rule, kept as a baseline: each unit takes whichever choice finishes it
     sooner given the choices so far (cache on a tie). Units forced by the kv constraint skip the
     decision. Never better than ``solve_plan``; can be worse (an early load delays later ones).

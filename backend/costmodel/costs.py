@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from backend.engine.plan import UnitCost
+from backend.costmodel.plan import UnitCost
 
 FORMAT_VERSION = 1
 MODES = ("kv", "hidden")
@@ -85,8 +85,12 @@ class UnitShape:
         _check_int(self.cache_bytes_per_token, "cache_bytes_per_token", minimum=0)
         if not isinstance(self.name, str) or not self.name:
             raise ValueError("UnitShape.name must be a non-empty string")
-        if isinstance(self.ffn_mult, bool) or not isinstance(self.ffn_mult, (int, float)) \
-                or not math.isfinite(self.ffn_mult) or self.ffn_mult <= 0:
+        if (
+            isinstance(self.ffn_mult, bool)
+            or not isinstance(self.ffn_mult, (int, float))
+            or not math.isfinite(self.ffn_mult)
+            or self.ffn_mult <= 0
+        ):
             raise ValueError(f"UnitShape.ffn_mult must be a positive number, got {self.ffn_mult!r}")
 
     @property
@@ -113,8 +117,14 @@ def unit_flops(shape: UnitShape, num_masked_tokens: int, dense: bool) -> float:
     """
     n, d, t = shape.num_tokens, shape.hidden_dim, shape.num_text_tokens
     queries = n if dense else num_masked_tokens
-    if isinstance(queries, bool) or not isinstance(queries, (int, np.integer)) or not 0 <= queries <= n:
-        raise ValueError(f"{shape.name}: masked tokens must be an integer in [0, {n}], got {queries!r}")
+    if (
+        isinstance(queries, bool)
+        or not isinstance(queries, (int, np.integer))
+        or not 0 <= queries <= n
+    ):
+        raise ValueError(
+            f"{shape.name}: masked tokens must be an integer in [0, {n}], got {queries!r}"
+        )
     per_query = 8.0 * d * d + 4.0 * (n + t) * d + 4.0 * shape.ffn_mult * d * d
     return float(queries) * per_query + 4.0 * t * d * d
 
@@ -130,7 +140,9 @@ def tokens_for_ratio(num_tokens: int, ratio: float) -> int:
 def ideal_speedup(units: Sequence[UnitShape], masked_ratio: float) -> float:
     """Dense FLOPs / cached FLOPs over all units: the speedup if time were proportional to FLOPs."""
     dense = sum(unit_flops(u, u.num_tokens, dense=True) for u in units)
-    cached = sum(unit_flops(u, tokens_for_ratio(u.num_tokens, masked_ratio), dense=False) for u in units)
+    cached = sum(
+        unit_flops(u, tokens_for_ratio(u.num_tokens, masked_ratio), dense=False) for u in units
+    )
     if cached == 0.0:
         return math.inf if dense > 0 else 1.0
     return dense / cached
@@ -152,11 +164,19 @@ class RowWork:
         try:
             count = self.masked[unit.stack_id]  # type: ignore[index]
         except (KeyError, IndexError, TypeError):
-            raise ValueError(f"row of template {self.template_id!r} gives no masked tokens for "
-                             f"stack {unit.stack_id} (unit {unit.name})") from None
-        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or not 0 <= count <= unit.num_tokens:
-            raise ValueError(f"unit {unit.name}: masked tokens must be an integer in "
-                             f"[0, {unit.num_tokens}], got {count!r}")
+            raise ValueError(
+                f"row of template {self.template_id!r} gives no masked tokens for "
+                f"stack {unit.stack_id} (unit {unit.name})"
+            ) from None
+        if (
+            isinstance(count, bool)
+            or not isinstance(count, (int, np.integer))
+            or not 0 <= count <= unit.num_tokens
+        ):
+            raise ValueError(
+                f"unit {unit.name}: masked tokens must be an integer in "
+                f"[0, {unit.num_tokens}], got {count!r}"
+            )
         return int(count)
 
 
@@ -178,13 +198,21 @@ def batch_unit_costs(profile: CostProfile, rows: Sequence[RowWork]) -> list[Unit
         masked = [row.masked_tokens(unit) for row in rows]
         cached_flops = sum(unit_flops(unit, m, dense=False) for m in masked)
         dense_flops = len(rows) * unit_flops(unit, unit.num_tokens, dense=True)
-        templates = {row.template_id for row, m in zip(rows, masked)
-                     if row.needs_load and m < unit.num_tokens}
+        templates = {
+            row.template_id
+            for row, m in zip(rows, masked)
+            if row.needs_load and m < unit.num_tokens
+        }
         load_s = 0.0
         if unit.cache_bytes > 0:
             load_s = len(templates) * _seconds(profile.load, unit.cache_bytes)
-        out.append(UnitCost(_seconds(profile.compute, cached_flops),
-                            _seconds(profile.compute, dense_flops), load_s))
+        out.append(
+            UnitCost(
+                _seconds(profile.compute, cached_flops),
+                _seconds(profile.compute, dense_flops),
+                load_s,
+            )
+        )
     return out
 
 
@@ -203,7 +231,9 @@ class CostProfile:
 
     def __post_init__(self) -> None:
         if self.format_version != FORMAT_VERSION:
-            raise ValueError(f"cost profile format_version must be {FORMAT_VERSION}, got {self.format_version!r}")
+            raise ValueError(
+                f"cost profile format_version must be {FORMAT_VERSION}, got {self.format_version!r}"
+            )
         if self.mode not in MODES:
             raise ValueError(f"cost profile mode must be one of {MODES}, got {self.mode!r}")
 
@@ -228,19 +258,29 @@ class CostProfile:
             raise ValueError("cost profile must be a JSON object")
         version = data.get("format_version")
         if version != FORMAT_VERSION or isinstance(version, bool):
-            raise ValueError(f"cost profile format_version {version!r} is not supported (expected "
-                             f"{FORMAT_VERSION}): re-run the profiler for this model and device")
+            raise ValueError(
+                f"cost profile format_version {version!r} is not supported (expected "
+                f"{FORMAT_VERSION}): re-run the profiler for this model and device"
+            )
         _check_keys(data, {f.name for f in fields(cls)}, "cost profile")
         for key in ("model_id", "device"):
             if not isinstance(data[key], str) or not data[key]:
                 raise ValueError(f"cost profile field {key!r} must be a non-empty string")
         if data["mode"] not in MODES:
-            raise ValueError(f"cost profile field 'mode' must be one of {MODES}, got {data['mode']!r}")
+            raise ValueError(
+                f"cost profile field 'mode' must be one of {MODES}, got {data['mode']!r}"
+            )
         if not isinstance(data["units"], list):
             raise ValueError("cost profile field 'units' must be a list")
-        return cls(FORMAT_VERSION, data["model_id"], data["device"], data["mode"],
-                   _parse_line(data["compute"], "compute"), _parse_line(data["load"], "load"),
-                   [_parse_unit(u, i) for i, u in enumerate(data["units"])])
+        return cls(
+            FORMAT_VERSION,
+            data["model_id"],
+            data["device"],
+            data["mode"],
+            _parse_line(data["compute"], "compute"),
+            _parse_line(data["load"], "load"),
+            [_parse_unit(u, i) for i, u in enumerate(data["units"])],
+        )
 
 
 def _check_keys(obj: object, expected: set[str], where: str) -> None:
@@ -257,8 +297,14 @@ def _parse_line(obj: object, where: str) -> LinearModel:
     _check_keys(obj, {"slope", "intercept", "r2"}, f"cost profile field {where!r}")
     assert isinstance(obj, dict)
     for key, value in obj.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"cost profile field '{where}.{key}' must be a finite number, got {value!r}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
+            raise ValueError(
+                f"cost profile field '{where}.{key}' must be a finite number, got {value!r}"
+            )
     return LinearModel(float(obj["slope"]), float(obj["intercept"]), float(obj["r2"]))
 
 
@@ -271,9 +317,14 @@ def _parse_unit(obj: object, index: int) -> UnitShape:
         raise ValueError(f"cost profile unit {index}: {exc}") from None
 
 
-def build_profile(model_id: str, device: str, mode: str, units: Sequence[UnitShape],
-                  compute_samples: Sequence[tuple[float, float]],
-                  load_samples: Sequence[tuple[float, float]]) -> CostProfile:
+def build_profile(
+    model_id: str,
+    device: str,
+    mode: str,
+    units: Sequence[UnitShape],
+    compute_samples: Sequence[tuple[float, float]],
+    load_samples: Sequence[tuple[float, float]],
+) -> CostProfile:
     """Profile from measurements: (FLOPs, seconds) of cached and dense unit runs together, and
     (bytes, seconds) of host->device copies."""
     if mode not in MODES:
