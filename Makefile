@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup test up bench profile clean
+.PHONY: setup test up bench profile clean docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ test: $(STAMP) $(CHROMIUM)
 
 up: $(STAMP)
 	$(VENV)/bin/maskserve up
+
+# Regenerates the configuration reference from the settings tree (a test fails when it is stale).
+docs: $(STAMP)
+	$(VENV)/bin/maskserve config-reference --out docs/configuration.md
 
 bench: $(STAMP)
 	$(VENV)/bin/maskserve bench engine --model small-flux-fill --json bench_out/engine.json

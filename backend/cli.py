@@ -616,6 +616,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also publish the studio on a public Gradio share link (behind the same login)",
     )
     up.set_defaults(func=cmd_up)
+
+    from backend import config_reference
+
+    reference = sub.add_parser(
+        "config-reference", help="print the configuration reference (docs/configuration.md)"
+    )
+    config_reference.add_arguments(reference)
+    reference.set_defaults(func=lambda args, settings: config_reference.run(args))
     return parser
 
 

