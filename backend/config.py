@@ -128,7 +128,7 @@ class RedisSettings(_Strict):
 
 
 class CelerySettings(_Strict):
-    """CPU workers for pre- and post-processing (see BRIEF section 3 for why each value)."""
+    """CPU workers for pre- and post-processing: Celery on the Redis broker."""
 
     pre_queue: str = "maskserve.pre"
     """Celery queue of pre-processing tasks."""
