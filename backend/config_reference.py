@@ -4,7 +4,7 @@ Invariant: the page is a pure function of ``backend.config``: every section of `
 field with its environment variable, type, constraints, default and description (the field's
 docstring). ``tests/test_config_reference.py`` regenerates it and compares it with the committed
 file; ``make docs`` (``maskserve config-reference --out docs/configuration.md``) rewrites it.
-Imports nothing but the settings module (no torch), so it runs in a fraction of a second.
+Imports nothing but the settings module and pydantic: never torch.
 """
 
 from __future__ import annotations
