@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from backend.protocol.keys import POST_QUEUE, PRE_QUEUE
+
 MIN_JOB_RECORD_S = 7 * 24 * 3600  # a finished job's record is kept at least a week
 
 CacheMode = Literal["kv", "hidden"]
@@ -130,9 +132,9 @@ class RedisSettings(_Strict):
 class CelerySettings(_Strict):
     """CPU workers for pre- and post-processing: Celery on the Redis broker."""
 
-    pre_queue: str = "maskserve.pre"
+    pre_queue: str = PRE_QUEUE
     """Celery queue of pre-processing tasks."""
-    post_queue: str = "maskserve.post"
+    post_queue: str = POST_QUEUE
     """Celery queue of post-processing tasks."""
     task_soft_time_limit_s: int = Field(default=120, ge=1)
     """A task running longer is asked to stop (its job fails with the reason)."""

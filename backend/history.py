@@ -1,6 +1,6 @@
 """Each user's job history: the ids of the jobs they submitted, newest first.
 
-One Redis sorted set per owner (``maskserve:history:<owner digest>``), scored by submission time and
+One Redis sorted set per owner (``keys.history_key``), scored by submission time and
 trimmed to the newest ``limit`` ids; it expires with the job state (``ttl_s`` after the owner's
 last submission; never when job records never expire), so a history never lists more than the job state still holds for long. Owners
 are hashed into the key: a user name or an API key never appears in a Redis key.
@@ -8,15 +8,11 @@ are hashed into the key: a user name or an API key never appears in a Redis key.
 
 from __future__ import annotations
 
-import hashlib
-
 from redis import Redis
 
 from backend.jobstate import JOB_TTL_S
-
-
-def history_key(owner: str) -> str:
-    return "maskserve:history:" + hashlib.sha256(owner.encode()).hexdigest()[:32]
+from backend.protocol import to_text
+from backend.protocol.keys import history_key
 
 
 class HistoryIndex:
@@ -40,10 +36,7 @@ class HistoryIndex:
         if not owner:
             return []
         count = min(self.limit, limit or self.limit)
-        return [
-            jid.decode() if isinstance(jid, bytes) else jid
-            for jid in self.client.zrevrange(history_key(owner), 0, count - 1)
-        ]
+        return [to_text(jid) for jid in self.client.zrevrange(history_key(owner), 0, count - 1)]
 
     def forget(self, owner: str, job_id: str) -> None:
         self.client.zrem(history_key(owner), job_id)

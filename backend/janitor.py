@@ -33,12 +33,12 @@ from redis import Redis
 from backend.blobs import BlobStore, job_blob_refs
 from backend.config import Settings
 from backend.jobstate import TERMINAL
+from backend.protocol import to_text
+from backend.protocol.keys import JANITOR_LOCK_KEY, JOB_PATTERN, job_id_of_key, job_key
 from backend.retention import BlobFile, JobRecord, RetentionPolicy, expired_blobs
 
 log = logging.getLogger(__name__)
 
-LOCK_KEY = "maskserve:janitor:lock"
-JOB_PATTERN = "maskserve:job:*"
 REF_FIELDS = ("template_ref", "mask_ref", "result_ref", "thumbnail_ref")
 _FIELDS = ("status", "updated_at", *REF_FIELDS, *(f"{status}_at" for status in TERMINAL))
 _CHUNK = 500  # job records read per round trip
@@ -52,35 +52,30 @@ class SweepReport:
     seconds: float = 0.0
 
 
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def list_blobs(blobs: BlobStore) -> list[BlobFile]:
     return [BlobFile(ref, stat.st_size, stat.st_mtime) for ref, _path, stat in blobs.files()]
 
 
 def job_records(client: Redis) -> list[JobRecord]:
     """Every job record in Redis, with the blobs it references and when it finished."""
-    keys = [
-        key for key in client.scan_iter(match=JOB_PATTERN, count=1000) if _text(key).count(":") == 2
-    ]
+    scanned = (to_text(key) for key in client.scan_iter(match=JOB_PATTERN, count=1000))
+    job_ids = [job_id for job_id in map(job_id_of_key, scanned) if job_id]
     records = []
-    for start in range(0, len(keys), _CHUNK):
-        chunk = keys[start : start + _CHUNK]
+    for start in range(0, len(job_ids), _CHUNK):
+        chunk = job_ids[start : start + _CHUNK]
         with client.pipeline(transaction=False) as pipe:
-            for key in chunk:
-                pipe.hmget(key, *_FIELDS)
+            for job_id in chunk:
+                pipe.hmget(job_key(job_id), *_FIELDS)
             rows = pipe.execute()
-        for key, values in zip(chunk, rows):
-            record = _record(_text(key).rpartition(":")[2], values)
+        for job_id, values in zip(chunk, rows):
+            record = _record(job_id, values)
             if record is not None:
                 records.append(record)
     return records
 
 
 def _record(job_id: str, values: list) -> JobRecord | None:
-    fields = {name: _text(value) for name, value in zip(_FIELDS, values) if value is not None}
+    fields = {name: to_text(value) for name, value in zip(_FIELDS, values) if value is not None}
     status = fields.get("status")
     if status is None:
         return None  # expired between SCAN and HMGET
@@ -142,7 +137,7 @@ def start_janitor(
             try:
                 # held for most of a period: the next sweep may fall to any API process
                 if client.set(
-                    LOCK_KEY, owner, nx=True, px=max(1, int(retention.sweep_every_s * 900))
+                    JANITOR_LOCK_KEY, owner, nx=True, px=max(1, int(retention.sweep_every_s * 900))
                 ):
                     report = janitor.sweep()
                     on_report(report)

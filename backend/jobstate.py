@@ -1,11 +1,7 @@
 """Job state in Redis: one hash per job plus a stream of its events.
 
-Keys: ``maskserve:job:<id>`` (hash) and ``maskserve:job:<id>:events`` (stream, capped).
-
-Hash fields: ``status``, ``created_at``, ``updated_at``, ``<status>_at`` (first time each status
-was reached), ``step``, ``num_steps``, ``worker_id``, ``message``, ``result_ref``,
-``thumbnail_ref``, ``timing.<stage>`` (seconds), plus whatever ``create`` was given (model,
-prompt, seed, ...).
+Keys: ``keys.job_key`` (the hash, typed by ``backend.protocol.records.JobRecord``) and
+``keys.job_events_key`` (a capped stream of ``records.event_payload``s).
 
 Invariants (enforced atomically by one Lua script, so racing writers from different processes
 cannot break them):
@@ -27,9 +23,11 @@ import time
 from redis import Redis
 
 from backend.config import MIN_JOB_RECORD_S
-from backend.protocol import JobEvent
+from backend.protocol import JobEvent, JobRecord, event_fields, event_payload, to_text
+from backend.protocol.keys import job_events_key, job_key
+from backend.protocol.records import TERMINAL
 
-TERMINAL = ("done", "failed", "cancelled")
+__all__ = ["TERMINAL", "JobNotFound", "JobStateStore"]
 _RANK = {
     "queued": 0,
     "preprocessing": 1,
@@ -85,18 +83,6 @@ class JobNotFound(KeyError):
     """No job with this id (never created, or expired)."""
 
 
-def job_key(job_id: str) -> str:
-    return f"maskserve:job:{job_id}"
-
-
-def events_key(job_id: str) -> str:
-    return f"maskserve:job:{job_id}:events"
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 class JobStateStore:
     def __init__(self, client: Redis, ttl_s: int = JOB_TTL_S):
         """``ttl_s``: a finished job's record and events expire that long after it finished (0: never)."""
@@ -112,27 +98,18 @@ class JobStateStore:
         self._requeue = client.register_script(_REQUEUE)
 
     def create(self, job_id: str, **fields) -> None:
-        """Record a new job as ``queued``; fields are stored as strings (JSON for dicts and lists).
-        Creating an existing job again is a no-op (idempotent submission)."""
-        now = time.time()
-        values = {
-            "status": "queued",
-            "created_at": now,
-            "updated_at": now,
-            "queued_at": now,
-            "step": 0,
-        }
-        values |= {
-            k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in fields.items()
-        }
+        """Record a new job as ``queued``; ``fields`` are ``JobRecord`` fields (a name it does not
+        have raises ``TypeError``). Creating an existing job again is a no-op (idempotent
+        submission)."""
+        record = JobRecord(job_id=job_id, created_at=time.time(), **fields)
         if self.client.hsetnx(job_key(job_id), "status", "queued"):
-            self.client.hset(job_key(job_id), mapping={k: str(v) for k, v in values.items()})
+            self.client.hset(job_key(job_id), mapping=record.creation_fields())
 
     def record_event(self, event: JobEvent) -> bool:
         """Apply one event (see the module invariants); True when it changed the job."""
         return bool(
             self._apply(
-                keys=[job_key(event.job_id), events_key(event.job_id)], args=self._argv(event)
+                keys=[job_key(event.job_id), job_events_key(event.job_id)], args=self._argv(event)
             )
         )
 
@@ -141,30 +118,23 @@ class JobStateStore:
         with self.client.pipeline(transaction=False) as pipe:
             for event in events:
                 self._apply(
-                    keys=[job_key(event.job_id), events_key(event.job_id)],
+                    keys=[job_key(event.job_id), job_events_key(event.job_id)],
                     args=self._argv(event),
                     client=pipe,
                 )
             return [bool(applied) for applied in pipe.execute()]
 
     def _argv(self, event: JobEvent) -> list:
-        fields = {"status": event.status, "updated_at": event.at}
-        if event.num_steps:
-            fields |= {"step": event.step, "num_steps": event.num_steps}
-        for name in ("worker_id", "message", "result_ref", "thumbnail_ref"):
-            if getattr(event, name):
-                fields[name] = getattr(event, name)
-        fields |= {f"timing.{stage}": seconds for stage, seconds in event.timings.items()}
         argv = [
             _RANK[event.status],
             event.status,
-            json.dumps(_event_dict(event)),
+            json.dumps(event_payload(event)),
             EVENTS_MAXLEN,
             self.ttl_s,
             _RANK_JSON,
         ]
-        for name, value in fields.items():
-            argv += [name, str(value)]
+        for name, value in event_fields(event).items():
+            argv += [name, value]
         return argv
 
     def assign(self, job_id: str, worker_id: str) -> bool:
@@ -177,45 +147,28 @@ class JobStateStore:
         had finished or already reached post-processing (its result is on the way)."""
         return bool(self._requeue(keys=[job_key(job_id)], args=[message, time.time()]))
 
-    def get(self, job_id: str) -> dict:
-        """The job's fields, typed: numbers as float/int, ``timings`` gathered into a dict."""
+    def record(self, job_id: str) -> JobRecord:
+        """The job's typed record; raises ``JobNotFound``."""
         raw = self.client.hgetall(job_key(job_id))
         if not raw:
             raise JobNotFound(job_id)
-        job, timings = {"job_id": job_id}, {}
-        for key, value in ((_text(k), _text(v)) for k, v in raw.items()):
-            if key.startswith("timing."):
-                timings[key.removeprefix("timing.")] = float(value)
-            elif key in ("step", "num_steps", "seed"):
-                job[key] = int(value)
-            elif key.endswith("_at"):
-                job[key] = float(value)
-            else:
-                job[key] = value
-        job["timings"] = timings
-        return job
+        return JobRecord.from_hash(job_id, raw)
+
+    def get(self, job_id: str) -> dict:
+        """The job's record as the API shows it (``JobRecord.as_dict``); raises ``JobNotFound``."""
+        return self.record(job_id).as_dict()
 
     def status(self, job_id: str) -> str | None:
         value = self.client.hget(job_key(job_id), "status")
-        return None if value is None else _text(value)
+        return None if value is None else to_text(value)
 
     def events(
         self, job_id: str, after: str = "0", block_ms: int | None = None
     ) -> list[tuple[str, dict]]:
         """(stream id, event dict) after ``after``; waits up to ``block_ms`` for the first."""
-        reply = self.client.xread({events_key(job_id): after}, block=block_ms)
+        reply = self.client.xread({job_events_key(job_id): after}, block=block_ms)
         entries = reply[0][1] if reply else []
         return [
-            (_text(entry_id), json.loads(_text(fields.get(b"event") or fields.get("event"))))
+            (to_text(entry_id), json.loads(to_text(fields.get(b"event") or fields.get("event"))))
             for entry_id, fields in entries
         ]
-
-
-def _event_dict(event: JobEvent) -> dict:
-    keep = {"status": event.status, "at": event.at}
-    for name in ("step", "num_steps", "worker_id", "message", "result_ref", "thumbnail_ref"):
-        if getattr(event, name):
-            keep[name] = getattr(event, name)
-    if event.timings:
-        keep["timings"] = event.timings
-    return keep

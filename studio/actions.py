@@ -165,9 +165,9 @@ class StudioActions:
     def models(self) -> list[str]:
         """Model ids a job may name here: the ones live workers serve, then the deployment's default
         and its allowed list (a job for a model no worker serves waits until one joins)."""
-        from backend.dispatch.service import live_workers
+        from backend.protocol.heartbeats import live_heartbeats
 
-        served = sorted({beat.model_id for beat in live_workers(self.service.client).values()})
+        served = sorted({beat.model_id for beat in live_heartbeats(self.service.client).values()})
         settings = self.service.settings
         extra = [settings.engine.model_id, *settings.api.models]
         return list(dict.fromkeys([*served, *extra]))

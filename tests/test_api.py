@@ -20,8 +20,8 @@ from backend.config import load_settings
 from backend.imaging.uploads import encode_image
 from backend.jobstate import JobStateStore
 from backend.protocol import CancelJob, EditJob, JobEvent
+from backend.protocol.keys import heartbeat_key, inbox_stream
 from backend.services.redis_server import free_port
-from backend.worker.redis_inbox import inbox_stream
 from templates_store.samples import sample_template
 
 KEY = "test-key-1"
@@ -733,7 +733,6 @@ def test_service_without_http_takes_a_ui_s_float_numbers(client, redis_client, s
 
 def test_a_waiting_job_shows_its_place_in_its_workers_queue(client, redis_client):
     from backend.protocol import WorkerHeartbeat
-    from backend.worker.service import heartbeat_key
 
     job_id = submit(client).json()["job_id"]
     store = JobStateStore(redis_client)
@@ -766,7 +765,6 @@ def test_a_waiting_job_shows_its_place_in_its_workers_queue(client, redis_client
 def test_prepare_queues_a_recording_and_cache_status_follows_it(client, redis_client, settings):
     from backend.cachestatus import record_digest
     from backend.protocol import WorkerHeartbeat
-    from backend.worker.service import heartbeat_key
 
     template_id = client.post(
         "/v1/templates", files={"file": ("t.png", IMAGE, "image/png")}, data={"name": "room"}

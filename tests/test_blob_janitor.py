@@ -15,9 +15,10 @@ from backend.api.app import create_app
 from backend.api.middleware import ApiMetrics
 from backend.blobs import BlobStore
 from backend.config import load_settings
-from backend.janitor import LOCK_KEY, BlobJanitor, start_janitor
+from backend.janitor import BlobJanitor, start_janitor
 from backend.jobstate import JobStateStore
 from backend.protocol import JobEvent
+from backend.protocol.keys import JANITOR_LOCK_KEY as LOCK_KEY
 from backend.retention import RetentionPolicy
 from tests.test_api import IMAGE, KEY, MASK, make_settings, submit
 

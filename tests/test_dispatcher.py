@@ -9,12 +9,14 @@ import pytest
 
 from backend import protocol
 from backend.config import load_settings
-from backend.dispatch.service import GROUP, Dispatcher
+from backend.dispatch.service import Dispatcher
 from backend.jobstate import JobStateStore
 from backend.protocol import CancelJob, JobEvent, PreparedJob, WorkerHeartbeat
+from backend.protocol.keys import DISPATCHER_GROUP as GROUP
+from backend.protocol.keys import WORKERS_KEY, heartbeat_key, inbox_stream
 from backend.tasks.celery_app import PREPARED_STREAM, hand_off
-from backend.worker.redis_inbox import inbox_stream, send_to_inbox
-from backend.worker.service import HEARTBEAT_TTL_S, WORKERS_KEY, heartbeat_key
+from backend.worker.redis_inbox import send_to_inbox
+from backend.worker.service import HEARTBEAT_TTL_S
 
 MODEL = "tiny-sd2-inpaint"
 

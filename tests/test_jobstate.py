@@ -7,9 +7,11 @@ import time
 import pytest
 
 from backend.config import MIN_JOB_RECORD_S, RetentionSettings
-from backend.history import HistoryIndex, history_key
-from backend.jobstate import JobNotFound, JobStateStore, events_key, job_key
+from backend.history import HistoryIndex
+from backend.jobstate import JobNotFound, JobStateStore
 from backend.protocol import JobEvent
+from backend.protocol.keys import history_key, job_key
+from backend.protocol.keys import job_events_key as events_key
 
 
 def event(job_id, status, **fields):
@@ -73,7 +75,7 @@ def test_the_first_terminal_status_wins(store):
     assert not store.record_event(event("j3", "done", result_ref="results/j3.png"))
     assert not store.record_event(event("j3", "running", step=1, num_steps=2))
     job = store.get("j3")
-    assert job["status"] == "cancelled" and "result_ref" not in job
+    assert job["status"] == "cancelled" and job["result_ref"] == ""
     assert [e["status"] for _, e in store.events("j3")] == ["cancelled"]
 
 

@@ -13,8 +13,11 @@ from backend.protocol import (
     EditJob,
     JobEvent,
     MaskOps,
+    PastePlan,
     PreparedJob,
     ProtocolError,
+    RunningRow,
+    WaitingRow,
     WorkerHeartbeat,
 )
 
@@ -38,6 +41,7 @@ MESSAGES = [
         num_steps=20,
         mask_ratio=0.12,
         cache_digest="abc",
+        paste=PastePlan(mask_ref="masks/j1.png", crop_box=[0, 8, 200, 158], feather_px=2.0),
         timings={"pre_s": 0.1},
     ),
     DenoisedJob(
@@ -57,7 +61,8 @@ MESSAGES = [
         at=2.0,
         max_batch=8,
         batching="continuous",
-        running=[{"job_id": "j1", "mask_ratio": 0.1, "remaining_steps": 4}],
+        running=[RunningRow(job_id="j1", mask_ratio=0.1, remaining_steps=4, template="abc")],
+        waiting=[WaitingRow(job_id="j2", mask_ratio=0.3, num_steps=20)],
         resident_ram=["abc"],
     ),
 ]
@@ -68,14 +73,45 @@ def test_round_trip(message):
     assert protocol.decode(protocol.encode(message)) == message
 
 
-def test_rejects_other_versions_unknown_types_and_fields():
+def test_rejects_other_major_versions_and_unknown_types():
     payload = json.loads(protocol.encode(CancelJob(job_id="x")))
-    with pytest.raises(ProtocolError, match="version"):
-        protocol.decode(json.dumps({**payload, "version": 99}))
+    for version in (99, "2.0", "x", None):
+        with pytest.raises(ProtocolError, match="version"):
+            protocol.decode(json.dumps({**payload, "version": version}))
     with pytest.raises(ProtocolError, match="unknown message type"):
         protocol.decode(json.dumps({**payload, "type": "pickle"}))
-    with pytest.raises(ProtocolError, match="unexpected fields"):
-        protocol.decode(json.dumps({**payload, "evil": 1}))
+
+
+def test_a_newer_minor_version_with_extra_fields_is_read():
+    """Within a major version a reader ignores fields it does not know, at every nesting level,
+    so processes can be upgraded one at a time."""
+    beat = MESSAGES[-1]
+    payload = json.loads(protocol.encode(beat))
+    payload |= {"version": f"{protocol.SCHEMA_MAJOR}.99", "gpu_temperature": 61}
+    payload["running"][0]["adapter"] = "lora-7"
+    assert protocol.decode(json.dumps(payload)) == beat
+    legacy = json.loads(protocol.encode(CancelJob(job_id="x"))) | {"version": 1}
+    assert protocol.decode(json.dumps(legacy)) == CancelJob(job_id="x")  # the first schema
+
+
+def test_bad_nested_values_are_protocol_errors():
+    payload = json.loads(protocol.encode(MESSAGES[-1]))
+    for bad in ({"running": "j1"}, {"running": [7]}, {"waiting": [{"job_id": "j"}]}):
+        with pytest.raises(ProtocolError, match="worker_heartbeat"):
+            protocol.decode(json.dumps(payload | bad))
+
+
+def test_job_id_of_reads_the_job_of_an_undecodable_message():
+    payload = json.loads(protocol.encode(MESSAGES[1]))
+    del payload["num_steps"]
+    with pytest.raises(ProtocolError, match="num_steps"):
+        protocol.decode(json.dumps(payload))
+    assert protocol.job_id_of(json.dumps(payload)) == "j1"
+    assert protocol.job_id_of(b"\x80garbage") is None
+    assert protocol.job_id_of(json.dumps({"job_id": 5})) is None
+
+
+def test_rejects_missing_fields_non_json_and_bad_statuses():
     with pytest.raises(ProtocolError, match="missing"):
         protocol.decode(json.dumps({"type": "cancel_job", "version": protocol.PROTOCOL_VERSION}))
     with pytest.raises(ProtocolError, match="not JSON"):

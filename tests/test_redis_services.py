@@ -17,9 +17,11 @@ import redis
 
 from backend import protocol
 from backend.protocol import CancelJob, EditJob, JobEvent, MaskOps, PreparedJob
+from backend.protocol.keys import INBOX_GROUP as GROUP
+from backend.protocol.keys import inbox_stream
 from backend.services import redis_server as rs
 from backend.services.redis_server import RedisServer, RedisServerError, connect_or_start, free_port
-from backend.worker.redis_inbox import GROUP, RedisInbox, inbox_stream, send_to_inbox
+from backend.worker.redis_inbox import RedisInbox, send_to_inbox
 
 pytest_plugins = ["tests.redis_fixtures"]
 
@@ -304,7 +306,8 @@ def test_other_workers_do_not_see_my_messages(redis_client):
 
 
 def test_malformed_entries_are_dropped_without_crashing(redis_client, caplog):
-    inbox = RedisInbox(redis_client, "w1")
+    failed = []
+    inbox = RedisInbox(redis_client, "w1", on_unreadable=lambda job, why: failed.append(job))
     inbox.poll(0)
     stream = inbox_stream("w1")
     redis_client.xadd(stream, {"msg": b"not json"})
@@ -312,7 +315,9 @@ def test_malformed_entries_are_dropped_without_crashing(redis_client, caplog):
     redis_client.xadd(stream, {"msg": b"\xff\xfe"})
     redis_client.xadd(stream, {"other": b"no msg field"})
     redis_client.xadd(
-        stream, {"msg": protocol.encode(prepared("old")).replace('"version":1', '"version":99')}
+        stream, {"msg": protocol.encode(prepared("old")).replace(
+            f'"version":"{protocol.PROTOCOL_VERSION}"', '"version":"99.0"'
+        )}
     )
     redis_client.xadd(
         stream, {"msg": b'{"type":"prepared_job","version":1,"job_id":"x"}'}
@@ -322,7 +327,7 @@ def test_malformed_entries_are_dropped_without_crashing(redis_client, caplog):
         {
             "msg": b'{"type":"edit_job","version":1,"job_id":"x","model_id":"m","template_ref":'
             b'"t","mask_ref":"m","prompt":"p","seed":1,"steps":1,"guidance":1.0,'
-            b'"mask_ops":{"bogus":1}}'
+            b'"mask_ops":5}'
         },
     )  # bad nested field
     send_to_inbox(
@@ -334,6 +339,8 @@ def test_malformed_entries_are_dropped_without_crashing(redis_client, caplog):
         inbox.pending() == 1
     )  # the malformed ones were acked, or they would be redelivered forever
     assert sum("dropping unreadable inbox entry" in r.getMessage() for r in caplog.records) == 8
+    # every unreadable entry that names its job fails that job instead of leaving it hanging
+    assert failed == ["old", "x", "x", "x"]
 
 
 def test_a_pending_entry_deleted_from_the_stream_is_dropped_on_replay(redis_client):
@@ -386,7 +393,8 @@ def test_an_inbox_removed_under_a_live_worker_is_recreated(redis_client):
     """The dispatcher deletes the inbox of a worker it presumes dead; if that worker was only slow,
     its next poll must not crash but start from an empty inbox."""
     from backend.protocol import CancelJob
-    from backend.worker.redis_inbox import RedisInbox, inbox_stream, send_to_inbox
+    from backend.protocol.keys import inbox_stream
+    from backend.worker.redis_inbox import RedisInbox, send_to_inbox
 
     inbox = RedisInbox(redis_client, "slow")
     inbox.poll(0)

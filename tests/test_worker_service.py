@@ -12,9 +12,10 @@ from backend.blobs import BlobStore
 from backend.config import load_settings
 from backend.jobstate import JobStateStore
 from backend.protocol import CancelJob, WorkerHeartbeat
+from backend.protocol.keys import heartbeat_key
 from backend.tasks.celery_app import make_celery
 from backend.worker.redis_inbox import send_to_inbox
-from backend.worker.service import HEARTBEAT_TTL_S, Heartbeat, build_worker, heartbeat_key
+from backend.worker.service import HEARTBEAT_TTL_S, Heartbeat, build_worker
 from tests.factories import MASK, make_params, make_prepared_job, make_template
 
 

@@ -34,6 +34,7 @@ from fastapi import HTTPException, Request
 from fastapi.security import APIKeyHeader, APIKeyQuery
 
 from backend.config import ApiSettings
+from backend.protocol.keys import rate_limit_key
 
 API_KEY_HEADER = "X-API-Key"
 API_KEY_QUERY = "api_key"
@@ -98,7 +99,7 @@ class RateLimiter:
             return Decision(True, 0)
         rate = self.per_minute / 60.0
         ttl = max(60, math.ceil(self.burst / rate) + 60)  # an idle bucket is full again: forget it
-        key = "maskserve:ratelimit:" + hashlib.sha256(identity.encode()).hexdigest()[:32]
+        key = rate_limit_key(identity)
         allowed, wait_ms = self._take(keys=[key], args=[self.burst, rate, time.time(), ttl])
         return Decision(bool(allowed), max(1, math.ceil(int(wait_ms) / 1000)) if not allowed else 0)
 

@@ -17,7 +17,6 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import secrets
@@ -28,7 +27,6 @@ from pathlib import Path
 
 from kombu.exceptions import OperationalError as BrokerError
 
-from backend import protocol
 from backend.blobs import BlobStore
 from backend.config import Settings
 from backend.history import HistoryIndex
@@ -40,6 +38,7 @@ from backend.imaging.uploads import (
 from backend.jobstate import TERMINAL, JobNotFound, JobStateStore
 from backend.models import UnknownModelError, known_model_ids, resolve_model
 from backend.protocol import CancelJob, EditJob, JobEvent, MaskOps
+from backend.protocol.heartbeats import queue_position, read_heartbeat
 from backend.tasks.celery_app import submit_edit
 from backend.worker.redis_inbox import send_to_inbox
 from templates_store.store import TemplateNotFound, TemplateStore, upload_error_code
@@ -173,7 +172,7 @@ class JobService:
             guidance=float(guidance),
             strength=float(request.strength),
             resolution=request.resolution,
-            use_cache=int(bool(request.use_cache)),
+            use_cache=bool(request.use_cache),
             mask_ops=vars(request.mask_ops),
             template_id=request.template_id or "",
             width=image_size[0],
@@ -367,41 +366,18 @@ class JobService:
 
     # ----- read -----------------------------------------------------------------------------------
     def get(self, job_id: str) -> dict:
-        """The job as stored, typed (numbers as numbers, ``mask_ops`` as a dict)."""
+        """The job as stored (``protocol.JobRecord.as_dict``), with its place in its worker's queue
+        while it waits there (``queue_position``: 1 = next; None while on its way)."""
         try:
             job = self.jobstate.get(self._job_id(job_id))
         except JobNotFound:
             raise ServiceError(
                 f"no job with id {job_id!r} (never submitted, or expired)", "not_found"
             ) from None
-        for name in ("guidance", "strength"):
-            if name in job:
-                job[name] = float(job[name])
-        for name in ("resolution", "width", "height"):
-            if name in job:
-                job[name] = int(job[name])
-        if "use_cache" in job:
-            job["use_cache"] = job["use_cache"] not in ("0", "False")
-        if "mask_ops" in job:
-            job["mask_ops"] = json.loads(job["mask_ops"])
-        if job["status"] == "waiting" and job.get("worker_id"):
-            job["queue_position"] = self._queue_position(job_id, job["worker_id"])
+        if job["status"] == "waiting" and job["worker_id"]:
+            beat = read_heartbeat(self.client, job["worker_id"])
+            job["queue_position"] = queue_position(beat, job["job_id"])
         return job
-
-    def _queue_position(self, job_id: str, worker_id: str) -> int | None:
-        """1 = next to join the worker's running batch, from the worker's latest heartbeat (None
-        when the heartbeat does not list the job yet: it is on its way to the worker)."""
-        from backend.worker.service import heartbeat_key
-
-        raw = self.client.get(heartbeat_key(worker_id))
-        if raw is None:
-            return None
-        try:
-            beat = protocol.decode(raw)
-        except protocol.ProtocolError:
-            return None
-        waiting = [row.get("job_id") for row in getattr(beat, "waiting", [])]
-        return waiting.index(job_id) + 1 if job_id in waiting else None
 
     def history(self, owner: str, limit: int | None = None) -> list[dict]:
         """The owner's jobs, newest first, as ``get`` gives them; jobs whose state expired are skipped."""

@@ -26,6 +26,7 @@ from backend.dispatch.router import POLICIES
 from backend.imaging.masks import synthetic_mask
 from backend.jobstate import TERMINAL, JobStateStore
 from backend.protocol import EditJob
+from backend.protocol.keys import HEARTBEAT_PATTERN, WORKERS_KEY
 from backend.worker.stats import percentile
 from templates_store.samples import sample_template
 
@@ -68,7 +69,7 @@ def _stack(settings: Settings, policy: str, workers: int):
 
 def _wait_for_workers(client, count: int, timeout_s: float = 180.0) -> None:
     deadline = time.time() + timeout_s
-    while len(list(client.scan_iter(match="maskserve:worker:*"))) < count:
+    while len(list(client.scan_iter(match=HEARTBEAT_PATTERN))) < count:
         if time.time() > deadline:
             raise RuntimeError(f"{count} engine workers did not start within {timeout_s:.0f} s")
         time.sleep(0.2)
@@ -163,7 +164,7 @@ def run_real_route_bench(cfg: RealRouteConfig, settings: Settings, progress=prin
                 records = _wait_done(jobstate, job_ids, cfg.timeout_s)
             finally:
                 stack.stop()
-                client.delete(*client.keys("maskserve:worker:*"), "maskserve:workers")
+                client.delete(*client.keys(HEARTBEAT_PATTERN), WORKERS_KEY)
             if policy == "warm-up":
                 continue
             latencies = [r["done_at"] - r["queued_at"] for r in records if r["status"] == "done"]

@@ -93,6 +93,7 @@ from backend.costmodel.costs import CostProfile, LinearModel, RowWork, batch_uni
 from backend.costmodel.plan import solve_plan
 from backend.costmodel.profiles import all_profiles, device_kind
 from backend.models.catalog import UnknownModelError, rows_per_request
+from backend.protocol.messages import WorkerHeartbeat
 
 POLICIES = ("mask_aware", "flashps", "round_robin", "fewest_requests", "fewest_tokens")
 DEFAULT_DISK_READ_S_PER_BYTE = 1e-9  # 1 GB/s
@@ -144,31 +145,20 @@ class Decision:
     costs: dict[str, float]  # candidate worker id -> the policy's cost (lower wins)
 
 
-def view_from_heartbeat(beat) -> WorkerView:
-    """A router's view of a ``backend.protocol.WorkerHeartbeat`` (waiting rows: remaining = num_steps)."""
+def view_from_heartbeat(beat: WorkerHeartbeat) -> WorkerView:
+    """A router's view of a worker's heartbeat (a waiting row's remaining steps: all of them)."""
     running = tuple(
-        RowState(
-            str(r["job_id"]),
-            float(r["mask_ratio"]),
-            int(r["remaining_steps"]),
-            str(r.get("template", "")),
-        )
-        for r in beat.running
+        RowState(row.job_id, row.mask_ratio, row.remaining_steps, row.template)
+        for row in beat.running
     )
     waiting = tuple(
-        RowState(
-            str(r["job_id"]),
-            float(r["mask_ratio"]),
-            int(r["num_steps"]),
-            str(r.get("template", "")),
-        )
-        for r in beat.waiting
+        RowState(row.job_id, row.mask_ratio, row.num_steps, row.template) for row in beat.waiting
     )
     return WorkerView(
         beat.worker_id,
         beat.model_id,
         beat.device,
-        int(beat.max_batch),
+        beat.max_batch,
         running,
         waiting,
         frozenset(beat.resident_ram),

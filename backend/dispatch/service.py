@@ -1,13 +1,13 @@
 """`maskserve dispatcher`: routes pre-processed jobs to engine workers and recovers dead workers' jobs.
 
-Input: the stream ``PREPARED_STREAM`` read through consumer group ``dispatchers``. An entry is acked
-only once its job sits in a worker's inbox (or was dropped because it had already finished or was
-cancelled), so a restarted dispatcher first re-reads its own pending entries, then new ones: no
-job is lost between the two streams.
+Input: the stream ``keys.PREPARED_STREAM`` read through consumer group ``keys.DISPATCHER_GROUP``.
+An entry is acked only once its job sits in a worker's inbox (or was dropped because it had already
+finished or was cancelled), so a restarted dispatcher first re-reads its own pending entries, then
+new ones: no job is lost between the two streams. An entry that cannot be decoded is acked and, when
+it names its job, fails that job with a terminal event saying why (it never hangs).
 
-Workers: heartbeat keys ``maskserve:worker:<id>`` (``WorkerHeartbeat`` with a TTL) give the live
-workers and their state; ``maskserve:workers`` (a set every worker joins at start) remembers the
-ones that may have died. Between two heartbeats the dispatcher adds the jobs it has just sent to a
+Workers: heartbeats (``backend.protocol.heartbeats``) give the live workers and their state;
+``keys.WORKERS_KEY`` (a set every worker joins at start) remembers the ones that may have died. Between two heartbeats the dispatcher adds the jobs it has just sent to a
 worker's view, so a burst is not routed as if every worker were still idle.
 
 Late binding (``late_binding``): the router refuses a job while no worker has slack, and the job
@@ -44,39 +44,22 @@ from backend.dispatch.router import (
     view_from_heartbeat,
 )
 from backend.jobstate import TERMINAL, JobStateStore
-from backend.protocol import PreparedJob, WorkerHeartbeat
-from backend.tasks.celery_app import PREPARED_STREAM
-from backend.worker.redis_inbox import inbox_stream, send_to_inbox
-from backend.worker.service import WORKERS_KEY, heartbeat_key
+from backend.protocol import JobEvent, PreparedJob, entry_fields, entry_message, to_text
+from backend.protocol.heartbeats import live_heartbeats
+from backend.protocol.keys import (
+    DISPATCHER_GROUP,
+    PREPARED_STREAM,
+    WORKERS_KEY,
+    heartbeat_key,
+    inbox_stream,
+)
+from backend.worker.redis_inbox import send_to_inbox
 from backend.worker.stats import percentile
 
 log = logging.getLogger(__name__)
 
-GROUP = "dispatchers"
 # Entries another dispatcher read but never acked (it died) are taken over after this long.
 CLAIM_IDLE_MS = 30_000
-HEARTBEAT_PATTERN = "maskserve:worker:*"
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def live_workers(client: Redis) -> dict[str, WorkerHeartbeat]:
-    """Worker id -> its latest heartbeat, for every worker whose heartbeat has not expired."""
-    keys = list(client.scan_iter(match=HEARTBEAT_PATTERN, count=500))
-    beats = {}
-    for raw in client.mget(keys) if keys else []:
-        if raw is None:
-            continue  # expired between SCAN and MGET
-        try:
-            beat = protocol.decode(raw)
-        except protocol.ProtocolError as exc:
-            log.warning("ignoring an unreadable heartbeat: %s", exc)
-            continue
-        if isinstance(beat, WorkerHeartbeat):
-            beats[beat.worker_id] = beat
-    return beats
 
 
 class CostModels:
@@ -132,7 +115,7 @@ class Dispatcher:
         self.decision_s: deque[float] = deque(maxlen=10_000)
         self.counts = {"routed": 0, "dropped": 0, "redispatched": 0, "unreadable": 0}
         try:
-            client.xgroup_create(PREPARED_STREAM, GROUP, id="0", mkstream=True)
+            client.xgroup_create(PREPARED_STREAM, DISPATCHER_GROUP, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -152,7 +135,7 @@ class Dispatcher:
             self._route(entry_id, job)
 
     def refresh_workers(self) -> None:
-        beats = live_workers(self.client)
+        beats = live_heartbeats(self.client)
         for beat in beats.values():
             model = self.costs.ensure(beat.model_id, beat.device)
             if model is not None:
@@ -162,7 +145,7 @@ class Dispatcher:
     def _read(self, block_ms: int) -> list[tuple[str, PreparedJob]]:
         replaying = self._replay_from is not None
         reply = self.client.xreadgroup(
-            GROUP,
+            DISPATCHER_GROUP,
             self.consumer,
             {PREPARED_STREAM: self._replay_from or ">"},
             count=64,
@@ -170,7 +153,7 @@ class Dispatcher:
         )
         entries = reply[0][1] if reply else []
         if replaying:  # our own pending entries first (a restart), then new ones
-            self._replay_from = _text(entries[-1][0]) if len(entries) == 64 else None
+            self._replay_from = to_text(entries[-1][0]) if len(entries) == 64 else None
         return self._decode_entries(entries)
 
     def _claim_orphans(self) -> list[tuple[str, PreparedJob]]:
@@ -178,7 +161,7 @@ class Dispatcher:
         mine = {entry_id for entry_id, _ in self.backlog}
         reply = self.client.xautoclaim(
             PREPARED_STREAM,
-            GROUP,
+            DISPATCHER_GROUP,
             self.consumer,
             min_idle_time=self.claim_idle_ms,
             start_id="0-0",
@@ -189,35 +172,41 @@ class Dispatcher:
     def _decode_entries(self, entries) -> list[tuple[str, PreparedJob]]:
         jobs = []
         for entry_id, fields in entries:
-            entry_id = _text(entry_id)
+            entry_id, encoded = to_text(entry_id), entry_message(fields)
             try:
-                job = protocol.decode(
-                    (fields or {}).get(b"msg") or (fields or {}).get("msg") or b""
-                )
+                job = protocol.decode(encoded)
                 if not isinstance(job, PreparedJob):
-                    raise protocol.ProtocolError(
-                        f"expected a prepared job, got {type(job).__name__}"
-                    )
+                    raise protocol.ProtocolError(f"expected a prepared_job, got a {job.TYPE}")
             except protocol.ProtocolError as exc:
-                log.error("dropping unreadable entry %s: %s", entry_id, exc)
-                self.counts["unreadable"] += 1
-                self.client.xack(PREPARED_STREAM, GROUP, entry_id)
+                self._drop_unreadable(entry_id, encoded, exc)
                 continue
             jobs.append((entry_id, job))
         return jobs
+
+    def _drop_unreadable(self, entry_id: str, encoded, error: Exception) -> None:
+        """Ack an entry that cannot be routed; the job it names (if any) fails, saying why."""
+        job_id = protocol.job_id_of(encoded)
+        log.error("dropping unreadable entry %s (job %s): %s", entry_id, job_id, error)
+        self.counts["unreadable"] += 1
+        if job_id:
+            message = f"the dispatcher could not read this job ({error}): submit it again"
+            self.jobstate.record_event(
+                JobEvent(job_id=job_id, status="failed", at=time.time(), message=message)
+            )
+        self.client.xack(PREPARED_STREAM, DISPATCHER_GROUP, entry_id)
 
     # ----- routing -------------------------------------------------------------------------------
     def _route(self, entry_id: str, job: PreparedJob) -> None:
         status = self.jobstate.status(job.job_id)
         if status in TERMINAL:  # cancelled (or failed) before it reached a worker
             self.counts["dropped"] += 1
-            self.client.xack(PREPARED_STREAM, GROUP, entry_id)
+            self.client.xack(PREPARED_STREAM, DISPATCHER_GROUP, entry_id)
             return
         worker_id = self.place(job)
         if worker_id is None:
             self.backlog.append((entry_id, job))
             return
-        self.client.xack(PREPARED_STREAM, GROUP, entry_id)
+        self.client.xack(PREPARED_STREAM, DISPATCHER_GROUP, entry_id)
 
     def place(self, job: PreparedJob) -> str | None:
         """Choose a worker and put the job in its inbox; None when no worker can take it yet."""
@@ -253,7 +242,7 @@ class Dispatcher:
 
     # ----- recovery ------------------------------------------------------------------------------
     def recover_dead_workers(self) -> None:
-        known = {_text(w) for w in self.client.smembers(WORKERS_KEY)}
+        known = {to_text(w) for w in self.client.smembers(WORKERS_KEY)}
         for worker_id in sorted(known - set(self._views)):
             if self.client.exists(heartbeat_key(worker_id)):
                 continue  # came back since the last refresh
@@ -262,9 +251,9 @@ class Dispatcher:
     def _recover(self, worker_id: str) -> None:
         stream = inbox_stream(worker_id)
         entries = self.client.xrange(stream)
-        for entry_id, fields in entries:
+        for _entry_id, fields in entries:
             try:
-                message = protocol.decode(fields.get(b"msg") or fields.get("msg") or b"")
+                message = protocol.decode(entry_message(fields))
             except protocol.ProtocolError:
                 continue
             if not isinstance(message, PreparedJob):
@@ -272,7 +261,7 @@ class Dispatcher:
             if self.jobstate.requeue(message.job_id, f"worker {worker_id} stopped; re-dispatched"):
                 self.counts["redispatched"] += 1
                 if self.place(message) is None:  # no worker now: park it in the routing stream
-                    self.client.xadd(PREPARED_STREAM, {"msg": protocol.encode(message)})
+                    self.client.xadd(PREPARED_STREAM, entry_fields(protocol.encode(message)))
         self.client.delete(stream)
         self.client.srem(WORKERS_KEY, worker_id)
         log.warning("worker %s is gone: %d inbox entries recovered", worker_id, len(entries))

@@ -36,36 +36,34 @@ from backend.config import Settings
 from backend.imaging.masks import MaskError
 from backend.imaging.uploads import UploadError
 from backend.metrics import make_registry, serve_metrics
-from backend.protocol import JobEvent, ProtocolError
+from backend.protocol import JobEvent, ProtocolError, to_text
+from backend.protocol.keys import (
+    CPU_STATS_KEY,
+    POST_TASK,
+    PRE_TASK,
+    PREPARED_STREAM,
+    handoff_key,
+)
 
 log = logging.getLogger(__name__)
 
-PRE_TASK = "maskserve.preprocess"
-POST_TASK = "maskserve.postprocess"
-PREPARED_STREAM = "maskserve:prepared"  # pre-processed jobs awaiting routing to a worker
 PREPARED_MAXLEN = 100_000
 USER_ERRORS = (UploadError, MaskError, BlobError, ProtocolError, ValueError)
 TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError)
-
-
-STATS_KEY = "maskserve:stats:cpu"  # task counts and seconds, shared by every CPU worker process
 
 
 def record_task(client: Redis, task: str, outcome: str, seconds: float) -> None:
     """Count one finished task (outcome: done / failed / skipped) and its seconds, in Redis: Celery's
     prefork children cannot share in-process counters with the parent that serves ``/metrics``."""
     with client.pipeline(transaction=False) as pipe:
-        pipe.hincrby(STATS_KEY, f"{task}.{outcome}", 1)
-        pipe.hincrbyfloat(STATS_KEY, f"{task}.seconds", seconds)
+        pipe.hincrby(CPU_STATS_KEY, f"{task}.{outcome}", 1)
+        pipe.hincrbyfloat(CPU_STATS_KEY, f"{task}.seconds", seconds)
         pipe.execute()
 
 
 def task_stats(client: Redis) -> dict:
     """Snapshot for the metrics endpoint: ``tasks_total`` and ``task_seconds_total`` by key."""
-    raw = {
-        k.decode() if isinstance(k, bytes) else k: float(v)
-        for k, v in client.hgetall(STATS_KEY).items()
-    }
+    raw = {to_text(k): float(v) for k, v in client.hgetall(CPU_STATS_KEY).items()}
     return {
         "tasks_total": {k: v for k, v in raw.items() if not k.endswith(".seconds")},
         "task_seconds_total": {
@@ -98,10 +96,12 @@ class _Process:
         """The model's CPU stages, built once per process (a task waits while a warm-up builds them)."""
         with self._building:
             if model_id not in self._stages:
-                from backend.engine.factory import build_engine
+                from backend.engine.factory import CPU_STAGES, build_engine
                 from backend.tasks.core import CpuStages
 
-                engine = build_engine(self.settings, model_id, device=self.settings.celery.device)
+                engine = build_engine(
+                    self.settings, model_id, device=self.settings.celery.device, role=CPU_STAGES
+                )
                 self._stages[model_id] = CpuStages(self.settings, engine, self.jobstate())
             return self._stages[model_id]
 
@@ -143,13 +143,13 @@ def hand_off(client: Redis, prepared) -> str | None:
     entry = client.eval(
         _HAND_OFF_ONCE,
         2,
-        f"maskserve:handoff:{prepared.job_id}",
+        handoff_key(prepared.job_id),
         PREPARED_STREAM,
         protocol.encode(prepared),
         PREPARED_MAXLEN,
         HAND_OFF_TTL_S,
     )
-    return entry.decode() if isinstance(entry, bytes) else entry
+    return None if entry is None else to_text(entry)
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -204,9 +204,25 @@ def make_celery(settings: Settings) -> Celery:
             state.fail(job_id, f"{task} took over {settings.celery.task_soft_time_limit_s} s")
         record_task(state.client, task, outcome, time.time() - started)
 
+    def decoded(text: str, expected: type):
+        """The task's message; an unreadable one fails the job it names (if it names one)."""
+        try:
+            message = protocol.decode(text)
+            if not isinstance(message, expected):
+                raise ProtocolError(f"expected a {expected.TYPE}, got a {message.TYPE}")
+            return message
+        except ProtocolError as exc:
+            job_id = protocol.job_id_of(text)
+            log.error("unreadable %s task for job %s: %s", expected.TYPE, job_id, exc)
+            if job_id:
+                state.fail(job_id, f"unreadable {expected.TYPE} message: {exc}")
+            return None
+
     @app.task(name=PRE_TASK, **retry)
     def preprocess(job_json: str) -> None:
-        job = protocol.decode(job_json)
+        job = decoded(job_json, protocol.EditJob)
+        if job is None:
+            return
 
         def work():
             if state.jobstate().status(job.job_id) not in (None, "queued", "preprocessing"):
@@ -218,7 +234,9 @@ def make_celery(settings: Settings) -> Celery:
 
     @app.task(name=POST_TASK, **retry)
     def postprocess(denoised_json: str) -> None:
-        job = protocol.decode(denoised_json)
+        job = decoded(denoised_json, protocol.DenoisedJob)
+        if job is None:
+            return
 
         def work():
             return "done" if state.stages(job.model_id).postprocess(job) else "skipped"

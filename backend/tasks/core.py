@@ -42,7 +42,7 @@ from backend.imaging.uploads import (
     resolution_bucket,
     thumbnail,
 )
-from backend.protocol import DenoisedJob, EditJob, JobEvent, PreparedJob
+from backend.protocol import DenoisedJob, EditJob, JobEvent, PastePlan, PreparedJob
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ class CpuStages:
         self._event(job.job_id, "preprocessing")
         if job.model_id != self.engine.spec.model_id:
             raise ValueError(
-                f"job is for model {job.model_id}, this CPU worker serves {self.engine.spec.model_id}"
+                f"job is for model {job.model_id}, this CPU worker serves "
+                f"{self.engine.spec.model_id}"
             )
         limit = self.settings.celery.max_upload_pixels
         template = decode_image(self.blobs.get(job.template_ref), limit, what="template")
@@ -109,11 +110,9 @@ class CpuStages:
             num_steps=len(self._timesteps(params)),
             mask_ratio=float(pixels.mean()),
             cache_digest=prepared.cache_key.digest() if prepared.cache_key else "",
-            paste={
-                "mask_ref": mask_ref,
-                "crop_box": list(box),
-                "feather_px": job.mask_ops.feather_px,
-            },
+            paste=PastePlan(
+                mask_ref=mask_ref, crop_box=list(box), feather_px=job.mask_ops.feather_px
+            ),
             submitted_at=job.submitted_at,
             timings=timings,
         )
@@ -175,7 +174,8 @@ class CpuStages:
 
     # ----- post ---------------------------------------------------------------------------------
     def postprocess(self, job: DenoisedJob) -> JobEvent | None:
-        """Decode, paste back, store the result; returns the ``done`` event (None if already done)."""
+        """Decode, paste back, store the result; returns the ``done`` event (None if already
+        done)."""
         if self.jobstate is not None and self.jobstate.status(job.job_id) in (
             "done",
             "failed",
@@ -228,17 +228,17 @@ class CpuStages:
         template: Image.Image,
         prepared: PreparedRequest,
         params: EditParams,
-        paste: dict,
+        paste: PastePlan | None,
     ) -> Image.Image:
         if not paste:  # a job prepared at the model resolution (no bucket crop): paste back there
             return self.engine.compose(generated, template, prepared.pixels, params)
-        left, top, right, bottom = paste["crop_box"]
+        left, top, right, bottom = paste.crop_box
         mask = (
-            np.asarray(Image.open(io.BytesIO(self.blobs.get(paste["mask_ref"]))).convert("L")) > 127
+            np.asarray(Image.open(io.BytesIO(self.blobs.get(paste.mask_ref))).convert("L")) > 127
         )
         inside = np.zeros_like(mask)
         inside[top:bottom, left:right] = True  # the bucket crop's margins were never generated
-        alpha = feather(mask & inside, paste.get("feather_px", 0.0)) * inside
+        alpha = feather(mask & inside, paste.feather_px) * inside
         canvas = template.copy()
         canvas.paste(generated.resize((right - left, bottom - top), Image.LANCZOS), (left, top))
         return paste_back(canvas, template, alpha)

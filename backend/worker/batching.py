@@ -28,6 +28,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from backend.protocol.messages import RunningRow, WaitingRow
+
 MODES = ("continuous", "static", "inline")
 
 
@@ -153,21 +155,11 @@ class BatchScheduler:
         """Running batch and queue, as the worker's heartbeat reports them."""
         return {
             "running": [
-                {
-                    "job_id": r.job_id,
-                    "mask_ratio": r.mask_ratio,
-                    "remaining_steps": r.remaining_steps,
-                    "template": r.template,
-                }
+                RunningRow(r.job_id, r.mask_ratio, r.remaining_steps, r.template)
                 for r in self.running.values()
             ],
             "waiting": [
-                {
-                    "job_id": r.job_id,
-                    "mask_ratio": r.mask_ratio,
-                    "num_steps": r.num_steps,
-                    "template": r.template,
-                }
+                WaitingRow(r.job_id, r.mask_ratio, r.num_steps, r.template)
                 for r in self.waiting.values()
             ],
             "max_batch": self.max_batch,

@@ -1,9 +1,11 @@
 """A worker's inbox as a Redis stream read through a consumer group.
 
-Stream ``maskserve:inbox:<worker_id>``, group ``workers``. A message stays pending until the job
+Stream ``keys.inbox_stream(worker_id)``, group ``keys.INBOX_GROUP``. A message stays pending until
+the job
 leaves the worker (``ack``), so a worker that dies mid-job leaves its jobs pending for the
 dispatcher to reclaim (XAUTOCLAIM) and a restarted worker first re-reads its own pending entries.
-Every entry holds one field ``msg``: a ``backend.protocol`` message as JSON.
+Every entry holds one encoded ``backend.protocol`` message (``protocol.entry_message``). An entry
+that cannot be decoded is acked and, when it names its job, ``on_unreadable`` fails that job.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from redis import Redis
 from redis.exceptions import ResponseError
 
 from backend import protocol
-from backend.protocol import CancelJob, EditJob, PreparedJob
+from backend.protocol import CancelJob, EditJob, PreparedJob, entry_fields, entry_message, to_text
+from backend.protocol.keys import INBOX_GROUP, inbox_stream
 
 log = logging.getLogger(__name__)
 
-GROUP = "workers"
 INBOX_MAXLEN = 100_000
 INBOX_TYPES = (
     PreparedJob,
@@ -27,24 +29,23 @@ INBOX_TYPES = (
 )  # what a worker's inbox carries; anything else is dropped
 
 
-def inbox_stream(worker_id: str) -> str:
-    return f"maskserve:inbox:{worker_id}"
-
-
 def send_to_inbox(client: Redis, worker_id: str, message) -> str:
     """Append ``message`` to a worker's inbox; returns the stream entry id."""
     entry = client.xadd(
         inbox_stream(worker_id),
-        {"msg": protocol.encode(message)},
+        entry_fields(protocol.encode(message)),
         maxlen=INBOX_MAXLEN,
         approximate=True,
     )
-    return entry.decode() if isinstance(entry, bytes) else entry
+    return to_text(entry)
 
 
 class RedisInbox:
-    def __init__(self, client: Redis, worker_id: str, batch: int = 64):
+    def __init__(self, client: Redis, worker_id: str, batch: int = 64, on_unreadable=None):
+        """``on_unreadable(job_id, reason)``: called for an entry that cannot be decoded but names
+        its job (the worker service fails that job); such entries are acked either way."""
         self.client, self.worker_id, self.batch = client, worker_id, batch
+        self.on_unreadable = on_unreadable
         self.stream = inbox_stream(worker_id)
         self._entries: dict[str, list[str]] = {}  # job id -> stream entry ids not yet acked
         self._replay_from: str | None = "0"  # after a restart, our own unacked entries come first
@@ -52,7 +53,7 @@ class RedisInbox:
 
     def _create_group(self) -> None:
         try:
-            self.client.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
+            self.client.xgroup_create(self.stream, INBOX_GROUP, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -63,7 +64,7 @@ class RedisInbox:
         block = None if replaying or timeout_s <= 0 else max(1, int(timeout_s * 1000))
         try:
             reply = self.client.xreadgroup(
-                GROUP, self.worker_id, {self.stream: start_id}, count=self.batch, block=block
+                INBOX_GROUP, self.worker_id, {self.stream: start_id}, count=self.batch, block=block
             )
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
@@ -82,38 +83,37 @@ class RedisInbox:
         ]
 
     def _read(self, entry_id, fields):
-        entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-        fields = (
-            fields or {}
-        )  # a pending entry deleted (XDEL, MAXLEN trim) since it was delivered has none
-        raw = fields.get(b"msg") or fields.get("msg")
+        entry_id = to_text(entry_id)
+        # a pending entry deleted (XDEL, MAXLEN trim) since it was delivered has no fields
+        encoded = entry_message(fields)
         try:
-            if raw is None:
-                raise protocol.ProtocolError("no 'msg' field (deleted, or not a MaskServe message)")
-            message = protocol.decode(
-                raw
-            )  # TypeError too: protocol.from_dict lets a bad nested field through
+            if not encoded:
+                raise protocol.ProtocolError("no message (deleted, or not a MaskServe message)")
+            message = protocol.decode(encoded)
             if not isinstance(message, INBOX_TYPES):
                 raise protocol.ProtocolError(
                     f"a {message.TYPE} message does not belong in a worker's inbox"
                 )
-        except (
-            ValueError,
-            TypeError,
-        ) as exc:  # unreadable: drop it, or it would be redelivered forever
-            log.error("dropping unreadable inbox entry %s: %s", entry_id, exc)
-            self.client.xack(self.stream, GROUP, entry_id)
+        except protocol.ProtocolError as exc:  # drop it, or it would be redelivered forever
+            self._drop_unreadable(entry_id, encoded, exc)
             return None
         if isinstance(message, CancelJob):
-            self.client.xack(self.stream, GROUP, entry_id)
+            self.client.xack(self.stream, INBOX_GROUP, entry_id)
         else:
             self._entries.setdefault(message.job_id, []).append(entry_id)
         return message
 
+    def _drop_unreadable(self, entry_id: str, encoded, error: Exception) -> None:
+        job_id = protocol.job_id_of(encoded) if encoded else None
+        log.error("dropping unreadable inbox entry %s (job %s): %s", entry_id, job_id, error)
+        self.client.xack(self.stream, INBOX_GROUP, entry_id)
+        if job_id and self.on_unreadable is not None:
+            self.on_unreadable(job_id, f"the worker could not read this job ({error})")
+
     def ack(self, job_id: str) -> None:
         entry_ids = self._entries.pop(job_id, [])
         if entry_ids:
-            self.client.xack(self.stream, GROUP, *entry_ids)
+            self.client.xack(self.stream, INBOX_GROUP, *entry_ids)
 
     def pending(self) -> int:
-        return int(self.client.xpending(self.stream, GROUP)["pending"])
+        return int(self.client.xpending(self.stream, INBOX_GROUP)["pending"])

@@ -20,20 +20,16 @@ from backend.config import Settings
 from backend.jobstate import JobStateStore
 from backend.metrics import make_registry, serve_metrics
 from backend.protocol import DenoisedJob, JobEvent, WorkerHeartbeat
+from backend.protocol.keys import POST_TASK, WORKERS_KEY, heartbeat_key
 from backend.runtime import stop_event_on_signals
-from backend.tasks.celery_app import POST_TASK, make_celery
+from backend.tasks.celery_app import make_celery
 from backend.worker.loop import EngineWorker
 from backend.worker.redis_inbox import RedisInbox
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_TTL_S = 5
-WORKERS_KEY = "maskserve:workers"  # every worker that ever started; the dispatcher's recovery list
 HEARTBEAT_EVERY_S = 1.0
-
-
-def heartbeat_key(worker_id: str) -> str:
-    return f"maskserve:worker:{worker_id}"
 
 
 class RedisSink:
@@ -45,6 +41,10 @@ class RedisSink:
     def event(self, event: JobEvent) -> None:
         self.jobstate.record_event(event)
 
+    def fail(self, job_id: str, reason: str) -> None:
+        """A job that cannot run here (its inbox entry was unreadable) ends ``failed``."""
+        self.event(JobEvent(job_id=job_id, status="failed", at=time.time(), message=reason))
+
     def step_events(self, events: list[JobEvent]) -> None:
         self.jobstate.record_events(events)
 
@@ -53,7 +53,7 @@ class RedisSink:
 
 
 class Heartbeat:
-    """The worker's heartbeat: ``WorkerHeartbeat`` under ``maskserve:worker:<id>`` with a short TTL.
+    """The worker's heartbeat: ``WorkerHeartbeat`` under ``keys.heartbeat_key`` with a short TTL.
 
     The message is built in the worker's own loop (``refresh``, at most every ``HEARTBEAT_EVERY_S``),
     so the state it reports is never read while the loop changes it; a daemon thread re-publishes
@@ -124,10 +124,10 @@ class Heartbeat:
 def build_worker(
     settings: Settings, client: Redis, celery_app=None
 ) -> tuple[EngineWorker, TieredActivationCache]:
-    from backend.engine.factory import build_engine
+    from backend.engine.factory import build_engine, engine_worker_role
     from backend.tasks.core import CpuStages
 
-    engine = build_engine(settings)
+    engine = build_engine(settings, role=engine_worker_role(settings))
     caches = TieredActivationCache(
         engine.cache_root,
         settings.cache.ram_budget_mb << 20,
@@ -139,11 +139,12 @@ def build_worker(
     jobstate = JobStateStore(client, settings.retention.job_record_s)
     celery_app = celery_app or make_celery(settings)
     stages = CpuStages(settings, engine, jobstate) if settings.worker.batching == "inline" else None
+    sink = RedisSink(jobstate, celery_app, settings.celery.post_queue)
     worker = EngineWorker(
         engine,
         blobs,
-        RedisInbox(client, settings.worker.worker_id),
-        RedisSink(jobstate, celery_app, settings.celery.post_queue),
+        RedisInbox(client, settings.worker.worker_id, on_unreadable=sink.fail),
+        sink,
         worker_id=settings.worker.worker_id,
         mode=settings.worker.batching,
         max_batch=settings.worker.max_batch,

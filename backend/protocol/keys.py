@@ -1,0 +1,85 @@
+"""Every Redis key, stream, consumer group, Celery task and queue name that crosses a process.
+
+Invariant: no other module spells a key; a reader and a writer of the same key always call the
+same function here. Keys are namespaced under ``maskserve:``; names that users may read (task names,
+queue names) use dots like Celery's own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+NAMESPACE = "maskserve"
+
+# ----- jobs -----------------------------------------------------------------------------------
+JOB_PATTERN = f"{NAMESPACE}:job:*"  # matches job hashes and their event streams
+
+
+def job_key(job_id: str) -> str:
+    """Hash of one job's record (see ``backend.protocol.records.JobRecord``)."""
+    return f"{NAMESPACE}:job:{job_id}"
+
+
+def job_id_of_key(key: str) -> str | None:
+    """The job id of a job hash key (None for its event stream or any other key)."""
+    prefix = f"{NAMESPACE}:job:"
+    job_id = key.removeprefix(prefix)
+    return job_id if job_id != key and job_id and ":" not in job_id else None
+
+
+def job_events_key(job_id: str) -> str:
+    """Stream of one job's events (capped), read by the API's event stream."""
+    return f"{NAMESPACE}:job:{job_id}:events"
+
+
+def handoff_key(job_id: str) -> str:
+    """Marks a job handed from pre-processing to routing, so a redelivered task hands it off once."""
+    return f"{NAMESPACE}:handoff:{job_id}"
+
+
+def history_key(owner: str) -> str:
+    """Sorted set of one owner's jobs (the owner's name is hashed: it may be any string)."""
+    return f"{NAMESPACE}:history:{_digest(owner)}"
+
+
+# ----- routing and workers --------------------------------------------------------------------
+PREPARED_STREAM = f"{NAMESPACE}:prepared"  # pre-processed jobs awaiting routing to a worker
+DISPATCHER_GROUP = "dispatchers"  # the consumer group of every dispatcher on PREPARED_STREAM
+WORKERS_KEY = f"{NAMESPACE}:workers"  # every worker that ever started: the recovery list
+HEARTBEAT_PATTERN = f"{NAMESPACE}:worker:*"
+INBOX_GROUP = "workers"  # each worker's consumer group on its own inbox
+
+
+def heartbeat_key(worker_id: str) -> str:
+    """A worker's latest heartbeat (a ``WorkerHeartbeat`` message under a short TTL)."""
+    return f"{NAMESPACE}:worker:{worker_id}"
+
+
+def inbox_stream(worker_id: str) -> str:
+    """The stream of jobs and cancels routed to one worker."""
+    return f"{NAMESPACE}:inbox:{worker_id}"
+
+
+# ----- CPU stages (Celery) --------------------------------------------------------------------
+PRE_TASK = f"{NAMESPACE}.preprocess"
+POST_TASK = f"{NAMESPACE}.postprocess"
+PRE_QUEUE = f"{NAMESPACE}.pre"
+POST_QUEUE = f"{NAMESPACE}.post"
+CPU_STATS_KEY = f"{NAMESPACE}:stats:cpu"  # task counts and seconds, shared by every CPU process
+
+# ----- templates, API, janitor ----------------------------------------------------------------
+JANITOR_LOCK_KEY = f"{NAMESPACE}:janitor:lock"
+
+
+def template_cache_key(template_id: str) -> str:
+    """Hash: model id -> the template's cache digest; ``prepare:<model>`` -> its prepare job."""
+    return f"{NAMESPACE}:template:{template_id}:cache"
+
+
+def rate_limit_key(identity: str) -> str:
+    """One API identity's token bucket (the identity is hashed: it may be a key or an address)."""
+    return f"{NAMESPACE}:ratelimit:{_digest(identity)}"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -1,0 +1,288 @@
+"""Every message that crosses a process boundary, and its one wire format (versioned JSON).
+
+Invariants:
+* nothing is pickled between processes: ``encode`` writes JSON, ``decode`` reads it back into the
+  same dataclass (``decode(encode(m)) == m``), nested dataclasses included;
+* images, masks and tensors never travel inside a message: a message carries references (blob refs,
+  see ``backend.blobs``) to files every process on the host can read;
+* a message names its type and its schema version ``"<major>.<minor>"``. A reader rejects another
+  major version with ``ProtocolError``; within a major version it ignores fields it does not know (a
+  newer minor version added them, optional by rule), so processes can be upgraded one at a time;
+* a message that cannot be decoded may still name its job: ``job_id_of`` reads it, so the reader
+  can fail that job with a terminal event instead of dropping it silently.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from typing import Any, ClassVar
+
+SCHEMA_MAJOR = 1
+SCHEMA_MINOR = 1  # 1.1: typed heartbeat rows and paste-back plans; unknown fields tolerated
+PROTOCOL_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
+
+
+class ProtocolError(ValueError):
+    """A message could not be read: wrong version, unknown type, or missing/extra fields."""
+
+
+@dataclass(frozen=True)
+class MaskOps:
+    """Mask operations applied in pre-processing, in this order: threshold, invert, grow/shrink, feather."""
+
+    threshold: int = 127  # mask pixels above this (0-255) are repainted
+    invert: bool = False
+    grow_px: int = 0  # negative shrinks
+    feather_px: float = 0.0
+
+
+@dataclass(frozen=True)
+class PastePlan:
+    """How post-processing pastes a bucket-sized result back into the upload (pre -> post)."""
+
+    mask_ref: str  # blob ref of the mask at the upload's resolution
+    crop_box: list[int]  # left, top, right, bottom of the bucket's crop in the upload
+    feather_px: float = 0.0
+
+
+@dataclass(frozen=True)
+class RunningRow:
+    """A row in a worker's running batch, as its heartbeat reports it."""
+
+    job_id: str
+    mask_ratio: float
+    remaining_steps: int
+    template: str = ""  # cache digest of the row's template ("" = none), for residency routing
+
+
+@dataclass(frozen=True)
+class WaitingRow:
+    """A row waiting in a worker's queue, in admission order, as its heartbeat reports it."""
+
+    job_id: str
+    mask_ratio: float
+    num_steps: int
+    template: str = ""
+
+
+@dataclass(frozen=True)
+class EditJob:
+    """A user's edit request as submitted (API -> pre-processing)."""
+
+    TYPE: ClassVar[str] = "edit_job"
+    job_id: str
+    model_id: str
+    template_ref: str  # blob ref of the template image file
+    mask_ref: str  # blob ref of the mask PNG (white = repaint)
+    prompt: str
+    seed: int
+    steps: int
+    guidance: float
+    negative_prompt: str = ""
+    strength: float = 1.0
+    use_cache: bool = True
+    mask_ops: MaskOps = field(default_factory=MaskOps)
+    # the resolution bucket's side (about resolution^2 pixels); 0 = the model's default
+    resolution: int = 0
+    submitted_at: float = 0.0
+    # the gallery template edited, if any (its cache status is kept per model)
+    template_id: str = ""
+    prepare: bool = False  # record the template's activation cache only: no mask, no image result
+
+
+@dataclass(frozen=True)
+class PreparedJob:
+    """A pre-processed job, ready for a worker's running batch (pre-processing -> worker inbox)."""
+
+    TYPE: ClassVar[str] = "prepared_job"
+    job_id: str
+    model_id: str
+    prepared_ref: str  # blob ref of the PreparedRequest file (tensors)
+    # the template as uploaded (full resolution), for paste-back in post-processing
+    template_ref: str
+    num_steps: int
+    mask_ratio: float  # painted pixels / all pixels at the model resolution
+    cache_digest: str  # CacheKey digest of the template cache this job reads ("" = no cache)
+    paste: PastePlan | None = None  # None: prepared at the model resolution, no bucket crop
+    submitted_at: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds so far
+    prepare: bool = False  # a recording: the worker records and finishes it, no post-processing
+
+
+@dataclass(frozen=True)
+class DenoisedJob:
+    """A job whose denoising finished (worker -> post-processing)."""
+
+    TYPE: ClassVar[str] = "denoised_job"
+    job_id: str
+    model_id: str
+    latents_ref: str  # blob ref of the final latents (safetensors)
+    prepared_ref: str
+    template_ref: str
+    used_cache: bool
+    paste: PastePlan | None = None
+    submitted_at: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CancelJob:
+    TYPE: ClassVar[str] = "cancel_job"
+    job_id: str
+
+
+JOB_STATES = (
+    "queued",
+    "preprocessing",
+    "waiting",
+    "running",
+    "postprocessing",
+    "done",
+    "failed",
+    "cancelled",
+)
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """A change in one job's life: a state change or a finished denoising step."""
+
+    TYPE: ClassVar[str] = "job_event"
+    job_id: str
+    status: str  # one of JOB_STATES
+    at: float
+    step: int = 0
+    num_steps: int = 0
+    worker_id: str = ""
+    message: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+    result_ref: str = ""
+    thumbnail_ref: str = ""
+
+    def __post_init__(self):
+        if self.status not in JOB_STATES:
+            raise ProtocolError(
+                f"unknown job status {self.status!r}; expected one of {', '.join(JOB_STATES)}"
+            )
+
+
+@dataclass(frozen=True)
+class WorkerHeartbeat:
+    """A worker's live state, refreshed about every second under a key with a short TTL: when the
+    key expires, the worker is presumed dead and its unfinished jobs are re-dispatched."""
+
+    TYPE: ClassVar[str] = "worker_heartbeat"
+    worker_id: str
+    model_id: str
+    device: str
+    at: float
+    max_batch: int
+    batching: str
+    running: list[RunningRow] = field(default_factory=list)
+    waiting: list[WaitingRow] = field(default_factory=list)  # in admission order
+    resident_ram: list[str] = field(default_factory=list)  # template cache digests per tier
+    resident_disk: list[str] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+
+MESSAGE_TYPES: dict[str, type] = {
+    cls.TYPE: cls
+    for cls in (EditJob, PreparedJob, DenoisedJob, CancelJob, JobEvent, WorkerHeartbeat)
+}
+# field name -> the dataclass its value (or each item of its list) decodes into
+_NESTED: dict[str, type] = {"mask_ops": MaskOps, "paste": PastePlan}
+_NESTED_LISTS: dict[str, type] = {"running": RunningRow, "waiting": WaitingRow}
+
+
+def _plain(value: Any) -> Any:
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    if isinstance(value, list) and value and is_dataclass(value[0]):
+        return [asdict(item) for item in value]
+    return value
+
+
+def to_dict(message) -> dict:
+    """The message as a JSON-ready dict, with its type and schema version."""
+    # shallow where it can be: a worker encodes one progress event per row per step, and
+    # dataclasses.asdict deep-copies every value; json.dumps copies nested values anyway
+    payload = {"type": message.TYPE, "version": PROTOCOL_VERSION}
+    for f in fields(message):
+        payload[f.name] = _plain(getattr(message, f.name))
+    return payload
+
+
+def encode(message) -> str:
+    return json.dumps(to_dict(message), separators=(",", ":"), sort_keys=True)
+
+
+def _major(version: object) -> int | None:
+    """The major version of ``version`` ("1.1" -> 1; a bare 1 from the first schema -> 1)."""
+    if isinstance(version, int) and not isinstance(version, bool):
+        return version
+    if isinstance(version, str):
+        head = version.split(".", 1)[0]
+        return int(head) if head.isdigit() else None
+    return None
+
+
+def _known(cls: type, payload: dict) -> dict:
+    """The payload's fields ``cls`` knows; newer minor versions may add others (ignored)."""
+    names = {f.name for f in fields(cls)}
+    return {name: value for name, value in payload.items() if name in names}
+
+
+def _build(cls: type, payload: object, where: str):
+    if not isinstance(payload, dict):
+        raise ProtocolError(f"{where}: expected an object, got {type(payload).__name__}")
+    try:
+        return cls(**_known(cls, payload))
+    except TypeError as exc:
+        raise ProtocolError(f"{where}: {exc}") from exc
+
+
+def from_dict(payload: dict):
+    payload = dict(payload)
+    version, type_name = payload.pop("version", None), payload.pop("type", None)
+    if _major(version) != SCHEMA_MAJOR:
+        raise ProtocolError(
+            f"message version {version!r}, this build speaks {SCHEMA_MAJOR}.x ({PROTOCOL_VERSION})"
+        )
+    cls = MESSAGE_TYPES.get(type_name)
+    if cls is None:
+        raise ProtocolError(f"unknown message type {type_name!r}")
+    payload = _known(cls, payload)
+    for name, nested in _NESTED.items():
+        if payload.get(name) is not None:
+            payload[name] = _build(nested, payload[name], f"{type_name}.{name}")
+    for name, nested in _NESTED_LISTS.items():
+        if name in payload:
+            items = payload[name]
+            if not isinstance(items, list):
+                raise ProtocolError(f"{type_name}.{name}: expected a list")
+            payload[name] = [_build(nested, item, f"{type_name}.{name}[]") for item in items]
+    return _build(cls, payload, type_name)
+
+
+def _payload(text: str | bytes) -> dict:
+    try:
+        payload = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"message is not JSON: {exc}") from exc
+    if not isinstance(payload, dict):
+        raise ProtocolError("message must be a JSON object")
+    return payload
+
+
+def decode(text: str | bytes):
+    return from_dict(_payload(text))
+
+
+def job_id_of(text: str | bytes) -> str | None:
+    """The job id an undecodable message names, when it names one (a non-empty string)."""
+    try:
+        job_id = _payload(text).get("job_id")
+    except ProtocolError:
+        return None
+    return job_id if isinstance(job_id, str) and job_id else None

@@ -1,0 +1,128 @@
+"""The job record: one Redis hash per job (``keys.job_key``), typed in one place.
+
+Writers store every value as text (dicts as JSON); ``JobRecord.from_hash`` is the only reader that
+turns the hash back into typed values, and ``JobRecord.as_dict`` is what the API returns. A field
+this build does not know (written by a newer minor version) is ignored, like in messages.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+
+from backend.protocol.messages import JOB_STATES, JobEvent
+from backend.protocol.wire import to_text
+
+TERMINAL = ("done", "failed", "cancelled")
+TIMING_PREFIX = "timing."  # hash field ``timing.<stage>`` holds that stage's seconds
+REACHED_SUFFIX = "_at"  # hash field ``<status>_at`` holds when the job first reached it
+
+
+@dataclass
+class JobRecord:
+    """A job as stored: what was asked (set at creation) and how far it got (set by events)."""
+
+    job_id: str
+    status: str = "queued"
+    kind: str = "edit"  # edit | prepare (a template cache recording)
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    reached_at: dict[str, float] = field(default_factory=dict)  # status -> first reached
+    step: int = 0
+    num_steps: int = 0
+    worker_id: str = ""
+    message: str = ""
+    result_ref: str = ""
+    thumbnail_ref: str = ""
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds
+    model_id: str = ""
+    prompt: str = ""
+    negative_prompt: str = ""
+    seed: int = 0
+    steps: int = 0
+    guidance: float = 0.0
+    strength: float = 1.0
+    resolution: int = 0
+    use_cache: bool = True
+    mask_ops: dict = field(default_factory=dict)
+    template_id: str = ""
+    width: int = 0
+    height: int = 0
+    template_ref: str = ""  # the refs keep these blobs from the janitor while the job runs
+    mask_ref: str = ""
+
+    @classmethod
+    def from_hash(cls, job_id: str, raw: Mapping) -> JobRecord:
+        """The record of a job hash as Redis returns it (bytes or text keys and values)."""
+        types = {f.name: f.type for f in fields(cls)}
+        record = cls(job_id=job_id)
+        for key, value in ((to_text(k), to_text(v)) for k, v in raw.items()):
+            if key.startswith(TIMING_PREFIX):
+                record.timings[key.removeprefix(TIMING_PREFIX)] = float(value)
+            elif key.endswith(REACHED_SUFFIX) and key.removesuffix(REACHED_SUFFIX) in JOB_STATES:
+                record.reached_at[key.removesuffix(REACHED_SUFFIX)] = float(value)
+            elif key in types and key not in ("job_id", "timings", "reached_at"):
+                setattr(record, key, _parse(types[key], value))
+        return record
+
+    def creation_fields(self) -> dict[str, str]:
+        """The hash fields of a new record (status ``queued``), as text."""
+        now = self.created_at
+        values = {
+            name: value
+            for name, value in asdict(self).items()
+            if name not in ("job_id", "reached_at", "timings")
+        }
+        values |= {"updated_at": now, f"queued{REACHED_SUFFIX}": now}
+        return {name: _format(value) for name, value in values.items()}
+
+    def as_dict(self) -> dict:
+        """The record as the API shows it: typed values, ``<status>_at`` flattened."""
+        shown = asdict(self)
+        reached = shown.pop("reached_at")
+        return shown | {f"{status}{REACHED_SUFFIX}": at for status, at in reached.items()}
+
+
+def _parse(kind: str, text: str):
+    if kind == "int":
+        return int(float(text))
+    if kind == "float":
+        return float(text)
+    if kind == "bool":
+        return text not in ("0", "False", "false", "")
+    if kind == "dict":
+        return json.loads(text)
+    return text
+
+
+def _format(value) -> str:
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, dict | list):
+        return json.dumps(value)
+    return str(value)
+
+
+def event_fields(event: JobEvent) -> dict[str, str]:
+    """The hash fields an event sets on its job's record, as text."""
+    values: dict[str, object] = {"status": event.status, "updated_at": event.at}
+    if event.num_steps:
+        values |= {"step": event.step, "num_steps": event.num_steps}
+    for name in ("worker_id", "message", "result_ref", "thumbnail_ref"):
+        if getattr(event, name):
+            values[name] = getattr(event, name)
+    values |= {f"{TIMING_PREFIX}{stage}": seconds for stage, seconds in event.timings.items()}
+    return {name: str(value) for name, value in values.items()}
+
+
+def event_payload(event: JobEvent) -> dict:
+    """An event as the job's event stream (and the API's server-sent events) carry it: the
+    status and time always, other fields only when set."""
+    payload: dict = {"status": event.status, "at": event.at}
+    for name in ("step", "num_steps", "worker_id", "message", "result_ref", "thumbnail_ref"):
+        if getattr(event, name):
+            payload[name] = getattr(event, name)
+    if event.timings:
+        payload["timings"] = event.timings
+    return payload
