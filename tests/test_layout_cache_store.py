@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from backend.engine.attention import attend, fused_linear, ragged_attention, replace_rows
+from backend.engine.attention import attend, ragged_attention, replace_rows
 from backend.engine.cache_store import (
     CacheCorruptError,
     CacheError,
@@ -59,22 +59,6 @@ def test_expand_rows_of_one_row_broadcasts_without_a_copy():
     assert expanded is per_row  # one row: broadcast, nothing gathered
     packed = torch.ones(3, 2)
     assert torch.equal(packed * expanded, torch.tensor([[1.0, 2.0]] * 3))
-
-
-def test_fused_linear_keeps_one_weight_per_module_set():
-    torch.manual_seed(0)
-    q, k, v, mlp = (torch.nn.Linear(8, n) for n in (8, 8, 8, 16))
-    x = torch.randn(5, 8)
-    with torch.no_grad():
-        for _ in range(2):  # alternating sets that share a first module must not evict each other
-            outs = fused_linear(x, (q, k, v, mlp))
-            kv = fused_linear(x, (k, v))
-            for out, module in zip(outs + kv, (q, k, v, mlp, k, v)):
-                assert torch.allclose(out, module(x), atol=1e-6)
-        assert len(q.__dict__["_maskserve_fused"]) == 1 and len(k.__dict__["_maskserve_fused"]) == 1
-        k.weight.mul_(2.0)  # an in-place weight change rebuilds the fused weight
-        assert torch.allclose(fused_linear(x, (q, k, v, mlp))[1], k(x), atol=1e-6)
-        assert torch.allclose(fused_linear(x, (k, v))[0], k(x), atol=1e-6)
 
 
 def test_full_layout_is_identity():

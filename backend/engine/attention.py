@@ -1,12 +1,15 @@
-"""Ragged attention: each row's fresh queries attend over that row's full key/value set.
+"""Ragged attention, and the fused projections that feed it.
 
 Queries arrive packed ``(total, heads, head_dim)`` (see ``layout.RowLayout``); keys and values are
 assembled per row by the caller, so rows with different masks, templates and steps share one call.
+Projections reading one input (q/k/v, and Flux's MLP input) share one weight storage laid out at
+install (``fuse_linears``), so ``fused_linear`` runs them as one matmul without a second copy of
+any weight.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +32,8 @@ def ragged_attention(
     query: torch.Tensor, layout: RowLayout, kv_for_group: KVForGroup
 ) -> torch.Tensor:
     """Packed queries (total, H, d) -> packed outputs. Each group of rows that select the same
-    tokens runs as one batched call with keys/values ``kv_for_group(group)`` of shape (g, m, H, d)."""
+    tokens runs as one batched call with keys/values ``kv_for_group(group)`` of shape
+    (g, m, H, d)."""
     outputs = []
     for group in layout.groups:
         q = layout.group_tokens(query, group)
@@ -50,25 +54,110 @@ def replace_rows(base: torch.Tensor, indices: torch.Tensor, fresh: torch.Tensor)
     return out
 
 
-def fused_linear(x: torch.Tensor, modules) -> tuple[torch.Tensor, ...]:
-    """Outputs of several ``nn.Linear`` reading the same input, from ONE matmul.
+def fuse_linears(modules: Sequence[torch.nn.Module]) -> bool:
+    """Lay the weights (and biases) of linears that read one input out in ONE storage, rows in the
+    given order, and re-point each module's ``weight``/``bias`` Parameter at its rows (views: the
+    originals are released, so the model's unique parameter bytes do not grow). Afterwards
+    ``fused_linear`` over the set, or over any run of consecutive modules of it, is one matmul.
 
-    The concatenated weight of each set of modules is built on first use and kept on the first
-    module (outside its state dict, one entry per set, so sets sharing a first module do not evict
-    each other); it is rebuilt whenever any weight moves, changes dtype or is replaced.
+    Idempotent. Parameter names, values and ``requires_grad`` are unchanged. Returns False and
+    leaves the modules as they are when they cannot share one storage (dtypes, devices or input
+    widths differ, or only some have a bias); ``fused_linear`` then runs one matmul per module.
     """
-    first = modules[0]
-    key = tuple(
-        (m.weight.data_ptr(), m.weight.dtype, m.weight.device, m.weight._version) for m in modules
-    )
-    fused_sets = first.__dict__.setdefault("_maskserve_fused", {})
-    fused = fused_sets.get(tuple(id(m) for m in modules))
-    if fused is None or fused[0] != key:
-        weight = torch.cat([m.weight for m in modules])
-        biases = [
-            m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules
-        ]
-        bias = torch.cat(biases) if any(m.bias is not None for m in modules) else None
-        fused = (key, weight.detach(), None if bias is None else bias.detach())
-        fused_sets[tuple(id(m) for m in modules)] = fused
-    return F.linear(x, fused[1], fused[2]).split([m.out_features for m in modules], dim=-1)
+    linears = _plain_linears(modules)
+    if _fused_parameters(linears) is not None:
+        return True
+    with_bias = [m.bias is not None for m in linears]
+    layouts = {(m.weight.dtype, m.weight.device, m.in_features) for m in linears}
+    if len(layouts) != 1 or len(set(with_bias)) != 1:
+        return False
+    with torch.no_grad():
+        weight = torch.cat([m.weight for m in linears])
+        bias = torch.cat([m.bias for m in linears]) if with_bias[0] else None
+    start = 0
+    for m in linears:
+        stop = start + m.out_features
+        m.weight = torch.nn.Parameter(weight[start:stop], requires_grad=m.weight.requires_grad)
+        if bias is not None:
+            m.bias = torch.nn.Parameter(bias[start:stop], requires_grad=m.bias.requires_grad)
+        start = stop
+    return True
+
+
+def fused_linear(x: torch.Tensor, modules: Sequence[torch.nn.Module]) -> tuple[torch.Tensor, ...]:
+    """Outputs of several ``nn.Linear`` reading the same input ``x``, one per module.
+
+    One matmul over the modules' shared storage when ``fuse_linears`` laid them out together and
+    they still are (nothing moved or replaced a weight since); otherwise each module is called, so
+    its hooks run and nothing is copied. Autograd through weights that require grad also takes the
+    per-module path (the fused view is detached). Raises ``TypeError`` for any module that is not
+    exactly ``torch.nn.Linear`` (LoRA, quantized or other wrapped layers compute something else).
+    """
+    linears = _plain_linears(modules)
+    fused = _fused_parameters(linears)
+    if fused is None or _has_forward_hooks(linears) or _needs_weight_grad(linears):
+        return tuple(m(x) for m in linears)
+    weight, bias = fused
+    return F.linear(x, weight, bias).split([m.out_features for m in linears], dim=-1)
+
+
+def _plain_linears(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Linear]:
+    for m in modules:
+        if type(m) is not torch.nn.Linear:
+            raise TypeError(
+                f"mask-aware projections take plain torch.nn.Linear layers, got "
+                f"{type(m).__module__}.{type(m).__qualname__}: merge adapters into the weights "
+                "(e.g. pipe.fuse_lora(); pipe.unload_lora_weights()) and load unquantized weights "
+                "before installing the engine, or run the ordinary pipeline"
+            )
+    return list(modules)  # type: ignore[arg-type]
+
+
+def _fused_parameters(
+    linears: list[torch.nn.Linear],
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) views spanning the modules' rows when they lie back to back, in order, in the
+    storage of the first module's weight (and bias); None otherwise."""
+    weight = _rows_view([m.weight for m in linears])
+    if weight is None:
+        return None
+    biases = [m.bias for m in linears]
+    if all(b is None for b in biases):
+        return weight, None
+    if any(b is None for b in biases):
+        return None
+    bias = _rows_view(biases)  # type: ignore[arg-type]
+    return None if bias is None else (weight, bias)
+
+
+def _rows_view(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """A view (rows, ...) over ``parts`` when each is contiguous and starts where the previous one
+    ends, all inside the first part's storage (so they are that storage, not neighbours in
+    memory); None otherwise."""
+    first = parts[0]
+    address, rows = first.data_ptr(), 0
+    for part in parts:
+        if (
+            part.dtype != first.dtype
+            or part.device != first.device
+            or part.shape[1:] != first.shape[1:]
+            or not part.is_contiguous()
+            or part.data_ptr() != address
+        ):
+            return None
+        address += part.numel() * part.element_size()
+        rows += part.shape[0]
+    span = address - first.data_ptr() + first.storage_offset() * first.element_size()
+    if span > first.untyped_storage().nbytes():
+        return None
+    shape = (rows, *first.shape[1:])
+    return first.detach().as_strided(shape, first.stride(), first.storage_offset())
+
+
+def _has_forward_hooks(linears: list[torch.nn.Linear]) -> bool:
+    """Hooks (offloading, adapters) act in the module's call, which the fused matmul skips."""
+    return any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in linears)
+
+
+def _needs_weight_grad(linears: list[torch.nn.Linear]) -> bool:
+    return torch.is_grad_enabled() and any(p.requires_grad for m in linears for p in m.parameters())

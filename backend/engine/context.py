@@ -27,7 +27,8 @@ TokenMaskFn = Callable[[tuple[int, int]], torch.Tensor]
 
 
 def cat_once(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
-    """``torch.cat``, without the copy when there is only one tensor (one row group: the usual case)."""
+    """``torch.cat``, without the copy when there is only one tensor (one row group: the usual
+    case)."""
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
 
 
@@ -58,6 +59,14 @@ class ForwardContext:
     @property
     def num_rows(self) -> int:
         return len(self.row_token_masks)
+
+    def require_rows(self, num_rows: int) -> None:
+        """Refuse a model input whose row count is not the context's (row masks would misalign)."""
+        if num_rows != self.num_rows:
+            raise ValueError(
+                f"the model input has {num_rows} rows but the forward context has "
+                f"{self.num_rows} row masks: build one context per batch, one mask per row"
+            )
 
     def layout(self, grid_hw: tuple[int, int]) -> RowLayout:
         """Masked-token layout of the batch on one token grid (memoised per forward)."""
@@ -98,7 +107,8 @@ class ForwardContext:
     def merge_group(
         self, unit: int, name: str, layout: RowLayout, group: tuple[int, int], fresh: torch.Tensor
     ) -> torch.Tensor:
-        """(g, L, ...): one group's cached tensor with its selected tokens replaced by ``fresh`` (g, n, ...)."""
+        """(g, L, ...): one group's cached tensor with its selected tokens replaced by ``fresh``
+        (g, n, ...)."""
         indices = layout.indices[group[0]]
         if indices.numel() == layout.num_tokens:
             return fresh
@@ -114,8 +124,9 @@ class ForwardContext:
         fresh: torch.Tensor,
         prefix: torch.Tensor,
     ) -> torch.Tensor:
-        """(g, P + L, ...): ``prefix`` (g, P, ...) then what ``merge_group`` gives, built in one buffer,
-        so the cached tokens are copied once (not merged, then copied again by a concatenation)."""
+        """(g, P + L, ...): ``prefix`` (g, P, ...) then what ``merge_group`` gives, built in one
+        buffer, so the cached tokens are copied once (not merged, then copied again by a
+        concatenation)."""
         indices = layout.indices[group[0]]
         if indices.numel() == layout.num_tokens:
             return torch.cat([prefix, fresh], dim=1)

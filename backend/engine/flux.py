@@ -8,22 +8,48 @@ image K/V of unmasked tokens come from the cache (``kv`` mode, K cached after it
 rotary embedding) or are projected from the full hidden input (``hidden`` mode, whose unmasked
 output rows come from the cache). The model output is scattered back to the full token grid;
 rows of unmasked tokens are zero (the engine takes them from the template trajectory).
+
+Strict: install checks every part the forward reimplements (block, norm, attention and processor
+classes) and refuses other models at load; each forward refuses arguments it does not implement
+(ControlNet residuals, joint-attention kwargs, ids off the row-major grid) with an error naming
+them. q/k/v (and single blocks' MLP input) projections share one weight storage per set.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.hooks import HookRegistry
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.normalization import (
+    AdaLayerNormContinuous,
+    AdaLayerNormZero,
+    AdaLayerNormZeroSingle,
+)
+from diffusers.models.transformers.transformer_flux import (
+    FluxAttention,
+    FluxAttnProcessor,
+    FluxPosEmbed,
+    FluxSingleTransformerBlock,
+    FluxTransformerBlock,
+)
 
-from backend.engine.attention import attend, fused_linear
-from backend.engine.context import ForwardContext, cat_once, current_context
+from backend.engine.attention import attend, fuse_linears, fused_linear
+from backend.engine.context import ForwardContext, cat_once
 from backend.engine.layout import RowLayout
+from backend.engine.strict import (
+    RUN_ORDINARY,
+    StrictForwardHook,
+    UnsupportedForwardError,
+    require,
+    require_type,
+)
 
 HOOK_NAME = "maskserve_flux"
+_CONTROLNET = "ControlNet residuals are not added by the mask-aware forward; " + RUN_ORDINARY
 
 
 @dataclass(frozen=True)
@@ -36,27 +62,112 @@ class FluxInfo:
         return self.num_double + self.num_single
 
 
-class _MaskAwareFluxHook(ModelHook):
-    def __init__(self, info: FluxInfo):
-        super().__init__()
-        self.info = info
+class _MaskAwareFluxHook(StrictForwardHook):
+    implemented = frozenset(
+        {
+            "hidden_states",
+            "encoder_hidden_states",
+            "pooled_projections",
+            "timestep",
+            "img_ids",
+            "txt_ids",
+            "guidance",
+            "return_dict",
+        }
+    )
+    advice = {
+        "joint_attention_kwargs": "attention-processor kwargs (a LoRA scale, IP-Adapter embeddings)"
+        " are not applied; merge LoRA weights into the model (pipe.fuse_lora()) or " + RUN_ORDINARY,
+        "controlnet_block_samples": _CONTROLNET,
+        "controlnet_single_block_samples": _CONTROLNET,
+        "controlnet_blocks_repeat": _CONTROLNET,
+    }
 
-    def new_forward(self, module, *args, **kwargs):
-        ctx = current_context()
-        if ctx is None:
-            return self.fn_ref.original_forward(*args, **kwargs)
-        sample = run_flux(module, ctx, **kwargs)
-        if kwargs.get("return_dict", True):
+    def __init__(self, attentions: list[FluxAttention]):
+        super().__init__()
+        self.attentions = attentions
+
+    def run(self, module, ctx: ForwardContext, arguments: dict[str, Any]):
+        _check_processors(self.attentions)
+        inputs = {name: arguments[name] for name in self.implemented - {"return_dict"}}
+        sample = run_flux(module, ctx, **inputs)
+        if arguments["return_dict"]:
             return Transformer2DModelOutput(sample=sample)
         return (sample,)
 
 
 def install_flux_hooks(transformer: torch.nn.Module) -> FluxInfo:
-    info = FluxInfo(len(transformer.transformer_blocks), len(transformer.single_transformer_blocks))
+    """Check that ``transformer`` is made of the parts the mask-aware forward reimplements (else
+    ``UnsupportedModelError``), lay each set of projections reading one input out in one weight
+    storage (``fuse_linears``: no copy is kept) and patch its forward. Idempotent."""
+    attentions = _check_structure(transformer)
+    for projections in _projection_sets(transformer):
+        fuse_linears(projections)
     registry = HookRegistry.check_if_exists_or_initialize(transformer)
     if registry.get_hook(HOOK_NAME) is None:
-        registry.register_hook(_MaskAwareFluxHook(info), HOOK_NAME)
-    return info
+        registry.register_hook(_MaskAwareFluxHook(attentions), HOOK_NAME)
+    return FluxInfo(len(transformer.transformer_blocks), len(transformer.single_transformer_blocks))
+
+
+def _projection_sets(transformer) -> list[tuple[torch.nn.Module, ...]]:
+    """Linears sharing an input, in the order the forward slices them: image q/k/v (k/v alone in
+    hidden mode) and text q/k/v of double blocks; q/k/v/MLP of single blocks (k/v alone for the
+    text of the last block)."""
+    sets: list[tuple[torch.nn.Module, ...]] = []
+    for block in transformer.transformer_blocks:
+        attn = block.attn
+        sets.append((attn.to_q, attn.to_k, attn.to_v))
+        sets.append((attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+    for block in transformer.single_transformer_blocks:
+        attn = block.attn
+        sets.append((attn.to_q, attn.to_k, attn.to_v, block.proj_mlp))
+    return sets
+
+
+def _check_structure(transformer) -> list[FluxAttention]:
+    """The attention modules of every block, after checking each part the forward reads inside."""
+    require_type(transformer.pos_embed, (FluxPosEmbed,), "pos_embed")
+    require_type(transformer.norm_out, (AdaLayerNormContinuous,), "norm_out")
+    attentions = []
+    for index, block in enumerate(transformer.transformer_blocks):
+        where = f"transformer_blocks[{index}]"
+        require_type(block, (FluxTransformerBlock,), where)
+        for name in ("norm1", "norm1_context"):
+            norm = getattr(block, name)
+            require_type(norm, (AdaLayerNormZero,), f"{where}.{name}")
+            require(norm.emb is None, f"{where}.{name}", "no embedding of its own")
+        _check_attention(block.attn, f"{where}.attn", joint=True)
+        attentions.append(block.attn)
+    for index, block in enumerate(transformer.single_transformer_blocks):
+        where = f"single_transformer_blocks[{index}]"
+        require_type(block, (FluxSingleTransformerBlock,), where)
+        require_type(block.norm, (AdaLayerNormZeroSingle,), f"{where}.norm")
+        _check_attention(block.attn, f"{where}.attn", joint=False)
+        attentions.append(block.attn)
+    _check_processors(attentions)
+    return attentions
+
+
+def _check_attention(attn, where: str, joint: bool) -> None:
+    require_type(attn, (FluxAttention,), where)
+    norms = ("norm_q", "norm_k") + (("norm_added_q", "norm_added_k") if joint else ())
+    for name in norms:
+        require_type(getattr(attn, name), (torch.nn.RMSNorm,), f"{where}.{name}")
+    if joint:
+        require(
+            attn.added_kv_proj_dim is not None and not attn.pre_only,
+            where,
+            "text projections and output projections (a double-stream block)",
+        )
+    else:
+        require(attn.pre_only, where, "no output projection (a single-stream block)")
+
+
+def _check_processors(attentions: list[FluxAttention]) -> None:
+    """Also run on every mask-aware forward: processors can be swapped after install (IP-Adapter
+    loading, ``set_attn_processor``) and the mask-aware forward would not run theirs."""
+    for index, attn in enumerate(attentions):
+        require_type(attn.processor, (FluxAttnProcessor,), f"attention {index}'s processor")
 
 
 @dataclass
@@ -88,8 +199,9 @@ def _rotations(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def _rotate(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of (..., S, H, d) tokens as ONE complex multiply: channel pairs (2i, 2i+1)
-    are the real and imaginary parts, as in diffusers' ``apply_rotary_emb`` (use_real, unbind -1)."""
+    """Rotary embedding of (..., S, H, d) tokens as ONE complex multiply: channel pairs
+    (2i, 2i+1) are the real and imaginary parts, as in diffusers' ``apply_rotary_emb`` (use_real,
+    unbind -1)."""
     pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2).contiguous())
     return torch.view_as_real(pairs * rotations).flatten(-2).to(x.dtype)
 
@@ -109,11 +221,10 @@ def run_flux(
     img_ids,
     txt_ids,
     guidance=None,
-    return_dict=True,
-    **_unused,
 ) -> torch.Tensor:
     num_rows, num_tokens, _ = hidden_states.shape
-    grid = (int(img_ids[:, 1].max()) + 1, int(img_ids[:, 2].max()) + 1)
+    ctx.require_rows(num_rows)
+    grid = _image_grid(img_ids, txt_ids, num_tokens)
     timestep = timestep.to(hidden_states.dtype) * 1000
     if guidance is not None:
         temb = model.time_text_embed(
@@ -155,6 +266,33 @@ def run_flux(
     return masked.scatter_into(out.new_zeros(num_rows, num_tokens, out.shape[-1]), out)
 
 
+def _image_grid(img_ids: torch.Tensor, txt_ids: torch.Tensor, num_tokens: int) -> tuple[int, int]:
+    """(rows, cols) of the token grid. Token masks are laid out row-major on it, so ``img_ids``
+    must be exactly the (0, row, col) ids of that grid in row-major order, as the Flux pipelines
+    build them; anything else (3-D ids, several images, shifted ids) is refused."""
+    if img_ids.ndim != 2 or txt_ids.ndim != 2:
+        raise UnsupportedForwardError(
+            "the mask-aware Flux forward takes 2-D img_ids and txt_ids (one row of ids per token; "
+            "diffusers deprecated the 3-D form): drop the batch dimension"
+        )
+    grid = (int(img_ids[:, 1].max()) + 1, int(img_ids[:, 2].max()) + 1)
+    rows = torch.arange(grid[0], device=img_ids.device).repeat_interleave(grid[1])
+    cols = torch.arange(grid[1], device=img_ids.device).repeat(grid[0])
+    expected = torch.stack([torch.zeros_like(rows), rows, cols], dim=1).to(img_ids.dtype)
+    if img_ids.shape != (num_tokens, 3) or not torch.equal(img_ids, expected):
+        raise UnsupportedForwardError(
+            f"img_ids must be the (0, row, col) ids of one row-major {grid[0]}x{grid[1]} token "
+            f"grid with one row per image token ({num_tokens}), as FluxFillPipeline builds them: "
+            "the mask-aware forward maps token masks onto that grid. " + RUN_ORDINARY
+        )
+    return grid
+
+
+def _clip_half(x: torch.Tensor) -> torch.Tensor:
+    """What the stock Flux blocks do to their float16 outputs (inf -> the largest finite value)."""
+    return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+
+
 def _run_unit(block, single: bool, unit: int, state: _State, text, shared: _Shared):
     ctx, masked = shared.ctx, shared.masked
     forward = _single_forward if single else _double_forward
@@ -189,7 +327,8 @@ def _run_unit(block, single: bool, unit: int, state: _State, text, shared: _Shar
 def _modulate(
     normed: torch.Tensor, layout: RowLayout, scale: torch.Tensor, shift: torch.Tensor
 ) -> torch.Tensor:
-    """AdaLN modulation of packed tokens: ``normed * (1 + scale) + shift`` with each token's row values."""
+    """AdaLN modulation of packed tokens: ``normed * (1 + scale) + shift`` with each token's row
+    values."""
     return torch.addcmul(layout.expand_rows(shift), normed, layout.expand_rows(1 + scale))
 
 
@@ -224,9 +363,9 @@ def _image_keys_for_groups(
     unit: int,
     shared: _Shared,
 ):
-    """``group_kv(group, text_k, text_v)``: per row group, [text ; full image] K and V (g, T + L, H, d).
-    Image K/V come from the queries themselves when dense, from the full normed input in hidden mode,
-    or from the cache with the masked tokens replaced in kv mode."""
+    """``group_kv(group, text_k, text_v)``: per row group, [text ; full image] K and V
+    (g, T + L, H, d). Image K/V come from the queries themselves when dense, from the full normed
+    input in hidden mode, or from the cache with the masked tokens replaced in kv mode."""
     ctx = shared.ctx
     if layout_q.is_full:
         key_full = key_q.reshape(layout_q.num_rows, layout_q.num_tokens, *key_q.shape[1:])
@@ -318,14 +457,15 @@ def _double_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared
     text = torch.addcmul(text, c_gate_msa.unsqueeze(1), attn.to_add_out(text_attn))
     normed_text = _modulate_rows(block.norm2_context(text), c_scale_mlp, c_shift_mlp)
     text = torch.addcmul(text, c_gate_mlp.unsqueeze(1), block.ff_context(normed_text))
-    return text, hidden
+    return _clip_half(text), hidden
 
 
 def _single_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared: _Shared):
     """Single-stream block. Text and masked image tokens share every linear, so they run as one
     packed sequence [text of every row ; masked image tokens] through one fused q/k/v/MLP matmul.
-    In the last unit text tokens only serve as keys and values: the model drops their outputs after
-    it, so their queries, MLP and output projection are skipped (the image outputs are unchanged)."""
+    In the last unit text tokens only serve as keys and values: the model drops their outputs
+    after it, so their queries, MLP and output projection are skipped (the image outputs are
+    unchanged)."""
     temb = shared.temb
     shift, scale, gate = block.norm.linear(block.norm.silu(temb)).chunk(3, dim=1)
     normed_q = _modulate(block.norm.norm(x_q), layout_q, scale, shift)
@@ -361,7 +501,7 @@ def _single_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared
     attn_rows = torch.cat([text_attn.reshape(split, -1), image_attn]) if text_needed else image_attn
     mixed = block.proj_out(torch.cat([attn_rows, mlp], dim=-1))
     if not text_needed:
-        return text, torch.addcmul(x_q, layout_q.expand_rows(gate), mixed)
+        return text, _clip_half(torch.addcmul(x_q, layout_q.expand_rows(gate), mixed))
     hidden = torch.addcmul(x_q, layout_q.expand_rows(gate), mixed[split:])
     text = torch.addcmul(text, gate.unsqueeze(1), mixed[:split].reshape(num_rows, num_text, width))
-    return text, hidden
+    return _clip_half(text), _clip_half(hidden)

@@ -34,9 +34,6 @@ class RowLayout:
     def total(self) -> int:
         return self.offsets[-1]
 
-    def row_slice(self, row: int) -> slice:
-        return slice(self.offsets[row], self.offsets[row + 1])
-
     def gather(self, full: torch.Tensor) -> torch.Tensor:
         """(num_rows, num_tokens, C) -> packed (total, C)."""
         if self.is_full:
@@ -44,7 +41,8 @@ class RowLayout:
         return full.reshape(-1, full.shape[-1]).index_select(0, self.flat_index)
 
     def scatter_into(self, base: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        """Return ``base`` (num_rows, num_tokens, C) with this layout's tokens replaced by ``packed``."""
+        """Return ``base`` (num_rows, num_tokens, C) with this layout's tokens replaced by
+        ``packed``."""
         if self.is_full:
             return packed.reshape(base.shape)
         out = base.reshape(-1, base.shape[-1]).clone()

@@ -13,24 +13,38 @@ feed-forward on the masked tokens only:
 When the last unit of a stack uses the cache, the unmasked rows of the stack's ``proj_out`` output
 (``delta``, before the residual) come from the cache too. A unit that does not use the cache runs
 densely on all tokens. With no active ``ForwardContext`` the ordinary diffusers forward runs.
+
+Strict: install checks every block, attention and processor the forward reimplements and refuses
+other models at load; each forward refuses arguments it does not implement (attention masks,
+cross-attention kwargs) with an error naming them. Self-attention q/k/v and cross-attention k/v
+projections share one weight storage per set.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from diffusers.hooks import HookRegistry, ModelHook
-from diffusers.models.transformers.transformer_2d import (
-    Transformer2DModel,
-    Transformer2DModelOutput,
+from diffusers.hooks import HookRegistry
+from diffusers.models.attention import BasicTransformerBlock
+from diffusers.models.attention_processor import Attention, AttnProcessor2_0
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+from backend.engine.attention import fuse_linears, fused_linear, ragged_attention
+from backend.engine.context import ForwardContext
+from backend.engine.layout import RowLayout
+from backend.engine.strict import (
+    RUN_ORDINARY,
+    StrictForwardHook,
+    UnsupportedForwardError,
+    require,
+    require_type,
 )
 
-from backend.engine.attention import fused_linear, ragged_attention
-from backend.engine.context import ForwardContext, current_context
-from backend.engine.layout import RowLayout
-
 HOOK_NAME = "maskserve_unet_stack"
+_MASKS = "attention masks are not applied (masked tokens attend over every key); " + RUN_ORDINARY
 
 
 @dataclass(frozen=True)
@@ -50,34 +64,55 @@ def unet_stacks(unet: torch.nn.Module) -> list[Transformer2DModel]:
     return [attn for part in parts for attn in getattr(part, "attentions", [])]
 
 
-class _MaskAwareStackHook(ModelHook):
+class _MaskAwareStackHook(StrictForwardHook):
+    # timestep, class_labels and added_cond_kwargs feed only ada-norm blocks; the structure check
+    # admits layer-norm blocks alone, whose stock forward ignores them too.
+    implemented = frozenset(
+        {
+            "hidden_states",
+            "encoder_hidden_states",
+            "timestep",
+            "class_labels",
+            "added_cond_kwargs",
+            "return_dict",
+        }
+    )
+    advice = {
+        "cross_attention_kwargs": "cross-attention kwargs (a LoRA scale, GLIGEN inputs) are not "
+        "applied; merge LoRA weights into the model (pipe.fuse_lora()) or " + RUN_ORDINARY,
+        "attention_mask": _MASKS,
+        "encoder_attention_mask": _MASKS,
+    }
+
     def __init__(self, info: UnetStackInfo):
         super().__init__()
         self.info = info
 
-    def new_forward(
-        self, module: Transformer2DModel, hidden_states, encoder_hidden_states=None, *args, **kwargs
-    ):
-        ctx = current_context()
-        if ctx is None:
-            return self.fn_ref.original_forward(
-                hidden_states, encoder_hidden_states, *args, **kwargs
+    def run(self, module: Transformer2DModel, ctx: ForwardContext, arguments: dict[str, Any]):
+        _check_processors(module)
+        text = arguments["encoder_hidden_states"]
+        if text is None and any(b.attn2 is not None for b in module.transformer_blocks):
+            raise UnsupportedForwardError(
+                "the mask-aware UNet stack needs encoder_hidden_states for its cross-attention "
+                "(the stock forward would let the image attend to itself): pass the text embedding"
             )
-        sample = run_stack(module, self.info, hidden_states, encoder_hidden_states, ctx)
-        if kwargs.get("return_dict", True):
+        sample = run_stack(module, self.info, arguments["hidden_states"], text, ctx)
+        if arguments["return_dict"]:
             return Transformer2DModelOutput(sample=sample)
         return (sample,)
 
 
 def install_unet_hooks(unet: torch.nn.Module) -> list[UnetStackInfo]:
-    """Patch every transformer stack of ``unet`` (idempotent); return the stacks in execution order."""
+    """Check every transformer stack of ``unet`` (else ``UnsupportedModelError``), lay each set of
+    projections reading one input out in one weight storage (``fuse_linears``: no copy is kept)
+    and patch the stacks (idempotent); return the stacks in execution order."""
     infos, first_unit = [], 0
     for stack_id, stack in enumerate(unet_stacks(unet)):
-        if not stack.is_input_continuous or not stack.use_linear_projection:
-            raise ValueError(
-                "mask-aware UNet stacks need continuous inputs with linear projections"
-            )
-        _check_blocks(stack)
+        _check_stack(stack, f"transformer stack {stack_id}")
+        for block in stack.transformer_blocks:
+            fuse_linears((block.attn1.to_q, block.attn1.to_k, block.attn1.to_v))
+            if block.attn2 is not None:
+                fuse_linears((block.attn2.to_k, block.attn2.to_v))
         info = UnetStackInfo(stack_id, first_unit, len(stack.transformer_blocks))
         registry = HookRegistry.check_if_exists_or_initialize(stack)
         if registry.get_hook(HOOK_NAME) is None:
@@ -87,18 +122,53 @@ def install_unet_hooks(unet: torch.nn.Module) -> list[UnetStackInfo]:
     return infos
 
 
-def _check_blocks(stack: Transformer2DModel) -> None:
-    for block in stack.transformer_blocks:
-        if (
-            block.norm_type != "layer_norm"
-            or block.only_cross_attention
-            or block.pos_embed is not None
-        ):
-            raise ValueError(
-                "mask-aware UNet blocks must be plain layer-norm BasicTransformerBlocks"
-            )
-        if block.attn1.group_norm is not None or block.attn1.norm_q is not None:
-            raise ValueError("mask-aware UNet attention must have no group norm and no q/k norm")
+def _check_stack(stack: Transformer2DModel, where: str) -> None:
+    require(
+        stack.is_input_continuous and stack.use_linear_projection,
+        where,
+        "continuous inputs with linear projections",
+    )
+    for index, block in enumerate(stack.transformer_blocks):
+        at = f"{where} block {index}"
+        require_type(block, (BasicTransformerBlock,), at)
+        require(
+            block.norm_type == "layer_norm"
+            and not block.only_cross_attention
+            and block.pos_embed is None
+            and getattr(block, "fuser", None) is None,
+            at,
+            "plain layer norms, self-attention, no positional embedding and no GLIGEN fuser",
+        )
+        for name in ("attn1", "attn2"):
+            attn = getattr(block, name)
+            if attn is not None:
+                _check_attention(attn, f"{at}.{name}", cross=name == "attn2")
+    _check_processors(stack)
+
+
+def _check_attention(attn, where: str, cross: bool) -> None:
+    require_type(attn, (Attention,), where)
+    require(
+        attn.group_norm is None
+        and attn.spatial_norm is None
+        and attn.norm_q is None
+        and attn.norm_cross is None
+        and not attn.residual_connection
+        and attn.rescale_output_factor == 1.0
+        and attn.is_cross_attention == cross,
+        where,
+        "no group, spatial, q/k or cross norm, no residual or output rescale"
+        + (" and a text input" if cross else " and no text input"),
+    )
+
+
+def _check_processors(stack: Transformer2DModel) -> None:
+    """Also run on every mask-aware forward: processors can be swapped after install (IP-Adapter
+    loading, ``set_attn_processor``) and the mask-aware forward would not run theirs."""
+    for index, block in enumerate(stack.transformer_blocks):
+        for attn in (block.attn1, block.attn2):
+            if attn is not None:
+                require_type(attn.processor, (AttnProcessor2_0,), f"block {index}'s processor")
 
 
 class _State:
@@ -117,6 +187,7 @@ def run_stack(
     ctx: ForwardContext,
 ) -> torch.Tensor:
     num_rows, channels, height, width = x.shape
+    ctx.require_rows(num_rows)
     residual = x
     normed = stack.norm(x).permute(0, 2, 3, 1).reshape(num_rows, height * width, channels)
     masked = ctx.layout((height, width))
