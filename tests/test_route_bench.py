@@ -4,7 +4,6 @@ every policy (not a timing test)."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from backend.bench.route_bench import (
     summary_table,
     write_outputs,
 )
+from backend.cache.manager import Tier
 from backend.dispatch.router import POLICIES
 
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"
@@ -119,9 +119,9 @@ def test_latency_statistics_leave_out_the_warm_up_only():
     )
 
 
-# ----- the simulation's worker and dispatcher rules (the real worker's and dispatcher's) ------------
+# ----- the simulated cluster's timing (admission rules: tests/test_admission_scenarios.py) -------
 def _sim(policy="fewest_requests", workers=1, disk=(), **kw):
-    from backend.bench.route_bench import _Simulation
+    from backend.bench.route_sim import ClusterSimulation
     from backend.dispatch.router import Router
 
     cfg = RouteBenchConfig(
@@ -137,7 +137,7 @@ def _sim(policy="fewest_requests", workers=1, disk=(), **kw):
     return (
         cfg,
         model,
-        lambda trace: _Simulation(cfg, model, router, trace, {f"tpl{t}" for t in disk}),
+        lambda trace: ClusterSimulation(cfg, model, router, trace, {f"tpl{t}" for t in disk}),
     )
 
 
@@ -147,60 +147,46 @@ def _req(index, at, template, mask=0.1):
     return TraceRequest(index, at, template, mask, seed=index)
 
 
-def test_sim_holds_a_row_whose_read_is_in_flight_without_stalling_the_batch():
+def test_sim_a_held_row_joins_at_the_first_step_end_after_its_read_without_stalling_the_batch():
     cfg, model, make = _sim(disk=(0, 1))
-    sim = make([_req(0, 0.0, 0), _req(1, 2.0, 1)])
-    sim.workers[0].ram["tpl0"] = None  # job 0 is a RAM hit; job 1's template is on disk only
-    sim.run()
-    read = cfg.disk_read_s_per_byte * model.step_cache_bytes * cfg.steps
+    read = model.disk_read_s(cfg.steps)
     alone = model.step_latency([(0.1, "tpl0", True)])
-    assert sim.counts["disk_reads"] == 1 and sim.counts["ram_hits"] == 1 and sim.counts["held"] >= 1
-    # job 0 ran every step alone (nothing stalled it); job 1 joined at the first step end after its read
-    assert sim.done_at[0] == pytest.approx(4 * alone)
-    steps_before = math.ceil((2.0 + read) / alone)
-    assert sim.done_at[1] > 2.0 + read and steps_before * alone <= sim.done_at[1] - 3 * alone + 1e-9
+    pair = model.step_latency([(0.1, "tpl0", True), (0.1, "tpl1", True)])
+    assert alone < read < 2 * alone  # job 1's read lands during job 0's second step
+    sim = make([_req(0, 0.0, 0), _req(1, read + 0.1 * alone, 1)])
+    sim.run()
+    assert sim.counts["disk_reads"] == 2 and sim.counts["held"] == 2  # each held once
+    # job 0 steps alone twice (job 1's read stalls no step), then beside job 1, which joined at
+    # the first step end after its read landed and finishes alone
+    assert sim.done_at[0] == pytest.approx(read + 2 * alone + 2 * pair)
+    assert sim.done_at[1] == pytest.approx(read + 2 * alone + 2 * pair + 2 * alone)
 
 
 def test_sim_an_idle_worker_wakes_when_the_held_read_lands():
     cfg, model, make = _sim(disk=(1,))
     sim = make([_req(0, 1.0, 1)])
     sim.run()
-    read = cfg.disk_read_s_per_byte * model.step_cache_bytes * cfg.steps
+    read = model.disk_read_s(cfg.steps)
     assert sim.done_at[0] == pytest.approx(
         1.0 + read + 4 * model.step_latency([(0.1, "tpl1", True)])
     )
-
-
-def test_sim_holds_a_row_while_every_ram_slot_holds_a_template_in_use():
-    cfg, model, make = _sim(
-        disk=(0, 1), ram_templates=1
-    )  # as the real worker: no file-by-file reads
-    sim = make([_req(0, 0.0, 0), _req(1, 0.1, 1)])
-    sim.workers[0].ram["tpl0"] = None
-    sim.run()
-    read = cfg.disk_read_s_per_byte * model.step_cache_bytes * cfg.steps
-    alone = model.step_latency([(0.1, "tpl1", True)])
-    assert sim.counts["disk_reads"] == 1 and len(sim.workers[0].ram) == 1
-    assert (
-        sim.done_at[1] >= sim.done_at[0] + read + 4 * alone - 1e-9
-    )  # its read waited for job 0 to retire
 
 
 def test_sim_records_a_template_once_per_worker_and_its_other_rows_read_the_cache():
     cfg, model, make = _sim()
     sim = make([_req(0, 0.0, 5), _req(1, 0.1, 5)])
     sim.run()
-    read = cfg.disk_read_s_per_byte * model.step_cache_bytes * cfg.steps
+    read = model.disk_read_s(cfg.steps)
     assert (
         sim.counts["dense_rows"] == 1 and sim.counts["disk_reads"] == 1
     )  # the commit's read into RAM
     assert sim.done_at[1] > sim.done_at[0] + read  # held until the recording landed in RAM
+    assert sim.disk.templates == {"tpl5"}  # published on the shared disk
 
 
 def test_sim_late_binding_holds_jobs_in_arrival_order_until_a_slot_frees():
     cfg, model, make = _sim(late_binding=True, disk=(0,))
     sim = make([_req(i, 0.01 * i, 0) for i in range(4)])
-    sim.workers[0].ram["tpl0"] = None
     sim.run()
     assert not sim.held and sorted(sim.done_at) == [0, 1, 2, 3]
     assert sorted(sim.done_at, key=sim.done_at.get) == [0, 1, 2, 3]  # FIFO
@@ -209,6 +195,15 @@ def test_sim_late_binding_holds_jobs_in_arrival_order_until_a_slot_frees():
     assert (
         len(sim.decisions) > 4
     )  # jobs 2 and 3 were refused (held at the dispatcher) before a slot freed
+
+
+def test_sim_a_worker_keeps_at_most_its_ram_budget_of_templates():
+    cfg, model, make = _sim(disk=range(12), ram_templates=2, workers=2)
+    sim = make([_req(i, 0.05 * i, i % 12) for i in range(40)])
+    sim.run()
+    assert sorted(sim.done_at) == list(range(40))
+    for worker in sim.workers:
+        assert len(worker.caches.manager.resident(Tier.RAM)) <= 2
 
 
 def test_a_load_what_if_makes_small_masks_load_bound_and_shared_templates_cheap():

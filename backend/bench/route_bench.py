@@ -3,21 +3,19 @@
 Pure Python (numpy and matplotlib only): no model runs. The fitted cost profile of one model is
 the ground truth of time:
 
-* N workers (default 8), each with step-level continuous batching (max batch 8): before every
-  step a worker admits waiting jobs FIFO into free slots, runs one step for the whole batch, and
-  retires the jobs that finished. A step takes the exact Algorithm-1 plan latency
-  (``plan.solve_plan`` over ``costs.batch_unit_costs``) of the batch's rows, times a lognormal
-  noise factor (``noise_cv``: the fitted lines are not exact, and the router only sees the fit).
+* N workers (default 8), each running the serving worker's own scheduler, admission rules and
+  cache manager on simulated time (``backend.bench.route_sim``): step-level continuous batching
+  (max batch 8), prefetch-gated admission (a row whose read is in flight keeps its place while
+  rows behind it take free slots, so no read stalls a batch), one recording per template and
+  worker. A step takes the exact Algorithm-1 plan latency (``plan.solve_plan`` over
+  ``costs.batch_unit_costs``) of the batch's rows, times a lognormal noise factor (``noise_cv``:
+  the fitted lines are not exact, and the router only sees the fit).
 * Templates: a shared disk tier (one host's cache directory) holds a random ``prerecorded``
   fraction of the templates at the start; every worker has an LRU RAM tier of ``ram_templates``
-  templates (fewer than the trace uses). A job whose template is in the worker's RAM runs cached;
-  one on disk is read into RAM (``disk_read_s_per_byte`` per byte of its trajectory cache, one
-  read at a time per worker), prefetched from the job's arrival on that worker; admission is
-  prefetch-gated as in the real worker (``_Simulation.start_step``): a row whose read is still in
-  flight keeps its place in the queue while rows behind it take free slots, so no read stalls a
-  batch. A template on no disk is recorded: the row runs densely, other rows of that template on
-  the same worker wait for the recording, and when it finishes its cache lands on disk and is
-  read into RAM (as ``TieredActivationCache.commit`` does).
+  entries (fewer than the trace uses). A read from disk takes ``disk_read_s_per_byte`` per byte of
+  the template's trajectory cache, one read at a time per worker; a template on no disk is
+  recorded by the row that finds it missing, published on the shared disk when that row finishes
+  and read into the recorder's RAM.
 * Arrivals: ``trace.poisson_trace`` (bursty Poisson, Zipf templates, Beta mask ratios with the
   production mean 0.11), its nominal rate corrected so that the trace offers the intended rate
   (``offered_trace``). Every policy replays the identical trace at each load level, a fraction of
@@ -35,22 +33,21 @@ the same warm-up: at 0.95 of it the first minutes are an overload whose backlog 
 the warm-up (``warmup_fraction`` of the run, a quarter; every job is still simulated, for every
 policy alike); ``p95_all_latency_s`` keeps the P95 over every job, cold start included. Reported per
 policy and load: average, P50, P95 latency, throughput, queueing (arrival -> admission), cache
-outcomes, decision time; and the P95 reduction of mask_aware vs each baseline. ``decision_time`` times ``Router.choose`` alone on fresh random 8x8 clusters.
+outcomes, decision time; and the P95 reduction of mask_aware vs each baseline.
+``decision_time`` times ``Router.choose`` alone on fresh random 8x8 clusters.
 """
 
 from __future__ import annotations
 
 import gc
-import heapq
 import json
-import math
 import time
-from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
+from backend.bench.route_sim import ClusterSimulation
 from backend.bench.trace import mask_ratios, poisson_trace, zipf_weights
 from backend.costmodel import profiles
 from backend.costmodel.costs import CostProfile, RowWork, batch_unit_costs
@@ -125,229 +122,6 @@ class PolicyResult:
     decision_ms: dict = field(default_factory=dict)  # p50, p95 of Router.choose in this run
     measured_jobs: int = 0  # the jobs arriving after the warm-up (the latency statistics' sample)
     p95_all_latency_s: float = 0.0  # P95 over every job, the cold start included
-
-
-@dataclass
-class _Row:
-    index: int
-    template: str
-    mask_ratio: float
-    remaining: int
-    cached: bool = True
-    arrived_at: float = 0.0
-
-
-class _Worker:
-    def __init__(self, wid: str, cfg: RouteBenchConfig, rng: np.random.Generator):
-        self.wid, self.cfg, self.rng = wid, cfg, rng
-        self.running: list[_Row] = []
-        self.waiting: deque[_Row] = deque()
-        self.ram: OrderedDict[str, None] = OrderedDict()  # LRU: last = most recent
-        self.fetching: dict[str, float] = {}  # template -> when its read lands in RAM
-        self.disk_free_at = 0.0
-        self.busy = False
-        self.wake_at: float | None = None  # a wake event is pending for a held read (idle worker)
-        self.latency_cache: tuple | None = None  # (batch key, seconds) while the batch is unchanged
-
-    def view(self, cfg: RouteBenchConfig, disk: frozenset[str]) -> WorkerView:
-        return WorkerView(
-            self.wid,
-            cfg.model_id,
-            cfg.device,
-            cfg.max_batch,
-            tuple(
-                RowState(str(r.index), r.mask_ratio, r.remaining, r.template) for r in self.running
-            ),
-            tuple(
-                RowState(str(r.index), r.mask_ratio, r.remaining, r.template) for r in self.waiting
-            ),
-            frozenset(self.ram),
-            disk,
-        )
-
-    def touch(self, template: str) -> None:
-        self.ram[template] = None
-        self.ram.move_to_end(template)
-        in_use = {r.template for r in self.running}
-        for victim in [t for t in self.ram if t not in in_use]:
-            if len(self.ram) <= self.cfg.ram_templates:
-                break
-            del self.ram[victim]
-
-
-class _Simulation:
-    def __init__(
-        self, cfg: RouteBenchConfig, truth: RoutingCostModel, router: Router, trace, disk: set[str]
-    ):
-        self.cfg, self.truth, self.router, self.trace = cfg, truth, router, trace
-        self.disk = set(disk)
-        self.disk_view = frozenset(self.disk)
-        self.workers = [
-            _Worker(f"w{i:02d}", cfg, np.random.default_rng([cfg.seed, i]))
-            for i in range(cfg.num_workers)
-        ]
-        self.read_s = cfg.disk_read_s_per_byte * truth.step_cache_bytes * cfg.steps
-        self.events: list = []
-        self.held: deque = (
-            deque()
-        )  # late binding: jobs the dispatcher holds (FIFO) until a worker has slack
-        self.seq = 0
-        self.done_at: dict[int, float] = {}
-        self.queue_s: list[float] = []
-        self.batch_rows: list[int] = []
-        self.decisions: list[float] = []
-        self.counts = {"ram_hits": 0, "disk_reads": 0, "dense_rows": 0, "held": 0}
-
-    def ram_in_use(self, w: _Worker) -> bool:
-        """Every RAM slot of ``w`` holds a template a running row uses: a read must wait for one."""
-        return len({r.template for r in w.running if r.cached}) >= self.cfg.ram_templates
-
-    def read(self, w: _Worker, template: str, now: float) -> float:
-        """Queue a disk -> RAM read of ``template`` on ``w`` (one read at a time); when it lands."""
-        w.disk_free_at = max(now, w.disk_free_at) + self.read_s
-        w.fetching[template] = w.disk_free_at
-        self.counts["disk_reads"] += 1
-        return w.disk_free_at
-
-    def push(self, at: float, kind: str, data) -> None:
-        self.seq += 1
-        heapq.heappush(self.events, (at, self.seq, kind, data))
-
-    def run(self) -> None:
-        for req in self.trace:
-            self.push(req.arrival_s, "arrive", req)
-        while self.events:
-            now, _, kind, data = heapq.heappop(self.events)
-            if kind == "arrive":
-                self.arrive(now, data)
-            elif kind == "wake":
-                self.wake(now, data)
-            else:
-                self.step_done(now, data)
-
-    def arrive(self, now: float, req) -> None:
-        if self.held or not self.dispatch(now, req):
-            self.held.append(req)  # FIFO: no job overtakes one held before it
-
-    def dispatch_held(self, now: float) -> None:
-        while self.held and self.dispatch(now, self.held[0]):
-            self.held.popleft()
-
-    def dispatch(self, now: float, req) -> bool:
-        """Route ``req`` now; False when the router has no candidate (late binding: every worker full)."""
-        views = [w.view(self.cfg, self.disk_view) for w in self.workers]
-        job = JobRequest(
-            str(req.index), self.cfg.model_id, req.mask_ratio, self.cfg.steps, f"tpl{req.template}"
-        )
-        started = time.perf_counter()
-        decision = self.router.choose(job, views)
-        self.decisions.append(time.perf_counter() - started)
-        if decision.worker_id is None:
-            return False
-        w = self.workers[int(decision.worker_id[1:])]
-        row = _Row(
-            req.index, job.template, req.mask_ratio, self.cfg.steps, arrived_at=req.arrival_s
-        )
-        if (
-            row.template not in w.ram
-            and row.template in self.disk
-            and row.template not in w.fetching
-            and not self.ram_in_use(w)
-        ):
-            self.read(w, row.template, now)  # prefetch disk -> RAM while the job waits
-        w.waiting.append(row)
-        if not w.busy:
-            self.start_step(w, now)
-        return True
-
-    def start_step(self, w: _Worker, now: float) -> None:
-        """Admission at a step boundary, as ``EngineWorker`` with ``BatchScheduler.schedule(ready=)``:
-        waiting rows fill free slots in FIFO order, but a row is admitted only once its cache can be
-        acquired without waiting (prefetch-gated admission): a read still in flight, a template
-        evicted from RAM since (its read starts now, or, while every RAM slot holds a template a
-        running row uses, once a row retires and frees one) or a template this worker is
-        recording (it lands in RAM after the commit) hold that row in the queue, keeping its place,
-        while rows behind it take the slots; nothing ever stalls the batch. A worker left with nothing to run
-        wakes when the first held read lands."""
-        recording = {r.template for r in w.running if not r.cached}
-        held: list[_Row] = []
-        wake = math.inf
-        while w.waiting and len(w.running) < self.cfg.max_batch:
-            row = w.waiting.popleft()
-            t = row.template
-            lands, read = w.fetching.get(t), False
-            ram_in_use = self.ram_in_use(w)
-            if lands is not None and lands <= now:  # its read has landed: in RAM now
-                del w.fetching[t]
-                w.touch(t)
-                lands, read = None, True
-            elif lands is None and t not in w.ram and t in self.disk and not ram_in_use:
-                lands = self.read(
-                    w, t, now
-                )  # evicted (or published) since it arrived: prefetch now
-            room_later = (
-                lands is None and t not in w.ram and t in self.disk
-            )  # RAM full of templates in use
-            if lands is not None or room_later or (t in recording and t not in w.ram):
-                held.append(row)
-                self.counts["held"] += 1
-                wake = min(wake, lands if lands is not None else math.inf)
-                continue
-            if t in w.ram:
-                self.counts["ram_hits"] += not read  # a row whose read just landed is no hit
-            else:  # no cache anywhere: the row runs densely and records it; the same template waits
-                row.cached = False
-                recording.add(t)
-                self.counts["dense_rows"] += 1
-            self.queue_s.append(now - row.arrived_at)
-            w.running.append(row)
-            if row.cached:
-                w.touch(t)
-        w.waiting.extendleft(reversed(held))
-        if not w.running:
-            w.busy = False
-            if wake < math.inf and (w.wake_at is None or wake < w.wake_at):
-                w.wake_at = wake
-                self.push(wake, "wake", w)
-            return
-        w.busy = True
-        key = tuple((r.mask_ratio, r.template, r.cached) for r in w.running)
-        if w.latency_cache is None or w.latency_cache[0] != key:
-            w.latency_cache = (key, self.truth.step_latency(key))
-        seconds = w.latency_cache[1]
-        if self.cfg.noise_cv > 0:
-            sigma = math.sqrt(math.log1p(self.cfg.noise_cv**2))
-            seconds *= float(w.rng.lognormal(-sigma * sigma / 2, sigma))
-        self.batch_rows.append(len(w.running))
-        self.push(now + seconds, "step", w)
-
-    def wake(self, now: float, w: _Worker) -> None:
-        if w.wake_at == now:
-            w.wake_at = None
-        if not w.busy:
-            self.start_step(w, now)
-
-    def step_done(self, now: float, w: _Worker) -> None:
-        still, recorded = [], []
-        for row in w.running:
-            row.remaining -= 1
-            if row.remaining > 0:
-                still.append(row)
-                continue
-            self.done_at[row.index] = now
-            if (
-                not row.cached
-            ):  # a finished recording: its cache is stored on disk, then read into RAM
-                recorded.append(row.template)
-        retired, w.running = len(w.running) - len(still), still
-        for t in recorded:
-            self.disk.add(t)
-            self.disk_view = frozenset(self.disk)
-            if t not in w.ram and t not in w.fetching:
-                self.read(w, t, now)  # TieredActivationCache.commit loads it in the background
-        self.start_step(w, now)
-        if retired and self.held:  # a worker's load fell: held jobs may find slack now
-            self.dispatch_held(now)
 
 
 def load_profile(cfg: RouteBenchConfig) -> CostProfile:
@@ -434,7 +208,7 @@ def saturation_rps(
     ``capacity_rps`` for ``duration_s``, fewest_requests routing, the first quarter as warm-up):
     what the cluster sustains with this trace's disk reads and recordings."""
     trace = offered_trace(cfg, 1.5 * capacity_rps(cfg, routing), cfg.seed + 1)
-    sim = _Simulation(cfg, truth, Router("fewest_requests"), trace, prerecorded)
+    sim = ClusterSimulation(cfg, truth, Router("fewest_requests"), trace, prerecorded)
     sim.run()
     start = cfg.duration_s / 4
     done = sum(1 for t in sim.done_at.values() if start <= t < cfg.duration_s)
@@ -499,7 +273,7 @@ def run_route_bench(cfg: RouteBenchConfig, progress=None) -> dict:
                 allow_queueing=not cfg.late_binding,
                 queue_depth=cfg.queue_depth if cfg.late_binding else 0,
             )
-            sim = _Simulation(cfg, truth, router, trace, prerecorded)
+            sim = ClusterSimulation(cfg, truth, router, trace, prerecorded)
             sim.run()
             every = [sim.done_at[r.index] - r.arrival_s for r in trace if r.index in sim.done_at]
             warm = cfg.warmup_fraction * cfg.duration_s
@@ -733,15 +507,15 @@ def write_outputs(cfg: RouteBenchConfig, report: dict, json_path: Path) -> Path:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     what_if = (
-        f"\nwhat-if, not a measured device: cache loads {report['load_compute_ratio']:.2f}x a mean-mask "
-        f"request's compute"
+        "\nwhat-if, not a measured device: cache loads "
+        f"{report['load_compute_ratio']:.2f}x a mean-mask request's compute"
         if cfg.load_ratio or cfg.load_scale != 1.0
         else ""
     )
     fig.suptitle(
-        f"{cfg.model_id}: {cfg.num_workers} workers x batch {cfg.max_batch}, mask mean {cfg.mask_mean}, "
-        f"burst x{cfg.burst_factor:g}, {cfg.num_templates} templates, {cfg.ram_templates} in RAM per worker"
-        + what_if
+        f"{cfg.model_id}: {cfg.num_workers} workers x batch {cfg.max_batch}, "
+        f"mask mean {cfg.mask_mean}, burst x{cfg.burst_factor:g}, {cfg.num_templates} templates, "
+        f"{cfg.ram_templates} in RAM per worker" + what_if
     )
     fig.tight_layout()
     plot = json_path.with_suffix(".png")

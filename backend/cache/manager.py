@@ -156,7 +156,8 @@ class CacheMetrics:
         self.prefetch_lead_s.append(lead_s)
 
     def snapshot(self) -> dict:
-        """Plain dict for logs and heartbeats; lead-time statistics over the last ``LEAD_WINDOW`` uses."""
+        """Plain dict for logs and heartbeats; lead-time statistics over the last ``LEAD_WINDOW``
+        uses."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "prefetch_lead_s"}
         lookups = self.ram_hits + self.ram_misses
         out["ram_hit_rate"] = self.ram_hits / lookups if lookups else 0.0  # of all lookups
@@ -202,7 +203,8 @@ class CacheManager:
         return Residency.MISS  # still being stored
 
     def lookup(self, entry_id: str, now: float | None = None) -> Residency:
-        """Residency of ``entry_id``, counted as an access (metrics, policies, prefetch lead time)."""
+        """Residency of ``entry_id``, counted as an access (metrics, policies, prefetch lead
+        time)."""
         residency = self.residency(entry_id)
         self.metrics.record_lookup(residency)
         entry = self._entries.get(entry_id)
@@ -217,9 +219,10 @@ class CacheManager:
     def resident(self, tier: Tier) -> list[str]:
         return [e.entry_id for e in self._entries.values() if e.resident(tier)]
 
-    # ----- other processes sharing the disk tier ----------------------------------------------------
+    # ----- other processes sharing the disk tier ---------------------------------------------
     def touch(self, entry_id: str) -> None:
-        """Another process sharing the disk tier used ``entry_id``: rank it as just used (no metrics)."""
+        """Another process sharing the disk tier used ``entry_id``: rank it as just used (no
+        metrics)."""
         if entry_id in self._entries:
             for policy in self._policies.values():
                 policy.on_access(entry_id)
@@ -281,8 +284,32 @@ class CacheManager:
             entry.prefetched_at = prefetch_at
         return LoadPlan(entry_id, entry.size_bytes, ok=True, evictions=tuple(evictions))
 
+    def plan_prefetch(self, entry_id: str, now: float, speculative: bool) -> LoadPlan | None:
+        """The disk -> RAM load to start now for an entry on disk only, or None (nothing to load,
+        or no room). It spares entries prefetched for rows queued earlier (they come first); a
+        ``speculative`` prefetch (a job just queued) stops there, while one for a row whose turn
+        has come (rows admitted in this very schedule pin their entry only after it) evicts them
+        when nothing else makes room. Entries in use are never evicted: while RAM is full of
+        them there is no plan, and the row waits for a running row to release one."""
+        if self.residency(entry_id) is not Residency.DISK:
+            return None
+        plan = self.prepare_load(entry_id, prefetch_at=now, spare_prefetched=True)
+        if plan is not None and not plan.ok and not speculative:
+            plan = self.prepare_load(entry_id, prefetch_at=now)
+        return plan if plan is not None and plan.ok else None
+
+    def acquirable_now(self, entry_id: str) -> bool:
+        """Whether acquiring ``entry_id`` returns at once: in RAM, a miss, or on disk but too large
+        for the whole RAM budget (only ever read lazily, file by file). False while its load is in
+        flight, and for an entry on disk only that fits RAM (its load has yet to start)."""
+        residency = self.residency(entry_id)
+        if residency is Residency.LOADING:
+            return False
+        return not (residency is Residency.DISK and self.fits_ram(entry_id))
+
     def complete_load(self, entry_id: str, ok: bool) -> None:
-        """The load finished: the entry becomes readable from RAM, or its reservation is returned."""
+        """The load finished: the entry becomes readable from RAM, or its reservation is
+        returned."""
         entry = self._entries.get(entry_id)
         if entry is None or not entry.loading:
             return  # forgotten while loading: the reservation went with it
@@ -303,8 +330,8 @@ class CacheManager:
             if one in tier and not self._can_fit(one, size_bytes):
                 self.metrics.store_failures += 1
                 reason = (
-                    f"{size_bytes} bytes do not fit the {one.name} budget of {self.budget_bytes[one]} "
-                    f"bytes even after evicting every unpinned entry"
+                    f"{size_bytes} bytes do not fit the {one.name} budget of "
+                    f"{self.budget_bytes[one]} bytes even after evicting every unpinned entry"
                 )
                 return StorePlan(entry_id, size_bytes, tier, ok=False, reason=reason)
         entry = self._entries[entry_id] = EntryState(entry_id, size_bytes)
@@ -383,7 +410,8 @@ class CacheManager:
         keep: str | None,
         spare_prefetched: bool = False,
     ) -> None:
-        """Evict policy-chosen victims until ``tier`` is within budget (callers checked ``_can_fit``)."""
+        """Evict policy-chosen victims until ``tier`` is within budget (callers checked
+        ``_can_fit``)."""
         while self.used_bytes[tier] > self.budget_bytes[tier]:
             candidates = {e.entry_id: e for e in self._candidates(tier, keep, spare_prefetched)}
             if not candidates:
@@ -422,7 +450,7 @@ class CacheManager:
         else:
             self._remove(victim)
 
-    # ----- state changes: every flag change goes through here to keep bytes and policies exact --------
+    # ----- state changes: every flag change goes through here (bytes and policies stay exact) --
     def _update(self, entry: EntryState, **changes) -> None:
         before = {tier: (entry.holds(tier), entry.resident(tier)) for tier in (Tier.RAM, Tier.DISK)}
         for name, value in changes.items():

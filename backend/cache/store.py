@@ -1,4 +1,4 @@
-"""The tiered activation cache: template caches in host RAM above the on-disk ``cache_store`` entries.
+"""The tiered activation cache: template caches in host RAM above the on-disk cache entries.
 
 Design (spill semantics): recordings are written through to disk. ``CacheWriter`` already builds
 an entry as a directory, so ``commit`` publishes it there, registers it with the manager, then
@@ -225,7 +225,7 @@ class TieredActivationCache:
         self._closed = False
         self._register_existing()
 
-    # ----- start-up --------------------------------------------------------------------------------
+    # ----- start-up -------------------------------------------------------------------------------
     def _register_existing(self) -> None:
         """Register complete entries, oldest first so that recency policies rank them by age. An
         entry with a file missing is deleted (and counted corrupt): nothing could ever read it."""
@@ -282,7 +282,8 @@ class TieredActivationCache:
 
     def _sync_with_directory(self) -> None:
         """Under the lock: fold in what other workers sharing ``root`` did (module docstring). A
-        directory scan and a ``stat`` per entry: run before a commit makes room on disk, not per step."""
+        directory scan and a ``stat`` per entry: run before a commit makes room on disk, not per
+        step."""
         listed = {}
         for path in self.root.iterdir():
             if not path.name.startswith("."):
@@ -316,7 +317,7 @@ class TieredActivationCache:
             return  # deleted meanwhile: the read meets it
         self._seen_ns[entry_id] = now_ns
 
-    # ----- reading ---------------------------------------------------------------------------------
+    # ----- reading --------------------------------------------------------------------------------
     def acquire(self, key: CacheKey) -> MemoryTemplateCache | TemplateCache | None:
         """A pinned handle for ``key`` (``release`` it when done), from RAM whenever the entry fits
         there, or None on a miss or an unusable entry. Raises only ``CacheMismatchError``."""
@@ -386,52 +387,46 @@ class TieredActivationCache:
             self._prefetch_locked(key.digest(), speculative=True)
 
     def _prefetch_locked(self, entry_id: str, speculative: bool) -> None:
-        """Under the lock: start the disk -> RAM load of an entry that is on disk only. Entries
-        prefetched for queued rows (rows admitted in this very schedule among them: they pin their
-        entry only after it) are evicted only when nothing else makes room, and never for a
-        ``speculative`` load."""
+        """Under the lock: start the disk -> RAM load the manager plans for an entry on disk only
+        (``CacheManager.plan_prefetch``: a ``speculative`` one never evicts entries prefetched for
+        queued rows)."""
         self._discover(entry_id)
-        if self._manager.residency(entry_id) is not Residency.DISK:
+        if self._closed:
             return
-        self._load_in_background(entry_id, prefetch_at=time.monotonic(), spare_prefetched=True)
-        if not speculative and entry_id not in self._loads:
-            self._load_in_background(entry_id, prefetch_at=time.monotonic())
+        plan = self._manager.plan_prefetch(entry_id, time.monotonic(), speculative)
+        if plan is not None:
+            self._start_load(entry_id, plan.evictions)
 
     def ready(self, key: CacheKey) -> bool:
-        """Whether a row of ``key`` may join the batch now, ``acquire(key)`` returning at once: True
-        for an entry in RAM, a miss, or an entry too large for the whole RAM budget (it is only
-        ever read lazily from disk, file by file). An entry on disk only starts its load here (if none runs:
-        e.g. evicted from RAM since it was prefetched) and reads False until the load lands, or,
-        when RAM is full of entries in use, until a running row releases one: the worker keeps
+        """Whether a row of ``key`` may join the batch now, ``acquire(key)`` returning at once
+        (``CacheManager.acquirable_now``). An entry on disk only starts its load here (if none
+        runs: e.g. evicted from RAM since it was prefetched) and reads False until the load lands,
+        or, when RAM is full of entries in use, until a running row releases one: the worker keeps
         such a row queued (prefetch-gated admission) instead of stalling its running batch on the
         read, or on file-by-file disk reads in every step."""
         entry_id = key.digest()
         with self._lock:
-            if entry_id not in self._loads:
-                self._prefetch_locked(entry_id, speculative=False)
-            if entry_id in self._loads:
-                return False
-            on_disk_only = self._manager.residency(entry_id) is Residency.DISK
-            return not (on_disk_only and self._manager.fits_ram(entry_id))
-
-    def _load_in_background(
-        self, entry_id: str, prefetch_at: float | None = None, spare_prefetched: bool = False
-    ) -> None:
-        if self._closed:
-            return
-        load = self._reserve_load(entry_id, prefetch_at, spare_prefetched)
-        if load is not None:
-            self._executor.submit(self._claim_and_run, entry_id, load)
+            self._prefetch_locked(entry_id, speculative=False)
+            return self._manager.acquirable_now(entry_id)
 
     def _reserve_load(
-        self, entry_id: str, prefetch_at: float | None = None, spare_prefetched: bool = False
+        self, entry_id: str, spare_prefetched: bool = False, background: bool = False
     ) -> _Load | None:
         """Under the lock: reserve RAM and make room; None when the entry cannot fit in RAM now."""
-        plan = self._manager.prepare_load(entry_id, prefetch_at, spare_prefetched)
+        plan = self._manager.prepare_load(entry_id, spare_prefetched=spare_prefetched)
         if plan is None or not plan.ok:
             return None
-        self._execute(plan.evictions)
+        return self._start_load(entry_id, plan.evictions, background)
+
+    def _start_load(
+        self, entry_id: str, evictions: tuple[Eviction, ...], background: bool = True
+    ) -> _Load:
+        """Under the lock: execute a reserved load's evictions and register the load; run it on the
+        prefetch threads when ``background`` (else the caller claims it)."""
+        self._execute(evictions)
         load = self._loads[entry_id] = _Load()
+        if background:
+            self._executor.submit(self._claim_and_run, entry_id, load)
         return load
 
     def _claim_and_run(self, entry_id: str, load: _Load) -> None:
@@ -478,11 +473,12 @@ class TieredActivationCache:
                 self._discard(entry_id, exc)
             return None
 
-    # ----- recording -------------------------------------------------------------------------------
+    # ----- recording ------------------------------------------------------------------------------
     def writer(
         self, key: CacheKey, num_units: int, halves: int, dtype: torch.dtype
     ) -> GuardedCacheWriter | None:
-        """A writer for a new recording of ``key`` (None when even its temporary directory fails)."""
+        """A writer for a new recording of ``key`` (None when even its temporary directory
+        fails)."""
         try:
             return GuardedCacheWriter(self.root, key, num_units, halves, dtype)
         except OSError as exc:
@@ -519,12 +515,10 @@ class TieredActivationCache:
                     return None
                 self._execute(plan.evictions)
                 self._manager.complete_store(entry_id, ok=True)
-                self._seen_ns[entry_id] = _mtime_ns(
-                    disk.path / MANIFEST
-                )  # our own write, not a use elsewhere
-                self._load_in_background(
-                    entry_id, spare_prefetched=True
-                )  # likely edited again: speculative
+                # our own write, not a use elsewhere
+                self._seen_ns[entry_id] = _mtime_ns(disk.path / MANIFEST)
+                if not self._closed:  # likely edited again: loaded speculatively
+                    self._reserve_load(entry_id, spare_prefetched=True, background=True)
         return disk
 
     def _store_failed(self, writer: GuardedCacheWriter, exc: Exception) -> None:
@@ -537,7 +531,7 @@ class TieredActivationCache:
         with self._lock:
             self._manager.metrics.store_failures += 1
 
-    # ----- executing the manager's decisions (under the lock) ------------------------------------------
+    # ----- executing the manager's decisions (under the lock) -------------------------------------
     def _execute(self, evictions: tuple[Eviction, ...]) -> None:
         for action in evictions:
             if isinstance(action, DeleteFromDisk):
@@ -568,7 +562,7 @@ class TieredActivationCache:
         self._ram.pop(entry_id, None)
         shutil.rmtree(self.root / entry_id, ignore_errors=True)
 
-    # ----- introspection ---------------------------------------------------------------------------
+    # ----- introspection --------------------------------------------------------------------------
     @property
     def metrics(self) -> CacheMetrics:
         """A consistent copy of the counters (``metrics.snapshot()`` for logs)."""

@@ -10,16 +10,12 @@ Invariants: every job that reaches the inbox ends with exactly one terminal even
 (denoised -> handed on, failed, or cancelled) and is acked then; a cache entry acquired for a row is
 released when the row leaves; one template is recorded by at most one row at a time.
 
-Prefetch-gated admission (``_ready``, FlashPS's bubble-free serving): a waiting row joins the batch
-only when acquiring its cache will not wait: its disk -> RAM prefetch has landed (``caches.ready``;
-when RAM is full of entries in use, the read waits until a running row releases one), and no row
-of this worker is recording its template (it waits for that recording's commit, which
-loads the new entry into RAM, rather than computing densely beside it; a row admitted in the same
-step as the recorder waits too). Until then it keeps its place in the queue and rows behind it take
-the free slots; the running batch never stalls on a read. A row found ready acquires (pins) its
-entry at once, so a read started for a row behind it in the same schedule cannot evict it. With
-nothing else to run the loop polls its inbox every ``HELD_POLL_S`` while the reads land.
-``backend.bench.route_bench`` simulates the same rule.
+Prefetch-gated admission (FlashPS's bubble-free serving): which waiting row joins the batch is
+decided by ``backend.worker.admission.AdmissionRules`` (the route simulation's workers apply the
+same rules), over the tiered cache: a row joins only when acquiring its cache will not wait, and
+waits for a recording of its template by this worker to be committed. A row found ready acquires
+(pins) its entry at once (``_Job.early_cache``). With nothing else to run the loop polls its inbox
+every ``HELD_POLL_S`` while the reads land.
 
 A broken template cache never fails a job: an entry found missing or corrupt when acquired reads as
 a miss (``TieredActivationCache``); one whose file turns out missing or corrupt when the row is
@@ -47,6 +43,7 @@ from backend.engine.cache_store import CacheCorruptError, CacheError, CacheKey
 from backend.engine.editor import EditParams, EditState, MaskAwareEngine
 from backend.engine.prepared import PreparedRequest
 from backend.protocol import CancelJob, DenoisedJob, EditJob, JobEvent, PreparedJob
+from backend.worker.admission import AdmissionRules, Candidate
 from backend.worker.batching import BatchScheduler, Row
 from backend.worker.channels import Inbox, JobSink
 from backend.worker.stats import WorkerStats
@@ -57,7 +54,7 @@ HELD_POLL_S = 0.005  # inbox poll while every waiting row waits for its cache an
 
 
 class TemplateCaches(Protocol):
-    """The tiered activation cache as the worker uses it (``backend.cache.TieredActivationCache``)."""
+    """The tiered activation cache as the worker uses it (``backend.cache``'s tiered cache)."""
 
     def acquire(self, key: CacheKey): ...
 
@@ -117,8 +114,8 @@ class EngineWorker:
         self.scheduler = BatchScheduler(max_batch, mode)
         self.jobs: dict[str, _Job] = {}
         self.stats = WorkerStats()
-        self._recording: set[str] = set()  # cache digests being recorded by a running row
-        self._claimed: set[str] = set()  # digests a row admitted in this schedule will record
+        self.admission = AdmissionRules()  # which waiting row may join; templates recorded
+        self._gate = _JobCacheGate(self)
         self._held = False  # the last schedule held rows back and nothing ran
         self._cancel_before_arrival: set[str] = set()
 
@@ -128,11 +125,12 @@ class EngineWorker:
             self.iterate(idle_poll_s)
 
     def iterate(self, idle_poll_s: float = 0.0) -> bool:
-        """One iteration; blocks up to ``idle_poll_s`` for work only when nothing runs. True if a step ran."""
+        """One iteration; blocks up to ``idle_poll_s`` for work only when nothing runs. True if a
+        step ran."""
         for message in self.inbox.poll(self._inbox_wait_s(idle_poll_s)):
             self._receive(message)
         started = time.perf_counter()
-        self._claimed.clear()
+        self.admission.start_schedule()
         out = self.scheduler.schedule(time.time(), self._ready)
         self._held = bool(out.held) and not self.scheduler.running
         self.stats.record_held(len(out.held))
@@ -229,27 +227,24 @@ class EngineWorker:
 
     # ----- admission ------------------------------------------------------------------------------
     def _ready(self, row: Row) -> bool:
-        """May ``row`` join the batch now without stalling it (module docstring)?"""
+        """May ``row`` join the batch now without stalling it (``AdmissionRules.admit``)?"""
         job = self.jobs.get(row.job_id)
-        key = job.prepared.cache_key if job is not None else None
-        if key is None or self.caches is None or not job.params.use_cache:
-            return True
-        digest = key.digest()
-        if digest in self._recording or digest in self._claimed:
-            return job.message.prepare  # a prepare job for it ends at once ("being recorded")
-        if not self.caches.ready(key):
-            return False
-        cache, error = job.early_cache = self._acquire_early(job)
-        if cache is None and error is None and self._should_record(job, forced=job.message.prepare):
-            self._claimed.add(
-                digest
-            )  # a miss this row will record: same-template rows behind it wait
-        return True
+        return job is None or self.admission.admit(self._candidate(job), self._gate)
+
+    def _candidate(self, job: _Job) -> Candidate:
+        key = job.prepared.cache_key
+        reads_cache = self.caches is not None and key is not None and job.params.use_cache
+        return Candidate(
+            job.message.job_id,
+            key.digest() if reads_cache else "",
+            records_on_miss=job.message.prepare or job.params.record_on_first_edit,
+            prepare=job.message.prepare,
+        )
 
     def _acquire_early(self, job: _Job) -> tuple:
-        """(handle, error) of the row's cache, acquired (pinned) as soon as the row is found ready: a
-        read started for a row behind it in the same schedule must not evict it. An error is raised
-        later by ``_admit``, where admission failures are handled."""
+        """(handle, error) of the row's cache, acquired (pinned) as soon as the row is found ready:
+        a read started for a row behind it in the same schedule must not evict it. An error is
+        raised later by ``_admit``, where admission failures are handled."""
         try:
             return self._acquire(job), None
         except Exception as exc:
@@ -288,7 +283,8 @@ class EngineWorker:
         self._emit(job_id, "running", step=0, num_steps=job.message.num_steps)
 
     def _admit_state(self, job: _Job, cache) -> EditState:
-        """The row's engine state; densely when reading the cache's trajectory finds the entry broken."""
+        """The row's engine state; densely when reading the cache's trajectory finds the entry
+        broken."""
         try:
             return self.engine.admit(job.prepared, cache, record=job.message.prepare)
         except CacheCorruptError as exc:
@@ -329,16 +325,8 @@ class EngineWorker:
         return cache
 
     def _should_record(self, job: _Job, forced: bool = False) -> bool:
-        """Record this row's template cache on its way: on a first edit when the settings say so,
-        always for a prepare job (``forced``); never twice at once for one template."""
-        key = job.prepared.cache_key
-        return (
-            self.caches is not None
-            and key is not None
-            and job.params.use_cache
-            and (forced or job.params.record_on_first_edit)
-            and key.digest() not in self._recording
-        )
+        """Record this row's template cache on its way (``AdmissionRules.should_record``)."""
+        return self.admission.should_record(self._candidate(job), forced)
 
     def _start_recording(self, job: _Job) -> None:
         key, state = job.prepared.cache_key, job.state
@@ -346,9 +334,9 @@ class EngineWorker:
             key, self.engine.num_units, state.req.halves, self.engine.adapter.dtype
         )
         if state.writer is not None:
-            self._recording.add(key.digest())
+            self.admission.start_recording(key.digest())
 
-    # ----- steps -------------------------------------------------------------------------------------
+    # ----- steps ----------------------------------------------------------------------------
     def _step_group(self, job_ids: list[str]) -> tuple[list[str], float]:
         states = [self.jobs[j].state for j in job_ids]
         mode = self.jobs[job_ids[0]].params.mode
@@ -405,7 +393,7 @@ class EngineWorker:
             )
         return bool(broken)
 
-    # ----- leaving -----------------------------------------------------------------------------------
+    # ----- leaving --------------------------------------------------------------------------
     def _retire(self, row: Row) -> None:
         job = self.jobs[row.job_id]
         state = job.state
@@ -441,7 +429,7 @@ class EngineWorker:
 
     def _commit_recording(self, job: _Job) -> None:
         state = job.state
-        self._recording.discard(job.prepared.cache_key.digest())
+        self.admission.end_recording(job.prepared.cache_key.digest())
         try:
             state.writer.write_trajectory(
                 {"latents": torch.cat(state.recorded_latents + [state.latents])}
@@ -472,7 +460,7 @@ class EngineWorker:
         if job is not None:
             if job.state is not None and job.state.writer is not None:
                 job.state.writer.abort()
-                self._recording.discard(job.prepared.cache_key.digest())
+                self.admission.end_recording(job.prepared.cache_key.digest())
             self._release(job)
         self._emit(job_id, status, message=message)
         self.inbox.ack(job_id)
@@ -485,3 +473,18 @@ class EngineWorker:
                 job_id=job_id, status=status, at=time.time(), worker_id=self.worker_id, **fields
             )
         )
+
+
+class _JobCacheGate:
+    """The worker's tiered cache as ``AdmissionRules`` asks it, per waiting job."""
+
+    def __init__(self, worker: EngineWorker):
+        self.worker = worker
+
+    def ready(self, row: Candidate) -> bool:
+        return self.worker.caches.ready(self.worker.jobs[row.job_id].prepared.cache_key)
+
+    def acquire(self, row: Candidate) -> bool:
+        job = self.worker.jobs[row.job_id]
+        cache, error = job.early_cache = self.worker._acquire_early(job)
+        return cache is None and error is None

@@ -1,0 +1,372 @@
+"""The route simulation's cluster: a discrete-event simulation of engine workers and a router.
+
+Every simulated worker runs the serving worker's own pure parts on simulated time: the
+``BatchScheduler`` (step-level continuous batching), the ``AdmissionRules`` (prefetch-gated
+admission, one recording per template) and a ``CacheManager`` over its RAM tier, so the
+simulation cannot drift from the worker's rules. What the simulation supplies is time:
+
+* a step of a batch takes the routing cost model's latency of its rows (``truth``: the exact
+  Algorithm-1 plan), times a lognormal noise factor (``noise_cv``);
+* the disk tier is one directory shared by every worker (``SharedDisk``); a disk -> RAM read of an
+  entry takes ``read_s``, one read at a time per worker (the tiered cache's one prefetch thread),
+  in the order the manager plans them; a recording is committed to the shared disk when its row
+  finishes and then read into the recorder's RAM, as ``TieredActivationCache.commit`` does.
+
+Invariants: a worker's RAM tier holds at most ``ram_templates`` entries (its budget in bytes);
+every job routed to a worker finishes on it; a read lands (``complete_load``) only at or after the
+time it was planned to.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from backend.cache.manager import CacheManager, LoadPlan, Residency, Tier
+from backend.dispatch.router import JobRequest, Router, RoutingCostModel, RowState, WorkerView
+from backend.worker.admission import AdmissionRules, Candidate
+from backend.worker.batching import BatchScheduler, Row
+
+if TYPE_CHECKING:
+    from backend.bench.route_bench import RouteBenchConfig
+
+UNLIMITED_DISK_BYTES = 1 << 62  # the shared disk holds every template: its budget never binds
+GROUP = "sim"  # every simulated row shares forward passes (one model, resolution and cache mode)
+
+
+@dataclass
+class SimJob:
+    index: int
+    template: str
+    mask_ratio: float
+    arrived_at: float
+    admitted_at: float | None = None
+    cached: bool = False  # reads its template's cache (set at admission)
+    records: bool = False  # computes densely and records its template's cache
+
+
+class SharedDisk:
+    """The disk tier every worker shares: the templates recorded there, in one frozen view."""
+
+    def __init__(self, templates: set[str]):
+        self.templates = set(templates)
+        self.view = frozenset(self.templates)
+
+    def publish(self, template: str) -> None:
+        self.templates.add(template)
+        self.view = frozenset(self.templates)
+
+
+class SimulatedCaches:
+    """One worker's tiered cache on simulated time (module docstring); ``CacheManager`` decides.
+
+    A ``CacheGate`` for ``AdmissionRules``: ``settle(now)`` first sets the time of the questions.
+    """
+
+    def __init__(self, ram_entries: int, disk: SharedDisk, entry_bytes: int, read_s: float):
+        self.manager = CacheManager(ram_entries * entry_bytes, UNLIMITED_DISK_BYTES)
+        self.disk, self.entry_bytes, self.read_s = disk, entry_bytes, read_s
+        self.landing: dict[str, float] = {}  # entry -> when its read lands in RAM
+        self.disk_free_at = 0.0
+        self.reads = 0
+        self.now = 0.0
+
+    def settle(self, now: float) -> None:
+        """Advance to ``now``: reads that landed by then complete."""
+        self.now = now
+        for entry_id, lands in list(self.landing.items()):
+            if lands <= now:
+                del self.landing[entry_id]
+                self.manager.complete_load(entry_id, ok=True)
+
+    def next_landing(self) -> float | None:
+        return min(self.landing.values(), default=None)
+
+    def _discover(self, entry_id: str) -> None:
+        """An entry another worker published on the shared disk is registered before it is used,
+        as ``TieredActivationCache._discover`` does."""
+        if self.manager.residency(entry_id) is Residency.MISS and entry_id in self.disk.templates:
+            self.manager.register_disk(entry_id, self.entry_bytes)
+
+    def _read(self, plan: LoadPlan) -> None:
+        """Queue the planned read behind this worker's reads in flight (its evictions only drop
+        RAM copies: every entry stays on the shared disk)."""
+        self.disk_free_at = max(self.now, self.disk_free_at) + self.read_s
+        self.landing[plan.entry_id] = self.disk_free_at
+        self.reads += 1
+
+    def prefetch(self, entry_id: str, speculative: bool) -> None:
+        self._discover(entry_id)
+        plan = self.manager.plan_prefetch(entry_id, self.now, speculative)
+        if plan is not None:
+            self._read(plan)
+
+    def ready(self, row: Candidate) -> bool:
+        self.prefetch(row.template, speculative=False)
+        return self.manager.acquirable_now(row.template)
+
+    def acquire(self, row: Candidate) -> bool:
+        self._discover(row.template)
+        if self.manager.lookup(row.template, now=self.now) is Residency.MISS:
+            return True
+        self.manager.pin(row.template)
+        return False
+
+    def release(self, entry_id: str) -> None:
+        self.manager.unpin(entry_id)
+
+    def commit(self, entry_id: str) -> None:
+        """A recording finished: publish it on the shared disk (unless another worker did
+        meanwhile) and read it into RAM speculatively (it is likely edited again)."""
+        self._discover(entry_id)
+        if self.manager.residency(entry_id) is not Residency.MISS:
+            return
+        self.disk.publish(entry_id)
+        plan = self.manager.prepare_store(entry_id, self.entry_bytes, Tier.DISK)
+        self.manager.complete_store(entry_id, ok=plan.ok)
+        load = self.manager.prepare_load(entry_id, spare_prefetched=True)
+        if load is not None and load.ok:
+            self._read(load)
+
+
+class SimWorker:
+    """One engine worker: ``BatchScheduler`` + ``AdmissionRules`` + ``SimulatedCaches``."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        cfg: RouteBenchConfig,
+        caches: SimulatedCaches,
+    ):
+        self.worker_id, self.cfg, self.caches = worker_id, cfg, caches
+        self.scheduler = BatchScheduler(cfg.max_batch)
+        self.admission = AdmissionRules()
+        self._gate = _AdmittedGate(self)
+        self.jobs: dict[str, SimJob] = {}
+        self.queue_s: list[float] = []  # arrival -> admission of every admitted job
+        self.held = self.dense_rows = 0  # row-schedules a row was held; rows run densely
+        self.busy = False  # a step is in flight
+        self.wake_at: float | None = None  # a wake event is pending for a landing read
+
+    def view(self, cfg: RouteBenchConfig) -> WorkerView:
+        running = self.scheduler.running.values()
+        return WorkerView(
+            self.worker_id,
+            cfg.model_id,
+            cfg.device,
+            cfg.max_batch,
+            tuple(RowState(r.job_id, r.mask_ratio, r.remaining_steps, r.template) for r in running),
+            tuple(
+                RowState(r.job_id, r.mask_ratio, r.num_steps, r.template)
+                for r in self.scheduler.waiting.values()
+            ),
+            frozenset(self.caches.manager.resident(Tier.RAM)),
+            self.caches.disk.view,
+        )
+
+    def receive(self, job: SimJob, now: float) -> None:
+        """A routed job joins the queue; its template's read starts at once (a speculative
+        prefetch, as the worker's on arrival)."""
+        job_id = str(job.index)
+        self.jobs[job_id] = job
+        self.scheduler.add(
+            Row(job_id, self.cfg.steps, GROUP, job.mask_ratio, now, template=job.template)
+        )
+        self.caches.settle(now)
+        self.caches.prefetch(job.template, speculative=True)
+
+    def start_step(self, now: float) -> list[tuple[float, str, bool]]:
+        """Admit at a step boundary; the running rows ``(mask, template, cached)`` of the step."""
+        self.caches.settle(now)
+        self.admission.start_schedule()
+        out = self.scheduler.schedule(now, self._ready)
+        self.held += len(out.held)
+        for job_id in out.admitted:
+            self._admit(self.jobs[job_id], now)
+        return [
+            (job.mask_ratio, job.template, job.cached)
+            for job in (self.jobs[j] for j in self.scheduler.running)
+        ]
+
+    def _ready(self, row: Row) -> bool:
+        return self.admission.admit(Candidate(row.job_id, row.template), self._gate)
+
+    def _admit(self, job: SimJob, now: float) -> None:
+        job.admitted_at = now
+        self.queue_s.append(now - job.arrived_at)
+        if job.cached:
+            return
+        self.dense_rows += 1
+        candidate = Candidate(str(job.index), job.template)
+        if self.admission.should_record(candidate):
+            job.records = True
+            self.admission.start_recording(job.template)
+
+    def finish_step(self, now: float) -> list[SimJob]:
+        """Every running row stepped once; the jobs that finished (their caches released, their
+        recordings committed)."""
+        self.caches.settle(now)
+        finished = []
+        for row in self.scheduler.update_from_output(list(self.scheduler.running)):
+            job = self.jobs.pop(row.job_id)
+            if job.records:
+                self.admission.end_recording(job.template)
+                self.caches.commit(job.template)
+            elif job.cached:
+                self.caches.release(job.template)
+            finished.append(job)
+        return finished
+
+
+class _AdmittedGate:
+    """``SimulatedCaches`` as the worker's gate: an acquire also marks the job cached or not."""
+
+    def __init__(self, worker: SimWorker):
+        self.worker = worker
+
+    def ready(self, row: Candidate) -> bool:
+        return self.worker.caches.ready(row)
+
+    def acquire(self, row: Candidate) -> bool:
+        miss = self.worker.caches.acquire(row)
+        self.worker.jobs[row.job_id].cached = not miss
+        return miss
+
+
+class ClusterSimulation:
+    """Workers, a router and a trace: ``run`` replays the trace (module docstring)."""
+
+    def __init__(
+        self,
+        cfg: RouteBenchConfig,
+        truth: RoutingCostModel,
+        router: Router,
+        trace,
+        disk: set[str],
+    ):
+        self.cfg, self.truth, self.router, self.trace = cfg, truth, router, trace
+        self.disk = SharedDisk(disk)
+        entry_bytes = max(1, truth.step_cache_bytes * cfg.steps)
+        self.workers = [
+            SimWorker(
+                f"w{i:02d}",
+                cfg,
+                SimulatedCaches(
+                    cfg.ram_templates, self.disk, entry_bytes, truth.disk_read_s(cfg.steps)
+                ),
+            )
+            for i in range(cfg.num_workers)
+        ]
+        self.rngs = [np.random.default_rng([cfg.seed, i]) for i in range(cfg.num_workers)]
+        self.latency_memo: dict[str, tuple] = {}  # worker id -> (batch rows, step seconds)
+        self.events: list = []
+        self.held: deque = deque()  # late binding: jobs the dispatcher holds (FIFO)
+        self.seq = 0
+        self.done_at: dict[int, float] = {}
+        self.batch_rows: list[int] = []
+        self.decisions: list[float] = []
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """ram_hits (rows whose entry was in RAM without a read of their own), disk_reads,
+        dense_rows (rows run without a cache: recordings), held (row-schedules held, slot free)."""
+        metrics = [w.caches.manager.metrics for w in self.workers]
+        return {
+            "ram_hits": sum(m.ram_hits - m.prefetch_uses for m in metrics),
+            "disk_reads": sum(w.caches.reads for w in self.workers),
+            "dense_rows": sum(w.dense_rows for w in self.workers),
+            "held": sum(w.held for w in self.workers),
+        }
+
+    @property
+    def queue_s(self) -> list[float]:
+        return [seconds for w in self.workers for seconds in w.queue_s]
+
+    def push(self, at: float, kind: str, data) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (at, self.seq, kind, data))
+
+    def run(self) -> None:
+        for req in self.trace:
+            self.push(req.arrival_s, "arrive", req)
+        while self.events:
+            now, _, kind, data = heapq.heappop(self.events)
+            if kind == "arrive":
+                self.arrive(now, data)
+            elif kind == "wake":
+                self.wake(now, data)
+            else:
+                self.step_done(now, data)
+
+    def arrive(self, now: float, req) -> None:
+        if self.held or not self.dispatch(now, req):
+            self.held.append(req)  # FIFO: no job overtakes one held before it
+
+    def dispatch_held(self, now: float) -> None:
+        while self.held and self.dispatch(now, self.held[0]):
+            self.held.popleft()
+
+    def dispatch(self, now: float, req) -> bool:
+        """Route ``req`` now; False when the router has no candidate (late binding: all full)."""
+        views = [w.view(self.cfg) for w in self.workers]
+        template = f"tpl{req.template}"
+        job = JobRequest(
+            str(req.index), self.cfg.model_id, req.mask_ratio, self.cfg.steps, template
+        )
+        started = time.perf_counter()
+        decision = self.router.choose(job, views)
+        self.decisions.append(time.perf_counter() - started)
+        if decision.worker_id is None:
+            return False
+        worker = self.workers[int(decision.worker_id[1:])]
+        worker.receive(SimJob(req.index, template, req.mask_ratio, req.arrival_s), now)
+        if not worker.busy:
+            self.start_step(worker, now)
+        return True
+
+    def start_step(self, worker: SimWorker, now: float) -> None:
+        """The worker admits and runs its next step; with nothing to run it sleeps until the
+        first read in flight lands."""
+        rows = worker.start_step(now)
+        if not rows:
+            worker.busy = False
+            wake = worker.caches.next_landing()
+            if wake is not None and (worker.wake_at is None or wake < worker.wake_at):
+                worker.wake_at = wake
+                self.push(wake, "wake", worker)
+            return
+        worker.busy = True
+        self.batch_rows.append(len(rows))
+        self.push(now + self.step_seconds(worker, rows), "step", worker)
+
+    def step_seconds(self, worker: SimWorker, rows: list[tuple[float, str, bool]]) -> float:
+        key = tuple(rows)
+        memo = self.latency_memo.get(worker.worker_id)
+        if memo is None or memo[0] != key:  # most steps run the same batch as the one before
+            memo = self.latency_memo[worker.worker_id] = (key, self.truth.step_latency(rows))
+        seconds = memo[1]
+        if self.cfg.noise_cv > 0:
+            sigma = math.sqrt(math.log1p(self.cfg.noise_cv**2))
+            rng = self.rngs[int(worker.worker_id[1:])]
+            seconds *= float(rng.lognormal(-sigma * sigma / 2, sigma))
+        return seconds
+
+    def wake(self, now: float, worker: SimWorker) -> None:
+        if worker.wake_at == now:
+            worker.wake_at = None
+        if not worker.busy:
+            self.start_step(worker, now)
+
+    def step_done(self, now: float, worker: SimWorker) -> None:
+        finished = worker.finish_step(now)
+        for job in finished:
+            self.done_at[job.index] = now
+        self.start_step(worker, now)
+        if finished and self.held:  # a worker's load fell: held jobs may find slack now
+            self.dispatch_held(now)
