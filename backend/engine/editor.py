@@ -10,6 +10,11 @@ Invariants:
   cached activations and the latents they came from always agree;
 * a request's seed drives noise inside its mask, the template's seed outside;
 * with every token masked, or with no cache, the edit is the ordinary pipeline's computation.
+
+An engine may wrap a pipeline holding only some parts of the model (``backend.engine.factory``):
+the CPU stages' engine encodes and decodes but has no denoiser (no units, no hooks); an engine
+worker's denoises but has no text encoders or VAE weights. A call needing a missing part raises
+``MissingComponentError``.
 """
 
 from __future__ import annotations
@@ -27,12 +32,16 @@ from PIL import Image
 from backend.engine import cache_store
 from backend.engine.cache_store import CacheKey, CacheWriter, TemplateCache
 from backend.engine.context import ForwardContext, active_context
-from backend.engine.families import ADAPTERS, RequestTensors
+from backend.engine.families import (
+    ADAPTERS,
+    DENOISER,
+    MissingComponentError,
+    RequestTensors,
+    UnitLayout,
+)
 from backend.engine.feeder import MODE_TENSORS, BatchCacheFeeder, RowCacheRef
-from backend.engine.flux import install_flux_hooks
 from backend.engine.prepared import PreparedRequest
 from backend.engine.stepping import batched_step, guide_all
-from backend.engine.unet import install_unet_hooks
 from backend.imaging.masks import feather, load_mask, paste_back, require_nonempty, token_mask
 from backend.models.registry import model_revision
 
@@ -96,7 +105,8 @@ class EditResult:
 
 
 def image_sha256(image: Image.Image) -> str:
-    """Content hash of the decoded pixels (RGB) and size: same picture, same hash, whatever the file format."""
+    """Content hash of the decoded pixels (RGB) and size: same picture, same hash, whatever the
+    file format."""
     rgb = image.convert("RGB")
     digest = hashlib.sha256(f"{rgb.width}x{rgb.height}:".encode())
     digest.update(rgb.tobytes())
@@ -107,16 +117,29 @@ class MaskAwareEngine:
     def __init__(self, pipe, spec, cache_root: Path, planners: dict | None = None):
         self.pipe, self.spec, self.cache_root = pipe, spec, Path(cache_root)
         self.adapter = ADAPTERS[spec.family](pipe, spec.max_sequence_length)
-        # mode -> callable(states, mode) -> use_cache per unit (profiler.make_planner); none: cache every unit
+        # mode -> callable(states, mode) -> use_cache per unit (profiler.make_planner); none: cache
+        # every unit
         self.planners = dict(planners or {})
-        if spec.family == "flux-fill":
-            info = install_flux_hooks(pipe.transformer)
-            self.num_units, self.stack_ids = info.num_units, [0] * info.num_units
-        else:
-            stacks = install_unet_hooks(pipe.unet)
-            self.num_units = sum(s.num_units for s in stacks)
-            self.stack_ids = [s.stack_id for s in stacks for _ in range(s.num_units)]
-        self.token_size = pipe.vae_scale_factor * (2 if spec.family == "flux-fill" else 1)
+        # without a denoiser (the CPU stages' engine) there are no units to hook
+        self._units = self.adapter.install_hooks() if self.adapter.holds(DENOISER) else None
+        self.token_size = self.adapter.token_px
+
+    @property
+    def units(self) -> UnitLayout:
+        if self._units is None:
+            raise MissingComponentError(
+                f"{self.spec.model_id} was loaded without its denoiser (the CPU stages' part of "
+                "the model): it has no units to step, record or plan"
+            )
+        return self._units
+
+    @property
+    def num_units(self) -> int:
+        return self.units.num_units
+
+    @property
+    def stack_ids(self) -> tuple[int, ...]:
+        return self.units.stack_ids
 
     # ----- keys and validation -------------------------------------------------------------
     def cache_key(self, template: Image.Image, params: EditParams) -> CacheKey:
@@ -137,15 +160,17 @@ class MaskAwareEngine:
 
     @property
     def size_multiple(self) -> int:
-        """Image sides must be multiples of this (a UNet halves its token grid three times)."""
-        return self.token_size * (8 if self.spec.family != "flux-fill" else 1)
+        """Image sides must be multiples of this (a token, times 2 for every halving of the token
+        grid inside the denoiser)."""
+        return self.token_size * 2**self.spec.traits.grid_halvings
 
     def _check_params(self, params: EditParams) -> None:
         height, width = params.size
         multiple = self.size_multiple
         if height % multiple or width % multiple or height <= 0 or width <= 0:
             raise ValueError(
-                f"size {width}x{height} must be positive multiples of {multiple} px for {self.spec.model_id}"
+                f"size {width}x{height} must be positive multiples of {multiple} px for "
+                f"{self.spec.model_id}"
             )
         if params.mode not in MODE_TENSORS:
             raise ValueError(
@@ -180,7 +205,8 @@ class MaskAwareEngine:
         pixels: np.ndarray | None = None,
         record: bool = False,
     ) -> PreparedRequest:
-        """Pre-processing (text encoders, VAE encode, mask resize): everything before the first step.
+        """Pre-processing (text encoders, VAE encode, mask resize): everything before the first
+        step.
 
         ``pixels``: the mask already read by ``pixel_mask`` (else it is read from ``mask``)."""
         self._check_params(params)
@@ -226,7 +252,8 @@ class MaskAwareEngine:
         """Turn a prepared request into a running ``EditState`` (no encoder runs here)."""
         if prepared.model_id != self.spec.model_id:
             raise ValueError(
-                f"request was prepared for {prepared.model_id}, this engine serves {self.spec.model_id}"
+                f"request was prepared for {prepared.model_id}, this engine serves "
+                f"{self.spec.model_id}"
             )
         params = EditParams.from_dict(prepared.params)
         scheduler, timesteps = self.adapter.schedule(params.steps, params.strength, params.size)
@@ -306,7 +333,8 @@ class MaskAwareEngine:
     ) -> float:
         """One denoising step for every state in ``states`` (all of one cache mode).
 
-        Returns the seconds the denoiser's forward pass took (the rest of the call is batching work).
+        Returns the seconds the denoiser's forward pass took (the rest of the call is batching
+        work).
         ``unit_seconds``, when given, receives the time each unit took (profiling)."""
         rows, row_t, refs, masks, reqs = [], [], [], [], []
         for s in states:
@@ -335,7 +363,8 @@ class MaskAwareEngine:
             rows[0].device,
             unit_seconds=unit_seconds,
         )
-        # Nothing to reuse, record or time: the model's own (fastest dense) forward does the same math.
+        # Nothing to reuse, record or time: the model's own (fastest dense) forward does the same
+        # math.
         ordinary = not units and not recording and unit_seconds is None
         batch_rows, batch_t = torch.cat(rows), torch.cat(row_t)
         forward_started = time.perf_counter()
@@ -390,7 +419,8 @@ class MaskAwareEngine:
     def compose(
         generated: Image.Image, image: Image.Image, pixels: np.ndarray, params: EditParams
     ) -> Image.Image:
-        """Post-processing, second half: generated pixels inside the (feathered) mask, the original outside."""
+        """Post-processing, second half: generated pixels inside the (feathered) mask, the
+        original outside."""
         original = (
             image.convert("RGB").resize(params.size[::-1], Image.LANCZOS)
             if image.size != params.size[::-1]
@@ -418,7 +448,8 @@ class MaskAwareEngine:
         prompt: str = "",
         mask: Image.Image | None = None,
     ) -> TemplateCache:
-        """Run the ordinary computation over ``image`` with the template seed and record its cache."""
+        """Run the ordinary computation over ``image`` with the template seed and record its
+        cache."""
         key = self.cache_key(image, params)
         state = self.start(image, mask, prompt, params.template_seed, params, record=True)
         self._record(state, key, params)

@@ -1,4 +1,12 @@
-"""Build an engine and its edit parameters from the settings tree (shared by CLI, worker and CPU workers)."""
+"""Build an engine and its edit parameters from the settings tree (shared by CLI, worker and CPU
+workers).
+
+Each role loads only the parts of the model it runs (``ROLES``): the CPU stages (Celery children)
+encode prompts and images and decode results, so they load the text encoders, tokenizers and
+VAE; an engine worker only steps the denoiser, so it loads the denoiser and the scheduler (its
+VAE's config values come without weights, see ``load_pipeline``), unless it runs the CPU stages
+itself (``inline`` batching). The CLI and the benchmarks load everything.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +19,33 @@ from backend.models import ModelSpec, load_pipeline, resolve_model
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
+FULL, CPU_STAGES, DENOISER_ONLY = "full", "cpu-stages", "denoiser"
+# role -> the pipeline parts it loads (None: every part the checkpoint has). Names cover every
+# family; a name a pipeline does not have is simply not there to load.
+ROLES: dict[str, frozenset[str] | None] = {
+    FULL: None,
+    CPU_STAGES: frozenset(
+        {"vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"}
+    ),
+    DENOISER_ONLY: frozenset({"unet", "transformer", "scheduler"}),
+}
+
+
+def engine_worker_role(settings: Settings) -> str:
+    """An engine worker runs the CPU stages itself only with ``inline`` batching."""
+    return FULL if settings.worker.batching == "inline" else DENOISER_ONLY
+
 
 def build_engine(
-    settings: Settings, model_id: str | None = None, device: str | None = None
+    settings: Settings,
+    model_id: str | None = None,
+    device: str | None = None,
+    role: str = FULL,
 ) -> MaskAwareEngine:
-    """Load the model (built offline on first use) and wrap it in a mask-aware engine with its planners."""
+    """Load the parts of the model that ``role`` runs (built offline on first use) and wrap them in
+    a mask-aware engine, with its planners when the role denoises."""
+    if role not in ROLES:
+        raise ValueError(f"unknown engine role {role!r}: use one of {', '.join(ROLES)}")
     spec = resolve_model(model_id or settings.engine.model_id)
     device = device or settings.engine.device
     pipe = load_pipeline(
@@ -23,11 +53,13 @@ def build_engine(
         settings.paths.resolved_models_dir(),
         device=device,
         dtype=DTYPES[settings.engine.dtype],
+        components=ROLES[role],
     )
     engine = MaskAwareEngine(pipe, spec, settings.paths.resolved_cache_dir())
-    engine.planners = load_planners(
-        settings.paths.profiles_dir, spec.model_id, device, engine.num_units
-    )
+    if role != CPU_STAGES:
+        engine.planners = load_planners(
+            settings.paths.profiles_dir, spec.model_id, device, engine.num_units
+        )
     return engine
 
 

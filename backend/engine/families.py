@@ -5,6 +5,10 @@ pipeline's own helpers in the pipeline's own order (so random draws match the or
 for the same seed), builds the model input of one step for a batch of rows, and runs the denoiser.
 Rows: a request with classifier-free guidance owns two consecutive rows (uncond, cond), matching
 the two halves recorded in a template cache; without guidance it owns one.
+
+A pipeline may hold only some parts of the model (``backend.engine.factory.ROLES``): an adapter
+never reaches for a part it was not given; a call that needs one raises ``MissingComponentError``
+naming it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,46 @@ import torch
 from diffusers.pipelines.flux.pipeline_flux_fill import calculate_shift, retrieve_timesteps
 from PIL import Image
 
+from backend.engine.flux import install_flux_hooks
+from backend.engine.unet import install_unet_hooks
+
+# The parts of a model a role may leave out, each as the pipeline attributes that hold it (any one
+# of them present counts: an SDXL checkpoint may have only its second text encoder).
+DENOISER, VAE, TEXT_ENCODERS = "denoiser", "VAE", "text encoders"
+_PART_ATTRIBUTES = {VAE: ("vae",), TEXT_ENCODERS: ("text_encoder", "text_encoder_2")}
+
+
+class MissingComponentError(RuntimeError):
+    """A call needs a part of the model that this process's role did not load."""
+
+
+def require_parts(pipe, denoiser_name: str, purpose: str, *parts: str) -> None:
+    """Raise ``MissingComponentError`` unless ``pipe`` holds every one of ``parts``."""
+    missing = [part for part in parts if not _holds(pipe, denoiser_name, part)]
+    if missing:
+        raise MissingComponentError(
+            f"{purpose} needs the model's {' and '.join(missing)}, which this process did not "
+            "load: engine workers load the denoiser only (everything with 'inline' batching), "
+            "CPU workers the text encoders and VAE only"
+        )
+
+
+def _holds(pipe, denoiser_name: str, part: str) -> bool:
+    names = (denoiser_name,) if part == DENOISER else _PART_ATTRIBUTES[part]
+    return any(getattr(pipe, name, None) is not None for name in names)
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """The denoiser's mask-aware units in forward order, each with the id of its stack (the token
+    grid it runs on: one stack for a DiT, one per transformer stack of a UNet)."""
+
+    stack_ids: tuple[int, ...]
+
+    @property
+    def num_units(self) -> int:
+        return len(self.stack_ids)
+
 
 @dataclass
 class RequestTensors:
@@ -27,12 +71,10 @@ class RequestTensors:
 
     init_latents: torch.Tensor  # latents before step 0 (Flux: packed tokens)
     conditioning: dict[str, torch.Tensor]  # per-row model conditioning, leading dim = halves
-    extra_channels: (
-        torch.Tensor
-    )  # concatenated to the latent input every step (mask + masked image)
-    scheduler: (
-        object  # the request's own scheduler (diffusers schedulers keep a mutable step index)
-    )
+    # concatenated to the latent input every step (mask + masked image)
+    extra_channels: torch.Tensor
+    # the request's own scheduler (diffusers schedulers keep a mutable step index)
+    scheduler: object
     timesteps: torch.Tensor
     guidance: float
     halves: int
@@ -41,8 +83,9 @@ class RequestTensors:
 
 
 class FamilyAdapter(ABC):
-    family: str
     uses_cfg: bool
+    denoiser_name: str  # the pipeline attribute that holds the denoiser
+    latent_patch: int  # latent pixels per token side (Flux packs 2x2 latent pixels per token)
 
     def __init__(self, pipe, max_sequence_length: int | None = None):
         self.pipe = pipe
@@ -50,13 +93,35 @@ class FamilyAdapter(ABC):
         # diffusers derives the execution device by walking every module; do it once.
         self.device = pipe._execution_device
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.denoiser.dtype
+    def holds(self, part: str) -> bool:
+        """Whether this pipeline loaded ``part`` (``DENOISER``, ``VAE`` or ``TEXT_ENCODERS``)."""
+        return _holds(self.pipe, self.denoiser_name, part)
+
+    def require(self, purpose: str, *parts: str) -> None:
+        require_parts(self.pipe, self.denoiser_name, purpose, *parts)
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model was loaded in (every part of one pipeline shares it)."""
+        if self.holds(DENOISER):
+            return self.denoiser.dtype
+        self.require("reading the model's dtype", VAE)
+        return self.pipe.vae.dtype
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        self.require("denoising", DENOISER)
+        return getattr(self.pipe, self.denoiser_name)
+
+    @property
+    def token_px(self) -> int:
+        """Image pixels per token side (the pipeline reads its VAE factor off the VAE's config,
+        so a pipeline without VAE weights knows it too)."""
+        return self.pipe.vae_scale_factor * self.latent_patch
+
     @abstractmethod
-    def denoiser(self) -> torch.nn.Module: ...
+    def install_hooks(self) -> UnitLayout:
+        """Put the mask-aware forward on the denoiser; its units in forward order."""
 
     @abstractmethod
     def prepare(
@@ -77,7 +142,8 @@ class FamilyAdapter(ABC):
     def schedule(
         self, steps: int, strength: float, size: tuple[int, int]
     ) -> tuple[object, torch.Tensor]:
-        """A fresh scheduler for one request and its timesteps (deterministic: pre and worker agree)."""
+        """A fresh scheduler for one request and its timesteps (deterministic: the CPU stages and
+        the worker agree)."""
 
     @abstractmethod
     def _init_latents(self, init, scheduler, timesteps, strength, seed, size): ...
@@ -85,7 +151,9 @@ class FamilyAdapter(ABC):
     def template_latents(
         self, image: Image.Image, steps: int, strength: float, seed: int, size
     ) -> torch.Tensor:
-        """The latents before step 0 that ``prepare`` would draw with ``seed`` (the template's noise)."""
+        """The latents before step 0 that ``prepare`` would draw with ``seed`` (the template's
+        noise)."""
+        self.require("drawing the template's latents", VAE)
         scheduler, timesteps = self.schedule(steps, strength, size)
         init = self.pipe.image_processor.preprocess(image, height=size[0], width=size[1]).to(
             dtype=torch.float32
@@ -143,12 +211,15 @@ class UnetAdapter(FamilyAdapter):
     """SD2- and SDXL-style 9-channel inpainting UNets."""
 
     uses_cfg = True
+    denoiser_name = "unet"
+    latent_patch = 1
 
-    @property
-    def denoiser(self) -> torch.nn.Module:
-        return self.pipe.unet
+    def install_hooks(self) -> UnitLayout:
+        stacks = install_unet_hooks(self.denoiser)
+        return UnitLayout(tuple(s.stack_id for s in stacks for _ in range(s.num_units)))
 
     def prepare(self, image, mask, prompt, negative_prompt, guidance, steps, strength, seed, size):
+        self.require("encoding a request", TEXT_ENCODERS, VAE)
         conditioning = self._encode(prompt, negative_prompt, size)
         scheduler, timesteps = self.schedule(steps, strength, size)
         init, mask_t = self._images(image, mask, size)
@@ -202,7 +273,7 @@ class UnetAdapter(FamilyAdapter):
         }
         text = conditioning.pop("encoder_hidden_states")
         added = conditioning or None
-        return self.pipe.unet(
+        return self.denoiser(
             rows,
             row_timesteps,
             encoder_hidden_states=text,
@@ -211,9 +282,14 @@ class UnetAdapter(FamilyAdapter):
         )[0]
 
     def decode(self, latents, size):
+        self.require("decoding", VAE)
         vae = self.pipe.vae
         image = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
         return self.pipe.image_processor.postprocess(image, output_type="pil")[0]
+
+
+# the pipeline's defaults for checkpoints trained on aesthetic scores (``__call__`` arguments)
+AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE = 6.0, 2.5
 
 
 class SdxlAdapter(UnetAdapter):
@@ -228,40 +304,40 @@ class SdxlAdapter(UnetAdapter):
             do_classifier_free_guidance=True,
             negative_prompt=negative_prompt,
         )
-        projection_dim = (
-            pipe.text_encoder_2.config.projection_dim
-            if pipe.text_encoder_2 is not None
-            else int(pooled.shape[-1])
-        )
-        time_ids, negative_time_ids = pipe._get_add_time_ids(
-            size,
-            (0, 0),
-            size,
-            6.0,
-            2.5,
-            size,
-            (0, 0),
-            size,
-            dtype=embeds.dtype,
-            text_encoder_projection_dim=projection_dim,
-        )
+        time_ids, negative_time_ids = self._time_ids(size, embeds.dtype)
         return {
             "encoder_hidden_states": torch.cat([negative, embeds]),
             "text_embeds": torch.cat([negative_pooled, pooled]),
             "time_ids": torch.cat([negative_time_ids, time_ids]).to(self.device),
         }
 
+    def _time_ids(self, size, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positive, negative) size conditions, as the pipeline's ``_get_add_time_ids`` builds
+        them for an uncropped image of ``size``: original size, crop corner (0, 0), then the
+        target size, or the aesthetic score when the checkpoint's pipeline asks for one. That
+        helper also checks the width against the UNet's embedding, which the CPU stages do not
+        load; a wrong width still fails, in the UNet's forward."""
+        if self.pipe.config.requires_aesthetics_score:
+            ends = (AESTHETIC_SCORE,), (NEGATIVE_AESTHETIC_SCORE,)
+        else:
+            ends = tuple(size), tuple(size)
+        positive, negative = (torch.tensor([[*size, 0, 0, *end]], dtype=dtype) for end in ends)
+        return positive, negative
+
 
 class FluxFillAdapter(FamilyAdapter):
-    """Flux Fill: packed 2x2 latent tokens, fill conditioning channels, distilled guidance, no CFG."""
+    """Flux Fill: packed 2x2 latent tokens, fill conditioning channels, distilled guidance, no
+    CFG."""
 
     uses_cfg = False
+    denoiser_name = "transformer"
+    latent_patch = 2
 
-    @property
-    def denoiser(self) -> torch.nn.Module:
-        return self.pipe.transformer
+    def install_hooks(self) -> UnitLayout:
+        return UnitLayout((0,) * install_flux_hooks(self.denoiser).num_units)
 
     def prepare(self, image, mask, prompt, negative_prompt, guidance, steps, strength, seed, size):
+        self.require("encoding a request", TEXT_ENCODERS, VAE)
         pipe = self.pipe
         embeds, pooled, text_ids = pipe.encode_prompt(
             prompt=prompt,
@@ -338,7 +414,7 @@ class FluxFillAdapter(FamilyAdapter):
             k: torch.cat([r.conditioning[k] for r in reqs]) for k in reqs[0].conditioning
         }
         # rows of one batch share a resolution and a text length, hence one set of position ids
-        return self.pipe.transformer(
+        return self.denoiser(
             hidden_states=rows,
             timestep=row_timesteps.to(rows.dtype) / 1000,
             return_dict=False,
@@ -347,6 +423,7 @@ class FluxFillAdapter(FamilyAdapter):
         )[0]
 
     def decode(self, latents, size):
+        self.require("decoding", VAE)
         pipe, vae = self.pipe, self.pipe.vae
         latents = pipe._unpack_latents(latents, size[0], size[1], pipe.vae_scale_factor)
         latents = latents / vae.config.scaling_factor + vae.config.shift_factor

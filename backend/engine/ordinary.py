@@ -6,6 +6,7 @@ import torch
 from PIL import Image
 
 from backend.engine.editor import EditParams
+from backend.engine.families import ADAPTERS, DENOISER, TEXT_ENCODERS, VAE, require_parts
 
 
 def run_ordinary(
@@ -18,7 +19,16 @@ def run_ordinary(
     params: EditParams,
     output_type: str = "pil",
 ):
-    """Run ``pipe`` exactly as a user of diffusers would for this edit; returns an image or latents."""
+    """Run ``pipe`` exactly as a user of diffusers would for this edit; returns an image or
+    latents. ``pipe`` must hold every part of the model (``MissingComponentError`` otherwise)."""
+    require_parts(
+        pipe,
+        ADAPTERS[spec.family].denoiser_name,
+        "the ordinary pipeline",
+        DENOISER,
+        TEXT_ENCODERS,
+        VAE,
+    )
     kwargs = {"negative_prompt": params.negative_prompt} if spec.uses_cfg else {}
     if spec.max_sequence_length:
         kwargs["max_sequence_length"] = spec.max_sequence_length

@@ -1,4 +1,5 @@
-"""A request after pre-processing: what the denoising worker needs, and nothing that needs an encoder.
+"""A request after pre-processing: what the denoising worker needs, and nothing that needs an
+encoder.
 
 Pre-processing (text encoders, VAE encode, mask resize) runs in CPU workers; the GPU worker only
 denoises. The two meet through one safetensors file per request, passed by reference (its path),
@@ -40,10 +41,6 @@ class PreparedRequest:
     # Before step 0 with the template's seed: the noise outside the mask when no cache is used.
     template_latents: torch.Tensor | None = None
     cache_key: CacheKey | None = None
-
-    @property
-    def mask_ratio_pixels(self) -> float:
-        return float(self.pixels.mean())
 
     def save(self, path: Path) -> Path:
         """Write atomically (temp file + rename): a reader never sees half a request."""

@@ -109,7 +109,8 @@ def measure_profile(
 
 
 def _time_load(cache, units, mode: str, device: str) -> tuple[float, float]:
-    """(bytes, seconds) of reading some units' tensors of one step and placing them on ``device``."""
+    """(bytes, seconds) of reading some units' tensors of one step and placing them on
+    ``device``."""
     target = torch.device(device)
     started = time.perf_counter()
     total = 0
@@ -129,7 +130,8 @@ def make_planner(profile: CostProfile, num_units: int):
     """A batch planner for ``MaskAwareEngine``: the exact Algorithm 1 plan over the profile."""
     if len(profile.units) != num_units:
         raise ValueError(
-            f"profile has {len(profile.units)} units, the model has {num_units}: re-run `maskserve profile`"
+            f"profile has {len(profile.units)} units, the model has {num_units}: "
+            "re-run `maskserve profile`"
         )
 
     def plan(states: list[EditState], mode: str) -> tuple[bool, ...]:

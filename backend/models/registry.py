@@ -7,11 +7,13 @@ directory atomically (built in a temp dir, renamed into place, completion marker
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Collection
 from functools import cache
 from pathlib import Path
 
@@ -77,7 +79,7 @@ def _is_complete(path: Path, revision: str) -> bool:
 
 def materialize(model_id: str, models_dir: Path) -> Path:
     """Directory of ``model_id``: built forms are built and saved under ``models_dir/<model_id>``
-    when missing, incomplete or stale; checkpoints are returned as given (a hub id stays a hub id)."""
+    when missing, incomplete or stale; checkpoints are returned as given (a hub id stays one)."""
     from backend.models.builders import build_pipeline
 
     spec = resolve_model(model_id)
@@ -119,7 +121,8 @@ def _publish(staging: Path, target: Path, revision: str) -> None:
 
 
 def _quiet_loading():
-    """Silence download/loading progress bars and chatter; returns a function restoring the levels."""
+    """Silence download/loading progress bars and chatter; returns a function restoring the
+    levels."""
     import diffusers
     import transformers
 
@@ -139,21 +142,30 @@ def _quiet_loading():
 
 
 def load_pipeline(
-    model_id: str, models_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32
+    model_id: str,
+    models_dir: Path,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    components: Collection[str] | None = None,
 ):
     """The diffusers pipeline of ``model_id`` on ``device``, loaded with ``from_pretrained``.
 
-    UNet checkpoints get an ``EulerDiscreteScheduler`` built from their own scheduler config, like the
-    built forms: its steps add no noise, so an edit is a function of its inputs and seed.
+    ``components``: the names of the parts to load (e.g. ``{"unet", "scheduler"}``); every other
+    part of the checkpoint is ``None`` on the pipeline and never read from disk. ``None`` loads
+    every part. A VAE left out still gives the pipeline the values its config sets
+    (``vae_scale_factor``, the image processors): see ``_left_out``.
+
+    UNet checkpoints get an ``EulerDiscreteScheduler`` built from their own scheduler config, like
+    the built forms: its steps add no noise, so an edit is a function of its inputs and seed.
     """
     spec = resolve_model(model_id)
     path = materialize(model_id, models_dir)
+    loader = pipeline_class(spec.family)
     restore = _quiet_loading()
     try:
-        pipe = pipeline_class(spec.family).from_pretrained(str(path), dtype=dtype)
-    except (
-        Exception
-    ) as exc:  # hub, filesystem and format errors all mean "this checkpoint is unusable"
+        left_out = {} if components is None else _left_out(loader, path, components)
+        pipe = loader.from_pretrained(str(path), dtype=dtype, **left_out)
+    except Exception as exc:  # hub, filesystem and format errors: "this checkpoint is unusable"
         hint = (
             " (no model hub is reachable offline: pass a local diffusers directory)"
             if spec.form == "checkpoint" and not Path(spec.source).exists()
@@ -162,6 +174,8 @@ def load_pipeline(
         raise UnknownModelError(f"cannot load {model_id!r} from {path}{hint}: {exc}") from exc
     finally:
         restore()
+    if "vae" in left_out:
+        pipe.register_modules(vae=None)  # the constructor has read its config; it has no weights
     if spec.form == "checkpoint" and spec.uses_cfg:
         from diffusers import EulerDiscreteScheduler
 
@@ -171,6 +185,30 @@ def load_pipeline(
     pipe = pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def _left_out(loader, path: Path, components: Collection[str]) -> dict:
+    """``from_pretrained`` overrides leaving out every part of the checkpoint not in ``components``.
+
+    A part left out is passed as ``None``, except the VAE: pipeline constructors derive
+    ``vae_scale_factor``, latent channels and their image processors from the VAE's config, so it
+    is built from that config on the meta device (no weights are allocated or read) and dropped
+    once the pipeline exists.
+    """
+    index = loader.load_config(str(path))  # model_index.json: part name -> [library, class]
+    left_out: dict = {
+        name: None
+        for name, entry in index.items()
+        if isinstance(entry, (list, tuple)) and not name.startswith("_") and name not in components
+    }
+    if "vae" in left_out and index["vae"][0] is not None:
+        library, class_name = index["vae"]
+        vae_class = getattr(importlib.import_module(library), class_name)
+        with torch.device("meta"):
+            left_out["vae"] = vae_class.from_config(
+                vae_class.load_config(str(path), subfolder="vae")
+            )
+    return left_out
 
 
 def _own_memory(pipe) -> None:
