@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup test up bench profile clean docs
+.PHONY: setup test test-fast lint up bench clean docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,16 @@ $(CHROMIUM):
 
 test: $(STAMP) $(CHROMIUM)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Tests that need no model, no Redis and no browser (markers set in tests/conftest.py).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not redis and not model and not browser and not gpu" $(PYTEST_ARGS)
+
+# ruff (lint and format check) over the tree; mypy over the code, strict on the pure cores.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 up: $(STAMP)
 	$(VENV)/bin/maskserve up

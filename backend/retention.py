@@ -70,7 +70,8 @@ def expired_blobs(
         owners = users.get(blob.ref, ())
         if any(job.finished_at is None for job in owners):
             continue
-        last_use = max([blob.modified_at, *(job.finished_at for job in owners)])
+        finished = [job.finished_at for job in owners if job.finished_at is not None]
+        last_use = max([blob.modified_at, *finished])
         if policy.expired(blob.kind, last_use, now):
             expired.append(blob)
     return expired

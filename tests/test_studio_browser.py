@@ -26,6 +26,8 @@ from backend.services.redis_server import free_port
 from backend.services.stack import Role, Stack
 from templates_store.samples import sample_template
 
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
 CHROMIUM = "/usr/bin/chromium"
 # the flags a sandboxed root session on a closed network needs (no background fetches, no sandbox)
 CHROMIUM_ARGS = [

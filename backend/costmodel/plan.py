@@ -286,7 +286,8 @@ def brute_force_plan(
         )
     ids = _check_stacks(len(costs), stack_ids)
     exact, shift = _exact(costs)
-    best_key, best_choices = None, ()
+    best_key: tuple[int, int, tuple[bool, ...]] | None = None
+    best_choices: tuple[bool, ...] = ()
     for choices in itertools.product((True, False), repeat=len(costs)):
         if monotone_within_stack and not _feasible(choices, ids):
             continue

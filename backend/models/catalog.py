@@ -40,7 +40,7 @@ class FamilyTraits:
     @property
     def size_multiple(self) -> int:
         """Image sides must be multiples of this."""
-        return self.token_px * 2**self.grid_halvings
+        return int(self.token_px * 2**self.grid_halvings)
 
 
 FAMILY_TRAITS: dict[str, FamilyTraits] = {
@@ -140,14 +140,14 @@ def _unknown(model_id: str) -> UnknownModelError:
 def _parse(model_id: str) -> tuple[str, str, str | None]:
     """(family, form, source) of ``model_id``; raises ``UnknownModelError``."""
     for form in FORMS:
-        family = model_id.removeprefix(form + "-")
-        if family != model_id and family in FAMILIES:
-            return family, form, None
+        named = model_id.removeprefix(form + "-")
+        if named != model_id and named in FAMILIES:
+            return named, form, None
     prefix, colon, rest = model_id.partition(":")
     if colon and prefix in FAMILIES and rest:
         return prefix, "checkpoint", rest
-    if model_id and (family := _directory_family(model_id)) is not None:
-        return family, "checkpoint", model_id
+    if model_id and (directory_family := _directory_family(model_id)) is not None:
+        return directory_family, "checkpoint", model_id
     raise _unknown(model_id)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 
+from typing import Any
+
 from backend.protocol import keys
 from backend.protocol.messages import ProtocolError, WorkerHeartbeat, decode
 
@@ -26,14 +28,14 @@ def _heartbeat(raw: bytes | str | None) -> WorkerHeartbeat | None:
     return beat if isinstance(beat, WorkerHeartbeat) else None
 
 
-def live_heartbeats(client) -> dict[str, WorkerHeartbeat]:
+def live_heartbeats(client: Any) -> dict[str, WorkerHeartbeat]:
     """Worker id -> its latest heartbeat, for every worker whose heartbeat has not expired."""
     names = list(client.scan_iter(match=keys.HEARTBEAT_PATTERN, count=500))
     beats = (_heartbeat(raw) for raw in (client.mget(names) if names else []))
     return {beat.worker_id: beat for beat in beats if beat is not None}
 
 
-def read_heartbeat(client, worker_id: str) -> WorkerHeartbeat | None:
+def read_heartbeat(client: Any, worker_id: str) -> WorkerHeartbeat | None:
     """One worker's latest heartbeat; None when it expired or cannot be read."""
     return _heartbeat(client.get(keys.heartbeat_key(worker_id)))
 

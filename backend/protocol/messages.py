@@ -160,7 +160,7 @@ class JobEvent:
     result_ref: str = ""
     thumbnail_ref: str = ""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.status not in JOB_STATES:
             raise ProtocolError(
                 f"unknown job status {self.status!r}; expected one of {', '.join(JOB_STATES)}"
@@ -183,9 +183,10 @@ class WorkerHeartbeat:
     waiting: list[WaitingRow] = field(default_factory=list)  # in admission order
     resident_ram: list[str] = field(default_factory=list)  # template cache digests per tier
     resident_disk: list[str] = field(default_factory=list)
-    stats: dict = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)  # free-form counters for /metrics
 
 
+Message = EditJob | PreparedJob | DenoisedJob | CancelJob | JobEvent | WorkerHeartbeat
 MESSAGE_TYPES: dict[str, type] = {
     cls.TYPE: cls
     for cls in (EditJob, PreparedJob, DenoisedJob, CancelJob, JobEvent, WorkerHeartbeat)
@@ -203,7 +204,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def to_dict(message) -> dict:
+def to_dict(message: Message) -> dict[str, Any]:
     """The message as a JSON-ready dict, with its type and schema version."""
     # shallow where it can be: a worker encodes one progress event per row per step, and
     # dataclasses.asdict deep-copies every value; json.dumps copies nested values anyway
@@ -213,7 +214,7 @@ def to_dict(message) -> dict:
     return payload
 
 
-def encode(message) -> str:
+def encode(message: Message) -> str:
     return json.dumps(to_dict(message), separators=(",", ":"), sort_keys=True)
 
 
@@ -227,13 +228,13 @@ def _major(version: object) -> int | None:
     return None
 
 
-def _known(cls: type, payload: dict) -> dict:
+def _known(cls: type, payload: dict[str, Any]) -> dict[str, Any]:
     """The payload's fields ``cls`` knows; newer minor versions may add others (ignored)."""
     names = {f.name for f in fields(cls)}
     return {name: value for name, value in payload.items() if name in names}
 
 
-def _build(cls: type, payload: object, where: str):
+def _build(cls: type, payload: object, where: str) -> Any:
     if not isinstance(payload, dict):
         raise ProtocolError(f"{where}: expected an object, got {type(payload).__name__}")
     try:
@@ -242,7 +243,7 @@ def _build(cls: type, payload: object, where: str):
         raise ProtocolError(f"{where}: {exc}") from exc
 
 
-def from_dict(payload: dict):
+def from_dict(payload: dict[str, Any]) -> Message:
     payload = dict(payload)
     version, type_name = payload.pop("version", None), payload.pop("type", None)
     if _major(version) != SCHEMA_MAJOR:
@@ -262,10 +263,11 @@ def from_dict(payload: dict):
             if not isinstance(items, list):
                 raise ProtocolError(f"{type_name}.{name}: expected a list")
             payload[name] = [_build(nested, item, f"{type_name}.{name}[]") for item in items]
-    return _build(cls, payload, type_name)
+    message: Message = _build(cls, payload, type_name)
+    return message
 
 
-def _payload(text: str | bytes) -> dict:
+def _payload(text: str | bytes) -> dict[str, Any]:
     try:
         payload = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -275,7 +277,7 @@ def _payload(text: str | bytes) -> dict:
     return payload
 
 
-def decode(text: str | bytes):
+def decode(text: str | bytes) -> Message:
     return from_dict(_payload(text))
 
 

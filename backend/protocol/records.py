@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from backend.protocol.messages import JOB_STATES, JobEvent
 from backend.protocol.wire import to_text
@@ -45,7 +46,7 @@ class JobRecord:
     strength: float = 1.0
     resolution: int = 0
     use_cache: bool = True
-    mask_ops: dict = field(default_factory=dict)
+    mask_ops: dict[str, Any] = field(default_factory=dict)
     template_id: str = ""
     width: int = 0
     height: int = 0
@@ -53,7 +54,7 @@ class JobRecord:
     mask_ref: str = ""
 
     @classmethod
-    def from_hash(cls, job_id: str, raw: Mapping) -> JobRecord:
+    def from_hash(cls, job_id: str, raw: Mapping[Any, Any]) -> JobRecord:
         """The record of a job hash as Redis returns it (bytes or text keys and values)."""
         types = {f.name: f.type for f in fields(cls)}
         record = cls(job_id=job_id)
@@ -63,7 +64,7 @@ class JobRecord:
             elif key.endswith(REACHED_SUFFIX) and key.removesuffix(REACHED_SUFFIX) in JOB_STATES:
                 record.reached_at[key.removesuffix(REACHED_SUFFIX)] = float(value)
             elif key in types and key not in ("job_id", "timings", "reached_at"):
-                setattr(record, key, _parse(types[key], value))
+                setattr(record, key, _parse(str(types[key]), value))
         return record
 
     def creation_fields(self) -> dict[str, str]:
@@ -77,14 +78,14 @@ class JobRecord:
         values |= {"updated_at": now, f"queued{REACHED_SUFFIX}": now}
         return {name: _format(value) for name, value in values.items()}
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         """The record as the API shows it: typed values, ``<status>_at`` flattened."""
         shown = asdict(self)
         reached = shown.pop("reached_at")
         return shown | {f"{status}{REACHED_SUFFIX}": at for status, at in reached.items()}
 
 
-def _parse(kind: str, text: str):
+def _parse(kind: str, text: str) -> object:
     if kind == "int":
         return int(float(text))
     if kind == "float":
@@ -96,7 +97,7 @@ def _parse(kind: str, text: str):
     return text
 
 
-def _format(value) -> str:
+def _format(value: object) -> str:
     if isinstance(value, bool):
         return str(int(value))
     if isinstance(value, dict | list):
@@ -116,10 +117,10 @@ def event_fields(event: JobEvent) -> dict[str, str]:
     return {name: str(value) for name, value in values.items()}
 
 
-def event_payload(event: JobEvent) -> dict:
+def event_payload(event: JobEvent) -> dict[str, Any]:
     """An event as the job's event stream (and the API's server-sent events) carry it: the
     status and time always, other fields only when set."""
-    payload: dict = {"status": event.status, "at": event.at}
+    payload: dict[str, Any] = {"status": event.status, "at": event.at}
     for name in ("step", "num_steps", "worker_id", "message", "result_ref", "thumbnail_ref"):
         if getattr(event, name):
             payload[name] = getattr(event, name)

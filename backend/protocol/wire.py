@@ -7,6 +7,7 @@ is the only place that knows it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 MESSAGE_FIELD = "msg"
 
@@ -16,10 +17,11 @@ def to_text(value: bytes | str | int | float) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def entry_message(fields: Mapping | None) -> bytes | str:
+def entry_message(fields: Mapping[Any, Any] | None) -> bytes | str:
     """The encoded message of a stream entry's fields ("" when the entry has none)."""
     fields = fields or {}
-    return fields.get(MESSAGE_FIELD.encode()) or fields.get(MESSAGE_FIELD) or b""
+    encoded = fields.get(MESSAGE_FIELD.encode()) or fields.get(MESSAGE_FIELD) or b""
+    return encoded if isinstance(encoded, bytes | str) else str(encoded)
 
 
 def entry_fields(encoded: str) -> dict[str, str]:
