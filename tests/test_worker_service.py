@@ -10,6 +10,7 @@ import pytest
 from backend import protocol
 from backend.blobs import BlobStore
 from backend.config import load_settings
+from backend.engine.factory import CPU_STAGES, build_engine
 from backend.jobstate import JobStateStore
 from backend.protocol import CancelJob, WorkerHeartbeat
 from backend.protocol.keys import heartbeat_key
@@ -33,6 +34,15 @@ def service(redis_url, redis_client, models_dir, tmp_path):
     caches.close()
 
 
+@pytest.fixture(scope="module")
+def cpu_engine(models_dir, tmp_path_factory):
+    """The CPU stages' engine that prepares the jobs a worker receives (the worker's own engine
+    holds only the denoiser)."""
+    root = tmp_path_factory.mktemp("cpu-stages")
+    settings = load_settings(env={}, paths={"data_dir": str(root), "models_dir": str(models_dir)})
+    return build_engine(settings, role=CPU_STAGES)
+
+
 def drain(worker, jobstate, job_id, limit=200):
     """Iterate until the job left the worker (acked: nothing pending in its inbox)."""
     for _ in range(limit):
@@ -45,13 +55,15 @@ def drain(worker, jobstate, job_id, limit=200):
     raise AssertionError("the worker did not finish the job")
 
 
-def test_a_job_from_the_inbox_reports_progress_and_goes_to_post_processing(service, redis_client):
+def test_a_job_from_the_inbox_reports_progress_and_goes_to_post_processing(
+    service, redis_client, cpu_engine
+):
     settings, worker, _, jobstate = service
     blobs = BlobStore(settings.paths.data_dir / "blobs")
     params = make_params(worker.engine, size=(worker.engine.spec.default_resolution,) * 2)
     template = make_template(size=params.size[0])
     mask = MASK.resize(template.size)
-    job = make_prepared_job(worker.engine, blobs, "svc-1", template, mask, seed=4, params=params)
+    job = make_prepared_job(cpu_engine, blobs, "svc-1", template, mask, seed=4, params=params)
     jobstate.create("svc-1")
     jobstate.record_event(protocol.JobEvent(job_id="svc-1", status="preprocessing", at=time.time()))
     send_to_inbox(redis_client, "w-test", job)
@@ -64,7 +76,7 @@ def test_a_job_from_the_inbox_reports_progress_and_goes_to_post_processing(servi
     assert worker.inbox.pending() == 0  # acked once handed on
 
 
-def test_a_cancel_through_the_inbox_ends_the_job(service, redis_client):
+def test_a_cancel_through_the_inbox_ends_the_job(service, redis_client, cpu_engine):
     settings, worker, _, jobstate = service
     jobstate.create("svc-2")
     send_to_inbox(redis_client, "w-test", CancelJob(job_id="svc-2"))
@@ -75,7 +87,7 @@ def test_a_cancel_through_the_inbox_ends_the_job(service, redis_client):
         redis_client,
         "w-test",
         make_prepared_job(
-            worker.engine,
+            cpu_engine,
             blobs,
             "svc-2",
             template,
@@ -101,7 +113,7 @@ def test_the_heartbeat_carries_live_state_under_a_short_ttl(service, redis_clien
 
 
 def test_the_worker_process_serves_its_inbox_exports_metrics_and_stops_cleanly(
-    redis_url, redis_client, models_dir, tmp_path, service
+    redis_url, redis_client, models_dir, tmp_path, service, cpu_engine
 ):
     """`maskserve worker` as a process: a job sent to its inbox reaches the post queue, /metrics
     answers, SIGTERM stops it with status 0 and its heartbeat key is gone."""
@@ -139,7 +151,7 @@ def test_the_worker_process_serves_its_inbox_exports_metrics_and_stops_cleanly(
             redis_client,
             "w-proc",
             make_prepared_job(
-                worker.engine,
+                cpu_engine,
                 blobs,
                 "proc-1",
                 template,
