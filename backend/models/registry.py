@@ -176,7 +176,7 @@ def load_pipeline(
         restore()
     if "vae" in left_out:
         pipe.register_modules(vae=None)  # the constructor has read its config; it has no weights
-    if spec.form == "checkpoint" and spec.uses_cfg:
+    if spec.form == "checkpoint" and spec.uses_cfg and pipe.scheduler is not None:
         from diffusers import EulerDiscreteScheduler
 
         pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)
