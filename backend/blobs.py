@@ -16,9 +16,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from backend.atomic import write_atomic
 
 KINDS = ("uploads", "templates", "masks", "prepared", "latents", "results", "thumbnails")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -40,19 +41,6 @@ def job_blob_name(kind: str, job_id: str) -> str:
 def job_blob_refs(job_id: str) -> frozenset[str]:
     """The refs of every blob named after ``job_id`` (whether written yet or not)."""
     return frozenset(f"{kind}/{job_blob_name(kind, job_id)}" for kind in JOB_BLOB_NAMES)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temp file in the same directory and a rename: a reader
-    sees the whole file or none, and a failed write leaves no temp file behind."""
-    handle, tmp = tempfile.mkstemp(prefix=".tmp.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class BlobError(ValueError):

@@ -9,7 +9,9 @@ import sys
 import time
 from pathlib import Path
 
+from backend.bench.commands import add_bench_parsers
 from backend.config import Settings, SettingsError, load_settings
+from backend.dispatch.router import POLICIES as ROUTING_POLICIES
 
 log = logging.getLogger("maskserve")
 
@@ -44,9 +46,11 @@ def _open_image(path: str):
     try:
         return Image.open(path)
     except FileNotFoundError:
-        raise SystemExit(f"error: no such file: {path}")
+        raise SystemExit(f"error: no such file: {path}") from None
     except UnidentifiedImageError:
-        raise SystemExit(f"error: {path} is not an image PIL can read (use PNG, JPEG or WebP)")
+        raise SystemExit(
+            f"error: {path} is not an image PIL can read (use PNG, JPEG or WebP)"
+        ) from None
 
 
 def cmd_prepare(args, settings: Settings) -> int:
@@ -87,35 +91,8 @@ def cmd_edit(args, settings: Settings) -> int:
     return 0
 
 
-def cmd_bench_engine(args, settings: Settings) -> int:
-    from backend.bench.engine_bench import run_engine_bench, write_outputs
-    from backend.engine.factory import DTYPES
-
-    ratios = [float(r) for r in args.mask_ratios.split(",")]
-    records = run_engine_bench(
-        args.model,
-        ratios,
-        args.steps,
-        settings.paths.resolved_models_dir(),
-        settings.paths.resolved_cache_dir(),
-        modes=tuple(args.modes.split(",")),
-        repeats=args.repeats,
-        resolution=args.size,
-        device=settings.engine.device,
-        dtype=DTYPES[settings.engine.dtype],
-    )
-    plot = write_outputs(records, Path(args.json))
-    for r in records:
-        print(
-            f"{r.model:18s} {r.mode:6s} m={r.mask_ratio:<5} ordinary {r.ordinary_s:7.3f}s  mask-aware "
-            f"{r.maskaware_s:7.3f}s  speedup {r.speedup:5.2f}x (ideal {r.ideal_speedup:5.2f}x)  "
-            f"ssim {r.ssim:.3f} psnr {r.psnr:.1f}"
-        )
-    print(f"wrote {args.json} and {plot}")
-    return 0
-
-
 def cmd_profile(args, settings: Settings) -> int:
+    from backend.atomic import write_atomic
     from backend.costmodel.profiles import profile_path
     from backend.engine.profiler import measure_profile
 
@@ -129,8 +106,7 @@ def cmd_profile(args, settings: Settings) -> int:
             settings.engine.device,
             mode,
         )
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(profile.to_json())
+        write_atomic(path, profile.to_json().encode())
         print(
             f"{spec.model_id} {mode}: compute R^2 {profile.compute.r2:.4f} "
             f"({profile.compute.slope * 1e9:.4f} s/GFLOP + {profile.compute.intercept * 1e3:.3f} ms), "
@@ -209,171 +185,25 @@ def cmd_submit(args, settings: Settings) -> int:
     return submit_cli(args, settings)
 
 
-def cmd_dispatcher(args, settings: Settings) -> int:
-    from backend.dispatch.service import run_dispatcher
+# The long-running roles: CLI name -> (module, entry point taking the settings). A role's module is
+# imported only when that role starts, so each process loads only what it runs.
+ROLES: dict[str, tuple[str, str]] = {
+    "dispatcher": ("backend.dispatch.service", "run_dispatcher"),
+    "api": ("backend.api.server", "run_api"),
+    "worker": ("backend.worker.service", "run_worker"),
+    "cpu-worker": ("backend.tasks.celery_app", "run_cpu_worker"),
+}
+
+
+def cmd_role(args, settings: Settings) -> int:
+    """Run the role ``args.role`` under ``runtime.run_role`` (JSON logs, exit with its parent)."""
+    import importlib
+
     from backend.runtime import run_role
 
-    return run_role("dispatcher", run_dispatcher, settings)
-
-
-def cmd_api(args, settings: Settings) -> int:
-    from backend.api.server import run_api
-    from backend.runtime import run_role
-
-    return run_role("api", run_api, settings)
-
-
-def cmd_worker(args, settings: Settings) -> int:
-    from backend.runtime import run_role
-    from backend.worker.service import run_worker
-
-    return run_role("worker", run_worker, settings)
-
-
-def cmd_cpu_worker(args, settings: Settings) -> int:
-    from backend.runtime import run_role
-    from backend.tasks.celery_app import run_cpu_worker
-
-    return run_role("cpu-worker", run_cpu_worker, settings)
-
-
-def cmd_bench_worker(args, settings: Settings) -> int:
-    from backend.bench.worker_bench import BenchConfig, run_worker_bench, write_outputs
-
-    modes = ("continuous", "static", "inline") if args.mode == "all" else (args.mode,)
-    cfg = BenchConfig(
-        model_id=args.model,
-        modes=modes,
-        rps=args.rps,
-        duration_s=args.duration,
-        num_templates=args.templates,
-        ram_templates=args.ram_templates,
-        mask_mean=args.mask_mean,
-        steps=args.steps,
-        size=args.size,
-        max_batch=args.max_batch,
-        seed=args.seed,
-        burst_factor=args.burst,
-    )
-    results = run_worker_bench(cfg, settings)
-    plot = write_outputs(cfg, results, Path(args.json))
-    base = {r.mode: r for r in results if r.label == r.mode}.get("continuous")
-    for r in results:
-        vs = f"  P95 {r.p95_latency_s / base.p95_latency_s:4.2f}x continuous" if base else ""
-        # Rows join only once their cache is in RAM (prefetch-gated admission), so every acquire is a
-        # RAM hit: what spilling costs shows in the disk reads and RAM evictions.
-        reads, evictions = r.cache.get("prefetches", 0), r.cache.get("ram_evictions", 0)
-        read_mb = r.cache.get("bytes_loaded", 0) / 2**20
-        print(
-            f"{r.label:34s} n={r.num_jobs:3d} avg {r.avg_latency_s:6.2f}s p50 {r.p50_latency_s:6.2f}s "
-            f"p95 {r.p95_latency_s:6.2f}s{vs}  {r.throughput_rps:5.2f} req/s  queue {r.avg_queue_s:5.2f}s  "
-            f"step {r.mean_step_s * 1e3:6.1f} ms  overhead {r.mean_overhead_ms:5.2f} ms (+ job work "
-            f"{r.mean_job_work_ms:5.2f} ms)  "
-            f"rows {r.mean_batch_rows:4.2f}  disk reads {reads} ({read_mb:.0f} MiB)  RAM evictions {evictions}"
-        )
-    print(f"wrote {args.json} and {plot}")
-    return 0
-
-
-def cmd_bench_route(args, settings: Settings) -> int:
-    if args.real:
-        return _bench_route_real(args, settings)
-    from dataclasses import replace
-
-    from backend.bench.route_bench import (
-        RouteBenchConfig,
-        cost_model_for,
-        decision_time,
-        run_route_bench,
-        summarize_seeds,
-        summary_table,
-        write_outputs,
-    )
-    from backend.dispatch.router import POLICIES
-
-    cfg = RouteBenchConfig(
-        model_id=args.model,
-        device=args.device_kind,
-        mode=args.mode,
-        profiles_dir=args.profiles_dir or str(settings.paths.profiles_dir),
-        policies=tuple(args.policies.split(",")) if args.policies else POLICIES,
-        loads=tuple(float(x) for x in args.loads.split(",")),
-        duration_s=args.duration,
-        num_workers=args.workers,
-        max_batch=args.max_batch,
-        steps=args.steps,
-        num_templates=args.templates,
-        ram_templates=args.ram_templates,
-        prerecorded=args.prerecorded,
-        mask_mean=args.mask_mean,
-        burst_factor=args.burst,
-        disk_read_s_per_byte=1e-9 / args.disk_gbps,
-        seed=args.seed,
-        late_binding=args.late_binding,
-        queue_depth=args.queue_depth,
-        capacity_rps=args.capacity_rps,
-        load_scale=args.load_scale,
-        load_ratio=args.load_ratio,
-    )
-    try:
-        seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
-    except ValueError:
-        raise ValueError(
-            f"--seeds takes a comma list of integers, e.g. 0,1,2; got {args.seeds!r}"
-        ) from None
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds repeats a seed: {args.seeds!r}")
-    json_path, reports = Path(args.json), []
-    for seed in seeds:
-        one = replace(cfg, seed=seed)
-        report = run_route_bench(one, progress=lambda line, s=seed: print(f"seed {s}: {line}"))
-        if args.decisions and not reports:
-            report["decision_time_ms"] = decision_time(
-                cost_model_for(one), decisions=args.decisions
-            )
-            print(f"decision time (8 workers x 8 rows): {report['decision_time_ms']}")
-        path = (
-            json_path
-            if len(seeds) == 1
-            else json_path.with_name(f"{json_path.stem}-seed{seed}{json_path.suffix}")
-        )
-        write_outputs(one, report, path)
-        reports.append(report)
-    summary = summarize_seeds(reports)
-    if len(seeds) > 1:
-        write_outputs(cfg, summary, json_path)
-    print(
-        f"cache loads of a mean-mask request: {summary['load_compute_ratio']:.3g}x its compute"
-        + (" (what-if, not a measured device)" if cfg.load_ratio or cfg.load_scale != 1.0 else "")
-    )
-    print(
-        f"mean over seeds {summary['seeds']}, capacity {summary['capacity_rps']:.2f} req/s; P95 latency (s), "
-        f"and the P95 cut of mask_aware:"
-    )
-    print(summary_table(summary))
-    print(
-        f"wrote {json_path} and {json_path.with_suffix('.png')}"
-        + (" (the mean; one JSON and plot per seed beside it)" if len(seeds) > 1 else "")
-    )
-    return 0
-
-
-def _bench_route_real(args, settings: Settings) -> int:
-    from backend.bench.route_real import RealRouteConfig, run_real_route_bench, write_real_outputs
-    from backend.dispatch.router import POLICIES
-
-    cfg = RealRouteConfig(
-        policies=tuple(args.policies.split(",")) if args.policies else POLICIES,
-        workers=args.real_workers,
-        rps=args.real_rps,
-        duration_s=args.real_duration,
-        mask_mean=args.mask_mean,
-        seed=args.seed,
-    )
-    report = run_real_route_bench(cfg, settings)
-    write_real_outputs(report, Path(args.json))
-    print(f"wrote {args.json}")
-    return 0
+    module_name, entry_name = ROLES[args.role]
+    entry = getattr(importlib.import_module(module_name), entry_name)
+    return run_role(args.role, entry, settings)
 
 
 def _worker_overrides(args) -> dict:
@@ -424,20 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     edit.add_argument("--out", default="edited.png")
     edit.set_defaults(func=cmd_edit)
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    engine = bench_sub.add_parser("engine", help="ordinary pipeline vs mask-aware edit")
-    engine.add_argument("--model", required=True)
-    engine.add_argument("--mask-ratios", default="0.05,0.1,0.2,0.35,0.5,1.0")
-    engine.add_argument("--steps", type=int, default=20)
-    engine.add_argument("--modes", default="kv,hidden")
-    engine.add_argument("--repeats", type=int, default=1)
-    engine.add_argument("--size", type=int, default=None)
-    engine.add_argument("--json", required=True)
-    engine.add_argument(
-        "--device", default=None, help="cpu or cuda[:N] (default: MASKSERVE_DEVICE or cpu)"
-    )
-    engine.set_defaults(func=cmd_bench_engine)
+    add_bench_parsers(sub.add_parser("bench", help="benchmarks"))
 
     profile = sub.add_parser(
         "profile", help="measure and fit a model's cost profile on this device"
@@ -452,122 +269,6 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--out-dir", default=None, help="default: the settings' profiles_dir")
     profile.set_defaults(func=cmd_profile)
 
-    worker_bench = bench_sub.add_parser(
-        "worker", help="one engine worker under a Poisson trace, batching modes side by side"
-    )
-    worker_bench.add_argument(
-        "--mode", choices=["continuous", "static", "inline", "all"], default="all"
-    )
-    worker_bench.add_argument("--model", default="tiny-sd2-inpaint")
-    worker_bench.add_argument(
-        "--rps", type=float, default=2.0, help="mean arrival rate (requests/s)"
-    )
-    worker_bench.add_argument(
-        "--duration", type=float, default=30.0, help="seconds of arrivals per mode"
-    )
-    worker_bench.add_argument(
-        "--mask-mean",
-        type=float,
-        default=0.11,
-        help="mean mask ratio: 0.11 production trace, 0.19 public trace",
-    )
-    worker_bench.add_argument(
-        "--templates", type=int, default=24, help="templates in the Zipf popularity"
-    )
-    worker_bench.add_argument(
-        "--ram-templates", type=int, default=6, help="RAM tier budget in templates"
-    )
-    worker_bench.add_argument("--steps", type=int, default=20)
-    worker_bench.add_argument("--size", type=int, default=256)
-    worker_bench.add_argument("--max-batch", type=int, default=8)
-    worker_bench.add_argument(
-        "--burst", type=float, default=1.0, help="burstiness (1 = plain Poisson)"
-    )
-    worker_bench.add_argument("--seed", type=int, default=0)
-    worker_bench.add_argument("--json", required=True)
-    worker_bench.set_defaults(func=cmd_bench_worker)
-
-    route = bench_sub.add_parser(
-        "route",
-        help="routing policies side by side (discrete-event simulation "
-        "driven by the fitted cost models)",
-    )
-    route.add_argument("--model", default="small-flux-fill")
-    route.add_argument(
-        "--device-kind", default="cpu", help="the profile's device kind (cpu or cuda)"
-    )
-    route.add_argument("--mode", choices=["kv", "hidden"], default="kv")
-    route.add_argument("--profiles-dir", default=None)
-    route.add_argument("--policies", default=None, help="comma list (default: all)")
-    route.add_argument(
-        "--loads", default="0.5,0.65,0.8,0.95", help="fractions of the measured capacity"
-    )
-    route.add_argument(
-        "--duration", type=float, default=600.0, help="simulated seconds of arrivals per run"
-    )
-    route.add_argument("--workers", type=int, default=8)
-    route.add_argument("--max-batch", type=int, default=8)
-    route.add_argument("--steps", type=int, default=20)
-    route.add_argument("--templates", type=int, default=200)
-    route.add_argument("--ram-templates", type=int, default=8, help="per worker")
-    route.add_argument(
-        "--prerecorded", type=float, default=0.8, help="share of templates on disk at the start"
-    )
-    route.add_argument("--mask-mean", type=float, default=0.11)
-    route.add_argument("--burst", type=float, default=2.0)
-    route.add_argument("--disk-gbps", type=float, default=1.0)
-    route.add_argument("--seed", type=int, default=0)
-    route.add_argument(
-        "--seeds",
-        default="",
-        help="comma list: one run per seed, then the mean table over them "
-        "(--json is the mean; one JSON per seed beside it)",
-    )
-    route.add_argument(
-        "--late-binding",
-        action="store_true",
-        help="the dispatcher holds jobs until a worker has slack (as MASKSERVE_LATE_BINDING)",
-    )
-    route.add_argument(
-        "--queue-depth",
-        type=int,
-        default=0,
-        help="with --late-binding: waiting rows a worker "
-        "may hold beyond its batch (as MASKSERVE_QUEUE_DEPTH)",
-    )
-    route.add_argument(
-        "--load-scale",
-        type=float,
-        default=1.0,
-        help="what-if: multiply the profile's cache-load slope (e.g. a PCIe-bound GPU); not a measurement",
-    )
-    route.add_argument(
-        "--load-ratio",
-        type=float,
-        default=0.0,
-        help="what-if: scale the cache-load slope so that a mean-mask request's sequential "
-        "cache loads take this x its compute (FlashPS measured 1.02 on an H800); not a measurement",
-    )
-    route.add_argument(
-        "--capacity-rps",
-        type=float,
-        default=0.0,
-        help="loads as fractions of this rate (default: the measured saturation throughput)",
-    )
-    route.add_argument(
-        "--decisions", type=int, default=2000, help="routing decisions timed (0: skip)"
-    )
-    route.add_argument(
-        "--real",
-        action="store_true",
-        help="instead of simulating, run each policy on real CPU worker processes (small scale)",
-    )
-    route.add_argument("--real-workers", type=int, default=2)
-    route.add_argument("--real-rps", type=float, default=3.0)
-    route.add_argument("--real-duration", type=float, default=30.0)
-    route.add_argument("--json", required=True)
-    route.set_defaults(func=cmd_bench_route)
-
     worker = sub.add_parser("worker", help="run one engine worker (one per GPU) on its Redis inbox")
     worker.add_argument(
         "--device", default=None, help="cpu or cuda[:N] (default: MASKSERVE_DEVICE or cpu)"
@@ -578,24 +279,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument("--batching", choices=["continuous", "static", "inline"], default=None)
     worker.add_argument("--max-batch", type=int, default=None)
-    worker.set_defaults(func=cmd_worker, overrides=_worker_overrides)
+    worker.set_defaults(func=cmd_role, role="worker", overrides=_worker_overrides)
 
     cpu_worker = sub.add_parser("cpu-worker", help="run a Celery worker for pre/post-processing")
     cpu_worker.add_argument("--concurrency", type=int, default=None, help="processes (default 1)")
-    cpu_worker.set_defaults(func=cmd_cpu_worker, overrides=_cpu_worker_overrides)
+    cpu_worker.set_defaults(func=cmd_role, role="cpu-worker", overrides=_cpu_worker_overrides)
 
     dispatcher = sub.add_parser("dispatcher", help="route pre-processed jobs to engine workers")
-    dispatcher.add_argument(
-        "--policy",
-        default=None,
-        choices=["mask_aware", "flashps", "round_robin", "fewest_requests", "fewest_tokens"],
-    )
+    dispatcher.add_argument("--policy", default=None, choices=list(ROUTING_POLICIES))
     dispatcher.set_defaults(
-        func=cmd_dispatcher,
+        func=cmd_role,
+        role="dispatcher",
         overrides=lambda a: {"dispatcher": {"policy": a.policy}} if a.policy else {},
     )
     api = sub.add_parser("api", help="run the REST API server")
-    api.set_defaults(func=cmd_api)
+    api.set_defaults(func=cmd_role, role="api")
     from backend.client import add_submit_arguments
 
     submit = sub.add_parser(

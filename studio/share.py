@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from backend.blobs import write_atomic
+from backend.atomic import write_atomic
 from backend.config import Settings
 
 log = logging.getLogger(__name__)

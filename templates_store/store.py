@@ -36,7 +36,7 @@ from pathlib import Path
 
 from PIL import UnidentifiedImageError
 
-from backend.blobs import write_atomic
+from backend.atomic import write_atomic
 from backend.imaging.uploads import UploadError, decode_image, encode_image, thumbnail
 
 log = logging.getLogger(__name__)

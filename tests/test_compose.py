@@ -23,12 +23,6 @@ MASKSERVE = {
     for name, service in SERVICES.items()
     if service.get("command", [""])[0] == "maskserve"
 }
-ROLES = {
-    cli.cmd_api: "api",
-    cli.cmd_dispatcher: "dispatcher",
-    cli.cmd_cpu_worker: "cpu-worker",
-    cli.cmd_worker: "worker",
-}  # the long-running roles; one-shot commands have no place in a stack
 _INTERPOLATION = re.compile(r"\$\{(\w+)(?::?([-?])([^}]*))?\}")
 
 
@@ -38,6 +32,12 @@ def parse_command(service: dict):
         return cli.build_parser().parse_args(service["command"][1:])
     except SystemExit:
         pytest.fail(f"`{' '.join(service['command'])}` is not accepted by the maskserve parser")
+
+
+def role_of(args) -> str | None:
+    """The long-running role a parsed command starts; None for one-shot commands (no place in a
+    stack)."""
+    return args.role if args.func is cli.cmd_role else None
 
 
 def container_env(service: dict) -> dict[str, str]:
@@ -54,7 +54,7 @@ def container_env(service: dict) -> dict[str, str]:
 
 
 def test_the_stack_runs_every_role_and_one_cpu_engine_worker_by_default():
-    roles = {name: ROLES.get(parse_command(service).func) for name, service in MASKSERVE.items()}
+    roles = {name: role_of(parse_command(service)) for name, service in MASKSERVE.items()}
     assert None not in roles.values(), roles
     default = {name: role for name, role in roles.items() if not MASKSERVE[name].get("profiles")}
     assert sorted(default.values()) == ["api", "cpu-worker", "dispatcher", "worker"]
@@ -68,7 +68,7 @@ def test_the_stack_runs_every_role_and_one_cpu_engine_worker_by_default():
 def test_the_gpu_worker_is_profile_gated_and_reserves_an_nvidia_device():
     gpu = MASKSERVE["worker-gpu"]
     args = parse_command(gpu)
-    assert gpu["profiles"] == ["gpu"] and args.func is cli.cmd_worker and args.device == "cuda:0"
+    assert gpu["profiles"] == ["gpu"] and role_of(args) == "worker" and args.device == "cuda:0"
     assert load_settings(container_env(gpu), **args.overrides(args)).engine.device == "cuda:0"
     (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
@@ -76,7 +76,7 @@ def test_the_gpu_worker_is_profile_gated_and_reserves_an_nvidia_device():
     ids = [
         parse_command(s).worker_id
         for s in MASKSERVE.values()
-        if parse_command(s).func is cli.cmd_worker
+        if role_of(parse_command(s)) == "worker"
     ]
     assert len(set(ids)) == len(ids)  # heartbeats and inboxes are per worker id
 

@@ -12,8 +12,6 @@ prepared in another process denoises exactly as one prepared in the worker itsel
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from backend.atomic import atomic_path
 from backend.engine.cache_store import CacheKey
 
 FORMAT_VERSION = 1
@@ -63,19 +62,12 @@ class PreparedRequest:
             "cache_key": asdict(self.cache_key) if self.cache_key else None,
         }
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, tmp = tempfile.mkstemp(prefix=".prep.", dir=path.parent)
-        os.close(handle)
-        try:
+        with atomic_path(path) as tmp:
             save_file(
                 {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
-                tmp,
+                str(tmp),
                 metadata={"maskserve": json.dumps(header)},
             )
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
         return path
 
     @classmethod
