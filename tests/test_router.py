@@ -1,4 +1,4 @@
-"""Mask-aware routing: scenario tests per policy, cost-model sanity, heartbeat views (pure, fast)."""
+"""Mask-aware routing: scenario tests per policy, cost-model sanity, heartbeat views (pure)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from backend.costmodel.costs import (
     batch_unit_costs,
 )
 from backend.costmodel.plan import greedy_plan
+from backend.dispatch.policies import ROUTING_POLICIES
 from backend.dispatch.router import (
     POLICIES,
     JobRequest,
@@ -187,6 +188,40 @@ def test_decisions_are_deterministic_and_ties_go_to_the_smallest_worker_id(cost_
 
 
 # ----- cost model ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(ROUTING_POLICIES))
+def test_every_routing_policy_keeps_the_strategy_contract(name, cost_model):
+    """Over random clusters: one of the candidates, a cost for each, ties to the smallest id."""
+    rng = random.Random(name)
+    policy = ROUTING_POLICIES[name]()
+    for trial in range(30):
+        views = sorted(
+            (
+                worker(
+                    f"w{i}",
+                    running=[(rng.random(), rng.randint(1, 20), f"t{rng.randint(0, 5)}")] * (i % 3),
+                    ram={f"t{rng.randint(0, 5)}"},
+                    disk={f"t{rng.randint(0, 5)}"},
+                )
+                for i in range(rng.randint(1, 5))
+            ),
+            key=lambda w: w.worker_id,
+        )
+        job = JobRequest(f"j{trial}", MODEL, rng.random(), 20, f"t{rng.randint(0, 7)}")
+        choice = policy.choose(job, views, lambda model_id, device: cost_model)
+        assert choice.worker_id in {w.worker_id for w in views} and choice.why
+        assert set(choice.costs) == {w.worker_id for w in views}
+        if name != "round_robin":
+            best = min(choice.costs.values())
+            assert choice.worker_id == min(w for w, c in choice.costs.items() if c == best)
+
+
+def test_router_names_every_strategy_and_refuses_other_names():
+    assert POLICIES == tuple(ROUTING_POLICIES)
+    assert {Router(p).policy for p in POLICIES} == set(POLICIES)
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        Router("least_loaded")
+
+
 def test_more_rows_larger_masks_and_more_steps_never_cost_less(cost_model):
     rng = random.Random(5)
     for _ in range(200):
@@ -266,7 +301,7 @@ def test_mask_aware_prefers_a_ram_hit_and_a_shorter_read_queue(cost_model):
         "fewest_tokens",
     ):  # blind to residency: a tie, the smaller id
         assert router(policy, cost_model).choose(job(), [w0, w1]).worker_id == "w0", policy
-    # the same two queues, differing only in the reads queued before J's: the shorter read queue wins
+    # the same two queues, differing only in the reads queued before J's: the shorter queue wins
     waiting = [(0.1, 20, "x"), (0.1, 20, "y")]
     slow = worker("w0", [(0.1, 10, "a")] * 2, waiting=waiting, ram={"a"}, disk={"t0", "x", "y"})
     fast = worker(

@@ -43,40 +43,36 @@ Policies (``POLICIES``):
     dense compute is).
   - ``imposed = (T(C + J) - T(C)) * sum o_r`` when J runs densely (it records its template, or has
     none), else 0: the delay J's dense row adds to each co-runner's overlapping steps. A recording
-    costs a step several cached rows' worth (small-flux-fill: +0.59 s a step against ~0.08 s for a
-    cached row at the mean mask), so the rows beside it lose more than it waits itself; in the
-    route simulation (seed 0, loads 0.5 and 0.8) the jobs above P95 had run beside a recording
-    7-16 times as often as jobs overall. Charged for dense J only: for a cached J the same term (tried as a weighted
-    co-runner delay for every job) made P95 worse at loads 0.65-0.9.
+    costs a step several cached rows' worth, so the rows beside it lose more than it waits itself.
+    Charged for dense J only: for a cached J the same term (a weighted co-runner delay for every
+    job) made P95 worse in the route simulation.
 
   Invariants (tested): every term is >= 0; T(J) <= run / n_J <= T(C + J); more steps, a larger
   mask for J or one more running row never lower a cost; for one worker state RAM <= disk and
   RAM <= absent, and disk <= absent whenever recomputing densely costs more than the disk read
-  (every shipped profile with a positive compute slope: small-flux-fill, 20 steps: ~3.6 s cached,
-  +1 s disk read, ~15 s recording). The recording's cache write is not charged.
+  (every shipped profile with a positive compute slope). The recording's cache write is not
+  charged.
 * ``fewest_requests`` -- min len(R) + len(Q); ``fewest_tokens`` -- min sum of mask ratios over
   R + Q (masked-token balancing, as LLM routers balance tokens); ``round_robin`` -- the next
   candidate by worker id after the last one chosen for this model.
+
+Each policy is a strategy object (``backend.dispatch.policies.ROUTING_POLICIES``); the ``Router``
+picks the candidates and hands them to it.
 
 Candidates are live workers serving J's model with slack (len(R) + len(Q) < B + ``queue_depth``,
 default 0). When none has slack and ``allow_queueing`` (default True), a job waits in a worker's
 queue rather than being rejected: the candidates become the least-loaded serving workers (fewest
 rows) and the policy chooses among them (mask_aware then also weighs their queues). Without it
 (late binding, ``DispatcherSettings.late_binding``) the decision is None and the dispatcher holds
-the job (FIFO) until a worker has slack. Every tie goes to the smallest
-worker id, so a decision is a function of its inputs (and, for round_robin, of the last choice).
+the job (FIFO) until a worker has slack. Every tie goes to the smallest worker id, so a decision
+is a function of its inputs (and, for round_robin, of the last choice).
 
-Speed (decision with 8 workers x 8 rows, small-flux-fill kv profile, 12 units, this 2-core CPU):
-the exact ``solve_plan`` over ``batch_unit_costs`` takes ~0.26 ms per batch (0.14 ms to build the
-unit costs, 0.12 ms to solve): a mask_aware decision took p50 4.5 ms with it, 15x over the 0.3 ms
-budget. The cost model therefore (1) precomputes each distinct unit shape's per-token
-FLOPs, intercepts and per-template load once, so a batch's unit costs are a few sums (FLOPs are
-linear in masked tokens); (2) plans with the paper's own greedy Algorithm 1 in floats instead of
-the exact solver. (1) is exact (tested against ``batch_unit_costs``); (2) equals ``solve_plan`` on
-every shipped profile over random batches (tested): on these profiles the loads are far below
-compute, so caching every unit is both the greedy choice and the optimum. ``planner="exact"``
-keeps the exact solver for checks. Measured (``route_bench.decision_time``, 2000 decisions on fresh
-random clusters): mask_aware p50 0.23 ms, p95 0.28 ms; flashps p50 0.12 ms; baselines < 0.03 ms.
+Cost model: each distinct unit shape's per-token FLOPs, intercepts and per-template load are
+precomputed once, so a batch's unit costs are a few sums (FLOPs are linear in masked tokens; exact,
+tested against ``batch_unit_costs``); plans use the paper's greedy Algorithm 1 in floats, which
+equals the exact ``solve_plan`` on every shipped profile over random batches (tested: there the
+loads are far below compute, so caching every unit is both the greedy choice and the optimum);
+``planner="exact"`` keeps the exact solver for checks.
 A fitted compute or load slope below 0 (noise in a tiny profile, e.g. tiny-flux-fill R^2 0.14)
 is clamped to 0 here, so more work never costs less.
 """
@@ -92,10 +88,12 @@ from pathlib import Path
 from backend.costmodel.costs import CostProfile, LinearModel, RowWork, batch_unit_costs, unit_flops
 from backend.costmodel.plan import solve_plan
 from backend.costmodel.profiles import all_profiles, device_kind
+from backend.dispatch.policies import ROUTING_POLICIES
 from backend.models.catalog import UnknownModelError, rows_per_request
 from backend.protocol.messages import WorkerHeartbeat
 
-POLICIES = ("mask_aware", "flashps", "round_robin", "fewest_requests", "fewest_tokens")
+POLICIES = tuple(ROUTING_POLICIES)  # names, as the CLI and settings spell them
+FALLBACK_POLICY = "fewest_requests"  # for a policy that needs a cost model a device lacks
 DEFAULT_DISK_READ_S_PER_BYTE = 1e-9  # 1 GB/s
 PLANNERS = ("greedy", "exact")
 
@@ -179,7 +177,8 @@ def default_rows_per_request(model_id: str) -> int:
 class RoutingCostModel:
     """Per-step batch latency and job completion estimates of one model on one device kind.
 
-    A row is ``(mask_ratio, template, cached)``; ``cached=False`` computes densely and loads nothing.
+    A row is ``(mask_ratio, template, cached)``; ``cached=False`` computes densely and loads
+    nothing.
     """
 
     def __init__(
@@ -251,9 +250,9 @@ class RoutingCostModel:
 
     # ----- one batch ----------------------------------------------------------------------------
     def _row(self, ratio: float, cached: bool) -> tuple[tuple[int, ...], float, float]:
-        """(masked tokens per unit shape, compute weight per step (FLOPs), its template's cache loads
-        per step (s)) of one request, memoised. Tokens as ``tokens_for_ratio`` (inlined: this runs
-        for every row of every decision)."""
+        """(masked tokens per unit shape, compute weight per step (FLOPs), its template's cache
+        loads per step (s)) of one request, memoised. Tokens as ``tokens_for_ratio`` (inlined:
+        this runs for every row of every decision)."""
         hit = self._rows.get((ratio, cached))
         if hit is not None:
             return hit
@@ -292,29 +291,37 @@ class RoutingCostModel:
                 if load
                 else 0
             )
-            cw = slope * (rpr * masked * per_query + n * text) + icpt
-            cwo = slope * n * (num_tokens * per_query + text) + icpt
-            costs.append((cw if cw > 0 else 0.0, cwo if cwo > 0 else 0.0, templates * load))
-        comp = load_t = 0.0
+            compute_cached = slope * (rpr * masked * per_query + n * text) + icpt
+            compute_dense = slope * n * (num_tokens * per_query + text) + icpt
+            costs.append((max(0.0, compute_cached), max(0.0, compute_dense), templates * load))
+        compute_end = load_end = 0.0  # when the compute stream and the load stream are free
         prev_cached, monotone = False, self.monotone
         for g, k, cont in self._runs:  # runs of identical units in one stack
-            cw, cwo, lt = costs[g]
+            compute_cached, compute_dense, unit_load = costs[g]
             forced = monotone and cont and prev_cached
             while k:
-                if (
-                    forced
-                ):  # k identical cached units at once: max-plus closed form of the recurrence
-                    comp = max(comp + k * cw, load_t + max(lt + k * cw, k * lt + cw))
-                    load_t, prev_cached, k = load_t + k * lt, True, 0
+                if forced:  # k identical cached units at once: max-plus closed form
+                    compute_end = max(
+                        compute_end + k * compute_cached,
+                        load_end
+                        + max(unit_load + k * compute_cached, k * unit_load + compute_cached),
+                    )
+                    load_end, prev_cached, k = load_end + k * unit_load, True, 0
                     break
-                lw = load_t + lt
-                wc = (lw if lw > comp else comp) + cw
-                if wc <= comp + cwo:  # Algorithm 1: cache when that finishes the unit no later
-                    comp, load_t, prev_cached, forced = wc, lw, True, monotone
+                loaded_at = load_end + unit_load
+                cached_end = max(loaded_at, compute_end) + compute_cached
+                # Algorithm 1: cache when that finishes the unit no later
+                if cached_end <= compute_end + compute_dense:
+                    compute_end, load_end, prev_cached, forced = (
+                        cached_end,
+                        loaded_at,
+                        True,
+                        monotone,
+                    )
                 else:
-                    comp, prev_cached = comp + cwo, False
+                    compute_end, prev_cached = compute_end + compute_dense, False
                 k -= 1
-        return comp
+        return compute_end
 
     def _exact(self, toks, tmpls) -> float:
         """Reference: ``solve_plan`` over ``batch_unit_costs`` (slopes clamped as above)."""
@@ -326,11 +333,11 @@ class RoutingCostModel:
         )
         work = [
             RowWork(
-                {u.stack_id: tk[g] for u, (g, _) in zip(p.units, self._seq)},
-                tm or f"dense{i}",
-                needs_load=tm is not None,
+                {u.stack_id: row_tokens[g] for u, (g, _) in zip(p.units, self._seq)},
+                template or f"dense{i}",
+                needs_load=template is not None,
             )
-            for i, (tk, tm) in enumerate(zip(toks, tmpls))
+            for i, (row_tokens, template) in enumerate(zip(toks, tmpls))
             for _ in range(self.rows_per_request)
         ]
         if len({u.stack_id for u in p.units}) != len({(u.stack_id, u.num_tokens) for u in p.units}):
@@ -339,13 +346,15 @@ class RoutingCostModel:
         return solve_plan(costs, p.stack_ids, monotone_within_stack=self.monotone).latency_s
 
     def step_latency(self, rows: Sequence[tuple[float, str, bool]]) -> float:
-        """Seconds of one denoising step of a batch of requests ``(mask_ratio, template, cached)``."""
+        """Seconds of one denoising step of a batch of requests ``(mask_ratio, template,
+        cached)``."""
         return self._latency(
             [self._row(m, c)[0] for m, _, c in rows], [t if c else None for _, t, c in rows]
         )
 
     def disk_read_s(self, num_steps: int) -> float:
-        """One read of a template's trajectory cache (``num_steps`` steps of unit caches) from disk."""
+        """One read of a template's trajectory cache (``num_steps`` steps of unit caches) from
+        disk."""
         return self.disk_read_s_per_byte * self.step_cache_bytes * num_steps
 
     # ----- one job on one worker --------------------------------------------------------------
@@ -377,7 +386,8 @@ class RoutingCostModel:
         self, job: JobRequest, view: WorkerView, memo: dict | None = None
     ) -> dict[str, float]:
         """Completion-time estimate of ``job`` on ``view`` (module docstring): wait, run, residency,
-        total. ``memo``: a dict shared by the estimates of one job on several workers (T(J) reuse)."""
+        total. ``memo``: a dict shared by the estimates of one job on several workers (T(J)
+        reuse)."""
         cached = {
             r.template
             for r in (*view.running, *view.waiting)
@@ -385,12 +395,12 @@ class RoutingCostModel:
         }
         toks, weights, loads, tmpls = [], [], [], []
         for r in (*view.running, *view.waiting):
-            c = r.template in cached
-            tk, w, load = self._row(r.mask_ratio, c)
-            toks.append(tk)
-            weights.append(w)
+            reads_cache = r.template in cached
+            row_tokens, weight, load = self._row(r.mask_ratio, reads_cache)
+            toks.append(row_tokens)
+            weights.append(weight)
             loads.append(load)
-            tmpls.append(r.template if c else None)
+            tmpls.append(r.template if reads_cache else None)
         finish = [max(0, r.remaining_steps) for r in view.running]
         tier = "ram" if job.template in cached else self.tier(job.template, view)
         # a running row recording t_J (t_J in no tier of W): J waits for that cache, then reads it
@@ -402,9 +412,9 @@ class RoutingCostModel:
             if tier == "absent"
             else None
         )
-        jc = tier in ("ram", "disk") or recorder is not None
-        jtoks = self._row(job.mask_ratio, jc)[0]
-        jtmpl = job.template if jc else None
+        job_cached = tier in ("ram", "disk") or recorder is not None
+        job_tokens = self._row(job.mask_ratio, job_cached)[0]
+        job_template = job.template if job_cached else None
         cap = max(1, view.max_batch)
         heap = [(f, i) for i, f in enumerate(finish)]
         heapq.heapify(heap)
@@ -423,45 +433,43 @@ class RoutingCostModel:
             admit = heap[0][0]
             wait = admit * t_first
         n = max(1, job.num_steps)
-        co = [(min(f - admit, n), i) for f, i in heap if f > admit]
+        # co-runners: (steps overlapping J, row index) of each row whose slot outlives J's admission
+        co_runners = [(min(f - admit, n), i) for f, i in heap if f > admit]
         memo = {} if memo is None else memo
-        t_job = memo.get((id(self), jc))
+        t_job = memo.get((id(self), job_cached))
         if t_job is None:
-            t_job = memo[(id(self), jc)] = self._latency([jtoks], [jtmpl])
+            t_job = memo[(id(self), job_cached)] = self._latency([job_tokens], [job_template])
         run, imposed = n * t_job, 0.0
-        if co:
-            co_toks, co_tmpls = [toks[i] for _, i in co], [tmpls[i] for _, i in co]
-            t_full = max(t_job, self._latency(co_toks + [jtoks], co_tmpls + [jtmpl]))
-            # a co-runner's share of a step: its compute, plus its template's loads split among its readers
+        if co_runners:
+            co_toks = [toks[i] for _, i in co_runners]
+            co_tmpls = [tmpls[i] for _, i in co_runners]
+            t_full = max(t_job, self._latency(co_toks + [job_tokens], co_tmpls + [job_template]))
+            # a co-runner's share of a step: its compute, plus its template's loads split among
+            # the co-runners reading it (dense rows load nothing)
             readers: dict[str | None, int] = {}
-            for _, i in co:
+            for _, i in co_runners:
                 readers[tmpls[i]] = readers.get(tmpls[i], 0) + 1
-            cs = self._cslope
+            compute_slope = self._cslope
             share = [
-                (o, weights[i] * cs + loads[i] / readers[tmpls[i]]) for o, i in co
-            ]  # dense rows: load 0
+                (overlap, weights[i] * compute_slope + loads[i] / readers[tmpls[i]])
+                for overlap, i in co_runners
+            ]
             total_w = sum([w for _, w in share])
             phi = sum([o * w for o, w in share]) / (n * total_w) if total_w > 0 else 1.0
             run = n * (t_job + phi * (t_full - t_job))
-            if (
-                not jc
-            ):  # J computes densely (records): what it costs its co-runners dwarfs its own wait
+            if not job_cached:  # J records: what it costs its co-runners dwarfs its own wait
                 slowdown = max(0.0, t_full - self._latency(co_toks, co_tmpls))
-                imposed = slowdown * sum([o for o, _ in co])
+                imposed = slowdown * sum([overlap for overlap, _ in co_runners])
         residency = 0.0
         if tier == "disk":
-            pending, seen = (
-                0.0,
-                set(),
-            )  # W reads one template at a time: those its waiting rows prefetch first
+            # W reads one template at a time: those its waiting rows prefetch come first
+            pending, seen = 0.0, set()
             for r in view.waiting:
                 t = r.template
                 if t and t not in seen and t in view.resident_disk and t not in view.resident_ram:
                     seen.add(t)
                     pending += self.disk_read_s(max(1, r.remaining_steps))
-            residency = max(
-                0.0, pending + self.disk_read_s(n) - wait
-            )  # J is held until its read lands
+            residency = max(0.0, pending + self.disk_read_s(n) - wait)  # held until it lands
         elif recorder is not None:  # held until W's recording of t_J is committed and read into RAM
             residency = max(0.0, recorder * t_first + self.disk_read_s(n) - wait)
         return {
@@ -477,7 +485,8 @@ class RoutingCostModel:
 def load_cost_models(
     profiles_dir: Path, mode: str = "kv", **kwargs
 ) -> dict[tuple[str, str], RoutingCostModel]:
-    """A cost model per (model_id, device kind) from every ``*__{mode}.json`` profile in ``profiles_dir``."""
+    """A cost model per (model_id, device kind) from every ``*__{mode}.json`` profile in
+    ``profiles_dir``."""
     models = {}
     for profile in all_profiles(profiles_dir, mode):
         model = RoutingCostModel.from_profile(profile, **kwargs)
@@ -486,7 +495,8 @@ def load_cost_models(
 
 
 class Router:
-    """Chooses a worker per job (module docstring); holds only round-robin positions as state."""
+    """Chooses a worker per job (module docstring): picks the candidates and hands them to the
+    policy's strategy object; holds state only through it (round-robin positions)."""
 
     def __init__(
         self,
@@ -498,20 +508,17 @@ class Router:
     ):
         if queue_depth < 0:
             raise ValueError(f"queue_depth must be >= 0, got {queue_depth}")
-        if policy not in POLICIES:
+        if policy not in ROUTING_POLICIES:
             raise ValueError(
                 f"unknown routing policy {policy!r}; expected one of {', '.join(POLICIES)}"
             )
-        self.policy, self.allow_queueing, self.default_cost_model = (
-            policy,
-            allow_queueing,
-            default_cost_model,
-        )
-        self.queue_depth = (
-            queue_depth  # waiting rows a worker may hold beyond max_batch and still have slack
-        )
+        self.policy, self.allow_queueing = policy, allow_queueing
+        self.default_cost_model = default_cost_model
+        # waiting rows a worker may hold beyond max_batch and still have slack
+        self.queue_depth = queue_depth
         self.cost_models = {(m, device_kind(d)): cm for (m, d), cm in (cost_models or {}).items()}
-        self._last: dict[str, str] = {}  # model id -> worker id last chosen by round_robin
+        self._strategy = ROUTING_POLICIES[policy]()
+        self._fallback = ROUTING_POLICIES[FALLBACK_POLICY]()
 
     def cost_model(self, model_id: str, device: str) -> RoutingCostModel | None:
         return self.cost_models.get((model_id, device_kind(device)), self.default_cost_model)
@@ -531,8 +538,8 @@ class Router:
             fewest = min(w.load for w in serving)
             candidates = [w for w in serving if w.load == fewest]
             note = f"; all full, queued on the least loaded ({fewest} rows)"
-        policy = self.policy
-        if policy in ("mask_aware", "flashps"):
+        policy, strategy = self.policy, self._strategy
+        if strategy.needs_cost_model:
             missing = sorted(
                 {
                     device_kind(w.device)
@@ -541,39 +548,11 @@ class Router:
                 }
             )
             if missing:
-                policy = "fewest_requests"
-                note += f"; no cost model for {job.model_id} on {', '.join(missing)}: fell back to fewest_requests"
-        if policy == "round_robin":
-            last = self._last.get(job.model_id)
-            pick = next(
-                (w for w in candidates if last is None or w.worker_id > last), candidates[0]
-            )
-            self._last[job.model_id] = pick.worker_id
-            return Decision(
-                pick.worker_id,
-                policy,
-                f"round_robin: next after {last}{note}",
-                {w.worker_id: float(i) for i, w in enumerate(candidates)},
-            )
-        costs, detail, memo = {}, {}, {}  # type: ignore[var-annotated]
-        for w in candidates:
-            cm = self.cost_model(job.model_id, w.device)
-            if policy == "fewest_requests":
-                costs[w.worker_id] = float(w.load)
-            elif policy == "fewest_tokens":
-                costs[w.worker_id] = math.fsum(r.mask_ratio for r in (*w.running, *w.waiting))
-            elif policy == "flashps":
-                costs[w.worker_id] = cm.paper_cost(job, w)  # type: ignore[union-attr]
-            else:
-                detail[w.worker_id] = est = cm.estimate(job, w, memo)  # type: ignore[union-attr]
-                costs[w.worker_id] = est["total"]
-        best = min(candidates, key=lambda w: (costs[w.worker_id], w.worker_id)).worker_id
-        if policy == "mask_aware":
-            d = detail[best]
-            why = (
-                f"min estimated completion {d['total']:.3f} s (wait {d['wait']:.3f} + run {d['run']:.3f}"
-                f" + residency {d['residency']:.3f} + imposed {d['imposed']:.3f})"
-            )
-        else:
-            why = f"min {policy} cost {costs[best]:.4g}"
-        return Decision(best, policy, f"{why} among {len(candidates)} candidate(s){note}", costs)
+                policy, strategy = FALLBACK_POLICY, self._fallback
+                note += (
+                    f"; no cost model for {job.model_id} on {', '.join(missing)}: fell back to "
+                    f"{FALLBACK_POLICY}"
+                )
+        choice = strategy.choose(job, candidates, self.cost_model)
+        reason = f"{choice.why} among {len(candidates)} candidate(s){note}"
+        return Decision(choice.worker_id, policy, reason, choice.costs)
