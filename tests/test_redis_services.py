@@ -248,7 +248,7 @@ def test_messages_round_trip(redis_client):
     for message in (job, edit, CancelJob(job_id="job-0")):
         entry = send_to_inbox(redis_client, "w1", message)
         assert isinstance(entry, str) and "-" in entry
-    assert inbox.poll(0) == []  # the first poll replays this consumer's pending entries: none yet
+    # the first poll replays this consumer's pending entries (none yet), then reads new ones
     assert inbox.poll(0) == [job, edit, CancelJob(job_id="job-0")]
     assert inbox.pending() == 2  # a cancel is acked on reading; a job when it leaves the worker
     inbox.ack("job-1")
@@ -301,7 +301,7 @@ def test_replay_walks_past_more_pending_entries_than_a_batch(redis_client):
 def test_other_workers_do_not_see_my_messages(redis_client):
     mine, other = RedisInbox(redis_client, "w1"), RedisInbox(redis_client, "w2")
     send_to_inbox(redis_client, "w1", prepared("job-1"))
-    assert [mine.poll(0), mine.poll(0)] == [[], [prepared("job-1")]]
+    assert [mine.poll(0), mine.poll(0)] == [[prepared("job-1")], []]
     assert other.poll(0) == [] and other.poll(0) == []
 
 
@@ -315,9 +315,12 @@ def test_malformed_entries_are_dropped_without_crashing(redis_client, caplog):
     redis_client.xadd(stream, {"msg": b"\xff\xfe"})
     redis_client.xadd(stream, {"other": b"no msg field"})
     redis_client.xadd(
-        stream, {"msg": protocol.encode(prepared("old")).replace(
-            f'"version":"{protocol.PROTOCOL_VERSION}"', '"version":"99.0"'
-        )}
+        stream,
+        {
+            "msg": protocol.encode(prepared("old")).replace(
+                f'"version":"{protocol.PROTOCOL_VERSION}"', '"version":"99.0"'
+            )
+        },
     )
     redis_client.xadd(
         stream, {"msg": b'{"type":"prepared_job","version":1,"job_id":"x"}'}

@@ -59,9 +59,18 @@ class RedisInbox:
                 raise
 
     def poll(self, timeout_s: float) -> list:
-        replaying = self._replay_from is not None
-        start_id = self._replay_from if replaying else ">"
-        block = None if replaying or timeout_s <= 0 else max(1, int(timeout_s * 1000))
+        """Our own unacked entries first (after a restart), then new ones; waits up to
+        ``timeout_s`` for new ones only once the replay is done."""
+        if self._replay_from is not None:
+            entries = self._xread(self._replay_from, block=None)
+            # pending entries are re-read from an id, not consumed: walk past them once
+            self._replay_from = to_text(entries[-1][0]) if len(entries) == self.batch else None
+            if entries or self._replay_from is not None:
+                return self._messages(entries)
+        block = max(1, int(timeout_s * 1000)) if timeout_s > 0 else None
+        return self._messages(self._xread(">", block))
+
+    def _xread(self, start_id: str, block: int | None) -> list:
         try:
             reply = self.client.xreadgroup(
                 INBOX_GROUP, self.worker_id, {self.stream: start_id}, count=self.batch, block=block
@@ -69,18 +78,15 @@ class RedisInbox:
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
-            # the dispatcher took this inbox for a dead worker's and re-dispatched its jobs: start afresh
+            # the dispatcher took this inbox for a dead worker's and re-dispatched its jobs
             log.warning("inbox %s was removed (presumed dead); recreating it", self.stream)
             self._create_group()
             return []
-        entries = reply[0][1] if reply else []
-        if replaying:  # pending entries are re-read from an id, not consumed: walk past them once
-            self._replay_from = entries[-1][0] if len(entries) == self.batch else None
-        return [
-            m
-            for m in (self._read(entry_id, fields) for entry_id, fields in entries)
-            if m is not None
-        ]
+        return reply[0][1] if reply else []
+
+    def _messages(self, entries: list) -> list:
+        read = (self._read(entry_id, fields) for entry_id, fields in entries)
+        return [message for message in read if message is not None]
 
     def _read(self, entry_id, fields):
         entry_id = to_text(entry_id)
