@@ -20,7 +20,7 @@ from backend.cache.manager import (
 )
 from backend.cache.policies import POLICIES, EvictionPolicy, LFUPolicy, LRUPolicy, PolicyFactory
 
-_SHELL = ("GuardedCacheWriter", "MemoryTemplateCache", "TieredActivationCache")
+_SHELL = ("MemoryTemplateCache", "TieredActivationCache")
 
 __all__ = [
     "CacheManager",

@@ -5,7 +5,8 @@ an entry as a directory, so ``commit`` publishes it there, registers it with the
 loads it into RAM in the background. RAM therefore normally holds copies of disk entries and a
 RAM eviction only drops the copy. A RAM-only entry arises when the disk tier deletes an entry
 that is also in RAM (disk space is freed, the data stays usable); evicting that entry from RAM
-later spills it back with ``MemoryTemplateCache.save``, in the same layout.
+later spills it back with ``MemoryTemplateCache.save``, through the same ``CacheWriter``: the
+format has one writer.
 
 Invariants:
 - one lock around every ``CacheManager`` call and the eviction I/O it implies (drops, deletes,
@@ -28,11 +29,9 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,7 +41,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save_file
 
 from backend.cache.manager import (
     CacheManager,
@@ -134,53 +132,16 @@ class MemoryTemplateCache(ManifestView):
         )
 
     def save(self, root: Path) -> None:
-        """Write the entry to ``root/<key digest>`` in the ``cache_store`` layout (a spill)."""
-        digest = self.key.digest()
-        tmp = Path(tempfile.mkdtemp(prefix=f".{digest}.", dir=root))
+        """Write the entry to ``root/<key digest>`` with ``CacheWriter`` (a spill)."""
+        writer = CacheWriter(root, self.key, self.num_units, self.manifest["halves"], None)
         try:
-            for file_name, tensors in self._files.items():
-                save_file(tensors, str(tmp / file_name))
-            checksums = {
-                name: hashlib.sha256((tmp / name).read_bytes()).hexdigest() for name in self._files
-            }
-            sizes = sum((tmp / name).stat().st_size for name in self._files)
-            manifest = {**self.manifest, "files": checksums, "bytes_total": sizes}
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-            shutil.rmtree(Path(root) / digest, ignore_errors=True)  # a stale leftover: replaced
-            os.replace(tmp, Path(root) / digest)
+            for step in range(self.num_steps):
+                writer.write_step_tensors(step, self._files[step_file(step)])
+            writer.write_trajectory(self._files[TRAJECTORY])
+            writer.commit()
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            writer.abort()
             raise
-
-
-class GuardedCacheWriter(CacheWriter):
-    """A ``CacheWriter`` whose disk errors end the recording, not the edit: the first OSError
-    (e.g. ENOSPC) aborts it and later writes are skipped; ``TieredActivationCache.commit`` then
-    returns None."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.failed: OSError | None = None
-
-    def write_step(self, step: int, recorded: dict[tuple[int, str], torch.Tensor]) -> None:
-        self._guarded(super().write_step, step, recorded)
-
-    def write_trajectory(self, tensors: dict[str, torch.Tensor]) -> None:
-        self._guarded(super().write_trajectory, tensors)
-
-    def _guarded(self, write, *args) -> None:
-        if self.failed is not None:
-            return
-        try:
-            write(*args)
-        except OSError as exc:
-            self.failed = exc
-            log.warning(
-                "cache recording failed entry=%s error=%s: the edit continues without it",
-                self.key.digest(),
-                exc,
-            )
-            self.abort()
 
 
 @dataclass
@@ -476,16 +437,16 @@ class TieredActivationCache:
     # ----- recording ------------------------------------------------------------------------------
     def writer(
         self, key: CacheKey, num_units: int, halves: int, dtype: torch.dtype
-    ) -> GuardedCacheWriter | None:
+    ) -> CacheWriter | None:
         """A writer for a new recording of ``key`` (None when even its temporary directory
         fails)."""
         try:
-            return GuardedCacheWriter(self.root, key, num_units, halves, dtype)
+            return CacheWriter(self.root, key, num_units, halves, dtype, stop_on_disk_error=True)
         except OSError as exc:
             log.warning("cache recording not started entry=%s error=%s", key.digest(), exc)
             return None
 
-    def commit(self, writer: GuardedCacheWriter) -> TemplateCache | None:
+    def commit(self, writer: CacheWriter) -> TemplateCache | None:
         """Publish a recording from ``writer`` on disk, then load it into RAM in the background.
 
         Returns the (unpinned) disk handle, or None when the recording failed, the disk tier
@@ -521,7 +482,7 @@ class TieredActivationCache:
                     self._reserve_load(entry_id, spare_prefetched=True, background=True)
         return disk
 
-    def _store_failed(self, writer: GuardedCacheWriter, exc: Exception) -> None:
+    def _store_failed(self, writer: CacheWriter, exc: Exception) -> None:
         entry_id = writer.key.digest()
         log.warning("cache commit failed entry=%s error=%s", entry_id, exc)
         writer.abort()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -28,6 +29,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -43,7 +46,8 @@ class CacheMismatchError(CacheError):
 
 
 class CacheCorruptError(CacheError):
-    """A cache file is missing, truncated or fails its checksum; ``entry_path`` is the entry's directory."""
+    """A cache file is missing, truncated or fails its checksum; ``entry_path`` is the entry's
+    directory."""
 
     def __init__(self, message: str, entry_path: Path | None = None):
         super().__init__(message)
@@ -105,36 +109,72 @@ def tensor_name(unit: int, name: str) -> str:
 
 
 class CacheWriter:
-    """Collects one recording run step by step, then publishes it atomically with ``commit``."""
+    """The one writer of the entry layout (module docstring): collects an entry step by step in a
+    temporary directory, then publishes it atomically with ``commit``. Used for recordings (by
+    the engine, and by the tiered cache) and for RAM entries spilled back to disk.
+
+    ``stop_on_disk_error`` (the tiered cache's recordings): the first OSError (e.g. ENOSPC) while
+    writing ends the recording, not the edit: it is kept in ``failed``, the temporary directory is
+    removed and later writes are skipped (a caller then does not commit). Otherwise it is raised.
+    """
 
     def __init__(
-        self, root: Path, key: CacheKey, num_units: int, halves: int, storage_dtype: torch.dtype
+        self,
+        root: Path,
+        key: CacheKey,
+        num_units: int,
+        halves: int,
+        storage_dtype: torch.dtype | None,
+        stop_on_disk_error: bool = False,
     ):
         self.root, self.key = Path(root), key
         self.root.mkdir(parents=True, exist_ok=True)
         self._tmp = Path(tempfile.mkdtemp(prefix=f".{key.digest()}.", dir=self.root))
         self._tensors: dict[str, dict] = {}
+        # storage_dtype None: tensors are stored in their own dtype
         self._num_units, self._halves, self._dtype = num_units, halves, storage_dtype
         self._steps = 0
+        self.stop_on_disk_error = stop_on_disk_error
+        self.failed: OSError | None = None
 
     def write_step(self, step: int, recorded: dict[tuple[int, str], torch.Tensor]) -> None:
+        """One step's tensors, keyed (unit, name); steps in order from 0."""
+        self.write_step_tensors(step, {tensor_name(u, n): t for (u, n), t in recorded.items()})
+
+    def write_step_tensors(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
+        """One step's tensors, keyed by their stored names (``tensor_name``)."""
+        if self.failed is not None:
+            return  # the recording already ended (``stop_on_disk_error``)
         if step != self._steps:
             raise ValueError(f"steps must be written in order: expected {self._steps}, got {step}")
-        tensors = {
-            tensor_name(u, n): t.to("cpu", self._dtype).contiguous()
-            for (u, n), t in recorded.items()
-        }
-        self._save(step_file(step), tensors)
-        self._steps += 1
+        stored = {name: t.to("cpu", self._dtype).contiguous() for name, t in tensors.items()}
+        if self._save(step_file(step), stored):
+            self._steps += 1
 
     def write_trajectory(self, tensors: dict[str, torch.Tensor]) -> None:
         self._save(TRAJECTORY, {k: v.to("cpu").contiguous() for k, v in tensors.items()})
 
-    def _save(self, file_name: str, tensors: dict[str, torch.Tensor]) -> None:
-        save_file(tensors, str(self._tmp / file_name))
+    def _save(self, file_name: str, tensors: dict[str, torch.Tensor]) -> bool:
+        """Write one file; False when it was skipped or failed (``stop_on_disk_error``)."""
+        if self.failed is not None:
+            return False
+        try:
+            save_file(tensors, str(self._tmp / file_name))
+        except OSError as exc:
+            if not self.stop_on_disk_error:
+                raise
+            self.failed = exc
+            log.warning(
+                "cache recording failed entry=%s error=%s: the edit continues without it",
+                self.key.digest(),
+                exc,
+            )
+            self.abort()
+            return False
         self._tensors[file_name] = {
             k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in tensors.items()
         }
+        return True
 
     def _check_complete(self) -> None:
         """Every step must hold, for every unit, what an edit in this cache mode reads (K and V, or
@@ -204,7 +244,8 @@ class ManifestView:
 
 
 class TemplateCache(ManifestView):
-    """Read access to one committed entry. Tensors are read lazily, one (step, unit, name) at a time."""
+    """Read access to one committed entry. Tensors are read lazily, one (step, unit, name) at a
+    time."""
 
     def __init__(self, path: Path, manifest: dict):
         self.path, self.manifest = path, manifest
@@ -227,7 +268,8 @@ class TemplateCache(ManifestView):
             ) from exc
         if manifest.get("format_version") != FORMAT_VERSION:
             raise CacheMismatchError(
-                f"cache format {manifest.get('format_version')} at {path}, this build reads {FORMAT_VERSION}: re-prepare"
+                f"cache format {manifest.get('format_version')} at {path}, this build reads "
+                f"{FORMAT_VERSION}: re-prepare"
             )
         cache = cls(path, manifest)
         if expected is not None and cache.key != expected:
