@@ -35,7 +35,7 @@ def _loaded(manager: CacheManager, entry_id: str):
     return plan
 
 
-# ----- scenarios -----------------------------------------------------------------------------------
+# ----- scenarios ----------------------------------------------------------------------------------
 def test_store_then_load_promotes_to_ram_and_counts_hits():
     manager = _manager()
     _stored(manager, "a", 40)
@@ -235,7 +235,7 @@ def test_misuse_is_reported():
         CacheManager(-1, 10)
 
 
-# ----- invariants under random operation sequences ----------------------------------------------------
+# ----- invariants under random operation sequences ------------------------------------------------
 class _Shell:
     """A model shell: executes plans on two sets, asserting every action is valid when it runs."""
 
@@ -365,7 +365,7 @@ def test_random_walk_keeps_every_invariant(policy, seed):
     )  # the walk did exercise eviction
 
 
-# ----- policy contract: every policy, same expectations -----------------------------------------------
+# ----- policy contract: every policy, same expectations -------------------------------------------
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_policy_chooses_only_tracked_candidates(policy):
     ranking = POLICIES[policy]()
@@ -396,7 +396,7 @@ def test_every_policy_frees_enough_and_spares_pinned(policy):
     assert manager.used_bytes[Tier.RAM] <= 100 and manager.lookup("a") is Residency.RAM
 
 
-# ----- policy specifics -----------------------------------------------------------------------------
+# ----- policy specifics ---------------------------------------------------------------------------
 def test_lru_evicts_least_recently_used():
     ranking = LRUPolicy()
     for entry_id in "abc":

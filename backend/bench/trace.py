@@ -1,8 +1,9 @@
 """Synthetic request traces for serving benchmarks (pure: numpy only, seeded).
 
-Arrivals are Poisson (exponential gaps, optionally bursty); templates follow a Zipf popularity (a few
-hot templates, a long tail); mask ratios follow a Beta distribution with the requested mean (FlashPS
-reports a mean of 0.11 in its production trace and 0.19 in the public one), clipped to [0.02, 0.9].
+Arrivals are Poisson (exponential gaps, optionally bursty); templates follow a Zipf popularity (a
+few hot templates, a long tail); mask ratios follow a Beta distribution with the requested mean
+(FlashPS reports a mean of 0.11 in its production trace and 0.19 in the public one), clipped to
+[0.02, 0.9].
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def poisson_trace(
 ) -> list[TraceRequest]:
     """Requests arriving over ``duration_s`` at ``rps`` on average.
 
-    ``burst_factor`` > 1 alternates calm and busy periods (rate / f and rate * f, 2 s each, same mean
-    over a cycle only approximately), to exercise queueing."""
+    ``burst_factor`` > 1 alternates calm and busy periods (rate / f and rate * f, 2 s each, same
+    mean over a cycle only approximately), to exercise queueing."""
     if rps <= 0 or duration_s <= 0:
         raise ValueError("rps and duration must be positive")
     rng = np.random.default_rng(seed)

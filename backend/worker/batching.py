@@ -10,11 +10,11 @@ ones. Modes:
 * ``inline``: admission as ``continuous``; the worker also runs pre/post-processing in its own loop.
 
 Prefetch-gated admission: ``schedule(now, ready)`` admits a waiting row only when ``ready(row)``
-says its template cache can be acquired without waiting (the worker: not still being read from
-disk, not being recorded by a running row). A row that is not ready keeps its place at the head of
-the queue while rows behind it take the free slots (``SchedulerOutput.held``); it joins at the
+says so (the engine worker and the route simulation's workers both answer with
+``backend.worker.admission.AdmissionRules``). A row that is not ready keeps its place at the head
+of the queue while rows behind it take the free slots (``SchedulerOutput.held``); it joins at the
 first step after it becomes ready. No read ever stalls the running batch (FlashPS's bubble-free
-serving); the cluster simulation (``backend.bench.route_bench``) applies the same rule.
+serving).
 
 Invariants: at most ``max_batch`` rows run; a row is in exactly one of waiting / running / done;
 every running row is stepped exactly once per ``schedule`` -> ``update_from_output`` round (rows
@@ -87,7 +87,8 @@ class BatchScheduler:
         self.waiting[row.job_id] = row
 
     def cancel(self, job_id: str) -> bool:
-        """Ask to drop ``job_id``; it leaves at the next ``schedule``. False if the job is unknown here."""
+        """Ask to drop ``job_id``; it leaves at the next ``schedule``. False if the job is unknown
+        here."""
         if job_id in self.waiting or job_id in self.running:
             self._cancel_requests.add(job_id)
             return True
