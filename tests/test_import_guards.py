@@ -34,41 +34,68 @@ PURE_CORES = (
     "backend.models.catalog",
     "backend.models",
     "backend.worker.batching",
+    "backend.worker.admission",
     "backend.dispatch.router",
+    "backend.dispatch.policies",
     "backend.cache.manager",
     "backend.cache.policies",
     "backend.retention",
 )
 
 
-def loaded_after_import(module: str, watched: tuple[str, ...]) -> list[str]:
-    """The ``watched`` top-level packages in ``sys.modules`` after importing ``module`` alone."""
-    probe = (
+def _probe(module: str, watched: tuple[str, ...]) -> subprocess.Popen[str]:
+    """A fresh interpreter that imports ``module`` alone and prints which of ``watched`` (top-level
+    packages) ended up in ``sys.modules``."""
+    code = (
         f"import json, sys, {module}; "
         f"print(json.dumps([m for m in {list(watched)!r} if m in sys.modules]))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _result(probe: subprocess.Popen[str]) -> list[str]:
+    out, err = probe.communicate(timeout=180)
+    assert probe.returncode == 0, err[-2000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def loaded_after_import(module: str, watched: tuple[str, ...]) -> list[str]:
+    return _result(_probe(module, watched))
+
+
+WATCHED_ROLE = (*MODEL_LIBRARIES, "celery")
+WATCHED_CORE = (*MODEL_LIBRARIES, "redis")
+
+
+@pytest.fixture(scope="module")
+def loaded() -> dict[str, list[str]]:
+    """Module -> what importing it loaded, every probe run at once (each in its own process)."""
+    probes = {m: _probe(m, WATCHED_ROLE) for m in ROLE_MODULES}
+    probes |= {m: _probe(m, WATCHED_CORE) for m in PURE_CORES}
+    return {module: _result(probe) for module, probe in probes.items()}
 
 
 @pytest.mark.parametrize("module", ROLE_MODULES)
-def test_roles_that_run_no_model_import_no_model_library(module):
-    assert loaded_after_import(module, MODEL_LIBRARIES) == []
+def test_roles_that_run_no_model_import_no_model_library(module, loaded):
+    assert [name for name in loaded[module] if name in MODEL_LIBRARIES] == []
 
 
 @pytest.mark.parametrize("module", PURE_CORES)
-def test_pure_cores_import_neither_model_libraries_nor_redis(module):
-    assert loaded_after_import(module, (*MODEL_LIBRARIES, "redis")) == []
+def test_pure_cores_import_neither_model_libraries_nor_redis(module, loaded):
+    assert loaded[module] == []
+
+
+def test_the_dispatcher_routes_without_celery(loaded):
+    """Routing reads streams and heartbeats; the CPU stages' task queue is not its business."""
+    assert "celery" not in loaded["backend.dispatch.service"]
 
 
 def test_the_probe_sees_an_import():
     """The guard can fail: a module that does import torch is reported."""
     assert loaded_after_import("backend.engine.attention", MODEL_LIBRARIES) == ["torch"]
-
-
-def test_the_dispatcher_routes_without_celery():
-    """Routing reads streams and heartbeats; the CPU stages' task queue is not its business."""
-    assert loaded_after_import("backend.dispatch.service", ("celery",)) == []

@@ -28,6 +28,7 @@ from backend.dispatch.router import POLICIES
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"
 
 
+@pytest.mark.slow
 def test_the_route_bench_completes_every_job_under_every_policy_and_writes_its_report(tmp_path):
     cfg = RouteBenchConfig(
         profiles_dir=str(PROFILES),
@@ -307,6 +308,7 @@ def test_summarize_seeds_averages_the_policies_and_cuts_against_the_best_other_o
         summarize_seeds([])
 
 
+@pytest.mark.slow
 def test_the_route_bench_command_runs_several_seeds_and_writes_their_mean(tmp_path, capsys):
     from backend.cli import main
 

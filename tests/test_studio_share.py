@@ -20,6 +20,7 @@ def test_share_without_the_login_is_refused(tmp_path, monkeypatch, capsys):
     assert "needs the login" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_an_unreachable_share_server_is_reported_not_fatal(tmp_path):
     closed = f"127.0.0.1:{free_port()}"  # nothing listens there
     settings = load_settings(
