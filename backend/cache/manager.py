@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum, Flag, auto
+from typing import Any
 
 from backend.cache.policies import LRUPolicy, PolicyFactory
 
@@ -155,7 +156,7 @@ class CacheMetrics:
         self.prefetch_uses += 1
         self.prefetch_lead_s.append(lead_s)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """Plain dict for logs and heartbeats; lead-time statistics over the last ``LEAD_WINDOW``
         uses."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "prefetch_lead_s"}
@@ -211,7 +212,7 @@ class CacheManager:
         if residency is not Residency.MISS:
             for policy in self._policies.values():
                 policy.on_access(entry_id)  # a policy ignores ids it does not track
-            if now is not None and entry.prefetched_at is not None:
+            if now is not None and entry is not None and entry.prefetched_at is not None:
                 self.metrics.record_prefetch_use(now - entry.prefetched_at)
                 entry.prefetched_at = None
         return residency
@@ -451,7 +452,7 @@ class CacheManager:
             self._remove(victim)
 
     # ----- state changes: every flag change goes through here (bytes and policies stay exact) --
-    def _update(self, entry: EntryState, **changes) -> None:
+    def _update(self, entry: EntryState, **changes: Any) -> None:
         before = {tier: (entry.holds(tier), entry.resident(tier)) for tier in (Tier.RAM, Tier.DISK)}
         for name, value in changes.items():
             setattr(entry, name, value)

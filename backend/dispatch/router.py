@@ -84,6 +84,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from backend.costmodel.costs import CostProfile, LinearModel, RowWork, batch_unit_costs, unit_flops
 from backend.costmodel.plan import solve_plan
@@ -200,8 +201,11 @@ class RoutingCostModel:
         self.rows_per_request = rows_per_request or default_rows_per_request(profile.model_id)
         self.monotone = profile.mode == "kv"
         self._cslope, self._cicpt = max(0.0, profile.compute.slope), profile.compute.intercept
-        shapes: dict[tuple, int] = {}
-        groups, seq, prev = [], [], None
+        shapes: dict[tuple[int, int, int, float, int], int] = {}
+        # per unit shape: (tokens, FLOPs per masked query, text FLOPs, cache load seconds)
+        groups: list[tuple[int, float, float, float]] = []
+        seq: list[tuple[int, bool]] = []  # per unit: (shape index, same stack as the one before)
+        prev: int | None = None
         for unit in profile.units:
             key = (
                 unit.num_tokens,
@@ -226,7 +230,7 @@ class RoutingCostModel:
             seq.append((shapes[key], prev is not None and unit.stack_id == prev))
             prev = unit.stack_id
         self._groups, self._seq = groups, seq
-        self._runs: list[list] = []  # [group, length, same stack as the unit before]
+        self._runs: list[list[Any]] = []  # [group, length, same stack as the unit before]
         for g, same in seq:
             if self._runs and same and self._runs[-1][0] == g:
                 self._runs[-1][1] += 1
@@ -242,10 +246,10 @@ class RoutingCostModel:
             c * g[3] for c, g in zip(counts, groups)
         )  # one template's loads per step, per shape
         self.step_cache_bytes = sum(u.cache_bytes for u in profile.units)
-        self._rows: dict[tuple[float, bool], tuple[tuple[int, ...], float]] = {}
+        self._rows: dict[tuple[float, bool], tuple[tuple[int, ...], float, float]] = {}
 
     @classmethod
-    def from_profile(cls, profile: CostProfile, **kwargs) -> RoutingCostModel:
+    def from_profile(cls, profile: CostProfile, **kwargs: Any) -> RoutingCostModel:
         return cls(profile, **kwargs)  # kwargs: disk_read_s_per_byte, rows_per_request, planner
 
     # ----- one batch ----------------------------------------------------------------------------
@@ -272,8 +276,8 @@ class RoutingCostModel:
                 if cached
                 else 0.0
             )
-        hit = self._rows[(ratio, cached)] = (toks, weight, load)
-        return hit
+        row = self._rows[(ratio, cached)] = (toks, weight, load)
+        return row
 
     def _latency(self, toks: Sequence[tuple[int, ...]], tmpls: Sequence[str | None]) -> float:
         """Pipeline latency of prepared rows: tokens per shape, template (None: dense, no copy)."""
@@ -323,7 +327,7 @@ class RoutingCostModel:
                 k -= 1
         return compute_end
 
-    def _exact(self, toks, tmpls) -> float:
+    def _exact(self, toks: Sequence[tuple[int, ...]], tmpls: Sequence[str | None]) -> float:
         """Reference: ``solve_plan`` over ``batch_unit_costs`` (slopes clamped as above)."""
         p = self.profile
         profile = replace(
@@ -361,7 +365,11 @@ class RoutingCostModel:
     def paper_cost(self, job: JobRequest, view: WorkerView) -> float:
         """FlashPS Algorithm 2: T(running batch + J) with every cached template in RAM, times n_J.
         The running batch includes the waiting rows that join it at the next step (dispatched)."""
-        rows = (*view.running, *view.waiting[: max(0, view.max_batch - len(view.running))], job)
+        rows: tuple[RowState | JobRequest, ...] = (
+            *view.running,
+            *view.waiting[: max(0, view.max_batch - len(view.running))],
+            job,
+        )
         return (
             self._latency(
                 [self._row(r.mask_ratio, bool(r.template))[0] for r in rows],
@@ -383,7 +391,7 @@ class RoutingCostModel:
         )
 
     def estimate(
-        self, job: JobRequest, view: WorkerView, memo: dict | None = None
+        self, job: JobRequest, view: WorkerView, memo: dict[Any, Any] | None = None
     ) -> dict[str, float]:
         """Completion-time estimate of ``job`` on ``view`` (module docstring): wait, run, residency,
         total. ``memo``: a dict shared by the estimates of one job on several workers (T(J)
@@ -483,7 +491,7 @@ class RoutingCostModel:
 
 
 def load_cost_models(
-    profiles_dir: Path, mode: str = "kv", **kwargs
+    profiles_dir: Path, mode: str = "kv", **kwargs: Any
 ) -> dict[tuple[str, str], RoutingCostModel]:
     """A cost model per (model_id, device kind) from every ``*__{mode}.json`` profile in
     ``profiles_dir``."""

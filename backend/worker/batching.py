@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from backend.protocol.messages import RunningRow, WaitingRow
 
@@ -152,7 +153,7 @@ class BatchScheduler:
     def idle(self) -> bool:
         return not self.running and not self.waiting
 
-    def live_state(self) -> dict:
+    def live_state(self) -> dict[str, Any]:
         """Running batch and queue, as the worker's heartbeat reports them."""
         return {
             "running": [
