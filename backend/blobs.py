@@ -1,7 +1,7 @@
 """Files passed between processes by reference: images, masks, prepared requests, latents, results.
 
-A blob ref is ``"<kind>/<name>"``: ``kind`` is one of ``KINDS`` and ``name`` is generated here from a
-job id or a content hash (never taken from a user), so a ref can never point outside the store.
+A blob ref is ``"<kind>/<name>"``: ``kind`` is one of ``KINDS`` and ``name`` is generated here from
+a job id or a content hash (never taken from a user), so a ref can never point outside the store.
 Writes are atomic (temp file + rename): a reader sees a whole file or none. Writing the same ref
 twice with the same bytes is harmless, which keeps retried tasks idempotent.
 
@@ -95,7 +95,8 @@ class BlobStore:
         os.utime(self.path(ref))
 
     def files(self) -> Iterator[tuple[str, Path, os.stat_result]]:
-        """(ref, path, stat) of every stored blob; temporary files of writes in flight are skipped."""
+        """(ref, path, stat) of every stored blob; temporary files of writes in flight are
+        skipped."""
         for kind in KINDS:
             folder = self.root / kind
             if not folder.is_dir():

@@ -30,8 +30,8 @@ def record_prepare_job(client: Redis, template_id: str, model_id: str, job_id: s
 
 
 def cache_status(client: Redis, template_id: str, model_id: str) -> dict:
-    """``{"model", "status", "digest", "workers"}``: the best tier any live worker holds the cache in
-    (``workers``: the ids of those holding it), else ``preparing`` while a prepare job runs, else
+    """``{"model", "status", "digest", "workers"}``: the best tier any live worker holds the cache
+    in (``workers``: the ids of those holding it), else ``preparing`` while a prepare job runs, else
     ``not prepared``."""
 
     stored = {

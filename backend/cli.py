@@ -109,7 +109,8 @@ def cmd_profile(args, settings: Settings) -> int:
         write_atomic(path, profile.to_json().encode())
         print(
             f"{spec.model_id} {mode}: compute R^2 {profile.compute.r2:.4f} "
-            f"({profile.compute.slope * 1e9:.4f} s/GFLOP + {profile.compute.intercept * 1e3:.3f} ms), "
+            f"({profile.compute.slope * 1e9:.4f} s/GFLOP + "
+            f"{profile.compute.intercept * 1e3:.3f} ms), "
             f"load R^2 {profile.load.r2:.4f} ({profile.load.slope * 1e9:.4f} s/GB) -> {path}"
         )
     return 0

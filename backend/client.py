@@ -2,7 +2,9 @@
 
     client = MaskServeClient("http://127.0.0.1:8000", api_key="...")
     template = client.upload_template("room.png", name="Living room", tags=["interior"])
-    job = client.submit(mask="mask.png", prompt="a red armchair", template_id=template["id"], seed=42)
+    job = client.submit(
+        mask="mask.png", prompt="a red armchair", template_id=template["id"], seed=42
+    )
     final = client.wait(job["job_id"], timeout=300)      # follows the job's event stream
     open("out.png", "wb").write(client.result_bytes(job["job_id"]))
 
@@ -220,9 +222,9 @@ def add_submit_arguments(parser) -> None:
 
 def submit_cli(args, settings=None) -> int:
     """`maskserve submit`: submit one edit, wait for it, write the result. Prints JSON lines (the
-    accepted job, then the final state). Exit status: 0 done (or submitted with --no-wait), 1 failed,
-    cancelled or timed out, 2 refused by the server or unreachable. ``settings`` (optional) supplies
-    the URL and key when ``args`` leaves them out."""
+    accepted job, then the final state). Exit status: 0 done (or submitted with --no-wait), 1
+    failed, cancelled or timed out, 2 refused by the server or unreachable. ``settings`` (optional)
+    supplies the URL and key when ``args`` leaves them out."""
     url = getattr(args, "url", None) or (
         f"http://{settings.api.host}:{settings.api.port}" if settings else "http://127.0.0.1:8000"
     )

@@ -1,9 +1,9 @@
 """Each user's job history: the ids of the jobs they submitted, newest first.
 
-One Redis sorted set per owner (``keys.history_key``), scored by submission time and
-trimmed to the newest ``limit`` ids; it expires with the job state (``ttl_s`` after the owner's
-last submission; never when job records never expire), so a history never lists more than the job state still holds for long. Owners
-are hashed into the key: a user name or an API key never appears in a Redis key.
+One Redis sorted set per owner (``keys.history_key``), scored by submission time and trimmed to the
+newest ``limit`` ids; it expires with the job state (``ttl_s`` after the owner's last submission;
+never when job records never expire), so a history never lists more than the job state still holds
+for long. Owners are hashed into the key: a user name or an API key never appears in a Redis key.
 """
 
 from __future__ import annotations

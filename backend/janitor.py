@@ -1,4 +1,5 @@
-"""The blob janitor: deletes the blobs whose retention has passed (``backend.retention`` decides which).
+"""The blob janitor: deletes the blobs whose retention has passed (``backend.retention`` decides
+which).
 
 Where it runs: a daemon thread of the API process (``start_janitor``, started by ``run_api``),
 sweeping at start and then every ``settings.retention.sweep_every_s``. The API is the role every

@@ -74,7 +74,8 @@ _REQUEUE = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or status == 'done' or status == 'failed' or status == 'cancelled'
    or status == 'postprocessing' then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'waiting', 'step', 0, 'message', ARGV[1], 'updated_at', ARGV[2])
+redis.call('HSET', KEYS[1], 'status', 'waiting', 'step', 0, 'message', ARGV[1],
+           'updated_at', ARGV[2])
 return 1
 """
 
@@ -85,7 +86,8 @@ class JobNotFound(KeyError):
 
 class JobStateStore:
     def __init__(self, client: Redis, ttl_s: int = JOB_TTL_S):
-        """``ttl_s``: a finished job's record and events expire that long after it finished (0: never)."""
+        """``ttl_s``: a finished job's record and events expire that long after it finished (0:
+        never)."""
         if ttl_s < 0:
             raise ValueError(
                 f"job record ttl must be >= 0 s (0 keeps records forever), got {ttl_s}"

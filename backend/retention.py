@@ -60,7 +60,8 @@ class RetentionPolicy:
 def expired_blobs(
     blobs: Iterable[BlobFile], jobs: Iterable[JobRecord], now: float, policy: RetentionPolicy
 ) -> list[BlobFile]:
-    """The blobs whose retention has passed at ``now`` (see the module invariants), in input order."""
+    """The blobs whose retention has passed at ``now`` (see the module invariants), in input
+    order."""
     users: dict[str, list[JobRecord]] = {}
     for job in jobs:
         for ref in job.refs:

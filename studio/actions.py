@@ -109,7 +109,8 @@ class StudioActions:
     def __init__(
         self, service: JobService, templates: TemplateStore, on_submitted=lambda model_id: None
     ):
-        """``on_submitted(model_id)`` is called for every accepted edit (the API's metrics count it)."""
+        """``on_submitted(model_id)`` is called for every accepted edit (the API's metrics count
+        it)."""
         self.service, self.templates, self.on_submitted = service, templates, on_submitted
 
     # ----- gallery --------------------------------------------------------------------------------
@@ -136,9 +137,8 @@ class StudioActions:
         added, problems = [], []
         tag_list = split_tags(tags)
         for index, file in enumerate(files, start=1):
-            path = (
-                Path(file) if isinstance(file, (str, PathLike)) else Path(file.name)
-            )  # a path, or a temp file
+            # a path, or a temp file
+            path = Path(file) if isinstance(file, (str, PathLike)) else Path(file.name)
             display = (name or "").strip() or path.stem or "untitled"
             if (name or "").strip() and len(files) > 1:
                 display = f"{display} {index}"
@@ -250,7 +250,8 @@ class StudioActions:
         return _service_call(self.service.result_path, job_id)
 
     def save_result(self, job_id: str, name: str = "", tags: str = "") -> TemplateRecord:
-        """The job's result as a new gallery template (named after the original when no name is given)."""
+        """The job's result as a new gallery template (named after the original when no name is
+        given)."""
         job = _service_call(self.service.get, job_id)
         data = self.result_path(job_id).read_bytes()
         display = (name or "").strip()
@@ -265,7 +266,8 @@ class StudioActions:
         return [job for job in self.service.history(owner, limit) if job.get("kind") != "prepare"]
 
     def thumbnail_of(self, job: dict) -> Path | None:
-        """The result thumbnail of a job as ``history`` lists it (None until it is done, or expired)."""
+        """The result thumbnail of a job as ``history`` lists it (None until it is done, or
+        expired)."""
         ref = job.get("thumbnail_ref", "")
         path = self.service.blobs.path(ref) if ref else None
         return path if path is not None and path.exists() else None

@@ -316,7 +316,8 @@ class StudioPage:
                 show_progress="hidden",
                 trigger_mode="always_last",
             )
-        # .input, not .change: a model recalled from the history keeps the steps and guidance recalled with it
+        # .input, not .change: a model recalled from the history keeps the steps and guidance
+        # recalled with it
         ui["model"].input(
             self._model_defaults,
             [ui["model"]],
@@ -444,8 +445,8 @@ class StudioPage:
         job = self.actions.service.get(submitted.job_id)
         timings = job.get("timings", {})
         info = (
-            f"**Done.** Seed used: `{submitted.seed}` · model `{submitted.model_id}` · {submitted.steps} steps"
-            f" · job `{submitted.job_id}`"
+            f"**Done.** Seed used: `{submitted.seed}` · model `{submitted.model_id}` · "
+            f"{submitted.steps} steps · job `{submitted.job_id}`"
             f"<br><span class='ms-muted'>queue {timings.get('queue_s', 0):.1f} s · pre "
             f"{timings.get('pre_s', 0):.1f} s · denoise {timings.get('denoise_s', 0):.1f} s · post "
             f"{timings.get('post_s', 0):.1f} s · total {timings.get('total_s', 0):.1f} s</span>"
@@ -582,7 +583,8 @@ class StudioPage:
         created = dt.datetime.fromtimestamp(record.created_at).strftime("%Y-%m-%d %H:%M")
         details = (
             f"**{html.escape(record.name)}** · {record.width}x{record.height} · "
-            f"{record.bytes / 1024:.0f} KiB · tags: {', '.join(record.tags) or '(none)'} · added {created}"
+            f"{record.bytes / 1024:.0f} KiB · tags: {', '.join(record.tags) or '(none)'} · "
+            f"added {created}"
         )
         return record.id, details, self.actions.cache_status(record.id, model) if model else ""
 
@@ -591,7 +593,8 @@ class StudioPage:
         return self.actions.cache_status(template_id, model) if template_id and model else ""
 
     def _prepare(self, template_id, model):
-        """A generator: "preparing" while the recording runs, then where the cache is (or why not)."""
+        """A generator: "preparing" while the recording runs, then where the cache is (or why
+        not)."""
         try:
             submitted = self.actions.prepare(self.actions.template(template_id).id, model)
             yield f"preparing (job {submitted.job_id[:8]})"
@@ -680,14 +683,14 @@ class StudioPage:
         if row is None or row >= len(jobs):
             raise StudioError("that job is no longer in the history: refresh it")
         job = jobs[row]
-        record, canvas = self._on_canvas(
-            job.get("template_id", "")
-        )  # it may have been deleted since
+        # it may have been deleted since
+        record, canvas = self._on_canvas(job.get("template_id", ""))
         ops = job.get("mask_ops", {})
         return (
             record.id,
             canvas,
-            f"**{html.escape(record.name)}** · recalled from job {job['job_id'][:8]}: paint the mask again",
+            f"**{html.escape(record.name)}** · recalled from job {job['job_id'][:8]}: "
+            "paint the mask again",
             job.get("prompt", ""),
             job.get("negative_prompt", ""),
             job.get("model_id"),

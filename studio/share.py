@@ -45,8 +45,8 @@ def open_share_link(settings: Settings, is_serving) -> threading.Thread:
             log.info("studio share link: %s", outcome)
         except Exception as exc:  # any failure to reach the share server: report it, keep serving
             outcome = (
-                f"error: no share link ({exc}; {exc.__cause__ or 'no further detail'}): is the internet "
-                "reachable from this machine?"
+                f"error: no share link ({exc}; {exc.__cause__ or 'no further detail'}): is the "
+                "internet reachable from this machine?"
             )
             log.warning("%s", outcome)
         write_atomic(share_url_path(settings), outcome.encode())

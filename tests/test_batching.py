@@ -135,9 +135,8 @@ def test_random_walk_keeps_invariants(mode):
         out = scheduler.schedule(float(tick))
         cancelled.update(out.cancelled)
         stepped = [j for g in out.groups for j in g]
-        assert (
-            len(stepped) == len(set(stepped)) <= 3
-        )  # each running row once, never above max_batch
+        # each running row once, never above max_batch
+        assert len(stepped) == len(set(stepped)) <= 3
         assert set(stepped) == set(scheduler.running)
         for job_id in stepped:
             steps_run[job_id] = steps_run.get(job_id, 0) + 1

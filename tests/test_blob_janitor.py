@@ -190,9 +190,8 @@ def test_expired_result_is_410_saying_when_it_expired_and_queued_uploads_are_kep
                 in gone.json()["error"]
             )
             assert "finished 170.0 hours ago" in gone.json()["error"]
-        assert (
-            client.get(f"/v1/jobs/{finished}").json()["status"] == "done"
-        )  # the record outlives the blobs
+        # the record outlives the blobs
+        assert client.get(f"/v1/jobs/{finished}").json()["status"] == "done"
 
 
 def test_a_gallery_template_reused_by_a_new_job_starts_its_retention_again(
@@ -213,15 +212,12 @@ def test_a_gallery_template_reused_by_a_new_job_starts_its_retention_again(
         blobs = client.app.state.service.blobs
         then = time.time() - 48 * HOUR
         os.utime(blobs.path(ref), (then, then))
-        assert BlobJanitor(redis_client, blobs, POLICY).sweep().deleted == {
-            "uploads": 1
-        }  # the template copy
-        assert (
-            submit(client, files=files, template_id=template_id).status_code == 202
-        )  # copied again
+        # the template copy
+        assert BlobJanitor(redis_client, blobs, POLICY).sweep().deleted == {"uploads": 1}
+        # copied again
+        assert submit(client, files=files, template_id=template_id).status_code == 202
         assert blobs.exists(ref)
         os.utime(blobs.path(ref), (then, then))
-        assert (
-            submit(client, files=files, template_id=template_id).status_code == 202
-        )  # reused: touched
+        # reused: touched
+        assert submit(client, files=files, template_id=template_id).status_code == 202
         assert time.time() - blobs.path(ref).stat().st_mtime < 60

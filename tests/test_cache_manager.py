@@ -136,9 +136,8 @@ def test_fits_ram_tells_an_entry_that_never_fits_from_one_waiting_for_room():
     _loaded(manager, "small")
     manager.pin("small")
     _stored(manager, "other", 60)
-    assert not manager.prepare_load("other").ok and manager.fits_ram(
-        "other"
-    )  # room once "small" is released
+    # room once "small" is released
+    assert not manager.prepare_load("other").ok and manager.fits_ram("other")
     assert not manager.prepare_load("large").ok and not manager.fits_ram("large")
     assert not manager.fits_ram("unknown")
 
@@ -326,9 +325,8 @@ def _random_op(shell: _Shell, rng: random.Random) -> None:
         shell.forget(entry_id)
     elif op == "touch":  # another process sharing the disk tier used it
         manager.touch(entry_id)
-    elif (
-        op == "disk_gone" and entry_id in shell.disk and rng.random() < 0.05
-    ):  # another process deleted it
+    # another process deleted it
+    elif op == "disk_gone" and entry_id in shell.disk and rng.random() < 0.05:
         in_ram, busy = entry_id in shell.ram, entry_id in busy
         manager.disk_gone(entry_id)
         if in_ram or not busy:  # a busy disk-only entry is left to its reader
@@ -360,9 +358,8 @@ def test_random_walk_keeps_every_invariant(policy, seed):
         _random_op(shell, rng)
         _check_invariants(shell)
     metrics = shell.manager.metrics
-    assert (
-        metrics.ram_evictions > 0 and metrics.disk_evictions > 0
-    )  # the walk did exercise eviction
+    # the walk did exercise eviction
+    assert metrics.ram_evictions > 0 and metrics.disk_evictions > 0
 
 
 # ----- policy contract: every policy, same expectations -------------------------------------------

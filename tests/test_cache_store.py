@@ -192,9 +192,8 @@ def test_acquire_waits_for_a_running_prefetch(tmp_path, entry_bytes, monkeypatch
     assert started.wait(10)
     threading.Timer(0.05, go.set).start()
     assert isinstance(cache.acquire(_key(1)), MemoryTemplateCache)
-    assert (
-        cache.metrics.load_waits == 1 and cache.metrics.bytes_loaded == entry_bytes
-    )  # loaded once
+    # loaded once
+    assert cache.metrics.load_waits == 1 and cache.metrics.bytes_loaded == entry_bytes
 
 
 def test_acquire_does_not_queue_behind_other_prefetches(tmp_path, entry_bytes, monkeypatch):
@@ -300,9 +299,8 @@ def test_concurrent_acquire_and_prefetch_keep_budgets(tmp_path, entry_bytes):
                 handle = cache.acquire(key)
                 assert handle is not None and handle.key == key
                 cache.release(key)
-        except (
-            Exception
-        ) as exc:  # surfaced below: a thread's assert does not fail the test by itself
+        # surfaced below: a thread's assert does not fail the test by itself
+        except Exception as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
@@ -362,13 +360,11 @@ def test_ready_holds_a_row_while_ram_is_full_of_entries_in_use(tmp_path, entry_b
     cache = _open(tmp_path, 1.5, 4, entry_bytes)  # RAM for one entry
     cache.prefetch(_key(1))
     cache.wait_for_loads(10)
-    assert cache.ready(_key(1)) and isinstance(
-        cache.acquire(_key(1)), MemoryTemplateCache
-    )  # pinned: running
+    # pinned: running
+    assert cache.ready(_key(1)) and isinstance(cache.acquire(_key(1)), MemoryTemplateCache)
     cache.prefetch(_key(2))  # the next job arrives: no room, nothing evicted
-    assert not cache.ready(
-        _key(2)
-    )  # would fit once entry 1 is released: held, not read file by file
+    # would fit once entry 1 is released: held, not read file by file
+    assert not cache.ready(_key(2))
     assert cache.resident(Tier.RAM) == [_key(1).digest()]
     cache.release(_key(1))  # its row finished
     assert not cache.ready(_key(2))  # its read starts now
@@ -401,10 +397,8 @@ def test_a_queued_jobs_prefetch_does_not_evict_the_entry_of_a_job_queued_before_
 def test_a_recording_published_by_another_worker_on_the_same_directory_is_found(
     tmp_path, entry_bytes
 ):
-    a, b = (
-        _open(tmp_path, 2, 4, entry_bytes),
-        _open(tmp_path, 2, 4, entry_bytes),
-    )  # two workers, one directory
+    # two workers, one directory
+    a, b = _open(tmp_path, 2, 4, entry_bytes), _open(tmp_path, 2, 4, entry_bytes)
     assert b.ready(_key(3)) and b.acquire(_key(3)) is None  # a miss for b
     _record_through(a, 3)  # worker a records and publishes the template after b started
     assert not b.ready(_key(3))  # b finds it on disk and starts reading it
@@ -423,10 +417,8 @@ def test_a_recording_published_by_another_worker_on_the_same_directory_is_found(
 
 
 def test_workers_sharing_a_directory_keep_the_template_another_worker_uses(tmp_path, entry_bytes):
-    a, b = (
-        _open(tmp_path, 0, 2.5, entry_bytes),
-        _open(tmp_path, 0, 2.5, entry_bytes),
-    )  # one host, two workers
+    # one host, two workers
+    a, b = _open(tmp_path, 0, 2.5, entry_bytes), _open(tmp_path, 0, 2.5, entry_bytes)
     for n in (1, 2):
         _record_through(a, n)  # in a's own view entry 1 is now the coldest
     assert type(b.acquire(_key(1))) is TemplateCache  # but b edits template 1

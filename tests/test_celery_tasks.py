@@ -1,5 +1,6 @@
 """Celery pre/post-processing against a real Redis broker and a real `maskserve cpu-worker` process,
-with an engine worker in between: submit -> pre task -> hand-off stream -> worker -> post task -> done."""
+with an engine worker in between: submit -> pre task -> hand-off stream -> worker -> post task ->
+done."""
 
 from __future__ import annotations
 
@@ -30,9 +31,8 @@ WAIT_S = 120  # the CPU worker loads its model on its first task
 
 @pytest.fixture(scope="module")
 def engine(models_dir, tmp_path_factory):
-    return make_engine(
-        "sd2-inpaint", models_dir, tmp_path_factory.mktemp("celery-cache")
-    )  # builds the model
+    # builds the model
+    return make_engine("sd2-inpaint", models_dir, tmp_path_factory.mktemp("celery-cache"))
 
 
 @pytest.fixture

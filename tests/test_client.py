@@ -1,6 +1,6 @@
-"""The Python client and `maskserve submit` against a real API process (uvicorn, `run_api`) on a real
-Redis. A stand-in pipeline thread takes the EditJob off the Celery pre queue and records the events a
-CPU worker and an engine worker would, so no model runs here."""
+"""The Python client and `maskserve submit` against a real API process (uvicorn, `run_api`) on a
+real Redis. A stand-in pipeline thread takes the EditJob off the Celery pre queue and records the
+events a CPU worker and an engine worker would, so no model runs here."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def api(redis_url, tmp_path):
     settings = load_settings(env)
     code = (
         "from backend.api.server import run_api; from backend.config import load_settings; "
-        "from backend.runtime import run_role; raise SystemExit(run_role('api', run_api, load_settings()))"
+        "from backend.runtime import run_role; "
+        "raise SystemExit(run_role('api', run_api, load_settings()))"
     )
     log = open(tmp_path / "api.log", "wb")
     process = subprocess.Popen(

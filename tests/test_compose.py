@@ -27,7 +27,8 @@ _INTERPOLATION = re.compile(r"\$\{(\w+)(?::?([-?])([^}]*))?\}")
 
 
 def parse_command(service: dict):
-    """The argparse namespace of a service's command, from the real parser (fails the test on error)."""
+    """The argparse namespace of a service's command, from the real parser (fails the test on
+    error)."""
     try:
         return cli.build_parser().parse_args(service["command"][1:])
     except SystemExit:
@@ -89,9 +90,8 @@ def test_every_variable_is_one_config_reads_and_its_value_validates(name):
     )
     assert unknown == [], f"{name} sets variables backend/config.py never reads: {unknown}"
     args = parse_command(MASKSERVE[name])
-    load_settings(
-        env, **(args.overrides(args) if hasattr(args, "overrides") else {})
-    )  # raises when invalid
+    # raises when invalid
+    load_settings(env, **(args.overrides(args) if hasattr(args, "overrides") else {}))
 
 
 @pytest.mark.parametrize("name", sorted(MASKSERVE))
@@ -121,14 +121,12 @@ def test_the_image_pins_torch_as_the_makefile_does():
     makefile, dockerfile = (ROOT / "Makefile").read_text(), (ROOT / "Dockerfile").read_text()
     (pin,) = set(re.findall(r'pip install [^\n]*"(torch==[\w.+]+)"', makefile))
     installs = [line for line in dockerfile.splitlines() if line.startswith("RUN pip install")]
-    assert (
-        f'"{pin}"' in installs[0] and installs[-1] == "RUN pip install ."
-    )  # torch before the project
+    # torch before the project
+    assert f'"{pin}"' in installs[0] and installs[-1] == "RUN pip install ."
     env_lines = re.findall(r"\b(MASKSERVE_\w+)=", dockerfile)
     assert env_lines and set(env_lines) <= env_variable_names()
     for copied in ("backend", "studio", "templates_store", "profiles"):
         assert f"COPY {copied} {copied}" in dockerfile
     ignored = (ROOT / ".dockerignore").read_text().split()
-    assert {".venv", ".maskserve", ".git"} <= set(
-        ignored
-    )  # a build context without the environment
+    # a build context without the environment
+    assert {".venv", ".maskserve", ".git"} <= set(ignored)

@@ -138,9 +138,8 @@ def test_masked_tokens_per_stack_and_the_planner_consume_the_costs():
     profile = make_profile()
     costs = profile.unit_costs([RowWork({0: 100, 1: 10}, "t1"), RowWork([50, 64], "t2")])
     assert len(costs) == 3 and all(isinstance(c, UnitCost) for c in costs)
-    assert costs[2].load_s == pytest.approx(
-        profile.load.predict(UNITS[2].cache_bytes)
-    )  # t2 masks all of stack 1
+    # t2 masks all of stack 1
+    assert costs[2].load_s == pytest.approx(profile.load.predict(UNITS[2].cache_bytes))
     plan = solve_plan(costs, profile.stack_ids, monotone_within_stack=True)
     assert len(plan.use_cache) == 3
     with pytest.raises(ValueError, match="stack 1"):

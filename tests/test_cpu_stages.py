@@ -1,5 +1,6 @@
-"""Pre/post-processing on the real tiny model, in process: upload -> bucket -> worker -> result at the
-upload's own size with the template's pixels outside the mask; bad uploads fail before any model."""
+"""Pre/post-processing on the real tiny model, in process: upload -> bucket -> worker -> result at
+the upload's own size with the template's pixels outside the mask; bad uploads fail before any
+model."""
 
 from __future__ import annotations
 
@@ -103,9 +104,8 @@ def test_an_upload_goes_through_pre_worker_and_post_to_a_result_at_its_own_size(
         "denoise_s",
         "post_s",
     }
-    assert_edited_inside_only(
-        stages.blobs.get(event.result_ref), template, reach=4
-    )  # the feather's reach
+    # the feather's reach
+    assert_edited_inside_only(stages.blobs.get(event.result_ref), template, reach=4)
     thumb = Image.open(io.BytesIO(stages.blobs.get(event.thumbnail_ref)))
     assert max(thumb.size) <= 256
     # intermediates are gone once the result is stored
@@ -178,9 +178,8 @@ def test_a_prepare_job_records_the_templates_cache_once(stages, tmp_path):
         worker.iterate()
         if inbox.acked:
             break
-    assert (
-        sink.statuses("prep-1")[-1] == "done" and sink.denoised_jobs == []
-    )  # no image, no post-processing
+    # no image, no post-processing
+    assert sink.statuses("prep-1")[-1] == "done" and sink.denoised_jobs == []
     assert sink.events[-1].message == "cache recorded"
     params = stages._params(job, (128, 128))
     cache = stages.engine.lookup(fit_to_bucket(template, (128, 128)), params)

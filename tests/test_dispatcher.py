@@ -172,9 +172,8 @@ def test_late_binding_holds_a_job_until_a_worker_has_slack(redis_url, redis_clie
     dispatcher = Dispatcher(settings, client, consumer="d")
     run(dispatcher)
     assert inbox_jobs(client, "w1") == [] and [j.job_id for _, j in dispatcher.backlog] == ["held"]
-    assert (
-        client.xpending(PREPARED_STREAM, GROUP)["pending"] == 1
-    )  # still pending: not lost if we die now
+    # still pending: not lost if we die now
+    assert client.xpending(PREPARED_STREAM, GROUP)["pending"] == 1
     beat(client, "w1", running=rows[:7])  # a row finished: a free slot
     run(dispatcher)
     assert inbox_jobs(client, "w1") == ["held"] and not dispatcher.backlog

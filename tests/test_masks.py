@@ -1,4 +1,5 @@
-"""Pixel/token masks: the IOPaint mask contract, morphology, paste-back exactness, synthetic masks."""
+"""Pixel/token masks: the IOPaint mask contract, morphology, paste-back exactness, synthetic
+masks."""
 
 from __future__ import annotations
 
@@ -129,12 +130,8 @@ def test_crop_to_mask_pads_clips_and_rounds_to_a_multiple():
     corner = square(100, 120, (0, 0, 3, 3))
     assert crop_to_mask(corner, padding=4, multiple=16) == (0, 0, 16, 16)
     odd = np.ones((10, 10), dtype=bool)
-    assert crop_to_mask(odd, padding=0, multiple=8) == (
-        0,
-        0,
-        10,
-        10,
-    )  # no multiple of 8 fits 10 > 8
+    # no multiple of 8 fits 10 > 8
+    assert crop_to_mask(odd, padding=0, multiple=8) == (0, 0, 10, 10)
     with pytest.raises(MaskError, match="empty"):
         crop_to_mask(np.zeros((4, 4), bool), 0, 1)
 

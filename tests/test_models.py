@@ -156,9 +156,8 @@ def test_local_directory_is_recognised_by_its_pipeline_class(tmp_path):
     assert (spec.family, spec.form, spec.source) == ("sdxl-inpaint", "checkpoint", str(tmp_path))
     before = model_revision(spec)
     os.utime(index, ns=(1, 1))
-    assert (
-        model_revision(resolve_model(str(tmp_path))) != before
-    )  # the revision follows model_index.json
+    # the revision follows model_index.json
+    assert model_revision(resolve_model(str(tmp_path))) != before
     index.write_text(json.dumps({"_class_name": "SomethingElsePipeline"}))
     with pytest.raises(UnknownModelError):
         resolve_model(str(tmp_path))
@@ -185,9 +184,8 @@ def test_revision_changes_with_the_config():
 def test_configs_are_consistent(family, form):
     configs = CONFIGS[(family, form)]
     vae = configs["vae"]
-    assert (
-        len(vae["block_out_channels"]) == 4 and len(vae["down_block_types"]) == 4
-    )  # downsample by 8
+    # downsample by 8
+    assert len(vae["block_out_channels"]) == 4 and len(vae["down_block_types"]) == 4
     assert vae["latent_channels"] == (16 if family == "flux-fill" else 4)
     if form != "arch":
         assert vae["mid_block_add_attention"] is False  # slow at 256+ px on a CPU
@@ -251,7 +249,7 @@ def test_arch_components_have_published_sizes():
     assert 83e6 < count(sd2, "vae") < 84e6  # SD VAE: 83.7 M
 
 
-# ---- tiny forms: build, save, reload, run -----------------------------------------------------------
+# ---- tiny forms: build, save, reload, run --------------------------------------------------------
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -283,9 +281,8 @@ def test_saved_model_reloads_identically_and_runs(family, models_dir):
     first, second = _edit(pipe, spec), _edit(pipe, spec)
     assert first.size == (SIZE, SIZE)
     assert np.array_equal(np.asarray(first), np.asarray(second))
-    assert np.array_equal(
-        np.asarray(first), np.asarray(_edit(built, spec))
-    )  # reloaded == freshly built
+    # reloaded == freshly built
+    assert np.array_equal(np.asarray(first), np.asarray(_edit(built, spec)))
 
 
 def test_materialize_is_idempotent(models_dir):
@@ -324,7 +321,7 @@ def test_publish_keeps_a_complete_build_published_by_someone_else(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
-# ---- tokenizers ------------------------------------------------------------------------------------
+# ---- tokenizers ----------------------------------------------------------------------------------
 
 
 def test_tokenizers_are_deterministic_and_offline():
@@ -341,6 +338,5 @@ def test_tokenizers_are_deterministic_and_offline():
         1,
         2,
     )
-    assert (
-        t5.unk_token_id not in t5("A Photo of a CAT, 3 dogs & (one) bird?").input_ids
-    )  # all of ASCII
+    # all of ASCII
+    assert t5.unk_token_id not in t5("A Photo of a CAT, 3 dogs & (one) bird?").input_ids

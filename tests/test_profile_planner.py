@@ -19,7 +19,8 @@ def flux_engine(models_dir, tmp_path_factory):
 def test_profile_fits_and_round_trips(flux_engine, tmp_path):
     profile = measure_profile(flux_engine, "kv", 128, "cpu", repeats=1)
     assert len(profile.units) == flux_engine.num_units
-    # tiny models are overhead-bound, so only the fit's form is checked here (slopes: see the README)
+    # tiny models are overhead-bound, so only the fit's form is checked here (slopes: see the
+    # README)
     assert profile.compute.r2 <= 1.0 and profile.load.r2 <= 1.0
     costs = profile.unit_costs([RowWork(0.2, "t")])
     assert len(costs) == flux_engine.num_units and all(c.compute_dense_s >= 0 for c in costs)

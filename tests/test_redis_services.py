@@ -60,7 +60,7 @@ def prepared(job_id: str, **over) -> PreparedJob:
     return PreparedJob(**{**fields, **over})
 
 
-# ----- the launcher ----------------------------------------------------------------------------------
+# ----- the launcher -------------------------------------------------------------------------------
 def test_redis_executable_is_found():
     path, source = rs.redis_executable()
     assert Path(path).is_file() and os.access(path, os.X_OK)
@@ -176,7 +176,8 @@ def test_port_race_retries_another_port(tmp_path, monkeypatch):
 def test_server_dies_with_its_parent(tmp_path):
     """A parent killed with SIGKILL (no cleanup ran) still takes its Redis server with it."""
     script = (
-        "import sys, time; from pathlib import Path; from backend.services.redis_server import RedisServer; "
+        "import sys, time; from pathlib import Path; "
+        "from backend.services.redis_server import RedisServer; "
         "s = RedisServer(Path(sys.argv[1])); s.start(); print(s.process.pid, s.port, flush=True); "
         "time.sleep(60)"
     )
@@ -270,10 +271,8 @@ def test_unacked_messages_are_replayed_after_a_crash(redis_client):
 
     restarted = RedisInbox(redis_client, "w1")
     send_to_inbox(redis_client, "w1", prepared("job-3"))
-    assert [m.job_id for m in restarted.poll(0)] == [
-        "job-0",
-        "job-2",
-    ]  # its own pending entries first
+    # its own pending entries first
+    assert [m.job_id for m in restarted.poll(0)] == ["job-0", "job-2"]
     assert [m.job_id for m in restarted.poll(0)] == ["job-3"]
     for job_id in ("job-0", "job-2", "job-3"):
         restarted.ack(job_id)
@@ -322,9 +321,8 @@ def test_malformed_entries_are_dropped_without_crashing(redis_client, caplog):
             )
         },
     )
-    redis_client.xadd(
-        stream, {"msg": b'{"type":"prepared_job","version":1,"job_id":"x"}'}
-    )  # missing fields
+    # missing fields
+    redis_client.xadd(stream, {"msg": b'{"type":"prepared_job","version":1,"job_id":"x"}'})
     redis_client.xadd(
         stream,
         {
@@ -333,14 +331,12 @@ def test_malformed_entries_are_dropped_without_crashing(redis_client, caplog):
             b'"mask_ops":5}'
         },
     )  # bad nested field
-    send_to_inbox(
-        redis_client, "w1", JobEvent(job_id="x", status="done", at=1.0)
-    )  # not an inbox message
+    # not an inbox message
+    send_to_inbox(redis_client, "w1", JobEvent(job_id="x", status="done", at=1.0))
     send_to_inbox(redis_client, "w1", prepared("good"))
     assert inbox.poll(0) == [prepared("good")]
-    assert (
-        inbox.pending() == 1
-    )  # the malformed ones were acked, or they would be redelivered forever
+    # the malformed ones were acked, or they would be redelivered forever
+    assert inbox.pending() == 1
     assert sum("dropping unreadable inbox entry" in r.getMessage() for r in caplog.records) == 8
     # every unreadable entry that names its job fails that job instead of leaving it hanging
     assert failed == ["old", "x", "x", "x"]

@@ -51,9 +51,8 @@ def test_the_route_bench_completes_every_job_under_every_policy_and_writes_its_r
     ]
     for r in results:
         expected = len(offered_trace(cfg, r["rps"], cfg.seed))
-        assert (
-            abs(expected / cfg.duration_s - r["rps"]) <= 0.2 * r["rps"]
-        )  # short toy traces: coarse
+        # short toy traces: coarse
+        assert abs(expected / cfg.duration_s - r["rps"]) <= 0.2 * r["rps"]
         assert r["num_jobs"] == r["completed"] == expected > 0, r["policy"]
         assert (
             0 < r["p50_latency_s"] <= r["p95_latency_s"]
@@ -178,9 +177,8 @@ def test_sim_records_a_template_once_per_worker_and_its_other_rows_read_the_cach
     sim = make([_req(0, 0.0, 5), _req(1, 0.1, 5)])
     sim.run()
     read = model.disk_read_s(cfg.steps)
-    assert (
-        sim.counts["dense_rows"] == 1 and sim.counts["disk_reads"] == 1
-    )  # the commit's read into RAM
+    # the commit's read into RAM
+    assert sim.counts["dense_rows"] == 1 and sim.counts["disk_reads"] == 1
     assert sim.done_at[1] > sim.done_at[0] + read  # held until the recording landed in RAM
     assert sim.disk.templates == {"tpl5"}  # published on the shared disk
 
@@ -193,9 +191,8 @@ def test_sim_late_binding_holds_jobs_in_arrival_order_until_a_slot_frees():
     assert sorted(sim.done_at, key=sim.done_at.get) == [0, 1, 2, 3]  # FIFO
     alone = model.step_latency([(0.1, "tpl0", True)])
     assert sim.done_at[2] >= sim.done_at[0] + 4 * alone  # dispatched only once job 0 had left
-    assert (
-        len(sim.decisions) > 4
-    )  # jobs 2 and 3 were refused (held at the dispatcher) before a slot freed
+    # jobs 2 and 3 were refused (held at the dispatcher) before a slot freed
+    assert len(sim.decisions) > 4
 
 
 def test_sim_a_worker_keeps_at_most_its_ram_budget_of_templates():
@@ -212,9 +209,8 @@ def test_a_load_what_if_makes_small_masks_load_bound_and_shared_templates_cheap(
     slow = cost_model_for(RouteBenchConfig(profiles_dir=str(PROFILES), load_ratio=1.02))
     distinct = [(0.05, f"t{i}", True) for i in range(8)]
     shared = [(0.05, "t0", True)] * 8
-    assert slow.step_latency(distinct) > 3 * measured.step_latency(
-        distinct
-    )  # eight templates' loads
+    # eight templates' loads
+    assert slow.step_latency(distinct) > 3 * measured.step_latency(distinct)
     assert slow.step_latency(shared) < slow.step_latency(distinct) / 3  # one template's, paid once
     assert slow.step_latency([(1.0, "t0", True)]) == pytest.approx(
         measured.step_latency([(1.0, "t0", True)])

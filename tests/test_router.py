@@ -93,9 +93,8 @@ def test_mask_aware_counts_remaining_steps_and_queued_work(cost_model):
     finishing = worker("w0", [(0.3, 1, "a")] * 3, ram=ram)
     fresh = worker("w1", [(0.3, 20, "a")] * 3, ram=ram)
     assert router("mask_aware", cost_model).choose(job(), [fresh, finishing]).worker_id == "w0"
-    assert (
-        router("flashps", cost_model).choose(job(), [finishing, fresh]).worker_id == "w0"
-    )  # tie by id
+    # tie by id
+    assert router("flashps", cost_model).choose(job(), [finishing, fresh]).worker_id == "w0"
     assert (
         router("flashps", cost_model)
         .choose(job(), [fresh, worker("w2", [(0.3, 1, "a")] * 3, ram=ram)])
@@ -295,11 +294,8 @@ def test_mask_aware_prefers_a_ram_hit_and_a_shorter_read_queue(cost_model):
     w1 = worker("w1", [(0.1, 20, "a")] * 5, ram={"a", "t0"}, disk={"t0"})
     d = router("mask_aware", cost_model).choose(job(), [w0, w1])
     assert d.worker_id == "w1" and d.costs["w0"] - d.costs["w1"] == pytest.approx(read)
-    for policy in (
-        "flashps",
-        "fewest_requests",
-        "fewest_tokens",
-    ):  # blind to residency: a tie, the smaller id
+    # blind to residency: a tie, the smaller id
+    for policy in ("flashps", "fewest_requests", "fewest_tokens"):
         assert router(policy, cost_model).choose(job(), [w0, w1]).worker_id == "w0", policy
     # the same two queues, differing only in the reads queued before J's: the shorter queue wins
     waiting = [(0.1, 20, "x"), (0.1, 20, "y")]

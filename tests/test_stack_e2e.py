@@ -27,9 +27,8 @@ API_KEY = "e2e-key"
 def stack(redis_url, redis_client, models_dir, tmp_path, monkeypatch):
     from tests.factories import make_engine
 
-    make_engine(
-        "sd2-inpaint", models_dir, tmp_path / "warm"
-    )  # build the tiny model once, before 4 processes load it
+    # build the tiny model once, before 4 processes load it
+    make_engine("sd2-inpaint", models_dir, tmp_path / "warm")
     port = free_port()
     for name, value in {
         "MASKSERVE_MODELS_DIR": str(models_dir),

@@ -1,4 +1,5 @@
-"""`maskserve up`'s plan of processes (pure): one engine worker per device, CPU roles share the cores."""
+"""`maskserve up`'s plan of processes (pure): one engine worker per device, CPU roles share the
+cores."""
 
 from __future__ import annotations
 

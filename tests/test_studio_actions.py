@@ -54,7 +54,8 @@ def stroke(box=(20, 10, 50, 40), size=(W, H)) -> dict:
 
 
 def finish(service, job_id: str, image: Image.Image) -> None:
-    """Post-processing's part, done the way the real post task records it: the result blob, then `done`."""
+    """Post-processing's part, done the way the real post task records it: the result blob, then
+    `done`."""
     ref = service.blobs.put_content("results", encode_image(image, "png"), ".png")
     service.jobstate.record_event(
         JobEvent(
@@ -63,7 +64,7 @@ def finish(service, job_id: str, image: Image.Image) -> None:
     )
 
 
-# ----- gallery --------------------------------------------------------------------------------------
+# ----- gallery ------------------------------------------------------------------------------------
 def test_several_templates_upload_at_once_and_bad_files_are_reported_not_fatal(actions, tmp_path):
     good = [upload_file(tmp_path, f"t{i}.png", seed=i) for i in range(3)]
     bad = tmp_path / "notes.txt"
@@ -103,7 +104,7 @@ def test_cache_status_and_prepare(actions, tmp_path, settings, redis_client):
         actions.cache_status(record.id, "no-such-model")
 
 
-# ----- editing --------------------------------------------------------------------------------------
+# ----- editing ------------------------------------------------------------------------------------
 def test_submit_sends_the_painted_alpha_as_the_mask_and_records_the_users_history(
     app, actions, tmp_path, settings, redis_client
 ):
@@ -221,9 +222,8 @@ def test_the_studio_is_mounted_in_the_api_app_behind_the_login(app):
 def test_without_users_every_studio_login_is_refused(redis_url, tmp_path, redis_client):
     app = create_app(make_settings(redis_url, tmp_path), redis_client=redis_client)
     with TestClient(app) as client:
-        assert (
-            "MASKSERVE_USERS" in client.get("/studio/").text
-        )  # the login page says why nobody can sign in
+        # the login page says why nobody can sign in
+        assert "MASKSERVE_USERS" in client.get("/studio/").text
         refused = client.post("/studio/login", data={"username": "studio", "password": "anything"})
         assert refused.status_code in (400, 401)
         assert client.get("/studio/config").status_code == 401

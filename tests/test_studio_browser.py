@@ -1,8 +1,8 @@
 """The studio in a real browser: Playwright drives Debian's chromium (``/usr/bin/chromium``, which
 ``make test`` installs when missing; no browser is ever downloaded) against the real stack (Redis,
 Celery CPU worker, dispatcher, an engine worker, the API with the studio mounted), the way a person
-uses it: sign in, upload a template into the gallery, pick it, paint a stroke with the mouse, write a
-prompt, submit, wait for the result. The result must differ inside the stroke and equal the
+uses it: sign in, upload a template into the gallery, pick it, paint a stroke with the mouse, write
+a prompt, submit, wait for the result. The result must differ inside the stroke and equal the
 template outside it. Screenshots go to ``test-output/studio/`` (and the test's tmp dir)."""
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ def studio_stack(redis_url, models_dir, tmp_path, monkeypatch):
 
     if not os.access(CHROMIUM, os.X_OK):
         pytest.fail(
-            f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)"
+            f"{CHROMIUM} is missing: `make test` installs Debian's chromium "
+            "(apt-get install chromium)"
         )
-    make_engine(
-        "sd2-inpaint", models_dir, tmp_path / "warm"
-    )  # build the tiny model once, before the roles load it
+    # build the tiny model once, before the roles load it
+    make_engine("sd2-inpaint", models_dir, tmp_path / "warm")
     port = free_port()
     for name, value in {
         "MASKSERVE_MODELS_DIR": str(models_dir),
@@ -154,9 +154,8 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(studio_stack, browser_page,
     upload_template(page, template_path, "courtyard")
     page.reload()  # a fresh page lists the gallery from storage (the login is kept)
     page.get_by_role("tab", name="Gallery").click()
-    page.locator("#ms-gallery").get_by_text(
-        name := "courtyard"
-    ).click()  # select it, then record its cache
+    # select it, then record its cache
+    page.locator("#ms-gallery").get_by_text(name := "courtyard").click()
     page.locator("#ms-details").get_by_text(f"{W}x{H}").wait_for(timeout=30_000)
     page.locator("#ms-prepare").click()
     page.wait_for_function(
@@ -190,7 +189,8 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(studio_stack, browser_page,
         result = Image.open(io.BytesIO(client.result_bytes(job_id))).convert("RGB")
     assert job["status"] == "done" and job["template_id"], job
     assert result.size == template.size
-    # the mask the studio sent: the painted layer's alpha, grayscale, 255 = repaint, at the template's size
+    # the mask the studio sent: the painted layer's alpha, grayscale, 255 = repaint, at the
+    # template's size
     with Image.open(tmp_path / "data" / "blobs" / job["mask_ref"]) as stored:
         painted = np.asarray(stored.convert("L")) > 127
     assert painted.shape == (H, W) and painted[H // 2, W // 2], (

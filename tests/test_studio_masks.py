@@ -44,9 +44,8 @@ def test_a_brush_colour_equal_to_the_image_pixels_still_counts():
     image = template()
     x0, y0, x1, y1 = 30, 20, 50, 40
     stroke = Image.new("RGBA", (W, H), (0, 0, 0, 0))
-    stroke.paste(
-        image.crop((x0, y0, x1, y1)).convert("RGBA"), (x0, y0)
-    )  # paints the very pixels underneath
+    # paints the very pixels underneath
+    stroke.paste(image.crop((x0, y0, x1, y1)).convert("RGBA"), (x0, y0))
     value = {
         "background": image.convert("RGBA"),
         "layers": [stroke],
@@ -71,9 +70,8 @@ def test_a_resized_canvas_is_scaled_back_to_the_template_and_thin_strokes_surviv
     mask = masks.painted_mask(editor_value(small), (W, H))
     assert mask.shape == (H, W) and mask[10:12, 20:22].all() and mask.sum() == 4
     large = Image.new("RGBA", (W * 2, H * 2), (0, 0, 0, 0))
-    large.putpixel(
-        (41, 21), (255, 0, 0, 255)
-    )  # a single pixel of a 2x canvas still marks its template pixel
+    # a single pixel of a 2x canvas still marks its template pixel
+    large.putpixel((41, 21), (255, 0, 0, 255))
     assert masks.painted_mask(editor_value(large), (W, H))[10, 20]
 
 

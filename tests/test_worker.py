@@ -85,9 +85,8 @@ def test_batched_rows_at_different_steps_equal_one_at_a_time(engine, tmp_path):
         for t, box, seed in JOBS
     ]
     worker, inbox, sink, blobs = make_worker(engine, tmp_path)
-    for index, (template_seed, box, seed) in enumerate(
-        JOBS
-    ):  # staggered: rows sit at different steps
+    # staggered: rows sit at different steps
+    for index, (template_seed, box, seed) in enumerate(JOBS):
         inbox.put(
             make_prepared_job(
                 engine,

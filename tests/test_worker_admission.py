@@ -79,9 +79,8 @@ def test_a_row_whose_cache_is_still_being_read_waits_while_the_batch_runs(
     go.set()
     drain(worker, caches)
     assert {j.job_id: j.used_cache for j in sink.denoised_jobs} == {"first": True, "second": True}
-    assert (
-        caches.metrics.load_waits == 0
-    )  # no acquire ever waited for a read: the batch never stalled
+    # no acquire ever waited for a read: the batch never stalled
+    assert caches.metrics.load_waits == 0
     assert worker.stats.snapshot()["held_rows"] == 0
     caches.close()
 
@@ -91,9 +90,8 @@ def test_a_row_waits_for_the_recording_of_its_template_and_then_reads_it(engine,
     params = make_params(engine, steps=STEPS)
     template = make_template(seed=43)
     worker, caches, inbox, sink, blobs = make_worker(engine, tmp_path)
-    for index in range(
-        2
-    ):  # arrive together: the first records, the second must not compute densely
+    # arrive together: the first records, the second must not compute densely
+    for index in range(2):
         inbox.put(
             make_prepared_job(
                 engine, blobs, f"e{index}", template, rect_mask((0, 0, 64, 64)), index, params
@@ -116,9 +114,8 @@ def test_a_row_waits_for_ram_held_by_running_rows_instead_of_reading_from_disk(e
     templates = [make_template(seed=44), make_template(seed=45)]
     entry_bytes = max(engine.prepare_template(t, params).bytes_total for t in templates)
     blobs, inbox, sink = BlobStore(tmp_path / "blobs"), LocalInbox(), LocalSink()
-    caches = TieredActivationCache(
-        engine.cache_root, int(1.5 * entry_bytes), 1 << 32
-    )  # RAM for one entry
+    # RAM for one entry
+    caches = TieredActivationCache(engine.cache_root, int(1.5 * entry_bytes), 1 << 32)
     worker = EngineWorker(engine, blobs, inbox, sink, caches=caches)
     for index, template in enumerate(templates):
         inbox.put(
@@ -133,7 +130,6 @@ def test_a_row_waits_for_ram_held_by_running_rows_instead_of_reading_from_disk(e
         i for i, e in enumerate(sink.events) if e.job_id == "r1" and e.status == "running"
     )
     assert second_runs > first_done  # held until r0 released the RAM, then read into it
-    assert (
-        caches.metrics.ram_misses == 0 and caches.metrics.load_waits == 0
-    )  # never read file by file
+    # never read file by file
+    assert caches.metrics.ram_misses == 0 and caches.metrics.load_waits == 0
     caches.close()

@@ -19,9 +19,8 @@ def test_the_worker_bench_serves_the_trace_in_every_mode_and_writes_its_report(
     settings = load_settings(
         env={}, paths={"data_dir": str(tmp_path), "models_dir": str(models_dir)}
     )
-    foreign = (
-        tmp_path / "template_cache" / ("f" * 32)
-    )  # a large entry of another model in the same directory
+    # a large entry of another model in the same directory
+    foreign = tmp_path / "template_cache" / ("f" * 32)
     foreign.mkdir(parents=True)
     (foreign / "manifest.json").write_text("{}")
     with open(foreign / "step_0000.safetensors", "wb") as sparse:
@@ -42,10 +41,10 @@ def test_the_worker_bench_serves_the_trace_in_every_mode_and_writes_its_report(
         assert (
             r.mean_step_s > 0 and r.mean_batch_rows >= 1 and 0.0 <= r.cache["ram_hit_rate"] <= 1.0
         )
-    assert (
-        results[0].cache["bytes_loaded"] > 0
-    )  # RAM holds one template of three: the rest come from disk
-    # The budget counts the trace's own entries, so the one-template run evicts and the all-in-RAM run does not.
+    # RAM holds one template of three: the rest come from disk
+    assert results[0].cache["bytes_loaded"] > 0
+    # The budget counts the trace's own entries, so the one-template run evicts and the all-in-RAM
+    # run does not.
     assert results[0].cache["ram_evictions"] > 0 and results[-1].cache["ram_evictions"] == 0
     plot = write_outputs(cfg, results, tmp_path / "bench.json")
     report = json.loads((tmp_path / "bench.json").read_text())

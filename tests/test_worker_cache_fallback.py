@@ -50,22 +50,13 @@ def run_job(engine, tmp_path, job_id, template, seed, caches=None, box=MASK_BOX)
 
 # (file, damage, RAM budget) -> where the worker meets it
 CASES = {
-    "deleted-step-read-from-disk": (
-        "step_001.safetensors",
-        "unlink",
-        NO_RAM,
-    ),  # opening the entry: a miss
-    "corrupt-step-read-from-disk": (
-        "step_001.safetensors",
-        "flip",
-        NO_RAM,
-    ),  # at step 1: restart densely
+    # opening the entry: a miss
+    "deleted-step-read-from-disk": ("step_001.safetensors", "unlink", NO_RAM),
+    # at step 1: restart densely
+    "corrupt-step-read-from-disk": ("step_001.safetensors", "flip", NO_RAM),
     "corrupt-trajectory-read-from-disk": ("trajectory.safetensors", "flip", NO_RAM),  # at admission
-    "deleted-step-loaded-into-ram": (
-        "step_001.safetensors",
-        "unlink",
-        WHOLE_RAM,
-    ),  # loading it: a miss
+    # loading it: a miss
+    "deleted-step-loaded-into-ram": ("step_001.safetensors", "unlink", WHOLE_RAM),
     "corrupt-step-loaded-into-ram": ("step_001.safetensors", "flip", WHOLE_RAM),
 }
 
@@ -77,9 +68,8 @@ def test_broken_cache_file_falls_back_to_dense_and_is_recorded_again(
     engine.cache_root = tmp_path / "cache"
     template = make_template(seed=41)
     entry = engine.prepare_template(template, make_params(engine, steps=STEPS)).path
-    _, dense_sink, dense_blobs = run_job(
-        engine, tmp_path / "dense", "dense", template, seed=5
-    )  # no cache at all
+    # no cache at all
+    _, dense_sink, dense_blobs = run_job(engine, tmp_path / "dense", "dense", template, seed=5)
     caches = TieredActivationCache(engine.cache_root, ram_bytes, 1 << 32)  # the worker is up...
     damage(entry / file_name, how)  # ...when the file goes bad
     with caplog.at_level(logging.WARNING):
@@ -98,9 +88,8 @@ def test_broken_cache_file_falls_back_to_dense_and_is_recorded_again(
     )
     assert difference.item() <= TOL
     assert caches.metrics.corrupt_entries == 1 and "unusable" in caplog.text
-    met_midway = (
-        how == "flip" and ram_bytes == NO_RAM
-    )  # a lazily read file is verified on first read only
+    # a lazily read file is verified on first read only
+    met_midway = how == "flip" and ram_bytes == NO_RAM
     assert worker.stats.snapshot()["cache_fallbacks_total"] == int(met_midway)
     restarted = [e for e in sink.events if e.message.startswith("template cache unusable")]
     assert [(e.status, e.step) for e in restarted] == (

@@ -1,7 +1,8 @@
 """The REST API as a FastAPI app: ``create_app(settings)``.
 
-Routes: ``/v1/templates...`` and ``/v1/jobs...`` (API key + rate limit, see ``backend.api.security``),
-``/healthz`` (the process is up), ``/readyz`` (Redis answers), ``/metrics`` (Prometheus), ``/docs``.
+Routes: ``/v1/templates...`` and ``/v1/jobs...`` (API key + rate limit, see
+``backend.api.security``), ``/healthz`` (the process is up), ``/readyz`` (Redis answers),
+``/metrics`` (Prometheus), ``/docs``.
 
 Errors are JSON ``{"error": "<what is wrong and how to fix it>"}``: 401/403 auth, 404 unknown job or
 template, 409 result not ready / job finished, 410 result expired (blob retention), 413 too large,
@@ -125,7 +126,8 @@ def _ops_routes(app: FastAPI, client: Redis, metrics: ApiMetrics) -> None:
 def _redis_client(settings: Settings) -> Redis:
     if not settings.redis.url:
         raise ValueError(
-            "the API needs a Redis URL: set MASKSERVE_REDIS_URL (or start the stack with `maskserve up`)"
+            "the API needs a Redis URL: set MASKSERVE_REDIS_URL (or start the stack with "
+            "`maskserve up`)"
         )
     # event streams block on Redis for at most a second at a time (routes_jobs.BLOCK_SLICE_MS)
     return Redis.from_url(
@@ -170,7 +172,8 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
             request, api_key, request.query_params.get(API_KEY_QUERY), accepts_query_key(request)
         )
 
-    # routers carry their full /v1/... prefix themselves: the route template then is the metrics label
+    # routers carry their full /v1/... prefix themselves: the route template then is the metrics
+    # label
     for router in (routes_templates.router, routes_jobs.router):
         app.include_router(router, dependencies=[Depends(require_api_key)])
     _ops_routes(app, client, metrics)

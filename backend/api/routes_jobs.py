@@ -178,9 +178,9 @@ async def _run(app_state, func, *args):
 async def _event_stream(
     app_state, service: JobService, job_id: str, cursor: str, entries: list, keepalive_s: float
 ) -> AsyncIterator[str]:
-    """Blocking reads are sliced (``BLOCK_SLICE_MS``): a Redis client's socket timeout (5 s by default
-    in redis-py) must never cut a read short, and an idle stream notices within a slice when its job
-    ended without a further event (expired, or finished at or before ``cursor``)."""
+    """Blocking reads are sliced (``BLOCK_SLICE_MS``): a Redis client's socket timeout (5 s by
+    default in redis-py) must never cut a read short, and an idle stream notices within a slice when
+    its job ended without a further event (expired, or finished at or before ``cursor``)."""
     yield f"retry: {SSE_RETRY_MS}\n\n"
     last_sent = time.monotonic()
     while True:
@@ -194,9 +194,8 @@ async def _event_stream(
             status = await _run(app_state, service.jobstate.status, job_id)
             if status is None or status in TERMINAL:
                 for event_id, event in await _run(app_state, service.events, job_id, cursor, None):
-                    yield _message(
-                        job_id, event_id, event
-                    )  # a terminal event that came after our read
+                    # a terminal event that came after our read
+                    yield _message(job_id, event_id, event)
                 return
             if time.monotonic() - last_sent >= keepalive_s:
                 yield ": keep-alive\n\n"

@@ -37,14 +37,15 @@ def run_api(settings: Settings) -> int:
         )
     if api.auth_disabled:
         log.warning(
-            "API auth is DISABLED (MASKSERVE_AUTH_DISABLED): anyone who reaches %s:%d can submit jobs",
+            "API auth is DISABLED (MASKSERVE_AUTH_DISABLED): anyone who reaches %s:%d can submit "
+            "jobs",
             api.host,
             api.port,
         )
     elif not api.api_keys:
         log.error(
-            "no API keys configured: every /v1 request will be refused with 401; set MASKSERVE_API_KEYS "
-            "(comma-separated) or MASKSERVE_AUTH_DISABLED=1 for local use"
+            "no API keys configured: every /v1 request will be refused with 401; set "
+            "MASKSERVE_API_KEYS (comma-separated) or MASKSERVE_AUTH_DISABLED=1 for local use"
         )
     app = create_app(settings)
     config = uvicorn.Config(

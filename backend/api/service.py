@@ -32,9 +32,9 @@ from backend.config import Settings
 from backend.history import HistoryIndex
 from backend.imaging.masks import MaskError
 from backend.imaging.uploads import UploadError, decode_image, process_mask
-from backend.imaging.uploads import (
-    _validate_ops as validate_mask_ops,
-)  # the pre task's exact ranges
+
+# the pre task's exact ranges
+from backend.imaging.uploads import _validate_ops as validate_mask_ops
 from backend.jobstate import TERMINAL, JobNotFound, JobStateStore
 from backend.models import UnknownModelError, known_model_ids, resolve_model
 from backend.protocol import CancelJob, EditJob, JobEvent, MaskOps
@@ -50,15 +50,14 @@ MAX_SEED = 2**32 - 1
 RESOLUTION_RANGE = (64, 2048)
 _JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 _EVENT_ID = re.compile(r"^\d+(-\d+)?$")
-ON_WORKER = (
-    "waiting",
-    "running",
-)  # statuses in which a job with a worker_id is that worker's to cancel
+# statuses in which a job with a worker_id is that worker's to cancel
+ON_WORKER = ("waiting", "running")
 
 
 class ServiceError(ValueError):
     """A request the service refuses; ``code`` is one of ``invalid``, ``not_found``, ``conflict``,
-    ``gone``, ``unsupported_format``, ``too_large``, ``unavailable``. The message says what to fix."""
+    ``gone``, ``unsupported_format``, ``too_large``, ``unavailable``. The message says what to
+    fix."""
 
     def __init__(self, message: str, code: str = "invalid"):
         super().__init__(message)
@@ -84,9 +83,8 @@ class JobRequest:
     mask_ops: MaskOps = field(default_factory=MaskOps)
     resolution: int = 0  # 0: the model's default resolution bucket
     use_cache: bool = True
-    owner: str = (
-        ""  # who submitted it (a studio user, or an API key's identity): their history lists it
-    )
+    # who submitted it (a studio user, or an API key's identity): their history lists it
+    owner: str = ""
 
 
 @dataclass(frozen=True)
@@ -137,10 +135,8 @@ class JobService:
         steps = spec.default_steps if request.steps is None else request.steps
         guidance = spec.default_guidance if request.guidance is None else request.guidance
         seed = secrets.randbelow(MAX_SEED + 1) if request.seed is None else request.seed
-        steps, seed = (
-            _whole("steps", steps),
-            _whole("seed", seed),
-        )  # a UI's number widget gives floats
+        # a UI's number widget gives floats
+        steps, seed = _whole("steps", steps), _whole("seed", seed)
         self._check_numbers(request, steps, guidance, seed)
         template_ref, image_size = self._template(request)
         mask_ref = self._mask(request, image_size)
@@ -276,9 +272,9 @@ class JobService:
             )
         if not allowed and spec.form == "checkpoint":
             raise ServiceError(
-                f"model {model_id!r} is a checkpoint, which this deployment does not serve over the "
-                f"API: use one of {', '.join(known_model_ids())} (or ask the operator to list it "
-                "in MASKSERVE_API_MODELS)"
+                f"model {model_id!r} is a checkpoint, which this deployment does not serve over "
+                f"the API: use one of {', '.join(known_model_ids())} (or ask the operator to list "
+                "it in MASKSERVE_API_MODELS)"
             )
         return spec
 
@@ -339,9 +335,8 @@ class JobService:
         names it: copied once, shared by every job that edits this template."""
         ref = self.blobs.ref("uploads", record.sha256[:32] + ".png")
         try:
-            self.blobs.touch(
-                ref
-            )  # reused by a new job: its retention starts again (backend.janitor)
+            # reused by a new job: its retention starts again (backend.janitor)
+            self.blobs.touch(ref)
         except FileNotFoundError:
             try:
                 data = self.templates.image_path(template_id).read_bytes()
@@ -380,7 +375,8 @@ class JobService:
         return job
 
     def history(self, owner: str, limit: int | None = None) -> list[dict]:
-        """The owner's jobs, newest first, as ``get`` gives them; jobs whose state expired are skipped."""
+        """The owner's jobs, newest first, as ``get`` gives them; jobs whose state expired are
+        skipped."""
         jobs = []
         for job_id in self.history_index.job_ids(owner, limit):
             try:
@@ -392,7 +388,8 @@ class JobService:
     def events(
         self, job_id: str, after: str = "0", block_ms: int | None = None
     ) -> list[tuple[str, dict]]:
-        """(event id, event) of one job after ``after``, waiting up to ``block_ms`` for the first."""
+        """(event id, event) of one job after ``after``, waiting up to ``block_ms`` for the
+        first."""
         if not _EVENT_ID.match(after or ""):
             raise ServiceError(
                 f"event id {after[:40]!r} is not a stream id: use one like 1700000000000-0, or 0 "
@@ -438,8 +435,9 @@ class JobService:
         age_h = (time.time() - finished_at) / 3600
         if hours > 0 and age_h >= hours:
             return (
-                f"the {what} of job {job['job_id']} expired: results are kept {hours:g} hours after their job "
-                f"finishes and this one finished {age_h:.1f} hours ago; submit the edit again"
+                f"the {what} of job {job['job_id']} expired: results are kept {hours:g} hours "
+                f"after their job finishes and this one finished {age_h:.1f} hours ago; submit the "
+                "edit again"
             )
         return f"the {what} of job {job['job_id']} is no longer stored: submit the edit again"
 
@@ -457,8 +455,8 @@ class JobService:
         ``conflict`` when it had already finished.
 
         The ``cancelled`` event is recorded at once in every case (terminal, so the pre task, the
-        dispatcher and post-processing all skip the job, and its event stream ends). A job that is on
-        a worker (``waiting``/``running`` with a ``worker_id``) also gets a ``CancelJob`` in that
+        dispatcher and post-processing all skip the job, and its event stream ends). A job that is
+        on a worker (``waiting``/``running`` with a ``worker_id``) also gets a ``CancelJob`` in that
         worker's inbox: the worker drops the row at its next step. Recording the event here as well
         keeps a cancel from being lost when that worker dies and the job is routed again."""
         job = self.get(job_id)
@@ -477,9 +475,8 @@ class JobService:
             message="cancelled by the user",
             worker_id=worker_id,
         )
-        if not self.jobstate.record_event(
-            event
-        ):  # it finished in the meantime (first terminal wins)
+        # it finished in the meantime (first terminal wins)
+        if not self.jobstate.record_event(event):
             final = self.jobstate.status(job_id)
             if final != "cancelled":
                 raise ServiceError(

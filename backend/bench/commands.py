@@ -32,9 +32,9 @@ def cmd_bench_engine(args, settings: Settings) -> int:
     plot = write_outputs(records, Path(args.json))
     for r in records:
         print(
-            f"{r.model:18s} {r.mode:6s} m={r.mask_ratio:<5} ordinary {r.ordinary_s:7.3f}s  mask-aware "
-            f"{r.maskaware_s:7.3f}s  speedup {r.speedup:5.2f}x (ideal {r.ideal_speedup:5.2f}x)  "
-            f"ssim {r.ssim:.3f} psnr {r.psnr:.1f}"
+            f"{r.model:18s} {r.mode:6s} m={r.mask_ratio:<5} ordinary {r.ordinary_s:7.3f}s  "
+            f"mask-aware {r.maskaware_s:7.3f}s  speedup {r.speedup:5.2f}x "
+            f"(ideal {r.ideal_speedup:5.2f}x)  ssim {r.ssim:.3f} psnr {r.psnr:.1f}"
         )
     print(f"wrote {args.json} and {plot}")
     return 0
@@ -63,16 +63,18 @@ def cmd_bench_worker(args, settings: Settings) -> int:
     base = {r.mode: r for r in results if r.label == r.mode}.get("continuous")
     for r in results:
         vs = f"  P95 {r.p95_latency_s / base.p95_latency_s:4.2f}x continuous" if base else ""
-        # Rows join only once their cache is in RAM (prefetch-gated admission), so every acquire is a
-        # RAM hit: what spilling costs shows in the disk reads and RAM evictions.
+        # Rows join only once their cache is in RAM (prefetch-gated admission), so every acquire is
+        # a RAM hit: what spilling costs shows in the disk reads and RAM evictions.
         reads, evictions = r.cache.get("prefetches", 0), r.cache.get("ram_evictions", 0)
         read_mb = r.cache.get("bytes_loaded", 0) / 2**20
         print(
-            f"{r.label:34s} n={r.num_jobs:3d} avg {r.avg_latency_s:6.2f}s p50 {r.p50_latency_s:6.2f}s "
-            f"p95 {r.p95_latency_s:6.2f}s{vs}  {r.throughput_rps:5.2f} req/s  queue {r.avg_queue_s:5.2f}s  "
-            f"step {r.mean_step_s * 1e3:6.1f} ms  overhead {r.mean_overhead_ms:5.2f} ms (+ job work "
-            f"{r.mean_job_work_ms:5.2f} ms)  "
-            f"rows {r.mean_batch_rows:4.2f}  disk reads {reads} ({read_mb:.0f} MiB)  RAM evictions {evictions}"
+            f"{r.label:34s} n={r.num_jobs:3d} avg {r.avg_latency_s:6.2f}s "
+            f"p50 {r.p50_latency_s:6.2f}s p95 {r.p95_latency_s:6.2f}s{vs}  "
+            f"{r.throughput_rps:5.2f} req/s  queue {r.avg_queue_s:5.2f}s  "
+            f"step {r.mean_step_s * 1e3:6.1f} ms  overhead {r.mean_overhead_ms:5.2f} ms "
+            f"(+ job work {r.mean_job_work_ms:5.2f} ms)  "
+            f"rows {r.mean_batch_rows:4.2f}  disk reads {reads} ({read_mb:.0f} MiB)  "
+            f"RAM evictions {evictions}"
         )
     print(f"wrote {args.json} and {plot}")
     return 0
@@ -149,8 +151,8 @@ def cmd_bench_route(args, settings: Settings) -> int:
         + (" (what-if, not a measured device)" if cfg.load_ratio or cfg.load_scale != 1.0 else "")
     )
     print(
-        f"mean over seeds {summary['seeds']}, capacity {summary['capacity_rps']:.2f} req/s; P95 latency (s), "
-        f"and the P95 cut of mask_aware:"
+        f"mean over seeds {summary['seeds']}, capacity {summary['capacity_rps']:.2f} req/s; "
+        f"P95 latency (s), and the P95 cut of mask_aware:"
     )
     print(summary_table(summary))
     print(
@@ -280,7 +282,8 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
         "--load-scale",
         type=float,
         default=1.0,
-        help="what-if: multiply the profile's cache-load slope (e.g. a PCIe-bound GPU); not a measurement",
+        help="what-if: multiply the profile's cache-load slope (e.g. a PCIe-bound GPU); "
+        "not a measurement",
     )
     route.add_argument(
         "--load-ratio",

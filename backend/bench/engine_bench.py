@@ -3,9 +3,10 @@
 For each mask ratio, the same template, mask, prompt and seed go through the ordinary diffusers
 pipeline and through the mask-aware engine in each cache mode (caches recorded beforehand, not
 timed, and read from the host-RAM tier, as a worker serves a hot template). One JSON record per
-(model, mode, mask ratio); speedup = ordinary_s / maskaware_s, both medians over ``repeats`` runs after one warm-up; ideal_speedup = denoiser FLOPs of one ordinary
-step / FLOPs of one mask-aware step. Quality is measured against the ordinary pipeline's output
-with the same paste-back applied to both.
+(model, mode, mask ratio); speedup = ordinary_s / maskaware_s, both medians over ``repeats`` runs
+after one warm-up; ideal_speedup = denoiser FLOPs of one ordinary step / FLOPs of one mask-aware
+step. Quality is measured against the ordinary pipeline's output with the same paste-back applied to
+both.
 """
 
 from __future__ import annotations
@@ -130,13 +131,13 @@ def run_engine_bench(
         )
         pixels = np.asarray(mask) > 127
         runs = {
-            "ordinary": lambda: run_ordinary(
-                pipe, spec, template, mask, PROMPT, seed, ordinary_params
+            "ordinary": lambda m=mask: run_ordinary(
+                pipe, spec, template, m, PROMPT, seed, ordinary_params
             )
         }
         for mode, (params, cache) in caches.items():
-            runs[mode] = lambda p=params, c=cache: engine.edit(
-                template, mask, PROMPT, seed, p, cache=c
+            runs[mode] = lambda p=params, c=cache, m=mask: engine.edit(
+                template, m, PROMPT, seed, p, cache=c
             )
         seconds, outputs = _interleaved(runs, repeats, warm_up=not records)
         reference = paste_back(outputs["ordinary"], template, pixels.astype(np.float32))

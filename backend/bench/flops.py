@@ -1,5 +1,6 @@
 """FLOP counting for the ideal-speedup figure: torch's counter for matmuls and convolutions plus an
-analytic count for scaled dot-product attention (the CPU SDPA kernel is invisible to the counter)."""
+analytic count for scaled dot-product attention (the CPU SDPA kernel is invisible to the
+counter)."""
 
 from __future__ import annotations
 

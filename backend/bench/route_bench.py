@@ -86,18 +86,14 @@ class RouteBenchConfig:
     burst_factor: float = 2.0
     disk_read_s_per_byte: float = 1e-9
     noise_cv: float = 0.05
-    capacity_rps: float = (
-        0.0  # > 0: loads are fractions of this rate instead of a measured capacity
-    )
-    load_scale: float = (
-        1.0  # what-if: the profile's cache-load slope times this (a slower host -> device path)
-    )
-    load_ratio: float = (
-        0.0  # what-if, > 0: set load_scale so that a mean-mask request's loads = this x its compute
-    )
-    late_binding: bool = (
-        False  # the dispatcher holds a job until a worker has slack (else queues it at once)
-    )
+    # > 0: loads are fractions of this rate instead of a measured capacity
+    capacity_rps: float = 0.0
+    # what-if: the profile's cache-load slope times this (a slower host -> device path)
+    load_scale: float = 1.0
+    # what-if, > 0: set load_scale so that a mean-mask request's loads = this x its compute
+    load_ratio: float = 0.0
+    # the dispatcher holds a job until a worker has slack (else queues it at once)
+    late_binding: bool = False
     queue_depth: int = 0  # with late_binding: waiting rows a worker may hold beyond max_batch
     warmup_fraction: float = 0.25  # latency statistics over arrivals after this share of the run
     seed: int = 0
@@ -116,9 +112,8 @@ class PolicyResult:
     throughput_rps: float
     avg_queue_s: float
     mean_batch_rows: float
-    cache: dict = field(
-        default_factory=dict
-    )  # ram_hits, disk_reads, dense_rows (recordings), held (row-steps a row was held, slot free)
+    # ram_hits, disk_reads, dense_rows (recordings), held (row-steps a row was held, slot free)
+    cache: dict = field(default_factory=dict)
     decision_ms: dict = field(default_factory=dict)  # p50, p95 of Router.choose in this run
     measured_jobs: int = 0  # the jobs arriving after the warm-up (the latency statistics' sample)
     p95_all_latency_s: float = 0.0  # P95 over every job, the cold start included
@@ -158,9 +153,8 @@ def load_scale_for_ratio(profile: CostProfile, ratio: float, mask_ratio: float) 
     ):
         raise unreachable
     lo, hi = 0.0, 1.0
-    for _ in range(
-        200
-    ):  # a request that reads no cache (mask ratio 1, no cached unit) never gets there
+    # a request that reads no cache (mask ratio 1, no cached unit) never gets there
+    for _ in range(200):
         if load_compute_ratio(_scaled_loads(profile, hi), mask_ratio) >= ratio:
             break
         lo, hi = hi, hi * 2

@@ -176,7 +176,8 @@ def run_real_route_bench(cfg: RealRouteConfig, settings: Settings, progress=prin
                 "p95_s": percentile(latencies, 95),
             }
             progress(
-                f"{policy:16s} P95 {results[policy]['p95_s']:.2f} s  avg {results[policy]['avg_s']:.2f} s  "
+                f"{policy:16s} P95 {results[policy]['p95_s']:.2f} s  "
+                f"avg {results[policy]['avg_s']:.2f} s  "
                 f"{results[policy]['done']}/{results[policy]['jobs']} done"
             )
     finally:

@@ -50,9 +50,8 @@ class BenchConfig:
     rps: float = 2.0
     duration_s: float = 30.0
     num_templates: int = 24
-    ram_templates: int = (
-        6  # RAM tier budget, in templates (fewer than the trace uses: spills to disk)
-    )
+    # RAM tier budget, in templates (fewer than the trace uses: spills to disk)
+    ram_templates: int = 6
     mask_mean: float = 0.11
     steps: int = 20
     size: int = 256
@@ -81,7 +80,7 @@ class ModeResult:
     cache: dict = field(default_factory=dict)
 
 
-# ----- CPU process (pre/post-processing), the role of a Celery worker ------------------------------
+# ----- CPU process (pre/post-processing), the role of a Celery worker -----------------------------
 _STAGES = None
 
 
@@ -105,7 +104,7 @@ def _post_in_process(denoised_json: str) -> tuple[float, float]:
     return time.time(), time.time() - started
 
 
-# ----- set-up ------------------------------------------------------------------------------------------
+# ----- set-up -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Inputs:
     """What every mode replays: blob refs of the templates and of each request's mask, and the mean
@@ -125,7 +124,8 @@ def _png(image) -> bytes:
 def _prepare_inputs(
     cfg: BenchConfig, settings: Settings, engine, trace: list[TraceRequest], blobs: BlobStore
 ) -> _Inputs:
-    """Template and mask files for the trace, and every template's cache recorded on disk (not timed)."""
+    """Template and mask files for the trace, and every template's cache recorded on disk (not
+    timed)."""
     params = edit_params(engine.spec, settings, steps=cfg.steps, size=cfg.size)
     template_refs, entry_bytes = [], []
     for index in tqdm(range(cfg.num_templates), desc="recording template caches"):
@@ -171,7 +171,7 @@ def _edit_job(
     )
 
 
-# ----- one mode -----------------------------------------------------------------------------------------
+# ----- one mode -----------------------------------------------------------------------------------
 class _Run:
     """Drives one worker through the trace; records arrival and completion times per job."""
 
@@ -183,9 +183,8 @@ class _Run:
         self.lock = threading.Lock()
         self.inbox = LocalInbox()
         self.sink = LocalSink(on_denoised=None if mode == "inline" else self._post)
-        entry_bytes = (
-            inputs.mean_entry_bytes * 1.05
-        )  # slack over the mean entry (every file, trajectory included)
+        # slack over the mean entry (every file, trajectory included)
+        entry_bytes = inputs.mean_entry_bytes * 1.05
         self.caches = TieredActivationCache(
             engine.cache_root,
             int(ram_templates * entry_bytes),
@@ -317,7 +316,8 @@ def run_worker_bench(cfg: BenchConfig, settings: Settings) -> list[ModeResult]:
             try:
                 summary = run.run(trace)
             finally:
-                run.caches.close()  # its prefetch threads and RAM tier must not weigh on the next mode
+                # its prefetch threads and RAM tier must not weigh on the next mode
+                run.caches.close()
             results.append(ModeResult(mode=mode, label=label, **summary))
     return results
 

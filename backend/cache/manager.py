@@ -432,9 +432,8 @@ class CacheManager:
             evictions.append(DropFromRam(victim.entry_id))
         elif self._can_fit(Tier.DISK, victim.size_bytes):
             self._update(victim, in_ram=False, on_disk=True)
-            self._make_room(
-                Tier.DISK, evictions, keep=victim.entry_id
-            )  # deletions run before the spill
+            # deletions run before the spill
+            self._make_room(Tier.DISK, evictions, keep=victim.entry_id)
             evictions.append(SpillToDisk(victim.entry_id, victim.size_bytes))
             self.metrics.bytes_spilled += victim.size_bytes
         else:  # the disk cannot take it: the entry is lost
@@ -445,9 +444,8 @@ class CacheManager:
         self.metrics.disk_evictions += 1
         evictions.append(DeleteFromDisk(victim.entry_id))
         if victim.in_ram:
-            self._update(
-                victim, on_disk=False
-            )  # still readable from RAM; spilled back if evicted there
+            # still readable from RAM; spilled back if evicted there
+            self._update(victim, on_disk=False)
         else:
             self._remove(victim)
 

@@ -88,10 +88,8 @@ class MemoryTemplateCache(ManifestView):
     """
 
     def __init__(self, path: Path, manifest: dict, files: dict[str, dict[str, torch.Tensor]]):
-        self.path, self.manifest = (
-            Path(path),
-            manifest,
-        )  # path: the disk entry it came from (an identity)
+        # path: the disk entry it came from (an identity)
+        self.path, self.manifest = Path(path), manifest
         self.key = CacheKey(**manifest["key"])
         self._files = files
 
@@ -169,14 +167,12 @@ class TieredActivationCache:
             raise ValueError(f"unknown cache policy {policy!r}: choose one of {sorted(POLICIES)}")
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.pin_memory = (
-            pin_memory  # the worker sets it on CUDA: host -> device copies can then run async
-        )
+        # the worker sets it on CUDA: host -> device copies can then run async
+        self.pin_memory = pin_memory
         self._manager = CacheManager(ram_budget_bytes, disk_budget_bytes, POLICIES[policy])
         self._lock = threading.Lock()
-        self._commit_lock = (
-            threading.Lock()
-        )  # one commit at a time: two of one key must not interleave
+        # one commit at a time: two of one key must not interleave
+        self._commit_lock = threading.Lock()
         self._ram: dict[str, MemoryTemplateCache] = {}
         self._loads: dict[str, _Load] = {}
         self._seen_ns: dict[str, int] = {}  # entry id -> last manifest mtime this worker set or saw
@@ -259,10 +255,8 @@ class TieredActivationCache:
             for entry_id, mtime_ns in listed.items()
             if mtime_ns > self._seen_ns.get(entry_id, 0)
         )
-        for (
-            mtime_ns,
-            entry_id,
-        ) in used_elsewhere:  # oldest first: the policy's order follows their times
+        # oldest first: the policy's order follows their times
+        for mtime_ns, entry_id in used_elsewhere:
             if self._manager.residency(entry_id) is Residency.MISS:
                 self._discover(entry_id)  # published by another worker: counted against the budget
             else:
@@ -486,9 +480,8 @@ class TieredActivationCache:
         entry_id = writer.key.digest()
         log.warning("cache commit failed entry=%s error=%s", entry_id, exc)
         writer.abort()
-        shutil.rmtree(
-            self.root / entry_id, ignore_errors=True
-        )  # unregistered: ours if anything is there
+        # unregistered: ours if anything is there
+        shutil.rmtree(self.root / entry_id, ignore_errors=True)
         with self._lock:
             self._manager.metrics.store_failures += 1
 

@@ -219,7 +219,8 @@ def batch_unit_costs(profile: CostProfile, rows: Sequence[RowWork]) -> list[Unit
 @dataclass
 class CostProfile:
     """Fitted cost lines of one model on one device in one cache mode, with its unit shapes.
-    Invariant (checked by ``from_json``): ``format_version == FORMAT_VERSION``, ``mode`` in MODES."""
+    Invariant (checked by ``from_json``): ``format_version == FORMAT_VERSION``, ``mode`` in
+    MODES."""
 
     format_version: int
     model_id: str

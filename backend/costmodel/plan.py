@@ -57,7 +57,8 @@ class UnitCost:
 
 @dataclass(frozen=True)
 class LoadingPlan:
-    """Invariant: ``num_cached == sum(use_cache)`` and ``latency_s == simulate_plan(costs, use_cache)``."""
+    """Invariant: ``num_cached == sum(use_cache)`` and
+    ``latency_s == simulate_plan(costs, use_cache)``."""
 
     use_cache: tuple[bool, ...]
     latency_s: float  # comp_N of the chosen plan
@@ -78,7 +79,8 @@ class _State:
 
 
 def _exact(costs: Sequence[UnitCost]) -> tuple[list[_Exact], int]:
-    """Costs as integers in units of ``2**-shift`` seconds, exactly (floats are binary fractions)."""
+    """Costs as integers in units of ``2**-shift`` seconds, exactly (floats are binary
+    fractions)."""
     ratios = [
         [v.as_integer_ratio() for v in (c.compute_cached_s, c.compute_dense_s, c.load_s)]
         for c in costs
@@ -108,7 +110,8 @@ def _simulate_exact(costs: Sequence[_Exact], use_cache: Sequence[bool]) -> int:
 
 
 def simulate_plan(costs: Sequence[UnitCost], use_cache: Sequence[bool]) -> float:
-    """Latency (comp_N) of one choice list under the recurrence, exact then rounded; 0.0 for no units."""
+    """Latency (comp_N) of one choice list under the recurrence, exact then rounded; 0.0 for no
+    units."""
     if len(costs) != len(use_cache):
         raise ValueError(f"{len(use_cache)} choices for {len(costs)} units")
     exact, shift = _exact(costs)
@@ -116,7 +119,8 @@ def simulate_plan(costs: Sequence[UnitCost], use_cache: Sequence[bool]) -> float
 
 
 def _check_stacks(num_units: int, stack_ids: Sequence[int] | None) -> list[int]:
-    """Stack id per unit (None: one stack). Raises ValueError unless each stack is one contiguous run."""
+    """Stack id per unit (None: one stack). Raises ValueError unless each stack is one contiguous
+    run."""
     if stack_ids is None:
         return [0] * num_units
     ids = list(stack_ids)
@@ -193,7 +197,8 @@ def _suffix_frontier(pairs: list[tuple[int, int]]) -> _Frontier:
 
 
 def _prepend(front: _Frontier, cost: _Exact, cached: bool) -> list[tuple[int, int]]:
-    """(a, b) of ``unit + suffix`` for every suffix in ``front`` (substitute one recurrence step)."""
+    """(a, b) of ``unit + suffix`` for every suffix in ``front`` (substitute one recurrence
+    step)."""
     cw, cwo, load = cost
     if not cached:
         return [(a + cwo, b) for a, b in zip(front[0], front[1])]

@@ -1,1 +1,2 @@
-"""Cluster-level dispatch: routing jobs to engine workers (``router`` is pure: no torch, no Redis)."""
+"""Cluster-level dispatch: routing jobs to engine workers (``router`` is pure: no torch, no
+Redis)."""

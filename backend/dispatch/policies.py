@@ -93,9 +93,8 @@ class MaskAware:
     def choose(
         self, job: JobRequest, candidates: Sequence[WorkerView], cost_model: CostModelFor
     ) -> Choice:
-        memo: dict[
-            tuple[int, bool], float
-        ] = {}  # T(J) shared by the estimates of this job on every candidate
+        # T(J) shared by the estimates of this job on every candidate
+        memo: dict[tuple[int, bool], float] = {}
         estimates = {
             w.worker_id: _model_of(job, w, cost_model).estimate(job, w, memo) for w in candidates
         }

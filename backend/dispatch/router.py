@@ -242,9 +242,8 @@ class RoutingCostModel:
         )
         self._ntoks = tuple(g[0] for g in groups)
         self._wcoef = tuple((rpr * c * g[1], rpr * c * g[2]) for c, g in zip(counts, groups))
-        self._gload = tuple(
-            c * g[3] for c, g in zip(counts, groups)
-        )  # one template's loads per step, per shape
+        # one template's loads per step, per shape
+        self._gload = tuple(c * g[3] for c, g in zip(counts, groups))
         self.step_cache_bytes = sum(u.cache_bytes for u in profile.units)
         self._rows: dict[tuple[float, bool], tuple[tuple[int, ...], float, float]] = {}
 

@@ -1,4 +1,5 @@
-"""`maskserve dispatcher`: routes pre-processed jobs to engine workers and recovers dead workers' jobs.
+"""`maskserve dispatcher`: routes pre-processed jobs to engine workers and recovers dead workers'
+jobs.
 
 Input: the stream ``keys.PREPARED_STREAM`` read through consumer group ``keys.DISPATCHER_GROUP``.
 An entry is acked only once its job sits in a worker's inbox (or was dropped because it had already
@@ -7,8 +8,9 @@ new ones: no job is lost between the two streams. An entry that cannot be decode
 it names its job, fails that job with a terminal event saying why (it never hangs).
 
 Workers: heartbeats (``backend.protocol.heartbeats``) give the live workers and their state;
-``keys.WORKERS_KEY`` (a set every worker joins at start) remembers the ones that may have died. Between two heartbeats the dispatcher adds the jobs it has just sent to a
-worker's view, so a burst is not routed as if every worker were still idle.
+``keys.WORKERS_KEY`` (a set every worker joins at start) remembers the ones that may have died.
+Between two heartbeats the dispatcher adds the jobs it has just sent to a worker's view, so a burst
+is not routed as if every worker were still idle.
 
 Late binding (``late_binding``): the router refuses a job while no worker has slack, and the job
 waits in the dispatcher's FIFO backlog (its stream entry still pending) until one has.
@@ -72,7 +74,8 @@ class CostModels:
         self._missing: set[tuple[str, str]] = set()
 
     def ensure(self, model_id: str, device: str) -> RoutingCostModel | None:
-        """The cost model of ``model_id`` on ``device``'s kind, loaded on first use; None without a profile."""
+        """The cost model of ``model_id`` on ``device``'s kind, loaded on first use; None without a
+        profile."""
         key = (model_id, device_kind(device))
         if key not in self.models and key not in self._missing:
             try:
@@ -291,10 +294,8 @@ def run_dispatcher(settings: Settings) -> int:
     while not stop.is_set():
         try:
             dispatcher.iterate()
-        except (
-            RedisConnectionError,
-            RedisTimeoutError,
-        ) as exc:  # Redis restarting: wait, resume from the stream
+        # Redis restarting: wait, resume from the stream
+        except (RedisConnectionError, RedisTimeoutError) as exc:
             log.warning("Redis unavailable (%s); retrying in 1 s", exc)
             stop.wait(1.0)
     return 0

@@ -227,7 +227,8 @@ def process_mask(mask: Image.Image, image_size_wh: tuple[int, int], ops: MaskOps
 
 
 def mask_to_bucket(full_mask: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
-    """The upload-resolution mask at the model resolution, through the same crop as ``fit_to_bucket``.
+    """The upload-resolution mask at the model resolution, through the same crop as
+    ``fit_to_bucket``.
 
     A model pixel is masked when ANY upload pixel under it is (box filter > 0), so thin strokes
     survive a downscale and every pixel paste-back will take from the generated image was generated
@@ -250,7 +251,8 @@ def mask_to_bucket(full_mask: np.ndarray, size_hw: tuple[int, int]) -> np.ndarra
 def prepare_mask(
     mask: Image.Image, image_size_wh: tuple[int, int], size_hw: tuple[int, int], ops: MaskOps
 ) -> np.ndarray:
-    """Bool (H, W) = ``size_hw`` mask at the model resolution: ``process_mask`` then ``mask_to_bucket``."""
+    """Bool (H, W) = ``size_hw`` mask at the model resolution: ``process_mask`` then
+    ``mask_to_bucket``."""
     return mask_to_bucket(process_mask(mask, image_size_wh, ops), size_hw)
 
 

@@ -23,7 +23,8 @@ from backend.models.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
 
 def _seeded(factory, *args, **kwargs):
-    # Every component from seed 0 (building twice gives identical weights), leaving the caller's RNG alone.
+    # Every component from seed 0 (building twice gives identical weights), leaving the caller's RNG
+    # alone.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return factory(*args, **kwargs).eval()
@@ -33,14 +34,14 @@ def build_scheduler(family: str):
     """The family's scheduler (``configs.SCHEDULERS``); Euler steps add no noise, so an edit is a
     function of its inputs and seed."""
     kind = FlowMatchEulerDiscreteScheduler if family == "flux-fill" else EulerDiscreteScheduler
-    with torch.device(
-        "cpu"
-    ):  # schedulers keep CPU tensors, even inside `with torch.device("meta")`
+    # schedulers keep CPU tensors, even inside `with torch.device("meta")`
+    with torch.device("cpu"):
         return kind(**SCHEDULERS[family])
 
 
 def build_components(family: str, form: str) -> dict:
-    """Pipeline components of a built form; under ``with torch.device("meta")`` no weights are allocated."""
+    """Pipeline components of a built form; under ``with torch.device("meta")`` no weights are
+    allocated."""
     configs = CONFIGS[(family, form)]
     parts = {
         "vae": _seeded(AutoencoderKL, **configs["vae"]),

@@ -11,9 +11,8 @@ from __future__ import annotations
 from backend.models.tokenizers import clip_vocab_size, t5_vocab_size
 
 BUILDER_VERSION = 3  # bump whenever building changes the weights of an unchanged config
-CLIP_VOCAB_PUBLISHED = (
-    49408  # arch forms keep the published embedding tables (ids past ours stay unused)
-)
+# arch forms keep the published embedding tables (ids past ours stay unused)
+CLIP_VOCAB_PUBLISHED = 49408
 T5_VOCAB_PUBLISHED = 32128
 
 
@@ -206,8 +205,9 @@ CONFIGS: dict[tuple[str, str], dict[str, dict]] = {
     ),
 }
 
-# Scheduler keyword arguments per family (part of a built model's revision: they change its outputs).
-# UNets: SD betas with Euler steps (no noise inside a step); Flux: the published dynamic shifting.
+# Scheduler keyword arguments per family (part of a built model's revision: they change its
+# outputs). UNets: SD betas with Euler steps (no noise inside a step); Flux: the published dynamic
+# shifting.
 SCHEDULERS: dict[str, dict] = {
     "sd2-inpaint": dict(
         beta_start=0.00085,

@@ -15,10 +15,11 @@ from transformers import CLIPTokenizer, T5Tokenizer
 
 PRINTABLE_ASCII = "".join(chr(code) for code in range(ord("!"), ord("~") + 1))
 COMMON_WORDS = (
-    "a an the of and in on with to at for from by is red blue green yellow black white orange purple brown "
-    "gray pink cat dog bird car house tree flower vase lamp chair armchair table sofa wall stone wood leather "
-    "glass metal sky water grass sun moon cloud mountain river road city street window door hat shirt dress "
-    "face hair eye hand photo painting style bright dark light small large old new beautiful"
+    "a an the of and in on with to at for from by is red blue green yellow black white orange "
+    "purple brown gray pink cat dog bird car house tree flower vase lamp chair armchair table sofa "
+    "wall stone wood leather glass metal sky water grass sun moon cloud mountain river road city "
+    "street window door hat shirt dress face hair eye hand photo painting style bright dark light "
+    "small large old new beautiful"
 ).split()
 
 

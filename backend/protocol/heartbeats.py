@@ -1,14 +1,13 @@
 """Reading workers' heartbeats: the one reader every role uses (dispatcher, API, cache status).
 
-A worker writes its ``WorkerHeartbeat`` under ``keys.heartbeat_key`` with a short TTL; a worker whose
-key expired is presumed dead. The client is any Redis client (duck-typed: ``scan_iter``, ``mget``,
-``get``), so this module imports no Redis library.
+A worker writes its ``WorkerHeartbeat`` under ``keys.heartbeat_key`` with a short TTL; a worker
+whose key expired is presumed dead. The client is any Redis client (duck-typed: ``scan_iter``,
+``mget``, ``get``), so this module imports no Redis library.
 """
 
 from __future__ import annotations
 
 import logging
-
 from typing import Any
 
 from backend.protocol import keys

@@ -33,7 +33,8 @@ def job_events_key(job_id: str) -> str:
 
 
 def handoff_key(job_id: str) -> str:
-    """Marks a job handed from pre-processing to routing, so a redelivered task hands it off once."""
+    """Marks a job handed from pre-processing to routing, so a redelivered task hands it off
+    once."""
     return f"{NAMESPACE}:handoff:{job_id}"
 
 

@@ -29,7 +29,8 @@ class ProtocolError(ValueError):
 
 @dataclass(frozen=True)
 class MaskOps:
-    """Mask operations applied in pre-processing, in this order: threshold, invert, grow/shrink, feather."""
+    """Mask operations applied in pre-processing, in this order: threshold, invert, grow/shrink,
+    feather."""
 
     threshold: int = 127  # mask pixels above this (0-255) are repainted
     invert: bool = False

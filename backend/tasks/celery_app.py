@@ -53,8 +53,9 @@ TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, Ti
 
 
 def record_task(client: Redis, task: str, outcome: str, seconds: float) -> None:
-    """Count one finished task (outcome: done / failed / skipped) and its seconds, in Redis: Celery's
-    prefork children cannot share in-process counters with the parent that serves ``/metrics``."""
+    """Count one finished task (outcome: done / failed / skipped) and its seconds, in Redis:
+    Celery's prefork children cannot share in-process counters with the parent that serves
+    ``/metrics``."""
     with client.pipeline(transaction=False) as pipe:
         pipe.hincrby(CPU_STATS_KEY, f"{task}.{outcome}", 1)
         pipe.hincrbyfloat(CPU_STATS_KEY, f"{task}.seconds", seconds)
@@ -73,7 +74,8 @@ def task_stats(client: Redis) -> dict:
 
 
 class _Process:
-    """Per-process state of a CPU worker: Redis client, job state store, one ``CpuStages`` per model."""
+    """Per-process state of a CPU worker: Redis client, job state store, one ``CpuStages`` per
+    model."""
 
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -93,7 +95,8 @@ class _Process:
         return JobStateStore(self.client, self.settings.retention.job_record_s)
 
     def stages(self, model_id: str):
-        """The model's CPU stages, built once per process (a task waits while a warm-up builds them)."""
+        """The model's CPU stages, built once per process (a task waits while a warm-up builds
+        them)."""
         with self._building:
             if model_id not in self._stages:
                 from backend.engine.factory import CPU_STAGES, build_engine
@@ -155,7 +158,8 @@ def hand_off(client: Redis, prepared) -> str | None:
 def make_celery(settings: Settings) -> Celery:
     if not settings.redis.url:
         raise ValueError(
-            "Celery needs a Redis URL: set MASKSERVE_REDIS_URL (or start the stack with `maskserve up`)"
+            "Celery needs a Redis URL: set MASKSERVE_REDIS_URL (or start the stack with "
+            "`maskserve up`)"
         )
     app = Celery("maskserve", broker=settings.redis.url)
     app.conf.update(

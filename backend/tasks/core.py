@@ -233,9 +233,7 @@ class CpuStages:
         if not paste:  # a job prepared at the model resolution (no bucket crop): paste back there
             return self.engine.compose(generated, template, prepared.pixels, params)
         left, top, right, bottom = paste.crop_box
-        mask = (
-            np.asarray(Image.open(io.BytesIO(self.blobs.get(paste.mask_ref))).convert("L")) > 127
-        )
+        mask = np.asarray(Image.open(io.BytesIO(self.blobs.get(paste.mask_ref))).convert("L")) > 127
         inside = np.zeros_like(mask)
         inside[top:bottom, left:right] = True  # the bucket crop's margins were never generated
         alpha = feather(mask & inside, paste.feather_px) * inside

@@ -38,9 +38,8 @@ MODES = ("continuous", "static", "inline")
 class Row:
     job_id: str
     num_steps: int
-    group_key: (
-        str  # rows with equal keys can share one forward pass (same cache mode and resolution)
-    )
+    # rows with equal keys can share one forward pass (same cache mode and resolution)
+    group_key: str
     mask_ratio: float = 1.0
     enqueued_at: float = 0.0
     template: str = ""  # cache digest of the row's template ("" = none), for routing by residency
@@ -54,14 +53,12 @@ class Row:
 
 @dataclass
 class SchedulerOutput:
-    admitted: list[str] = field(
-        default_factory=list
-    )  # rows that join this step (the worker admits them)
+    # rows that join this step (the worker admits them)
+    admitted: list[str] = field(default_factory=list)
     groups: list[list[str]] = field(default_factory=list)  # one forward pass per group, this step
     cancelled: list[str] = field(default_factory=list)  # rows dropped (waiting or running)
-    held: list[str] = field(
-        default_factory=list
-    )  # waiting rows passed over: not ready, a slot was free
+    # waiting rows passed over: not ready, a slot was free
+    held: list[str] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:

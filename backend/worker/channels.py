@@ -18,8 +18,9 @@ from backend.protocol import DenoisedJob, JobEvent
 
 class Inbox(Protocol):
     def poll(self, timeout_s: float) -> list:
-        """Messages that arrived (``PreparedJob``, ``EditJob`` in inline mode, ``CancelJob``); waits up to
-        ``timeout_s`` for the first one, returns at once with what is there when ``timeout_s`` is 0."""
+        """Messages that arrived (``PreparedJob``, ``EditJob`` in inline mode, ``CancelJob``); waits
+        up to ``timeout_s`` for the first one, returns at once with what is there when ``timeout_s``
+        is 0."""
 
     def ack(self, job_id: str) -> None:
         """The job left this worker (finished, failed or cancelled): do not redeliver it."""

@@ -87,9 +87,8 @@ class _Job:
     received_at: float
     state: EditState | None = None
     cache_key: CacheKey | None = None  # set while the row holds an acquired cache entry
-    early_cache: tuple | None = (
-        None  # (handle, error) acquired when found ready, until ``_admit`` takes it
-    )
+    # (handle, error) acquired when found ready, until ``_admit`` takes it
+    early_cache: tuple | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -142,9 +141,8 @@ class EngineWorker:
         job_work_s = time.perf_counter() - job_work_started
         stepped, forward_s = [], 0.0
         for group in out.groups:
-            group = [
-                j for j in group if j in self.jobs and self.jobs[j].state is not None
-            ]  # admitted ok
+            # admitted ok
+            group = [j for j in group if j in self.jobs and self.jobs[j].state is not None]
             # a row recording its template's cache runs apart from rows reading caches: cached units
             # skip the K/V the recording needs (see MaskAwareEngine.step)
             recording = [j for j in group if self.jobs[j].state.writer is not None]

@@ -22,11 +22,8 @@ from backend.protocol.keys import INBOX_GROUP, inbox_stream
 log = logging.getLogger(__name__)
 
 INBOX_MAXLEN = 100_000
-INBOX_TYPES = (
-    PreparedJob,
-    EditJob,
-    CancelJob,
-)  # what a worker's inbox carries; anything else is dropped
+# what a worker's inbox carries; anything else is dropped
+INBOX_TYPES = (PreparedJob, EditJob, CancelJob)
 
 
 def send_to_inbox(client: Redis, worker_id: str, message) -> str:

@@ -55,12 +55,12 @@ class RedisSink:
 class Heartbeat:
     """The worker's heartbeat: ``WorkerHeartbeat`` under ``keys.heartbeat_key`` with a short TTL.
 
-    The message is built in the worker's own loop (``refresh``, at most every ``HEARTBEAT_EVERY_S``),
-    so the state it reports is never read while the loop changes it; a daemon thread re-publishes
-    the latest message every ``HEARTBEAT_EVERY_S`` so that a step longer than the TTL (a big batch
-    on a slow device) does not make a live worker look dead. The thread dies with the process, so
-    a crashed worker's key expires within ``HEARTBEAT_TTL_S``. The metrics endpoint serves the
-    snapshots taken here, never the live objects.
+    The message is built in the worker's own loop (``refresh``, at most every
+    ``HEARTBEAT_EVERY_S``), so the state it reports is never read while the loop changes it; a
+    daemon thread re-publishes the latest message every ``HEARTBEAT_EVERY_S`` so that a step longer
+    than the TTL (a big batch on a slow device) does not make a live worker look dead. The thread
+    dies with the process, so a crashed worker's key expires within ``HEARTBEAT_TTL_S``. The metrics
+    endpoint serves the snapshots taken here, never the live objects.
     """
 
     def __init__(
@@ -94,7 +94,8 @@ class Heartbeat:
         )
 
     def refresh(self, force: bool = False) -> None:
-        """From the worker loop: rebuild the message when it is due (or ``force``) and publish it."""
+        """From the worker loop: rebuild the message when it is due (or ``force``) and publish
+        it."""
         now = time.monotonic()
         if force or now - self._built_at >= HEARTBEAT_EVERY_S:
             self._built_at = now
@@ -179,9 +180,8 @@ def run_worker(settings: Settings) -> int:
     )
     heartbeat.refresh(force=True)
     heartbeat.start_publisher(stop)
-    client.sadd(
-        WORKERS_KEY, worker.worker_id
-    )  # the dispatcher recovers this inbox if the heartbeat stops
+    # the dispatcher recovers this inbox if the heartbeat stops
+    client.sadd(WORKERS_KEY, worker.worker_id)
     try:
         while not stop.is_set():
             worker.iterate(settings.worker.idle_poll_s)

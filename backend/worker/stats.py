@@ -1,4 +1,5 @@
-"""Per-step statistics of a worker loop (pure): step time, forward time, batching overhead, batch size.
+"""Per-step statistics of a worker loop (pure): step time, forward time, batching overhead, batch
+size.
 
 Batching overhead of a step = the loop iteration's wall time minus the denoiser's forward time and
 minus per-job work (admitting a job: cache acquire and state set-up; retiring it: writing its final
@@ -34,10 +35,10 @@ class WorkerStats:
     max_rows: int = 0
     jobs_by_status: Counter = field(default_factory=Counter)
     cache_fallbacks: int = 0  # rows that found their template cache broken and computed densely
-    held_rows: int = 0  # waiting rows the last schedule held on their cache (a read in flight, RAM full, a recording)
-    held_row_schedules: int = (
-        0  # total of held_rows over every schedule: steady growth = RAM tier or disk too slow
-    )
+    # waiting rows the last schedule held on their cache (a read in flight, RAM full, a recording)
+    held_rows: int = 0
+    # total of held_rows over every schedule: steady growth = RAM tier or disk too slow
+    held_row_schedules: int = 0
     recent_overhead_s: deque = field(default_factory=deque)
 
     def record_step(
