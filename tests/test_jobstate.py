@@ -168,3 +168,24 @@ def test_a_finished_jobs_record_lives_as_long_as_its_results_are_kept(
 def test_a_negative_record_ttl_is_refused(redis_client):
     with pytest.raises(ValueError, match="0 keeps records forever"):
         JobStateStore(redis_client, -1)
+
+
+def test_the_record_gives_every_field_its_type(redis_client):
+    """What the API shows of a job is typed once (``JobRecord``): numbers are numbers, flags are
+    booleans, mask operations a dict, whatever the hash stores as text."""
+    store = JobStateStore(redis_client)
+    store.create(
+        "typed",
+        steps=20,
+        seed=7,
+        guidance=7.5,
+        use_cache=False,
+        mask_ops={"grow_px": 3},
+        width=640,
+    )
+    job = store.get("typed")
+    assert (job["steps"], job["seed"], job["guidance"], job["width"]) == (20, 7, 7.5, 640)
+    assert job["use_cache"] is False and job["mask_ops"] == {"grow_px": 3}
+    assert job["status"] == "queued" and job["queued_at"] == job["created_at"]
+    with pytest.raises(TypeError):
+        store.create("bad", no_such_field=1)

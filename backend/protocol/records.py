@@ -92,7 +92,7 @@ def _parse(kind: str, text: str) -> object:
         return float(text)
     if kind == "bool":
         return text not in ("0", "False", "false", "")
-    if kind == "dict":
+    if kind.startswith("dict"):
         return json.loads(text)
     return text
 
