@@ -50,7 +50,9 @@ THUMBNAIL_SIDE = 256
 
 
 class CpuStages:
-    """Pre/post-processing for one model. ``jobstate`` (a ``JobStateStore``) is optional: without it
+    """Pre/post-processing for one model. ``engine`` needs the text encoders and the VAE only: a
+    CPU worker's holds no denoiser (``build_engine(role=CPU_STAGES)``), an ``inline`` engine
+    worker passes its whole engine. ``jobstate`` (a ``JobStateStore``) is optional: without it
     (benchmarks) nothing is reported."""
 
     def __init__(
