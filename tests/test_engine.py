@@ -115,7 +115,8 @@ def _png(image) -> bytes:
 
 
 def test_batched_rows_equal_one_at_a_time(engine):
-    """Rows with different templates, masks, seeds and steps in one forward match running each alone."""
+    """Rows with different templates, masks, seeds and steps in one forward match running each
+    alone."""
     params = make_params(engine, mode="kv")
     templates = [make_template(7), make_template(8)]
     caches = [engine.prepare_template(t, params) for t in templates]
@@ -244,3 +245,20 @@ def test_feathered_paste_back_keeps_far_pixels(engine):
     border = np.zeros((SIZE, SIZE), dtype=bool)  # just outside the mask: the feather blends in
     border[36:40, 32:96] = True
     assert not np.array_equal(np.asarray(result.image)[border], np.asarray(make_template())[border])
+
+
+def test_installed_engine_keeps_one_copy_of_every_weight(engine):
+    """Fused projections are views of one storage: the denoiser's unique storages hold exactly the
+    bytes of its state dict (no storage holds a second copy), and self-attention q/k/v share one."""
+    denoiser = engine.adapter.denoiser
+    tensors = list(denoiser.state_dict().values())
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    assert sum(storages.values()) == sum(t.numel() * t.element_size() for t in tensors)
+    shared = [
+        (m.to_q.weight, m.to_v.weight)
+        for m in denoiser.modules()
+        if hasattr(m, "to_q") and not getattr(m, "is_cross_attention", False)
+    ]
+    assert shared and all(
+        q.untyped_storage().data_ptr() == v.untyped_storage().data_ptr() for q, v in shared
+    )

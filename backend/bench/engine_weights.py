@@ -118,11 +118,12 @@ def child_edit(model_id: str, models_dir: str, cache_dir: str, ratio: float, ste
     mask = Image.fromarray(pixels.astype(np.uint8) * 255)
     print(MARK + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         result = engine.edit(template, mask, PROMPT, 1, params, cache=cache)
-        seconds = time.perf_counter() - started
+        seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
         result.image.save(line.strip())
-        print(MARK + json.dumps({"seconds": seconds, "mask_ratio": result.mask_ratio}), flush=True)
+        reply = {"seconds": seconds, "cpu_seconds": cpu_seconds, "mask_ratio": result.mask_ratio}
+        print(MARK + json.dumps(reply), flush=True)
 
 
 # ----- driver -------------------------------------------------------------------------------------
@@ -174,18 +175,21 @@ def measure_edits(trees: dict[str, Path], args, work: Path) -> dict:
     names = list(trees)
     for name in names:
         edit(name)  # warm-up
-    seconds: dict[str, list[float]] = {name: [] for name in names}
+    replies: dict[str, list[dict]] = {name: [] for name in names}
     for repeat in range(args.repeats):
         for name in names if repeat % 2 == 0 else names[::-1]:
-            seconds[name].append(edit(name)["seconds"])
+            replies[name].append(edit(name))
     for child in children.values():
         child.stdin.close()  # type: ignore[union-attr]
         child.wait()
-    return {
-        "seconds": seconds,
-        "median_s": {name: statistics.median(values) for name, values in seconds.items()},
-        **_pixel_difference(work / f"{names[0]}.png", work / f"{names[1]}.png"),
-    }
+    figures: dict = {}
+    for key in ("seconds", "cpu_seconds"):  # CPU seconds: less sensitive to other jobs' load
+        runs = {name: [reply[key] for reply in replies[name]] for name in names}
+        figures[key] = runs
+        figures[f"median_{key}"] = {name: statistics.median(v) for name, v in runs.items()}
+        figures[f"min_{key}"] = {name: min(v) for name, v in runs.items()}
+    figures["mask_ratio_on_grid"] = replies[names[0]][0]["mask_ratio"]
+    return {**figures, **_pixel_difference(work / f"{names[0]}.png", work / f"{names[1]}.png")}
 
 
 def _pixel_difference(first: Path, second: Path) -> dict:
