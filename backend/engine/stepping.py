@@ -27,7 +27,8 @@ def guide_all(
     prediction: torch.Tensor, halves: Sequence[int], guidance: Sequence[float]
 ) -> torch.Tensor:
     """Classifier-free guidance of a batch whose rows are ``halves[i]`` consecutive predictions
-    (uncond, cond) each: one guided row per request. Equals ``uncond + g * (cond - uncond)`` per row."""
+    (uncond, cond) each: one guided row per request. Equals ``uncond + g * (cond - uncond)`` per
+    row."""
     if all(h == 1 for h in halves):
         return prediction
     if any(h != 2 for h in halves):
@@ -72,8 +73,8 @@ def _sigmas(schedulers: Sequence, offset: int, like: torch.Tensor) -> torch.Tens
 def batched_step(
     schedulers: Sequence, model_output: torch.Tensor, samples: torch.Tensor
 ) -> torch.Tensor | None:
-    """The next samples of every row (row i: ``schedulers[i]``, ``model_output[i]``, ``samples[i]``),
-    or None when these schedulers are not supported (nothing is changed then)."""
+    """The next samples of every row (row i: ``schedulers[i]``, ``model_output[i]``,
+    ``samples[i]``), or None when these schedulers are not supported (nothing is changed then)."""
     kind = _supported(schedulers)
     if kind is None:
         return None
