@@ -16,7 +16,8 @@ from backend.api.security import Guard
 from backend.api.service import JobService
 from backend.config import Settings
 from studio.actions import StudioActions
-from studio.app import CSS, build_studio
+from studio.app import build_studio
+from studio.components import CSS
 from templates_store.store import TemplateStore
 
 NO_USERS_MESSAGE = (

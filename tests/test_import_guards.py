@@ -22,6 +22,8 @@ ROLE_MODULES = (
     "backend.api.server",
     "studio.mount",  # the studio
     "studio.app",
+    "studio.gallery_tab",
+    "studio.history_tab",
     "backend.cachestatus",
     "backend.janitor",
     "backend.config_reference",
