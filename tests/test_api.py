@@ -744,8 +744,8 @@ def test_a_waiting_job_shows_its_place_in_its_workers_queue(client, redis_client
         max_batch=8,
         batching="continuous",
         waiting=[
-            {"job_id": "ahead", "mask_ratio": 0.1, "num_steps": 4},
-            {"job_id": job_id, "mask_ratio": 0.2, "num_steps": 4},
+            protocol.WaitingRow(job_id="ahead", mask_ratio=0.1, num_steps=4),
+            protocol.WaitingRow(job_id=job_id, mask_ratio=0.2, num_steps=4),
         ],
     )
     redis_client.set(heartbeat_key("w9"), protocol.encode(beat), ex=5)

@@ -164,7 +164,7 @@ def test_late_binding_holds_a_job_until_a_worker_has_slack(redis_url, redis_clie
     )
     client, jobstate = redis_client, JobStateStore(redis_client)
     rows = [
-        {"job_id": f"r{i}", "mask_ratio": 0.1, "remaining_steps": 3, "template": "t1"}
+        protocol.RunningRow(job_id=f"r{i}", mask_ratio=0.1, remaining_steps=3, template="t1")
         for i in range(8)
     ]
     beat(client, "w1", running=rows)  # max_batch 8, all 8 slots taken

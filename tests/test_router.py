@@ -459,8 +459,8 @@ def test_view_from_heartbeat_round_trip():
         at=1.0,
         max_batch=4,
         batching="continuous",
-        running=[{"job_id": "a", "mask_ratio": 0.2, "remaining_steps": 7, "template": "d1"}],
-        waiting=[{"job_id": "b", "mask_ratio": 0.05, "num_steps": 20, "template": ""}],
+        running=[protocol.RunningRow(job_id="a", mask_ratio=0.2, remaining_steps=7, template="d1")],
+        waiting=[protocol.WaitingRow(job_id="b", mask_ratio=0.05, num_steps=20, template="")],
         resident_ram=["d1"],
         resident_disk=["d1", "d2"],
     )

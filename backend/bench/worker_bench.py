@@ -32,7 +32,7 @@ from backend.bench.trace import TraceRequest, poisson_trace
 from backend.blobs import BlobStore
 from backend.cache import TieredActivationCache
 from backend.config import Settings
-from backend.engine.factory import build_engine, edit_params
+from backend.engine.factory import CPU_STAGES, build_engine, edit_params
 from backend.imaging.masks import synthetic_mask
 from backend.protocol import EditJob
 from backend.worker.channels import LocalInbox, LocalSink
@@ -90,7 +90,8 @@ def _init_cpu_process(settings_json: str, model_id: str) -> None:
     from backend.tasks.core import CpuStages
 
     settings = Settings.model_validate_json(settings_json)
-    _STAGES = CpuStages(settings, build_engine(settings, model_id, device="cpu"))
+    # what a Celery child holds: the text encoders and VAE, no denoiser
+    _STAGES = CpuStages(settings, build_engine(settings, model_id, device="cpu", role=CPU_STAGES))
 
 
 def _pre_in_process(job_json: str) -> str:

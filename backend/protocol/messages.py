@@ -15,7 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 SCHEMA_MAJOR = 1
@@ -197,21 +197,18 @@ _NESTED: dict[str, type] = {"mask_ops": MaskOps, "paste": PastePlan}
 _NESTED_LISTS: dict[str, type] = {"running": RunningRow, "waiting": WaitingRow}
 
 
-def _plain(value: Any) -> Any:
-    if is_dataclass(value) and not isinstance(value, type):
-        return asdict(value)
-    if isinstance(value, list) and value and is_dataclass(value[0]):
-        return [asdict(item) for item in value]
-    return value
-
-
 def to_dict(message: Message) -> dict[str, Any]:
     """The message as a JSON-ready dict, with its type and schema version."""
-    # shallow where it can be: a worker encodes one progress event per row per step, and
-    # dataclasses.asdict deep-copies every value; json.dumps copies nested values anyway
-    payload = {"type": message.TYPE, "version": PROTOCOL_VERSION}
+    # shallow except the nested fields: a worker encodes one progress event per row per step,
+    # and dataclasses.asdict deep-copies every value; json.dumps copies nested values anyway
+    payload: dict[str, Any] = {"type": message.TYPE, "version": PROTOCOL_VERSION}
     for f in fields(message):
-        payload[f.name] = _plain(getattr(message, f.name))
+        value = getattr(message, f.name)
+        if f.name in _NESTED and value is not None:
+            value = asdict(value)
+        elif f.name in _NESTED_LISTS:
+            value = [asdict(item) for item in value]
+        payload[f.name] = value
     return payload
 
 
@@ -235,13 +232,18 @@ def _known(cls: type, payload: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in payload.items() if name in names}
 
 
+def _construct(cls: type, known: dict[str, Any], where: str) -> Any:
+    try:
+        return cls(**known)
+    except TypeError as exc:  # a required field is missing
+        raise ProtocolError(f"{where}: {exc}") from exc
+
+
 def _build(cls: type, payload: object, where: str) -> Any:
+    """A nested dataclass from its JSON object (fields it does not know are ignored)."""
     if not isinstance(payload, dict):
         raise ProtocolError(f"{where}: expected an object, got {type(payload).__name__}")
-    try:
-        return cls(**_known(cls, payload))
-    except TypeError as exc:
-        raise ProtocolError(f"{where}: {exc}") from exc
+    return _construct(cls, _known(cls, payload), where)
 
 
 def from_dict(payload: dict[str, Any]) -> Message:
@@ -264,7 +266,7 @@ def from_dict(payload: dict[str, Any]) -> Message:
             if not isinstance(items, list):
                 raise ProtocolError(f"{type_name}.{name}: expected a list")
             payload[name] = [_build(nested, item, f"{type_name}.{name}[]") for item in items]
-    message: Message = _build(cls, payload, type_name)
+    message: Message = _construct(cls, payload, type_name)
     return message
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from backend.protocol.messages import JOB_STATES, JobEvent
@@ -56,15 +56,14 @@ class JobRecord:
     @classmethod
     def from_hash(cls, job_id: str, raw: Mapping[Any, Any]) -> JobRecord:
         """The record of a job hash as Redis returns it (bytes or text keys and values)."""
-        types = {f.name: f.type for f in fields(cls)}
         record = cls(job_id=job_id)
         for key, value in ((to_text(k), to_text(v)) for k, v in raw.items()):
             if key.startswith(TIMING_PREFIX):
                 record.timings[key.removeprefix(TIMING_PREFIX)] = float(value)
             elif key.endswith(REACHED_SUFFIX) and key.removesuffix(REACHED_SUFFIX) in JOB_STATES:
                 record.reached_at[key.removesuffix(REACHED_SUFFIX)] = float(value)
-            elif key in types and key not in ("job_id", "timings", "reached_at"):
-                setattr(record, key, _parse(str(types[key]), value))
+            elif key in _STORED_TYPES:
+                setattr(record, key, _parse(_STORED_TYPES[key], value))
         return record
 
     def creation_fields(self) -> dict[str, str]:
@@ -85,16 +84,22 @@ class JobRecord:
         return shown | {f"{status}{REACHED_SUFFIX}": at for status, at in reached.items()}
 
 
-def _parse(kind: str, text: str) -> object:
-    if kind == "int":
-        return int(float(text))
-    if kind == "float":
-        return float(text)
-    if kind == "bool":
+# field -> the type of its value, from the defaults (the hash stores every value as text)
+_STORED_TYPES: dict[str, type] = {
+    name: type(value)
+    for name, value in asdict(JobRecord(job_id="")).items()
+    if name not in ("job_id", "timings", "reached_at")
+}
+
+
+def _parse(kind: type, text: str) -> object:
+    if kind is bool:
         return text not in ("0", "False", "false", "")
-    if kind.startswith("dict"):
+    if kind is int:
+        return int(float(text))
+    if kind is dict:
         return json.loads(text)
-    return text
+    return kind(text)  # float, str
 
 
 def _format(value: object) -> str:

@@ -21,8 +21,8 @@ def to_text(value: bytes | str | int | float) -> str:
 def entry_message(fields: Mapping[Any, Any] | None) -> bytes | str:
     """The encoded message of a stream entry's fields ("" when the entry has none)."""
     fields = fields or {}
-    encoded = fields.get(MESSAGE_FIELD.encode()) or fields.get(MESSAGE_FIELD) or b""
-    return encoded if isinstance(encoded, bytes | str) else str(encoded)
+    encoded: bytes | str = fields.get(MESSAGE_FIELD.encode()) or fields.get(MESSAGE_FIELD) or b""
+    return encoded
 
 
 def entry_fields(encoded: str) -> dict[str, str]:
