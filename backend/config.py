@@ -300,6 +300,48 @@ class RetentionSettings(_Strict):
         )
 
 
+class SupervisorSettings(_Strict):
+    """Self-healing: how ``maskserve up`` restarts a role (or its own Redis) that exits, and how a
+    role whose Redis went away reconnects. Delays double from the initial one up to the cap; a role
+    that ran ``restart_stable_s`` before exiting starts again from the initial delay."""
+
+    restart_initial_s: float = Field(default=1.0, gt=0.0, le=60.0)
+    """Seconds before the first restart of a role that exited."""
+    restart_max_s: float = Field(default=30.0, gt=0.0, le=600.0)
+    """Cap of the doubling restart delay: a role that keeps crashing is retried this often, forever
+    (each attempt logged and counted)."""
+    restart_stable_s: float = Field(default=60.0, gt=0.0)
+    """A role that ran this long before exiting counts as healthy: its next delay is the initial
+    one again."""
+    reconnect_initial_s: float = Field(default=0.2, gt=0.0, le=10.0)
+    """First wait of a role (the engine worker) whose Redis stopped answering, before it tries
+    again."""
+    reconnect_max_s: float = Field(default=5.0, gt=0.0, le=60.0)
+    """Cap of the doubling reconnection wait."""
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    """Port of ``maskserve up``'s own Prometheus ``/metrics`` on 127.0.0.1
+    (``maskserve_role_restarts_total{role=...}``, ``maskserve_role_up{role=...}``); 0: a free port,
+    printed at start."""
+
+    @field_validator("restart_max_s")
+    @classmethod
+    def _cap_above_initial(cls, value: float, info) -> float:
+        initial = info.data.get("restart_initial_s", 0.0)
+        if value < initial:
+            raise ValueError(f"restart_max_s ({value}) must be >= restart_initial_s ({initial})")
+        return value
+
+    @field_validator("reconnect_max_s")
+    @classmethod
+    def _reconnect_cap_above_initial(cls, value: float, info) -> float:
+        initial = info.data.get("reconnect_initial_s", 0.0)
+        if value < initial:
+            raise ValueError(
+                f"reconnect_max_s ({value}) must be >= reconnect_initial_s ({initial})"
+            )
+        return value
+
+
 class Settings(_Strict):
     """The whole tree: one section per concern, plus the log level."""
 
@@ -313,6 +355,7 @@ class Settings(_Strict):
     studio: StudioSettings = StudioSettings()
     dispatcher: DispatcherSettings = DispatcherSettings()
     retention: RetentionSettings = RetentionSettings()
+    supervisor: SupervisorSettings = SupervisorSettings()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Level of every process's JSON log lines."""
 
@@ -361,6 +404,12 @@ _ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "INPUT_RETENTION_HOURS": ("retention", "inputs_hours"),
     "RESULT_RETENTION_HOURS": ("retention", "results_hours"),
     "JANITOR_EVERY_S": ("retention", "sweep_every_s"),
+    "RESTART_INITIAL_S": ("supervisor", "restart_initial_s"),
+    "RESTART_MAX_S": ("supervisor", "restart_max_s"),
+    "RESTART_STABLE_S": ("supervisor", "restart_stable_s"),
+    "RECONNECT_INITIAL_S": ("supervisor", "reconnect_initial_s"),
+    "RECONNECT_MAX_S": ("supervisor", "reconnect_max_s"),
+    "SUPERVISOR_METRICS_PORT": ("supervisor", "metrics_port"),
 }
 # Also read without the prefix: the conventional name every Redis deployment already sets.
 _PLAIN_ENV = {"REDIS_URL": ("redis", "url")}
@@ -375,6 +424,7 @@ _SECTIONS = (
     "api",
     "studio",
     "retention",
+    "supervisor",
 )
 
 
