@@ -36,14 +36,37 @@ def load_mask(
             f"mask size {mw}x{mh} does not match image size {iw}x{ih}: "
             "draw the mask on the image being edited"
         )
-    if img.mode in ("RGBA", "LA", "PA"):
-        alpha = np.asarray(img.getchannel("A"))
+    if img.width < 1 or img.height < 1:
+        raise MaskError(f"mask is {img.width}x{img.height} pixels: draw a mask with pixels in it")
+    if img.mode in _ALPHA_MODES:
+        alpha = np.asarray(img.getchannel(img.getbands()[-1]))  # "A", or "a" when premultiplied
         # a uniform alpha carries no painting (an opaque black/white mask saved as RGBA):
         # fall back to the colour channels rather than read "everything" or "nothing"
-        values = alpha if alpha.min() != alpha.max() else np.asarray(img.convert("L"))
+        values = alpha if alpha.min() != alpha.max() else _luminance(img)
     else:
-        values = np.asarray(img.convert("L"))
+        values = _luminance(img)
     return values > threshold
+
+
+# modes whose alpha channel carries the painting (La/RGBa: premultiplied, alpha as is)
+_ALPHA_MODES = ("RGBA", "LA", "PA", "La", "RGBa")
+# PIL converts some modes to L only through another mode (La via LA, LAB via RGB)
+_TO_LUMINANCE = (("L",), ("RGB", "L"), ("LA", "L"))
+
+
+def _luminance(img: Image.Image) -> np.ndarray:
+    """The mask's 8-bit luminance; MaskError for a mode PIL cannot bring to grayscale."""
+    for path in _TO_LUMINANCE:
+        try:
+            converted = img
+            for mode in path:
+                converted = converted.convert(mode)
+        except ValueError:
+            continue
+        return np.asarray(converted)
+    raise MaskError(
+        f"a mask in image mode {img.mode} cannot be read: save it as a grayscale or RGBA PNG"
+    )
 
 
 def require_nonempty(mask: np.ndarray) -> None:
