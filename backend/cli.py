@@ -117,8 +117,9 @@ def cmd_profile(args, settings: Settings) -> int:
 
 
 def cmd_up(args, settings: Settings) -> int:
-    """Start every role on this machine and wait; Ctrl-C stops them all."""
-    from backend.runtime import stop_event_on_signals
+    """Start every role on this machine and keep them running (a role that exits is restarted
+    with backoff); only Ctrl-C or SIGTERM stops them all."""
+    from backend.runtime import configure_logging, stop_event_on_signals
     from backend.services.redis_server import free_port
     from backend.services.stack import (
         Stack,
@@ -144,10 +145,12 @@ def cmd_up(args, settings: Settings) -> int:
             role.env |= {"MASKSERVE_USERS": f"{user}:{password}"} if user else {}
             role.env |= {"MASKSERVE_STUDIO_SHARE": "1"} if args.share else {}
     share_url_path(settings).unlink(missing_ok=True)
+    configure_logging(settings, "up")  # restarts are JSON lines on stderr, like every role's log
     stack = Stack(settings, roles)
     stop = stop_event_on_signals()
     try:
         redis_url = stack.start()
+        up_metrics = stack.serve_metrics(settings.supervisor.metrics_port)
         base = f"http://{settings.api.host}:{settings.api.port}"
         login = f"{user} / {password}" if user else "(from MASKSERVE_USERS)"
         role_metrics = ", ".join(
@@ -158,23 +161,18 @@ def cmd_up(args, settings: Settings) -> int:
             f"REST API   {base}/v1   (docs {base}/docs, metrics {base}/metrics)\n"
             f"API key    {api_key or '(from MASKSERVE_API_KEYS)'}\nRedis      {redis_url}\n"
             f"metrics    {role_metrics}\n"
+            f"restarts   http://127.0.0.1:{up_metrics}/metrics (maskserve_role_restarts_total), "
+            f"{stack.status_path}\n"
             f"logs       {stack.log_dir}/<role>.log\n"
-            f"roles      {', '.join(r.name for r in roles)}\nCtrl-C stops everything.",
+            f"roles      {', '.join(r.name for r in roles)} (restarted when they exit)\n"
+            "Ctrl-C stops everything.",
             flush=True,
         )
         if stack.wait_ready(f"{base}/readyz", stop):
             print("ready", flush=True)
             if args.share:
                 print(f"share      {wait_for_share_url(settings, stop)}", flush=True)
-        while not stop.is_set():
-            name = stack.exited()
-            if name is not None:
-                print(
-                    f"error: {name} exited; the last lines of its log:\n{stack.log_tail(name)}",
-                    file=sys.stderr,
-                )
-                return 1
-            stop.wait(0.5)
+        stack.supervise(stop)
         return 0
     finally:
         stack.stop()

@@ -23,7 +23,9 @@ _PR_SET_PDEATHSIG = 1
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, role, message (and the exception, if any)."""
+    """One JSON object per line: time, level, logger, role, message, the exception if any, and the
+    record's ``fields`` (``log.info(..., extra={"fields": {...}})``: values a log query filters on,
+    such as the role and exit status of a restart) as top-level keys."""
 
     def __init__(self, role: str):
         super().__init__()
@@ -37,9 +39,10 @@ class JsonFormatter(logging.Formatter):
             "role": self.role,
             "msg": record.getMessage(),
         }
+        entry |= getattr(record, "fields", {})
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
+        return json.dumps(entry, default=str)
 
 
 def configure_logging(settings: Settings, role: str) -> None:

@@ -91,6 +91,7 @@ class RedisServer:
         self.requested_port, self.appendonly, self.executable = port, appendonly, executable
         self.port: int | None = None
         self.process: subprocess.Popen | None = None
+        self._last_port: int | None = None  # kept across a crash: a restart binds it again
 
     @property
     def url(self) -> str:
@@ -132,6 +133,7 @@ class RedisServer:
             port = self.requested_port or free_port()
             try:
                 self._spawn(port)
+                self._last_port = port
                 return self.url
             except _PortTaken as exc:
                 failure = f"Redis could not bind 127.0.0.1:{port}: {exc}"
@@ -190,6 +192,27 @@ class RedisServer:
                 time.sleep(0.05)
         finally:
             client.close()
+
+    def exit_status(self) -> int | None:
+        """The server's exit status once it has exited on its own; None while it runs (or when it
+        was stopped through ``stop``)."""
+        return None if self.process is None else self.process.poll()
+
+    def restart(self) -> str:
+        """Start the server again on the port it had, so every client reconnects to the same URL;
+        it loads its append-only file, so every write it acknowledged before dying is there again
+        (a killed process loses nothing: Redis writes the AOF before it replies, the OS keeps it).
+        Raises ``RedisServerError`` when it cannot (e.g. another process took the port)."""
+        if self._last_port is None:
+            raise RedisServerError("Redis server was never started: nothing to restart")
+        self.stop()
+        try:
+            self._spawn(self._last_port)
+        except _PortTaken as exc:
+            raise RedisServerError(
+                f"Redis could not bind 127.0.0.1:{self._last_port} again: {exc}"
+            ) from exc
+        return self.url
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 5 s; does nothing if not running."""

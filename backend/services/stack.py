@@ -6,29 +6,41 @@ worker with the configured model, the tiny default), and the API server. Each ro
 through its own command (``maskserve <role>``), so the same roles also run on their own on other
 hosts against one Redis. Logs go to ``<data_dir>/logs/<role>.log``.
 
-Invariants: children die with this process (they set PDEATHSIG), Ctrl-C or SIGTERM stops every
-child (SIGTERM, then SIGKILL after a grace period) and then Redis; if any role exits on its own, the
-stack stops and reports which one, with the tail of its log.
+Invariants: children die with this process (they set PDEATHSIG); only Ctrl-C or SIGTERM stops
+the stack: every child (SIGTERM, then SIGKILL after a grace period) and then Redis. A role that
+exits on its own -- or the Redis this stack started -- is restarted after the backoff of
+``backend.services.supervisor`` while every other role keeps serving (Redis from its append-only
+file, on the same port); each exit is logged (role, exit status, delay, restart count) and
+counted (``maskserve_role_restarts_total{role}`` on ``up``'s metrics port and
+``<data_dir>/stack-status.json``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backend.atomic import write_atomic
 from backend.config import Settings
-from backend.services.redis_server import connect_or_start
+from backend.services.redis_server import RedisServer, RedisServerError, connect_or_start
+from backend.services.supervisor import Backoff, RestartPolicy, RoleRecord
 
 log = logging.getLogger(__name__)
 
 STACK_USER = "studio"
 STOP_GRACE_S = 15.0
+POLL_EVERY_S = 0.2
+REDIS_ROLE = "redis"  # the supervised Redis' name in records, logs and metrics
+STATUS_FILE = "stack-status.json"
+FAILED_START_STATUS = -1  # the exit status recorded for a restart that could not start
 METRICS_PORT_VARIABLES = {
     "worker": "MASKSERVE_WORKER_METRICS_PORT",
     "cpu-worker": "MASKSERVE_CPU_METRICS_PORT",
@@ -136,12 +148,40 @@ def stack_login(settings: Settings) -> tuple[str, str]:
 
 
 class Stack:
-    def __init__(self, settings: Settings, roles: list[Role]):
-        self.settings, self.roles = settings, roles
+    """The roles of a one-machine stack, each a child process, kept running.
+
+    ``start()`` starts Redis (unless ``redis.url`` names one) and every role; ``poll()`` is one
+    supervision turn: a role (or the Redis this stack started) that exited is logged, counted and
+    restarted after the ``RestartPolicy`` delay while the others keep serving; ``supervise(stop)``
+    polls until ``stop`` is set; ``stop()`` ends every role, then Redis. ``snapshot()`` is the state
+    an operator reads (``/metrics`` of ``serve_metrics``, the status file ``status_path``).
+
+    Children get SIGTERM when the *thread* that started them exits (PDEATHSIG): call ``start``,
+    ``poll``/``supervise`` and ``stop`` from one thread that lives as long as the stack (``up`` uses
+    its main thread).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        roles: list[Role],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.settings, self.roles, self.clock = settings, roles, clock
+        supervision = settings.supervisor
+        self.policy = RestartPolicy(
+            Backoff(supervision.restart_initial_s, supervision.restart_max_s),
+            supervision.restart_stable_s,
+        )
         self.log_dir = settings.paths.data_dir / "logs"
+        self.status_path = settings.paths.data_dir / STATUS_FILE
         self.processes: dict[str, subprocess.Popen] = {}
+        self.records: dict[str, RoleRecord] = {}
         self.redis_url = ""
-        self._redis = None
+        self._redis: RedisServer | None = None
+        self._env: dict[str, str] = {}
+        self._lock = threading.Lock()  # the metrics thread reads the records
+        self._metrics_server = None
 
     def start(self) -> str:
         """Start Redis, then every role; returns the Redis URL."""
@@ -149,36 +189,182 @@ class Stack:
         self.redis_url, self._redis = connect_or_start(
             self.settings.redis.url, self.settings.paths.data_dir
         )
-        env = {
+        if self._redis is not None:
+            self.records[REDIS_ROLE] = RoleRecord(REDIS_ROLE, started_at=self.clock())
+        self._env = {
             **os.environ,
             "MASKSERVE_REDIS_URL": self.redis_url,
             "MASKSERVE_DATA_DIR": str(Path(self.settings.paths.data_dir).resolve()),
         }
         for role in self.roles:
-            out = open(self.log_dir / f"{role.name}.log", "ab")
-            self.processes[role.name] = subprocess.Popen(
-                [sys.executable, "-m", "backend.cli", *role.args],
-                env={**env, **role.env},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=False,
-            )
-            out.close()  # the child holds its own descriptor
-            log.info(
-                "started %s (pid %d) -> %s",
-                role.name,
-                self.processes[role.name].pid,
-                self.log_dir / f"{role.name}.log",
-            )
+            self.processes[role.name] = self._spawn(role)
+            self.records[role.name] = RoleRecord(role.name, started_at=self.clock())
+        self._write_status()
         return self.redis_url
 
+    def _spawn(self, role: Role) -> subprocess.Popen:
+        with open(self.log_dir / f"{role.name}.log", "ab") as out:  # the child keeps its own fd
+            process = subprocess.Popen(
+                [sys.executable, "-m", "backend.cli", *role.args],
+                env={**self._env, **role.env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        log.info("started %s (pid %d) -> %s", role.name, process.pid, out.name)
+        return process
+
+    # ----- supervision -------------------------------------------------------------------------
+    def poll(self) -> None:
+        """One supervision turn: notice exits, restart what is due (Redis before the roles)."""
+        now, changed = self.clock(), False
+        if self._redis is not None:
+            changed |= self._poll_redis(now)
+        for role in self.roles:
+            changed |= self._poll_role(role, now)
+        if changed:
+            self._write_status()
+
+    def supervise(self, stop: threading.Event, every_s: float = POLL_EVERY_S) -> None:
+        """Poll until ``stop`` is set (only Ctrl-C / SIGTERM of ``up`` sets it)."""
+        while not stop.wait(every_s):
+            self.poll()
+
+    def _poll_role(self, role: Role, now: float) -> bool:
+        record, process = self.records[role.name], self.processes[role.name]
+        if record.running:
+            status = process.poll()
+            if status is None:
+                return False
+            self._exited(record, status, now, self.log_tail(role.name, lines=5))
+            return True
+        if not record.due(now):
+            return False
+        self._restarting(record)
+        try:
+            self.processes[role.name] = self._spawn(role)
+        except OSError as exc:  # e.g. out of processes: an attempt like any other
+            self._failed_restart(record, now, str(exc))
+            return True
+        with self._lock:
+            record.restarted(now)
+        return True
+
+    def _poll_redis(self, now: float) -> bool:
+        record, server = self.records[REDIS_ROLE], self._redis
+        assert server is not None
+        if record.running:
+            status = server.exit_status()
+            if status is None:
+                return False
+            self._exited(record, status, now, "")
+            return True
+        if not record.due(now):
+            return False
+        self._restarting(record)
+        try:
+            server.restart()
+        except RedisServerError as exc:
+            self._failed_restart(record, now, str(exc))
+            return True
+        with self._lock:
+            record.restarted(now)
+        return True
+
+    def _exited(self, record: RoleRecord, status: int, now: float, tail: str) -> None:
+        with self._lock:
+            delay = record.exited(now, status, self.policy)
+        log.error(
+            "%s exited with status %d; restart %d in %.1f s%s",
+            record.name,
+            status,
+            record.restarts + 1,
+            delay,
+            " (the restart delay is at its cap: this role keeps crashing, see its log)"
+            if delay >= self.policy.backoff.cap_s
+            else "",
+            extra={
+                "fields": {
+                    "event": "role_exited",
+                    "role": record.name,
+                    "exit_code": status,
+                    "restart_in_s": delay,
+                    "restarts": record.restarts,
+                    "consecutive_failures": record.failures,
+                    "log_tail": tail,
+                }
+            },
+        )
+
+    def _restarting(self, record: RoleRecord) -> None:
+        log.warning(
+            "restarting %s (restart %d)",
+            record.name,
+            record.restarts + 1,
+            extra={
+                "fields": {
+                    "event": "role_restart",
+                    "role": record.name,
+                    "restarts": record.restarts + 1,
+                }
+            },
+        )
+
+    def _failed_restart(self, record: RoleRecord, now: float, reason: str) -> None:
+        """A restart that could not even start counts as a restart followed by an exit."""
+        log.error("restarting %s failed: %s", record.name, reason)
+        with self._lock:
+            record.restarted(now)
+        self._exited(record, FAILED_START_STATUS, now, reason)
+
+    # ----- what an operator reads ---------------------------------------------------------------
+    def snapshot(self) -> dict[str, dict]:
+        """Role name -> pid (None while down), running, restarts, last exit status, seconds until
+        the pending restart."""
+        now = self.clock()
+        with self._lock:
+            return {
+                name: {
+                    "pid": self._pid(name) if record.running else None,
+                    "running": record.running,
+                    "restarts": record.restarts,
+                    "last_exit": record.last_exit,
+                    "restart_in_s": None
+                    if record.restart_at is None
+                    else round(max(0.0, record.restart_at - now), 3),
+                }
+                for name, record in self.records.items()
+            }
+
+    def _pid(self, name: str) -> int | None:
+        if name == REDIS_ROLE:
+            process = self._redis.process if self._redis is not None else None
+        else:
+            process = self.processes.get(name)
+        return None if process is None else process.pid
+
+    def _write_status(self) -> None:
+        payload = {"updated_at": time.time(), "redis_url": self.redis_url, "roles": self.snapshot()}
+        write_atomic(self.status_path, json.dumps(payload, indent=1).encode())
+
+    def serve_metrics(self, port: int) -> int:
+        """Serve ``maskserve_role_restarts_total{role}`` and ``maskserve_role_up{role}`` on
+        ``127.0.0.1:port`` (0: a free port); returns the port."""
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        registry = CollectorRegistry()
+        registry.register(RoleCollector(self.snapshot))
+        self._metrics_server, _thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+        return self._metrics_server.server_port
+
     def wait_ready(self, readyz_url: str, stop, timeout_s: float = 300.0) -> bool:
-        """Wait until the API answers ``/readyz`` with 200 (models may be built on first start)."""
+        """Wait until the API answers ``/readyz`` with 200 (models may be built on first start),
+        supervising meanwhile."""
         import urllib.error
         import urllib.request
 
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not stop.is_set() and self.exited() is None:
+        while time.monotonic() < deadline and not stop.is_set():
+            self.poll()
             try:
                 with urllib.request.urlopen(readyz_url, timeout=2) as reply:
                     if reply.status == 200:
@@ -187,13 +373,6 @@ class Stack:
                 pass
             stop.wait(0.5)
         return False
-
-    def exited(self) -> str | None:
-        """The name of a role that has exited, if any."""
-        for name, process in self.processes.items():
-            if process.poll() is not None:
-                return name
-        return None
 
     def log_tail(self, name: str, lines: int = 20) -> str:
         path = self.log_dir / f"{name}.log"
@@ -204,6 +383,8 @@ class Stack:
         )
 
     def stop(self) -> None:
+        """SIGTERM every role, SIGKILL what is still running after ``STOP_GRACE_S``, then stop
+        Redis and the metrics endpoint."""
         for process in self.processes.values():
             if process.poll() is None:
                 process.terminate()
@@ -217,3 +398,26 @@ class Stack:
                 process.wait()
         if self._redis is not None:
             self._redis.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+
+
+class RoleCollector:
+    """Prometheus families from ``Stack.snapshot`` at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, dict]]):
+        self.snapshot = snapshot
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        restarts = CounterMetricFamily(
+            "maskserve_role_restarts", "Restarts of a role by maskserve up", labels=["role"]
+        )
+        up = GaugeMetricFamily("maskserve_role_up", "1 while the role runs", labels=["role"])
+        for name, state in self.snapshot().items():
+            restarts.add_metric([name], state["restarts"])
+            up.add_metric([name], 1.0 if state["running"] else 0.0)
+        yield restarts
+        yield up
