@@ -143,6 +143,10 @@ class CelerySettings(_Strict):
     visibility_timeout_s: int = Field(default=600, ge=1)
     """Seconds before the broker redelivers an unacknowledged task; must exceed
     ``task_time_limit_s``, or a running task is handed to a second worker."""
+    lease_s: float = Field(default=20.0, ge=1.0, le=300.0)
+    """A running CPU task's lease in Redis, renewed every third of it: a task whose lease lapsed
+    (its worker was lost) is re-enqueued by the dispatcher within about ``lease_s`` +
+    ``dispatcher.check_every_s``, instead of waiting for ``visibility_timeout_s``."""
     concurrency: int = Field(default=1, ge=1, le=32)
     """Worker processes of one ``maskserve cpu-worker``."""
     device: str = "cpu"
@@ -184,7 +188,11 @@ class DispatcherSettings(_Strict):
     queue_depth: int = Field(default=0, ge=0, le=64)
     """With late binding: rows a worker may hold waiting beyond its batch."""
     check_every_s: float = Field(default=0.5, gt=0.0, le=10.0)
-    """How often live workers are re-read and dead workers' inboxes recovered."""
+    """How often live workers are re-read, dead workers' inboxes recovered and lapsed CPU-task
+    leases re-enqueued."""
+    max_redeliveries: int = Field(default=3, ge=0, le=100)
+    """How many times a job is delivered again after its worker (engine or CPU) was lost; one
+    more loss fails it (a job that kills its worker every time must not loop)."""
     metrics_port: int = Field(default=0, ge=0, le=65535)
     """Port of the dispatcher's Prometheus ``/metrics``; 0: none."""
 

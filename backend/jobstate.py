@@ -10,9 +10,14 @@ cannot break them):
   does not resurrect the job);
 * a terminal status (done, failed, cancelled) is final: the first one wins, so a job completes at
   most once even when a task is delivered twice;
-* an event for a job that was never created is dropped (no half-made jobs).
-The only way back is ``requeue`` (a dead worker's job, re-dispatched), which resets a
-non-terminal job to ``waiting``.
+* an event for a job that was never created is dropped (no half-made jobs);
+* the message says what is happening now: an event that changes the status replaces the message
+  with its own (none clears it), an event of the same status replaces it only when it has one;
+* ``redeliveries`` counts the deliveries of the job again after a lost worker; ``requeue`` refuses
+  to go past the bound its caller gives (the caller fails the job instead), so a job that kills its
+  worker every time ends ``failed`` instead of looping.
+The only way back is ``requeue`` (a dead worker's job, re-dispatched), which resets a job that is
+not terminal and was not denoised yet to ``waiting``.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from backend.protocol import JobEvent, JobRecord, event_fields, event_payload, t
 from backend.protocol.keys import job_events_key, job_key
 from backend.protocol.records import TERMINAL
 
-__all__ = ["TERMINAL", "JobNotFound", "JobStateStore"]
+__all__ = ["EXHAUSTED", "NOTHING_TO_REDO", "REQUEUED", "TERMINAL", "JobNotFound", "JobStateStore"]
 _RANK = {
     "queued": 0,
     "preprocessing": 1,
@@ -51,6 +56,7 @@ local ranks = cjson.decode(ARGV[6])
 local current_rank = ranks[current]
 local new_rank = tonumber(ARGV[1])
 if current_rank >= 5 or new_rank < current_rank then return 0 end
+if ARGV[2] ~= current then redis.call('HSET', KEYS[1], 'message', '') end
 for i = 7, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if redis.call('HEXISTS', KEYS[1], ARGV[2] .. '_at') == 0 then
   redis.call('HSET', KEYS[1], ARGV[2] .. '_at', redis.call('HGET', KEYS[1], 'updated_at'))
@@ -67,17 +73,25 @@ return 1
 _ASSIGN = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or status == 'done' or status == 'failed' or status == 'cancelled' then return 0 end
-redis.call('HSET', KEYS[1], 'worker_id', ARGV[1])
+redis.call('HSET', KEYS[1], 'worker_id', ARGV[1], 'message', ARGV[2])
 return 1
 """
+# ARGV: message, now, max redeliveries. 1: requeued; 0: finished or denoised (nothing to redo);
+# -1: the bound is reached (the caller fails the job).
 _REQUEUE = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or status == 'done' or status == 'failed' or status == 'cancelled'
    or status == 'postprocessing' then return 0 end
+if tonumber(redis.call('HGET', KEYS[1], 'denoised') or '0') > 0 then return 0 end
+if tonumber(redis.call('HGET', KEYS[1], 'redeliveries') or '0') >= tonumber(ARGV[3]) then
+  return -1
+end
+redis.call('HINCRBY', KEYS[1], 'redeliveries', 1)
 redis.call('HSET', KEYS[1], 'status', 'waiting', 'step', 0, 'message', ARGV[1],
            'updated_at', ARGV[2])
 return 1
 """
+REQUEUED, NOTHING_TO_REDO, EXHAUSTED = 1, 0, -1
 
 
 class JobNotFound(KeyError):
@@ -139,15 +153,34 @@ class JobStateStore:
             argv += [name, value]
         return argv
 
-    def assign(self, job_id: str, worker_id: str) -> bool:
-        """Record the worker a job was routed to (cancels go to its inbox); False if the job is gone
-        or finished."""
-        return bool(self._assign(keys=[job_key(job_id)], args=[worker_id]))
+    def assign(self, job_id: str, worker_id: str, message: str = "", client=None) -> bool:
+        """Record the worker a job was routed to (cancels go to its inbox) and what it is doing
+        (``message``, replacing an older one); False if the job is gone or finished. ``client``:
+        a pipeline to run it in (the dispatcher writes the inbox entry in the same transaction)."""
+        return bool(
+            self._assign(keys=[job_key(job_id)], args=[worker_id, message], client=client)
+        )
 
-    def requeue(self, job_id: str, message: str) -> bool:
-        """A job its worker had not finished goes back to ``waiting`` (the worker died); False if it
-        had finished or already reached post-processing (its result is on the way)."""
-        return bool(self._requeue(keys=[job_key(job_id)], args=[message, time.time()]))
+    def requeue(self, job_id: str, message: str, max_redeliveries: int) -> int:
+        """A job its worker had not finished goes back to ``waiting`` (the worker died), counted in
+        ``redeliveries``: ``REQUEUED``; ``NOTHING_TO_REDO`` if it had finished or was denoised
+        already (its result is on the way); ``EXHAUSTED`` when it was redelivered
+        ``max_redeliveries`` times already (the caller fails it)."""
+        reply = self._requeue(keys=[job_key(job_id)], args=[message, time.time(), max_redeliveries])
+        return int(reply)
+
+    def redelivered(self, job_id: str) -> int:
+        """Count one more delivery of the job after a lost worker; the count now (0: no such
+        job)."""
+        if not self.client.exists(job_key(job_id)):
+            return 0
+        return int(self.client.hincrby(job_key(job_id), "redeliveries", 1))
+
+    def fail(self, job_id: str, message: str, **fields) -> bool:
+        """End the job ``failed`` saying why (False when it had finished already)."""
+        return self.record_event(
+            JobEvent(job_id=job_id, status="failed", at=time.time(), message=message, **fields)
+        )
 
     def record(self, job_id: str) -> JobRecord:
         """The job's typed record; raises ``JobNotFound``."""

@@ -106,11 +106,19 @@ def test_a_restarted_row_runs_all_its_steps_again_in_its_slot():
         scheduler.restart("b")
 
 
+def test_a_row_delivered_twice_is_scheduled_once():
+    scheduler = BatchScheduler(max_batch=2)
+    assert scheduler.add(make_row("a", steps=2))
+    run_step(scheduler)
+    assert not scheduler.add(make_row("a", steps=2))  # running: the duplicate is dropped
+    assert not scheduler.waiting and scheduler.running["a"].step == 1
+    assert [row.job_id for row in run_step(scheduler)[1]] == ["a"]
+    assert scheduler.idle
+
+
 def test_bad_rows_are_rejected():
     scheduler = BatchScheduler(max_batch=2)
     scheduler.add(make_row("a"))
-    with pytest.raises(ValueError, match="already scheduled"):
-        scheduler.add(make_row("a"))
     with pytest.raises(ValueError, match="no steps"):
         scheduler.add(make_row("z", steps=0))
     with pytest.raises(ValueError, match="batching mode"):

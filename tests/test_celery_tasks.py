@@ -117,7 +117,7 @@ def test_a_job_runs_pre_and_post_on_celery_around_the_worker(stack, engine, tmp_
     blobs = BlobStore(settings.paths.data_dir / "blobs")
     inbox = LocalInbox()
     worker = EngineWorker(
-        engine, blobs, inbox, RedisSink(jobstate, app, settings.celery.post_queue)
+        engine, blobs, inbox, RedisSink(jobstate, app, settings)
     )
     inbox.put(prepared)
     while not inbox.acked:

@@ -107,7 +107,7 @@ def redis_sink(request) -> SinkDriver:
     client = request.getfixturevalue("redis_client")
     settings = load_settings(env={}, redis={"url": request.getfixturevalue("redis_url")})
     jobstate = JobStateStore(client)
-    sink = RedisSink(jobstate, make_celery(settings), settings.celery.post_queue)
+    sink = RedisSink(jobstate, make_celery(settings), settings)
 
     def statuses(job_id: str) -> list[str]:
         return [event["status"] for _, event in jobstate.events(job_id)]

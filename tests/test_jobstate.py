@@ -8,7 +8,13 @@ import pytest
 
 from backend.config import MIN_JOB_RECORD_S, RetentionSettings
 from backend.history import HistoryIndex
-from backend.jobstate import JobNotFound, JobStateStore
+from backend.jobstate import (
+    EXHAUSTED,
+    NOTHING_TO_REDO,
+    REQUEUED,
+    JobNotFound,
+    JobStateStore,
+)
 from backend.protocol import JobEvent
 from backend.protocol.keys import history_key, job_key
 from backend.protocol.keys import job_events_key as events_key
@@ -97,12 +103,40 @@ def test_create_is_idempotent(store):
 def test_requeue_resets_an_unfinished_job_only(store):
     store.create("j5")
     store.record_event(event("j5", "running", step=3, num_steps=5, worker_id="w1"))
-    assert store.requeue("j5", "worker w1 died")
+    assert store.requeue("j5", "worker w1 died", 3) == REQUEUED
     job = store.get("j5")
     assert job["status"] == "waiting" and job["step"] == 0 and job["message"] == "worker w1 died"
+    assert job["redeliveries"] == 1
     store.record_event(event("j5", "done"))
-    assert not store.requeue("j5", "too late")
+    assert store.requeue("j5", "too late", 3) == NOTHING_TO_REDO
     assert store.status("j5") == "done"
+
+
+def test_requeue_stops_at_the_bound_and_never_redoes_a_denoised_job(store):
+    store.create("poison")
+    for _ in range(2):
+        store.record_event(event("poison", "running", step=1, num_steps=5))
+        assert store.requeue("poison", "worker died", 2) == REQUEUED
+    assert store.requeue("poison", "worker died", 2) == EXHAUSTED
+    assert store.fail("poison", "stopped its worker 3 times") and store.status("poison") == "failed"
+    store.create("denoised")
+    store.client.hincrby(job_key("denoised"), "denoised", 1)  # as register_post counts it
+    assert store.requeue("denoised", "worker died", 2) == NOTHING_TO_REDO
+
+
+def test_the_message_tells_the_latest_state(store):
+    store.create("m1")
+    store.record_event(event("m1", "running", step=1, num_steps=4))
+    store.requeue("m1", "worker w1 stopped; re-dispatched", 3)
+    assert store.get("m1")["message"] == "worker w1 stopped; re-dispatched"
+    store.record_event(event("m1", "waiting"))  # same status, no message: the reason stays
+    assert store.get("m1")["message"] == "worker w1 stopped; re-dispatched"
+    store.record_event(event("m1", "running", step=1, num_steps=4))  # a new status clears it
+    assert store.get("m1")["message"] == ""
+    store.record_event(event("m1", "running", step=2, num_steps=4, message="cache unusable"))
+    assert store.get("m1")["message"] == "cache unusable"
+    store.record_event(event("m1", "done"))
+    assert store.get("m1")["message"] == ""
 
 
 def test_events_read_after_an_id_and_block_for_new_ones(store):
@@ -131,7 +165,8 @@ def test_a_steps_events_go_in_one_round_trip_and_keep_the_rules(store):
 
 def test_assign_records_the_worker_of_an_unfinished_job_only(store):
     store.create("as1")
-    assert store.assign("as1", "w3") and store.get("as1")["worker_id"] == "w3"
+    assert store.assign("as1", "w3", "routed") and store.get("as1")["worker_id"] == "w3"
+    assert store.get("as1")["message"] == "routed"
     store.record_event(event("as1", "failed", message="boom"))
     assert not store.assign("as1", "w4") and store.get("as1")["worker_id"] == "w3"
     assert not store.assign("ghost", "w1")
@@ -140,7 +175,8 @@ def test_assign_records_the_worker_of_an_unfinished_job_only(store):
 def test_a_job_in_post_processing_is_not_requeued(store):
     store.create("pp")
     store.record_event(event("pp", "postprocessing"))
-    assert not store.requeue("pp", "worker died") and store.status("pp") == "postprocessing"
+    assert store.requeue("pp", "worker died", 3) == NOTHING_TO_REDO
+    assert store.status("pp") == "postprocessing"
 
 
 @pytest.mark.parametrize(

@@ -306,7 +306,7 @@ def test_other_workers_do_not_see_my_messages(redis_client):
 
 def test_malformed_entries_are_dropped_without_crashing(redis_client, caplog):
     failed = []
-    inbox = RedisInbox(redis_client, "w1", on_unreadable=lambda job, why: failed.append(job))
+    inbox = RedisInbox(redis_client, "w1", fail_job=lambda job, why: failed.append(job))
     inbox.poll(0)
     stream = inbox_stream("w1")
     redis_client.xadd(stream, {"msg": b"not json"})

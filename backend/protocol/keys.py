@@ -67,6 +67,14 @@ POST_TASK = f"{NAMESPACE}.postprocess"
 PRE_QUEUE = f"{NAMESPACE}.pre"
 POST_QUEUE = f"{NAMESPACE}.post"
 CPU_STATS_KEY = f"{NAMESPACE}:stats:cpu"  # task counts and seconds, shared by every CPU process
+CPU_LEASES_KEY = f"{NAMESPACE}:cpu:leases"  # sorted set: job id -> its CPU task's lease deadline
+
+
+def cpu_task_key(job_id: str) -> str:
+    """Hash of a job's CPU task in flight (``backend.tasks.leases``): its stage, its durable
+    message (re-enqueued when the lease expires), the live holder's token and its starts."""
+    return f"{NAMESPACE}:cpu:task:{job_id}"
+
 
 # ----- templates, API, janitor ----------------------------------------------------------------
 JANITOR_LOCK_KEY = f"{NAMESPACE}:janitor:lock"

@@ -9,8 +9,13 @@ Configuration follows BRIEF section 3, and each value is there for a reason:
   messages as JSON, which carry files by reference;
 * time limits, and a broker ``visibility_timeout`` above the hard limit (validated in settings):
   with the Redis broker a task running longer than the visibility timeout is delivered twice;
-* retries with backoff only for transient errors (Redis connection, file system races); a bad
-  upload fails its job at once with the message the user needs.
+* retries with backoff only for transient errors (Redis connection), at most ``MAX_RETRIES``; a
+  bad upload fails its job at once with the message the user needs, and so does any other error
+  (a job never hangs in a stage because its task raised);
+* a lease per running task (``backend.tasks.leases``): a task lost with its worker is re-enqueued
+  by the dispatcher's ``resend_lapsed`` within about ``celery.lease_s``, a duplicate of a running
+  task does nothing, and a job whose task is lost more than ``dispatcher.max_redeliveries`` times
+  fails.
 
 Models load lazily in the process that runs the task, never in the parent before a fork (a CUDA
 context does not survive fork).
@@ -44,12 +49,23 @@ from backend.protocol.keys import (
     PREPARED_STREAM,
     handoff_key,
 )
+from backend.tasks.leases import (
+    EXHAUSTED,
+    HELD,
+    STAGE_NAMES,
+    STAGE_STATUSES,
+    CpuLeases,
+    lapse_verdict,
+    new_token,
+)
 
 log = logging.getLogger(__name__)
 
 PREPARED_MAXLEN = 100_000
 USER_ERRORS = (UploadError, MaskError, BlobError, ProtocolError, ValueError)
 TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError)
+MAX_RETRIES = 5  # of a task after a transient error (then its job fails)
+RETRY_BACKOFF_MAX_S = 30
 
 
 def record_task(client: Redis, task: str, outcome: str, seconds: float) -> None:
@@ -125,9 +141,10 @@ class _Process:
         return thread
 
     def fail(self, job_id: str, message: str) -> None:
-        self.jobstate().record_event(
-            JobEvent(job_id=job_id, status="failed", at=time.time(), message=message)
-        )
+        self.jobstate().fail(job_id, message)
+
+    def leases(self) -> CpuLeases:
+        return cpu_leases(self.client, self.settings)
 
 
 # Once per job, atomically: a redelivered pre-processing task must not route its job twice.
@@ -188,25 +205,38 @@ def make_celery(settings: Settings) -> Celery:
     def warm_stages(**_kwargs) -> None:  # fires in each CPU worker child only, never in the API
         state.warm(settings.engine.model_id)
 
-    retry = dict(
-        autoretry_for=TRANSIENT_ERRORS,
-        retry_backoff=True,
-        retry_backoff_max=30,
-        max_retries=5,
-        retry_jitter=True,
-    )
-
-    def run(task: str, job_id: str, work, failure_prefix: str) -> None:
-        started, outcome = time.time(), "done"
+    def run(task, stage: str, job_id: str, text: str, work) -> None:
+        """Run ``work`` holding the job's lease (see ``backend.tasks.leases``); every error ends
+        the job ``failed`` saying why, except a transient one, which is retried first."""
+        started, token, leases = time.time(), new_token(), state.leases()
+        what = STAGE_NAMES[stage]
+        claim = leases.claim(job_id, stage, text, token, settings.dispatcher.max_redeliveries)
+        if claim == HELD:
+            log.info("%s of %s skipped: a live task is running it", what, job_id)
+            record_task(state.client, task.name, "skipped", 0.0)
+            return
+        outcome = "failed"
         try:
-            outcome = work() or "done"
+            if claim == EXHAUSTED:
+                state.fail(job_id, f"{what} was lost with its worker too many times; giving up")
+            else:
+                with leases.renewing(job_id, token):
+                    outcome = work() or "done"
         except USER_ERRORS as exc:
-            outcome = "failed"
-            state.fail(job_id, f"{failure_prefix}{exc}")
+            state.fail(job_id, f"{what} failed: {exc}" if stage == "post" else str(exc))
         except SoftTimeLimitExceeded:
-            outcome = "failed"
-            state.fail(job_id, f"{task} took over {settings.celery.task_soft_time_limit_s} s")
-        record_task(state.client, task, outcome, time.time() - started)
+            state.fail(job_id, f"{what} took over {settings.celery.task_soft_time_limit_s} s")
+        except TRANSIENT_ERRORS as exc:
+            if task.request.retries < MAX_RETRIES:
+                leases.release(job_id, token, stage_over=False)
+                countdown = min(RETRY_BACKOFF_MAX_S, 2**task.request.retries)
+                raise task.retry(exc=exc, countdown=countdown, max_retries=MAX_RETRIES) from exc
+            state.fail(job_id, f"{what} failed after {MAX_RETRIES} retries: {exc}")
+        except Exception as exc:  # a bug or a broken model: the job must not hang in this stage
+            log.exception("%s of %s failed", what, job_id)
+            state.fail(job_id, f"{what} failed: {type(exc).__name__}: {exc}")
+        leases.release(job_id, token, stage_over=True)
+        record_task(state.client, task.name, outcome, time.time() - started)
 
     def decoded(text: str, expected: type):
         """The task's message; an unreadable one fails the job it names (if it names one)."""
@@ -222,22 +252,22 @@ def make_celery(settings: Settings) -> Celery:
                 state.fail(job_id, f"unreadable {expected.TYPE} message: {exc}")
             return None
 
-    @app.task(name=PRE_TASK, **retry)
-    def preprocess(job_json: str) -> None:
+    @app.task(name=PRE_TASK, bind=True)
+    def preprocess(task, job_json: str) -> None:
         job = decoded(job_json, protocol.EditJob)
         if job is None:
             return
 
         def work():
-            if state.jobstate().status(job.job_id) not in (None, "queued", "preprocessing"):
+            if state.jobstate().status(job.job_id) not in (None, *STAGE_STATUSES["pre"]):
                 log.info("pre-processing of %s skipped: the job already moved on", job.job_id)
                 return "skipped"
             hand_off(state.client, state.stages(job.model_id).preprocess(job))
 
-        run("preprocess", job.job_id, work, "")
+        run(task, "pre", job.job_id, job_json, work)
 
-    @app.task(name=POST_TASK, **retry)
-    def postprocess(denoised_json: str) -> None:
+    @app.task(name=POST_TASK, bind=True)
+    def postprocess(task, denoised_json: str) -> None:
         job = decoded(denoised_json, protocol.DenoisedJob)
         if job is None:
             return
@@ -245,7 +275,7 @@ def make_celery(settings: Settings) -> Celery:
         def work():
             return "done" if state.stages(job.model_id).postprocess(job) else "skipped"
 
-        run("postprocess", job.job_id, work, "post-processing failed: ")
+        run(task, "post", job.job_id, denoised_json, work)
 
     return app
 
@@ -255,12 +285,67 @@ def submit_edit(app: Celery, job) -> None:
     app.send_task(PRE_TASK, args=[protocol.encode(job)])
 
 
+def cpu_leases(client: Redis, settings: Settings) -> CpuLeases:
+    return CpuLeases(client, settings.celery.lease_s, settings.celery.visibility_timeout_s)
+
+
+def submit_postprocess(app: Celery, client: Redis, settings: Settings, job) -> bool:
+    """Queue a ``DenoisedJob`` for post-processing, once per job: registered first (durable, and
+    counted in the job's ``denoised``), then sent; False when the job was handed on before (or is
+    gone) and nothing was sent."""
+    text = protocol.encode(job)
+    if not cpu_leases(client, settings).register_post(job.job_id, text):
+        log.warning("post-processing of %s not queued again: it was denoised before", job.job_id)
+        return False
+    app.send_task(POST_TASK, args=[text], queue=settings.celery.post_queue)
+    return True
+
+
+def resend_lapsed(app: Celery, client: Redis, settings: Settings, jobstate) -> int:
+    """Re-enqueue the CPU tasks whose lease lapsed (their worker was lost); a job redelivered
+    ``dispatcher.max_redeliveries`` times fails instead. Returns how many were re-enqueued."""
+    leases, resent = cpu_leases(client, settings), 0
+    limit = settings.dispatcher.max_redeliveries
+    for lapsed in leases.take_lapsed():
+        what = STAGE_NAMES[lapsed.stage]
+        try:
+            record = jobstate.record(lapsed.job_id)
+            status, redeliveries = record.status, record.redeliveries
+        except KeyError:  # JobNotFound: expired
+            status, redeliveries = None, 0
+        verdict = lapse_verdict(lapsed.stage, status, redeliveries, limit)
+        if verdict == "forget":
+            leases.forget(lapsed.job_id)
+            continue
+        if verdict == "fail":
+            leases.forget(lapsed.job_id)
+            jobstate.fail(lapsed.job_id, f"{what} worker lost {redeliveries + 1} times; giving up")
+            continue
+        count = jobstate.redelivered(lapsed.job_id)
+        jobstate.record_event(
+            JobEvent(
+                job_id=lapsed.job_id,
+                status=STAGE_STATUSES[lapsed.stage][1],
+                at=time.time(),
+                message=f"{what} worker lost; retrying (redelivery {count} of {limit})",
+            )
+        )
+        task = PRE_TASK if lapsed.stage == "pre" else POST_TASK
+        queue = settings.celery.pre_queue if lapsed.stage == "pre" else settings.celery.post_queue
+        app.send_task(task, args=[lapsed.message], queue=queue)
+        log.warning("%s of %s lost with its worker: re-enqueued", what, lapsed.job_id)
+        resent += 1
+    return resent
+
+
 def run_cpu_worker(settings: Settings) -> int:
     """One Celery worker consuming both queues (``-Q``), ``concurrency`` processes."""
     app = make_celery(settings)
     client = Redis.from_url(settings.redis.url)
     serve_metrics(
-        settings.celery.metrics_port, make_registry({"maskserve_cpu": lambda: task_stats(client)})
+        settings.celery.metrics_port,
+        make_registry({"maskserve_cpu": lambda: task_stats(client)}),
+        settings.metrics_host,
     )
     queues = f"{settings.celery.pre_queue},{settings.celery.post_queue}"
     # prefork even for one process: the solo pool cannot enforce time limits

@@ -77,12 +77,15 @@ class BatchScheduler:
         self._cancel_requests: set[str] = set()
 
     # ----- inputs -----------------------------------------------------------------------------
-    def add(self, row: Row) -> None:
-        if row.job_id in self.waiting or row.job_id in self.running:
-            raise ValueError(f"job {row.job_id} is already scheduled")
+    def add(self, row: Row) -> bool:
+        """Queue ``row``; False (and nothing changes) when its job is already scheduled here: a
+        duplicate delivery is dropped, never run twice."""
         if row.num_steps < 1:
             raise ValueError(f"job {row.job_id} has no steps to run")
+        if row.job_id in self.waiting or row.job_id in self.running:
+            return False
         self.waiting[row.job_id] = row
+        return True
 
     def cancel(self, job_id: str) -> bool:
         """Ask to drop ``job_id``; it leaves at the next ``schedule``. False if the job is unknown

@@ -176,6 +176,9 @@ class EngineWorker:
             if not self.scheduler.cancel(message.job_id):
                 self._cancel_before_arrival.add(message.job_id)
             return
+        if message.job_id in self.jobs:  # delivered twice: its entries are acked when it leaves
+            log.warning("job %s is scheduled here already: duplicate dropped", message.job_id)
+            return
         if isinstance(message, EditJob):
             message = self._inline_preprocess(message)
             if message is None:

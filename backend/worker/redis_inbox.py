@@ -5,7 +5,13 @@ the job
 leaves the worker (``ack``), so a worker that dies mid-job leaves its jobs pending for the
 dispatcher to reclaim (XAUTOCLAIM) and a restarted worker first re-reads its own pending entries.
 Every entry holds one encoded ``backend.protocol`` message (``protocol.entry_message``). An entry
-that cannot be decoded is acked and, when it names its job, ``on_unreadable`` fails that job.
+that cannot be decoded is acked and, when it names its job, ``fail_job`` fails that job.
+
+Idempotent delivery: a job entry is checked against the job record as it is read. A job already
+denoised (``denoised`` > 0), in post-processing or finished is acked and dropped: it is never
+denoised again. An entry re-read after a restart (ours, still pending) counts one redelivery of its
+job; past ``max_redeliveries`` the job fails instead of crashing this worker again. A second entry
+of a job this worker holds is passed on, and the loop drops it (its id is acked with the job's).
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from redis.exceptions import ResponseError
 
 from backend import protocol
 from backend.protocol import CancelJob, EditJob, PreparedJob, entry_fields, entry_message, to_text
-from backend.protocol.keys import INBOX_GROUP, inbox_stream
+from backend.protocol.keys import INBOX_GROUP, inbox_stream, job_key
+from backend.protocol.records import TERMINAL
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +45,19 @@ def send_to_inbox(client: Redis, worker_id: str, message) -> str:
 
 
 class RedisInbox:
-    def __init__(self, client: Redis, worker_id: str, batch: int = 64, on_unreadable=None):
-        """``on_unreadable(job_id, reason)``: called for an entry that cannot be decoded but names
-        its job (the worker service fails that job); such entries are acked either way."""
+    def __init__(
+        self,
+        client: Redis,
+        worker_id: str,
+        batch: int = 64,
+        fail_job=None,
+        max_redeliveries: int | None = None,
+    ):
+        """``fail_job(job_id, reason)``: called for an entry that cannot be decoded but names its
+        job, or whose job was redelivered more than ``max_redeliveries`` times (None: no bound);
+        such entries are acked either way."""
         self.client, self.worker_id, self.batch = client, worker_id, batch
-        self.on_unreadable = on_unreadable
+        self.fail_job, self.max_redeliveries = fail_job, max_redeliveries
         self.stream = inbox_stream(worker_id)
         self._entries: dict[str, list[str]] = {}  # job id -> stream entry ids not yet acked
         self._replay_from: str | None = "0"  # after a restart, our own unacked entries come first
@@ -63,7 +78,7 @@ class RedisInbox:
             # pending entries are re-read from an id, not consumed: walk past them once
             self._replay_from = to_text(entries[-1][0]) if len(entries) == self.batch else None
             if entries or self._replay_from is not None:
-                return self._messages(entries)
+                return self._messages(entries, replayed=True)
         block = max(1, int(timeout_s * 1000)) if timeout_s > 0 else None
         return self._messages(self._xread(">", block))
 
@@ -81,11 +96,11 @@ class RedisInbox:
             return []
         return reply[0][1] if reply else []
 
-    def _messages(self, entries: list) -> list:
-        read = (self._read(entry_id, fields) for entry_id, fields in entries)
+    def _messages(self, entries: list, replayed: bool = False) -> list:
+        read = (self._read(entry_id, fields, replayed) for entry_id, fields in entries)
         return [message for message in read if message is not None]
 
-    def _read(self, entry_id, fields):
+    def _read(self, entry_id, fields, replayed: bool):
         entry_id = to_text(entry_id)
         # a pending entry deleted (XDEL, MAXLEN trim) since it was delivered has no fields
         encoded = entry_message(fields)
@@ -102,16 +117,37 @@ class RedisInbox:
             return None
         if isinstance(message, CancelJob):
             self.client.xack(self.stream, INBOX_GROUP, entry_id)
-        else:
-            self._entries.setdefault(message.job_id, []).append(entry_id)
+            return message
+        if not self._deliverable(message.job_id, entry_id, replayed):
+            self.client.xack(self.stream, INBOX_GROUP, entry_id)
+            return None
+        self._entries.setdefault(message.job_id, []).append(entry_id)
         return message
+
+    def _deliverable(self, job_id: str, entry_id: str, replayed: bool) -> bool:
+        """Should this job entry reach the loop? No when its job is past denoising (a duplicate)
+        or its redeliveries ran out (it failed here). A job without a record (tests feeding the
+        inbox directly) is delivered."""
+        status, denoised = self.client.hmget(job_key(job_id), "status", "denoised")
+        status = None if status is None else to_text(status)
+        if status in (*TERMINAL, "postprocessing") or int(to_text(denoised or b"0")) > 0:
+            log.warning("dropping entry %s: job %s is %s, past denoising", entry_id, job_id, status)
+            return False
+        if replayed and status is not None and self.max_redeliveries is not None:
+            count = int(self.client.hincrby(job_key(job_id), "redeliveries", 1))
+            if count > self.max_redeliveries:
+                log.error("job %s redelivered %d times: failing it", job_id, count)
+                if self.fail_job is not None:
+                    self.fail_job(job_id, f"the job stopped its worker {count} times; giving up")
+                return False
+        return True
 
     def _drop_unreadable(self, entry_id: str, encoded, error: Exception) -> None:
         job_id = protocol.job_id_of(encoded) if encoded else None
         log.error("dropping unreadable inbox entry %s (job %s): %s", entry_id, job_id, error)
         self.client.xack(self.stream, INBOX_GROUP, entry_id)
-        if job_id and self.on_unreadable is not None:
-            self.on_unreadable(job_id, f"the worker could not read this job ({error})")
+        if job_id and self.fail_job is not None:
+            self.fail_job(job_id, f"the worker could not read this job ({error})")
 
     def ack(self, job_id: str) -> None:
         entry_ids = self._entries.pop(job_id, [])

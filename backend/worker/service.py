@@ -20,9 +20,9 @@ from backend.config import Settings
 from backend.jobstate import JobStateStore
 from backend.metrics import make_registry, serve_metrics
 from backend.protocol import DenoisedJob, JobEvent, WorkerHeartbeat
-from backend.protocol.keys import POST_TASK, WORKERS_KEY, heartbeat_key
+from backend.protocol.keys import WORKERS_KEY, heartbeat_key
 from backend.runtime import stop_event_on_signals
-from backend.tasks.celery_app import make_celery
+from backend.tasks.celery_app import make_celery, submit_postprocess
 from backend.worker.loop import EngineWorker
 from backend.worker.redis_inbox import RedisInbox
 
@@ -33,10 +33,11 @@ HEARTBEAT_EVERY_S = 1.0
 
 
 class RedisSink:
-    """Job events into the job state store; finished denoises onto the post-processing queue."""
+    """Job events into the job state store; finished denoises onto the post-processing queue
+    (once per job: ``submit_postprocess``)."""
 
-    def __init__(self, jobstate: JobStateStore, celery_app, post_queue: str):
-        self.jobstate, self.celery_app, self.post_queue = jobstate, celery_app, post_queue
+    def __init__(self, jobstate: JobStateStore, celery_app, settings: Settings):
+        self.jobstate, self.celery_app, self.settings = jobstate, celery_app, settings
 
     def event(self, event: JobEvent) -> None:
         self.jobstate.record_event(event)
@@ -49,7 +50,7 @@ class RedisSink:
         self.jobstate.record_events(events)
 
     def denoised(self, job: DenoisedJob) -> None:
-        self.celery_app.send_task(POST_TASK, args=[protocol.encode(job)], queue=self.post_queue)
+        submit_postprocess(self.celery_app, self.jobstate.client, self.settings, job)
 
 
 class Heartbeat:
@@ -132,19 +133,25 @@ def build_worker(
     caches = TieredActivationCache(
         engine.cache_root,
         settings.cache.ram_budget_mb << 20,
-        settings.cache.disk_budget_mb << 20,
+        settings.cache.disk_budget_mb << 20 or None,  # 0: a share of the disk's room
         policy=settings.cache.policy,
+        disk_free_share=settings.cache.disk_free_share,
         pin_memory=settings.engine.device.startswith("cuda"),
     )
     blobs = BlobStore(settings.paths.data_dir / "blobs")
     jobstate = JobStateStore(client, settings.retention.job_record_s)
     celery_app = celery_app or make_celery(settings)
     stages = CpuStages(settings, engine, jobstate) if settings.worker.batching == "inline" else None
-    sink = RedisSink(jobstate, celery_app, settings.celery.post_queue)
+    sink = RedisSink(jobstate, celery_app, settings)
     worker = EngineWorker(
         engine,
         blobs,
-        RedisInbox(client, settings.worker.worker_id, on_unreadable=sink.fail),
+        RedisInbox(
+            client,
+            settings.worker.worker_id,
+            fail_job=sink.fail,
+            max_redeliveries=settings.dispatcher.max_redeliveries,
+        ),
         sink,
         worker_id=settings.worker.worker_id,
         mode=settings.worker.batching,
