@@ -1,4 +1,4 @@
-"""`maskserve bench ...`: the benchmark commands (engine, worker, route) and their arguments.
+"""`maskserve bench ...`: the benchmark commands (engine, worker, route, soak) and their arguments.
 
 Each command imports its benchmark module only when it runs, so `maskserve --help` stays light.
 """
@@ -311,3 +311,81 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     route.add_argument("--real-duration", type=float, default=30.0)
     route.add_argument("--json", required=True)
     route.set_defaults(func=cmd_bench_route)
+    add_soak_parser(bench_sub)
+
+
+def cmd_bench_soak(args, settings: Settings) -> int:
+    from backend.bench.soak import SoakConfig, run_soak
+    from backend.bench.soak_report import summary, write_outputs
+
+    cfg = SoakConfig(
+        minutes=args.minutes,
+        sample_s=args.sample_s,
+        load=args.load,
+        model_id=args.model,
+        steps=args.steps,
+        size=args.size,
+        templates=args.templates,
+        mask_mean=args.mask_mean,
+        seed=args.seed,
+        capacity_s=args.capacity_s,
+        capacity_clients=args.capacity_clients,
+        capacity_rps=args.capacity_rps,
+        drain_s=args.drain_s,
+        cpu_workers=args.cpu_workers,
+        retention_s=args.retention_s,
+        data_dir=args.data_dir,
+        url=args.url,
+        api_key=args.api_key,
+        redis_url=args.redis_url,
+    )
+    report = run_soak(cfg, settings, progress=not args.no_progress)
+    print(summary(report))
+    written = write_outputs(
+        report, Path(args.json) if args.json else None, Path(args.png) if args.png else None
+    )
+    if written:
+        print("wrote " + " and ".join(str(p) for p in written))
+    return 0 if report["passed"] else 1
+
+
+def add_soak_parser(bench_sub) -> None:
+    soak = bench_sub.add_parser(
+        "soak",
+        help="the whole stack at a share of its measured capacity for minutes: fails when a "
+        "role's memory or files, Redis, the disk or the latency grow, or a job is lost",
+    )
+    soak.add_argument("--minutes", type=float, default=30.0)
+    soak.add_argument("--sample-s", type=float, default=60.0, help="seconds between samples")
+    soak.add_argument("--load", type=float, default=0.8, help="share of the measured capacity")
+    soak.add_argument("--model", default="tiny-sd2-inpaint")
+    soak.add_argument("--steps", type=int, default=4)
+    soak.add_argument("--size", type=int, default=128)
+    soak.add_argument("--templates", type=int, default=6, help="templates uploaded at the start")
+    soak.add_argument("--mask-mean", type=float, default=0.11)
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--capacity-s", type=float, default=60.0, help="closed-loop phase length")
+    soak.add_argument("--capacity-clients", type=int, default=4)
+    soak.add_argument(
+        "--capacity-rps", type=float, default=0.0, help="skip the capacity phase: use this rate"
+    )
+    soak.add_argument(
+        "--drain-s", type=float, default=180.0, help="wait for the last jobs; later: lost"
+    )
+    soak.add_argument("--cpu-workers", type=int, default=1)
+    soak.add_argument(
+        "--retention-s",
+        type=float,
+        default=120.0,
+        help="blob retention of the stack the soak starts (short: the janitor's bound shows)",
+    )
+    soak.add_argument(
+        "--data-dir", default="", help="of the stack the soak starts (default: a fresh temp dir)"
+    )
+    soak.add_argument("--url", default="", help="soak a running stack instead of starting one")
+    soak.add_argument("--api-key", dest="api_key", default="", help="with --url")
+    soak.add_argument("--redis-url", dest="redis_url", default="", help="with --url: sample it")
+    soak.add_argument("--json", default="", help="e.g. docs/bench/soak/soak.json")
+    soak.add_argument("--png", default="", help="e.g. docs/bench/soak/soak.png")
+    soak.add_argument("--no-progress", action="store_true", help="no progress bar")
+    soak.set_defaults(func=cmd_bench_soak)

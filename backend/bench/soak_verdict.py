@@ -48,6 +48,7 @@ TOLERANCES: dict[str, Tolerance] = {
     "disk_bytes": Tolerance(64 * MIB, 0.20),
     "latency_s": Tolerance(0.5, 0.50),
     "bytes_per_job": Tolerance(4096, 0.25),
+    "processes": Tolerance(2, 0.5),
 }
 
 
@@ -71,7 +72,7 @@ class Verdict:
     first_value: float
     last_value: float
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
     def message(self) -> str:
