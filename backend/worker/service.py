@@ -3,6 +3,15 @@
 Reads its inbox stream, reports job events into the job state store, hands finished denoises to
 the Celery post-processing queue, publishes a heartbeat with its live state, and exports
 Prometheus metrics. Stops after the current step on SIGTERM/SIGINT and dies with its parent.
+
+Redis going away does not stop it. Every write the loop makes (job events, the hand-off to
+post-processing, inbox acks) goes through one ``Outbox``: a write that fails because Redis is away
+waits, with every later one, in order, until Redis answers again -- nothing is dropped and no ack
+overtakes the hand-off of its job. While Redis is away the running batch keeps stepping and the
+inbox is not read; ``run_worker`` retries with ``supervisor.reconnect_*`` backoff. When Redis is
+back the worker writes what waited, joins ``WORKERS_KEY`` again, republishes its heartbeat (it may
+have expired: the dispatcher then re-dispatched this inbox, and the job record's first terminal
+status wins) and re-reads its own unacked inbox entries (a read whose reply was lost).
 """
 
 from __future__ import annotations
@@ -10,8 +19,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 
+from kombu.exceptions import OperationalError as BrokerUnavailable
 from redis import Redis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 
 from backend import protocol
 from backend.blobs import BlobStore
@@ -22,6 +38,7 @@ from backend.metrics import make_registry, serve_metrics
 from backend.protocol import DenoisedJob, JobEvent, WorkerHeartbeat
 from backend.protocol.keys import WORKERS_KEY, heartbeat_key
 from backend.runtime import stop_event_on_signals
+from backend.services.supervisor import Backoff, Reconnect
 from backend.tasks.celery_app import make_celery, submit_postprocess
 from backend.worker.loop import EngineWorker
 from backend.worker.redis_inbox import RedisInbox
@@ -30,6 +47,99 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_TTL_S = 5
 HEARTBEAT_EVERY_S = 1.0
+# Redis (or the Celery broker on it) is away: wait and retry, never crash
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, BrokerUnavailable)
+# one quick retry on a pooled connection Redis closed when it restarted; outages are ours to handle
+CLIENT_RETRY = Retry(ExponentialBackoff(cap=0.05, base=0.01), 1)
+SOCKET_TIMEOUT_S = 15.0  # above the longest inbox block (``worker.idle_poll_s`` <= 5 s)
+
+
+class Outbox:
+    """The worker's Redis writes, done in order even across a Redis outage.
+
+    ``do(write)`` runs ``write`` at once unless earlier writes are waiting; a write that fails
+    because Redis is away waits, and so does every later one, until ``flush`` gets them all
+    through. Invariant: writes reach Redis in the order the loop made them (a job's ack never
+    precedes its hand-off, its terminal event never precedes its progress), each at least once; a
+    write retried after a lost reply may land twice, which the job record and the post-processing
+    registration make harmless.
+    """
+
+    def __init__(self) -> None:
+        self._waiting: deque[tuple[str, Callable[[], object]]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def do(self, what: str, write: Callable[[], object]) -> None:
+        if self._waiting:
+            self._waiting.append((what, write))
+            return
+        try:
+            write()
+        except REDIS_DOWN as exc:
+            log.warning("Redis unavailable (%s): %s waits until it is back", exc, what)
+            self._waiting.append((what, write))
+
+    def flush(self) -> None:
+        """Do the waiting writes in order; raises (one of ``REDIS_DOWN``) while Redis is still
+        away, keeping the write that failed and every later one."""
+        while self._waiting:
+            self._waiting[0][1]()
+            self._waiting.popleft()
+
+
+class OutboxSink:
+    """A ``JobSink`` whose every write goes through the ``Outbox`` (it never raises for an
+    outage)."""
+
+    def __init__(self, sink: RedisSink, outbox: Outbox):
+        self.sink, self.outbox = sink, outbox
+
+    def event(self, event: JobEvent) -> None:
+        self.outbox.do(f"{event.status} event of {event.job_id}", lambda: self.sink.event(event))
+
+    def fail(self, job_id: str, reason: str) -> None:
+        self.outbox.do(f"failure of {job_id}", lambda: self.sink.fail(job_id, reason))
+
+    def step_events(self, events: list[JobEvent]) -> None:
+        self.outbox.do(f"{len(events)} step events", lambda: self.sink.step_events(events))
+
+    def denoised(self, job: DenoisedJob) -> None:
+        self.outbox.do(f"hand-off of {job.job_id}", lambda: self.sink.denoised(job))
+
+
+class OutageSafeInbox:
+    """The ``RedisInbox`` as the loop reads it while Redis may be away: acks go through the
+    ``Outbox`` (after the writes that precede them); while ``online`` is False ``poll`` reads
+    nothing, and a poll that finds Redis gone returns what it has not lost (nothing) and turns
+    ``online`` off. Coming back online re-reads this worker's unacked entries: a read whose reply
+    was lost left them pending; duplicates of held jobs are dropped by the loop."""
+
+    def __init__(self, inbox: RedisInbox, outbox: Outbox):
+        self.inbox, self.outbox = inbox, outbox
+        self.online = True
+
+    def poll(self, timeout_s: float) -> list:
+        if not self.online:
+            return []
+        try:
+            return self.inbox.poll(timeout_s)
+        except REDIS_DOWN as exc:
+            log.warning("Redis unavailable while reading the inbox (%s)", exc)
+            self.online = False
+            return []
+
+    def ack(self, job_id: str) -> None:
+        self.outbox.do(f"ack of {job_id}", lambda: self.inbox.ack(job_id))
+
+    def pending(self) -> int:
+        return self.inbox.pending()
+
+    def resume(self) -> None:
+        """Redis answers again: read the inbox, our own unacked entries first."""
+        self.inbox.replay()
+        self.online = True
 
 
 class RedisSink:
@@ -115,8 +225,8 @@ class Heartbeat:
             while not stop.wait(HEARTBEAT_EVERY_S):
                 try:
                     self.publish()
-                except Exception:  # Redis away for a moment: the next beat retries
-                    log.warning("heartbeat not published", exc_info=True)
+                except REDIS_DOWN:  # the worker loop reports the outage; the next beat retries
+                    log.debug("heartbeat not published: Redis unavailable")
 
         thread = threading.Thread(target=publish_until_stopped, name="heartbeat", daemon=True)
         thread.start()
@@ -142,16 +252,18 @@ def build_worker(
     jobstate = JobStateStore(client, settings.retention.job_record_s)
     celery_app = celery_app or make_celery(settings)
     stages = CpuStages(settings, engine, jobstate) if settings.worker.batching == "inline" else None
-    sink = RedisSink(jobstate, celery_app, settings)
+    outbox = Outbox()
+    sink = OutboxSink(RedisSink(jobstate, celery_app, settings), outbox)
+    inbox = RedisInbox(
+        client,
+        settings.worker.worker_id,
+        fail_job=sink.fail,
+        max_redeliveries=settings.dispatcher.max_redeliveries,
+    )
     worker = EngineWorker(
         engine,
         blobs,
-        RedisInbox(
-            client,
-            settings.worker.worker_id,
-            fail_job=sink.fail,
-            max_redeliveries=settings.dispatcher.max_redeliveries,
-        ),
+        OutageSafeInbox(inbox, outbox),
         sink,
         worker_id=settings.worker.worker_id,
         mode=settings.worker.batching,
@@ -162,8 +274,87 @@ def build_worker(
     return worker, caches
 
 
+def connect(settings: Settings) -> Redis:
+    """The worker's Redis client: bounded socket waits, one quick retry (``CLIENT_RETRY``)."""
+    return Redis.from_url(
+        settings.redis.url,
+        retry=CLIENT_RETRY,
+        socket_connect_timeout=2.0,
+        socket_timeout=SOCKET_TIMEOUT_S,
+    )
+
+
+class Serving:
+    """``run_worker``'s loop, one ``turn`` at a time: write what waited, rejoin after an outage,
+    iterate the engine worker; back off while Redis is away (stepping the running batch
+    meanwhile)."""
+
+    def __init__(self, settings: Settings, client: Redis, worker: EngineWorker, heartbeat):
+        self.settings, self.client = settings, client
+        self.worker, self.heartbeat = worker, heartbeat
+        self.inbox: OutageSafeInbox = worker.inbox
+        self.reconnect = Reconnect(
+            Backoff(settings.supervisor.reconnect_initial_s, settings.supervisor.reconnect_max_s)
+        )
+        self.retry_at = 0.0  # monotonic time of the next attempt to reach Redis
+        self.down_since: float | None = None
+
+    def join(self) -> None:
+        """Publish the heartbeat and join ``WORKERS_KEY`` (the dispatcher recovers the inbox of a
+        member whose heartbeat stops)."""
+        self.heartbeat.refresh(force=True)
+        self.client.sadd(WORKERS_KEY, self.worker.worker_id)
+
+    def turn(self, stop: threading.Event) -> None:
+        now = time.monotonic()
+        if now >= self.retry_at:
+            self._reach_redis(now)
+        if not self.inbox.online and self.worker.scheduler.idle:
+            stop.wait(max(0.0, self.retry_at - now))  # nothing to step until Redis is back
+            return
+        # while Redis is away the running batch keeps stepping, its writes wait in the outbox
+        self.worker.iterate(self.settings.worker.idle_poll_s if self.inbox.online else 0.0)
+
+    def _reach_redis(self, now: float) -> None:
+        """Write what waited, rejoin after an outage (the inbox found Redis gone, or the last
+        attempt failed) and refresh the heartbeat; while Redis is away, schedule the next attempt
+        and keep the inbox offline."""
+        outbox: Outbox = self.inbox.outbox
+        try:
+            outbox.flush()
+            if self.inbox.online:
+                self.heartbeat.refresh()
+            else:
+                self.join()
+                self.inbox.resume()
+                self._log_back(now)
+            self.reconnect.succeeded()
+        except REDIS_DOWN as exc:
+            wait = self.reconnect.failed()
+            self.retry_at, self.inbox.online = now + wait, False
+            self.down_since = now if self.down_since is None else self.down_since
+            log.warning(
+                "Redis unavailable (%s): %d writes waiting, retrying in %.1f s",
+                exc,
+                len(outbox),
+                wait,
+                extra={"fields": {"event": "redis_unavailable", "retry_in_s": wait}},
+            )
+
+    def _log_back(self, now: float) -> None:
+        if self.down_since is None:
+            return
+        log.warning(
+            "Redis back after %.1f s: waiting writes done, %s re-registered",
+            now - self.down_since,
+            self.worker.worker_id,
+            extra={"fields": {"event": "redis_back", "outage_s": now - self.down_since}},
+        )
+        self.down_since = None
+
+
 def run_worker(settings: Settings) -> int:
-    client = Redis.from_url(settings.redis.url)
+    client = connect(settings)
     client.ping()
     worker, caches = build_worker(settings, client)
     heartbeat = Heartbeat(client, worker, caches, settings)
@@ -175,6 +366,7 @@ def run_worker(settings: Settings) -> int:
                 "maskserve_cache": lambda: heartbeat.cache_stats,
             }
         ),
+        settings.metrics_host,
     )
     stop = stop_event_on_signals()
     log.info(
@@ -185,16 +377,17 @@ def run_worker(settings: Settings) -> int:
         worker.mode,
         worker.scheduler.max_batch,
     )
-    heartbeat.refresh(force=True)
+    serving = Serving(settings, client, worker, heartbeat)
+    serving.join()
     heartbeat.start_publisher(stop)
-    # the dispatcher recovers this inbox if the heartbeat stops
-    client.sadd(WORKERS_KEY, worker.worker_id)
     try:
         while not stop.is_set():
-            worker.iterate(settings.worker.idle_poll_s)
-            heartbeat.refresh()
+            serving.turn(stop)
     finally:
         stop.set()
-        client.delete(heartbeat_key(worker.worker_id))
+        try:
+            client.delete(heartbeat_key(worker.worker_id))
+        except REDIS_DOWN:  # the key expires on its own
+            pass
         caches.close()
     return 0
