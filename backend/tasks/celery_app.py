@@ -191,6 +191,10 @@ def make_celery(settings: Settings) -> Celery:
         task_time_limit=settings.celery.task_time_limit_s,
         broker_transport_options={"visibility_timeout": settings.celery.visibility_timeout_s},
         broker_connection_retry_on_startup=True,
+        # Redis restarting: reconnect with backoff, forever (never exit: `up` or the platform
+        # would have to restart the worker, and its running tasks with it)
+        broker_connection_retry=True,
+        broker_connection_max_retries=None,
         worker_hijack_root_logger=False,
         task_routes={
             PRE_TASK: {"queue": settings.celery.pre_queue},

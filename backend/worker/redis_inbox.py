@@ -154,5 +154,10 @@ class RedisInbox:
         if entry_ids:
             self.client.xack(self.stream, INBOX_GROUP, *entry_ids)
 
+    def replay(self) -> None:
+        """Re-read our own unacked entries at the next poll (after Redis was away: a read whose
+        reply was lost left its entries pending here)."""
+        self._replay_from = "0"
+
     def pending(self) -> int:
         return int(self.client.xpending(self.stream, INBOX_GROUP)["pending"])
