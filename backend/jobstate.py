@@ -88,7 +88,7 @@ if tonumber(redis.call('HGET', KEYS[1], 'redeliveries') or '0') >= tonumber(ARGV
 end
 redis.call('HINCRBY', KEYS[1], 'redeliveries', 1)
 redis.call('HSET', KEYS[1], 'status', 'waiting', 'step', 0, 'message', ARGV[1],
-           'updated_at', ARGV[2])
+           'updated_at', ARGV[2], 'worker_id', '')
 return 1
 """
 REQUEUED, NOTHING_TO_REDO, EXHAUSTED = 1, 0, -1
@@ -157,14 +157,12 @@ class JobStateStore:
         """Record the worker a job was routed to (cancels go to its inbox) and what it is doing
         (``message``, replacing an older one); False if the job is gone or finished. ``client``:
         a pipeline to run it in (the dispatcher writes the inbox entry in the same transaction)."""
-        return bool(
-            self._assign(keys=[job_key(job_id)], args=[worker_id, message], client=client)
-        )
+        return bool(self._assign(keys=[job_key(job_id)], args=[worker_id, message], client=client))
 
     def requeue(self, job_id: str, message: str, max_redeliveries: int) -> int:
-        """A job its worker had not finished goes back to ``waiting`` (the worker died), counted in
-        ``redeliveries``: ``REQUEUED``; ``NOTHING_TO_REDO`` if it had finished or was denoised
-        already (its result is on the way); ``EXHAUSTED`` when it was redelivered
+        """A job its worker had not finished goes back to ``waiting`` with no worker (the worker
+        died), counted in ``redeliveries``: ``REQUEUED``; ``NOTHING_TO_REDO`` if it had finished
+        or was denoised already (its result is on the way); ``EXHAUSTED`` when it was redelivered
         ``max_redeliveries`` times already (the caller fails it)."""
         reply = self._requeue(keys=[job_key(job_id)], args=[message, time.time(), max_redeliveries])
         return int(reply)

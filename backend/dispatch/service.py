@@ -13,12 +13,21 @@ Between two heartbeats the dispatcher adds the jobs it has just sent to a worker
 is not routed as if every worker were still idle.
 
 Late binding (``late_binding``): the router refuses a job while no worker has slack, and the job
-waits in the dispatcher's FIFO backlog (its stream entry still pending) until one has.
+waits in the dispatcher's FIFO backlog (its stream entry still pending) until one has. A job no live
+worker's model serves waits there too, and its message says so (once) until one appears.
 
-Recovery: when a known worker's heartbeat has expired, every job in its inbox that had not reached
-post-processing goes back to ``waiting`` and is routed again; then the dead inbox is deleted. The
-job state's first terminal status wins, so a job finishes at most once even if a worker presumed
-dead was only slow.
+Idempotent routing: a job's inbox entry and its ``worker_id`` are written in one transaction, so an
+entry read again (this dispatcher died before its ack, or a job handed off twice) whose job is
+assigned to a live worker, or is past routing, is acked and dropped.
+
+Recovery: when a known worker's heartbeat has expired, the entries of its inbox it had not finished
+(pending in its group, or never read) are read, and every job among them that was not denoised yet
+goes back to ``waiting`` and is routed again (at most ``dispatcher.max_redeliveries`` times: then
+it fails); then the dead inbox is deleted. The job state's first terminal status wins, so a job
+finishes at most once even if a worker presumed dead was only slow.
+
+CPU tasks: at each check the dispatcher also re-enqueues the pre/post-processing tasks whose lease
+lapsed (``backend.tasks.celery_app.resend_lapsed``): every deployment runs a dispatcher.
 """
 
 from __future__ import annotations
@@ -45,23 +54,28 @@ from backend.dispatch.router import (
     RowState,
     view_from_heartbeat,
 )
-from backend.jobstate import TERMINAL, JobStateStore
+from backend.jobstate import EXHAUSTED, REQUEUED, TERMINAL, JobStateStore
 from backend.protocol import JobEvent, PreparedJob, entry_fields, entry_message, to_text
 from backend.protocol.heartbeats import live_heartbeats
 from backend.protocol.keys import (
     DISPATCHER_GROUP,
+    INBOX_GROUP,
     PREPARED_STREAM,
     WORKERS_KEY,
     heartbeat_key,
     inbox_stream,
+    job_key,
 )
-from backend.worker.redis_inbox import send_to_inbox
+from backend.tasks.celery_app import make_celery, resend_lapsed
+from backend.worker.redis_inbox import queue_to_inbox
 from backend.worker.stats import percentile
 
 log = logging.getLogger(__name__)
 
 # Entries another dispatcher read but never acked (it died) are taken over after this long.
 CLAIM_IDLE_MS = 30_000
+PENDING_PAGE = 500  # a dead inbox's pending entries read per round trip
+PAST_ROUTING = ("running", "postprocessing", *TERMINAL)
 
 
 class CostModels:
@@ -99,8 +113,11 @@ class Dispatcher:
         client: Redis,
         consumer: str | None = None,
         claim_idle_ms: int = CLAIM_IDLE_MS,
+        celery_app=None,
     ):
+        """``celery_app``: sends re-enqueued CPU tasks (default: ``make_celery(settings)``)."""
         self.settings, self.client = settings, client
+        self.celery_app = celery_app or make_celery(settings)
         self.jobstate = JobStateStore(client, settings.retention.job_record_s)
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.costs = CostModels(settings)
@@ -116,7 +133,15 @@ class Dispatcher:
         self._views: dict = {}
         self._checked_at = 0.0
         self.decision_s: deque[float] = deque(maxlen=10_000)
-        self.counts = {"routed": 0, "dropped": 0, "redispatched": 0, "unreadable": 0}
+        self.counts = {
+            "routed": 0,
+            "dropped": 0,
+            "duplicates": 0,
+            "redispatched": 0,
+            "unreadable": 0,
+            "cpu_resent": 0,
+        }
+        self._told_no_worker: set[str] = set()  # jobs whose message says no worker serves them
         try:
             client.xgroup_create(PREPARED_STREAM, DISPATCHER_GROUP, id="0", mkstream=True)
         except ResponseError as exc:
@@ -129,6 +154,9 @@ class Dispatcher:
             self._checked_at = time.monotonic()
             self.refresh_workers()
             self.recover_dead_workers()
+            self.counts["cpu_resent"] += resend_lapsed(
+                self.celery_app, self.client, self.settings, self.jobstate
+            )
             for entry_id, job in self._claim_orphans():
                 self._route(entry_id, job)
         for _ in range(len(self.backlog)):
@@ -200,19 +228,44 @@ class Dispatcher:
 
     # ----- routing -------------------------------------------------------------------------------
     def _route(self, entry_id: str, job: PreparedJob) -> None:
-        status = self.jobstate.status(job.job_id)
+        status, worker_id = (
+            None if value is None else to_text(value)
+            for value in self.client.hmget(job_key(job.job_id), "status", "worker_id")
+        )
         if status in TERMINAL:  # cancelled (or failed) before it reached a worker
             self.counts["dropped"] += 1
             self.client.xack(PREPARED_STREAM, DISPATCHER_GROUP, entry_id)
             return
-        worker_id = self.place(job)
-        if worker_id is None:
-            self.backlog.append((entry_id, job))
+        if status in PAST_ROUTING or worker_id in self._views:  # routed before: a duplicate
+            log.warning(
+                "%s is on worker %s already (%s): entry dropped", job.job_id, worker_id, status
+            )
+            self.counts["duplicates"] += 1
+            self.client.xack(PREPARED_STREAM, DISPATCHER_GROUP, entry_id)
             return
+        if self.place(job) is None:
+            self.backlog.append((entry_id, job))
+            self._tell_if_no_worker(job)
+            return
+        self._told_no_worker.discard(job.job_id)
         self.client.xack(PREPARED_STREAM, DISPATCHER_GROUP, entry_id)
 
-    def place(self, job: PreparedJob) -> str | None:
-        """Choose a worker and put the job in its inbox; None when no worker can take it yet."""
+    def _tell_if_no_worker(self, job: PreparedJob) -> None:
+        """Once per job: its message says no live worker serves its model (it is routed as soon
+        as one does)."""
+        if job.job_id in self._told_no_worker:
+            return
+        if any(view.model_id == job.model_id for view in self._views.values()):
+            return  # served, only busy (late binding)
+        self._told_no_worker.add(job.job_id)
+        message = f"waiting for a worker serving model {job.model_id}; none is running"
+        self.jobstate.record_event(
+            JobEvent(job_id=job.job_id, status="waiting", at=time.time(), message=message)
+        )
+
+    def place(self, job: PreparedJob, note: str = "") -> str | None:
+        """Choose a worker and put the job in its inbox, recording the worker and ``note`` (the
+        job's message) in the same transaction; None when no worker can take it yet."""
         request = JobRequest(
             job_id=job.job_id,
             model_id=job.model_id,
@@ -225,8 +278,10 @@ class Dispatcher:
         self.decision_s.append(time.perf_counter() - started)
         if decision.worker_id is None:
             return None
-        send_to_inbox(self.client, decision.worker_id, job)
-        self.jobstate.assign(job.job_id, decision.worker_id)
+        with self.client.pipeline(transaction=True) as pipe:
+            queue_to_inbox(pipe, decision.worker_id, job)
+            self.jobstate.assign(job.job_id, decision.worker_id, note, client=pipe)
+            pipe.execute()
         view = self._views[decision.worker_id]  # count it until the worker's next heartbeat does
         self._views[decision.worker_id] = replace(
             view,
@@ -253,21 +308,53 @@ class Dispatcher:
 
     def _recover(self, worker_id: str) -> None:
         stream = inbox_stream(worker_id)
-        entries = self.client.xrange(stream)
+        entries = self._unfinished_entries(stream)
         for _entry_id, fields in entries:
             try:
                 message = protocol.decode(entry_message(fields))
             except protocol.ProtocolError:
                 continue
-            if not isinstance(message, PreparedJob):
-                continue  # cancels and the like die with their worker
-            if self.jobstate.requeue(message.job_id, f"worker {worker_id} stopped; re-dispatched"):
-                self.counts["redispatched"] += 1
-                if self.place(message) is None:  # no worker now: park it in the routing stream
-                    self.client.xadd(PREPARED_STREAM, entry_fields(protocol.encode(message)))
+            if isinstance(message, PreparedJob):  # cancels and the like die with their worker
+                self._redispatch(message, worker_id)
         self.client.delete(stream)
         self.client.srem(WORKERS_KEY, worker_id)
         log.warning("worker %s is gone: %d inbox entries recovered", worker_id, len(entries))
+
+    def _redispatch(self, job: PreparedJob, worker_id: str) -> None:
+        note = f"worker {worker_id} stopped; re-dispatched"
+        limit = self.settings.dispatcher.max_redeliveries
+        verdict = self.jobstate.requeue(job.job_id, note, limit)
+        if verdict == EXHAUSTED:
+            self.jobstate.fail(
+                job.job_id, f"the job stopped its worker {limit + 1} times; giving up"
+            )
+        elif verdict == REQUEUED:
+            self.counts["redispatched"] += 1
+            if self.place(job, note) is None:  # no worker now: park it in the routing stream
+                self.client.xadd(PREPARED_STREAM, entry_fields(protocol.encode(job)))
+
+    def _unfinished_entries(self, stream: str) -> list:
+        """The entries of an inbox its worker had not finished: pending in its group (read, not
+        acked) and never read (after the group's last delivered id); not its acked history."""
+        groups = self.client.xinfo_groups(stream) if self.client.exists(stream) else []
+        group = next((g for g in groups if to_text(g["name"]) == INBOX_GROUP), None)
+        if group is None:  # its worker never read it: every entry is unread
+            return self.client.xrange(stream)
+        pending_ids, start = [], "-"
+        while True:
+            page = self.client.xpending_range(
+                stream, INBOX_GROUP, min=start, max="+", count=PENDING_PAGE
+            )
+            pending_ids += [to_text(row["message_id"]) for row in page]
+            if len(page) < PENDING_PAGE:
+                break
+            start = f"({pending_ids[-1]}"
+        with self.client.pipeline(transaction=False) as pipe:
+            for entry_id in pending_ids:
+                pipe.xrange(stream, entry_id, entry_id)
+            pending = [entry for found in pipe.execute() for entry in found]  # gone if trimmed
+        unread = self.client.xrange(stream, f"({to_text(group['last-delivered-id'])}", "+")
+        return pending + unread
 
     def stats(self) -> dict:
         return {
@@ -287,7 +374,9 @@ def run_dispatcher(settings: Settings) -> int:
     client.ping()
     dispatcher = Dispatcher(settings, client)
     serve_metrics(
-        settings.dispatcher.metrics_port, make_registry({"maskserve_dispatcher": dispatcher.stats})
+        settings.dispatcher.metrics_port,
+        make_registry({"maskserve_dispatcher": dispatcher.stats}),
+        settings.metrics_host,
     )
     stop = stop_event_on_signals()
     log.info("dispatcher %s routing with %s", dispatcher.consumer, settings.dispatcher.policy)

@@ -35,13 +35,18 @@ INBOX_TYPES = (PreparedJob, EditJob, CancelJob)
 
 def send_to_inbox(client: Redis, worker_id: str, message) -> str:
     """Append ``message`` to a worker's inbox; returns the stream entry id."""
-    entry = client.xadd(
+    return to_text(queue_to_inbox(client, worker_id, message))
+
+
+def queue_to_inbox(client, worker_id: str, message):
+    """Append ``message`` to a worker's inbox through ``client`` (a pipeline: its ``execute``
+    answers the entry id)."""
+    return client.xadd(
         inbox_stream(worker_id),
         entry_fields(protocol.encode(message)),
         maxlen=INBOX_MAXLEN,
         approximate=True,
     )
-    return to_text(entry)
 
 
 class RedisInbox:
