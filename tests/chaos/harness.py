@@ -235,7 +235,9 @@ class JobLoad:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> JobLoad:
-        self._thread.start()
+        """Start submitting (once: a test that started the load early is not restarted)."""
+        if self._thread.ident is None:
+            self._thread.start()
         return self
 
     def join(self, timeout_s: float = 120) -> None:
@@ -329,9 +331,12 @@ def run_fault(
     hold_s: float = 0.0,
     load: JobLoad | None = None,
     extra: Callable[[JobLoad], None] | None = None,
+    fail_while_faulty: bool = True,
 ) -> Verdict:
     """The shape of every chaos test (see the module docstring); ``inject`` returns the fault's
-    wall-clock time; ``extra(load)`` runs after the fault (a test's own checks or jobs)."""
+    wall-clock time; ``extra(load)`` runs after the fault (a test's own checks or jobs).
+    ``fail_while_faulty``: a job accepted between the fault and ``heal`` may end ``failed`` (a full
+    disk); False: it too must end as expected (the fault must not reach users at all)."""
     stack.wait_healthy()
     load = (load or JobLoad(stack)).start()
     load.wait_running()
@@ -339,7 +344,7 @@ def run_fault(
     if heal is not None:
         time.sleep(hold_s)
         heal()
-        healed_at = time.time()
+        healed_at = time.time() if fail_while_faulty else None
     load.join()
     if extra is not None:
         extra(load)
