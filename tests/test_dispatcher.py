@@ -177,3 +177,94 @@ def test_late_binding_holds_a_job_until_a_worker_has_slack(redis_url, redis_clie
     beat(client, "w1", running=rows[:7])  # a row finished: a free slot
     run(dispatcher)
     assert inbox_jobs(client, "w1") == ["held"] and not dispatcher.backlog
+
+
+def test_a_prepared_job_read_twice_goes_to_one_worker_once(env):
+    settings, client, jobstate = env
+    beat(client, "w1")
+    beat(client, "w2")
+    submit(client, jobstate, prepared("dup"))
+    client.xadd(PREPARED_STREAM, {"msg": protocol.encode(prepared("dup"))})  # handed off twice
+    dispatcher = Dispatcher(settings, client, consumer="d")
+    run(dispatcher)
+    assert sorted(inbox_jobs(client, "w1") + inbox_jobs(client, "w2")) == ["dup"]
+    assert dispatcher.counts["duplicates"] == 1
+    assert client.xpending(PREPARED_STREAM, GROUP)["pending"] == 0
+
+
+def test_a_dispatcher_dead_between_inbox_write_and_ack_does_not_route_twice(env):
+    settings, client, jobstate = env
+    beat(client, "w1")
+    beat(client, "w2")
+    submit(client, jobstate, prepared("once"))
+    crashed = Dispatcher(settings, client, consumer="old")
+    crashed.refresh_workers()
+    crashed._read(block_ms=10)  # its own pending entries (none)
+    ((_entry_id, job),) = crashed._read(block_ms=10)
+    crashed.place(job)  # in an inbox, then "crash" before the ack
+    successor = Dispatcher(settings, client, consumer="new", claim_idle_ms=0)
+    run(successor)
+    assert sorted(inbox_jobs(client, "w1") + inbox_jobs(client, "w2")) == ["once"]
+    assert client.xpending(PREPARED_STREAM, GROUP)["pending"] == 0
+
+
+def test_recovery_reads_only_the_dead_workers_unfinished_entries(env, caplog):
+    settings, client, jobstate = env
+    beat(client, "alive")
+    client.sadd(WORKERS_KEY, "dead")
+    stream = inbox_stream("dead")
+    client.xgroup_create(stream, "workers", id="0", mkstream=True)
+    for i in range(100):  # its history: read and acked (finished) jobs
+        send_to_inbox(client, "dead", prepared(f"old-{i}"))
+    for _, entries in client.xreadgroup("workers", "dead", {stream: ">"}, count=100):
+        client.xack(stream, "workers", *[entry_id for entry_id, _ in entries])
+    for job_id in ("read", "unread"):
+        jobstate.create(job_id)
+        jobstate.record_event(JobEvent(job_id=job_id, status="waiting", at=time.time()))
+    send_to_inbox(client, "dead", prepared("read"))
+    client.xreadgroup("workers", "dead", {stream: ">"}, count=1)  # pending: read, never acked
+    send_to_inbox(client, "dead", prepared("unread"))  # never read
+    dispatcher = Dispatcher(settings, client, consumer="d")
+    with caplog.at_level("WARNING", logger="backend.dispatch.service"):
+        run(dispatcher)
+    assert sorted(inbox_jobs(client, "alive")) == ["read", "unread"]
+    assert dispatcher.counts["redispatched"] == 2
+    assert "worker dead is gone: 2 inbox entries recovered" in caplog.text
+    record = jobstate.get("read")
+    assert record["redeliveries"] == 1 and record["message"] == "worker dead stopped; re-dispatched"
+
+
+def test_a_job_redispatched_too_often_fails_and_others_flow(env):
+    settings, client, jobstate = env
+    beat(client, "alive")
+    jobstate.create("poison")
+    limit = settings.dispatcher.max_redeliveries
+    dispatcher = Dispatcher(settings, client, consumer="d")
+    for attempt in range(limit + 1):  # each worker it reaches dies
+        dead = f"dead-{attempt}"
+        client.sadd(WORKERS_KEY, dead)
+        jobstate.record_event(JobEvent(job_id="poison", status="running", at=time.time()))
+        send_to_inbox(client, dead, prepared("poison"))
+        run(dispatcher, times=1)
+    record = jobstate.get("poison")
+    assert record["status"] == "failed" and record["redeliveries"] == limit
+    assert "giving up" in record["message"]
+    submit(client, jobstate, prepared("next"))
+    run(dispatcher)
+    assert inbox_jobs(client, "alive")[-1] == "next"
+
+
+def test_a_job_no_live_worker_serves_says_so_once_then_is_routed(env):
+    settings, client, jobstate = env
+    submit(client, jobstate, prepared("lonely"))
+    dispatcher = Dispatcher(settings, client, consumer="d")
+    run(dispatcher, times=5)
+    told = [e for _, e in jobstate.events("lonely") if "none is running" in e.get("message", "")]
+    assert len(told) == 1
+    record = jobstate.get("lonely")
+    assert record["status"] == "waiting"
+    assert record["message"] == f"waiting for a worker serving model {MODEL}; none is running"
+    beat(client, "late-worker")
+    run(dispatcher)
+    assert inbox_jobs(client, "late-worker") == ["lonely"]
+    assert jobstate.get("lonely")["message"] == ""  # routed: the message says nothing stale
