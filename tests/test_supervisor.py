@@ -1,12 +1,22 @@
-"""The restart policy of `maskserve up` and the reconnection backoff (pure, milliseconds)."""
+"""The restart policy of `maskserve up` and the reconnection backoff (pure, milliseconds), then the
+real ``Stack`` supervising child processes and the Redis it started (slow)."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import time
+import urllib.request
+
 import pytest
+import redis
 from hypothesis import given
 from hypothesis import strategies as st
 
 from backend.config import SettingsError, load_settings
+from backend.protocol.keys import DISPATCHER_GROUP, PREPARED_STREAM
+from backend.services.stack import Role, Stack
 from backend.services.supervisor import Backoff, Reconnect, RestartPolicy, RoleRecord
 
 POLICY = RestartPolicy(Backoff(initial_s=1.0, cap_s=30.0), stable_s=60.0)
@@ -73,3 +83,85 @@ def test_supervisor_settings_come_from_the_environment_and_are_checked():
         load_settings(env={"MASKSERVE_RESTART_INITIAL_S": "5", "MASKSERVE_RESTART_MAX_S": "1"})
     with pytest.raises(SettingsError, match="reconnect_max_s"):
         load_settings(env={"MASKSERVE_RECONNECT_INITIAL_S": "5", "MASKSERVE_RECONNECT_MAX_S": "1"})
+
+
+# ----- the real Stack: child processes, a real Redis killed with SIGKILL -------------------------
+
+
+def _poll_until(stack, condition, timeout_s: float = 60.0, what: str = "") -> None:
+    """Supervise (``Stack.poll``, from this thread: the children's parent) until ``condition``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} within {timeout_s:.0f} s: {stack.snapshot()}")
+        stack.poll()
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def small_stack(tmp_path):
+    """Redis started by the stack and two cheap roles (two dispatchers of one consumer group)."""
+    settings = load_settings(
+        env={},
+        paths={"data_dir": str(tmp_path)},
+        supervisor={"restart_initial_s": 0.2, "restart_max_s": 1.0, "restart_stable_s": 30.0},
+    )
+    stack = Stack(settings, [Role("dispatcher", ["dispatcher"]), Role("other", ["dispatcher"])])
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def _kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_killed_role_is_restarted_and_the_others_keep_running(small_stack):
+    stack = small_stack
+    port = stack.serve_metrics(0)
+    before = stack.snapshot()
+    _kill(before["dispatcher"]["pid"])
+    _poll_until(stack, lambda: stack.snapshot()["dispatcher"]["restarts"] == 1, what="restarted")
+    after = stack.snapshot()
+    assert after["dispatcher"]["running"]
+    assert after["dispatcher"]["pid"] != before["dispatcher"]["pid"]
+    assert after["dispatcher"]["last_exit"] == -signal.SIGKILL
+    assert after["other"] == before["other"]  # untouched: same pid, no restart
+    assert stack.processes["dispatcher"].poll() is None
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        metrics = reply.read().decode()
+    assert 'maskserve_role_restarts_total{role="dispatcher"} 1.0' in metrics
+    assert 'maskserve_role_restarts_total{role="other"} 0.0' in metrics
+    status = json.loads(stack.status_path.read_text())
+    assert status["roles"]["dispatcher"]["restarts"] == 1
+
+
+@pytest.mark.slow
+def test_a_killed_redis_comes_back_on_its_port_with_its_data_and_the_roles_carry_on(small_stack):
+    stack = small_stack
+    client = redis.Redis.from_url(stack.redis_url)
+    client.set("kept", "yes")
+    roles_before = {name: stack.snapshot()[name]["pid"] for name in ("dispatcher", "other")}
+
+    def serving() -> bool:  # both dispatchers past their start-up, reading the stream
+        groups = client.exists(PREPARED_STREAM) and client.xinfo_groups(PREPARED_STREAM)
+        return bool(groups) and len(client.xinfo_consumers(PREPARED_STREAM, DISPATCHER_GROUP)) == 2
+
+    _poll_until(stack, serving, what="dispatchers serving")
+    _kill(stack.snapshot()["redis"]["pid"])
+    _poll_until(stack, lambda: stack.snapshot()["redis"]["restarts"] == 1, what="Redis restarted")
+    assert client.get("kept") == b"yes"  # same URL, data from the append-only file
+    # the dispatchers reconnected: a new entry in their stream is read (and, unreadable, dropped)
+    entry = client.xadd(PREPARED_STREAM, {"msg": "not a message"})
+
+    def consumed() -> bool:
+        groups = client.xinfo_groups(PREPARED_STREAM)
+        return groups[0]["last-delivered-id"] == entry and groups[0]["pending"] == 0
+
+    _poll_until(stack, consumed, what="the stream read after the restart")
+    assert {name: stack.snapshot()[name]["pid"] for name in roles_before} == roles_before
+    assert all(stack.snapshot()[name]["restarts"] == 0 for name in roles_before)
+    client.close()
