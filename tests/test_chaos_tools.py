@@ -29,8 +29,9 @@ def result_png(change_outside: bool = False) -> bytes:
     return buffer.getvalue()
 
 
-def seen(status="done", statuses=None, result=b"", message=""):
-    record = {"status": status, "message": message, f"{status}_at": 10.0}
+def seen(status="done", statuses=None, result=b"", message="", denoised=None):
+    denoised = int(status == "done") if denoised is None else denoised
+    record = {"status": status, "message": message, f"{status}_at": 10.0, "denoised": denoised}
     events = statuses or ["queued", "waiting", "running", "postprocessing", status]
     return Observed(record, events, result or (result_png() if status == "done" else None))
 
@@ -47,6 +48,8 @@ def test_a_job_that_kept_every_invariant_has_no_violation():
     [
         (seen(result=result_png(change_outside=True)), "outside the mask"),
         (seen(statuses=["postprocessing", "waiting", "postprocessing", "done"]), "more than once"),
+        (seen(denoised=2), "more than once"),
+        (seen(denoised=0), "counts 0 denoises"),
         (seen(status="running"), "not terminal"),
         (seen(status="failed", message=""), "without saying why"),
         (seen(status="failed", message="disk full"), "expected done"),

@@ -6,10 +6,9 @@ For every job the API accepted (202):
    terminal and its event stream holds exactly one terminal event;
 2. a ``done`` job has one result, whose pixels outside the job's mask are the template's own,
    and a ``failed`` job says why (its record's message);
-3. its denoising completed at most once: at most one ``postprocessing`` event (a worker emits it
-   when it hands a finished denoise to post-processing; a job re-dispatched after a worker died
-   starts again from ``waiting`` and can reach it again only if the first completion never
-   happened, because ``JobStateStore.requeue`` refuses a job already in post-processing);
+3. its denoising completed at most once: the record's ``denoised`` counter (incremented by every
+   hand-off of a finished denoise to post-processing, duplicates included) is at most 1, and 1 for
+   a done job; and its event stream holds at most one ``postprocessing`` event;
 4. a job submitted after the fault ended ``done`` (unless the test expects it to fail).
 """
 
@@ -66,8 +65,11 @@ def job_violations(job: Submitted, seen: Observed, after_fault: bool) -> list[st
     terminal_events = [s for s in seen.statuses if s in TERMINAL]
     if status in TERMINAL and terminal_events != [status]:
         problems.append(f"{job.job_id}: terminal events {terminal_events}, record says {status}")
-    if seen.statuses.count("postprocessing") > 1:
-        problems.append(f"{job.job_id}: denoised more than once: events {seen.statuses}")
+    denoised = int(seen.record.get("denoised", 0))
+    if seen.statuses.count("postprocessing") > 1 or denoised > 1:
+        problems.append(f"{job.job_id}: denoised more than once ({denoised}): {seen.statuses}")
+    if status == "done" and denoised != 1:
+        problems.append(f"{job.job_id}: done, but its record counts {denoised} denoises")
     if status == "done":
         problems += _result_violations(job, seen.result)
     if status == "failed" and not seen.record.get("message"):

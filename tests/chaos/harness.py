@@ -81,7 +81,9 @@ class UpStack:
                 "MASKSERVE_API_KEYS": API_KEY,
                 "MASKSERVE_API_PORT": str(self.port),
                 "MASKSERVE_STUDIO": "0",
-                "MASKSERVE_RATE_LIMIT_PER_MINUTE": "0",
+                # a test client sends bursts no user would; the limits have tests of their own
+                "MASKSERVE_READ_RATE_PER_MINUTE": "0",
+                "MASKSERVE_WRITE_RATE_PER_MINUTE": "0",
                 "OMP_NUM_THREADS": "1",
             }
             | (env or {})
