@@ -115,8 +115,12 @@ class CacheSettings(_Strict):
 
     ram_budget_mb: int = Field(default=4096, ge=0)
     """Host-RAM tier budget (pinned memory on CUDA), MiB."""
-    disk_budget_mb: int = Field(default=65536, ge=0)
-    """Disk tier budget, MiB, shared by the workers of one cache directory."""
+    disk_budget_mb: int = Field(default=0, ge=0)
+    """Disk tier budget, MiB, shared by the workers of one cache directory; 0: automatic,
+    ``disk_free_share`` of the room found at start-up (free space plus what the entries hold)."""
+    disk_free_share: float = Field(default=0.5, gt=0.0, le=1.0)
+    """With ``disk_budget_mb`` 0: the share of the cache directory's room (free space plus what
+    the cache's entries hold) the disk tier may use; the rest stays free for everything else."""
     policy: EvictionPolicy = "lru"
     """Eviction policy of both tiers: ``lru``, or ``lfu`` with dynamic ageing."""
 

@@ -4,6 +4,7 @@ every metric."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -128,3 +129,63 @@ def test_bad_verdict_parameters_are_refused():
     with pytest.raises(ValueError, match="warmup"):
         judge("api/rss_bytes", series(np.zeros(30)), TOL, warmup=1.0)
     assert not math.isnan(judge("api/rss_bytes", series(np.zeros(30)), TOL).fitted_increase)
+
+
+def test_bad_soak_arguments_get_a_clear_error_and_status_2(capsys):
+    from backend.cli import main
+
+    assert main(["bench", "soak", "--url", "http://127.0.0.1:9", "--minutes", "1"]) == 2
+    assert "--url needs --api-key" in capsys.readouterr().err
+    assert main(["bench", "soak", "--load", "0", "--capacity-rps", "1"]) == 2
+    assert "--load" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+@pytest.mark.model
+def test_a_short_real_soak_samples_every_role_loses_no_job_and_judges_every_metric(
+    models_dir, tmp_path, monkeypatch, capsys
+):
+    from backend.cli import main
+
+    monkeypatch.setenv("MASKSERVE_MODELS_DIR", str(models_dir))
+    monkeypatch.delenv("MASKSERVE_REDIS_URL", raising=False)
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    report_path, plot_path = tmp_path / "out" / "soak.json", tmp_path / "out" / "soak.png"
+    status = main(
+        [
+            "bench", "soak", "--minutes", "0.5", "--sample-s", "5", "--capacity-s", "10",
+            "--templates", "2", "--steps", "2", "--size", "64", "--drain-s", "120",
+            "--data-dir", str(tmp_path / "data"), "--no-progress",
+            "--json", str(report_path), "--png", str(plot_path),
+        ]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    report = json.loads(report_path.read_text())
+    assert status == 0 and report["passed"], printed
+    assert plot_path.stat().st_size > 0 and "PASSED" in printed
+    jobs = report["jobs"]
+    assert jobs["lost"] == jobs["failed"] == jobs["refused"] == 0
+    assert jobs["done"] == jobs["submitted"] > 0 and report["soak_jobs"]["done"] > 0
+    assert report["capacity_rps"] > 0 and report["offered_rps"] == pytest.approx(
+        0.8 * report["capacity_rps"]
+    )
+    samples = report["samples"]
+    assert len(samples) >= 6 and samples[-1]["t_s"] >= 30.0
+    roles = {"api", "dispatcher", "worker-0", "cpu-worker-0", "redis"}
+    for sample in samples:
+        readings = sample["readings"]
+        for role in roles:
+            assert readings[f"role/{role}/rss_bytes"] > 0, (role, readings)
+            assert readings[f"role/{role}/open_files"] > 0
+        # the Celery worker and its pool child
+        assert readings["role/cpu-worker-0/processes"] >= 2
+        assert readings["redis/all/redis_keys"] > 0 and readings["disk/total/disk_bytes"] > 0
+    judged = {v["metric"]: v["verdict"] for v in report["verdicts"]}
+    for role in roles:
+        assert judged[f"role/{role}/rss_bytes"] in ("bounded", "short")
+    assert {"latency/p95/latency_s", "redis/persistent/redis_keys", "disk/blobs/disk_bytes"} <= set(
+        judged
+    )
+    assert not any(name.startswith("redis/all/") for name in judged)
+    assert report["failures"] == [] and report["restarts"] == {}
