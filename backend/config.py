@@ -7,6 +7,7 @@ module receives a validated ``Settings`` (or one of its sub-trees) as an argumen
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
@@ -208,7 +209,7 @@ class ApiSettings(_Strict):
     (``MASKSERVE_API_KEYS``, comma-separated). With no keys configured the API answers 401 to every
     ``/v1`` request (and logs why at start-up) unless ``auth_disabled`` is set explicitly
     (``MASKSERVE_AUTH_DISABLED=1``, for a laptop). ``/healthz``, ``/readyz`` and ``/metrics`` are
-    open.
+    open. Every key is a tenant: its jobs and templates are invisible to every other key (404).
     """
 
     host: str = "127.0.0.1"
@@ -216,17 +217,36 @@ class ApiSettings(_Strict):
     port: int = Field(default=8000, ge=1, le=65535)
     """Listen port (REST, studio, ``/metrics``)."""
     api_keys: tuple[str, ...] = Field(default=(), repr=False)
-    """Keys accepted in ``X-API-Key``, comma-separated. None: every ``/v1`` call is refused unless
+    """Keys accepted in ``X-API-Key``, comma-separated: each a raw key or ``sha256:<64 hex>``, the
+    SHA-256 of a key (``printf %s KEY | sha256sum``), so the raw key need not be in the
+    environment. The server keeps only digests. None: every ``/v1`` call is refused unless
     ``auth_disabled``."""
     users: tuple[str, ...] = Field(default=(), repr=False)
     """Studio logins, ``name:password`` entries, comma-separated; checked by the same auth layer as
     the API keys."""
     auth_disabled: bool = False
     """Turn off API keys and studio logins (a laptop); share links are then refused."""
-    rate_limit_per_minute: int = Field(default=120, ge=0)
-    """Per API key token bucket, shared by every API process through Redis; 0 turns it off."""
-    rate_limit_burst: int = Field(default=20, ge=1)
-    """Requests a key may send at once."""
+    read_rate_per_minute: int = Field(default=240, ge=0)
+    """Reads (GET, event streams) a key may make a minute: a token bucket per key shared by every
+    API process through Redis; 0 turns it off."""
+    read_burst: int = Field(default=40, ge=1)
+    """Reads a key may send at once."""
+    write_rate_per_minute: int = Field(default=60, ge=0)
+    """Writes (POST, DELETE: submissions, uploads, cancels) a key may make a minute, in a bucket
+    apart from its reads; 0 turns it off."""
+    write_burst: int = Field(default=10, ge=1)
+    """Writes a key may send at once."""
+    max_queued_jobs: int = Field(default=32, ge=0)
+    """Jobs of one key (or the studio) that may be unfinished at once (among its newest
+    ``studio.history_limit`` jobs); a submission past it gets 429. 0: no bound."""
+    login_failures_per_minute: int = Field(default=2, ge=0)
+    """Failed studio logins a user name may have from one address a minute, once its burst is
+    spent (then 429 until a try is back); 0 turns the throttle off."""
+    login_failures_burst: int = Field(default=5, ge=1)
+    """Failed studio logins a user name may have from one address in a row."""
+    cors_origins: tuple[str, ...] = ()
+    """Browser origins (``https://app.example``) allowed to call the API cross-origin,
+    comma-separated; empty: none (no CORS headers are sent)."""
     max_body_mb: float = Field(default=32.0, gt=0.0)
     """Largest request body, MB (413 above)."""
     max_template_mb: float = Field(default=16.0, gt=0.0)
@@ -238,12 +258,24 @@ class ApiSettings(_Strict):
     sse_keepalive_s: float = Field(default=15.0, gt=0.0, le=300.0)
     """Seconds between comment lines on an idle event stream."""
 
-    @field_validator("api_keys", "models", "users", mode="before")
+    @field_validator("api_keys", "models", "users", "cors_origins", mode="before")
     @classmethod
     def _comma_separated(cls, value):
         if isinstance(value, str):
             value = value.split(",")
         return tuple(item.strip() for item in value if item and item.strip())
+
+    @field_validator("api_keys")
+    @classmethod
+    def _key_digests(cls, keys):
+        for entry in keys:
+            prefix, _, digest = entry.partition(":")
+            if prefix == "sha256" and not re.fullmatch(r"[0-9a-fA-F]{64}", digest):
+                raise ValueError(
+                    "an api_keys entry starting with 'sha256:' must be followed by the 64 hex "
+                    "digits of a key's SHA-256"
+                )
+        return keys
 
     @field_validator("users")
     @classmethod
@@ -370,6 +402,9 @@ class Settings(_Strict):
     supervisor: SupervisorSettings = SupervisorSettings()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Level of every process's JSON log lines."""
+    metrics_host: str = "127.0.0.1"
+    """Address the worker, CPU-worker and dispatcher ``/metrics`` ports listen on; loopback by
+    default: exposing them (``0.0.0.0``) is a deliberate choice."""
 
 
 # Environment variable -> (section, field). The one place that knows variable names.
@@ -399,8 +434,15 @@ _ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "API_PORT": ("api", "port"),
     "API_KEYS": ("api", "api_keys"),
     "AUTH_DISABLED": ("api", "auth_disabled"),
-    "RATE_LIMIT_PER_MINUTE": ("api", "rate_limit_per_minute"),
-    "RATE_LIMIT_BURST": ("api", "rate_limit_burst"),
+    "READ_RATE_PER_MINUTE": ("api", "read_rate_per_minute"),
+    "READ_BURST": ("api", "read_burst"),
+    "WRITE_RATE_PER_MINUTE": ("api", "write_rate_per_minute"),
+    "WRITE_BURST": ("api", "write_burst"),
+    "MAX_QUEUED_JOBS": ("api", "max_queued_jobs"),
+    "LOGIN_FAILURES_PER_MINUTE": ("api", "login_failures_per_minute"),
+    "LOGIN_FAILURES_BURST": ("api", "login_failures_burst"),
+    "CORS_ORIGINS": ("api", "cors_origins"),
+    "METRICS_HOST": (None, "metrics_host"),
     "MAX_BODY_MB": ("api", "max_body_mb"),
     "MAX_TEMPLATE_MB": ("api", "max_template_mb"),
     "API_MODELS": ("api", "models"),

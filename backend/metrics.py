@@ -54,8 +54,12 @@ def make_registry(collectors: dict[str, Callable[[], dict]]) -> CollectorRegistr
     return registry
 
 
-def serve_metrics(port: int, registry: CollectorRegistry) -> None:
-    """Expose ``/metrics`` on ``port`` (0: do not serve) from a daemon thread."""
-    if port:
-        start_http_server(port, registry=registry)
-        log.info("metrics on http://127.0.0.1:%d/metrics", port)
+def serve_metrics(port: int, registry: CollectorRegistry, host: str = "127.0.0.1"):
+    """Expose ``/metrics`` on ``host:port`` (port 0: do not serve; returns None) from a daemon
+    thread; returns the HTTP server. ``host`` is ``settings.metrics_host``: loopback unless the
+    operator chose otherwise (the library's own default is every interface)."""
+    if not port:
+        return None
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    log.info("metrics on http://%s:%d/metrics", host, port)
+    return server

@@ -4,6 +4,10 @@
 The studio never touches a model: an edit is a ``JobRequest`` like a REST submission, progress is
 the job's own event stream, the result is the job's result file. Problems a user must fix are raised
 as ``StudioError`` with a message saying how (the UI shows it as a warning, never a stack trace).
+
+The studio is one tenant (``owner``: ``security.STUDIO_OWNER``, or the local one with auth
+disabled): its users share its gallery and see none of an API key's templates or jobs, nor an API
+key theirs. Each signed-in user's History is their own (listed for ``security.studio_user``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from backend.api.security import studio_user
 from backend.api.service import JobRequest, JobService, ServiceError, SubmittedJob
 from backend.imaging.masks import MaskError
 from backend.jobstate import TERMINAL
@@ -107,24 +112,34 @@ def _service_call(func, *args, **kwargs):
 
 class StudioActions:
     def __init__(
-        self, service: JobService, templates: TemplateStore, on_submitted=lambda model_id: None
+        self,
+        service: JobService,
+        templates: TemplateStore,
+        owner: str,
+        on_submitted=lambda model_id: None,
     ):
-        """``on_submitted(model_id)`` is called for every accepted edit (the API's metrics count
-        it)."""
+        """``owner``: the tenant the studio acts as. ``on_submitted(model_id)`` is called for every
+        accepted edit (the API's metrics count it)."""
         self.service, self.templates, self.on_submitted = service, templates, on_submitted
+        self.owner = owner
 
     # ----- gallery --------------------------------------------------------------------------------
     def gallery(self, query: str = "", tag: str = "") -> list[TemplateRecord]:
-        return self.templates.list(query=query or "", tag=tag or "")
+        return self.templates.list(self.owner, query=query or "", tag=tag or "")
 
     def template(self, template_id: str) -> TemplateRecord:
         if not template_id:
             raise StudioError("no template selected: pick one in the gallery")
-        return _service_call(self.templates.get, template_id)
+        return _service_call(self.templates.get, template_id, self.owner)
+
+    def image_path(self, template_id: str) -> Path:
+        return _service_call(self.templates.image_path, template_id, self.owner)
+
+    def thumbnail_path(self, template_id: str) -> Path:
+        return _service_call(self.templates.thumbnail_path, template_id, self.owner)
 
     def template_image(self, template_id: str) -> Image.Image:
-        path = _service_call(self.templates.image_path, template_id)
-        with Image.open(path) as image:
+        with Image.open(self.image_path(template_id)) as image:
             return image.convert("RGB")
 
     def upload(
@@ -143,23 +158,23 @@ class StudioActions:
             if (name or "").strip() and len(files) > 1:
                 display = f"{display} {index}"
             try:
-                added.append(self.templates.add(path.read_bytes(), display, tag_list))
+                added.append(self.templates.add(path.read_bytes(), display, self.owner, tag_list))
             except (TemplateError, OSError) as exc:
                 problems.append(f"{path.name}: {exc}")
         return added, problems
 
     def delete(self, template_id: str) -> str:
         record = self.template(template_id)
-        _service_call(self.service.delete_template, template_id)
+        _service_call(self.service.delete_template, template_id, self.owner)
         return record.name
 
     def cache_status(self, template_id: str, model: str = "") -> str:
-        status = _service_call(self.service.cache_status, template_id, model or None)
+        status = _service_call(self.service.cache_status, template_id, self.owner, model or None)
         where = f" ({', '.join(status['workers'])})" if status["workers"] else ""
         return f"{status['status']}{where}"
 
     def prepare(self, template_id: str, model: str = "") -> SubmittedJob:
-        return _service_call(self.service.prepare_template, template_id, model or None)
+        return _service_call(self.service.prepare_template, template_id, self.owner, model or None)
 
     # ----- models ---------------------------------------------------------------------------------
     def models(self) -> list[str]:
@@ -190,7 +205,8 @@ class StudioActions:
         return studio_masks.overlay(template, weights), studio_masks.mask_ratio(weights)
 
     # ----- jobs -----------------------------------------------------------------------------------
-    def submit(self, owner: str, template_id: str, editor_value, form: EditForm) -> SubmittedJob:
+    def submit(self, user: str, template_id: str, editor_value, form: EditForm) -> SubmittedJob:
+        """Queue an edit of the studio's; ``user`` (the signed-in one) finds it in their History."""
         record = self.template(template_id)
         painted = _service_call(
             studio_masks.painted_mask, editor_value, (record.width, record.height)
@@ -208,14 +224,18 @@ class StudioActions:
             seed=form.seed,
             mask_ops=form.mask_ops,
             use_cache=bool(form.use_cache),
-            owner=owner,
+            owner=self.owner,
+            listed_for=studio_user(user),
         )
         submitted = _service_call(self.service.submit, request)
         self.on_submitted(submitted.model_id)
         return submitted
 
+    def job(self, job_id: str) -> dict:
+        return _service_call(self.service.get, job_id, self.owner)
+
     def progress(self, job_id: str) -> Progress:
-        job = _service_call(self.service.get, job_id)
+        job = self.job(job_id)
         return Progress(
             job_id=job_id,
             status=job["status"],
@@ -232,7 +252,9 @@ class StudioActions:
         current = self.progress(job_id)
         yield current
         while not current.finished and time.monotonic() < deadline:
-            entries = _service_call(self.service.events, job_id, cursor, FOLLOW_SLICE_MS)
+            entries = _service_call(
+                self.service.events, job_id, self.owner, cursor, FOLLOW_SLICE_MS
+            )
             if entries:
                 cursor = entries[-1][0]
             latest = self.progress(job_id)
@@ -243,27 +265,30 @@ class StudioActions:
     def cancel(self, job_id: str) -> str:
         if not job_id:
             raise StudioError("no job is running: nothing to cancel")
-        _service_call(self.service.cancel, job_id)
+        _service_call(self.service.cancel, job_id, self.owner)
         return "Cancelled: the job leaves its batch at the next step"
 
     def result_path(self, job_id: str) -> Path:
-        return _service_call(self.service.result_path, job_id)
+        return _service_call(self.service.result_path, job_id, self.owner)
 
     def save_result(self, job_id: str, name: str = "", tags: str = "") -> TemplateRecord:
         """The job's result as a new gallery template (named after the original when no name is
         given)."""
-        job = _service_call(self.service.get, job_id)
+        job = self.job(job_id)
         data = self.result_path(job_id).read_bytes()
         display = (name or "").strip()
         if not display:
             try:
-                display = f"{self.templates.get(job.get('template_id', '')).name} (edited)"
+                original = self.templates.get(job.get("template_id", ""), self.owner)
+                display = f"{original.name} (edited)"
             except TemplateNotFound:
                 display = f"edit {job_id[:8]}"
-        return _service_call(self.templates.add, data, display, split_tags(tags))
+        return _service_call(self.templates.add, data, display, self.owner, split_tags(tags))
 
-    def history(self, owner: str, limit: int = 50) -> list[dict]:
-        return [job for job in self.service.history(owner, limit) if job.get("kind") != "prepare"]
+    def history(self, user: str, limit: int = 50) -> list[dict]:
+        """The signed-in ``user``'s edits, newest first."""
+        jobs = self.service.history(self.owner, limit, listed_for=studio_user(user))
+        return [job for job in jobs if job.get("kind") != "prepare"]
 
     def thumbnail_of(self, job: dict) -> Path | None:
         """The result thumbnail of a job as ``history`` lists it (None until it is done, or

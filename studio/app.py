@@ -283,7 +283,7 @@ class StudioPage(GalleryTab, HistoryTab):
     def _on_canvas(self, template_id: str):
         """(record, the editor value showing the template with nothing painted)."""
         record = self.actions.template(template_id)
-        path = str(self.actions.templates.image_path(record.id))
+        path = str(self.actions.image_path(record.id))
         return record, {"background": path, "layers": [], "composite": path}
 
     @handler(2)
@@ -360,8 +360,8 @@ class StudioPage(GalleryTab, HistoryTab):
         if final is None or final.status != "done":
             return
         result = str(self.actions.result_path(submitted.job_id))
-        original = str(self.actions.templates.image_path(template_id))
-        job = self.actions.service.get(submitted.job_id)
+        original = str(self.actions.image_path(template_id))
+        job = self.actions.job(submitted.job_id)
         timings = job.get("timings", {})
         info = (
             f"**Done.** Seed used: `{submitted.seed}` · model `{submitted.model_id}` · "

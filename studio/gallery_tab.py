@@ -23,7 +23,7 @@ class GalleryTab:
         items, ids = [], []
         for record in self.actions.gallery(query, tag):
             try:
-                items.append((str(self.actions.templates.thumbnail_path(record.id)), record.name))
+                items.append((str(self.actions.thumbnail_path(record.id)), record.name))
             except TemplateNotFound:  # deleted while we listed
                 continue
             ids.append(record.id)

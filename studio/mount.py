@@ -1,8 +1,9 @@
 """Mounts the studio into the API's FastAPI app: one process, one port, one auth layer.
 
-The Gradio login page checks ``Guard.check_login`` (the users in ``MASKSERVE_USERS``), the REST
-routes check the same Guard's API keys; with auth disabled neither asks. ``/`` redirects to the
-studio so a person opening the server's address lands on it.
+The Gradio login page checks ``Guard.check_login`` (the users in ``MASKSERVE_USERS``; failed
+sign-ins throttled by ``studio.login_throttle``), the REST routes check the same Guard's API keys;
+with auth disabled neither asks. The studio acts as one tenant, ``Guard.studio_owner``. ``/``
+redirects to the studio so a person opening the server's address lands on it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from backend.config import Settings
 from studio.actions import StudioActions
 from studio.app import build_studio
 from studio.components import CSS
+from studio.login_throttle import LoginThrottle
 from templates_store.store import TemplateStore
 
 NO_USERS_MESSAGE = (
@@ -41,7 +43,12 @@ def mount_studio(
     path = settings.studio.path
     counted = metrics.jobs_submitted
     page = build_studio(
-        StudioActions(service, templates, lambda model: counted.labels(model, "studio").inc())
+        StudioActions(
+            service,
+            templates,
+            guard.studio_owner,
+            lambda model: counted.labels(model, "studio").inc(),
+        )
     )
     page.queue(default_concurrency_limit=8)
     auth = guard.check_login if guard.login_required else None
@@ -59,6 +66,9 @@ def mount_studio(
         max_file_size=int(settings.api.max_template_mb * 2**20),
         css=CSS,
     )
+
+    if auth:
+        app.add_middleware(LoginThrottle, limiter=guard.logins, login_path=f"{path}/login")
 
     @app.get("/", include_in_schema=False)
     def to_studio() -> RedirectResponse:

@@ -9,8 +9,14 @@ Layout under ``root``::
 Invariants:
 * ids are generated here (uuid4 hex) and validated before any path is built from one, so no id a
   caller passes can name a file outside ``root``; names and tags are display strings, never paths;
+* every record has an ``owner`` (a tenant, ``backend.api.security.Caller.owner``) and every read,
+  listing and delete names one: another owner's record is ``TemplateNotFound`` word for word like
+  an id that never existed, and never listed. A record without an owner (written before owners
+  existed) belongs to nobody: fail closed;
 * content is deduplicated: the same image uploaded twice (even as a JPEG and as a PNG of the same
-  pixels) gives two records that share one content file, which is deleted with its last record;
+  pixels, even by two owners) gives two records that share one content file, which is deleted with
+  its last record. Only records are looked up by callers, never content, so sharing it shows no
+  tenant anything of another's;
 * every file is written atomically (temp file + rename), and a record is written last, so a record
   that can be read always has its image and thumbnail; a crash leaves at most an unreferenced
   content file behind, never a record without one;
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import hmac
 import json
 import logging
 import re
@@ -80,6 +87,7 @@ class TemplateRecord:
     height: int
     bytes: int  # size of the stored PNG
     created_at: float  # seconds since the epoch
+    owner: str = ""  # the tenant that uploaded it; "" (a legacy record): nobody's
 
     def to_dict(self) -> dict:
         return asdict(self) | {"tags": list(self.tags)}
@@ -95,6 +103,7 @@ class TemplateRecord:
             height=int(data["height"]),
             bytes=int(data["bytes"]),
             created_at=float(data["created_at"]),
+            owner=str(data.get("owner", "")),
         )
 
 
@@ -181,8 +190,12 @@ class TemplateStore:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
     # ----- operations -----------------------------------------------------------------------------
-    def add(self, data: bytes, name: str, tags: list[str] | tuple[str, ...] = ()) -> TemplateRecord:
-        """Validate and store one upload. Raises TemplateError (see its ``code``)."""
+    def add(
+        self, data: bytes, name: str, owner: str, tags: list[str] | tuple[str, ...] = ()
+    ) -> TemplateRecord:
+        """Validate and store one upload of ``owner``'s. Raises TemplateError (see its ``code``)."""
+        if not owner:
+            raise ValueError("a template needs an owner")  # a caller's bug, never a user's
         name, tags = clean_name(name), clean_tags(tags)
         if len(data) > self.max_bytes:
             raise TemplateError(
@@ -206,6 +219,7 @@ class TemplateStore:
             height=image.height,
             bytes=len(png),
             created_at=time.time(),
+            owner=owner,
         )
         with self._locked():
             if not self._content_path(sha256).exists():
@@ -215,51 +229,63 @@ class TemplateStore:
             write_atomic(self._record_path(record.id), json.dumps(record.to_dict()).encode())
         return record
 
-    def get(self, template_id: str) -> TemplateRecord:
+    def get(self, template_id: str, owner: str) -> TemplateRecord:
+        """``owner``'s template; TemplateNotFound when it does not exist or is another's."""
         path = self._record_path(template_id)
         try:
-            return TemplateRecord.from_dict(json.loads(path.read_bytes()))
+            record = TemplateRecord.from_dict(json.loads(path.read_bytes()))
         except FileNotFoundError:
             raise TemplateNotFound(template_id) from None
+        # compare_digest: how long the check takes does not say how much of an owner matched
+        if not owner or not hmac.compare_digest(record.owner, owner):
+            raise TemplateNotFound(template_id)
+        return record
 
-    def list(self, query: str = "", tag: str = "") -> list[TemplateRecord]:
-        """Records whose name contains ``query`` (case-insensitive) and that carry ``tag`` (when
-        given), newest first. Unreadable record files are skipped (and logged)."""
+    def list(self, owner: str, query: str = "", tag: str = "") -> list[TemplateRecord]:
+        """``owner``'s records whose name contains ``query`` (case-insensitive) and that carry
+        ``tag`` (when given), newest first."""
         needle = unicodedata.normalize("NFC", query or "").strip().casefold()
         wanted = (tag or "").strip().lower()
+        records = [
+            record
+            for record in self._all_records()
+            if owner
+            and record.owner == owner
+            and (not needle or needle in record.name.casefold())
+            and (not wanted or wanted in record.tags)
+        ]
+        records.sort(key=lambda r: (r.created_at, r.id), reverse=True)
+        return records
+
+    def _all_records(self) -> list[TemplateRecord]:
+        """Every owner's records. Unreadable record files are skipped (and logged)."""
         records = []
         for path in (self.root / "records").glob("*.json"):
             try:
-                record = TemplateRecord.from_dict(json.loads(path.read_bytes()))
+                records.append(TemplateRecord.from_dict(json.loads(path.read_bytes())))
             except FileNotFoundError:
                 continue  # deleted while we listed
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("skipping unreadable template record %s: %s", path.name, exc)
-                continue
-            if needle and needle not in record.name.casefold():
-                continue
-            if wanted and wanted not in record.tags:
-                continue
-            records.append(record)
-        records.sort(key=lambda r: (r.created_at, r.id), reverse=True)
         return records
 
-    def delete(self, template_id: str) -> None:
-        """Remove the record, and its content and thumbnail when no other record shares them."""
-        record = self.get(template_id)
+    def delete(self, template_id: str, owner: str) -> None:
+        """Remove ``owner``'s record, and its content and thumbnail when no other record (of any
+        owner) shares them."""
+        record = self.get(template_id, owner)
         with self._locked():
             self._record_path(template_id).unlink(missing_ok=True)
-            if not any(other.sha256 == record.sha256 for other in self.list()):
+            if not any(other.sha256 == record.sha256 for other in self._all_records()):
                 self._content_path(record.sha256).unlink(missing_ok=True)
                 self._thumb_path(record.sha256).unlink(missing_ok=True)
 
-    def image_path(self, template_id: str) -> Path:
-        """The stored PNG of a template."""
-        return self._existing(self._content_path(self.get(template_id).sha256), template_id)
+    def image_path(self, template_id: str, owner: str) -> Path:
+        """The stored PNG of one of ``owner``'s templates."""
+        return self._existing(self._content_path(self.get(template_id, owner).sha256), template_id)
 
-    def thumbnail_path(self, template_id: str) -> Path:
-        """The WebP thumbnail of a template."""
-        return self._existing(self._thumb_path(self.get(template_id).sha256), template_id)
+    def thumbnail_path(self, template_id: str, owner: str) -> Path:
+        """The WebP thumbnail of one of ``owner``'s templates."""
+        return self._existing(self._thumb_path(self.get(template_id, owner).sha256), template_id)
 
     @staticmethod
     def _existing(path: Path, template_id: str) -> Path:

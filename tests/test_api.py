@@ -51,7 +51,8 @@ def make_settings(redis_url, tmp_path, **api):
         "MASKSERVE_DATA_DIR": str(tmp_path / "data"),
         "MASKSERVE_API_KEYS": f"{KEY},{OTHER_KEY}",
     }
-    return load_settings(env, api={"rate_limit_per_minute": 0, "sse_keepalive_s": 0.2} | api)
+    unlimited = {"read_rate_per_minute": 0, "write_rate_per_minute": 0, "sse_keepalive_s": 0.2}
+    return load_settings(env, api=unlimited | api)
 
 
 @pytest.fixture
@@ -172,7 +173,7 @@ def test_no_keys_configured_fails_closed_unless_auth_disabled(redis_url, redis_c
 
 
 def test_rate_limit_per_key_with_retry_after(redis_url, redis_client, tmp_path):
-    settings = make_settings(redis_url, tmp_path, rate_limit_per_minute=6, rate_limit_burst=3)
+    settings = make_settings(redis_url, tmp_path, read_rate_per_minute=6, read_burst=3)
     with TestClient(
         create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}
     ) as test_client:
@@ -687,13 +688,13 @@ def test_api_settings_from_env():
         {
             "MASKSERVE_API_KEYS": " k1, k2 ,,",
             "MASKSERVE_API_PORT": "9001",
-            "MASKSERVE_RATE_LIMIT_PER_MINUTE": "30",
+            "MASKSERVE_READ_RATE_PER_MINUTE": "30",
             "MASKSERVE_MAX_BODY_MB": "8",
             "MASKSERVE_API_MODELS": "tiny-flux-fill",
         }
     )
     api = settings.api
-    assert api.api_keys == ("k1", "k2") and api.port == 9001 and api.rate_limit_per_minute == 30
+    assert api.api_keys == ("k1", "k2") and api.port == 9001 and api.read_rate_per_minute == 30
     assert api.max_body_mb == 8 and api.models == ("tiny-flux-fill",) and not api.auth_disabled
     # keys never show up in logs of settings
     assert api.host == "127.0.0.1" and "k1" not in repr(settings)
@@ -717,10 +718,11 @@ def test_service_without_http_takes_a_ui_s_float_numbers(client, redis_client, s
     from backend.api.service import JobRequest, ServiceError
 
     service = client.app.state.service  # what the Studio UI calls directly
-    submitted = service.submit(JobRequest(mask=MASK, image=IMAGE, prompt="p", steps=3.0, seed=11.0))
-    assert (submitted.steps, submitted.seed) == (3, 11) and service.get(submitted.job_id)[
-        "seed"
-    ] == 11
+    submitted = service.submit(
+        JobRequest(mask=MASK, image=IMAGE, prompt="p", steps=3.0, seed=11.0, owner="studio")
+    )
+    assert (submitted.steps, submitted.seed) == (3, 11)
+    assert service.get(submitted.job_id, "studio")["seed"] == 11
     with pytest.raises(ServiceError, match="seed must be a whole number") as err:
         service.submit(JobRequest(mask=MASK, image=IMAGE, prompt="p", seed=2.5))
     assert err.value.code == "invalid"

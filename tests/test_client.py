@@ -41,7 +41,8 @@ def api(redis_url, tmp_path):
         "MASKSERVE_DATA_DIR": str(tmp_path / "data"),
         "MASKSERVE_API_KEYS": KEY,
         "MASKSERVE_API_PORT": str(port),
-        "MASKSERVE_RATE_LIMIT_PER_MINUTE": "0",
+        "MASKSERVE_READ_RATE_PER_MINUTE": "0",
+        "MASKSERVE_WRITE_RATE_PER_MINUTE": "0",
     }
     settings = load_settings(env)
     code = (

@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from backend.api.app import create_app
+from backend.api.security import STUDIO_OWNER
 from backend.imaging.uploads import encode_image
 from backend.protocol import JobEvent
 from studio.actions import EditForm, StudioActions, StudioError
@@ -36,7 +37,10 @@ def app(settings, redis_client):
 def actions(app) -> StudioActions:
     counted = app.state.metrics.jobs_submitted
     return StudioActions(
-        app.state.service, app.state.templates, lambda model: counted.labels(model, "studio").inc()
+        app.state.service,
+        app.state.templates,
+        STUDIO_OWNER,
+        lambda model: counted.labels(model, "studio").inc(),
     )
 
 

@@ -17,6 +17,7 @@ import logging
 import anyio
 from fastapi import Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis import Redis
@@ -25,11 +26,16 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.api import routes_jobs, routes_templates
-from backend.api.middleware import ApiMetrics, BodyLimitMiddleware, MetricsMiddleware
+from backend.api.middleware import (
+    ApiMetrics,
+    BodyLimitMiddleware,
+    MetricsMiddleware,
+    SecurityHeadersMiddleware,
+)
 from backend.api.security import (
+    API_KEY_HEADER,
     API_KEY_QUERY,
     Guard,
-    RateLimiter,
     accepts_query_key,
     api_key_header,
 )
@@ -50,6 +56,7 @@ STATUS_BY_CODE = {
     "gone": 410,
     "unsupported_format": 415,
     "too_large": 413,
+    "too_many": 429,
     "unavailable": 503,
 }
 
@@ -163,11 +170,10 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
     app.state.service = JobService(settings, client, celery_app, blobs, templates, jobstate)
     app.state.metrics = metrics
     app.state.sse_limiter = anyio.CapacityLimiter(MAX_EVENT_STREAMS)
-    limiter = RateLimiter(client, settings.api.rate_limit_per_minute, settings.api.rate_limit_burst)
-    guard = Guard(settings.api, limiter, on_limited=metrics.rate_limited.inc)
+    guard = Guard(settings.api, client, on_limited=metrics.rate_limited.inc)
 
     def require_api_key(request: Request, api_key: str | None = Security(api_key_header)) -> None:
-        # the caller's identity owns the jobs it submits (its history: GET /v1/jobs)
+        # the caller owns the jobs and templates it creates; only it sees them
         request.state.caller = guard.check(
             request, api_key, request.query_params.get(API_KEY_QUERY), accepts_query_key(request)
         )
@@ -184,5 +190,22 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
         mount_studio(app, app.state.service, templates, guard, settings, metrics)
     # the last added runs first: metrics see every response, the body limit's 413s included
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(settings.api.max_body_mb * MB))
+    _add_cors(app, settings)
+    app.add_middleware(SecurityHeadersMiddleware)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
+
+
+def _add_cors(app: FastAPI, settings: Settings) -> None:
+    """Cross-origin calls only from ``api.cors_origins`` (none by default: then no CORS headers at
+    all, so a browser page of another origin cannot read any response). No credentials: the key is
+    a header the page sends itself, never a cookie the browser adds."""
+    if settings.api.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.api.cors_origins),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=[API_KEY_HEADER, "Content-Type", "Last-Event-ID"],
+            expose_headers=["Location", "Retry-After"],
+            allow_credentials=False,
+        )

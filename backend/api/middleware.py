@@ -1,4 +1,4 @@
-"""ASGI middleware of the API: the request body limit and request metrics.
+"""ASGI middleware of the API: the request body limit, security headers and request metrics.
 
 Both are plain ASGI (not ``BaseHTTPMiddleware``), so a streamed response (the event stream) passes
 through untouched and no body is buffered here.
@@ -81,6 +81,51 @@ class BodyLimitMiddleware:
         start, body = _error_response(413, self.message, [(b"connection", b"close")])
         await send(start)
         await send(body)
+
+
+# on every response: no MIME sniffing, never framed (clickjacking), no URL (ids) sent to other sites
+SECURITY_HEADERS = (
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"content-security-policy", b"frame-ancestors 'none'"),
+    (b"referrer-policy", b"no-referrer"),
+)
+NO_STORE = (b"cache-control", b"no-store")
+JOB_DATA_PREFIX = "/v1/jobs"
+
+
+class SecurityHeadersMiddleware:
+    """Adds ``SECURITY_HEADERS`` to every response (the studio's and ``/docs`` too: neither is meant
+    to be framed, and the CSP names only ``frame-ancestors``, so their scripts load as before).
+
+    Job data (``/v1/jobs...``: records, results, events) is ``Cache-Control: no-store``, whatever
+    the route said: no shared or browser cache keeps one tenant's results. Other ``/v1`` responses
+    get ``no-store`` unless the route chose a policy (template images: ``private``)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        job_data, api = path.startswith(JOB_DATA_PREFIX), path.startswith("/v1/")
+
+        async def with_headers(message):
+            if message["type"] == "http.response.start":
+                headers = [
+                    (name, value)
+                    for name, value in message.get("headers", [])
+                    if not (job_data and name.lower() == NO_STORE[0])
+                ]
+                has_cache = any(name.lower() == NO_STORE[0] for name, _ in headers)
+                headers += SECURITY_HEADERS
+                if (job_data or api) and not has_cache:
+                    headers.append(NO_STORE)
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
 
 
 class ApiMetrics:

@@ -1,6 +1,8 @@
 """``/v1/jobs``: submit an edit, read its state, follow its events, fetch its result, cancel it.
 
-Every route is about ONE job: there is no global progress and no global interrupt.
+Every route is about ONE job: there is no global progress and no global interrupt. Every job
+belongs to the key that submitted it (``request.state.caller.owner``): another key gets 404, like
+for an id that never existed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ BLOCK_SLICE_MS = 1000  # longest single blocking read of a job's events
 
 def _service(request: Request) -> JobService:
     return request.app.state.service
+
+
+def _owner(request: Request) -> str:
+    return request.state.caller.owner
 
 
 def job_links(job_id: str, done: bool = False) -> dict:
@@ -81,7 +87,7 @@ def submit_job(
         ),
         resolution=resolution,
         use_cache=use_cache,
-        owner=request.state.caller,
+        owner=_owner(request),
     )
     submitted = _service(request).submit(job_request)
     request.app.state.metrics.jobs_submitted.labels(submitted.model_id, "rest").inc()
@@ -100,13 +106,13 @@ def submit_job(
 def list_jobs(
     request: Request, limit: int = Query(50, ge=1, le=500, description="At most this many")
 ) -> dict:
-    jobs = _service(request).history(request.state.caller, limit)
+    jobs = _service(request).history(_owner(request), limit)
     return {"jobs": [job | job_links(job["job_id"], done=job["status"] == "done") for job in jobs]}
 
 
 @router.get("/{job_id}", summary="A job's status, step, seed, timings and links")
 def get_job(request: Request, job_id: str) -> dict:
-    job = _service(request).get(job_id)
+    job = _service(request).get(job_id, _owner(request))
     return job | job_links(job_id, done=job["status"] == "done")
 
 
@@ -116,11 +122,11 @@ def get_job(request: Request, job_id: str) -> dict:
     response_class=FileResponse,
 )
 def job_result(request: Request, job_id: str, thumbnail: bool = Query(False)) -> FileResponse:
-    service = _service(request)
+    service, owner = _service(request), _owner(request)
     if thumbnail:
-        return FileResponse(service.thumbnail_path(job_id), media_type="image/webp")
+        return FileResponse(service.thumbnail_path(job_id, owner), media_type="image/webp")
     return FileResponse(
-        service.result_path(job_id),
+        service.result_path(job_id, owner),
         media_type="image/png",
         filename=f"{job_id}.png",
         content_disposition_type="inline",
@@ -132,7 +138,7 @@ def job_result(request: Request, job_id: str, thumbnail: bool = Query(False)) ->
     summary="Cancel a job (queued: dropped; running: leaves its batch at the next step)",
 )
 def cancel_job(request: Request, job_id: str) -> dict:
-    return {"job_id": job_id, **_service(request).cancel(job_id)}
+    return {"job_id": job_id, **_service(request).cancel(job_id, _owner(request))}
 
 
 # the one route that takes the key as ?api_key= too: a browser's EventSource cannot send headers
@@ -153,17 +159,17 @@ async def job_events(
     new ones as they happen; the stream ends after a terminal status (done, failed, cancelled).
     Each message: ``id`` = the event id, ``data`` = the event as JSON. Comment lines keep an idle
     connection open."""
-    service, app_state = _service(request), request.app.state
+    service, app_state, owner = _service(request), request.app.state, _owner(request)
     start = last_event_id or after or "0"
-    await _run(app_state, service.get, job_id)  # 404 before the stream starts
-    first = await _run(app_state, service.events, job_id, start, None)  # validates ``start`` too
+    # 404 before the stream starts (another owner's job too); validates ``start`` too
+    first = await _run(app_state, service.events, job_id, owner, start, None)
     stream = _event_stream(
         app_state, service, job_id, start, first, app_state.settings.api.sse_keepalive_s
     )
     return StreamingResponse(
         stream,
         media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
     )
 
 
@@ -180,7 +186,8 @@ async def _event_stream(
 ) -> AsyncIterator[str]:
     """Blocking reads are sliced (``BLOCK_SLICE_MS``): a Redis client's socket timeout (5 s by
     default in redis-py) must never cut a read short, and an idle stream notices within a slice when
-    its job ended without a further event (expired, or finished at or before ``cursor``)."""
+    its job ended without a further event (expired, or finished at or before ``cursor``). The job's
+    owner was checked before the stream started, so it reads the job state directly."""
     yield f"retry: {SSE_RETRY_MS}\n\n"
     last_sent = time.monotonic()
     while True:
@@ -193,7 +200,8 @@ async def _event_stream(
         if not entries:
             status = await _run(app_state, service.jobstate.status, job_id)
             if status is None or status in TERMINAL:
-                for event_id, event in await _run(app_state, service.events, job_id, cursor, None):
+                late = await _run(app_state, service.jobstate.events, job_id, cursor, None)
+                for event_id, event in late:
                     # a terminal event that came after our read
                     yield _message(job_id, event_id, event)
                 return
@@ -201,7 +209,7 @@ async def _event_stream(
                 yield ": keep-alive\n\n"
                 last_sent = time.monotonic()
         block_ms = max(1, min(BLOCK_SLICE_MS, int(keepalive_s * 1000)))
-        entries = await _run(app_state, service.events, job_id, cursor, block_ms)
+        entries = await _run(app_state, service.jobstate.events, job_id, cursor, block_ms)
 
 
 def _message(job_id: str, event_id: str, event: dict) -> str:

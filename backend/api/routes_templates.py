@@ -1,4 +1,7 @@
-"""``/v1/templates``: the template gallery over REST (storage: ``templates_store.store``)."""
+"""``/v1/templates``: the template gallery over REST (storage: ``templates_store.store``).
+
+Every template belongs to the key that uploaded it (``request.state.caller.owner``): every route
+names that owner, so another key's template is a 404 like an id that never existed."""
 
 from __future__ import annotations
 
@@ -14,6 +17,10 @@ router = APIRouter(prefix="/v1/templates", tags=["templates"])
 
 def _store(request: Request) -> TemplateStore:
     return request.app.state.templates
+
+
+def _owner(request: Request) -> str:
+    return request.state.caller.owner
 
 
 def template_view(record: TemplateRecord) -> dict:
@@ -34,7 +41,7 @@ def upload_template(
 ) -> dict:
     data = file.file.read()
     display = name if name is not None else Path(file.filename or "").stem or "untitled"
-    record = _store(request).add(data, display, split_tags(tags))
+    record = _store(request).add(data, display, _owner(request), split_tags(tags))
     return template_view(record)
 
 
@@ -44,24 +51,25 @@ def list_templates(
     query: str = Query("", description="Name contains (case-insensitive)"),
     tag: str = Query("", description="Only templates with this tag"),
 ) -> dict:
-    return {"templates": [template_view(r) for r in _store(request).list(query=query, tag=tag)]}
+    records = _store(request).list(_owner(request), query=query, tag=tag)
+    return {"templates": [template_view(record) for record in records]}
 
 
 @router.get("/{template_id}", summary="One template's record")
 def get_template(request: Request, template_id: str) -> dict:
-    return template_view(_store(request).get(template_id))
+    return template_view(_store(request).get(template_id, _owner(request)))
 
 
 @router.delete("/{template_id}", status_code=204, summary="Delete a template")
 def delete_template(request: Request, template_id: str) -> Response:
-    request.app.state.service.delete_template(template_id)
+    request.app.state.service.delete_template(template_id, _owner(request))
     return Response(status_code=204)
 
 
 @router.get("/{template_id}/image", summary="The template image (PNG)", response_class=FileResponse)
 def template_image(request: Request, template_id: str) -> FileResponse:
     return FileResponse(
-        _store(request).image_path(template_id),
+        _store(request).image_path(template_id, _owner(request)),
         media_type="image/png",
         headers={"Cache-Control": "private, max-age=86400"},
     )
@@ -72,7 +80,7 @@ def template_image(request: Request, template_id: str) -> FileResponse:
 )
 def template_thumbnail(request: Request, template_id: str) -> FileResponse:
     return FileResponse(
-        _store(request).thumbnail_path(template_id),
+        _store(request).thumbnail_path(template_id, _owner(request)),
         media_type="image/webp",
         headers={"Cache-Control": "private, max-age=86400"},
     )
@@ -90,7 +98,9 @@ def prepare_template(
     steps: int | None = Form(None, description="Steps the edits will use (default: the model's)"),
     resolution: int = Form(0, description="Resolution bucket side; 0: the model's default"),
 ) -> JSONResponse:
-    submitted = request.app.state.service.prepare_template(template_id, model, steps, resolution)
+    submitted = request.app.state.service.prepare_template(
+        template_id, _owner(request), model, steps, resolution
+    )
     body = {
         "job_id": submitted.job_id,
         "model": submitted.model_id,
@@ -108,4 +118,4 @@ def template_cache(
     template_id: str,
     model: str | None = Query(None, description="Model id (default: the server's model)"),
 ) -> dict:
-    return request.app.state.service.cache_status(template_id, model)
+    return request.app.state.service.cache_status(template_id, _owner(request), model)

@@ -10,6 +10,10 @@ Invariants:
   queue, so the pre task never meets a job it does not know;
 * the seed a job runs with is chosen here when the caller gives none, stored with the job and
   returned, so every result can be reproduced;
+* every read, result and cancel names the caller (``owner``): a job is found only by the owner
+  recorded with it at submission, so another tenant gets the same ``not_found`` as for an id that
+  never existed (ids are not confirmed);
+* an owner has at most ``api.max_queued_jobs`` unfinished jobs (``too_many``, 429);
 * cancel never touches another job: it records a terminal ``cancelled`` event for that job (the
   pre task, the dispatcher and post-processing skip cancelled jobs), and a job on a worker also
   gets a ``CancelJob`` in that worker's inbox, so the worker drops it at its next step.
@@ -17,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hmac
 import math
 import re
 import secrets
@@ -37,8 +42,9 @@ from backend.imaging.uploads import UploadError, decode_image, process_mask
 from backend.imaging.uploads import _validate_ops as validate_mask_ops
 from backend.jobstate import TERMINAL, JobNotFound, JobStateStore
 from backend.models import UnknownModelError, known_model_ids, resolve_model
-from backend.protocol import CancelJob, EditJob, JobEvent, MaskOps
+from backend.protocol import CancelJob, EditJob, JobEvent, MaskOps, to_text
 from backend.protocol.heartbeats import queue_position, read_heartbeat
+from backend.protocol.keys import job_key
 from backend.tasks.celery_app import submit_edit
 from backend.worker.redis_inbox import send_to_inbox
 from templates_store.store import TemplateNotFound, TemplateStore, upload_error_code
@@ -83,8 +89,10 @@ class JobRequest:
     mask_ops: MaskOps = field(default_factory=MaskOps)
     resolution: int = 0  # 0: the model's default resolution bucket
     use_cache: bool = True
-    # who submitted it (a studio user, or an API key's identity): their history lists it
+    # the tenant that owns it (``backend.api.security.Caller.owner``): only it can see the job
     owner: str = ""
+    # whose history lists it (a studio user within the studio's tenant); empty: the owner's
+    listed_for: str = ""
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,7 @@ class JobService:
 
     # ----- submit ---------------------------------------------------------------------------------
     def submit(self, request: JobRequest) -> SubmittedJob:
+        self._check_queued(request.owner)
         spec = self._model(request.model or self.settings.engine.model_id)
         steps = spec.default_steps if request.steps is None else request.steps
         guidance = spec.default_guidance if request.guidance is None else request.guidance
@@ -138,7 +147,7 @@ class JobService:
         # a UI's number widget gives floats
         steps, seed = _whole("steps", steps), _whole("seed", seed)
         self._check_numbers(request, steps, guidance, seed)
-        template_ref, image_size = self._template(request)
+        template_ref, image_size = self._template(request, request.owner)
         mask_ref = self._mask(request, image_size)
         job_id = uuid.uuid4().hex
         job = EditJob(
@@ -175,14 +184,16 @@ class JobService:
             height=image_size[1],
             template_ref=template_ref,
             mask_ref=mask_ref,
+            owner=request.owner,
         )  # the refs keep these blobs from the janitor while the job runs
-        self.history_index.add(request.owner, job_id, job.submitted_at)
+        self.history_index.add(request.listed_for or request.owner, job_id, job.submitted_at)
         self._queue(job)
         return SubmittedJob(job_id=job_id, seed=seed, model_id=spec.model_id, steps=steps)
 
     def prepare_template(
         self,
         template_id: str,
+        owner: str,
         model: str | None = None,
         steps: int | None = None,
         resolution: int = 0,
@@ -194,15 +205,13 @@ class JobService:
         spec = self._model(model or self.settings.engine.model_id)
         steps = _whole("steps", spec.default_steps if steps is None else steps)
         _check_range("steps", steps, 1, MAX_STEPS)
-        try:
-            record = self.templates.get(template_id)
-        except TemplateNotFound as exc:
-            raise ServiceError(str(exc), "not_found") from None
+        record = self._owned_template(template_id, owner)
+        self._check_queued(owner)
         job_id = uuid.uuid4().hex
         job = EditJob(
             job_id=job_id,
             model_id=spec.model_id,
-            template_ref=self._template_blob(template_id, record),
+            template_ref=self._template_blob(record),
             mask_ref="",
             prompt="",
             seed=0,
@@ -221,28 +230,52 @@ class JobService:
             steps=steps,
             resolution=resolution,
             template_ref=job.template_ref,
+            owner=owner,
         )
+        self.history_index.add(owner, job_id, job.submitted_at)
         record_prepare_job(self.client, template_id, spec.model_id, job_id)
         self._queue(job)
         return SubmittedJob(job_id=job_id, seed=0, model_id=spec.model_id, steps=steps)
 
-    def delete_template(self, template_id: str) -> None:
-        """Delete a gallery template and forget its cache status. Raises TemplateNotFound."""
+    def delete_template(self, template_id: str, owner: str) -> None:
+        """Delete one of ``owner``'s templates and forget its cache status. Raises
+        TemplateNotFound."""
         from backend.cachestatus import forget
 
-        self.templates.delete(template_id)
+        self.templates.delete(template_id, owner)
         forget(self.client, template_id)
 
-    def cache_status(self, template_id: str, model: str | None = None) -> dict:
+    def cache_status(self, template_id: str, owner: str, model: str | None = None) -> dict:
         """Where the template's cache for ``model`` is: not prepared, preparing, on disk, in RAM."""
         from backend.cachestatus import cache_status
 
         spec = self._model(model or self.settings.engine.model_id)
+        self._owned_template(template_id, owner)
+        return cache_status(self.client, template_id, spec.model_id)
+
+    def _owned_template(self, template_id: str, owner: str):
         try:
-            self.templates.get(template_id)
+            return self.templates.get(template_id, owner)
         except TemplateNotFound as exc:
             raise ServiceError(str(exc), "not_found") from None
-        return cache_status(self.client, template_id, spec.model_id)
+
+    def _check_queued(self, owner: str) -> None:
+        """``too_many`` when ``owner`` already has ``max_queued_jobs`` unfinished jobs (counted
+        among its newest ``history_limit`` jobs: the ones its history index holds)."""
+        bound = self.settings.api.max_queued_jobs
+        if not bound or not owner:
+            return
+        with self.client.pipeline(transaction=False) as pipe:
+            for job_id in self.history_index.job_ids(owner):
+                pipe.hget(job_key(job_id), "status")
+            statuses = [to_text(status) for status in pipe.execute() if status is not None]
+        queued = sum(1 for status in statuses if status not in TERMINAL)
+        if queued >= bound:
+            raise ServiceError(
+                f"{queued} of your jobs are queued or running, the bound is {bound}: wait for some "
+                "to finish (or cancel some) before submitting more",
+                "too_many",
+            )
 
     def _queue(self, job: EditJob) -> None:
         try:
@@ -308,7 +341,7 @@ class JobService:
         except MaskError as exc:
             raise ServiceError(str(exc)) from None
 
-    def _template(self, request: JobRequest) -> tuple[str, tuple[int, int]]:
+    def _template(self, request: JobRequest, owner: str) -> tuple[str, tuple[int, int]]:
         """(blob ref of the template image, its (width, height))."""
         if (request.template_id is None) == (request.image is None):
             raise ServiceError(
@@ -316,21 +349,18 @@ class JobService:
             )
         limit = self.settings.celery.max_upload_pixels
         if request.template_id is not None:
-            try:
-                record = self.templates.get(request.template_id)
-            except TemplateNotFound as exc:
-                raise ServiceError(str(exc), "not_found") from None
+            record = self._owned_template(request.template_id, owner)
             if record.width * record.height > limit:
                 raise ServiceError(
                     f"template is {record.width}x{record.height}, over this deployment's limit of "
                     f"{limit / 1e6:.1f} MP: upload a smaller template",
                     "too_large",
                 )
-            return self._template_blob(request.template_id, record), (record.width, record.height)
+            return self._template_blob(record), (record.width, record.height)
         image = self._decode(request.image, "image")
         return self.blobs.put_content("uploads", request.image, ".img"), image.size
 
-    def _template_blob(self, template_id: str, record) -> str:
+    def _template_blob(self, record) -> str:
         """The template's PNG as an ``uploads`` blob, named by its content hash like ``put_content``
         names it: copied once, shared by every job that edits this template."""
         ref = self.blobs.ref("uploads", record.sha256[:32] + ".png")
@@ -339,9 +369,9 @@ class JobService:
             self.blobs.touch(ref)
         except FileNotFoundError:
             try:
-                data = self.templates.image_path(template_id).read_bytes()
+                data = self.templates.image_path(record.id, record.owner).read_bytes()
             except (TemplateNotFound, FileNotFoundError):
-                raise ServiceError(str(TemplateNotFound(template_id)), "not_found") from None
+                raise ServiceError(str(TemplateNotFound(record.id)), "not_found") from None
             self.blobs.put_content("uploads", data, ".png")
         return ref
 
@@ -360,12 +390,16 @@ class JobService:
             raise ServiceError(str(exc), upload_error_code(exc)) from None
 
     # ----- read -----------------------------------------------------------------------------------
-    def get(self, job_id: str) -> dict:
-        """The job as stored (``protocol.JobRecord.as_dict``), with its place in its worker's queue
-        while it waits there (``queue_position``: 1 = next; None while on its way)."""
+    def get(self, job_id: str, owner: str) -> dict:
+        """``owner``'s job as stored (``protocol.JobRecord.as_dict``), with its place in its
+        worker's queue while it waits there (``queue_position``: 1 = next; None while on its way).
+        Another owner's job is ``not_found``, word for word like one that never existed."""
         try:
             job = self.jobstate.get(self._job_id(job_id))
         except JobNotFound:
+            job = None
+        # compare_digest: how long the check takes does not say how much of an owner matched
+        if job is None or not owner or not hmac.compare_digest(job["owner"], owner):
             raise ServiceError(
                 f"no job with id {job_id!r} (never submitted, or expired)", "not_found"
             ) from None
@@ -374,22 +408,24 @@ class JobService:
             job["queue_position"] = queue_position(beat, job["job_id"])
         return job
 
-    def history(self, owner: str, limit: int | None = None) -> list[dict]:
-        """The owner's jobs, newest first, as ``get`` gives them; jobs whose state expired are
-        skipped."""
+    def history(self, owner: str, limit: int | None = None, listed_for: str = "") -> list[dict]:
+        """The jobs listed for ``listed_for`` (default: the owner), newest first, as ``get`` gives
+        them; jobs whose state expired are skipped."""
+        listed_for = listed_for or owner
         jobs = []
-        for job_id in self.history_index.job_ids(owner, limit):
+        for job_id in self.history_index.job_ids(listed_for, limit):
             try:
-                jobs.append(self.get(job_id))
+                jobs.append(self.get(job_id, owner))
             except ServiceError:  # expired: its state is gone
-                self.history_index.forget(owner, job_id)
+                self.history_index.forget(listed_for, job_id)
         return jobs
 
     def events(
-        self, job_id: str, after: str = "0", block_ms: int | None = None
+        self, job_id: str, owner: str, after: str = "0", block_ms: int | None = None
     ) -> list[tuple[str, dict]]:
-        """(event id, event) of one job after ``after``, waiting up to ``block_ms`` for the
-        first."""
+        """(event id, event) of one of ``owner``'s jobs after ``after``, waiting up to
+        ``block_ms`` for the first."""
+        self.get(job_id, owner)
         if not _EVENT_ID.match(after or ""):
             raise ServiceError(
                 f"event id {after[:40]!r} is not a stream id: use one like 1700000000000-0, or 0 "
@@ -397,14 +433,14 @@ class JobService:
             )
         return self.jobstate.events(self._job_id(job_id), after, block_ms)
 
-    def result_path(self, job_id: str) -> Path:
-        return self._finished_file(job_id, "result_ref", "result")
+    def result_path(self, job_id: str, owner: str) -> Path:
+        return self._finished_file(job_id, owner, "result_ref", "result")
 
-    def thumbnail_path(self, job_id: str) -> Path:
-        return self._finished_file(job_id, "thumbnail_ref", "thumbnail")
+    def thumbnail_path(self, job_id: str, owner: str) -> Path:
+        return self._finished_file(job_id, owner, "thumbnail_ref", "thumbnail")
 
-    def _finished_file(self, job_id: str, field_name: str, what: str) -> Path:
-        job = self.get(job_id)
+    def _finished_file(self, job_id: str, owner: str, field_name: str, what: str) -> Path:
+        job = self.get(job_id, owner)
         status = job["status"]
         if job.get("kind") == "prepare":
             raise ServiceError(
@@ -450,16 +486,16 @@ class JobService:
         return job_id
 
     # ----- cancel ---------------------------------------------------------------------------------
-    def cancel(self, job_id: str) -> dict:
-        """Cancel one job: ``{"status": "cancelled", "worker_notified": bool}``. ServiceError
-        ``conflict`` when it had already finished.
+    def cancel(self, job_id: str, owner: str) -> dict:
+        """Cancel one of ``owner``'s jobs: ``{"status": "cancelled", "worker_notified": bool}``.
+        ServiceError ``conflict`` when it had already finished.
 
         The ``cancelled`` event is recorded at once in every case (terminal, so the pre task, the
         dispatcher and post-processing all skip the job, and its event stream ends). A job that is
         on a worker (``waiting``/``running`` with a ``worker_id``) also gets a ``CancelJob`` in that
         worker's inbox: the worker drops the row at its next step. Recording the event here as well
         keeps a cancel from being lost when that worker dies and the job is routed again."""
-        job = self.get(job_id)
+        job = self.get(job_id, owner)
         status, worker_id = job["status"], job.get("worker_id", "")
         if status in TERMINAL:
             raise ServiceError(

@@ -52,6 +52,7 @@ class JobRecord:
     height: int = 0
     template_ref: str = ""  # the refs keep these blobs from the janitor while the job runs
     mask_ref: str = ""
+    owner: str = ""  # the submitting tenant, a digest (api.security.Caller): only it sees it
     redeliveries: int = 0  # deliveries again after a lost worker (bounded; docs/design/delivery.md)
     denoised: int = 0  # denoises handed to post-processing: 1 when done, never more
 
