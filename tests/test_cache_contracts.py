@@ -9,7 +9,6 @@ RAM, from disk.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 from pathlib import Path
@@ -20,13 +19,16 @@ import torch
 from backend.cache import MemoryTemplateCache, TieredActivationCache
 from backend.engine import cache_store
 from backend.engine.cache_store import (
+    DISK_ERRORS,
     MANIFEST,
     CacheCorruptError,
     CacheKey,
     CacheMismatchError,
     CacheWriter,
     TemplateCache,
+    WriteBudget,
 )
+from tests.test_cache_disk_full import file_size_limit
 
 NUM_STEPS, NUM_UNITS, HALVES = 3, 2, 2
 
@@ -74,7 +76,8 @@ def write_plain(root: Path) -> Path:
 
 def write_through_the_tiered_cache(root: Path) -> Path:
     tiered = TieredActivationCache(root, 1 << 30, 1 << 30)
-    writer = tiered.writer(make_key(), NUM_UNITS, HALVES, torch.float32)
+    latent_bytes = 4 * 2 * 2 * 4  # one step's latents (``recorded_tensors``): 4x2x2 float32
+    writer = tiered.writer(make_key(), NUM_UNITS, HALVES, torch.float32, NUM_STEPS, latent_bytes)
     fill(writer)
     entry = tiered.commit(writer)
     tiered.close()
@@ -182,24 +185,26 @@ def test_a_missing_file_makes_the_entry_unreadable(reader, tmp_path):
         READERS[reader](path)
 
 
-@pytest.mark.parametrize("stop_on_disk_error", [False, True])
-def test_a_disk_error_while_writing_is_raised_or_ends_the_recording(
-    stop_on_disk_error, tmp_path, monkeypatch
-):
-    writer = CacheWriter(tmp_path, make_key(), NUM_UNITS, HALVES, torch.float32, stop_on_disk_error)
-
-    def disk_full(tensors, filename):
-        raise OSError(errno.ENOSPC, "No space left on device", filename)
-
-    monkeypatch.setattr(cache_store, "save_file", disk_full)
-    if not stop_on_disk_error:
-        with pytest.raises(OSError):
-            fill(writer)
-        writer.abort()
-    else:
-        fill(writer)  # every later write is skipped
-        assert writer.failed is not None and writer.failed.errno == errno.ENOSPC
-    assert list(tmp_path.iterdir()) == []  # the temporary directory is gone either way
+@pytest.mark.parametrize("with_budget", [False, True])
+def test_a_disk_error_while_writing_is_raised_or_ends_the_recording(with_budget, tmp_path):
+    """A real failing write (the kernel's EFBIG past RLIMIT_FSIZE): raised by a plain writer; with
+    a budget it ends the recording, which releases the budget once with the error."""
+    released: list[Exception | None] = []
+    budget = WriteBudget(NUM_STEPS, 64, reserve=lambda size: True, release=released.append)
+    writer = CacheWriter(
+        tmp_path, make_key(), NUM_UNITS, HALVES, torch.float32, budget if with_budget else None
+    )
+    with file_size_limit(64):  # every step file is larger
+        if not with_budget:
+            with pytest.raises(DISK_ERRORS, match="too large"):
+                fill(writer)
+            writer.abort()
+        else:
+            fill(writer)  # every later write is skipped
+    if with_budget:
+        assert isinstance(writer.failed, DISK_ERRORS) and "too large" in str(writer.failed)
+        assert released == [writer.failed]
+    assert list(tmp_path.iterdir()) == []  # the partial directory is gone either way
 
 
 def test_a_recording_that_misses_what_its_mode_reads_is_refused(tmp_path):

@@ -136,6 +136,10 @@ class CacheMetrics:
     disk_evictions: int = 0
     corrupt_entries: int = 0
     store_failures: int = 0
+    record_failures: int = 0  # recordings ended by a disk error (ENOSPC, EFBIG, EIO...)
+    records_skipped: int = 0  # recordings not started: no room in the disk budget
+    partials_removed: int = 0  # partial recordings of gone processes removed at start-up
+    partial_bytes_removed: int = 0
     prefetches: int = 0
     prefetch_uses: int = 0
     prefetch_lead_s: deque[float] = field(default_factory=lambda: deque(maxlen=LEAD_WINDOW))
@@ -171,6 +175,41 @@ class CacheMetrics:
         out["prefetch_lead_s_p50"] = leads[len(leads) // 2] if leads else None
         out["prefetch_lead_s_mean"] = sum(leads) / len(leads) if leads else None
         return out
+
+
+@dataclass(frozen=True)
+class DiskBudget:
+    """The disk tier's budget and why (logged at start-up)."""
+
+    budget_bytes: int
+    reason: str
+
+
+def choose_disk_budget(
+    configured_bytes: int | None, free_share: float, free_bytes: int, held_bytes: int
+) -> DiskBudget:
+    """The disk tier's budget: ``configured_bytes`` when set (an explicit budget wins, even above
+    what the file system has: the reason says so), else ``free_share`` of the room the cache can
+    have, the free space plus what its entries already hold (``held_bytes``). The automatic budget
+    never exceeds that room, so recordings are skipped before the file system fills."""
+    if not 0.0 < free_share <= 1.0:
+        raise ValueError(f"disk_free_share must be in (0, 1], got {free_share}")
+    if configured_bytes is not None and configured_bytes < 0:
+        raise ValueError("the disk budget must be >= 0 bytes")
+    room = max(free_bytes, 0) + max(held_bytes, 0)
+    if configured_bytes is not None:
+        note = (
+            f"; above the {room} bytes free or held by the cache: a write that finds the disk full "
+            "makes its row compute without the cache"
+            if configured_bytes > room
+            else ""
+        )
+        return DiskBudget(configured_bytes, f"configured {configured_bytes} bytes{note}")
+    budget = int(free_share * room)
+    return DiskBudget(
+        budget,
+        f"auto: {free_share:g} of {room} bytes ({free_bytes} free + {held_bytes} held by entries)",
+    )
 
 
 class CacheManager:
@@ -219,6 +258,15 @@ class CacheManager:
 
     def resident(self, tier: Tier) -> list[str]:
         return [e.entry_id for e in self._entries.values() if e.resident(tier)]
+
+    def known(self, entry_id: str) -> bool:
+        """Whether ``entry_id`` is resident somewhere or has a store in flight."""
+        return entry_id in self._entries
+
+    def storing(self, entry_id: str) -> bool:
+        """Whether ``entry_id`` has a store in flight."""
+        entry = self._entries.get(entry_id)
+        return entry is not None and bool(entry.storing)
 
     # ----- other processes sharing the disk tier ---------------------------------------------
     def touch(self, entry_id: str) -> None:
@@ -355,6 +403,40 @@ class CacheManager:
             )
         else:
             self.metrics.store_failures += 1
+            self._remove(entry)
+
+    def settle_store(self, entry_id: str, size_bytes: int) -> StorePlan:
+        """A store in flight turned out ``size_bytes`` (a recording reserves an upper bound before
+        its first byte): its reservation becomes that size, evicting if it grew. ``ok=False``: it
+        cannot fit even after evicting every unpinned entry; the entry is forgotten (counted as a
+        store failure). Then ``complete_store`` as usual."""
+        entry = self._entries.get(entry_id)
+        if entry is None or not entry.storing:
+            raise ValueError(f"cache entry {entry_id} has no store in flight to settle")
+        tiers = entry.storing
+        self._update(entry, storing=Tier(0))  # give the reservation back, then take the new size
+        entry.size_bytes = size_bytes
+        for one in (Tier.DISK, Tier.RAM):
+            if one in tiers and not self._can_fit(one, size_bytes):
+                self.metrics.store_failures += 1
+                del self._entries[entry_id]
+                reason = (
+                    f"{size_bytes} bytes do not fit the {one.name} budget of "
+                    f"{self.budget_bytes[one]} bytes even after evicting every unpinned entry"
+                )
+                return StorePlan(entry_id, size_bytes, tiers, ok=False, reason=reason)
+        self._update(entry, storing=tiers)
+        evictions: list[Eviction] = []
+        for one in (Tier.DISK, Tier.RAM):
+            if one in tiers:
+                self._make_room(one, evictions, keep=entry_id)
+        return StorePlan(entry_id, size_bytes, tiers, ok=True, evictions=tuple(evictions))
+
+    def abandon_store(self, entry_id: str) -> None:
+        """A store in flight ended without data (a recording aborted or refused): its reservation
+        is returned, not counted as a failure. A no-op for an entry with no store in flight."""
+        entry = self._entries.get(entry_id)
+        if entry is not None and entry.storing:
             self._remove(entry)
 
     def register_disk(self, entry_id: str, size_bytes: int) -> tuple[Eviction, ...]:

@@ -23,6 +23,9 @@ Invariants:
   (``_sync_with_directory``: entries others published are counted, entries others deleted are
   forgotten, entries others used more recently than it knew rank as just used), so no worker
   deletes a template another uses all the time, and the directory stays within one budget.
+
+- a recording reserves an upper bound of its size before its first byte (``WriteBudget``), or is
+  refused; a write that still fails ends that recording only (docs/design/cache-disk.md).
 """
 
 from __future__ import annotations
@@ -36,12 +39,13 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
+from backend.cache.disk import UNUSABLE, free_bytes, scan
 from backend.cache.manager import (
     CacheManager,
     CacheMetrics,
@@ -50,25 +54,25 @@ from backend.cache.manager import (
     Eviction,
     Residency,
     Tier,
+    choose_disk_budget,
 )
 from backend.cache.policies import POLICIES
 from backend.engine.cache_store import (
+    DISK_ERRORS,
     MANIFEST,
     TRAJECTORY,
     CacheCorruptError,
-    CacheError,
     CacheKey,
     CacheMismatchError,
     CacheWriter,
     ManifestView,
     TemplateCache,
+    WriteBudget,
     step_file,
     tensor_name,
 )
 
 log = logging.getLogger(__name__)
-
-UNUSABLE = (CacheError, OSError, SafetensorError)  # reading an entry failed: delete it, recompute
 
 
 def _mtime_ns(path: Path) -> int:
@@ -152,16 +156,18 @@ class _Load:
 
 class TieredActivationCache:
     """Template caches in host RAM (``ram_budget_bytes``) above disk entries under ``root``
-    (``disk_budget_bytes``); eviction order from ``POLICIES[policy]``. Thread-safe."""
+    (``disk_budget_bytes``; None: ``disk_free_share`` of the room found at start-up, see
+    ``choose_disk_budget``); eviction order from ``POLICIES[policy]``. Thread-safe."""
 
     def __init__(
         self,
         root: Path,
         ram_budget_bytes: int,
-        disk_budget_bytes: int,
+        disk_budget_bytes: int | None = None,
         policy: str = "lru",
         pin_memory: bool = False,
         prefetch_threads: int = 1,
+        disk_free_share: float = 0.5,
     ):
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}: choose one of {sorted(POLICIES)}")
@@ -169,43 +175,39 @@ class TieredActivationCache:
         self.root.mkdir(parents=True, exist_ok=True)
         # the worker sets it on CUDA: host -> device copies can then run async
         self.pin_memory = pin_memory
-        self._manager = CacheManager(ram_budget_bytes, disk_budget_bytes, POLICIES[policy])
+        found = scan(self.root)  # partials of gone processes removed first: their room counts
+        budget = choose_disk_budget(
+            disk_budget_bytes, disk_free_share, free_bytes(self.root), found.held_bytes
+        )
+        self._manager = CacheManager(ram_budget_bytes, budget.budget_bytes, POLICIES[policy])
+        metrics = self._manager.metrics
+        metrics.corrupt_entries = found.corrupt
+        metrics.partials_removed = found.partials_removed
+        metrics.partial_bytes_removed = found.partial_bytes_removed
+        log.info(
+            "cache disk budget root=%s budget_bytes=%d reason=%s partials_removed=%d "
+            "partial_bytes_removed=%d",
+            self.root,
+            budget.budget_bytes,
+            budget.reason,
+            found.partials_removed,
+            found.partial_bytes_removed,
+        )
         self._lock = threading.Lock()
         # one commit at a time: two of one key must not interleave
         self._commit_lock = threading.Lock()
         self._ram: dict[str, MemoryTemplateCache] = {}
         self._loads: dict[str, _Load] = {}
         self._seen_ns: dict[str, int] = {}  # entry id -> last manifest mtime this worker set or saw
+        self._recordings: dict[str, CacheWriter] = {}  # entry id -> this process's live recording
         self._executor = ThreadPoolExecutor(
             max_workers=prefetch_threads, thread_name_prefix="cache-prefetch"
         )
         self._closed = False
-        self._register_existing()
-
-    # ----- start-up -------------------------------------------------------------------------------
-    def _register_existing(self) -> None:
-        """Register complete entries, oldest first so that recency policies rank them by age. An
-        entry with a file missing is deleted (and counted corrupt): nothing could ever read it."""
-        found = []
-        for path in self.root.iterdir():
-            if path.name.startswith(".") or not (path / MANIFEST).is_file():
-                continue  # a writer's temporary directory, or not an entry at all
-            try:
-                cache = TemplateCache.open(path)
-            except CacheCorruptError as exc:
-                log.warning("cache entry unusable, deleted path=%s error=%s", path, exc)
-                shutil.rmtree(path, ignore_errors=True)
-                self._manager.metrics.corrupt_entries += 1
-                continue
-            except UNUSABLE as exc:  # e.g. another format version: not ours to delete
-                log.warning("cache entry ignored path=%s error=%s", path, exc)
-                continue
-            if cache.key.digest() == path.name:
-                found.append(((path / MANIFEST).stat().st_mtime_ns, path.name, cache.bytes_total))
-        with self._lock:
-            for mtime_ns, entry_id, size_bytes in sorted(found):
-                self._seen_ns[entry_id] = mtime_ns
-                self._execute(self._manager.register_disk(entry_id, size_bytes))
+        with self._lock:  # oldest first, so that recency policies rank them by age
+            for entry in found.entries:
+                self._seen_ns[entry.entry_id] = entry.mtime_ns
+                self._execute(self._manager.register_disk(entry.entry_id, entry.size_bytes))
             log.info(
                 "cache opened root=%s entries=%d disk_bytes=%d",
                 self.root,
@@ -430,40 +432,99 @@ class TieredActivationCache:
 
     # ----- recording ------------------------------------------------------------------------------
     def writer(
-        self, key: CacheKey, num_units: int, halves: int, dtype: torch.dtype
+        self,
+        key: CacheKey,
+        num_units: int,
+        halves: int,
+        dtype: torch.dtype,
+        num_steps: int,
+        latent_bytes: int,
     ) -> CacheWriter | None:
-        """A writer for a new recording of ``key`` (None when even its temporary directory
-        fails)."""
-        try:
-            return CacheWriter(self.root, key, num_units, halves, dtype, stop_on_disk_error=True)
-        except OSError as exc:
-            log.warning("cache recording not started entry=%s error=%s", key.digest(), exc)
-            return None
+        """A writer for a new recording of ``key``: ``num_steps`` steps, then a trajectory of
+        ``num_steps + 1`` latents of ``latent_bytes`` (they bound its size, reserved before its
+        first byte). None when this process records ``key`` already, or even its partial
+        directory fails (the row runs without recording)."""
+        entry_id = key.digest()
+        budget = WriteBudget(
+            num_steps,
+            latent_bytes,
+            partial(self._reserve_recording, entry_id),
+            partial(self._end_recording, entry_id),
+        )
+        with self._lock:
+            if self._closed or entry_id in self._recordings:
+                return None
+            try:
+                writer = CacheWriter(self.root, key, num_units, halves, dtype, budget)
+            except OSError as exc:
+                log.warning("cache recording not started entry=%s error=%s", entry_id, exc)
+                return None
+            self._recordings[entry_id] = writer
+        return writer
+
+    def _reserve_recording(self, entry_id: str, size_bytes: int) -> bool:
+        """A recording's first write asks for ``size_bytes`` on disk: evict by the policy to make
+        room, or refuse (counted in ``records_skipped``) when it cannot fit, or another worker has
+        published the entry meanwhile."""
+        with self._lock:
+            self._sync_with_directory()  # budget and recency over what every worker did
+            self._discover(entry_id)
+            if self._closed or self._manager.known(entry_id):
+                return False
+            plan = self._manager.prepare_store(entry_id, size_bytes, Tier.DISK)
+            if not plan.ok:
+                self._manager.metrics.records_skipped += 1
+                log.info(
+                    "cache recording skipped entry=%s reason=%s: the row runs without the cache",
+                    entry_id,
+                    plan.reason,
+                )
+                return False
+            self._execute(plan.evictions)
+            return True
+
+    def _end_recording(self, entry_id: str, error: Exception | None) -> None:
+        """A recording ended without a commit (its writer removed its partial): return its
+        reservation; a disk error is logged and counted here, once."""
+        with self._lock:
+            self._recordings.pop(entry_id, None)
+            self._manager.abandon_store(entry_id)
+            if isinstance(error, DISK_ERRORS):
+                self._manager.metrics.record_failures += 1
+                log.warning(
+                    "cache recording failed entry=%s error=%s: the row continues without the cache",
+                    entry_id,
+                    error,
+                )
 
     def commit(self, writer: CacheWriter) -> TemplateCache | None:
         """Publish a recording from ``writer`` on disk, then load it into RAM in the background.
 
         Returns the (unpinned) disk handle, or None when the recording failed, the disk tier
-        cannot take it, or the key is already cached (the writer is aborted). Never raises.
+        cannot take it, or another worker published the key meanwhile (the writer is aborted).
+        Never raises.
         """
         entry_id = writer.key.digest()
         with self._commit_lock:
             with self._lock:
                 self._sync_with_directory()  # budget and recency over what every worker did
-                self._discover(entry_id)  # another worker published it meanwhile: keep theirs
-                known = self._manager.residency(entry_id) is not Residency.MISS
-                if writer.failed is not None:
-                    self._manager.metrics.store_failures += 1
-            if known or writer.failed is not None:
-                writer.abort()
+                theirs = (self.root / entry_id / MANIFEST).is_file()
+                reserved = self._manager.storing(entry_id)  # the recording got its room
+            if theirs or writer.failed is not None or not reserved:
+                writer.abort()  # returns our reservation...
+                with self._lock:
+                    self._discover(entry_id)  # ...so that theirs is registered: we read it
                 return None
             try:
                 disk = writer.commit()
             except UNUSABLE as exc:
-                self._store_failed(writer, exc)
+                writer.failed = exc  # logged and counted once, by ``_end_recording``
+                writer.abort()
+                shutil.rmtree(self.root / entry_id, ignore_errors=True)  # unregistered: ours
                 return None
             with self._lock:
-                plan = self._manager.prepare_store(entry_id, disk.bytes_total, Tier.DISK)
+                self._recordings.pop(entry_id, None)
+                plan = self._manager.settle_store(entry_id, disk.bytes_total)
                 if not plan.ok:
                     shutil.rmtree(disk.path, ignore_errors=True)
                     log.warning("cache entry not kept entry=%s reason=%s", entry_id, plan.reason)
@@ -475,15 +536,6 @@ class TieredActivationCache:
                 if not self._closed:  # likely edited again: loaded speculatively
                     self._reserve_load(entry_id, spare_prefetched=True, background=True)
         return disk
-
-    def _store_failed(self, writer: CacheWriter, exc: Exception) -> None:
-        entry_id = writer.key.digest()
-        log.warning("cache commit failed entry=%s error=%s", entry_id, exc)
-        writer.abort()
-        # unregistered: ours if anything is there
-        shutil.rmtree(self.root / entry_id, ignore_errors=True)
-        with self._lock:
-            self._manager.metrics.store_failures += 1
 
     # ----- executing the manager's decisions (under the lock) -------------------------------------
     def _execute(self, evictions: tuple[Eviction, ...]) -> None:
@@ -536,7 +588,11 @@ class TieredActivationCache:
             done.result(timeout=timeout_s)
 
     def close(self) -> None:
-        """Finish in-flight loads and stop the prefetch threads."""
+        """Finish in-flight loads, stop the prefetch threads and abort the recordings still open
+        (a stopping worker leaves no partial behind)."""
         with self._lock:
             self._closed = True
+            open_recordings = list(self._recordings.values())
+        for writer in open_recordings:
+            writer.abort()
         self._executor.shutdown(wait=True)

@@ -7,7 +7,9 @@ Layout of one entry (directory named by the key hash)::
     step_000.safetensors     tensors "u{unit:03d}.{name}" (name in k, v, out, delta) for step 0
     ...
 
-Invariants: an entry is visible only once complete (written in a temp dir, renamed into place);
+Invariants: an entry is visible only once complete (written in a hidden partial directory
+``.<entry>.<owner pid>.<random>``, renamed into place; ``partial_owner`` reads the pid back so that
+start-up removes only the partials of processes that are gone);
 every (step, unit, name) tensor can be read on its own (safetensors is memory-mapped); a file the
 manifest lists but the directory lacks is reported as ``CacheCorruptError`` when the entry is
 opened, and a file whose SHA-256 differs from the manifest before any of its tensors is used. The
@@ -23,11 +25,12 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 log = logging.getLogger(__name__)
@@ -35,10 +38,20 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TRAJECTORY = "trajectory.safetensors"
+# what a failed write raises: safetensors reports the OS error (ENOSPC, EFBIG, EIO) as its own type
+DISK_ERRORS = (OSError, SafetensorError)
+# a safetensors file's size beyond its tensor data: the 8-byte length and the JSON header (padded
+# to 8 bytes), bounded from above per file and per tensor (name, dtype, shape, two offsets)
+FILE_OVERHEAD_BYTES = 64
+TENSOR_OVERHEAD_BYTES = 128
 
 
 class CacheError(ValueError):
     """A template cache cannot be used; the message says why and what to do."""
+
+
+class CacheFullError(CacheError):
+    """A recording found no room in the disk tier's budget, even after evicting what it may."""
 
 
 class CacheMismatchError(CacheError):
@@ -100,6 +113,46 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def partial_owner(name: str) -> int | None:
+    """The pid of the process writing the partial directory ``name`` (``.<entry>.<pid>.<random>``,
+    see ``CacheWriter``); None for any other name (an entry, or a partial of an older build)."""
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "" and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def file_bytes_bound(tensors: dict[str, torch.Tensor]) -> int:
+    """An upper bound of the size of the safetensors file holding ``tensors``."""
+    data = sum(t.numel() * t.element_size() for t in tensors.values())
+    header = sum(TENSOR_OVERHEAD_BYTES + len(name) + 21 * t.dim() for name, t in tensors.items())
+    return FILE_OVERHEAD_BYTES + header + data
+
+
+@dataclass(frozen=True)
+class WriteBudget:
+    """How a recording asks the disk tier for room before its first byte, and gives it back.
+
+    ``reserve(bytes)`` is called once, with an upper bound of the whole entry (``num_steps`` step
+    files the size of the first, plus the trajectory of ``num_steps + 1`` latents of
+    ``latent_bytes``), before the first file is written; False ends the recording
+    (``CacheFullError``). ``release(error)`` is called once if the recording ends without a
+    commit: ``error`` is the write error that ended it, or None (aborted, or refused room)."""
+
+    num_steps: int
+    latent_bytes: int
+    reserve: Callable[[int], bool]
+    release: Callable[[Exception | None], None]
+
+    def entry_bound(self, first_step: dict[str, torch.Tensor]) -> int:
+        trajectory = FILE_OVERHEAD_BYTES + TENSOR_OVERHEAD_BYTES + 64
+        return (
+            self.num_steps * file_bytes_bound(first_step)
+            + trajectory
+            + (self.num_steps + 1) * self.latent_bytes
+        )
+
+
 def step_file(step: int) -> str:
     return f"step_{step:03d}.safetensors"
 
@@ -113,9 +166,11 @@ class CacheWriter:
     temporary directory, then publishes it atomically with ``commit``. Used for recordings (by
     the engine, and by the tiered cache) and for RAM entries spilled back to disk.
 
-    ``stop_on_disk_error`` (the tiered cache's recordings): the first OSError (e.g. ENOSPC) while
-    writing ends the recording, not the edit: it is kept in ``failed``, the temporary directory is
-    removed and later writes are skipped (a caller then does not commit). Otherwise it is raised.
+    With a ``budget`` (the tiered cache's recordings) a recording reserves its room before its
+    first byte (``WriteBudget``), and ends, not the edit, when refused room or on the first disk
+    error (``DISK_ERRORS``: ENOSPC, EFBIG, EIO, EACCES...): the reason is kept in ``failed``, the
+    partial directory is removed, the budget released and later writes are skipped (a caller then
+    does not commit). Without one, a disk error is raised.
     """
 
     def __init__(
@@ -125,17 +180,18 @@ class CacheWriter:
         num_units: int,
         halves: int,
         storage_dtype: torch.dtype | None,
-        stop_on_disk_error: bool = False,
+        budget: WriteBudget | None = None,
     ):
         self.root, self.key = Path(root), key
         self.root.mkdir(parents=True, exist_ok=True)
-        self._tmp = Path(tempfile.mkdtemp(prefix=f".{key.digest()}.", dir=self.root))
+        self._tmp = Path(tempfile.mkdtemp(prefix=f".{key.digest()}.{os.getpid()}.", dir=self.root))
         self._tensors: dict[str, dict] = {}
         # storage_dtype None: tensors are stored in their own dtype
         self._num_units, self._halves, self._dtype = num_units, halves, storage_dtype
         self._steps = 0
-        self.stop_on_disk_error = stop_on_disk_error
-        self.failed: OSError | None = None
+        self.budget = budget
+        self.failed: Exception | None = None
+        self._ended = False  # committed or aborted: the budget was settled
 
     def write_step(self, step: int, recorded: dict[tuple[int, str], torch.Tensor]) -> None:
         """One step's tensors, keyed (unit, name); steps in order from 0."""
@@ -144,31 +200,42 @@ class CacheWriter:
     def write_step_tensors(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """One step's tensors, keyed by their stored names (``tensor_name``)."""
         if self.failed is not None:
-            return  # the recording already ended (``stop_on_disk_error``)
+            return  # the recording already ended (refused room, or a disk error)
         if step != self._steps:
             raise ValueError(f"steps must be written in order: expected {self._steps}, got {step}")
         stored = {name: t.to("cpu", self._dtype).contiguous() for name, t in tensors.items()}
+        if step == 0 and not self._reserve(stored):
+            return
         if self._save(step_file(step), stored):
             self._steps += 1
+
+    def _reserve(self, first_step: dict[str, torch.Tensor]) -> bool:
+        """Ask the budget for the whole entry's room before the first file is written."""
+        if self.budget is None:
+            return True
+        needed = self.budget.entry_bound(first_step)
+        if self.budget.reserve(needed):
+            return True
+        self.failed = CacheFullError(
+            f"recording of {self.key.digest()} needs up to {needed} bytes: no room in the cache's "
+            "disk budget"
+        )
+        self.abort()
+        return False
 
     def write_trajectory(self, tensors: dict[str, torch.Tensor]) -> None:
         self._save(TRAJECTORY, {k: v.to("cpu").contiguous() for k, v in tensors.items()})
 
     def _save(self, file_name: str, tensors: dict[str, torch.Tensor]) -> bool:
-        """Write one file; False when it was skipped or failed (``stop_on_disk_error``)."""
+        """Write one file; False when it was skipped or failed (with a ``budget``)."""
         if self.failed is not None:
             return False
         try:
             save_file(tensors, str(self._tmp / file_name))
-        except OSError as exc:
-            if not self.stop_on_disk_error:
+        except DISK_ERRORS as exc:
+            if self.budget is None:
                 raise
-            self.failed = exc
-            log.warning(
-                "cache recording failed entry=%s error=%s: the edit continues without it",
-                self.key.digest(),
-                exc,
-            )
+            self.failed = exc  # the budget's owner logs and counts it, once
             self.abort()
             return False
         self._tensors[file_name] = {
@@ -214,10 +281,15 @@ class CacheWriter:
         if final.exists():
             shutil.rmtree(final)  # a stale or corrupt entry for the same key is replaced
         os.replace(self._tmp, final)
+        self._ended = True
         return TemplateCache.open(final, self.key)
 
     def abort(self) -> None:
+        """Remove the partial directory and release the budget (once); safe after a commit."""
         shutil.rmtree(self._tmp, ignore_errors=True)
+        if not self._ended and self.budget is not None:
+            self.budget.release(self.failed)
+        self._ended = True
 
 
 class ManifestView:

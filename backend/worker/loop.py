@@ -51,6 +51,10 @@ from backend.worker.stats import WorkerStats
 log = logging.getLogger(__name__)
 
 HELD_POLL_S = 0.005  # inbox poll while every waiting row waits for its cache and nothing runs
+NOT_RECORDED = (
+    "cache not recorded (no room on the cache disk, or a write failed): edits of this template "
+    "compute without it"
+)
 
 
 class TemplateCaches(Protocol):
@@ -66,7 +70,15 @@ class TemplateCaches(Protocol):
 
     def ready(self, key: CacheKey) -> bool: ...
 
-    def writer(self, key: CacheKey, num_units: int, halves: int, dtype: torch.dtype): ...
+    def writer(
+        self,
+        key: CacheKey,
+        num_units: int,
+        halves: int,
+        dtype: torch.dtype,
+        num_steps: int,
+        latent_bytes: int,
+    ): ...
 
     def commit(self, writer): ...
 
@@ -332,10 +344,26 @@ class EngineWorker:
     def _start_recording(self, job: _Job) -> None:
         key, state = job.prepared.cache_key, job.state
         state.writer = self.caches.writer(
-            key, self.engine.num_units, state.req.halves, self.engine.adapter.dtype
+            key,
+            self.engine.num_units,
+            state.req.halves,
+            self.engine.adapter.dtype,
+            num_steps=len(state.req.timesteps),
+            latent_bytes=state.latents.numel() * state.latents.element_size(),
         )
         if state.writer is not None:
             self.admission.start_recording(key.digest())
+
+    def _drop_ended_recordings(self, job_ids: list[str]) -> None:
+        """Rows whose recording ended early (no room on the cache disk, or a write failed: the
+        writer already removed its partial and the cache logged it) go on as plain dense rows: the
+        same computation, nothing recorded, so they stop stepping apart from rows reading caches.
+        """
+        for job_id in job_ids:
+            job = self.jobs[job_id]
+            if job.state.writer is not None and job.state.writer.failed is not None:
+                job.state.writer = None
+                self.admission.end_recording(job.prepared.cache_key.digest())
 
     # ----- steps ----------------------------------------------------------------------------
     def _step_group(self, job_ids: list[str]) -> tuple[list[str], float]:
@@ -351,6 +379,7 @@ class EngineWorker:
                 self.scheduler.drop(job_id)
                 self._finish(job_id, "failed", f"denoising failed: {exc}")
             return [], 0.0
+        self._drop_ended_recordings(job_ids)
         now = time.time()
         self.sink.step_events(
             [
@@ -398,11 +427,11 @@ class EngineWorker:
     def _retire(self, row: Row) -> None:
         job = self.jobs[row.job_id]
         state = job.state
-        if state.writer is not None:
-            self._commit_recording(job)
+        recorded = state.writer is not None and self._commit_recording(job)
         if job.message.prepare:  # a recording has no image: it is done once the cache is committed
             job.timings["denoise_s"] = time.time() - job.timings.pop("admitted_at")
-            self._finish_prepare(row.job_id, "cache recorded", job.timings)
+            message = "cache recorded" if recorded else NOT_RECORDED
+            self._finish_prepare(row.job_id, message, job.timings)
             return
         latents_ref, path = self.blobs.new_path("latents", job_blob_name("latents", row.job_id))
         save_file({"latents": state.latents.detach().to("cpu").contiguous()}, str(path))
@@ -428,17 +457,19 @@ class EngineWorker:
             self.sink.denoised(denoised)
         self.inbox.ack(row.job_id)
 
-    def _commit_recording(self, job: _Job) -> None:
+    def _commit_recording(self, job: _Job) -> bool:
+        """Publish the row's recording; False when it was not kept (the cache says why)."""
         state = job.state
         self.admission.end_recording(job.prepared.cache_key.digest())
         try:
             state.writer.write_trajectory(
                 {"latents": torch.cat(state.recorded_latents + [state.latents])}
             )
-            self.caches.commit(state.writer)
+            return self.caches.commit(state.writer) is not None
         except (OSError, CacheError) as exc:  # the edit itself is fine; only the cache is lost
             log.warning("recording the cache of %s failed: %s", job.message.job_id, exc)
             state.writer.abort()
+            return False
 
     def _finish_prepare(self, job_id: str, message: str, timings: dict | None = None) -> None:
         job = self.jobs.pop(job_id, None)
