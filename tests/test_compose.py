@@ -109,6 +109,13 @@ def test_every_role_waits_for_a_healthy_redis_it_can_reach_and_shares_the_data_v
     )
 
 
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_every_service_is_restarted_when_it_exits_until_an_operator_stops_it(name):
+    # the engine worker, dispatcher, API and Celery reconnect to a restarted Redis on their own;
+    # a process that exits (a crash, an OOM kill) is Docker's to restart
+    assert SERVICES[name].get("restart") == "unless-stopped"
+
+
 def test_the_api_listens_on_every_interface_of_its_container_behind_the_published_port():
     api = MASKSERVE["api"]
     settings = load_settings(container_env(api))

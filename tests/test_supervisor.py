@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from backend.config import SettingsError, load_settings
 from backend.protocol.keys import DISPATCHER_GROUP, PREPARED_STREAM
+from backend.services.redis_server import free_port
 from backend.services.stack import Role, Stack
 from backend.services.supervisor import Backoff, Reconnect, RestartPolicy, RoleRecord
 
@@ -106,12 +108,33 @@ def small_stack(tmp_path):
         paths={"data_dir": str(tmp_path)},
         supervisor={"restart_initial_s": 0.2, "restart_max_s": 1.0, "restart_stable_s": 30.0},
     )
-    stack = Stack(settings, [Role("dispatcher", ["dispatcher"]), Role("other", ["dispatcher"])])
+    api = Role(
+        "api",
+        ["api"],
+        {
+            "MASKSERVE_API_PORT": str(free_port()),
+            "MASKSERVE_AUTH_DISABLED": "1",
+            "MASKSERVE_STUDIO": "0",
+        },
+    )
+    stack = Stack(
+        settings, [Role("dispatcher", ["dispatcher"]), Role("other", ["dispatcher"]), api]
+    )
     stack.start()
     try:
         yield stack
     finally:
         stack.stop()
+
+
+def _status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:  # not listening yet
+        return None
 
 
 def _kill(pid: int) -> None:
@@ -144,7 +167,9 @@ def test_a_killed_redis_comes_back_on_its_port_with_its_data_and_the_roles_carry
     stack = small_stack
     client = redis.Redis.from_url(stack.redis_url)
     client.set("kept", "yes")
-    roles_before = {name: stack.snapshot()[name]["pid"] for name in ("dispatcher", "other")}
+    roles_before = {name: stack.snapshot()[name]["pid"] for name in ("dispatcher", "other", "api")}
+    readyz = f"http://127.0.0.1:{stack.roles[2].env['MASKSERVE_API_PORT']}/readyz"
+    _poll_until(stack, lambda: _status(readyz) == 200, what="the API ready")
 
     def serving() -> bool:  # both dispatchers past their start-up, reading the stream
         groups = client.exists(PREPARED_STREAM) and client.xinfo_groups(PREPARED_STREAM)
@@ -162,6 +187,7 @@ def test_a_killed_redis_comes_back_on_its_port_with_its_data_and_the_roles_carry
         return groups[0]["last-delivered-id"] == entry and groups[0]["pending"] == 0
 
     _poll_until(stack, consumed, what="the stream read after the restart")
+    assert _status(readyz) == 200  # the API answers from the restarted Redis
     assert {name: stack.snapshot()[name]["pid"] for name in roles_before} == roles_before
     assert all(stack.snapshot()[name]["restarts"] == 0 for name in roles_before)
     client.close()
