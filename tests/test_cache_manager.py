@@ -189,6 +189,37 @@ def test_failed_store_leaves_nothing():
     assert manager.metrics.store_failures == 1
 
 
+def test_a_recording_settles_its_reservation_at_its_real_size():
+    manager = _manager(disk=100)
+    _stored(manager, "old", 30)
+    assert manager.prepare_store("rec", 60, Tier.DISK).ok  # an upper bound, before the first byte
+    assert manager.storing("rec") and manager.known("rec") and not manager.storing("old")
+    shrunk = manager.settle_store("rec", 40)
+    assert shrunk.ok and shrunk.evictions == () and manager.used_bytes[Tier.DISK] == 70
+    manager.complete_store("rec", ok=True)
+    assert sorted(manager.resident(Tier.DISK)) == ["old", "rec"]
+    manager.prepare_store("grows", 20, Tier.DISK)
+    grown = manager.settle_store("grows", 50)  # larger than reserved: evicts the coldest
+    assert grown.ok and grown.evictions == (DeleteFromDisk("old"),)
+    manager.prepare_store("huge", 10, Tier.DISK)
+    manager.pin("rec")
+    refused = manager.settle_store("huge", 60)  # "rec" is in use: nothing makes room
+    assert not refused.ok and not manager.known("huge") and manager.used_bytes[Tier.DISK] == 90
+    with pytest.raises(ValueError, match="no store in flight"):
+        manager.settle_store("rec", 10)
+
+
+def test_an_abandoned_recording_returns_its_reservation_without_a_failure():
+    manager = _manager(disk=100)
+    manager.prepare_store("rec", 60, Tier.DISK)
+    manager.abandon_store("rec")
+    assert manager.entries() == [] and manager.used_bytes[Tier.DISK] == 0
+    assert manager.metrics.store_failures == 0
+    _stored(manager, "done", 10)
+    manager.abandon_store("done")  # not in flight: a no-op
+    assert manager.resident(Tier.DISK) == ["done"]
+
+
 def test_too_big_plans_fail_without_side_effects():
     manager = _manager(ram=100, disk=100)
     _stored(manager, "a", 50, Tier.BOTH)
@@ -278,6 +309,8 @@ def _random_op(shell: _Shell, rng: random.Random) -> None:
             "load",
             "finish_load",
             "finish_store",
+            "settle_store",
+            "abandon_store",
             "pin",
             "unpin",
             "forget",
@@ -315,6 +348,17 @@ def _random_op(shell: _Shell, rng: random.Random) -> None:
         if ok:
             shell.ram |= {done} if Tier.RAM in tier else set()
             shell.disk |= {done} if Tier.DISK in tier else set()
+    elif op == "settle_store" and shell.stores:  # a recording learns its real size
+        done = rng.choice(sorted(shell.stores))
+        plan = manager.settle_store(done, rng.randint(1, 120))
+        if plan.ok:
+            shell.execute(plan.evictions, busy)
+        else:
+            shell.stores.pop(done)
+    elif op == "abandon_store" and shell.stores:  # a recording aborted
+        done = rng.choice(sorted(shell.stores))
+        manager.abandon_store(done)
+        shell.stores.pop(done)
     elif op == "pin" and residency is not Residency.MISS:
         manager.pin(entry_id)
         shell.pins[entry_id] = shell.pins.get(entry_id, 0) + 1
