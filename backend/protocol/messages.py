@@ -18,6 +18,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
+from backend.protocol.fieldtypes import conform_fields
+
 SCHEMA_MAJOR = 1
 SCHEMA_MINOR = 1  # 1.1: typed heartbeat rows and paste-back plans; unknown fields tolerated
 PROTOCOL_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
@@ -222,7 +224,9 @@ def _major(version: object) -> int | None:
         return version
     if isinstance(version, str):
         head = version.split(".", 1)[0]
-        return int(head) if head.isdigit() else None
+        # ASCII digits only ("²".isdigit() is true, int("²") fails) and short (int() refuses
+        # strings of thousands of digits)
+        return int(head) if head.isascii() and head.isdigit() and len(head) < 10 else None
     return None
 
 
@@ -234,8 +238,8 @@ def _known(cls: type, payload: dict[str, Any]) -> dict[str, Any]:
 
 def _construct(cls: type, known: dict[str, Any], where: str) -> Any:
     try:
-        return cls(**known)
-    except TypeError as exc:  # a required field is missing
+        return cls(**conform_fields(cls, known))
+    except TypeError as exc:  # a required field is missing, or a value is not of its field's type
         raise ProtocolError(f"{where}: {exc}") from exc
 
 
@@ -273,8 +277,10 @@ def from_dict(payload: dict[str, Any]) -> Message:
 def _payload(text: str | bytes) -> dict[str, Any]:
     try:
         payload = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # not JSON, not UTF-8, or a number of thousands of digits
         raise ProtocolError(f"message is not JSON: {exc}") from exc
+    except RecursionError:  # arrays nested thousands deep
+        raise ProtocolError("message is nested too deeply to be read") from None
     if not isinstance(payload, dict):
         raise ProtocolError("message must be a JSON object")
     return payload
