@@ -6,6 +6,7 @@ Each command imports its benchmark module only when it runs, so `maskserve --hel
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from backend.config import Settings
@@ -339,7 +340,11 @@ def cmd_bench_soak(args, settings: Settings) -> int:
         api_key=args.api_key,
         redis_url=args.redis_url,
     )
-    report = run_soak(cfg, settings, progress=not args.no_progress)
+    try:
+        report = run_soak(cfg, settings, progress=not args.no_progress)
+    except RuntimeError as exc:  # the stack never got ready, or refused or failed its warm-up
+        print(f"error: soak stopped: {exc}", file=sys.stderr)
+        return 1
     print(summary(report))
     written = write_outputs(
         report, Path(args.json) if args.json else None, Path(args.png) if args.png else None

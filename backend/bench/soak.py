@@ -395,8 +395,7 @@ def soak(
             tracker.submit(request.template, request.mask_ratio, request.seed)
             request = next(arrivals, None)
             continue
-        bar.n = min(round(duration), round(now - start))
-        bar.refresh()
+        bar.update(max(0, min(round(duration), round(now - start)) - bar.n))  # tqdm throttles
         wake = next_sample if request is None else min(next_sample, start + request.arrival_s)
         time.sleep(max(0.0, min(1.0, wake - time.monotonic())))
     bar.close()
