@@ -15,12 +15,13 @@ import anyio
 from fastapi import APIRouter, File, Form, Header, Query, Request, Security, UploadFile
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
+from backend.api.errors import ERROR_RESPONSES
 from backend.api.security import api_key_query
 from backend.api.service import JobRequest, JobService
 from backend.jobstate import TERMINAL
 from backend.protocol import MaskOps
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
 SSE_RETRY_MS = 3000  # how long a browser's EventSource waits before it reconnects
 BLOCK_SLICE_MS = 1000  # longest single blocking read of a job's events
 

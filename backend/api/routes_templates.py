@@ -10,9 +10,10 @@ from pathlib import Path
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse, JSONResponse, Response
 
+from backend.api.errors import ERROR_RESPONSES
 from templates_store.store import TemplateRecord, TemplateStore, split_tags
 
-router = APIRouter(prefix="/v1/templates", tags=["templates"])
+router = APIRouter(prefix="/v1/templates", tags=["templates"], responses=ERROR_RESPONSES)
 
 
 def _store(request: Request) -> TemplateStore:
