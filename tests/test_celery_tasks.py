@@ -16,9 +16,18 @@ from backend import protocol
 from backend.blobs import BlobStore
 from backend.config import load_settings
 from backend.jobstate import JobStateStore
-from backend.protocol import EditJob
+from backend.protocol import EditJob, JobEvent
+from backend.protocol.keys import CPU_LEASES_KEY, cpu_task_key
 from backend.services.redis_server import free_port
-from backend.tasks.celery_app import PREPARED_STREAM, make_celery, submit_edit, task_stats
+from backend.tasks.celery_app import (
+    PREPARED_STREAM,
+    cpu_leases,
+    make_celery,
+    resend_lapsed,
+    submit_edit,
+    task_stats,
+)
+from backend.tasks.leases import CLAIMED
 from backend.worker.channels import LocalInbox
 from backend.worker.loop import EngineWorker
 from backend.worker.service import RedisSink
@@ -71,8 +80,15 @@ def stack(redis_url, models_dir, tmp_path, engine):
 
 
 def submit(settings, app, jobstate, job_id, template_bytes, mask_bytes) -> EditJob:
+    job = edit_job(settings, job_id, template_bytes, mask_bytes)
+    jobstate.create(job_id, prompt=job.prompt, seed=job.seed)
+    submit_edit(app, job)
+    return job
+
+
+def edit_job(settings, job_id, template_bytes, mask_bytes) -> EditJob:
     blobs = BlobStore(settings.paths.data_dir / "blobs")
-    job = EditJob(
+    return EditJob(
         job_id=job_id,
         model_id="tiny-sd2-inpaint",
         template_ref=blobs.put("uploads", f"{job_id}-t.png", template_bytes),
@@ -84,9 +100,6 @@ def submit(settings, app, jobstate, job_id, template_bytes, mask_bytes) -> EditJ
         resolution=128,
         submitted_at=time.time(),
     )
-    jobstate.create(job_id, prompt=job.prompt, seed=job.seed)
-    submit_edit(app, job)
-    return job
 
 
 def wait_for(predicate, what: str, log_path):
@@ -116,9 +129,7 @@ def test_a_job_runs_pre_and_post_on_celery_around_the_worker(stack, engine, tmp_
 
     blobs = BlobStore(settings.paths.data_dir / "blobs")
     inbox = LocalInbox()
-    worker = EngineWorker(
-        engine, blobs, inbox, RedisSink(jobstate, app, settings)
-    )
+    worker = EngineWorker(engine, blobs, inbox, RedisSink(jobstate, app, settings))
     inbox.put(prepared)
     while not inbox.acked:
         worker.iterate()
@@ -219,3 +230,47 @@ def test_a_warm_up_that_fails_is_logged_and_the_task_reports_it(caplog, tmp_path
     assert "warming the CPU stages of no-such-model failed" in caplog.text
     with pytest.raises(UnknownModelError):
         state.stages("no-such-model")
+
+
+def test_a_pre_task_lost_with_its_worker_is_re_enqueued_and_hands_off_once(stack, tmp_path):
+    settings, app, jobstate, client = stack
+    template = sample_template(WIDTH, HEIGHT, seed=12)
+    job = edit_job(settings, "lost-pre", png(template), png(painted_mask()))
+    jobstate.create(job.job_id)
+    # a CPU worker took the task and died mid-task: its lease is claimed and never renewed
+    leases = cpu_leases(client, settings)
+    assert leases.claim(job.job_id, "pre", protocol.encode(job), "dead", 3) == CLAIMED
+    jobstate.record_event(JobEvent(job_id=job.job_id, status="preprocessing", at=time.time()))
+    client.zadd(CPU_LEASES_KEY, {job.job_id: time.time() - 1})
+    assert resend_lapsed(app, client, settings, jobstate) == 1
+    assert "retrying" in jobstate.record(job.job_id).message
+    (prepared,) = wait_for(
+        lambda: handed_off(client), "the re-enqueued task", tmp_path / "cpu-worker.log"
+    )
+    assert prepared.job_id == job.job_id
+    assert not client.exists(cpu_task_key(job.job_id))  # released: the stage is over
+    submit_edit(app, job)  # the broker's own redelivery, after its visibility timeout
+    wait_for(
+        lambda: task_stats(client)["tasks_total"].get("preprocess.skipped"),
+        "the late duplicate to be skipped",
+        tmp_path / "cpu-worker.log",
+    )
+    assert [p.job_id for p in handed_off(client)] == [job.job_id]  # handed off once
+    assert jobstate.record(job.job_id).redeliveries == 1
+
+
+def test_a_task_that_raises_fails_its_job_instead_of_leaving_it_in_its_stage(stack, tmp_path):
+    settings, app, jobstate, client = stack
+    blobs = BlobStore(settings.paths.data_dir / "blobs")
+    job = edit_job(settings, "poison-pre", b"", b"")
+    blobs.path(job.template_ref).unlink()
+    blobs.path(job.template_ref).mkdir()  # reading it raises IsADirectoryError, every time
+    jobstate.create(job.job_id)
+    submit_edit(app, job)
+    wait_for(
+        lambda: jobstate.status(job.job_id) == "failed",
+        "the job to fail",
+        tmp_path / "cpu-worker.log",
+    )
+    assert "IsADirectoryError" in jobstate.record(job.job_id).message
+    assert not client.exists(cpu_task_key(job.job_id)) and handed_off(client) == []

@@ -217,7 +217,7 @@ def make_celery(settings: Settings) -> Celery:
         claim = leases.claim(job_id, stage, text, token, settings.dispatcher.max_redeliveries)
         if claim == HELD:
             log.info("%s of %s skipped: a live task is running it", what, job_id)
-            record_task(state.client, task.name, "skipped", 0.0)
+            record_task(state.client, f"{stage}process", "skipped", 0.0)
             return
         outcome = "failed"
         try:
@@ -240,7 +240,7 @@ def make_celery(settings: Settings) -> Celery:
             log.exception("%s of %s failed", what, job_id)
             state.fail(job_id, f"{what} failed: {type(exc).__name__}: {exc}")
         leases.release(job_id, token, stage_over=True)
-        record_task(state.client, task.name, outcome, time.time() - started)
+        record_task(state.client, f"{stage}process", outcome, time.time() - started)
 
     def decoded(text: str, expected: type):
         """The task's message; an unreadable one fails the job it names (if it names one)."""
@@ -263,7 +263,8 @@ def make_celery(settings: Settings) -> Celery:
             return
 
         def work():
-            if state.jobstate().status(job.job_id) not in (None, *STAGE_STATUSES["pre"]):
+            moved_on = state.jobstate().status(job.job_id) not in (None, *STAGE_STATUSES["pre"])
+            if moved_on or state.client.exists(handoff_key(job.job_id)):
                 log.info("pre-processing of %s skipped: the job already moved on", job.job_id)
                 return "skipped"
             hand_off(state.client, state.stages(job.model_id).preprocess(job))
