@@ -488,6 +488,14 @@ def env_variable_names() -> frozenset[str]:
     return frozenset(ENV_PREFIX + suffix for suffix in _ENV_FIELDS) | frozenset(_PLAIN_ENV)
 
 
+def _problem(loc: tuple, message: str, read: dict[tuple[str, ...], str]) -> str:
+    """One validation problem: the field, the variable that set it (when one did), what is wrong;
+    never the value (it may be a key or a password)."""
+    where = tuple(str(part) for part in loc)
+    name = read.get(where[:2]) or read.get(where[:1])
+    return f"{'.'.join(where)}{f' (from {name})' if name else ''}: {message}"
+
+
 def load_settings(env: Mapping[str, str] | None = None, **overrides: dict) -> Settings:
     """Build and validate the settings tree from ``env`` (default: ``os.environ``) plus overrides.
 
@@ -500,22 +508,25 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: dict) -> Se
     top: dict = {}
     variables = [(name, where) for name, where in _PLAIN_ENV.items()]
     variables += [(ENV_PREFIX + suffix, where) for suffix, where in _ENV_FIELDS.items()]
+    read: dict[tuple[str, ...], str] = {}  # a field's location -> the variable that set it
     for name, (section, field) in variables:
         value = env.get(name)
         if value is None or value == "":
             continue
         (tree[section] if section else top)[field] = value
+        read[(section, field) if section else (field,)] = name
     for section, values in overrides.items():
         if section in tree:
             tree[section].update(values)
+            for field in values:  # an override wins: the variable is not what was validated
+                read.pop((section, field), None)
         else:
             top[section] = values
+            read.pop((section,), None)
     try:
         return Settings(**tree, **top)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
-        )
+        problems = "; ".join(_problem(err["loc"], err["msg"], read) for err in exc.errors())
         raise SettingsError(
             f"invalid settings ({problems}); set them via {ENV_PREFIX}* variables"
         ) from exc

@@ -27,6 +27,7 @@ import re
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,8 +148,11 @@ class JobService:
         # a UI's number widget gives floats
         steps, seed = _whole("steps", steps), _whole("seed", seed)
         self._check_numbers(request, steps, guidance, seed)
-        template_ref, image_size = self._template(request, request.owner)
-        mask_ref = self._mask(request, image_size)
+        # everything is validated before any blob is written: a refused request stores nothing
+        store_template, image_size = self._template(request, request.owner)
+        self._check_mask(request, image_size)
+        template_ref = store_template()
+        mask_ref = self.blobs.put_content("uploads", request.mask, ".mask")
         job_id = uuid.uuid4().hex
         job = EditJob(
             job_id=job_id,
@@ -341,8 +345,11 @@ class JobService:
         except MaskError as exc:
             raise ServiceError(str(exc)) from None
 
-    def _template(self, request: JobRequest, owner: str) -> tuple[str, tuple[int, int]]:
-        """(blob ref of the template image, its (width, height))."""
+    def _template(
+        self, request: JobRequest, owner: str
+    ) -> tuple[Callable[[], str], tuple[int, int]]:
+        """(a function that stores the template image and returns its blob ref, its (width,
+        height)); nothing is stored until that function is called."""
         if (request.template_id is None) == (request.image is None):
             raise ServiceError(
                 "give exactly one of template_id (a gallery template) and image (an uploaded file)"
@@ -356,9 +363,9 @@ class JobService:
                     f"{limit / 1e6:.1f} MP: upload a smaller template",
                     "too_large",
                 )
-            return self._template_blob(record), (record.width, record.height)
-        image = self._decode(request.image, "image")
-        return self.blobs.put_content("uploads", request.image, ".img"), image.size
+            return (lambda: self._template_blob(record)), (record.width, record.height)
+        image, data = self._decode(request.image, "image"), request.image
+        return (lambda: self.blobs.put_content("uploads", data, ".img")), image.size
 
     def _template_blob(self, record) -> str:
         """The template's PNG as an ``uploads`` blob, named by its content hash like ``put_content``
@@ -375,13 +382,12 @@ class JobService:
             self.blobs.put_content("uploads", data, ".png")
         return ref
 
-    def _mask(self, request: JobRequest, image_size: tuple[int, int]) -> str:
+    def _check_mask(self, request: JobRequest, image_size: tuple[int, int]) -> None:
         mask = self._decode(request.mask, "mask")
         try:  # the pre task's own mask steps: a mask that ends up empty is refused now, not later
             process_mask(mask, image_size, request.mask_ops)
         except MaskError as exc:
             raise ServiceError(str(exc)) from None
-        return self.blobs.put_content("uploads", request.mask, ".mask")
 
     def _decode(self, data: bytes | None, what: str):
         try:
