@@ -18,7 +18,7 @@ recorded then: not measured), then:
 
 The verdict (``backend.bench.soak_verdict``) judges every bounded-by-design metric; the soak fails
 (``SoakResult.failures`` non-empty, exit status 1) when one grows, a job is lost, failed, cancelled
-or refused, or a role exited or was restarted. Jobs are followed by polling ``GET /v1/jobs/{id}``
+or refused, or a role had to be restarted. Jobs are followed by polling ``GET /v1/jobs/{id}``
 from one thread (not one event stream per job), so the client stays light next to the stack.
 """
 
@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+from PIL import Image
 from redis import Redis
 from tqdm import tqdm
 
@@ -143,7 +144,7 @@ class Tracker:
         mask = synthetic_mask(size, size, mask_ratio, seed=seed, kind=kind)
         try:
             accepted = self.client.submit(
-                _png_of_mask(mask),
+                _png(Image.fromarray(mask.astype("uint8") * 255)),
                 PROMPT,
                 template_id=self.template_ids[template % len(self.template_ids)],
                 model=self.cfg.model_id,
@@ -200,14 +201,6 @@ class Tracker:
             return [
                 j.latency_s for j in self.jobs if j.status == "done" and start < j.finished <= end
             ]
-
-
-def _png_of_mask(mask) -> bytes:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(mask.astype("uint8") * 255).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def _png(image) -> bytes:
