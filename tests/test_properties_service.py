@@ -145,3 +145,17 @@ def test_a_submission_refused_for_its_mask_stores_nothing(api, redis_client, mas
     assert stored(settings, redis_client) == before
     accepted = _submit(client, mask_png())  # the same image with a good mask is taken
     assert accepted.status_code == 202 and stored(settings, redis_client) != before
+
+
+@pytest.mark.parametrize("resolution", ["-5", "63", "2049", "100000"])
+def test_a_prepare_with_a_resolution_out_of_range_is_refused_and_stores_nothing(
+    api, redis_client, resolution
+):
+    client, settings = api
+    uploaded = client.post("/v1/templates", files={"file": ("t.png", IMAGE, "image/png")})
+    before = stored(settings, redis_client)
+    refused = client.post(
+        f"/v1/templates/{uploaded.json()['id']}/prepare", data={"resolution": resolution}
+    )
+    assert refused.status_code == 422 and "resolution" in refused.json()["error"]
+    assert stored(settings, redis_client) == before

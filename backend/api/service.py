@@ -114,6 +114,14 @@ def _check_range(name: str, value, low, high, low_open: bool = False) -> None:
         )
 
 
+def _check_resolution(resolution: int) -> None:
+    if resolution and not RESOLUTION_RANGE[0] <= resolution <= RESOLUTION_RANGE[1]:
+        raise ServiceError(
+            f"resolution {resolution} is out of range: use 0 (the model's default) or "
+            f"{RESOLUTION_RANGE[0]}..{RESOLUTION_RANGE[1]}"
+        )
+
+
 def _whole(name: str, value) -> int:
     integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
     if isinstance(value, bool) or not integral:
@@ -209,6 +217,7 @@ class JobService:
         spec = self._model(model or self.settings.engine.model_id)
         steps = _whole("steps", spec.default_steps if steps is None else steps)
         _check_range("steps", steps, 1, MAX_STEPS)
+        _check_resolution(resolution)
         record = self._owned_template(template_id, owner)
         self._check_queued(owner)
         job_id = uuid.uuid4().hex
@@ -332,14 +341,7 @@ class JobService:
                     f"{name} is {len(text)} characters long, the limit is {MAX_PROMPT_CHARS}: "
                     "shorten it"
                 )
-        if (
-            request.resolution
-            and not RESOLUTION_RANGE[0] <= request.resolution <= RESOLUTION_RANGE[1]
-        ):
-            raise ServiceError(
-                f"resolution {request.resolution} is out of range: use 0 (the model's default) or "
-                f"{RESOLUTION_RANGE[0]}..{RESOLUTION_RANGE[1]}"
-            )
+        _check_resolution(request.resolution)
         try:
             validate_mask_ops(request.mask_ops)
         except MaskError as exc:
