@@ -11,6 +11,10 @@ cannot break them):
 * a terminal status (done, failed, cancelled) is final: the first one wins, so a job completes at
   most once even when a task is delivered twice;
 * an event for a job that was never created is dropped (no half-made jobs);
+* an event a worker sends for a job the dispatcher has since taken from it (the record names
+  another worker, or none after ``requeue``) is dropped: a worker cut off from Redis past its
+  heartbeat keeps stepping, and what it writes when the link heals must not overwrite the state of
+  the worker that now runs the job (the record's ``worker_id`` is the fencing token);
 * the message says what is happening now: an event that changes the status replaces the message
   with its own (none clears it), an event of the same status replaces it only when it has one;
 * ``redeliveries`` counts the deliveries of the job again after a lost worker; ``requeue`` refuses
@@ -47,17 +51,39 @@ _RANK_JSON = json.dumps(_RANK)
 EVENTS_MAXLEN = 1000
 JOB_TTL_S = MIN_JOB_RECORD_S  # the default; services pass ``settings.retention.job_record_s``
 
-# KEYS[1] hash, KEYS[2] events stream. ARGV: new rank, status, event json, maxlen, ttl,
-# then field/value pairs to set. Returns 1 when applied, 0 when dropped.
-_APPLY = """
+
+def worker_fence(job_hash: str, worker: str) -> str:
+    """Lua that returns 0 (drops the write) when the worker named by the expression ``worker``
+    no longer holds the job whose hash is ``job_hash``: the record names another worker, or none
+    after ``requeue`` took it away (a redelivered job with no worker yet). A write naming no
+    worker ('') and a job never routed (no ``worker_id``) pass."""
+    return f"""
+local owner = redis.call('HGET', {job_hash}, 'worker_id')
+if {worker} ~= '' and owner then
+  if owner ~= '' and owner ~= {worker} then return 0 end
+  if owner == '' and tonumber(redis.call('HGET', {job_hash}, 'redeliveries') or '0') > 0 then
+    return 0
+  end
+end
+"""
+
+
+# KEYS[1] hash, KEYS[2] events stream. ARGV: new rank, status, event json, maxlen, ttl, ranks,
+# the sending worker ('' when not a worker), then field/value pairs to set. Returns 1 when applied,
+# 0 when dropped.
+_APPLY = (
+    """
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return 0 end
+"""
+    + worker_fence("KEYS[1]", "ARGV[7]")
+    + """
 local ranks = cjson.decode(ARGV[6])
 local current_rank = ranks[current]
 local new_rank = tonumber(ARGV[1])
 if current_rank >= 5 or new_rank < current_rank then return 0 end
 if ARGV[2] ~= current then redis.call('HSET', KEYS[1], 'message', '') end
-for i = 7, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if redis.call('HEXISTS', KEYS[1], ARGV[2] .. '_at') == 0 then
   redis.call('HSET', KEYS[1], ARGV[2] .. '_at', redis.call('HGET', KEYS[1], 'updated_at'))
 end
@@ -68,6 +94,7 @@ if new_rank >= 5 and tonumber(ARGV[5]) > 0 then
 end
 return 1
 """
+)
 
 
 _ASSIGN = """
@@ -148,6 +175,7 @@ class JobStateStore:
             EVENTS_MAXLEN,
             self.ttl_s,
             _RANK_JSON,
+            event.worker_id,
         ]
         for name, value in event_fields(event).items():
             argv += [name, value]

@@ -225,3 +225,21 @@ def test_the_record_gives_every_field_its_type(redis_client):
     assert job["status"] == "queued" and job["queued_at"] == job["created_at"]
     with pytest.raises(TypeError):
         store.create("bad", no_such_field=1)
+
+
+def test_a_worker_the_job_was_taken_from_writes_nothing_more(store):
+    """A worker cut off past its heartbeat keeps stepping; what it writes when the link heals must
+    not overwrite the state the job's new worker writes (the record's worker_id fences it)."""
+    store.create("cut")
+    assert store.assign("cut", "w0")
+    assert store.record_event(event("cut", "running", step=1, num_steps=4, worker_id="w0"))
+    assert store.requeue("cut", "worker w0 stopped; re-dispatched", 3) == REQUEUED
+    assert not store.record_event(event("cut", "running", step=2, num_steps=4, worker_id="w0"))
+    assert store.assign("cut", "w1")
+    assert store.record_event(event("cut", "running", step=1, num_steps=4, worker_id="w1"))
+    assert not store.record_event(event("cut", "postprocessing", worker_id="w0"))
+    job = store.get("cut")
+    assert job["status"] == "running" and job["step"] == 1 and job["worker_id"] == "w1"
+    assert store.record_event(event("cut", "postprocessing"))  # CPU tasks name no worker
+    statuses = [e.get("worker_id") for _, e in store.events("cut") if e["status"] == "running"]
+    assert statuses == ["w0", "w1"]

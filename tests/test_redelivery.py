@@ -105,6 +105,17 @@ def test_a_lost_post_task_is_re_enqueued_once_with_a_message(env):
     assert jobstate.record("lost").redeliveries == 1
 
 
+def test_a_worker_the_job_was_taken_from_does_not_hand_it_off(env):
+    settings, client, jobstate, app = env
+    jobstate.create("moved")
+    assert jobstate.assign("moved", "w1")  # re-dispatched from w0, cut off past its heartbeat
+    assert not submit_postprocess(app, client, settings, denoised("moved"), worker_id="w0")
+    assert jobstate.record("moved").denoised == 0 and not client.exists(cpu_task_key("moved"))
+    assert submit_postprocess(app, client, settings, denoised("moved"), worker_id="w1")
+    assert jobstate.record("moved").denoised == 1
+    assert queued(settings, client, settings.celery.post_queue) == ["moved"]
+
+
 def test_a_task_lost_every_time_fails_its_job_after_the_bound(env):
     settings, client, jobstate, app = env
     leases = cpu_leases(client, settings)

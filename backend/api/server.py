@@ -3,7 +3,9 @@
 Entry convention (``backend.runtime``): call it as ``run_role("api", run_api, settings)``; logging
 is configured there (uvicorn's own logging config is switched off so its lines go through the same
 JSON handler), and uvicorn stops cleanly on SIGTERM/SIGINT. The process also runs the blob janitor
-(``backend.janitor``: why there is said there).
+(``backend.janitor``: why there is said there) and the CPU-task lease sweeper
+(``backend.tasks.celery_app.start_lease_sweeper``), which re-sends a pre/post-processing task lost
+with its Celery worker.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class _Server(uvicorn.Server):
 def run_api(settings: Settings) -> int:
     from backend.api.app import create_app
     from backend.janitor import start_janitor
+    from backend.tasks.celery_app import start_lease_sweeper
 
     api = settings.api
     if settings.studio.share and api.auth_disabled:
@@ -67,9 +70,14 @@ def run_api(settings: Settings) -> int:
     stop_janitor = start_janitor(
         settings, app.state.redis, app.state.service.blobs, app.state.metrics.record_sweep
     )
+    service = app.state.service
+    stop_sweeper = start_lease_sweeper(
+        service.celery_app, app.state.redis, settings, service.jobstate
+    )
     try:
         server.run()
     finally:
+        stop_sweeper.set()
         if stop_janitor is not None:
             stop_janitor.set()
     return 0 if server.started else 1

@@ -25,9 +25,6 @@ Recovery: when a known worker's heartbeat has expired, the entries of its inbox 
 goes back to ``waiting`` and is routed again (at most ``dispatcher.max_redeliveries`` times: then
 it fails); then the dead inbox is deleted. The job state's first terminal status wins, so a job
 finishes at most once even if a worker presumed dead was only slow.
-
-CPU tasks: at each check the dispatcher also re-enqueues the pre/post-processing tasks whose lease
-lapsed (``backend.tasks.celery_app.resend_lapsed``): every deployment runs a dispatcher.
 """
 
 from __future__ import annotations
@@ -66,7 +63,6 @@ from backend.protocol.keys import (
     inbox_stream,
     job_key,
 )
-from backend.tasks.celery_app import make_celery, resend_lapsed
 from backend.worker.redis_inbox import queue_to_inbox
 from backend.worker.stats import percentile
 
@@ -113,11 +109,8 @@ class Dispatcher:
         client: Redis,
         consumer: str | None = None,
         claim_idle_ms: int = CLAIM_IDLE_MS,
-        celery_app=None,
     ):
-        """``celery_app``: sends re-enqueued CPU tasks (default: ``make_celery(settings)``)."""
         self.settings, self.client = settings, client
-        self.celery_app = celery_app or make_celery(settings)
         self.jobstate = JobStateStore(client, settings.retention.job_record_s)
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.costs = CostModels(settings)
@@ -139,7 +132,6 @@ class Dispatcher:
             "duplicates": 0,
             "redispatched": 0,
             "unreadable": 0,
-            "cpu_resent": 0,
         }
         self._told_no_worker: set[str] = set()  # jobs whose message says no worker serves them
         try:
@@ -154,9 +146,6 @@ class Dispatcher:
             self._checked_at = time.monotonic()
             self.refresh_workers()
             self.recover_dead_workers()
-            self.counts["cpu_resent"] += resend_lapsed(
-                self.celery_app, self.client, self.settings, self.jobstate
-            )
             for entry_id, job in self._claim_orphans():
                 self._route(entry_id, job)
         for _ in range(len(self.backlog)):

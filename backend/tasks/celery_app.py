@@ -294,13 +294,18 @@ def cpu_leases(client: Redis, settings: Settings) -> CpuLeases:
     return CpuLeases(client, settings.celery.lease_s, settings.celery.visibility_timeout_s)
 
 
-def submit_postprocess(app: Celery, client: Redis, settings: Settings, job) -> bool:
+def submit_postprocess(
+    app: Celery, client: Redis, settings: Settings, job, worker_id: str = ""
+) -> bool:
     """Queue a ``DenoisedJob`` for post-processing, once per job: registered first (durable, and
-    counted in the job's ``denoised``), then sent; False when the job was handed on before (or is
-    gone) and nothing was sent."""
+    counted in the job's ``denoised``), then sent; False when the job was handed on before, is
+    gone, or was taken from ``worker_id`` (the engine worker handing it) and nothing was sent."""
     text = protocol.encode(job)
-    if not cpu_leases(client, settings).register_post(job.job_id, text):
-        log.warning("post-processing of %s not queued again: it was denoised before", job.job_id)
+    if not cpu_leases(client, settings).register_post(job.job_id, text, worker_id):
+        log.warning(
+            "post-processing of %s not queued: it was denoised before or re-dispatched elsewhere",
+            job.job_id,
+        )
         return False
     app.send_task(POST_TASK, args=[text], queue=settings.celery.post_queue)
     return True
@@ -341,6 +346,27 @@ def resend_lapsed(app: Celery, client: Redis, settings: Settings, jobstate) -> i
         log.warning("%s of %s lost with its worker: re-enqueued", what, lapsed.job_id)
         resent += 1
     return resent
+
+
+def start_lease_sweeper(
+    app: Celery, client: Redis, settings: Settings, jobstate
+) -> threading.Event:
+    """``resend_lapsed`` in a daemon thread every quarter of ``celery.lease_s``, so a task lost
+    with its worker is sent again within about 1.25 x ``lease_s``. It runs in the API process, the
+    role every deployment runs that already sends Celery tasks (the dispatcher stays Celery-free).
+    Several API processes may sweep at once: taking a lapsed lease is atomic, so each is sent once.
+    Returns the event that stops it."""
+    stop, every_s = threading.Event(), max(0.5, settings.celery.lease_s / 4)
+
+    def sweep_periodically() -> None:
+        while not stop.wait(every_s):
+            try:
+                resend_lapsed(app, client, settings, jobstate)
+            except TRANSIENT_ERRORS as exc:  # Redis away for a moment: the next sweep retries
+                log.warning("lease sweep skipped: Redis unavailable (%s)", exc)
+
+    threading.Thread(target=sweep_periodically, name="lease-sweeper", daemon=True).start()
+    return stop
 
 
 def run_cpu_worker(settings: Settings) -> int:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from redis import Redis
 
+from backend.jobstate import worker_fence
 from backend.protocol import to_text
 from backend.protocol.keys import CPU_LEASES_KEY, cpu_task_key, job_key
 from backend.protocol.records import TERMINAL
@@ -46,15 +47,22 @@ STAGE_NAMES = {"pre": "pre-processing", "post": "post-processing"}
 CLAIMED, HELD, EXHAUSTED = "claimed", "held", "exhausted"
 SWEEP_BATCH = 100  # leases taken per sweep (the rest at the next)
 
-# KEYS: task hash, leases, job hash. ARGV: job id, stage, message, deadline. 1 when registered,
-# 0 when the job is gone or was denoised before (its post task is queued already).
-_REGISTER_POST = """
+# KEYS: task hash, leases, job hash. ARGV: job id, stage, message, deadline, the handing worker.
+# 1 when registered, 0 when the job is gone, was denoised before (its post task is queued
+# already) or was taken from this worker (re-dispatched while it was cut off: the record's
+# worker_id fences it, see backend.jobstate).
+_REGISTER_POST = (
+    """
 if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
+"""
+    + worker_fence("KEYS[3]", "ARGV[5]")
+    + """
 if redis.call('HINCRBY', KEYS[3], 'denoised', 1) > 1 then return 0 end
 redis.call('HSET', KEYS[1], 'stage', ARGV[2], 'message', ARGV[3], 'token', '')
 redis.call('ZADD', KEYS[2], ARGV[4], ARGV[1])
 return 1
 """
+)
 # KEYS: task hash, leases, job hash. ARGV: job id, stage, message, token, now, lease_s, max.
 _CLAIM = """
 local holder = redis.call('HGET', KEYS[1], 'token')
@@ -139,10 +147,11 @@ class CpuLeases:
     def _keys(self, job_id: str) -> list[str]:
         return [cpu_task_key(job_id), CPU_LEASES_KEY, job_key(job_id)]
 
-    def register_post(self, job_id: str, message: str) -> bool:
+    def register_post(self, job_id: str, message: str, worker_id: str = "") -> bool:
         """Record a job's post task before it is sent, counting the job's denoise; False when it
-        must not be sent (the job is gone, or it was denoised and handed on before)."""
-        args = [job_id, "post", message, time.time() + self.backstop_s]
+        must not be sent (the job is gone, it was denoised and handed on before, or it now
+        belongs to another worker than ``worker_id``)."""
+        args = [job_id, "post", message, time.time() + self.backstop_s, worker_id]
         return bool(self._register_post(keys=self._keys(job_id), args=args))
 
     def claim(self, job_id: str, stage: str, message: str, token: str, max_redel: int) -> str:

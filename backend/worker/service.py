@@ -160,7 +160,13 @@ class RedisSink:
         self.jobstate.record_events(events)
 
     def denoised(self, job: DenoisedJob) -> None:
-        submit_postprocess(self.celery_app, self.jobstate.client, self.settings, job)
+        submit_postprocess(
+            self.celery_app,
+            self.jobstate.client,
+            self.settings,
+            job,
+            worker_id=self.settings.worker.worker_id,
+        )
 
 
 class Heartbeat:
