@@ -362,6 +362,10 @@ class SupervisorSettings(_Strict):
     again."""
     reconnect_max_s: float = Field(default=5.0, gt=0.0, le=60.0)
     """Cap of the doubling reconnection wait."""
+    log_max_mb: float = Field(default=64.0, ge=0.0)
+    """A role's log under ``<data_dir>/logs`` is rotated past this size: copied to ``<role>.log.1``
+    (replacing the older copy) and emptied, so the logs of a long-running stack hold at most twice
+    this per role; 0: never rotated."""
     metrics_port: int = Field(default=0, ge=0, le=65535)
     """Port of ``maskserve up``'s own Prometheus ``/metrics`` on 127.0.0.1
     (``maskserve_role_restarts_total{role=...}``, ``maskserve_role_up{role=...}``); 0: a free port,

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from backend.config import SettingsError, load_settings
 from backend.protocol.keys import DISPATCHER_GROUP, PREPARED_STREAM
 from backend.services.redis_server import free_port
-from backend.services.stack import Role, Stack
+from backend.services.stack import Role, Stack, rotate_log
 from backend.services.supervisor import Backoff, Reconnect, RestartPolicy, RoleRecord
 
 POLICY = RestartPolicy(Backoff(initial_s=1.0, cap_s=30.0), stable_s=60.0)
@@ -74,6 +74,19 @@ def test_reconnect_backs_off_and_says_when_an_outage_ends():
     assert [reconnect.failed() for _ in range(5)] == [0.2, 0.4, 0.8, 1.0, 1.0]
     assert not reconnect.connected
     assert reconnect.succeeded() and reconnect.connected
+
+
+def test_a_log_past_its_size_is_copied_aside_and_its_writer_carries_on_at_its_start(tmp_path):
+    path = tmp_path / "worker-0.log"
+    with open(path, "ab", buffering=0) as writer:  # as a role holds its log: open for appending
+        writer.write(b"x" * 100)
+        assert not rotate_log(path, max_bytes=100)  # at the limit: kept
+        writer.write(b"y")
+        assert rotate_log(path, max_bytes=100)
+        assert (tmp_path / "worker-0.log.1").read_bytes() == b"x" * 100 + b"y"
+        writer.write(b"after rotation\n")
+    assert path.read_bytes() == b"after rotation\n"  # no hole of zeros where the old lines were
+    assert not rotate_log(tmp_path / "gone.log", max_bytes=1)  # a missing log is no error
 
 
 def test_supervisor_settings_come_from_the_environment_and_are_checked():

@@ -113,6 +113,10 @@ class RedisServer:
             "",
             "--appendonly",
             "yes" if self.appendonly else "no",
+            # rewrite the AOF once it doubles past 16 MB (Redis waits for 64 MB by default): the
+            # file stays near the size of the data instead of growing with every write
+            "--auto-aof-rewrite-min-size",
+            "16mb",
             "--maxmemory-policy",
             "noeviction",
             "--protected-mode",
