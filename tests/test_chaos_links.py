@@ -50,12 +50,6 @@ def redispatches(statuses: list[str]) -> int:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="missing fencing of re-dispatched jobs: the cut worker keeps stepping its batch and, "
-    "once healed, its outbox hands off the denoise of a job the dispatcher already gave to "
-    "another worker, so the job's denoised counter reaches 2 (post-processing runs once)",
-)
 def test_a_worker_cut_off_from_redis_has_its_jobs_redispatched_once(stack):
     upstream = urlsplit(stack.redis_url)
     proxy = TcpProxy(upstream.hostname or "127.0.0.1", upstream.port or 6379)
