@@ -35,6 +35,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/bandit -q -c pyproject.toml -r backend studio templates_store
 
 up: $(STAMP)
 	$(VENV)/bin/maskserve up
