@@ -63,6 +63,7 @@ from backend.protocol.keys import (
     inbox_stream,
     job_key,
 )
+from backend.services.supervisor import Backoff, Reconnect
 from backend.worker.redis_inbox import queue_to_inbox
 from backend.worker.stats import percentile
 
@@ -369,11 +370,17 @@ def run_dispatcher(settings: Settings) -> int:
     )
     stop = stop_event_on_signals()
     log.info("dispatcher %s routing with %s", dispatcher.consumer, settings.dispatcher.policy)
+    supervision = settings.supervisor
+    reconnect = Reconnect(Backoff(supervision.reconnect_initial_s, supervision.reconnect_max_s))
     while not stop.is_set():
         try:
             dispatcher.iterate()
-        # Redis restarting: wait, resume from the stream
+        # Redis restarting: wait (backing off), then resume from the stream
         except (RedisConnectionError, RedisTimeoutError) as exc:
-            log.warning("Redis unavailable (%s); retrying in 1 s", exc)
-            stop.wait(1.0)
+            wait_s = reconnect.failed()
+            log.warning("Redis unavailable (%s); retrying in %.1f s", exc, wait_s)
+            stop.wait(wait_s)
+            continue
+        if reconnect.succeeded():
+            log.info("Redis is back: routing again")
     return 0
