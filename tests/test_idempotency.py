@@ -31,7 +31,8 @@ def sd2_engine(models_dir, tmp_path_factory):
 
 @pytest.fixture
 def env(redis_url, redis_client, tmp_path):
-    settings = load_settings(env={}, redis={"url": redis_url})
+    # the sink hands off as the worker its settings name (the record's worker_id fences the rest)
+    settings = load_settings(env={}, redis={"url": redis_url}, worker={"worker_id": "w1"})
     return settings, redis_client, JobStateStore(redis_client), BlobStore(tmp_path / "blobs")
 
 
@@ -117,6 +118,23 @@ def test_a_job_that_stops_its_worker_every_time_fails_after_the_bound(env):
     assert client.xpending(inbox_stream("w1"), INBOX_GROUP)["pending"] == 0  # nothing loops
     send_to_inbox(client, "w1", new_job_message("fine"))
     assert [m.job_id for m in last.poll(0)] == ["fine"]  # other jobs keep flowing
+
+
+def test_entries_re_read_after_a_redis_outage_are_not_redeliveries(env):
+    """The same worker process re-reads its pending entries when Redis comes back (a read's reply
+    may have been lost): the jobs it holds are neither delivered again nor counted, however many
+    outages they live through."""
+    _settings, client, jobstate, _blobs = env
+    inbox = RedisInbox(client, "w1", fail_job=lambda *_: None, max_redeliveries=MAX_REDELIVERIES)
+    jobstate.create("held")
+    send_to_inbox(client, "w1", new_job_message("held"))
+    assert [m.job_id for m in inbox.poll(0)] == ["held"]
+    for _outage in range(MAX_REDELIVERIES + 2):
+        inbox.replay()
+        assert inbox.poll(0) == []
+    assert jobstate.record("held").redeliveries == 0 and jobstate.status("held") == "queued"
+    inbox.ack("held")
+    assert client.xpending(inbox_stream("w1"), INBOX_GROUP)["pending"] == 0
 
 
 def new_job_message(job_id: str) -> PreparedJob:

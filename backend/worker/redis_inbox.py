@@ -123,6 +123,8 @@ class RedisInbox:
         if isinstance(message, CancelJob):
             self.client.xack(self.stream, INBOX_GROUP, entry_id)
             return message
+        if entry_id in self._entries.get(message.job_id, ()):
+            return None  # re-read after a Redis outage: the loop holds it already (no redelivery)
         if not self._deliverable(message.job_id, entry_id, replayed):
             self.client.xack(self.stream, INBOX_GROUP, entry_id)
             return None
