@@ -7,7 +7,6 @@ template outside it. Screenshots go to ``test-output/studio/`` (and the test's t
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import shutil
@@ -20,8 +19,10 @@ from PIL import Image
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import sync_playwright
 
-from backend.client import MaskServeClient
+from backend.api.security import STUDIO_OWNER
+from backend.client import MaskServeClient, MaskServeError
 from backend.config import load_settings
+from backend.jobstate import JobStateStore
 from backend.services.redis_server import free_port
 from backend.services.stack import Role, Stack
 from templates_store.samples import sample_template
@@ -143,7 +144,9 @@ def paint_stroke(page, attempts: int = 3) -> None:
                 raise
 
 
-def test_paint_a_stroke_submit_and_get_the_edit_back(studio_stack, browser_page, tmp_path):
+def test_paint_a_stroke_submit_and_get_the_edit_back(
+    studio_stack, browser_page, tmp_path, redis_client
+):
     base, running = studio_stack
     page = browser_page
     template_path = tmp_path / "courtyard.png"
@@ -184,10 +187,14 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(studio_stack, browser_page,
     job_id = re.search(r"job ([0-9a-f]{32})", info).group(1)
     assert re.search(r"Seed used: \d+", info) and "6 steps" in info, info
 
-    with MaskServeClient(base, API_KEY) as client:
-        job = client.get(job_id)
-        result = Image.open(io.BytesIO(client.result_bytes(job_id))).convert("RGB")
-    assert job["status"] == "done" and job["template_id"], job
+    # the studio is its own tenant: an API key does not see its jobs ...
+    with MaskServeClient(base, API_KEY) as client, pytest.raises(MaskServeError) as hidden:
+        client.get(job_id)
+    assert hidden.value.status == 404
+    # ... the job state does, owned by the studio
+    job = JobStateStore(redis_client).get(job_id)
+    result = Image.open(tmp_path / "data" / "blobs" / job["result_ref"]).convert("RGB")
+    assert job["status"] == "done" and job["template_id"] and job["owner"] == STUDIO_OWNER, job
     assert result.size == template.size
     # the mask the studio sent: the painted layer's alpha, grayscale, 255 = repaint, at the
     # template's size
