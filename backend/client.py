@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from backend.config import API_KEY_DIGEST_PREFIX
+
 TERMINAL = ("done", "failed", "cancelled")
 
 
@@ -188,7 +190,7 @@ def add_submit_arguments(parser) -> None:
         "--api-key",
         dest="api_key",
         default=None,
-        help="X-API-Key (default: the first of MASKSERVE_API_KEYS)",
+        help="X-API-Key (default: the first raw key in MASKSERVE_API_KEYS)",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--image", help="image file to edit")
@@ -228,9 +230,10 @@ def submit_cli(args, settings=None) -> int:
     url = getattr(args, "url", None) or (
         f"http://{settings.api.host}:{settings.api.port}" if settings else "http://127.0.0.1:8000"
     )
-    api_key = getattr(args, "api_key", None) or (
-        settings.api.api_keys[0] if settings and settings.api.api_keys else None
-    )
+    # a ``sha256:`` entry is a digest, not a key one could send
+    configured = settings.api.api_keys if settings else ()
+    raw_keys = [key for key in configured if not key.startswith(API_KEY_DIGEST_PREFIX)]
+    api_key = getattr(args, "api_key", None) or (raw_keys[0] if raw_keys else None)
     params = {
         name: getattr(args, name, None)
         for name in (

@@ -202,6 +202,9 @@ class DispatcherSettings(_Strict):
     """Port of the dispatcher's Prometheus ``/metrics``; 0: none."""
 
 
+API_KEY_DIGEST_PREFIX = "sha256:"  # an ``api_keys`` entry that is a key's SHA-256, not a key
+
+
 class ApiSettings(_Strict):
     """The REST API (``maskserve api``): where it listens, who may call it, how much they may send.
 
@@ -269,8 +272,8 @@ class ApiSettings(_Strict):
     @classmethod
     def _key_digests(cls, keys):
         for entry in keys:
-            prefix, _, digest = entry.partition(":")
-            if prefix == "sha256" and not re.fullmatch(r"[0-9a-fA-F]{64}", digest):
+            digest = entry.removeprefix(API_KEY_DIGEST_PREFIX)
+            if digest != entry and not re.fullmatch(r"[0-9a-fA-F]{64}", digest):
                 raise ValueError(
                     "an api_keys entry starting with 'sha256:' must be followed by the 64 hex "
                     "digits of a key's SHA-256"

@@ -39,7 +39,8 @@ def api(redis_url, tmp_path):
     env = {
         "MASKSERVE_REDIS_URL": redis_url,
         "MASKSERVE_DATA_DIR": str(tmp_path / "data"),
-        "MASKSERVE_API_KEYS": KEY,
+        # a digest entry first: the CLI's default key must skip it (it is no key one can send)
+        "MASKSERVE_API_KEYS": f"sha256:{'0' * 64},{KEY}",
         "MASKSERVE_API_PORT": str(port),
         "MASKSERVE_READ_RATE_PER_MINUTE": "0",
         "MASKSERVE_WRITE_RATE_PER_MINUTE": "0",

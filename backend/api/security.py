@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from fastapi import HTTPException, Request
 from fastapi.security import APIKeyHeader, APIKeyQuery
 
-from backend.config import ApiSettings
+from backend.config import API_KEY_DIGEST_PREFIX, ApiSettings
 from backend.protocol.keys import rate_limit_key
 
 API_KEY_HEADER = "X-API-Key"
@@ -89,7 +89,6 @@ return {allowed, wait_ms}
 LOCAL_OWNER = "local"  # the one tenant when auth is disabled
 STUDIO_OWNER = "studio"  # the tenant of every studio user: they share one gallery
 READ_METHODS = frozenset({"GET", "HEAD"})
-DIGEST_PREFIX = "sha256:"
 
 
 def key_digest(key: str) -> bytes:
@@ -99,8 +98,8 @@ def key_digest(key: str) -> bytes:
 
 def configured_digest(entry: str) -> bytes:
     """The digest an ``api_keys`` entry stands for: ``sha256:<hex>`` as given, a raw key hashed."""
-    if entry.startswith(DIGEST_PREFIX):
-        return bytes.fromhex(entry.removeprefix(DIGEST_PREFIX))
+    if entry.startswith(API_KEY_DIGEST_PREFIX):
+        return bytes.fromhex(entry.removeprefix(API_KEY_DIGEST_PREFIX))
     return key_digest(entry)
 
 
