@@ -6,18 +6,14 @@ encodings."""
 from __future__ import annotations
 
 import base64
-import os
-import threading
 import urllib.parse
 
 import httpx
 import pytest
 
 from backend.client import MaskServeClient
-from backend.config import load_settings
-from backend.services.redis_server import free_port
-from backend.services.stack import Role, Stack
 from templates_store.samples import sample_template
+from tests.stack_factory import running_stack
 from tests.test_cpu_stages import HEIGHT, WIDTH, painted_mask, png
 
 API_KEY = "sk-live-7f3a9c1e5b2d4068"
@@ -41,37 +37,13 @@ def encodings(secret: str) -> set[str]:
 
 @pytest.fixture
 def stack(redis_url, models_dir, tmp_path, monkeypatch):
-    from tests.factories import make_engine
-
-    make_engine("sd2-inpaint", models_dir, tmp_path / "warm")  # built once, before roles load it
-    port = free_port()
-    for name, value in {
-        "MASKSERVE_MODELS_DIR": str(models_dir),
-        "MASKSERVE_MODEL": "tiny-sd2-inpaint",
+    env = {
         "MASKSERVE_API_KEYS": API_KEY,
         "MASKSERVE_USERS": f"{USER}:{PASSWORD}",
-        "MASKSERVE_API_PORT": str(port),
         "MASKSERVE_LOG_LEVEL": "DEBUG",  # the most a role ever logs
-    }.items():
-        monkeypatch.setenv(name, value)
-    settings = load_settings(
-        env=dict(os.environ), paths={"data_dir": str(tmp_path / "data")}, redis={"url": redis_url}
-    )
-    roles = [
-        Role("cpu-worker", ["cpu-worker"]),
-        Role("dispatcher", ["dispatcher"]),
-        Role("worker", ["worker", "--worker-id", "w-1"]),
-        Role("api", ["api"]),
-    ]
-    running = Stack(settings, roles)
-    running.start()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        ready = running.wait_ready(f"{base}/readyz", threading.Event(), timeout_s=120)
-        assert ready, {name: running.log_tail(name) for name in running.processes}
-        yield running, base
-    finally:
-        running.stop()
+    }
+    with running_stack(monkeypatch, tmp_path, redis_url, models_dir, ["w-1"], env) as started:
+        yield started
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ of a job leaves it to the other worker, and it finishes exactly once."""
 from __future__ import annotations
 
 import io
-import os
 import signal
 import time
 
@@ -13,11 +12,9 @@ import pytest
 from PIL import Image
 
 from backend.client import MaskServeClient
-from backend.config import load_settings
 from backend.jobstate import JobStateStore
-from backend.services.redis_server import free_port
-from backend.services.stack import Role, Stack
 from templates_store.samples import sample_template
+from tests.stack_factory import running_stack
 from tests.test_cpu_stages import HEIGHT, WIDTH, assert_edited_inside_only, painted_mask, png
 
 API_KEY = "e2e-key"
@@ -25,40 +22,16 @@ API_KEY = "e2e-key"
 
 @pytest.fixture
 def stack(redis_url, redis_client, models_dir, tmp_path, monkeypatch):
-    from tests.factories import make_engine
-
-    # build the tiny model once, before 4 processes load it
-    make_engine("sd2-inpaint", models_dir, tmp_path / "warm")
-    port = free_port()
-    for name, value in {
-        "MASKSERVE_MODELS_DIR": str(models_dir),
-        "MASKSERVE_MODEL": "tiny-sd2-inpaint",
-        "MASKSERVE_API_KEYS": API_KEY,
-        "MASKSERVE_API_PORT": str(port),
-    }.items():
-        monkeypatch.setenv(name, value)
-    settings = load_settings(
-        env=dict(os.environ), paths={"data_dir": str(tmp_path / "data")}, redis={"url": redis_url}
-    )
-    roles = [
-        Role("cpu-worker", ["cpu-worker"]),
-        Role("dispatcher", ["dispatcher"]),
-        Role("worker-a", ["worker", "--worker-id", "w-a"]),
-        Role("worker-b", ["worker", "--worker-id", "w-b"]),
-        Role("api", ["api"]),
-    ]
-    running = Stack(settings, roles)
-    running.start()
-    import threading
-
-    ready = running.wait_ready(f"http://127.0.0.1:{port}/readyz", threading.Event(), timeout_s=120)
-    assert ready, {name: running.log_tail(name) for name in running.processes}
-    client = MaskServeClient(f"http://127.0.0.1:{port}", API_KEY)
-    try:
-        yield running, client, JobStateStore(redis_client)
-    finally:
-        client.close()
-        running.stop()
+    with running_stack(
+        monkeypatch,
+        tmp_path,
+        redis_url,
+        models_dir,
+        ["w-a", "w-b"],
+        {"MASKSERVE_API_KEYS": API_KEY},
+    ) as (running, base):
+        with MaskServeClient(base, API_KEY) as client:
+            yield running, client, JobStateStore(redis_client)
 
 
 def diagnose(running, jobstate, job_id) -> str:
@@ -117,7 +90,7 @@ def test_a_worker_killed_mid_job_leaves_it_to_the_other_which_finishes_it_once(s
     else:
         raise AssertionError(f"the job never ran: {jobstate.get(job_id)}")
     victim = record["worker_id"]
-    running.processes["worker-a" if victim == "w-a" else "worker-b"].send_signal(signal.SIGKILL)
+    running.processes["worker-0" if victim == "w-a" else "worker-1"].send_signal(signal.SIGKILL)
     try:
         final = client.wait(job_id, timeout=60)
     except TimeoutError:

@@ -7,10 +7,8 @@ template outside it. Screenshots go to ``test-output/studio/`` (and the test's t
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -21,11 +19,9 @@ from playwright.sync_api import sync_playwright
 
 from backend.api.security import STUDIO_OWNER
 from backend.client import MaskServeClient, MaskServeError
-from backend.config import load_settings
 from backend.jobstate import JobStateStore
-from backend.services.redis_server import free_port
-from backend.services.stack import Role, Stack
 from templates_store.samples import sample_template
+from tests.stack_factory import running_stack
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -48,43 +44,12 @@ OUTPUT = Path(__file__).resolve().parent.parent / "test-output" / "studio"
 
 @pytest.fixture
 def studio_stack(redis_url, models_dir, tmp_path, monkeypatch):
-    from tests.factories import make_engine
-
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.fail(
-            f"{CHROMIUM} is missing: `make test` installs Debian's chromium "
-            "(apt-get install chromium)"
-        )
-    # build the tiny model once, before the roles load it
-    make_engine("sd2-inpaint", models_dir, tmp_path / "warm")
-    port = free_port()
-    for name, value in {
-        "MASKSERVE_MODELS_DIR": str(models_dir),
-        "MASKSERVE_MODEL": "tiny-sd2-inpaint",
-        "MASKSERVE_API_KEYS": API_KEY,
-        "MASKSERVE_USERS": f"{USER}:{PASSWORD}",
-        "MASKSERVE_API_PORT": str(port),
-    }.items():
-        monkeypatch.setenv(name, value)
-    settings = load_settings(
-        env=dict(os.environ), paths={"data_dir": str(tmp_path / "data")}, redis={"url": redis_url}
-    )
-    roles = [
-        Role("cpu-worker", ["cpu-worker"]),
-        Role("dispatcher", ["dispatcher"]),
-        Role("worker", ["worker", "--worker-id", "w-browser"]),
-        Role("api", ["api"]),
-    ]
-    running = Stack(settings, roles)
-    running.start()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        assert running.wait_ready(f"{base}/readyz", threading.Event(), timeout_s=120), {
-            name: running.log_tail(name) for name in running.processes
-        }
+    env = {"MASKSERVE_API_KEYS": API_KEY, "MASKSERVE_USERS": f"{USER}:{PASSWORD}"}
+    with running_stack(monkeypatch, tmp_path, redis_url, models_dir, ["w-browser"], env) as (
+        running,
+        base,
+    ):
         yield base, running
-    finally:
-        running.stop()
 
 
 @pytest.fixture

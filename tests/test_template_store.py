@@ -19,7 +19,6 @@ from templates_store.store import (
     TemplateStore,
 )
 
-
 OWNER = "key:owner-a"
 OTHER = "key:owner-b"
 
