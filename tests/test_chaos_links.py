@@ -128,6 +128,8 @@ def test_an_unwritable_cache_disk_falls_back_to_dense_and_every_job_is_done(stac
         heal=lambda: unblock(cache),
         hold_s=10.0,
         fail_while_faulty=False,
+        # templates no earlier test of this shared stack recorded: every job must record
+        load=JobLoad(stack, seed=5000),
     )
     logs = [path.read_text(errors="replace") for path in (stack.data_dir / "logs").glob("w*.log")]
     assert any(error in log for log in logs for error in WRITE_ERRORS), (

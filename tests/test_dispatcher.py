@@ -208,6 +208,23 @@ def test_a_dispatcher_dead_between_inbox_write_and_ack_does_not_route_twice(env)
     assert client.xpending(PREPARED_STREAM, GROUP)["pending"] == 0
 
 
+def test_a_worker_routed_to_before_it_re_joined_is_recovered_when_it_dies(env):
+    """After a Redis outage a worker's heartbeat thread may beat again before its loop re-joins
+    the worker set; jobs routed to it then must be recovered if it dies in between."""
+    settings, client, jobstate = env
+    beat(client, "back")
+    client.srem(WORKERS_KEY, "back")  # recovered as dead during the outage, not re-joined yet
+    submit(client, jobstate, prepared("held"))
+    dispatcher = Dispatcher(settings, client, consumer="d")
+    run(dispatcher)
+    assert inbox_jobs(client, "back") == ["held"]
+    client.delete(heartbeat_key("back"))  # it dies before its loop re-joins
+    beat(client, "other")
+    run(dispatcher)
+    assert inbox_jobs(client, "other") == ["held"]
+    assert jobstate.get("held")["worker_id"] == "other"
+
+
 def test_recovery_reads_only_the_dead_workers_unfinished_entries(env, caplog):
     settings, client, jobstate = env
     beat(client, "alive")

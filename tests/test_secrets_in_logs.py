@@ -71,7 +71,7 @@ def test_no_role_logs_a_key_or_a_password(stack):
         assert right.status_code == 200
     running.stop()
     logs = {path.name: path.read_text() for path in running.log_dir.glob("*.log")}
-    assert {"api.log", "worker.log", "cpu-worker.log", "dispatcher.log"} <= set(logs)
+    assert {"api.log", "worker-0.log", "cpu-worker.log", "dispatcher.log"} <= set(logs)
     assert all(logs.values())  # every role did log (at DEBUG): an empty log would prove nothing
     for secret in (API_KEY, WRONG_KEY, PASSWORD):
         for form in encodings(secret):

@@ -243,8 +243,15 @@ class TieredActivationCache:
         """Under the lock: fold in what other workers sharing ``root`` did (module docstring). A
         directory scan and a ``stat`` per entry: run before a commit makes room on disk, not per
         step."""
+        try:
+            paths = list(self.root.iterdir())
+        except OSError as exc:  # the directory is gone or unreadable: nothing to fold in now
+            log.warning(
+                "cache directory %s unreadable (%s): recordings fail meanwhile", self.root, exc
+            )
+            return
         listed = {}
-        for path in self.root.iterdir():
+        for path in paths:
             if not path.name.startswith("."):
                 mtime_ns = _mtime_ns(path / MANIFEST)
                 if mtime_ns:

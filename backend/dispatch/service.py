@@ -157,6 +157,11 @@ class Dispatcher:
 
     def refresh_workers(self) -> None:
         beats = live_heartbeats(self.client)
+        if beats:
+            # a worker we route to is one we recover: its heartbeat may come back (from its
+            # heartbeat thread) before its loop re-joins the set after a Redis outage, and if it
+            # died then, its inbox would otherwise never be recovered
+            self.client.sadd(WORKERS_KEY, *beats)
         for beat in beats.values():
             model = self.costs.ensure(beat.model_id, beat.device)
             if model is not None:

@@ -214,12 +214,15 @@ class CacheWriter:
         if self.budget is None:
             return True
         needed = self.budget.entry_bound(first_step)
-        if self.budget.reserve(needed):
-            return True
-        self.failed = CacheFullError(
-            f"recording of {self.key.digest()} needs up to {needed} bytes: no room in the cache's "
-            "disk budget"
-        )
+        try:
+            if self.budget.reserve(needed):
+                return True
+            self.failed = CacheFullError(
+                f"recording of {self.key.digest()} needs up to {needed} bytes: no room in the "
+                "cache's disk budget"
+            )
+        except DISK_ERRORS as exc:  # the cache directory itself is gone or unreadable
+            self.failed = exc  # the budget's owner logs and counts it, once
         self.abort()
         return False
 
