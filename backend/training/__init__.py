@@ -1,0 +1,1 @@
+"""Training the demo inpainting model: the scenes it learns from (``scenes``)."""
