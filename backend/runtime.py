@@ -16,7 +16,14 @@ import threading
 import time
 from collections.abc import Callable
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from backend.config import Settings
+
+# What a client sees while Redis restarts or a link to it is cut: every role waits and retries on
+# these (with backoff), never exits.
+REDIS_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
 
 log = logging.getLogger("maskserve")
 _PR_SET_PDEATHSIG = 1

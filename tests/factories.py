@@ -7,6 +7,7 @@ import io
 import numpy as np
 from PIL import Image
 
+from backend.engine.cache_store import CacheKey
 from backend.engine.editor import EditParams, MaskAwareEngine
 from backend.models import load_pipeline, resolve_model
 from templates_store.samples import sample_template
@@ -77,4 +78,21 @@ def make_prepared_job(
         num_steps=params.steps,
         mask_ratio=float(prepared.pixels.mean()),
         cache_digest=prepared.cache_key.digest() if prepared.cache_key else "",
+    )
+
+
+def cache_key(n: int = 0, num_steps: int = 2, mode: str = "kv") -> CacheKey:
+    """The cache key of template ``n`` of the tiny sd2 model at 64 px (distinct ``n``, distinct
+    entries)."""
+    return CacheKey(
+        image_sha256=f"{n:064x}",
+        model_id="tiny-sd2-inpaint",
+        model_revision="r1",
+        height=64,
+        width=64,
+        num_steps=num_steps,
+        scheduler="EulerDiscreteScheduler",
+        strength=1.0,
+        template_seed=0,
+        mode=mode,
     )

@@ -28,24 +28,14 @@ from backend.engine.cache_store import (
     TemplateCache,
     WriteBudget,
 )
+from tests.factories import cache_key
 from tests.test_cache_disk_full import file_size_limit
 
 NUM_STEPS, NUM_UNITS, HALVES = 3, 2, 2
 
 
 def make_key(mode: str = "kv") -> CacheKey:
-    return CacheKey(
-        image_sha256="cd" * 32,
-        model_id="tiny-sd2-inpaint",
-        model_revision="r1",
-        height=64,
-        width=64,
-        num_steps=NUM_STEPS,
-        scheduler="EulerDiscreteScheduler",
-        strength=1.0,
-        template_seed=0,
-        mode=mode,
-    )
+    return cache_key(0xCD, NUM_STEPS, mode)
 
 
 def recorded_tensors() -> tuple[list[dict[tuple[int, str], torch.Tensor]], torch.Tensor]:

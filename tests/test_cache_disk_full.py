@@ -27,7 +27,14 @@ from backend.cache.manager import choose_disk_budget
 from backend.engine.cache_store import MANIFEST, CacheKey, CacheWriter, WriteBudget, step_file
 from backend.worker.channels import LocalInbox, LocalSink
 from backend.worker.loop import EngineWorker
-from tests.factories import make_engine, make_params, make_prepared_job, make_template, rect_mask
+from tests.factories import (
+    cache_key,
+    make_engine,
+    make_params,
+    make_prepared_job,
+    make_template,
+    rect_mask,
+)
 from tests.test_worker import TOL, final_latents, run_until_idle
 
 MB = 1 << 20
@@ -50,18 +57,7 @@ def file_size_limit(max_bytes: int):
 
 
 def key(n: int) -> CacheKey:
-    return CacheKey(
-        image_sha256=f"{n:064x}",
-        model_id="tiny-sd2-inpaint",
-        model_revision="r1",
-        height=64,
-        width=64,
-        num_steps=NUM_STEPS,
-        scheduler="EulerDiscreteScheduler",
-        strength=1.0,
-        template_seed=0,
-        mode="kv",
-    )
+    return cache_key(n, NUM_STEPS)
 
 
 def step_tensors(seed: int) -> dict[tuple[int, str], torch.Tensor]:

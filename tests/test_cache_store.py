@@ -12,24 +12,14 @@ import torch
 from backend.cache import MemoryTemplateCache, Tier, TieredActivationCache
 from backend.engine import cache_store
 from backend.engine.cache_store import CacheKey, CacheMismatchError, CacheWriter, TemplateCache
+from tests.factories import cache_key
 
 NUM_STEPS, NUM_UNITS = 2, 2
 LATENT_BYTES = 4 * 2 * 2 * 4  # one step's latents in the trajectory (``_fill``): 4x2x2 float32
 
 
 def _key(n: int) -> CacheKey:
-    return CacheKey(
-        image_sha256=f"{n:064x}",
-        model_id="tiny-sd2-inpaint",
-        model_revision="r1",
-        height=64,
-        width=64,
-        num_steps=NUM_STEPS,
-        scheduler="EulerDiscreteScheduler",
-        strength=1.0,
-        template_seed=0,
-        mode="kv",
-    )
+    return cache_key(n, NUM_STEPS)
 
 
 def _fill(writer: CacheWriter, seed: int) -> None:

@@ -21,8 +21,6 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.api import routes_jobs, routes_templates
@@ -43,6 +41,7 @@ from backend.api.service import JobService, ServiceError
 from backend.blobs import BlobError, BlobStore
 from backend.config import Settings
 from backend.jobstate import JobStateStore
+from backend.runtime import REDIS_UNAVAILABLE
 from templates_store.store import TemplateError, TemplateNotFound, TemplateStore
 
 log = logging.getLogger(__name__)
@@ -106,8 +105,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         log.warning("Redis unavailable: %s", exc)
         return _error(503, f"Redis is unavailable ({exc}): try again shortly")
 
-    app.add_exception_handler(RedisConnectionError, redis_down)
-    app.add_exception_handler(RedisTimeoutError, redis_down)
+    for unavailable in REDIS_UNAVAILABLE:
+        app.add_exception_handler(unavailable, redis_down)
 
 
 def _ops_routes(app: FastAPI, client: Redis, metrics: ApiMetrics) -> None:

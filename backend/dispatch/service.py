@@ -37,9 +37,7 @@ from collections import deque
 from dataclasses import replace
 
 from redis import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from backend import protocol
 from backend.config import Settings
@@ -229,6 +227,7 @@ class Dispatcher:
         )
         if status in TERMINAL:  # cancelled (or failed) before it reached a worker
             self.counts["dropped"] += 1
+            self._told_no_worker.discard(job.job_id)
             self.client.xack(PREPARED_STREAM, DISPATCHER_GROUP, entry_id)
             return
         if status in PAST_ROUTING or worker_id in self._views:  # routed before: a duplicate
@@ -363,7 +362,7 @@ class Dispatcher:
 
 def run_dispatcher(settings: Settings) -> int:
     from backend.metrics import make_registry, serve_metrics
-    from backend.runtime import stop_event_on_signals
+    from backend.runtime import REDIS_UNAVAILABLE, stop_event_on_signals
 
     client = Redis.from_url(settings.redis.url)
     client.ping()
@@ -381,7 +380,7 @@ def run_dispatcher(settings: Settings) -> int:
         try:
             dispatcher.iterate()
         # Redis restarting: wait (backing off), then resume from the stream
-        except (RedisConnectionError, RedisTimeoutError) as exc:
+        except REDIS_UNAVAILABLE as exc:
             wait_s = reconnect.failed()
             log.warning("Redis unavailable (%s); retrying in %.1f s", exc, wait_s)
             stop.wait(wait_s)

@@ -32,8 +32,6 @@ from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import worker_process_init
 from redis import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from backend import protocol
 from backend.blobs import BlobError
@@ -49,6 +47,7 @@ from backend.protocol.keys import (
     PREPARED_STREAM,
     handoff_key,
 )
+from backend.runtime import REDIS_UNAVAILABLE
 from backend.tasks.leases import (
     EXHAUSTED,
     HELD,
@@ -63,7 +62,7 @@ log = logging.getLogger(__name__)
 
 PREPARED_MAXLEN = 100_000
 USER_ERRORS = (UploadError, MaskError, BlobError, ProtocolError, ValueError)
-TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError)
+TRANSIENT_ERRORS = (*REDIS_UNAVAILABLE, ConnectionError, TimeoutError)
 MAX_RETRIES = 5  # of a task after a transient error (then its job fails)
 RETRY_BACKOFF_MAX_S = 30
 

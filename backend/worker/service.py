@@ -25,8 +25,6 @@ from collections.abc import Callable
 from kombu.exceptions import OperationalError as BrokerUnavailable
 from redis import Redis
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from backend import protocol
@@ -37,7 +35,7 @@ from backend.jobstate import JobStateStore
 from backend.metrics import make_registry, serve_metrics
 from backend.protocol import DenoisedJob, JobEvent, WorkerHeartbeat
 from backend.protocol.keys import WORKERS_KEY, heartbeat_key
-from backend.runtime import stop_event_on_signals
+from backend.runtime import REDIS_UNAVAILABLE, stop_event_on_signals
 from backend.services.supervisor import Backoff, Reconnect
 from backend.tasks.celery_app import make_celery, submit_postprocess
 from backend.worker.loop import EngineWorker
@@ -48,7 +46,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_TTL_S = 5
 HEARTBEAT_EVERY_S = 1.0
 # Redis (or the Celery broker on it) is away: wait and retry, never crash
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, BrokerUnavailable)
+REDIS_DOWN = (*REDIS_UNAVAILABLE, BrokerUnavailable)
 # one quick retry on a pooled connection Redis closed when it restarted; outages are ours to handle
 CLIENT_RETRY = Retry(ExponentialBackoff(cap=0.05, base=0.01), 1)
 SOCKET_TIMEOUT_S = 15.0  # above the longest inbox block (``worker.idle_poll_s`` <= 5 s)
