@@ -5,6 +5,9 @@ The studio never touches a model: an edit is a ``JobRequest`` like a REST submis
 the job's own event stream, the result is the job's result file. Problems a user must fix are raised
 as ``StudioError`` with a message saying how (the UI shows it as a warning, never a stack trace).
 
+New users start from ``add_samples``: held-out scenes of the demo model's scene generator
+(``backend.training.scenes``, numpy and PIL only), which that model never saw while training.
+
 The studio is one tenant (``owner``: ``security.STUDIO_OWNER``, or the local one with auth
 disabled): its users share its gallery and see none of an API key's templates or jobs, nor an API
 key theirs. Each signed-in user's History is their own (listed for ``security.studio_user``).
@@ -12,6 +15,7 @@ key theirs. Each signed-in user's History is their own (listed for ``security.st
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,11 +27,14 @@ from PIL import Image
 from backend.api.security import studio_user
 from backend.api.service import JobRequest, JobService, ServiceError, SubmittedJob
 from backend.imaging.masks import MaskError
+from backend.imaging.uploads import encode_image
 from backend.jobstate import TERMINAL
 from backend.models import resolve_model
 from backend.protocol import MaskOps
+from backend.training.scenes import make_scene
 from studio import masks as studio_masks
 from templates_store.store import (
+    MAX_NAME_CHARS,
     TemplateError,
     TemplateNotFound,
     TemplateRecord,
@@ -36,6 +43,10 @@ from templates_store.store import (
 )
 
 FOLLOW_SLICE_MS = 1000  # longest single wait for a job's next event
+SAMPLE_TAG = "sample"
+SAMPLE_SPLIT = "heldout"  # scenes the demo model never trained on
+SAMPLE_SIZE = 128  # the demo model's resolution
+MAX_SAMPLES = 32  # enough to try the model on; each is generated on the request thread
 STAGES = {
     "queued": "Queued",
     "preprocessing": "Pre-processing",
@@ -101,6 +112,16 @@ class Progress:
         return " · ".join(parts)
 
 
+def _sample_name(number: int, caption: str) -> str:
+    """``sample scene <number>: <caption>``, at most the store's name limit: a longer one (some
+    three-object captions) is cut at a word and ends with "…". For the MAX_SAMPLES seeds offered
+    only words of the background are cut: every object's caption stays whole."""
+    name = f"sample scene {number}: {caption}"
+    if len(name) <= MAX_NAME_CHARS:
+        return name
+    return name[: MAX_NAME_CHARS - 1].rsplit(" ", 1)[0] + "…"
+
+
 def _service_call(func, *args, **kwargs):
     try:
         return func(*args, **kwargs)
@@ -162,6 +183,31 @@ class StudioActions:
             except (TemplateError, OSError) as exc:
                 problems.append(f"{path.name}: {exc}")
         return added, problems
+
+    def add_samples(self, count: int = 8) -> list[TemplateRecord]:
+        """The held-out scenes of seeds 0..count-1 (1 <= count <= MAX_SAMPLES) as the studio's
+        templates, in seed order: named ``sample scene <seed + 1>: <caption>``, tagged ``sample``.
+
+        Idempotent: a scene whose content is already a ``sample`` template of the studio's is
+        returned as it is, never added again (the store itself would add a second record)."""
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_SAMPLES:
+            raise StudioError(f"ask for 1 to {MAX_SAMPLES} sample scenes, not {count!r}")
+        present = {record.sha256: record for record in self.gallery(tag=SAMPLE_TAG)}
+        # added last scene first: the gallery lists newest first, so scene 1 comes first there
+        added = [self._add_sample(seed, present) for seed in reversed(range(count))]
+        return added[::-1]
+
+    def _add_sample(self, seed: int, present: dict[str, TemplateRecord]) -> TemplateRecord:
+        """The scene of ``seed``: its record in ``present`` (by content sha256) or a new one."""
+        scene = make_scene(seed, split=SAMPLE_SPLIT, size=SAMPLE_SIZE)
+        # the store keeps the PNG it re-encodes from the upload; a scene is an RGB image, so these
+        # are the very bytes it stores and their sha256 is the record's
+        png = encode_image(scene.image, "png")
+        existing = present.get(hashlib.sha256(png).hexdigest())
+        if existing is not None:
+            return existing
+        name = _sample_name(seed + 1, scene.caption)
+        return _service_call(self.templates.add, png, name, self.owner, [SAMPLE_TAG])
 
     def delete(self, template_id: str) -> str:
         record = self.template(template_id)

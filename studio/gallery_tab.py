@@ -1,4 +1,5 @@
-"""The studio's Gallery tab: upload templates, search, cache status and prepare, delete, edit.
+"""The studio's Gallery tab: upload templates, add sample scenes, search, cache status and prepare,
+delete, edit.
 
 A mixin of ``StudioPage``: it uses the page's ``actions`` and the editor's components it is given.
 """
@@ -10,9 +11,16 @@ import html
 
 import gradio as gr
 
-from studio.actions import StudioActions, StudioError
+from studio.actions import SAMPLE_TAG, StudioActions, StudioError
 from studio.components import handler
 from templates_store.store import TemplateNotFound
+
+SELECT_HINT = "Select a template to see its details."
+EMPTY_HINT = (
+    "The gallery is empty: upload images, or click **Add sample scenes** to start from generated "
+    "scenes."
+)
+TRY_PROMPT = "held-out generated scenes: try a prompt like 'a small green star'"
 
 
 class GalleryTab:
@@ -28,6 +36,13 @@ class GalleryTab:
                 continue
             ids.append(record.id)
         return items, ids
+
+    def _idle_details(self, selected: str = ""):
+        """What the details area says with no template selected (says so when the gallery is empty
+        and points to the samples button); a selected template's details stay (``gr.skip``)."""
+        if selected:
+            return gr.skip()
+        return SELECT_HINT if self.actions.gallery() else EMPTY_HINT
 
     # ----- gallery --------------------------------------------------------------------------------
     def _gallery_tab(self, template_ids, current, tabs, editor) -> dict:
@@ -48,6 +63,7 @@ class GalleryTab:
                     label="Tags", placeholder="comma-separated, e.g. product, studio"
                 )
                 ui["upload"] = gr.Button("Add to gallery", variant="primary", elem_id="ms-add")
+                ui["samples"] = gr.Button("Add sample scenes", elem_id="ms-samples")
             with gr.Column(scale=3):
                 with gr.Row():
                     ui["query"] = gr.Textbox(label="Search by name", scale=2)
@@ -62,9 +78,8 @@ class GalleryTab:
                 )
                 ui["ids"] = gr.State([])
                 ui["selected"] = gr.State("")
-                ui["details"] = gr.Markdown(
-                    "Select a template to see its details.", elem_id="ms-details"
-                )
+                # a callable value: worked out again on every page load
+                ui["details"] = gr.Markdown(self._idle_details, elem_id="ms-details")
                 with gr.Row():
                     ui["model"] = gr.Dropdown(label="Model", choices=[], scale=2)
                     ui["cache"] = gr.Textbox(
@@ -85,9 +100,12 @@ class GalleryTab:
         listing = [ui["gallery"], ui["ids"], editor["gallery"], template_ids]
         ui["upload"].click(
             self._upload,
-            [ui["files"], ui["name"], ui["tags"], ui["query"], ui["tag"]],
-            [*listing, ui["files"]],
+            [ui["files"], ui["name"], ui["tags"], ui["query"], ui["tag"], ui["selected"]],
+            [*listing, ui["files"], ui["details"]],
         )
+        # Gradio's default concurrency (one run at a time per event) keeps two clicks from adding
+        # the same scene twice
+        ui["samples"].click(self._add_samples, [ui["query"], ui["tag"]], [*listing, ui["details"]])
         for box in (ui["query"], ui["tag"]):
             box.change(
                 self._gallery,
@@ -119,8 +137,8 @@ class GalleryTab:
             [current, editor["canvas"], editor["picked"], editor["overlay"], editor["ratio"], tabs],
         )
 
-    @handler(5)
-    def _upload(self, files, name, tags, query, tag):
+    @handler(6)
+    def _upload(self, files, name, tags, query, tag, selected):
         added, problems = self.actions.upload(files or [], name, tags)
         for problem in problems:
             gr.Warning(problem)
@@ -128,7 +146,20 @@ class GalleryTab:
             gr.Info(f"Added {len(added)} template{'s' if len(added) > 1 else ''}")
         items, ids = self._gallery(query, tag)
         all_items, all_ids = self._gallery()
-        return items, ids, all_items, all_ids, None
+        return items, ids, all_items, all_ids, None, self._idle_details(selected)
+
+    @handler(5)
+    def _add_samples(self, query, tag):
+        before = {record.id for record in self.actions.gallery(tag=SAMPLE_TAG)}
+        records = self.actions.add_samples()
+        added = sum(record.id not in before for record in records)
+        if added:
+            report = f"Added {added} sample scene{'s' if added > 1 else ''} ({TRY_PROMPT})"
+        else:
+            report = f"The {len(records)} sample scenes are already in the gallery ({TRY_PROMPT})"
+        items, ids = self._gallery(query, tag)
+        all_items, all_ids = self._gallery()
+        return items, ids, all_items, all_ids, report
 
     @handler(3)
     def _select(self, ids: list, model: str, evt: gr.SelectData):
@@ -183,7 +214,7 @@ class GalleryTab:
             all_items,
             all_ids,
             "",
-            "Select a template to see its details.",
+            self._idle_details(),
             gr.update(visible=False),
         )
 

@@ -15,8 +15,10 @@ from backend.api.app import create_app
 from backend.api.security import STUDIO_OWNER
 from backend.imaging.uploads import encode_image
 from backend.protocol import JobEvent
-from studio.actions import EditForm, StudioActions, StudioError
+from backend.training.scenes import make_scene
+from studio.actions import MAX_SAMPLES, SAMPLE_TAG, EditForm, StudioActions, StudioError
 from templates_store.samples import sample_template
+from templates_store.store import MAX_NAME_CHARS
 from tests.test_api import KEY, make_settings, pre_queue_jobs
 
 W, H = 96, 64
@@ -106,6 +108,41 @@ def test_cache_status_and_prepare(actions, tmp_path, settings, redis_client):
     ]
     with pytest.raises(StudioError, match="unknown model"):
         actions.cache_status(record.id, "no-such-model")
+
+
+def test_add_samples_adds_distinct_held_out_scenes_once_and_lists_them(actions):
+    records = actions.add_samples()
+    assert [r.name.split(":")[0] for r in records] == [f"sample scene {n}" for n in range(1, 9)]
+    assert all(r.tags == (SAMPLE_TAG,) and (r.width, r.height) == (128, 128) for r in records)
+    assert len({r.sha256 for r in records}) == 8
+    # the caption is in the name: whole, or cut in its background at the store's name limit
+    for seed, record in enumerate(records):
+        scene = make_scene(seed, split="heldout", size=128)
+        full = f"sample scene {seed + 1}: {scene.caption}"
+        assert record.name == full or full.startswith(record.name.removesuffix("…"))
+        assert " and ".join(obj.caption for obj in scene.objects) in record.name
+        assert len(record.name) <= MAX_NAME_CHARS
+    assert records[3].name.endswith("…")  # seed 3's caption is longer than a name may be
+    again = actions.add_samples()
+    assert [r.id for r in again] == [r.id for r in records]
+    listed = actions.gallery()
+    assert len(listed) == 8 and listed[0].id == records[0].id  # scene 1 first
+    assert {r.id for r in actions.gallery(tag=SAMPLE_TAG)} == {r.id for r in records}
+
+
+def test_add_samples_keeps_an_upload_of_the_same_pixels_apart_and_refuses_bad_counts(
+    actions, tmp_path
+):
+    (first,) = actions.add_samples(1)
+    path = tmp_path / "mine.png"
+    path.write_bytes(actions.image_path(first.id).read_bytes())
+    (mine,), _ = actions.upload([path])  # not a sample: the next call still finds its own
+    assert [r.id for r in actions.add_samples(2)][0] == first.id
+    assert len(actions.gallery()) == 3 and mine.tags == ()
+    for bad in (0, -1, MAX_SAMPLES + 1):
+        with pytest.raises(StudioError, match=f"1 to {MAX_SAMPLES} sample scenes"):
+            actions.add_samples(bad)
+    assert len(actions.gallery()) == 3
 
 
 # ----- editing ------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """The studio in a real browser: Playwright drives Debian's chromium (``/usr/bin/chromium``, which
 ``make test`` installs when missing; no browser is ever downloaded) against the real stack (Redis,
 Celery CPU worker, dispatcher, an engine worker, the API with the studio mounted), the way a person
-uses it: sign in, upload a template into the gallery, pick it, paint a stroke with the mouse, write
-a prompt, submit, wait for the result. The result must differ inside the stroke and equal the
-template outside it. Screenshots go to ``test-output/studio/`` (and the test's tmp dir)."""
+uses it: sign in, fill the empty gallery with the sample scenes, upload a template into it, pick
+it, paint a stroke with the mouse, write a prompt, submit, wait for the result. The result must
+differ inside the stroke and equal the template outside it. Screenshots go to
+``test-output/studio/`` (and the test's tmp dir)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,16 @@ def upload_template(page, path: Path, name: str) -> None:
     page.locator("#ms-gallery").get_by_text(name).wait_for(timeout=30_000)
 
 
+def add_sample_scenes(page) -> None:
+    """The empty gallery points to the samples button; one click fills the gallery."""
+    page.get_by_role("tab", name="Gallery").click()
+    page.locator("#ms-details").get_by_text("The gallery is empty").wait_for(timeout=30_000)
+    page.locator("#ms-samples").click()
+    page.locator("#ms-details").get_by_text("Added 8 sample scenes").wait_for(timeout=60_000)
+    for number in (1, 8):
+        page.locator("#ms-gallery").get_by_text(f"sample scene {number}:").wait_for(timeout=30_000)
+
+
 def paint_stroke(page, attempts: int = 3) -> None:
     """A horizontal stroke through the middle of the canvas (the template is centred in it). The
     editor takes strokes only once its canvas has loaded the template, which takes longer on a busy
@@ -119,6 +130,7 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(
     template.save(template_path)
 
     sign_in(page, base)
+    add_sample_scenes(page)
     upload_template(page, template_path, "courtyard")
     page.reload()  # a fresh page lists the gallery from storage (the login is kept)
     page.get_by_role("tab", name="Gallery").click()
