@@ -12,6 +12,8 @@ from pathlib import Path
 from backend.bench.commands import add_bench_parsers
 from backend.config import Settings, SettingsError, load_settings
 from backend.dispatch.router import POLICIES as ROUTING_POLICIES
+from backend.models.catalog import DEFAULT_MODEL
+from backend.training.commands import add_train_parser
 
 log = logging.getLogger("maskserve")
 
@@ -228,12 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     models = sub.add_parser("models", help="list or build models")
     models.add_argument("action", choices=["list", "build"])
-    models.add_argument("model", nargs="?", default="tiny-sd2-inpaint")
+    models.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     models.set_defaults(func=cmd_models)
 
     def edit_options(p):
         p.add_argument(
-            "--model", default=None, help="model id (default: MASKSERVE_MODEL or tiny-sd2-inpaint)"
+            "--model", default=None, help=f"model id (default: MASKSERVE_MODEL or {DEFAULT_MODEL})"
         )
         p.add_argument("--size", type=int, default=None, help="square resolution in pixels")
         p.add_argument("--steps", type=int, default=None)
@@ -254,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     edit.set_defaults(func=cmd_edit)
 
     add_bench_parsers(sub.add_parser("bench", help="benchmarks"))
+    add_train_parser(sub)
 
     profile = sub.add_parser(
         "profile", help="measure and fit a model's cost profile on this device"

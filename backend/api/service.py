@@ -43,6 +43,7 @@ from backend.imaging.uploads import UploadError, decode_image, process_mask
 from backend.imaging.uploads import _validate_ops as validate_mask_ops
 from backend.jobstate import TERMINAL, JobNotFound, JobStateStore
 from backend.models import UnknownModelError, known_model_ids, resolve_model
+from backend.models.catalog import SHIPPED
 from backend.protocol import CancelJob, EditJob, JobEvent, MaskOps, to_text
 from backend.protocol.heartbeats import queue_position, read_heartbeat
 from backend.protocol.keys import job_key
@@ -316,7 +317,9 @@ class JobService:
             raise ServiceError(
                 f"model {model_id!r} is not served here: use one of {', '.join(allowed)}"
             )
-        if not allowed and spec.form == "checkpoint":
+        # a shipped model, or the one the operator configured, is known to be safe to load
+        trusted = model_id in SHIPPED or model_id == self.settings.engine.model_id
+        if not allowed and spec.form == "checkpoint" and not trusted:
             raise ServiceError(
                 f"model {model_id!r} is a checkpoint, which this deployment does not serve over "
                 f"the API: use one of {', '.join(known_model_ids())} (or ask the operator to list "

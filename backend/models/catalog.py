@@ -4,9 +4,11 @@ Every role may import this module: the API and the studio validate model ids and
 from it, the dispatcher reads rows per request from it, and only the loading layer
 (``backend.models.registry``) turns a ``ModelSpec`` into weights.
 
-Ids: ``tiny-<family>``, ``small-<family>``, ``arch-<family>`` (built from configs with fixed seeds),
-``<family>:<local diffusers directory or hub id>`` for real checkpoints, or the path of a local
-diffusers directory whose ``model_index.json`` names one of the pipeline classes below.
+Ids: ``demo-sd2-inpaint`` (trained here by ``maskserve train-demo``, shipped in the repository
+under ``backend/models/shipped/``), ``tiny-<family>``, ``small-<family>``, ``arch-<family>`` (built
+from configs with fixed seeds, random weights), ``<family>:<local diffusers directory or hub id>``
+for real checkpoints, or the path of a local diffusers directory whose ``model_index.json`` names
+one of the pipeline classes below.
 Invariant: ``resolve_model`` reads at most a ``model_index.json``; it never imports a model library.
 """
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FORMS = ("tiny", "small", "arch")
+SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,22 @@ DEFAULTS: dict[tuple[str, str], tuple[int, int, int | None]] = {
 }
 
 
+@dataclass(frozen=True)
+class ShippedModel:
+    """A trained checkpoint that ships in ``SHIPPED_DIR/<id>`` with its serving defaults."""
+
+    family: str
+    resolution: int  # the resolution it was trained at
+    steps: int
+    guidance: float
+
+
+SHIPPED: dict[str, ShippedModel] = {
+    "demo-sd2-inpaint": ShippedModel("sd2-inpaint", resolution=128, steps=20, guidance=5.0),
+}
+DEFAULT_MODEL = "demo-sd2-inpaint"
+
+
 class UnknownModelError(ValueError):
     """The model id names no known model; the message lists what is known."""
 
@@ -117,7 +136,7 @@ class ModelSpec:
 
 
 def known_model_ids() -> list[str]:
-    return [f"{form}-{family}" for family in FAMILIES for form in FORMS]
+    return [*SHIPPED, *(f"{form}-{family}" for family in FAMILIES for form in FORMS)]
 
 
 def _directory_family(path: str) -> str | None:
@@ -153,6 +172,8 @@ def _parse(model_id: str) -> tuple[str, str, str | None]:
 
 def resolve_model(model_id: str) -> ModelSpec:
     """Spec of ``model_id``; raises ``UnknownModelError`` with the known ids otherwise."""
+    if model_id in SHIPPED:
+        return _shipped_spec(model_id)
     family, form, source = _parse(model_id)
     traits = FAMILY_TRAITS[family]
     resolution, steps, max_len = DEFAULTS[(family, "arch" if form == "checkpoint" else form)]
@@ -166,6 +187,22 @@ def resolve_model(model_id: str) -> ModelSpec:
         traits.default_guidance,
         traits.uses_cfg,
         max_len,
+    )
+
+
+def _shipped_spec(model_id: str) -> ModelSpec:
+    shipped = SHIPPED[model_id]
+    traits = FAMILY_TRAITS[shipped.family]
+    return ModelSpec(
+        model_id,
+        shipped.family,
+        "checkpoint",
+        str(SHIPPED_DIR / model_id),
+        shipped.resolution,
+        shipped.steps,
+        shipped.guidance,
+        traits.uses_cfg,
+        DEFAULTS[(shipped.family, "tiny")][2],
     )
 
 

@@ -120,7 +120,7 @@ def _publish(staging: Path, target: Path, revision: str) -> None:
     raise OSError(f"cannot publish {staging} as {target}")
 
 
-def _quiet_loading():
+def quiet_libraries():
     """Silence download/loading progress bars and chatter; returns a function restoring the
     levels."""
     import diffusers
@@ -161,7 +161,7 @@ def load_pipeline(
     spec = resolve_model(model_id)
     path = materialize(model_id, models_dir)
     loader = pipeline_class(spec.family)
-    restore = _quiet_loading()
+    restore = quiet_libraries()
     try:
         left_out = {} if components is None else _left_out(loader, path, components)
         pipe = loader.from_pretrained(str(path), dtype=dtype, **left_out)

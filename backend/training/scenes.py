@@ -218,12 +218,17 @@ def _star(cx: float, cy: float, r: float) -> list[tuple]:
     return [(cx + rad * np.cos(a), cy + rad * np.sin(a)) for a, rad in zip(angles, radii)]
 
 
-def dominant_colour(image: Image.Image, mask: np.ndarray) -> str:
-    """The named colour nearest to most of the masked pixels (the check the demo model's colour
-    agreement uses): each pixel votes for its nearest palette colour."""
+def palette_votes(image: Image.Image, mask: np.ndarray) -> np.ndarray:
+    """Index into ``COLOURS`` of the named colour nearest to each pixel selected by ``mask``."""
     pixels = np.asarray(image.convert("RGB"), dtype=np.float32)[mask]
-    if pixels.size == 0:
-        raise ValueError("the mask selects no pixel")
     palette = np.array(list(COLOURS.values()), dtype=np.float32)
-    nearest = np.argmin(((pixels[:, None, :] - palette[None]) ** 2).sum(-1), axis=1)
-    return list(COLOURS)[int(np.bincount(nearest, minlength=len(palette)).argmax())]
+    return np.argmin(((pixels[:, None, :] - palette[None]) ** 2).sum(-1), axis=1)
+
+
+def dominant_colour(image: Image.Image, mask: np.ndarray) -> str:
+    """The named colour nearest to most of the masked pixels (each pixel votes for its nearest
+    palette colour)."""
+    votes = palette_votes(image, mask)
+    if votes.size == 0:
+        raise ValueError("the mask selects no pixel")
+    return list(COLOURS)[int(np.bincount(votes, minlength=len(COLOURS)).argmax())]
