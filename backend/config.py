@@ -14,6 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from backend.models.catalog import DEFAULT_MODEL
 from backend.protocol.keys import POST_QUEUE, PRE_QUEUE
 
 MIN_JOB_RECORD_S = 7 * 24 * 3600  # a finished job's record is kept at least a week
@@ -65,7 +66,7 @@ def _check_device(value: str) -> str:
 class EngineSettings(_Strict):
     """How the mask-aware engine runs one model on one device."""
 
-    model_id: str = "tiny-sd2-inpaint"
+    model_id: str = DEFAULT_MODEL
     """Model served by default: ``tiny-|small-|arch-<family>`` or ``<family>:<dir or hub id>``
     (``maskserve models list``)."""
     device: str = "cpu"

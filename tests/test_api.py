@@ -19,6 +19,7 @@ from backend.blobs import BlobStore
 from backend.config import load_settings
 from backend.imaging.uploads import encode_image
 from backend.jobstate import JobStateStore
+from backend.models.catalog import DEFAULT_MODEL
 from backend.protocol import CancelJob, EditJob, JobEvent
 from backend.protocol.keys import heartbeat_key, inbox_stream
 from backend.services.redis_server import free_port
@@ -238,7 +239,11 @@ BAD_FIELDS = [
     ({"grow_px": "9999"}, 422, "grow"),
     ({"feather_px": "-2"}, 422, "feather"),
     ({"resolution": "10"}, 422, "resolution 10 is out of range"),
-    ({"model": "no-such-model"}, 422, "unknown model 'no-such-model': use one of tiny-sd2-inpaint"),
+    (
+        {"model": "no-such-model"},
+        422,
+        "unknown model 'no-such-model': use one of demo-sd2-inpaint, tiny",
+    ),
     ({"model": "sd2-inpaint:/models/x"}, 422, "checkpoint"),
     ({"template_id": "0" * 32}, 422, "exactly one of template_id"),
 ]
@@ -256,6 +261,13 @@ def test_bad_fields_are_4xx_saying_what_to_fix(
     assert response.status_code == status, response.text
     assert message in response.json()["error"]
     assert redis_client.llen(settings.celery.pre_queue) == 0  # nothing queued
+
+
+def test_the_shipped_demo_model_is_accepted_without_being_listed(client, redis_client, settings):
+    assert not settings.api.models  # no allow-list: only built and shipped models are served
+    response = submit(client, model="demo-sd2-inpaint")
+    assert response.status_code == 202, response.text
+    assert redis_client.llen(settings.celery.pre_queue) == 1
 
 
 def upload(name, data, mime="image/png"):
@@ -427,9 +439,7 @@ def test_submit_returns_202_at_once_and_queues_the_edit(client, redis_client, se
     )
     state = JobStateStore(redis_client).get(job_id)
     assert (
-        state["status"] == "queued"
-        and state["seed"] == 1234
-        and state["model_id"] == "tiny-sd2-inpaint"
+        state["status"] == "queued" and state["seed"] == 1234 and state["model_id"] == DEFAULT_MODEL
     )
     [job] = pre_queue_jobs(redis_client, settings)
     assert job.job_id == job_id and job.seed == 1234 and job.steps == 4 and job.guidance == 6.5
@@ -448,7 +458,8 @@ def test_submit_returns_202_at_once_and_queues_the_edit(client, redis_client, se
     )
     metrics = client.get("/metrics").text
     assert (
-        'maskserve_api_jobs_submitted_total{model="tiny-sd2-inpaint",source="rest"} 1.0' in metrics
+        f'maskserve_api_jobs_submitted_total{{model="{DEFAULT_MODEL}",source="rest"}} 1.0'
+        in metrics
     )
     assert (
         'maskserve_api_requests_total{method="POST",route="/v1/jobs",status="202"} 1.0' in metrics

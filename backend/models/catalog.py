@@ -109,7 +109,7 @@ class ShippedModel:
 
 
 SHIPPED: dict[str, ShippedModel] = {
-    "demo-sd2-inpaint": ShippedModel("sd2-inpaint", resolution=128, steps=20, guidance=5.0),
+    "demo-sd2-inpaint": ShippedModel("sd2-inpaint", resolution=128, steps=20, guidance=7.5),
 }
 DEFAULT_MODEL = "demo-sd2-inpaint"
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from backend.training.loop import Stage
-from backend.training.recipe import Recipe
+from backend.training.recipe import AUTOENCODER_FIELDS, Recipe
 from backend.training.scenes import make_scene
 
 SCENE_SEED_BASE = 10_000_000  # the autoencoder's scenes: train split, apart from the examples'
@@ -70,17 +70,7 @@ def autoencoder_stage(vae, pool: torch.Tensor, recipe: Recipe) -> Stage:
         optimizer=optimizer,
         modules={"vae": vae},
         step_fn=step,
-        fingerprint=recipe.fingerprint(
-            "seed",
-            "size",
-            "vae_channels",
-            "vae_scenes",
-            "vae_crop",
-            "vae_steps",
-            "vae_batch",
-            "vae_lr",
-            "vae_kl_weight",
-        ),
+        fingerprint=recipe.fingerprint(*AUTOENCODER_FIELDS),
     )
 
 

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from backend.training.examples import make_example
 from backend.training.loop import RecipeMismatchError, step_generator
-from backend.training.recipe import Recipe
+from backend.training.recipe import AUTOENCODER_FIELDS, Recipe
 
 CHUNK = 250  # examples per chunk file
 
@@ -62,18 +62,7 @@ def encode_examples(pipe, recipe: Recipe, workdir: Path, progress: bool = True) 
     """Encode ``recipe.examples`` training examples under ``workdir/latents`` (resuming)."""
     folder = Path(workdir) / "latents"
     folder.mkdir(parents=True, exist_ok=True)
-    fingerprint = recipe.fingerprint(
-        "seed",
-        "size",
-        "vae_channels",
-        "vae_scenes",
-        "vae_crop",
-        "vae_steps",
-        "vae_batch",
-        "vae_lr",
-        "vae_kl_weight",
-        "examples",
-    )
+    fingerprint = recipe.fingerprint(*AUTOENCODER_FIELDS, "examples")
     stamp = folder / "recipe.json"
     if stamp.is_file() and json.loads(stamp.read_text())["fingerprint"] != fingerprint:
         raise RecipeMismatchError(f"{folder} holds latents of another recipe: delete it")

@@ -14,6 +14,19 @@ from dataclasses import asdict, dataclass, replace
 from backend.models.configs import _clip, _sd2_unet, _vae
 
 FAMILY = "sd2-inpaint"
+# what the autoencoder's weights depend on (its checkpoint and the encoded examples are kept while
+# only the denoiser's fields change)
+AUTOENCODER_FIELDS = (
+    "seed",
+    "size",
+    "vae_channels",
+    "vae_scenes",
+    "vae_crop",
+    "vae_steps",
+    "vae_batch",
+    "vae_lr",
+    "vae_kl_weight",
+)
 
 
 @dataclass(frozen=True)
