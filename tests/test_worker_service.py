@@ -137,7 +137,7 @@ def test_the_worker_process_serves_its_inbox_exports_metrics_and_stops_cleanly(
     }
     log = open(tmp_path / "worker.log", "wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "backend.cli", "worker", "--model", "tiny-sd2-inpaint"],
+        [sys.executable, "-m", "backend.cli", "worker", "--model", cpu_engine.spec.model_id],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,

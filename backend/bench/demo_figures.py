@@ -31,7 +31,7 @@ def plot_fidelity(summary: dict, records: list[dict], path: Path) -> None:
     left.set_ylim(0, 1.02)
     left.legend()
     sources = [s for s in ("painted", "sweep") if s in summary]
-    arms = ("ordinary", "kv", "hidden")
+    arms = tuple(summary[sources[0]]) if sources else ()
     width = 0.8 / len(sources)
     for offset, source in enumerate(sources):
         values = [summary[source][arm]["colour_agreement"] * 100 for arm in arms]

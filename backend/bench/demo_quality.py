@@ -9,7 +9,8 @@ through the mask-aware engine in each cache mode (the template's cache recorded 
 the template seed), same prompt and seed. Reported per arm: colour agreement, how often the edit
 is closer to the prompt than the template was, and whether pixels outside the mask are the
 template's; per mode and mask ratio: SSIM and PSNR against the ordinary pipeline, whole image and
-inside the mask.
+inside the mask. The ordinary pipeline is run a second time with another seed ("reseeded"): how
+far its result moves says how far any change of noise moves this model's edits.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ from backend.training.judge import edit_prompt, judge, surrounding_colours
 from backend.training.scenes import make_scene
 
 SWEEP_RATIOS = (0.05, 0.1, 0.2, 0.3, 0.5)
+# "reseeded": the ordinary pipeline again with another seed, the yardstick of how far an edit's
+# masked area moves when only its noise changes
+COMPARED = ("kv", "hidden", "reseeded")  # measured against the ordinary pipeline's result
+ARMS = ("ordinary", *COMPARED)
+RESEED_OFFSET = 7777
 SWEEP_SEED_BASE = 5000  # held-out scenes of the sweep, apart from the examples'
 EDIT_SEED_BASE = 1000
 
@@ -85,22 +91,17 @@ def _judged(image: Image.Image, case: Case) -> dict:
     return {**asdict(verdict), "outside_identical": bool(outside.all())}
 
 
+def _ordinary(engine, case: Case, mask_image: Image.Image, seed: int, params: EditParams):
+    generated = run_ordinary(
+        engine.pipe, engine.spec, case.template, mask_image, case.prompt, seed, params
+    )
+    return paste_back(generated, case.template, case.mask.astype(np.float32))
+
+
 def run_case(engine: MaskAwareEngine, case: Case, params: dict[str, EditParams], seed: int):
     """The case through the ordinary pipeline and each mode; returns (record, images)."""
     mask_image = Image.fromarray(case.mask.astype(np.uint8) * 255)
-    ordinary = paste_back(
-        run_ordinary(
-            engine.pipe,
-            engine.spec,
-            case.template,
-            mask_image,
-            case.prompt,
-            seed,
-            params["ordinary"],
-        ),
-        case.template,
-        case.mask.astype(np.float32),
-    )
+    ordinary = _ordinary(engine, case, mask_image, seed, params["ordinary"])
     template_verdict = judge(case.template, case.mask, case.colour, set(case.surroundings))
     record = {
         "source": case.source,
@@ -111,6 +112,8 @@ def run_case(engine: MaskAwareEngine, case: Case, params: dict[str, EditParams],
         "template_prompt_share": template_verdict.prompt_share,
         "ordinary": _judged(ordinary, case),
     }
+    reseeded = _ordinary(engine, case, mask_image, seed + RESEED_OFFSET, params["ordinary"])
+    record["reseeded"] = {**_judged(reseeded, case), **_quality(reseeded, ordinary, case.mask)}
     images = {"ordinary": ordinary}
     for mode in ("kv", "hidden"):
         cache = engine.prepare_template(case.template, params[mode])
@@ -168,14 +171,14 @@ def summarise(records: list[dict]) -> dict:
                 ),
                 "outside_identical": _share(r[arm]["outside_identical"] for r in rows),
             }
-            for arm in ("ordinary", "kv", "hidden")
+            for arm in ARMS
         }
     summary["fidelity"] = {
         mode: {
             f"{ratio:g}": _fidelity([r[mode] for r in records if _bin(r) == ratio])
             for ratio in sorted({_bin(r) for r in records})
         }
-        for mode in ("kv", "hidden")
+        for mode in COMPARED
     }
     return summary
 
