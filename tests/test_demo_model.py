@@ -55,17 +55,18 @@ def test_edits_paint_the_prompted_colour_inside_the_mask_only(engine):
         run_case(engine, case, params, seed=1000 + index)[0]
         for index, case in enumerate(painted_cases(10, spec.default_resolution))
     ]
-    # The shipped weights are under-trained (model card): over these ten edits the prompt's colour
-    # wins in 2 and the masked area moves toward the prompt in 6, through every path alike. A
-    # model that learned nothing paints noise and loses both.
+    # Over these ten edits (the first ten of `maskserve bench demo`) the prompt's colour wins in 8
+    # and the masked area moves toward the prompt in 9, through every path alike; one less of each
+    # is allowed for another BLAS's last bits. A model that learned nothing paints noise and loses
+    # both; the epsilon-trained recipe won 2 of 10.
     for arm in ("ordinary", "kv", "hidden"):
         assert all(record[arm]["outside_identical"] for record in records)
         closer = sum(
             record[arm]["prompt_share"] > record["template_prompt_share"] for record in records
         )
-        assert closer >= 5, (arm, [record["prompt"] for record in records])
-        assert sum(record[arm]["agrees"] for record in records) >= 2
-    assert min(record["kv"]["ssim"] for record in records) > 0.7
+        assert closer >= 8, (arm, [record["prompt"] for record in records])
+        assert sum(record[arm]["agrees"] for record in records) >= 7
+    assert min(record["kv"]["ssim"] for record in records) > 0.85
 
 
 @pytest.mark.skipif(os.environ.get("MASKSERVE_MODEL") is not None, reason="model set by env")

@@ -42,6 +42,8 @@ def test_the_export_is_a_diffusers_directory_with_its_record_and_plot(trained):
     assert len(written["losses"]["unet"]) == Recipe.smoke().unet_steps
     assert len(written["losses"]["vae"]) == Recipe.smoke().vae_steps
     assert written["vae_scaling_factor"] > 0 and written["distinct_captions"] >= 1
+    scheduler = json.loads((out / "scheduler" / "scheduler_config.json").read_text())
+    assert scheduler["prediction_type"] == Recipe.smoke().prediction == "v_prediction"
     assert Image.open(out / PLOT_FILE).format == "PNG"
     weights = list(out.glob("*/*.safetensors"))
     assert weights and all(path.stat().st_size > 0 for path in weights)
@@ -99,3 +101,32 @@ def test_the_command_refuses_a_non_positive_step_count(capsys):
         main(["train-demo", "--smoke", "--unet-steps", "0"])
     assert stopped.value.code == 2
     assert "must be a positive integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
+def test_the_denoiser_target_gives_back_the_clean_latents_as_the_scheduler_reads_it(prediction):
+    """What the scheduler of that prediction type makes of a perfect output is the clean latent."""
+    from backend.training.denoiser import _target
+
+    generator = torch.Generator().manual_seed(0)
+    latents = torch.randn(3, 4, 8, 8, generator=generator)
+    noise = torch.randn(3, 4, 8, 8, generator=generator)
+    alpha = torch.tensor([0.995, 0.3, 0.005])
+    scale = alpha.sqrt().view(-1, 1, 1, 1)
+    noisy = scale * latents + (1 - scale**2).sqrt() * noise
+    target, weights = _target(Recipe(prediction=prediction), latents, noise, alpha)
+    if prediction == "epsilon":
+        recovered = (noisy - (1 - scale**2).sqrt() * target) / scale
+    else:
+        recovered = scale * noisy - (1 - scale**2).sqrt() * target
+    assert torch.allclose(recovered, latents, atol=1e-4)
+    # image-space weights: Min-SNR's min(snr, 5) for epsilon, never below 1 for v
+    snr = alpha / (1 - alpha)
+    image_weights = weights * (snr if prediction == "epsilon" else snr + 1)
+    expected = torch.clamp(snr, max=5.0) + (0 if prediction == "epsilon" else 1)
+    assert torch.allclose(image_weights, expected, rtol=1e-5)
+
+
+def test_an_unknown_prediction_type_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="epsilon, v_prediction"):
+        Recipe(prediction="sample")

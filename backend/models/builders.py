@@ -30,13 +30,13 @@ def _seeded(factory, *args, **kwargs):
         return factory(*args, **kwargs).eval()
 
 
-def build_scheduler(family: str):
-    """The family's scheduler (``configs.SCHEDULERS``); Euler steps add no noise, so an edit is a
-    function of its inputs and seed."""
+def build_scheduler(family: str, **overrides):
+    """The family's scheduler (``configs.SCHEDULERS``, with ``overrides`` of its config); Euler
+    steps add no noise, so an edit is a function of its inputs and seed."""
     kind = FlowMatchEulerDiscreteScheduler if family == "flux-fill" else EulerDiscreteScheduler
     # schedulers keep CPU tensors, even inside `with torch.device("meta")`
     with torch.device("cpu"):
-        return kind(**SCHEDULERS[family])
+        return kind(**{**SCHEDULERS[family], **overrides})
 
 
 def build_components(family: str, form: str) -> dict:

@@ -1,10 +1,11 @@
-"""Stage 3: the inpainting denoiser, trained to predict the noise of noised example latents.
+"""Stage 3: the inpainting denoiser, trained on noised example latents.
 
-The objective is Stable Diffusion's (epsilon prediction on the family's own noise schedule), with
-Min-SNR-gamma weighting and an exponential moving average of the weights (the average is what
-ships). Captions are dropped to the empty prompt at ``caption_dropout`` so classifier-free
-guidance has its unconditional branch. The frozen text encoder is run once per distinct caption.
-Latents are flipped left-right at random (the captions do not say left or right).
+The objective is Stable Diffusion 2's (v or epsilon prediction, ``recipe.prediction``, on the
+family's own noise schedule), with Min-SNR-gamma weighting and an exponential moving average of
+the weights (the average is what ships). Captions are dropped to the empty prompt at
+``caption_dropout`` so classifier-free guidance has its unconditional branch. The frozen text
+encoder is run once per distinct caption. Latents are flipped left-right at random (the captions
+do not say left or right).
 """
 
 from __future__ import annotations
@@ -52,6 +53,19 @@ def _batch(data: LatentSet, table: CaptionTable, recipe: Recipe, generator: torc
     return flipped(data.latents), flipped(data.masks), flipped(data.masked), table.states[rows]
 
 
+def _target(recipe: Recipe, latents, noise, alpha) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what the denoiser should output, per-row loss weight) at noise level ``alpha`` (the
+    rows' cumulative alphas). Weights are Min-SNR-gamma; for v the weight keeps at least the
+    image-space weight 1 at low SNR (plain v-MSE's), where the epsilon form gives almost 0."""
+    snr = alpha / (1 - alpha)
+    clamped = torch.clamp(snr, max=recipe.min_snr_gamma)
+    if recipe.prediction == "epsilon":
+        return noise, clamped / snr
+    scale = alpha.sqrt().view(-1, 1, 1, 1)
+    velocity = scale * noise - (1 - scale**2).sqrt() * latents
+    return velocity, (clamped + 1) / (snr + 1)
+
+
 def denoiser_stage(
     unet, average, data: LatentSet, table: CaptionTable, alphas_cumprod, recipe: Recipe
 ) -> Stage:
@@ -66,9 +80,8 @@ def denoiser_stage(
         alpha = alphas_cumprod[timesteps].view(-1, 1, 1, 1)
         noisy = alpha.sqrt() * latents + (1 - alpha).sqrt() * noise
         predicted = unet(torch.cat([noisy, masks, masked], 1), timesteps, states).sample
-        snr = alphas_cumprod[timesteps] / (1 - alphas_cumprod[timesteps])
-        weights = torch.clamp(snr, max=recipe.min_snr_gamma) / snr
-        per_row = F.mse_loss(predicted, noise, reduction="none").mean(dim=(1, 2, 3))
+        target, weights = _target(recipe, latents, noise, alphas_cumprod[timesteps])
+        per_row = F.mse_loss(predicted, target, reduction="none").mean(dim=(1, 2, 3))
         loss = (weights * per_row).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

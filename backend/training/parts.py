@@ -24,7 +24,7 @@ def build_parts(recipe: Recipe) -> dict:
         unet=_seeded(UNet2DConditionModel, **configs["unet"]),
         text_encoder=_seeded(CLIPTextModel, CLIPTextConfig(**configs["text_encoder"])),
         tokenizer=build_clip_tokenizer(),
-        scheduler=build_scheduler(FAMILY),
+        scheduler=build_scheduler(FAMILY, prediction_type=recipe.prediction),
     )
 
 
