@@ -190,7 +190,8 @@ def add_submit_arguments(parser) -> None:
         "--api-key",
         dest="api_key",
         default=None,
-        help="X-API-Key (default: the first raw key in MASKSERVE_API_KEYS)",
+        help="X-API-Key (default: the first raw key in MASKSERVE_API_KEYS, else the key "
+        "`maskserve up` wrote to <data dir>/api_key)",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--image", help="image file to edit")
@@ -222,6 +223,19 @@ def add_submit_arguments(parser) -> None:
     )
 
 
+def _settings_api_key(settings) -> str | None:
+    """The first raw key of ``MASKSERVE_API_KEYS``, else the key ``maskserve up`` wrote to
+    ``<data_dir>/api_key`` (a ``sha256:`` entry is a digest, not a key one could send)."""
+    if settings is None:
+        return None
+    raw_keys = [key for key in settings.api.api_keys if not key.startswith(API_KEY_DIGEST_PREFIX)]
+    if raw_keys:
+        return raw_keys[0]
+    from backend.services.stack import saved_stack_api_key  # the CLI's path only
+
+    return saved_stack_api_key(settings) or None
+
+
 def submit_cli(args, settings=None) -> int:
     """`maskserve submit`: submit one edit, wait for it, write the result. Prints JSON lines (the
     accepted job, then the final state). Exit status: 0 done (or submitted with --no-wait), 1
@@ -230,10 +244,7 @@ def submit_cli(args, settings=None) -> int:
     url = getattr(args, "url", None) or (
         f"http://{settings.api.host}:{settings.api.port}" if settings else "http://127.0.0.1:8000"
     )
-    # a ``sha256:`` entry is a digest, not a key one could send
-    configured = settings.api.api_keys if settings else ()
-    raw_keys = [key for key in configured if not key.startswith(API_KEY_DIGEST_PREFIX)]
-    api_key = getattr(args, "api_key", None) or (raw_keys[0] if raw_keys else None)
+    api_key = getattr(args, "api_key", None) or _settings_api_key(settings)
     params = {
         name: getattr(args, name, None)
         for name in (

@@ -216,6 +216,17 @@ def test_submit_cli(api, tmp_path, capsys):
     code = submit_cli(_args(common + ["--timeout", "30"]), settings=settings)
     pipeline.join(5)
     assert code == 1 and json.loads(capsys.readouterr().out.splitlines()[-1])["status"] == "failed"
+    # with no key configured, the one `maskserve up` wrote to the data directory
+    stack_settings = load_settings(env={}, paths={"data_dir": str(tmp_path / "stack")})
+    (tmp_path / "stack").mkdir()
+    (tmp_path / "stack" / "api_key").write_text(KEY + "\n")
+    pipeline = fake_pipeline(settings)
+    code = submit_cli(_args(common + ["--timeout", "30"]), settings=stack_settings)
+    pipeline.join(5)
+    assert code == 0 and json.loads(capsys.readouterr().out.splitlines()[-1])["status"] == "done"
+    (tmp_path / "stack" / "api_key").unlink()  # no key anywhere: the server's 401, exit 2
+    assert submit_cli(_args(common), settings=stack_settings) == 2
+    assert "API key" in capsys.readouterr().err
     assert submit_cli(_args(common + ["--api-key", "wrong"])) == 2
     assert "not valid" in capsys.readouterr().err
     assert submit_cli(_args(common + ["--api-key", KEY, "--no-wait"])) == 0

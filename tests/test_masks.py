@@ -53,13 +53,28 @@ def test_load_mask_accepts_rgba_alpha_rgb_and_bilevel():
     assert np.array_equal(load_mask(bilevel, (8, 8)), painted)
 
 
+@pytest.mark.parametrize("paint", [(255, 0, 0), (0, 0, 255), (0, 200, 0), (255, 255, 0)])
+def test_any_bright_colour_paints_a_colour_mask_dark_paint_does_not(paint):
+    """Pure red's luminance (76) is under the threshold; its brightest channel is not."""
+    painted = square(8, 8, box=(2, 2, 6, 6))
+    pixels = np.zeros((8, 8, 3), np.uint8)
+    pixels[painted] = paint
+    rgb = Image.fromarray(pixels, mode="RGB")
+    assert np.array_equal(load_mask(rgb, (8, 8)), painted)
+    assert np.array_equal(load_mask(rgb.convert("RGBA"), (8, 8)), painted)  # opaque: colours
+    assert np.array_equal(load_mask(rgb.quantize(4), (8, 8)), painted)  # a palette PNG
+    pixels[painted] = (90, 20, 20)  # dark red: below the threshold, so not painted
+    assert not load_mask(Image.fromarray(pixels, mode="RGB"), (8, 8)).any()
+
+
 def test_wrong_size_and_empty_masks_have_user_facing_messages():
     mask = Image.new("L", (300, 200), 255)
     with pytest.raises(MaskError, match="mask size 300x200 does not match image size 256x256"):
         load_mask(mask, expected_size=(256, 256))
     empty = load_mask(Image.new("L", (4, 4), 0), (4, 4))  # loading accepts an empty mask
-    with pytest.raises(MaskError, match="mask is empty: paint the area to repaint"):
+    with pytest.raises(MaskError, match="mask is empty: paint the area to repaint") as refused:
         require_nonempty(empty)
+    assert "brightest colour channel" in str(refused.value) and "127" in str(refused.value)
     require_nonempty(square())
     assert issubclass(MaskError, ValueError)
 

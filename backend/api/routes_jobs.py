@@ -51,8 +51,8 @@ def submit_job(
     request: Request,
     mask: UploadFile = File(
         ...,
-        description="Mask: grayscale, 255 = repaint, same size as the image "
-        "(or RGBA, painted area in alpha)",
+        description="Mask, same size as the image: white (or any bright colour) = repaint, "
+        "black = keep (or RGBA, painted area in alpha)",
     ),
     image: UploadFile | None = File(None, description="The image to edit (or give template_id)"),
     template_id: str | None = Form(

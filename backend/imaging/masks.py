@@ -42,9 +42,9 @@ def load_mask(
         alpha = np.asarray(img.getchannel(img.getbands()[-1]))  # "A", or "a" when premultiplied
         # a uniform alpha carries no painting (an opaque black/white mask saved as RGBA):
         # fall back to the colour channels rather than read "everything" or "nothing"
-        values = alpha if alpha.min() != alpha.max() else _luminance(img)
+        values = alpha if alpha.min() != alpha.max() else _brightness(img)
     else:
-        values = _luminance(img)
+        values = _brightness(img)
     return values > threshold
 
 
@@ -52,6 +52,17 @@ def load_mask(
 _ALPHA_MODES = ("RGBA", "LA", "PA", "La", "RGBa")
 # PIL converts some modes to L only through another mode (La via LA, LAB via RGB)
 _TO_LUMINANCE = (("L",), ("RGB", "L"), ("LA", "L"))
+
+
+def _brightness(img: Image.Image) -> np.ndarray:
+    """8-bit value of each pixel: a grayscale mask's level; a colour mask's brightest channel, so
+    that any bright paint counts (pure red's luminance is 76, under the default threshold)."""
+    if img.mode == "P" or len(img.getbands()) >= 3:
+        try:
+            return np.asarray(img.convert("RGB")).max(axis=2)
+        except ValueError:
+            pass  # a mode PIL cannot bring to RGB: its luminance, or a clear refusal
+    return _luminance(img)
 
 
 def _luminance(img: Image.Image) -> np.ndarray:
@@ -71,7 +82,11 @@ def _luminance(img: Image.Image) -> np.ndarray:
 
 def require_nonempty(mask: np.ndarray) -> None:
     if not np.any(mask):
-        raise MaskError("mask is empty: paint the area to repaint")
+        raise MaskError(
+            "mask is empty: paint the area to repaint (a pixel counts when its brightest colour "
+            "channel, or its alpha in a mask with transparency, is above the threshold, 127 of "
+            "255 by default)"
+        )
 
 
 def _as_bool_2d(mask: np.ndarray) -> np.ndarray:

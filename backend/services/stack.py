@@ -119,6 +119,9 @@ def _share_cpu_threads(roles: list[Role], heavy: list[Role]) -> None:
         role.env.setdefault("OMP_NUM_THREADS", share)
 
 
+STACK_API_KEY_FILE = "api_key"  # in the data directory, beside the studio password
+
+
 def _generated_secret(settings: Settings, filename: str, size: int = 24) -> str:
     """A secret generated once and kept in ``<data_dir>/<filename>`` (mode 600), so restarts keep
     it."""
@@ -137,7 +140,16 @@ def stack_api_key(settings: Settings) -> str:
     generated one kept in ``<data_dir>/api_key``."""
     if settings.api.api_keys or settings.api.auth_disabled:
         return ""
-    return _generated_secret(settings, "api_key")
+    return _generated_secret(settings, STACK_API_KEY_FILE)
+
+
+def saved_stack_api_key(settings: Settings) -> str:
+    """The key ``maskserve up`` generated for this data directory, "" when it made none (nothing
+    is generated here: a client must not invent a key the server does not know)."""
+    try:
+        return (Path(settings.paths.data_dir) / STACK_API_KEY_FILE).read_text().strip()
+    except FileNotFoundError:
+        return ""
 
 
 def stack_login(settings: Settings) -> tuple[str, str]:
