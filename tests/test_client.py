@@ -221,9 +221,11 @@ def test_submit_cli(api, tmp_path, capsys):
     (tmp_path / "stack").mkdir()
     (tmp_path / "stack" / "api_key").write_text(KEY + "\n")
     pipeline = fake_pipeline(settings)
-    code = submit_cli(_args(common + ["--timeout", "30"]), settings=stack_settings)
+    keyed_out = ["--out", str(tmp_path / "keyed.png"), "--timeout", "30"]
+    code = submit_cli(_args(common + keyed_out), settings=stack_settings)
     pipeline.join(5)
     assert code == 0 and json.loads(capsys.readouterr().out.splitlines()[-1])["status"] == "done"
+    assert (tmp_path / "keyed.png").is_file()
     (tmp_path / "stack" / "api_key").unlink()  # no key anywhere: the server's 401, exit 2
     assert submit_cli(_args(common), settings=stack_settings) == 2
     assert "API key" in capsys.readouterr().err
