@@ -608,6 +608,11 @@ def test_result_409_until_done_then_png_and_thumbnail(client, redis_client, sett
     state = client.get(f"/v1/jobs/{job_id}").json()
     assert state["status"] == "done" and state["timings"] == {"total_s": 1.5}
     assert state["thumbnail_url"] == f"/v1/jobs/{job_id}/result?thumbnail=1"
+    # blob refs, the owner's digest and the services' guards stay inside; the list shows the same
+    assert not set(state) & {"result_ref", "thumbnail_ref", "template_ref", "mask_ref", "owner"}
+    assert "denoised" not in state and isinstance(state["steps"], int)
+    listed = client.get("/v1/jobs").json()["jobs"]
+    assert [job for job in listed if job["job_id"] == job_id] == [state]
 
 
 def test_result_of_failed_job_is_409_with_its_message(client, redis_client):

@@ -151,7 +151,9 @@ def test_client_upload_submit_wait_result(api):
             "done",
         ]
         png = client.result_bytes(job["job_id"])
-        assert png == BlobStore(settings.paths.data_dir / "blobs").get(final["result_ref"])
+        stored = JobStateStore(Redis.from_url(settings.redis.url)).get(job["job_id"])
+        assert png == BlobStore(settings.paths.data_dir / "blobs").get(stored["result_ref"])
+        assert "result_ref" not in final  # the client sees URLs, never blob refs
         assert client.result_bytes(job["job_id"], thumbnail=True)[:4] == b"RIFF"
         client.delete_template(template["id"])
         assert client.templates() == []

@@ -19,7 +19,7 @@ from backend.api.errors import ERROR_RESPONSES
 from backend.api.security import api_key_query
 from backend.api.service import JobRequest, JobService
 from backend.jobstate import TERMINAL
-from backend.protocol import MaskOps
+from backend.protocol import INTERNAL_JOB_FIELDS, MaskOps
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
 SSE_RETRY_MS = 3000  # how long a browser's EventSource waits before it reconnects
@@ -40,6 +40,12 @@ def job_links(job_id: str, done: bool = False) -> dict:
     if done:
         links["thumbnail_url"] = f"{base}/result?thumbnail=1"
     return links
+
+
+def public_job(job: dict) -> dict:
+    """A job as a client sees it: the record without the services' own fields, with its links."""
+    shown = {name: value for name, value in job.items() if name not in INTERNAL_JOB_FIELDS}
+    return shown | job_links(job["job_id"], done=job["status"] == "done")
 
 
 def _read(upload: UploadFile | None) -> bytes | None:
@@ -108,13 +114,12 @@ def list_jobs(
     request: Request, limit: int = Query(50, ge=1, le=500, description="At most this many")
 ) -> dict:
     jobs = _service(request).history(_owner(request), limit)
-    return {"jobs": [job | job_links(job["job_id"], done=job["status"] == "done") for job in jobs]}
+    return {"jobs": [public_job(job) for job in jobs]}
 
 
 @router.get("/{job_id}", summary="A job's status, step, seed, timings and links")
 def get_job(request: Request, job_id: str) -> dict:
-    job = _service(request).get(job_id, _owner(request))
-    return job | job_links(job_id, done=job["status"] == "done")
+    return public_job(_service(request).get(job_id, _owner(request)))
 
 
 @router.get(

@@ -33,7 +33,13 @@ from backend.protocol.messages import (
     job_id_of,
     to_dict,
 )
-from backend.protocol.records import TERMINAL, JobRecord, event_fields, event_payload
+from backend.protocol.records import (
+    INTERNAL_JOB_FIELDS,
+    TERMINAL,
+    JobRecord,
+    event_fields,
+    event_payload,
+)
 from backend.protocol.wire import entry_fields, entry_message, to_text
 
 __all__ = [
@@ -42,6 +48,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "SCHEMA_MAJOR",
     "SCHEMA_MINOR",
+    "INTERNAL_JOB_FIELDS",
     "TERMINAL",
     "CancelJob",
     "DenoisedJob",

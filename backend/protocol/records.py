@@ -87,6 +87,13 @@ class JobRecord:
         return shown | {f"{status}{REACHED_SUFFIX}": at for status, at in reached.items()}
 
 
+# what the services keep in a record for themselves, never shown to a client: blob refs (the API
+# gives URLs instead), the owner's digest, the post-processing guard
+INTERNAL_JOB_FIELDS = frozenset(
+    {"template_ref", "mask_ref", "result_ref", "thumbnail_ref", "owner", "denoised"}
+)
+
+
 # field -> the type of its value, from the defaults (the hash stores every value as text)
 _STORED_TYPES: dict[str, type] = {
     name: type(value)
