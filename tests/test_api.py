@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import threading
 import time
 
@@ -110,6 +111,23 @@ def test_api_key_missing_wrong_and_right(client):
     assert client.get("/v1/templates", headers={"X-API-Key": OTHER_KEY}).status_code == 200
     for open_path in ("/healthz", "/readyz", "/metrics", "/docs", "/openapi.json"):
         assert anonymous.get(open_path).status_code == 200, open_path
+
+
+def test_the_api_docs_page_loads_everything_from_the_server_itself(client):
+    """/docs works offline: every script, stylesheet and icon it names is served here, no key."""
+    anonymous = TestClient(client.app)
+    page = anonymous.get("/docs")
+    assert page.status_code == 200 and "SwaggerUIBundle" in page.text
+    urls = re.findall(r"""(?:src|href)=["']([^"']+)["']""", page.text)
+    urls += re.findall(r"""url: ?["']([^"']+)["']""", page.text)
+    assert urls and not [url for url in urls if "//" in url], urls  # nothing off this server
+    for url in urls:
+        asset = anonymous.get(url)
+        assert asset.status_code == 200 and asset.content, url
+    assert "/openapi.json" in urls
+    script = anonymous.get("/docs/assets/swagger-ui-bundle.js")
+    assert "javascript" in script.headers["content-type"] and len(script.content) > 100_000
+    assert anonymous.get("/docs/assets/nothing.js").status_code == 404
 
 
 def test_event_stream_takes_the_key_as_a_query_parameter(client, redis_client):

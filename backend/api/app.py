@@ -18,7 +18,7 @@ import anyio
 from fastapi import Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis import Redis
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -161,7 +161,7 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
         title="MaskServe",
         version="1",
         summary="Mask-based image edits: template gallery and jobs",
-        docs_url="/docs",
+        docs_url=None,  # served by _offline_docs
         redoc_url=None,
     )
     app.state.settings, app.state.redis, app.state.templates = settings, client, templates
@@ -182,6 +182,7 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
     for router in (routes_templates.router, routes_jobs.router):
         app.include_router(router, dependencies=[Depends(require_api_key)])
     _ops_routes(app, client, metrics)
+    _offline_docs(app)
     _install_error_handlers(app)
     if settings.studio.enabled:
         from studio.mount import mount_studio
@@ -193,6 +194,30 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
     app.add_middleware(SecurityHeadersMiddleware)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
+
+
+DOCS_ASSETS = "/docs/assets"
+
+
+def _offline_docs(app: FastAPI) -> None:
+    """``/docs``: Swagger UI from the installed ``swagger-ui-bundle-v2`` package, so the page works
+    with no internet (FastAPI's default fetches Swagger UI and a favicon from CDNs). Like the
+    OpenAPI document it shows, it needs no key."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.staticfiles import StaticFiles
+    from swagger_ui_bundle import swagger_ui_path
+
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json",
+            title=f"{app.title} API",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
+        )
 
 
 def _add_cors(app: FastAPI, settings: Settings) -> None:
