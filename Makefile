@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup test test-fast lint up bench clean docs
+.PHONY: setup test test-fast lint up bench clean clean-data docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,5 +47,16 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/maskserve bench engine --model small-flux-fill --json bench_out/engine.json
 
+# What setup and runs rebuild: the virtual environment, benchmark output, the activation cache and
+# the built random-weight models. Templates, results, keys, logs and training runs in .maskserve
+# stay; clean-data deletes them too, only when asked twice.
 clean:
-	rm -rf $(VENV) .maskserve bench_out
+	rm -rf $(VENV) bench_out .maskserve/template_cache .maskserve/models
+
+clean-data:
+	@if [ "$(CONFIRM)" != 1 ]; then \
+		echo "clean-data deletes .maskserve: your templates, results, API key, studio password,"; \
+		echo "logs, Redis data and training runs. To go ahead: make clean-data CONFIRM=1"; \
+		exit 2; \
+	fi
+	rm -rf .maskserve
