@@ -834,6 +834,50 @@ def test_prepare_queues_a_recording_and_cache_status_follows_it(client, redis_cl
     )
 
 
+def test_a_prepared_cache_shows_at_once_not_at_the_next_heartbeat(client, redis_client, settings):
+    """Between a prepare job's end and the next heartbeat of its worker, /cache trusts the job;
+    a heartbeat sent after the job's end that does not list the cache wins (it was evicted)."""
+    from backend.cachestatus import record_digest
+    from backend.protocol import WorkerHeartbeat
+
+    template_id = client.post(
+        "/v1/templates", files={"file": ("t.png", IMAGE, "image/png")}, data={"name": "room"}
+    ).json()["id"]
+    job_id = client.post(f"/v1/templates/{template_id}/prepare").json()["job_id"]
+    (job,) = pre_queue_jobs(redis_client, settings)
+    record_digest(redis_client, template_id, job.model_id, "digest-2")
+    started = time.time()
+
+    def beat(at: float, resident: list[str]) -> None:
+        heartbeat = WorkerHeartbeat(
+            worker_id="w2",
+            model_id=job.model_id,
+            device="cpu",
+            at=at,
+            max_batch=8,
+            batching="continuous",
+            resident_ram=resident,
+        )
+        redis_client.set(heartbeat_key("w2"), protocol.encode(heartbeat), ex=5)
+
+    def cache() -> dict:
+        return client.get(f"/v1/templates/{template_id}/cache").json()
+
+    beat(started, [])
+    store = JobStateStore(redis_client)
+    store.record_event(JobEvent(job_id=job_id, status="running", at=started, worker_id="w2"))
+    assert cache()["status"] == "preparing"
+    store.record_event(JobEvent(job_id=job_id, status="done", at=started + 1, worker_id="w2"))
+    assert cache() == {
+        "model": job.model_id,
+        "status": "in RAM",
+        "digest": "digest-2",
+        "workers": ["w2"],
+    }
+    beat(started + 2, [])  # the worker's next heartbeat does not hold it: evicted
+    assert cache()["status"] == "not prepared" and cache()["workers"] == []
+
+
 def test_each_key_lists_only_its_own_jobs_newest_first(client):
     mine = [submit(client, prompt=f"mine {i}").json()["job_id"] for i in range(3)]
     client.headers["X-API-Key"] = OTHER_KEY
