@@ -16,13 +16,19 @@ import math
 import numpy as np
 from PIL import Image
 
+from backend.protocol.messages import MaskOps
+
+DEFAULT_THRESHOLD: int = MaskOps.threshold  # the one default, shared with the job messages
+
 
 class MaskError(ValueError):
     """A mask the user must fix; the message says what is wrong and how to fix it."""
 
 
 def load_mask(
-    img: Image.Image, expected_size: tuple[int, int] | None = None, threshold: int = 127
+    img: Image.Image,
+    expected_size: tuple[int, int] | None = None,
+    threshold: int = DEFAULT_THRESHOLD,
 ) -> np.ndarray:
     """Bool (H, W) mask, True where the value is > ``threshold``.
 
@@ -84,8 +90,8 @@ def require_nonempty(mask: np.ndarray) -> None:
     if not np.any(mask):
         raise MaskError(
             "mask is empty: paint the area to repaint (a pixel counts when its brightest colour "
-            "channel, or its alpha in a mask with transparency, is above the threshold, 127 of "
-            "255 by default)"
+            "channel, or its alpha in a mask with transparency, is above the threshold, "
+            f"{DEFAULT_THRESHOLD} of 255 by default)"
         )
 
 
