@@ -1,48 +1,168 @@
-"""Cache status of a gallery template per model: not prepared, preparing, in RAM or on disk.
+"""Cache status of a gallery template for given settings: not prepared, preparing, on disk, in RAM.
 
-Pre-processing knows a template's cache digest (it depends on the bucketed pixels, the model, the
-resolution, steps, scheduler, strength and cache mode), so it records the digest under
-``keys.template_cache_key`` (field = model id) for every job that names a gallery template,
-and the API records the id of a prepare job there too (field = ``prepare:<model id>``). Status is
-then read from the live workers' heartbeats (which list the digests each holds in RAM and on disk)
-and from the prepare job's state (between the job's end and the next heartbeat, the job's worker
-is taken to hold it); nothing is ever computed from a model here.
+The status follows content, never "the last job": the template's cache key for the settings asked
+about (``KeySettings``) is built the way pre-processing builds a job's
+(``backend.cache.key.template_key``: the template's pixels at the model resolution, the settings,
+and what the loaded model contributes, ``ModelKeyBasis``). The CPU stages publish that basis under
+``keys.cache_key_basis_key`` when they load a model and with every job they pre-process (only a
+process that loaded the model knows its revision and scheduler); until one has, no key can be
+built and no worker can be found holding the cache. The key's digest is looked up in the live
+workers' heartbeats (which list the digests each holds in RAM and on disk), so a template sees the
+cache of the same pixels uploaded under any name.
+
+The API records the id of a prepare job under ``keys.template_cache_key`` (field
+``prepare:<settings signature>``): while no heartbeat lists the cache, the status follows that job
+(``_prepare_job_view``). No model library is imported here.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from PIL import Image
 from redis import Redis
 
+from backend.cache.key import ModelKeyBasis, key_guidance, template_key
+from backend.config import EngineSettings
+from backend.imaging.uploads import fit_to_bucket, resolution_bucket
 from backend.jobstate import TERMINAL, JobNotFound, JobStateStore
+from backend.models.catalog import ModelSpec
 from backend.protocol import to_text
 from backend.protocol.heartbeats import live_heartbeats
-from backend.protocol.keys import template_cache_key
+from backend.protocol.keys import cache_key_basis_key, template_cache_key
+
+log = logging.getLogger(__name__)
 
 STATUSES = ("not prepared", "preparing", "on disk", "in RAM")
+MAX_MEMO = 4096  # digests kept per process: a status poll decodes and resizes the template once
 
 
-def record_digest(client: Redis, template_id: str, model_id: str, digest: str) -> None:
-    if template_id and digest:
-        client.hset(template_cache_key(template_id), model_id, digest)
+@dataclass(frozen=True)
+class KeySettings:
+    """What an edit chooses that enters its template's cache key, as pre-processing fills it in:
+    the resolution bucket's side (the model's default for 0), steps, strength, guidance as the key
+    holds it, and the deployment's template seed and cache mode."""
+
+    model_id: str
+    resolution: int
+    steps: int
+    strength: float
+    guidance: float
+    template_seed: int
+    mode: str
+
+    @classmethod
+    def of(
+        cls,
+        spec: ModelSpec,
+        engine: EngineSettings,
+        steps: int | None = None,
+        resolution: int = 0,
+        strength: float = 1.0,
+        guidance: float | None = None,
+    ) -> KeySettings:
+        """The settings of a job on ``spec`` with these values (``None``/0: the model's
+        defaults), as ``backend.engine.factory.edit_params`` completes them."""
+        return cls(
+            model_id=spec.model_id,
+            resolution=resolution or spec.default_resolution,
+            steps=spec.default_steps if steps is None else steps,
+            strength=strength,
+            guidance=key_guidance(
+                spec.uses_cfg, spec.default_guidance if guidance is None else guidance
+            ),
+            template_seed=engine.template_seed,
+            mode=engine.cache_mode,
+        )
+
+    def signature(self) -> str:
+        text = json.dumps(asdict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def record_prepare_job(client: Redis, template_id: str, model_id: str, job_id: str) -> None:
-    client.hset(template_cache_key(template_id), f"prepare:{model_id}", job_id)
+def publish_key_basis(client: Redis, basis: ModelKeyBasis) -> None:
+    client.set(cache_key_basis_key(basis.model_id), basis.to_json())
 
 
-def cache_status(client: Redis, template_id: str, model_id: str) -> dict:
-    """``{"model", "status", "digest", "workers"}``: the best tier any live worker holds the cache
-    in (``workers``: the ids of those holding it), else what the template's prepare job says
-    (``_prepare_job_view``), else ``not prepared``."""
+def key_basis(client: Redis, model_id: str) -> ModelKeyBasis | None:
+    """The basis the CPU stages published for ``model_id``; None before any has (or unreadable)."""
+    raw = client.get(cache_key_basis_key(model_id))
+    if raw is None:
+        return None
+    try:
+        return ModelKeyBasis.from_json(to_text(raw))
+    except (ValueError, TypeError) as exc:
+        log.warning("ignoring an unreadable cache key basis of %s: %s", model_id, exc)
+        return None
 
-    stored = {
-        to_text(k): to_text(v) for k, v in client.hgetall(template_cache_key(template_id)).items()
-    }
-    digest = stored.get(model_id, "")
+
+_memo: OrderedDict[tuple[str, ModelKeyBasis, KeySettings], str] = OrderedDict()
+_memo_lock = threading.Lock()
+
+
+def template_digest(
+    basis: ModelKeyBasis,
+    settings: KeySettings,
+    content_id: str,
+    load: Callable[[], Image.Image],
+) -> str:
+    """The digest of the cache a job with ``settings`` reads on the template ``load`` returns (as
+    pre-processing decodes it), bucketed as pre-processing buckets it. ``content_id`` names the
+    template's content (immutable), so a digest is computed once per process."""
+    memo_key = (content_id, basis, settings)
+    with _memo_lock:
+        if memo_key in _memo:
+            _memo.move_to_end(memo_key)
+            return _memo[memo_key]
+    template = load()
+    size = resolution_bucket(
+        template.width, template.height, settings.resolution, basis.size_multiple
+    )
+    digest = template_key(
+        basis,
+        fit_to_bucket(template, size),
+        size,
+        steps=settings.steps,
+        strength=settings.strength,
+        guidance=settings.guidance,
+        template_seed=settings.template_seed,
+        mode=settings.mode,
+    ).digest()
+    with _memo_lock:
+        _memo[memo_key] = digest
+        while len(_memo) > MAX_MEMO:
+            _memo.popitem(last=False)
+    return digest
+
+
+def record_prepare_job(client: Redis, template_id: str, settings: KeySettings, job_id: str) -> None:
+    client.hset(template_cache_key(template_id), f"prepare:{settings.signature()}", job_id)
+
+
+def cache_status(
+    client: Redis,
+    template_id: str,
+    settings: KeySettings,
+    content_id: str,
+    load: Callable[[], Image.Image],
+) -> dict:
+    """``{"model", "status", "digest", "workers", "settings"}`` for a job with ``settings`` on the
+    template: the best tier any live worker holds its cache in (``workers``: the ids of those
+    holding it), else what the template's prepare job with these settings says
+    (``_prepare_job_view``), else ``not prepared``. ``digest`` is empty while no CPU stages of
+    the model have published its key basis. ``content_id`` and ``load``: see ``template_digest``."""
+    basis = key_basis(client, settings.model_id)
+    digest = template_digest(basis, settings, content_id, load) if basis is not None else ""
     beats = {
         worker_id: beat
         for worker_id, beat in live_heartbeats(client).items()
-        if beat.model_id == model_id
+        if beat.model_id == settings.model_id
     }
     in_ram, on_disk = [], []
     for worker_id, beat in sorted(beats.items()) if digest else ():
@@ -53,8 +173,19 @@ def cache_status(client: Redis, template_id: str, model_id: str) -> dict:
     if in_ram or on_disk:
         status, workers = ("in RAM" if in_ram else "on disk"), in_ram + on_disk
     else:
-        status, workers = _prepare_job_view(client, stored.get(f"prepare:{model_id}", ""), beats)
-    return {"model": model_id, "status": status, "digest": digest, "workers": workers}
+        job_id = client.hget(template_cache_key(template_id), f"prepare:{settings.signature()}")
+        status, workers = _prepare_job_view(client, to_text(job_id) if job_id else "", beats)
+    return {
+        "model": settings.model_id,
+        "status": status,
+        "digest": digest,
+        "workers": workers,
+        "settings": {
+            "resolution": settings.resolution,
+            "steps": settings.steps,
+            "strength": settings.strength,
+        },
+    }
 
 
 def _prepare_job_view(client: Redis, job_id: str, beats: dict) -> tuple[str, list[str]]:

@@ -792,10 +792,20 @@ def test_a_waiting_job_shows_its_place_in_its_workers_queue(client, redis_client
     assert "queue_position" not in client.get(f"/v1/jobs/{job_id}").json()
 
 
+def publish_demo_key_basis(redis_client) -> None:
+    """What the CPU stages publish when they load the model (tests/test_cache_status.py checks
+    the real one)."""
+    from backend.cache.key import ModelKeyBasis
+    from backend.cachestatus import publish_key_basis
+
+    basis = ModelKeyBasis(DEFAULT_MODEL, "rev", "EulerDiscreteScheduler", True, 8)
+    publish_key_basis(redis_client, basis)
+
+
 def test_prepare_queues_a_recording_and_cache_status_follows_it(client, redis_client, settings):
-    from backend.cachestatus import record_digest
     from backend.protocol import WorkerHeartbeat
 
+    publish_demo_key_basis(redis_client)
     template_id = client.post(
         "/v1/templates", files={"file": ("t.png", IMAGE, "image/png")}, data={"name": "room"}
     ).json()["id"]
@@ -804,11 +814,13 @@ def test_prepare_queues_a_recording_and_cache_status_follows_it(client, redis_cl
     assert accepted.status_code == 202, accepted.text
     (job,) = pre_queue_jobs(redis_client, settings)
     assert job.prepare and job.template_id == template_id and job.steps == 6 and job.mask_ref == ""
-    assert client.get(f"/v1/templates/{template_id}/cache").json()["status"] == "preparing"
+    cache_url = accepted.json()["cache_url"]  # the status for the prepare's settings
+    assert cache_url.startswith(f"/v1/templates/{template_id}/cache?") and "steps=6" in cache_url
+    assert client.get(cache_url).json()["status"] == "preparing"
     result = client.get(f"/v1/jobs/{accepted.json()['job_id']}/result")
     assert result.status_code == 404 and "no result" in result.json()["error"]
-    # pre-processing records the digest; a worker reports the cache in RAM
-    record_digest(redis_client, template_id, job.model_id, "digest-1")
+    # a worker reports the cache of those settings in RAM
+    digest = client.get(cache_url).json()["digest"]
     beat = WorkerHeartbeat(
         worker_id="w1",
         model_id=job.model_id,
@@ -816,15 +828,16 @@ def test_prepare_queues_a_recording_and_cache_status_follows_it(client, redis_cl
         at=time.time(),
         max_batch=8,
         batching="continuous",
-        resident_ram=["digest-1"],
+        resident_ram=[digest],
     )
     redis_client.set(heartbeat_key("w1"), protocol.encode(beat), ex=5)
-    status = client.get(f"/v1/templates/{template_id}/cache").json()
+    status = client.get(cache_url).json()
     assert status == {
         "model": job.model_id,
         "status": "in RAM",
-        "digest": "digest-1",
+        "digest": digest,
         "workers": ["w1"],
+        "settings": {"resolution": 128, "steps": 6, "strength": 1.0},
     }
     missing = client.post("/v1/templates/0123456789abcdef0123456789abcdef/prepare")
     assert missing.status_code == 404
@@ -837,15 +850,14 @@ def test_prepare_queues_a_recording_and_cache_status_follows_it(client, redis_cl
 def test_a_prepared_cache_shows_at_once_not_at_the_next_heartbeat(client, redis_client, settings):
     """Between a prepare job's end and the next heartbeat of its worker, /cache trusts the job;
     a heartbeat sent after the job's end that does not list the cache wins (it was evicted)."""
-    from backend.cachestatus import record_digest
     from backend.protocol import WorkerHeartbeat
 
+    publish_demo_key_basis(redis_client)
     template_id = client.post(
         "/v1/templates", files={"file": ("t.png", IMAGE, "image/png")}, data={"name": "room"}
     ).json()["id"]
     job_id = client.post(f"/v1/templates/{template_id}/prepare").json()["job_id"]
     (job,) = pre_queue_jobs(redis_client, settings)
-    record_digest(redis_client, template_id, job.model_id, "digest-2")
     started = time.time()
 
     def beat(at: float, resident: list[str]) -> None:
@@ -868,11 +880,12 @@ def test_a_prepared_cache_shows_at_once_not_at_the_next_heartbeat(client, redis_
     store.record_event(JobEvent(job_id=job_id, status="running", at=started, worker_id="w2"))
     assert cache()["status"] == "preparing"
     store.record_event(JobEvent(job_id=job_id, status="done", at=started + 1, worker_id="w2"))
-    assert cache() == {
+    assert cache() | {"digest": None, "settings": None} == {
         "model": job.model_id,
         "status": "in RAM",
-        "digest": "digest-2",
+        "digest": None,
         "workers": ["w2"],
+        "settings": None,
     }
     beat(started + 2, [])  # the worker's next heartbeat does not hold it: evicted
     assert cache()["status"] == "not prepared" and cache()["workers"] == []

@@ -6,6 +6,7 @@ names that owner, so another key's template is a 404 like an id that never exist
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import urlencode
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse, JSONResponse, Response
@@ -108,15 +109,37 @@ def prepare_template(
         "steps": submitted.steps,
         "status": "queued",
         "status_url": f"/v1/jobs/{submitted.job_id}",
-        "cache_url": f"/v1/templates/{template_id}/cache",
+        "cache_url": f"/v1/templates/{template_id}/cache?"
+        + urlencode(
+            {"model": submitted.model_id, "steps": submitted.steps, "resolution": resolution}
+        ),
     }
     return JSONResponse(body, status_code=202, headers={"Location": body["status_url"]})
 
 
-@router.get("/{template_id}/cache", summary="The template's cache status for a model")
+@router.get(
+    "/{template_id}/cache", summary="The template's cache status for an edit with given settings"
+)
 def template_cache(
     request: Request,
     template_id: str,
     model: str | None = Query(None, description="Model id (default: the server's model)"),
+    steps: int | None = Query(None, description="Steps of the edit (default: the model's)"),
+    strength: float = Query(1.0, description="Strength of the edit, in (0, 1]"),
+    guidance: float | None = Query(
+        None, description="Guidance of the edit (default: the model's; with CFG it changes nothing)"
+    ),
+    resolution: int = Query(0, description="Resolution bucket side; 0: the model's default"),
 ) -> dict:
-    return request.app.state.service.cache_status(template_id, _owner(request), model)
+    """Where the cache that an edit of this template with these settings reads is: ``not
+    prepared``, ``preparing``, ``on disk`` or ``in RAM`` (``workers``: which). The cache follows the
+    template's pixels, so a copy of the same picture under another name shows the same status."""
+    return request.app.state.service.cache_status(
+        template_id,
+        _owner(request),
+        model,
+        steps=steps,
+        strength=strength,
+        guidance=guidance,
+        resolution=resolution,
+    )

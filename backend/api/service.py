@@ -213,7 +213,7 @@ class JobService:
     ) -> SubmittedJob:
         """Queue a recording of a gallery template's activation cache for ``model`` (a job with no
         mask and no image result; it ends ``done`` with "cache recorded" or "already prepared")."""
-        from backend.cachestatus import record_prepare_job
+        from backend.cachestatus import KeySettings, record_prepare_job
 
         spec = self._model(model or self.settings.engine.model_id)
         steps = _whole("steps", spec.default_steps if steps is None else steps)
@@ -247,7 +247,12 @@ class JobService:
             owner=owner,
         )
         self.history_index.add(owner, job_id, job.submitted_at)
-        record_prepare_job(self.client, template_id, spec.model_id, job_id)
+        record_prepare_job(
+            self.client,
+            template_id,
+            KeySettings.of(spec, self.settings.engine, steps, resolution),
+            job_id,
+        )
         self._queue(job)
         return SubmittedJob(job_id=job_id, seed=0, model_id=spec.model_id, steps=steps)
 
@@ -259,13 +264,40 @@ class JobService:
         self.templates.delete(template_id, owner)
         forget(self.client, template_id)
 
-    def cache_status(self, template_id: str, owner: str, model: str | None = None) -> dict:
-        """Where the template's cache for ``model`` is: not prepared, preparing, on disk, in RAM."""
-        from backend.cachestatus import cache_status
+    def cache_status(
+        self,
+        template_id: str,
+        owner: str,
+        model: str | None = None,
+        *,
+        steps: int | None = None,
+        strength: float = 1.0,
+        guidance: float | None = None,
+        resolution: int = 0,
+    ) -> dict:
+        """Where the template's cache for an edit with these settings is (``None``/0: the
+        model's defaults, as an edit would use them): not prepared, preparing, on disk, in RAM.
+        The settings are checked as a job submission checks them."""
+        from backend.cachestatus import KeySettings, cache_status
 
         spec = self._model(model or self.settings.engine.model_id)
-        self._owned_template(template_id, owner)
-        return cache_status(self.client, template_id, spec.model_id)
+        steps = _whole("steps", spec.default_steps if steps is None else steps)
+        guidance = spec.default_guidance if guidance is None else guidance
+        query = JobRequest(mask=b"", prompt="", strength=strength, resolution=resolution)
+        self._check_numbers(query, steps, guidance, 0)
+        record = self._owned_template(template_id, owner)
+        settings = KeySettings.of(
+            spec, self.settings.engine, steps, resolution, float(strength), float(guidance)
+        )
+
+        def load():
+            try:
+                data = self.templates.image_path(record.id, owner).read_bytes()
+            except (TemplateNotFound, FileNotFoundError):
+                raise ServiceError(str(TemplateNotFound(record.id)), "not_found") from None
+            return self._decode(data, "template")
+
+        return cache_status(self.client, template_id, settings, record.sha256, load)
 
     def _owned_template(self, template_id: str, owner: str):
         try:

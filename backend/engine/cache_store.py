@@ -18,7 +18,6 @@ error names the entry directory, so a reader can drop that entry and compute wit
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -32,6 +31,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from backend.cache.key import CacheKey
 
 log = logging.getLogger(__name__)
 
@@ -65,44 +66,6 @@ class CacheCorruptError(CacheError):
     def __init__(self, message: str, entry_path: Path | None = None):
         super().__init__(message)
         self.entry_path = entry_path
-
-
-@dataclass(frozen=True)
-class CacheKey:
-    """Everything that determines a template's recorded activations."""
-
-    image_sha256: str
-    model_id: str
-    model_revision: str
-    height: int
-    width: int
-    num_steps: int
-    scheduler: str
-    strength: float
-    template_seed: int
-    mode: str
-    prompt: str = ""
-    negative_prompt: str = ""
-    guidance: float = 0.0
-    mask_sha256: str = "none"
-
-    def digest(self) -> str:
-        return self._digest
-
-    @functools.cached_property
-    def _digest(self) -> str:
-        """Computed once per key (the worker asks for it for every waiting row at every step);
-        the key is frozen, so it never goes stale."""
-        text = json.dumps(asdict(self), sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-    def mismatches(self, other: CacheKey) -> list[str]:
-        mine, theirs = asdict(self), asdict(other)
-        return [
-            f"{k}: cache has {theirs[k]!r}, request needs {mine[k]!r}"
-            for k in mine
-            if mine[k] != theirs[k]
-        ]
 
 
 def _sha256(path: Path) -> str:

@@ -20,7 +20,6 @@ worker's denoises but has no text encoders or VAE weights. A call needing a miss
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -29,8 +28,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from backend.cache.key import CacheKey, ModelKeyBasis, template_key
 from backend.engine import cache_store
-from backend.engine.cache_store import CacheKey, CacheWriter, TemplateCache
+from backend.engine.cache_store import CacheWriter, TemplateCache
 from backend.engine.context import ForwardContext, active_context
 from backend.engine.families import (
     ADAPTERS,
@@ -104,15 +104,6 @@ class EditResult:
     timings: dict[str, float]
 
 
-def image_sha256(image: Image.Image) -> str:
-    """Content hash of the decoded pixels (RGB) and size: same picture, same hash, whatever the
-    file format."""
-    rgb = image.convert("RGB")
-    digest = hashlib.sha256(f"{rgb.width}x{rgb.height}:".encode())
-    digest.update(rgb.tobytes())
-    return digest.hexdigest()
-
-
 class MaskAwareEngine:
     def __init__(self, pipe, spec, cache_root: Path, planners: dict | None = None):
         self.pipe, self.spec, self.cache_root = pipe, spec, Path(cache_root)
@@ -142,20 +133,27 @@ class MaskAwareEngine:
         return self.units.stack_ids
 
     # ----- keys and validation -------------------------------------------------------------
-    def cache_key(self, template: Image.Image, params: EditParams) -> CacheKey:
-        scheduler = self.pipe.scheduler
-        return CacheKey(
-            image_sha256=image_sha256(template),
+    def key_basis(self) -> ModelKeyBasis:
+        """What this model contributes to its cache keys (published for the cache status, which
+        builds keys without loading the model)."""
+        return ModelKeyBasis(
             model_id=self.spec.model_id,
-            model_revision=model_revision(self.spec),
-            height=params.size[0],
-            width=params.size[1],
-            num_steps=params.steps,
-            scheduler=type(scheduler).__name__,
+            revision=model_revision(self.spec),
+            scheduler=type(self.pipe.scheduler).__name__,
+            uses_cfg=self.adapter.uses_cfg,
+            size_multiple=self.size_multiple,
+        )
+
+    def cache_key(self, template: Image.Image, params: EditParams) -> CacheKey:
+        return template_key(
+            self.key_basis(),
+            template,
+            params.size,
+            steps=params.steps,
             strength=params.strength,
+            guidance=params.guidance,
             template_seed=params.template_seed,
             mode=params.mode,
-            guidance=params.guidance if not self.adapter.uses_cfg else 0.0,
         )
 
     @property

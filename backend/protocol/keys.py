@@ -81,8 +81,15 @@ JANITOR_LOCK_KEY = f"{NAMESPACE}:janitor:lock"
 
 
 def template_cache_key(template_id: str) -> str:
-    """Hash: model id -> the template's cache digest; ``prepare:<model>`` -> its prepare job."""
+    """Hash: ``prepare:<settings signature>`` -> the template's latest prepare job with those
+    settings (``backend.cachestatus``)."""
     return f"{NAMESPACE}:template:{template_id}:cache"
+
+
+def cache_key_basis_key(model_id: str) -> str:
+    """What a loaded model contributes to its cache keys (``backend.cache.key.ModelKeyBasis`` as
+    JSON), published by the CPU stages that load it (the model id is hashed: it may be a path)."""
+    return f"{NAMESPACE}:cachebasis:{_digest(model_id)}"
 
 
 def rate_limit_key(identity: str) -> str:

@@ -64,6 +64,7 @@ class CpuStages:
     ):
         self.settings, self.engine, self.jobstate = settings, engine, jobstate
         self.blobs = blobs or BlobStore(settings.paths.data_dir / "blobs")
+        self._publish_key_basis()
 
     # ----- pre ----------------------------------------------------------------------------------
     def preprocess(self, job: EditJob) -> PreparedJob:
@@ -94,7 +95,7 @@ class CpuStages:
         )
         prepared_ref, path = self.blobs.new_path("prepared", job_blob_name("prepared", job.job_id))
         prepared.save(path)
-        self._record_digest(job, prepared)
+        self._publish_key_basis()
         mask_ref = self.blobs.put(
             "masks",
             job_blob_name("masks", job.job_id),
@@ -136,7 +137,7 @@ class CpuStages:
         )
         prepared_ref, path = self.blobs.new_path("prepared", job_blob_name("prepared", job.job_id))
         prepared.save(path)
-        self._record_digest(job, prepared)
+        self._publish_key_basis()
         return PreparedJob(
             job_id=job.job_id,
             model_id=job.model_id,
@@ -150,13 +151,14 @@ class CpuStages:
             prepare=True,
         )
 
-    def _record_digest(self, job: EditJob, prepared) -> None:
-        if self.jobstate is not None and job.template_id and prepared.cache_key is not None:
-            from backend.cachestatus import record_digest
+    def _publish_key_basis(self) -> None:
+        """What this model contributes to cache keys, for the cache status (which builds a
+        template's key without loading the model): when the stages start, and again with every
+        job, so a Redis that lost it learns it back."""
+        if self.jobstate is not None:
+            from backend.cachestatus import publish_key_basis
 
-            record_digest(
-                self.jobstate.client, job.template_id, job.model_id, prepared.cache_key.digest()
-            )
+            publish_key_basis(self.jobstate.client, self.engine.key_basis())
 
     def _params(self, job: EditJob, size_hw: tuple[int, int]) -> EditParams:
         return edit_params(
