@@ -122,8 +122,8 @@ def cmd_up(args, settings: Settings) -> int:
     """Start every role on this machine and keep them running (a role that exits is restarted
     with backoff); only Ctrl-C or SIGTERM stops them all."""
     from backend.runtime import configure_logging, stop_event_on_signals
-    from backend.services.redis_server import free_port
     from backend.services.stack import (
+        UP_METRICS,
         Stack,
         assign_metrics_ports,
         engine_devices,
@@ -139,7 +139,7 @@ def cmd_up(args, settings: Settings) -> int:
             "MASKSERVE_AUTH_DISABLED (users come from MASKSERVE_USERS or are generated)"
         )
     roles = plan_roles(settings, engine_devices(), cpu_workers=args.cpu_workers)
-    metrics_ports = assign_metrics_ports(roles, settings, free_port)
+    metrics_ports = assign_metrics_ports(roles, settings)  # the same at every start when free
     api_key, (user, password) = stack_api_key(settings), stack_login(settings)
     for role in roles:
         if role.name == "api":
@@ -152,18 +152,19 @@ def cmd_up(args, settings: Settings) -> int:
     stop = stop_event_on_signals()
     try:
         redis_url = stack.start()
-        up_metrics = stack.serve_metrics(settings.supervisor.metrics_port)
+        stack.serve_metrics(metrics_ports[UP_METRICS])
         base = f"http://{settings.api.host}:{settings.api.port}"
         login = f"{user} / {password}" if user else "(from MASKSERVE_USERS)"
+        metrics_urls = stack.metrics_urls()  # the ports bound (also in the status file)
         role_metrics = ", ".join(
-            f"{name} http://127.0.0.1:{port}/metrics" for name, port in metrics_ports.items()
+            f"{name} {url}" for name, url in metrics_urls.items() if name != UP_METRICS
         )
         print(
             f"Studio     {base}{settings.studio.path}/   (login {login})\n"
             f"REST API   {base}/v1   (docs {base}/docs, metrics {base}/metrics)\n"
             f"API key    {api_key or '(from MASKSERVE_API_KEYS)'}\nRedis      {redis_url}\n"
             f"metrics    {role_metrics}\n"
-            f"restarts   http://127.0.0.1:{up_metrics}/metrics (maskserve_role_restarts_total), "
+            f"restarts   {metrics_urls[UP_METRICS]} (maskserve_role_restarts_total), "
             f"{stack.status_path}\n"
             f"logs       {stack.log_dir}/<role>.log\n"
             f"roles      {', '.join(r.name for r in roles)} (restarted when they exit)\n"
@@ -200,8 +201,9 @@ def cmd_role(args, settings: Settings) -> int:
     """Run the role ``args.role`` under ``runtime.run_role`` (JSON logs, exit with its parent)."""
     import importlib
 
-    from backend.runtime import run_role
+    from backend.runtime import configure_logging, run_role
 
+    configure_logging(settings, args.role)  # before the imports: their warnings are JSON lines too
     module_name, entry_name = ROLES[args.role]
     entry = getattr(importlib.import_module(module_name), entry_name)
     return run_role(args.role, entry, settings)

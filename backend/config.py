@@ -109,7 +109,8 @@ class WorkerSettings(_Strict):
     idle_poll_s: float = Field(default=0.05, gt=0.0, le=5.0)
     """Seconds an idle worker blocks on its inbox before checking cancels and shutdown."""
     metrics_port: int = Field(default=0, ge=0, le=65535)
-    """Port of the worker's Prometheus ``/metrics``; 0: none (``maskserve up`` picks free ports)."""
+    """Port of the worker's Prometheus ``/metrics``; 0: none (``maskserve up`` gives each worker a
+    fixed one: ``supervisor.metrics_base_port``)."""
 
 
 class CacheSettings(_Strict):
@@ -371,9 +372,15 @@ class SupervisorSettings(_Strict):
     (replacing the older copy) and emptied, so the logs of a long-running stack hold at most twice
     this per role; 0: never rotated."""
     metrics_port: int = Field(default=0, ge=0, le=65535)
-    """Port of ``maskserve up``'s own Prometheus ``/metrics`` on 127.0.0.1
-    (``maskserve_role_restarts_total{role=...}``, ``maskserve_role_up{role=...}``); 0: a free port,
-    printed at start."""
+    """Port of ``maskserve up``'s own Prometheus ``/metrics`` on ``metrics_host``
+    (``maskserve_role_restarts_total{role=...}``, ``maskserve_role_up{role=...}``); 0: its fixed
+    port, ``metrics_base_port``."""
+    metrics_base_port: int = Field(default=9101, ge=0, le=65000)
+    """First of the fixed Prometheus ports of ``maskserve up``'s processes, the same at every
+    start: ``up`` itself at this port, the dispatcher +1, ``cpu-worker-N`` +10+N, ``worker-N``
+    +20+N (9101, 9102, 9111.., 9121..). A kind whose own ``metrics_port`` is set uses that one; a
+    fixed port already taken is replaced by a free one (logged, printed, and in
+    ``stack-status.json``); 0: free ports at every start."""
 
     @field_validator("restart_max_s")
     @classmethod
@@ -411,8 +418,8 @@ class Settings(_Strict):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Level of every process's JSON log lines."""
     metrics_host: str = "127.0.0.1"
-    """Address the worker, CPU-worker and dispatcher ``/metrics`` ports listen on; loopback by
-    default: exposing them (``0.0.0.0``) is a deliberate choice."""
+    """Address the worker, CPU-worker, dispatcher and ``maskserve up`` ``/metrics`` ports listen
+    on; loopback by default: exposing them (``0.0.0.0``) is a deliberate choice."""
 
 
 # Environment variable -> (section, field). The one place that knows variable names.
@@ -472,6 +479,7 @@ _ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "RECONNECT_INITIAL_S": ("supervisor", "reconnect_initial_s"),
     "RECONNECT_MAX_S": ("supervisor", "reconnect_max_s"),
     "SUPERVISOR_METRICS_PORT": ("supervisor", "metrics_port"),
+    "METRICS_BASE_PORT": ("supervisor", "metrics_base_port"),
 }
 # Also read without the prefix: the conventional name every Redis deployment already sets.
 _PLAIN_ENV = {"REDIS_URL": ("redis", "url")}

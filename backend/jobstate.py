@@ -32,6 +32,7 @@ import time
 from redis import Redis
 
 from backend.config import MIN_JOB_RECORD_S
+from backend.metrics import job_latency_lua
 from backend.protocol import JobEvent, JobRecord, event_fields, event_payload, to_text
 from backend.protocol.keys import job_events_key, job_key
 from backend.protocol.records import TERMINAL
@@ -92,6 +93,9 @@ if new_rank >= 5 and tonumber(ARGV[5]) > 0 then
   redis.call('EXPIRE', KEYS[1], ARGV[5])
   redis.call('EXPIRE', KEYS[2], ARGV[5])
 end
+"""
+    + job_latency_lua("KEYS[1]", "ARGV[2]", terminal="new_rank >= 5")  # once per job
+    + """
 return 1
 """
 )

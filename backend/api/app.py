@@ -41,6 +41,7 @@ from backend.api.service import JobService, ServiceError
 from backend.blobs import BlobError, BlobStore
 from backend.config import Settings
 from backend.jobstate import JobStateStore
+from backend.metrics import JobLatencyCollector
 from backend.runtime import REDIS_UNAVAILABLE
 from templates_store.store import TemplateError, TemplateNotFound, TemplateStore
 
@@ -157,6 +158,7 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
         max_bytes=int(settings.api.max_template_mb * MB),
     )
     metrics = ApiMetrics()
+    metrics.registry.register(JobLatencyCollector(client))  # every job's, from Redis
     app = FastAPI(
         title="MaskServe",
         version="1",

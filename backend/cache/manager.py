@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum, Flag, auto
-from typing import Any
+from typing import Any, ClassVar
 
 from backend.cache.policies import LRUPolicy, PolicyFactory
 
@@ -125,6 +125,29 @@ class CacheMetrics:
     """Counters since start-up. A lookup counts once per tier it consulted: a DISK or LOADING
     residency is a RAM miss (and, for DISK, a disk hit); a MISS is a miss in both tiers."""
 
+    # the keys of ``snapshot`` that only grow: Prometheus counters (the rates and lead times are
+    # gauges)
+    COUNTERS: ClassVar[frozenset[str]] = frozenset(
+        {
+            "ram_hits",
+            "ram_misses",
+            "disk_hits",
+            "disk_misses",
+            "load_waits",
+            "bytes_loaded",
+            "bytes_spilled",
+            "ram_evictions",
+            "disk_evictions",
+            "corrupt_entries",
+            "store_failures",
+            "record_failures",
+            "records_skipped",
+            "partials_removed",
+            "partial_bytes_removed",
+            "prefetches",
+            "prefetch_uses",
+        }
+    )
     ram_hits: int = 0
     ram_misses: int = 0
     disk_hits: int = 0

@@ -4,7 +4,11 @@ Redis (``REDIS_URL`` if given, else ``redis-server`` on PATH, else the embedded 
 Celery CPU workers for pre/post-processing, the dispatcher, one engine worker per GPU (or one CPU
 worker with the configured model, the tiny default), and the API server. Each role is started
 through its own command (``maskserve <role>``), so the same roles also run on their own on other
-hosts against one Redis. Logs go to ``<data_dir>/logs/<role>.log``.
+hosts against one Redis. Logs go to ``<data_dir>/logs/<role>.log``, one JSON object a line: the
+stack reads each role's stdout and stderr and writes their lines there, wrapping in JSON what is not
+(``runtime.json_line``: text a C extension or a library printed past logging). Every process that
+serves Prometheus ``/metrics`` on its own port gets the same port at every start
+(``assign_metrics_ports``), another only when that one is taken; the status file names them.
 
 Invariants: children die with this process (they set PDEATHSIG); only Ctrl-C or SIGTERM stops
 the stack: every child (SIGTERM, then SIGKILL after a grace period) and then Redis. A role that
@@ -21,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -28,10 +33,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from backend.atomic import write_atomic
 from backend.config import Settings
-from backend.services.redis_server import RedisServer, RedisServerError, connect_or_start
+from backend.runtime import json_line
+from backend.services.redis_server import (
+    RedisServer,
+    RedisServerError,
+    connect_or_start,
+    free_port,
+)
 from backend.services.supervisor import Backoff, RestartPolicy, RoleRecord
 
 log = logging.getLogger(__name__)
@@ -47,6 +59,14 @@ METRICS_PORT_VARIABLES = {
     "cpu-worker": "MASKSERVE_CPU_METRICS_PORT",
     "dispatcher": "MASKSERVE_DISPATCHER_METRICS_PORT",
 }
+UP_METRICS = "up"  # ``maskserve up``'s own /metrics (role restarts) in ``assign_metrics_ports``
+# the fixed /metrics port of each kind of process, from ``supervisor.metrics_base_port``: the Nth
+# role of a kind gets its kind's offset + N (base 9101: up 9101, dispatcher 9102, cpu-worker-0
+# 9111, worker-0 9121, worker-1 9122...)
+METRICS_PORT_OFFSETS = {UP_METRICS: 0, "dispatcher": 1, "cpu-worker": 10, "worker": 20}
+LOG_PUMP_JOIN_S = 1.0  # how long a role's exit waits for the last lines of its output (a child
+# that outlives it may hold the pipe: supervision goes on)
+MAX_LOG_LINE = 1 << 20  # a longer line (no newline in a MiB of output) is cut into several
 
 
 @dataclass
@@ -86,25 +106,68 @@ def plan_roles(settings: Settings, devices: list[str], cpu_workers: int = 1) -> 
     return roles
 
 
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could listen on ``host:port`` now (SO_REUSEADDR, as Prometheus' server
+    binds: a port left in TIME_WAIT by the previous start counts as free)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def assign_metrics_ports(
-    roles: list[Role], settings: Settings, pick_port: Callable[[], int]
+    roles: list[Role],
+    settings: Settings,
+    port_free: Callable[[int], bool] | None = None,
+    pick_port: Callable[[], int] = free_port,
 ) -> dict[str, int]:
-    """Give every engine worker, CPU worker and dispatcher its own Prometheus port (the API serves
-    ``/metrics`` on its own port); returns role name -> port. A port configured for a kind of role
-    is the first of its roles' consecutive ports; otherwise ``pick_port`` picks a free one."""
+    """The Prometheus port of every process of the stack that serves its own: each engine worker,
+    CPU worker and dispatcher (set in its environment), and ``up`` itself (key ``UP_METRICS``);
+    the API serves ``/metrics`` on its own port. Returns process name -> port.
+
+    A port configured for a kind of role (``worker.metrics_port``...) is the first of its roles'
+    consecutive ports, used as given. Otherwise a role gets its fixed port
+    (``METRICS_PORT_OFFSETS`` from ``supervisor.metrics_base_port``), the same at every start, or,
+    when that one is taken (``port_free``: on ``settings.metrics_host``) or already given, a free
+    one from ``pick_port``. A base port of 0 gives free ports at every start."""
+    is_free = port_free or (lambda port: port_is_free(port, settings.metrics_host))
+    base = settings.supervisor.metrics_base_port
     configured = {
         "worker": settings.worker.metrics_port,
         "cpu-worker": settings.celery.metrics_port,
         "dispatcher": settings.dispatcher.metrics_port,
+        UP_METRICS: settings.supervisor.metrics_port,
     }
-    ports, seen = {}, {kind: 0 for kind in configured}
-    for role in roles:
-        kind = role.args[0]
-        if kind not in configured:
-            continue
-        ports[role.name] = configured[kind] + seen[kind] if configured[kind] else pick_port()
-        seen[kind] += 1
-        role.env[METRICS_PORT_VARIABLES[kind]] = str(ports[role.name])
+    processes = [(role.name, role.args[0], role) for role in roles if role.args[0] in configured]
+    processes.insert(0, (UP_METRICS, UP_METRICS, None))
+    ports: dict[str, int] = {}
+    seen = {kind: 0 for kind in configured}
+    wanted: dict[str, int] = {}
+    for name, kind, _role in processes:
+        index, seen[kind] = seen[kind], seen[kind] + 1
+        if configured[kind]:
+            ports[name] = configured[kind] + index
+        elif base:
+            wanted[name] = base + METRICS_PORT_OFFSETS[kind] + index
+    for name, port in wanted.items():  # the fixed ports first: a fallback never takes one
+        if port not in ports.values() and is_free(port):
+            ports[name] = port
+        else:
+            log.warning("metrics port %d of %s is taken: using a free one", port, name)
+    avoid = set(ports.values()) | set(wanted.values())
+    for name, _kind, _role in processes:
+        if name not in ports:
+            port = pick_port()
+            while port in avoid:
+                port = pick_port()
+            ports[name] = port
+            avoid.add(port)
+    for name, kind, role in processes:
+        if role is not None:
+            role.env[METRICS_PORT_VARIABLES[kind]] = str(ports[name])
     return ports
 
 
@@ -162,10 +225,9 @@ def stack_login(settings: Settings) -> tuple[str, str]:
 
 def rotate_log(path: Path, max_bytes: int) -> bool:
     """Copy a log past ``max_bytes`` to ``<name>.1`` and empty it in place ("copytruncate"): its
-    role keeps writing through the descriptor it holds, opened for appending, so its next line lands
-    at the start of the emptied file. Lines written between the copy and the truncation are lost;
-    that window is one copy of at most ``max_bytes`` plus what arrived meanwhile. True when
-    rotated."""
+    writer (``RoleLog``) appends, so its next line lands at the start of the emptied file. Lines
+    written between the copy and the truncation are lost; that window is one copy of at most
+    ``max_bytes`` plus what arrived meanwhile. True when rotated."""
     try:
         if path.stat().st_size <= max_bytes:
             return False
@@ -175,6 +237,59 @@ def rotate_log(path: Path, max_bytes: int) -> bool:
         log.warning("log %s not rotated: %s", path, exc)
         return False
     return True
+
+
+class RoleLog:
+    """A role's log file, written by the threads that read its stdout and stderr: each line once
+    a whole line is read, as one JSON object (``json_line``; blank lines are dropped). The file is
+    opened for appending, so ``rotate_log`` can empty it under the writers. ``role``: what the
+    wrapped lines name, as the role's own records do (its kind: ``cpu-worker``; the file is the
+    instance's)."""
+
+    def __init__(self, path: Path, role: str):
+        self.path, self.role = path, role
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        try:
+            path.touch()  # there from the start, like the role's
+        except OSError as exc:
+            log.warning("log %s not created: %s", path, exc)
+
+    def pump(self, source: IO[bytes], stream: str) -> None:
+        """Copy ``source`` (the role's ``stream``, stdout or stderr) into the log from a daemon
+        thread until its end (the role and whatever inherited the pipe exited)."""
+        level = "WARNING" if stream == "stderr" else "INFO"
+        thread = threading.Thread(
+            target=self._copy, args=(source, stream, level), name=f"log-{self.role}", daemon=True
+        )
+        self._threads.append(thread)
+        thread.start()
+
+    def _copy(self, source: IO[bytes], stream: str, level: str) -> None:
+        try:
+            with source:
+                for raw in iter(lambda: source.readline(MAX_LOG_LINE), b""):
+                    text = raw.decode("utf-8", errors="replace")
+                    if text.strip():
+                        self.write(json_line(text, self.role, logger=stream, level=level))
+        except (OSError, ValueError) as exc:  # the pipe closed under the reader
+            log.warning("log of %s: reading its %s stopped: %s", self.role, stream, exc)
+
+    def write(self, line: str) -> None:
+        data = (line + "\n").encode()
+        with self._lock:
+            try:
+                with open(self.path, "ab") as out:
+                    out.write(data)
+            except OSError as exc:  # a full disk must not stop the role: its line is lost
+                log.warning("log %s: a line of %s lost: %s", self.path, self.role, exc)
+
+    def join(self, timeout_s: float = LOG_PUMP_JOIN_S) -> None:
+        """Wait (at most ``timeout_s`` in all) for the readers to reach the end of the output."""
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._threads = [thread for thread in self._threads if thread.is_alive()]
 
 
 class Stack:
@@ -206,6 +321,7 @@ class Stack:
         self.log_dir = settings.paths.data_dir / "logs"
         self.status_path = settings.paths.data_dir / STATUS_FILE
         self.processes: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, RoleLog] = {}
         self.records: dict[str, RoleRecord] = {}
         self.redis_url = ""
         self._redis: RedisServer | None = None
@@ -233,14 +349,17 @@ class Stack:
         return self.redis_url
 
     def _spawn(self, role: Role) -> subprocess.Popen:
-        with open(self.log_dir / f"{role.name}.log", "ab") as out:  # the child keeps its own fd
-            process = subprocess.Popen(
-                [sys.executable, "-m", "backend.cli", *role.args],
-                env={**self._env, **role.env},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        log.info("started %s (pid %d) -> %s", role.name, process.pid, out.name)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "backend.cli", *role.args],
+            env={**self._env, **role.env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        role_log = self.logs[role.name] = RoleLog(self.log_dir / f"{role.name}.log", role.args[0])
+        assert process.stdout is not None and process.stderr is not None
+        role_log.pump(process.stdout, "stdout")
+        role_log.pump(process.stderr, "stderr")
+        log.info("started %s (pid %d) -> %s", role.name, process.pid, role_log.path)
         return process
 
     # ----- supervision -------------------------------------------------------------------------
@@ -273,6 +392,7 @@ class Stack:
             status = process.poll()
             if status is None:
                 return False
+            self.logs[role.name].join()  # its last lines (a traceback) are in the log, and the tail
             self._exited(record, status, now, self.log_tail(role.name, lines=5))
             return True
         if not record.due(now):
@@ -380,18 +500,43 @@ class Stack:
             process = self.processes.get(name)
         return None if process is None else process.pid
 
+    def metrics_urls(self) -> dict[str, str]:
+        """Process name -> its ``/metrics`` URL: ``up``'s own (once served) and each role's with a
+        port of its own (``assign_metrics_ports``); the API's is on the API's port."""
+        host = self.settings.metrics_host
+        ports = {}
+        if self._metrics_server is not None:
+            ports[UP_METRICS] = self._metrics_server.server_port
+        for role in self.roles:
+            variable = METRICS_PORT_VARIABLES.get(role.args[0], "")
+            if variable in role.env:
+                ports[role.name] = int(role.env[variable])
+        return {name: f"http://{host}:{port}/metrics" for name, port in ports.items()}
+
     def _write_status(self) -> None:
-        payload = {"updated_at": time.time(), "redis_url": self.redis_url, "roles": self.snapshot()}
+        payload = {
+            "updated_at": time.time(),
+            "redis_url": self.redis_url,
+            "metrics": self.metrics_urls(),
+            "roles": self.snapshot(),
+        }
         write_atomic(self.status_path, json.dumps(payload, indent=1).encode())
 
     def serve_metrics(self, port: int) -> int:
         """Serve ``maskserve_role_restarts_total{role}`` and ``maskserve_role_up{role}`` on
-        ``127.0.0.1:port`` (0: a free port); returns the port."""
-        from prometheus_client import CollectorRegistry, start_http_server
+        ``settings.metrics_host:port`` (0, or ``port`` taken since it was assigned: a free port);
+        returns the port, also named in the status file."""
+        from prometheus_client import CollectorRegistry
+
+        from backend.metrics import serve_metrics
 
         registry = CollectorRegistry()
         registry.register(RoleCollector(self.snapshot))
-        self._metrics_server, _thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+        self._metrics_server = serve_metrics(
+            port, registry, self.settings.metrics_host, fallback=True
+        )
+        assert self._metrics_server is not None  # with fallback, always a server
+        self._write_status()
         return self._metrics_server.server_port
 
     def wait_ready(self, readyz_url: str, stop, timeout_s: float = 300.0) -> bool:
@@ -435,6 +580,8 @@ class Stack:
                 log.warning("%s did not stop in %.0f s: killing it", name, STOP_GRACE_S)
                 process.kill()
                 process.wait()
+        for role_log in self.logs.values():
+            role_log.join()
         if self._redis is not None:
             self._redis.stop()
         if self._metrics_server is not None:

@@ -381,6 +381,7 @@ def run_cpu_worker(settings: Settings) -> int:
     # prefork even for one process: the solo pool cannot enforce time limits
     app.worker_main(
         [
+            "--quiet",  # no banner: it is plain text, and every line of a role's log is JSON
             "worker",
             "-Q",
             queues,

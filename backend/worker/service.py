@@ -29,7 +29,7 @@ from redis.retry import Retry
 
 from backend import protocol
 from backend.blobs import BlobStore
-from backend.cache import Tier, TieredActivationCache
+from backend.cache import CacheMetrics, Tier, TieredActivationCache
 from backend.config import Settings
 from backend.jobstate import JobStateStore
 from backend.metrics import make_registry, serve_metrics
@@ -40,6 +40,7 @@ from backend.services.supervisor import Backoff, Reconnect
 from backend.tasks.celery_app import make_celery, submit_postprocess
 from backend.worker.loop import EngineWorker
 from backend.worker.redis_inbox import RedisInbox
+from backend.worker.stats import WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -368,7 +369,11 @@ def run_worker(settings: Settings) -> int:
             {
                 "maskserve_worker": lambda: heartbeat.worker_stats,
                 "maskserve_cache": lambda: heartbeat.cache_stats,
-            }
+            },
+            counters={
+                "maskserve_worker": WorkerStats.COUNTERS,
+                "maskserve_cache": CacheMetrics.COUNTERS,
+            },
         ),
         settings.metrics_host,
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 
 def percentile(values, q: float) -> float:
@@ -26,6 +27,10 @@ def percentile(values, q: float) -> float:
 
 @dataclass
 class WorkerStats:
+    # the keys of ``snapshot`` that only grow: Prometheus counters (every other key is a gauge)
+    COUNTERS: ClassVar[frozenset[str]] = frozenset(
+        {"steps", "jobs", "cache_fallbacks_total", "held_row_schedules_total"}
+    )
     window: int = 10_000
     steps: int = 0
     step_s_total: float = 0.0
