@@ -100,8 +100,10 @@ class MaskServeClient:
         **params,
     ) -> dict:
         """Submit an edit; ``params``: negative_prompt, model, steps, guidance, strength, seed,
-        threshold, invert, grow_px, feather_px, resolution, use_cache (None values are left out).
-        Returns the 202 body: job_id, seed, status_url, events_url, result_url."""
+        threshold, invert, grow_px, feather_px, fill_holes, min_area_px, mode ("generate" or
+        "erase": filled from the surroundings, no prompt needed), resolution, use_cache (None
+        values are left out). Returns the 202 body: job_id, seed, status_url, events_url,
+        result_url."""
         data = {"prompt": prompt} | {k: _form_value(v) for k, v in params.items() if v is not None}
         if template_id is not None:
             data["template_id"] = template_id
@@ -210,6 +212,26 @@ def add_submit_arguments(parser) -> None:
     parser.add_argument("--invert", action="store_true")
     parser.add_argument("--grow-px", dest="grow_px", type=int, default=None)
     parser.add_argument("--feather-px", dest="feather_px", type=float, default=None)
+    parser.add_argument(
+        "--fill-holes",
+        dest="fill_holes",
+        action="store_true",
+        help="fill what a closed painted outline encloses (lasso)",
+    )
+    parser.add_argument(
+        "--min-area-px",
+        dest="min_area_px",
+        type=int,
+        default=None,
+        help="drop painted specks smaller than this many pixels",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=["generate", "erase"],
+        default=None,
+        help="generate (default: the model paints the prompt) or erase (the painted area is "
+        "filled from its surroundings at once; no prompt needed)",
+    )
     parser.add_argument("--resolution", type=int, default=None)
     parser.add_argument("--no-cache", dest="no_cache", action="store_true")
     parser.add_argument(
@@ -257,10 +279,13 @@ def submit_cli(args, settings=None) -> int:
             "threshold",
             "grow_px",
             "feather_px",
+            "min_area_px",
+            "mode",
             "resolution",
         )
     }
     params["invert"] = True if getattr(args, "invert", False) else None
+    params["fill_holes"] = True if getattr(args, "fill_holes", False) else None
     params["use_cache"] = False if getattr(args, "no_cache", False) else None
     try:
         with MaskServeClient(url, api_key) as client:

@@ -92,14 +92,9 @@ def mask_png(mask: np.ndarray) -> bytes:
 
 
 def effective_mask(mask: np.ndarray, ops: MaskOps) -> np.ndarray:
-    """Float (H, W) in [0, 1]: what paste-back will take from the generated image after invert,
-    grow/shrink and feather (the same functions pre- and post-processing run)."""
-    processed = masks.invert(mask) if ops.invert else mask
-    px = int(ops.grow_px)
-    processed = masks.grow(processed, px) if px >= 0 else masks.shrink(processed, -px)
-    if ops.feather_px > 0:
-        return masks.feather(processed, ops.feather_px)
-    return processed.astype(np.float32)
+    """Float (H, W) in [0, 1]: what paste-back will take from the generated image after the mask
+    ops (``masks.effective_alpha``: the function pre- and post-processing use, in their order)."""
+    return masks.effective_alpha(mask, ops)
 
 
 def mask_ratio(weights: np.ndarray) -> float:

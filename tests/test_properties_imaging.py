@@ -79,6 +79,8 @@ mask_ops = st.builds(
     invert=st.booleans(),
     grow_px=st.integers(-2000, 2000),
     feather_px=st.floats(allow_nan=True, allow_infinity=True),
+    fill_holes=st.booleans(),
+    min_area_px=st.one_of(st.integers(-5, 40), st.integers(-(2**40), 2**40)),
 )
 
 
@@ -171,6 +173,7 @@ def test_any_mask_and_any_ops_give_a_painted_mask_or_mask_error(image, ops):
         return
     assert 0 <= ops.threshold <= 254 and abs(ops.grow_px) <= 512
     assert math.isfinite(ops.feather_px) and 0 <= ops.feather_px <= 256
+    assert 0 <= ops.min_area_px <= uploads.MAX_MIN_AREA_PX
     assert painted.dtype == bool and painted.shape == (image.height, image.width)
     assert painted.any()
 
@@ -201,6 +204,104 @@ def test_grow_contains_and_shrink_is_contained_in_the_mask(image, px):
     except MaskError:
         return
     assert np.all(masks.grow(mask, px) >= mask) and np.all(masks.shrink(mask, px) <= mask)
+
+
+def bool_grid(height: int, width: int):
+    return st.lists(st.booleans(), min_size=height * width, max_size=height * width).map(
+        lambda bits: np.array(bits, dtype=bool).reshape(height, width)
+    )
+
+
+small_ops = st.builds(
+    MaskOps,
+    invert=st.booleans(),
+    grow_px=st.integers(-3, 6),
+    feather_px=st.one_of(st.floats(0.01, 12.0), st.just(0.0)),
+    fill_holes=st.booleans(),
+    min_area_px=st.integers(0, 6),
+)
+
+
+@st.composite
+def strokes(draw, height: int, width: int, longest: int) -> np.ndarray:
+    """A painting of a few strokes: boxes and box outlines (which fill_holes fills), each side at
+    most ``longest`` pixels."""
+    painted = np.zeros((height, width), dtype=bool)
+    for _ in range(draw(st.integers(1, 4))):
+        y0, x0 = draw(st.integers(0, height - 1)), draw(st.integers(0, width - 1))
+        y1 = draw(st.integers(y0 + 1, min(height, y0 + longest)))
+        x1 = draw(st.integers(x0 + 1, min(width, x0 + longest)))
+        painted[y0:y1, x0:x1] = True
+        if draw(st.booleans()):  # an outline only
+            painted[y0 + 1 : y1 - 1, x0 + 1 : x1 - 1] = False
+    return painted
+
+
+@st.composite
+def painting(draw) -> tuple[int, np.ndarray]:
+    """(token side in pixels, strokes on a grid of 1..5 x 1..5 tokens of 1..8 pixels)."""
+    token_px = draw(st.sampled_from([1, 2, 4, 8]))
+    height, width = draw(st.integers(1, 5)) * token_px, draw(st.integers(1, 5)) * token_px
+    return token_px, draw(strokes(height, width, longest=12))
+
+
+def token_area(tokens: np.ndarray, token_px: int) -> np.ndarray:
+    """The pixels under the True tokens."""
+    return np.kron(tokens, np.ones((token_px, token_px), dtype=bool)).astype(bool)
+
+
+@examples(300)
+@given(shape=painting(), ops=small_ops, margin=st.integers(0, 2))
+def test_the_token_mask_covers_every_pixel_paste_back_can_change(shape, ops, margin):
+    """Outside the token mask pixels come from the template's cache: the effective (grown,
+    feathered) mask must be 0 there, for any painting, ops, token size and margin (0 included)."""
+    token_px, painted = shape
+    processed = masks.apply_ops(painted, ops)
+    alpha = masks.feather(processed, ops.feather_px)
+    assert np.array_equal(alpha, masks.effective_alpha(painted, ops))
+    assert np.array_equal(alpha > 0, (alpha > 0) & masks.feather_support(processed, ops.feather_px))
+    grid = (painted.shape[0] // token_px, painted.shape[1] // token_px)
+    # what pre-processing hands the engine: the feather's support, not the bare mask
+    tokens = masks.token_mask(masks.feather_support(processed, ops.feather_px), grid, margin)
+    assert not np.any(alpha[~token_area(tokens, token_px)] > 0)
+
+
+@examples(120)
+@given(
+    upload=st.tuples(st.integers(4, 48), st.integers(4, 48)).flatmap(
+        lambda hw: strokes(*hw, longest=8)
+    ),
+    grid=st.tuples(st.integers(1, 4), st.integers(1, 4)),
+    token_px=st.sampled_from([2, 4, 8]),
+    feather_px=st.one_of(st.floats(0.01, 8.0), st.just(0.0)),
+)
+def test_through_the_bucket_the_token_mask_covers_the_feathered_paste(
+    upload, grid, token_px, feather_px
+):
+    """Pre-processing's chain: the upload's mask, its feather support brought to the bucket
+    (``mask_to_bucket``), the token mask of that. Every upload pixel inside the crop whose alpha
+    is above 0 has its centre on a model pixel of a masked token (through the ``crop_box_for``
+    box, down- or upscaled)."""
+    size_hw = (grid[0] * token_px, grid[1] * token_px)
+    support = masks.feather_support(upload, feather_px)
+    try:
+        pixels = uploads.mask_to_bucket(support, size_hw)
+    except MaskError:
+        return  # the painting lies in the cropped-off margins: refused, nothing is pasted
+    area = token_area(masks.token_mask(pixels, grid), token_px)
+    left, top, right, bottom = uploads.crop_box_for((upload.shape[1], upload.shape[0]), size_hw)
+    alpha = masks.feather(upload, feather_px)
+
+    def under(centre: float, side: int, crop: int) -> set[int]:
+        """The model pixels whose box holds this centre (two when it lies on their border)."""
+        at = centre * side / crop
+        return {min(side - 1, math.floor(at + d)) for d in (-1e-9, 1e-9)}
+
+    for y, x in np.argwhere(alpha > 0):
+        if top <= y < bottom and left <= x < right:
+            rows = under(y - top + 0.5, size_hw[0], bottom - top)
+            cols = under(x - left + 0.5, size_hw[1], right - left)
+            assert any(area[r, c] for r in rows for c in cols), (y, x)
 
 
 # ----- resolution buckets ------------------------------------------------------------------------

@@ -111,7 +111,8 @@ def test_the_preview_applies_the_mask_ops_like_pre_processing():
     mask = np.zeros((H, W), dtype=bool)
     mask[20:30, 20:30] = True
     grown = masks.effective_mask(mask, MaskOps(grow_px=2))
-    assert grown.sum() == 14 * 14
+    # grown by a disc: round corners, each missing the 3 pixels farther than 2 px from the square
+    assert grown.sum() == 14 * 14 - 4 * 3 and grown[19, 19] and not grown[18, 18]
     inverted = masks.effective_mask(mask, MaskOps(invert=True))
     assert masks.mask_ratio(inverted) == pytest.approx(1 - 100 / (W * H))
     feathered = masks.effective_mask(mask, MaskOps(feather_px=3))

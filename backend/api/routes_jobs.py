@@ -75,6 +75,17 @@ def submit_job(
     invert: bool = Form(False),
     grow_px: int = Form(0, description="Grow (or, negative, shrink) the mask by this many pixels"),
     feather_px: float = Form(0.0, description="Soften the paste-back edge (0..256 px)"),
+    fill_holes: bool = Form(
+        False, description="Fill what a closed painted outline encloses (lasso)"
+    ),
+    min_area_px: int = Form(
+        0, description="Drop painted specks smaller than this many pixels (0: keep all)"
+    ),
+    mode: str = Form(
+        "generate",
+        description="generate (the model paints the prompt) or erase (the painted area is "
+        "filled from its surroundings at once, no model, no prompt)",
+    ),
     resolution: int = Form(0, description="Model resolution bucket side; 0: the model's default"),
     use_cache: bool = Form(True, description="Reuse the template's cached activations"),
 ) -> JSONResponse:
@@ -90,8 +101,14 @@ def submit_job(
         strength=strength,
         seed=seed,
         mask_ops=MaskOps(
-            threshold=threshold, invert=invert, grow_px=grow_px, feather_px=feather_px
+            threshold=threshold,
+            invert=invert,
+            grow_px=grow_px,
+            feather_px=feather_px,
+            fill_holes=fill_holes,
+            min_area_px=min_area_px,
         ),
+        mode=mode,
         resolution=resolution,
         use_cache=use_cache,
         owner=_owner(request),

@@ -36,7 +36,8 @@ from kombu.exceptions import OperationalError as BrokerError
 from backend.blobs import BlobStore
 from backend.config import Settings
 from backend.history import HistoryIndex
-from backend.imaging.masks import MaskError
+from backend.imaging.erase import require_erasable
+from backend.imaging.masks import MaskError, feather_support
 from backend.imaging.uploads import UploadError, decode_image, process_mask
 
 # the pre task's exact ranges
@@ -47,6 +48,7 @@ from backend.models.catalog import SHIPPED
 from backend.protocol import CancelJob, EditJob, JobEvent, MaskOps, to_text
 from backend.protocol.heartbeats import queue_position, read_heartbeat
 from backend.protocol.keys import job_key
+from backend.protocol.messages import JOB_MODES
 from backend.tasks.celery_app import submit_edit
 from backend.worker.redis_inbox import send_to_inbox
 from templates_store.store import TemplateNotFound, TemplateStore, upload_error_code
@@ -90,6 +92,8 @@ class JobRequest:
     seed: int | None = None
     mask_ops: MaskOps = field(default_factory=MaskOps)
     resolution: int = 0  # 0: the model's default resolution bucket
+    # "generate", or "erase": filled from the surroundings in pre-processing (no model, no prompt)
+    mode: str = "generate"
     use_cache: bool = True
     # the tenant that owns it (``backend.api.security.Caller.owner``): only it can see the job
     owner: str = ""
@@ -179,6 +183,7 @@ class JobService:
             resolution=request.resolution,
             submitted_at=time.time(),
             template_id=request.template_id or "",
+            mode=request.mode,
         )
         self.jobstate.create(
             job_id,
@@ -377,6 +382,11 @@ class JobService:
                     "shorten it"
                 )
         _check_resolution(request.resolution)
+        if request.mode not in JOB_MODES:
+            raise ServiceError(
+                f"mode {request.mode!r} is not known: use one of {', '.join(JOB_MODES)} (erase "
+                "fills the painted area from its surroundings, with no model and no prompt)"
+            )
         try:
             validate_mask_ops(request.mask_ops)
         except MaskError as exc:
@@ -422,7 +432,9 @@ class JobService:
     def _check_mask(self, request: JobRequest, image_size: tuple[int, int]) -> None:
         mask = self._decode(request.mask, "mask")
         try:  # the pre task's own mask steps: a mask that ends up empty is refused now, not later
-            process_mask(mask, image_size, request.mask_ops)
+            processed = process_mask(mask, image_size, request.mask_ops)
+            if request.mode == "erase":
+                require_erasable(feather_support(processed, request.mask_ops.feather_px))
         except MaskError as exc:
             raise ServiceError(str(exc)) from None
 

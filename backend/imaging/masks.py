@@ -5,14 +5,33 @@ Mask contract (IOPaint / A1111): a grayscale image the size of the picture, 255 
 modes are read as luminance. Internally a pixel mask is a bool (H, W) array, True = repaint, and
 a token mask is a bool (gh, gw) array over a model's token grid, True = computed fresh.
 
-Neighbourhoods are squares (Chebyshev distance) everywhere: ``grow``/``shrink`` by ``px`` pixels,
-``token_mask`` margins by tokens, and ``feather``'s blur support, so the three agree exactly.
+Morphology is OpenCV's (``cv2``). Neighbourhoods, and why they nest:
+
+* ``grow``/``shrink`` by ``px`` use a disc (Euclidean distance <= px, ``disc``), so a grown mask
+  has round corners instead of square ones;
+* ``feather``'s Gaussian is truncated at radius ``r = feather_radius(px) = ceil(px)``: its kernel
+  is the (2r + 1) square, so the feathered alpha is 0 wherever the whole square (Chebyshev
+  distance <= r) is unmasked. ``feather_support`` is that square neighbourhood: the pixels
+  paste-back can change;
+* ``token_mask`` marks a token when any pixel under it is masked (then grows by a margin of
+  tokens, a square again).
+
+A disc of radius r lies inside the square of radius r, so every bound stated with squares also
+holds for the round masks. Pre-processing gives the engine ``feather_support`` of the processed
+mask (not the bare mask), so the token mask covers every pixel whose alpha is above 0 whatever
+the feather and the token margin (0 included): pixels outside it come from the template's cache
+and are pasted with alpha 0, i.e. never.
+
+``apply_ops`` is the one implementation of a ``MaskOps`` (pre-processing and the studio's preview
+both call it), in this order: threshold (when the mask image is read, ``load_mask``), fill holes
+(the lasso), remove specks, invert, grow/shrink; feather last, at paste-back.
 """
 
 from __future__ import annotations
 
 import math
 
+import cv2
 import numpy as np
 from PIL import Image
 
@@ -106,76 +125,195 @@ def invert(mask: np.ndarray) -> np.ndarray:
     return ~_as_bool_2d(mask)
 
 
-def _max_filter_1d(mask: np.ndarray, radius: int, axis: int) -> np.ndarray:
-    """OR over a window of 2 * radius + 1 along ``axis``, outside the array counting as False.
-    Prefix sums make it O(H * W) for any radius."""
-    pad = [(0, 0), (0, 0)]
-    pad[axis] = (radius + 1, radius)
-    counts = np.cumsum(np.pad(mask, pad).astype(np.int32), axis=axis)
-    size = mask.shape[axis]
-    hi = np.take(counts, np.arange(2 * radius + 1, 2 * radius + 1 + size), axis=axis)
-    lo = np.take(counts, np.arange(size), axis=axis)
-    return (hi - lo) > 0
+# up to this radius ``cv2.dilate``/``cv2.erode`` with the disc kernel (cost grows with the disc's
+# area); above it a distance transform gives the same disc in time linear in the pixels
+KERNEL_MAX_RADIUS = 24
+# float32 distances tell r^2 from r^2 + 1 apart safely up to here (see _within_disc)
+DISTANCE_MAX_RADIUS = 1024
+
+
+def disc(radius: int) -> np.ndarray:
+    """uint8 (2r + 1, 2r + 1) structuring element: 1 where x^2 + y^2 <= r^2 (a pixel at Euclidean
+    distance > r is 0; OpenCV's own MORPH_ELLIPSE also takes some of those)."""
+    if radius < 0:
+        raise ValueError(f"a disc needs radius >= 0, got {radius}")
+    y, x = np.ogrid[-radius : radius + 1, -radius : radius + 1]
+    return (x * x + y * y <= radius * radius).astype(np.uint8)
+
+
+def _u8(mask: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(mask, dtype=np.uint8)
+
+
+def _within_disc(mask: np.ndarray, px: int) -> np.ndarray:
+    """True where a True pixel of ``mask`` is at Euclidean distance <= px: OpenCV's exact
+    Euclidean distance transform (DIST_MASK_PRECISE). Squared distances are integers, so the
+    cut lies between px^2 and px^2 + 1, where float32 distances cannot be mistaken below
+    ``DISTANCE_MAX_RADIUS``."""
+    distance = cv2.distanceTransform(_u8(~mask), cv2.DIST_L2, cv2.DIST_MASK_PRECISE)
+    return distance <= math.sqrt(px * px + 0.5)
+
+
+def _by_kernel(px: int) -> bool:
+    return px <= KERNEL_MAX_RADIUS or px > DISTANCE_MAX_RADIUS
 
 
 def grow(mask: np.ndarray, px: int) -> np.ndarray:
-    """Dilate by a (2 px + 1) square: True wherever a True pixel is within Chebyshev distance px."""
+    """Dilate by a disc (``disc(px)``): True wherever a True pixel is within Euclidean distance
+    px. Outside the image counts as unmasked."""
     mask = _as_bool_2d(mask)
     if px < 0:
         raise ValueError(f"grow needs px >= 0, got {px}")
     if px == 0 or not mask.any():
         return mask.copy()
-    return _max_filter_1d(_max_filter_1d(mask, px, 0), px, 1)
+    if _by_kernel(px):
+        # dilate's default border is -inf: outside the image counts as unmasked
+        return cv2.dilate(_u8(mask), disc(px)) > 0
+    return _within_disc(mask, px)
 
 
 def shrink(mask: np.ndarray, px: int) -> np.ndarray:
-    """Erode by a (2 px + 1) square. Outside the image counts as masked, so a mask touching the
-    border is not eaten from the border (a full mask stays full)."""
-    return ~grow(~_as_bool_2d(mask), px)
+    """Erode by a disc (``disc(px)``): True where every pixel within Euclidean distance px is.
+    Outside the image counts as masked, so a mask touching the border is not eaten from the
+    border (a full mask stays full)."""
+    mask = _as_bool_2d(mask)
+    if px < 0:
+        raise ValueError(f"shrink needs px >= 0, got {px}")
+    if px == 0 or mask.all():
+        return mask.copy()
+    if _by_kernel(px):
+        # erode's default border is +inf: outside the image counts as masked
+        return cv2.erode(_u8(mask), disc(px)) > 0
+    return ~_within_disc(~mask, px)
 
 
-def _gaussian_kernel(radius: int, sigma: float) -> np.ndarray:
-    x = np.arange(-radius, radius + 1, dtype=np.float64)
-    kernel = np.exp(-0.5 * (x / sigma) ** 2)
-    return kernel / kernel.sum()
+def _square(radius: int) -> np.ndarray:
+    return np.ones((2 * radius + 1, 2 * radius + 1), dtype=np.uint8)
 
 
-def _blur_1d(values: np.ndarray, kernel: np.ndarray, axis: int) -> np.ndarray:
-    radius = len(kernel) // 2
-    pad = [(0, 0)] * values.ndim
-    pad[axis] = (radius, radius)
-    padded = np.pad(values, pad, mode="edge")
-    out = np.zeros_like(values, dtype=np.float64)
-    size = values.shape[axis]
-    for offset, weight in enumerate(kernel):
-        out += weight * np.take(padded, np.arange(offset, offset + size), axis=axis)
-    return out
+def feather_radius(px: float) -> int:
+    """Where ``feather``'s Gaussian is truncated: ceil(px) pixels (3 sigma)."""
+    return math.ceil(px)
+
+
+def feather_support(mask: np.ndarray, px: float) -> np.ndarray:
+    """Bool: where ``feather(mask, px)`` can be above 0 (the pixels paste-back can change), the
+    mask grown by the (2r + 1) square, r = ``feather_radius(px)``; the mask itself for px = 0."""
+    mask = _as_bool_2d(mask)
+    radius = feather_radius(px)
+    if radius == 0 or not mask.any():
+        return mask.copy()
+    return cv2.dilate(_u8(mask), _square(radius)) > 0
 
 
 def feather(mask: np.ndarray, px: float) -> np.ndarray:
-    """Soft float32 alpha in [0, 1]: a Gaussian blur (sigma = px / 3, support radius ceil(px)).
+    """Soft float32 alpha in [0, 1]: ``cv2.GaussianBlur`` with sigma = px / 3, truncated at radius
+    r = ceil(px) (a (2r + 1) square kernel), the image's edge pixels repeated beyond it.
 
-    Invariants: alpha == 1 exactly where the whole (2r + 1) square is masked, == 0 exactly where
-    none of it is, so pixels farther than r from the mask edge paste back bit-exactly.
+    Invariants: alpha == 1 wherever the whole (2r + 1) square around a pixel is masked, == 0
+    wherever none of it is (outside ``feather_support``), so pixels farther than r from the mask
+    edge paste back bit-exactly.
     """
     mask = _as_bool_2d(mask)
     if px < 0 or not math.isfinite(px):
         raise ValueError(f"feather needs a finite px >= 0, got {px}")
-    radius = math.ceil(px)
+    radius = feather_radius(px)
     if radius == 0:
         return mask.astype(np.float32)
-    kernel = _gaussian_kernel(radius, max(px / 3.0, 1e-3))
-    alpha = _blur_1d(_blur_1d(mask.astype(np.float64), kernel, 0), kernel, 1)
-    alpha = np.clip(alpha, 0.0, 1.0).astype(np.float32)
+    side, sigma = 2 * radius + 1, max(px / 3.0, 1e-3)
+    alpha = cv2.GaussianBlur(
+        mask.astype(np.float32),
+        (side, side),
+        sigmaX=sigma,
+        sigmaY=sigma,
+        borderType=cv2.BORDER_REPLICATE,
+    )
+    alpha = np.clip(alpha, 0.0, 1.0)
     # the blur's sum of weights is 1 only up to rounding; pin the plateaus exactly
-    alpha[shrink(mask, radius)] = 1.0
-    alpha[~grow(mask, radius)] = 0.0
+    alpha[cv2.erode(_u8(mask), _square(radius)) > 0] = 1.0
+    alpha[~feather_support(mask, px)] = 0.0
     return alpha
+
+
+def fill_holes(mask: np.ndarray) -> np.ndarray:
+    """The mask with every enclosed unmasked area filled: a closed painted outline becomes the
+    area it encloses (a lasso). An unmasked area is enclosed when it does not reach the image
+    border through 4-connected unmasked pixels, so an outline drawn with diagonal steps
+    (8-connected) still closes."""
+    mask = _as_bool_2d(mask)
+    if not mask.any():
+        return mask.copy()
+    count, labels = cv2.connectedComponents(_u8(~mask), connectivity=4)
+    if count <= 1:
+        return mask.copy()
+    border = np.unique(
+        np.concatenate((labels[0], labels[-1], labels[:, 0], labels[:, -1]))
+    )  # the unmasked areas that reach the border (label 0 is the mask itself)
+    outside = np.isin(labels, border[border > 0])
+    return ~outside
+
+
+def remove_specks(mask: np.ndarray, min_area_px: int) -> np.ndarray:
+    """The mask without its painted areas (8-connected components) smaller than ``min_area_px``
+    pixels; 0 or 1 keeps everything."""
+    mask = _as_bool_2d(mask)
+    if min_area_px < 0:
+        raise ValueError(f"min_area_px must be >= 0, got {min_area_px}")
+    if min_area_px <= 1 or not mask.any():
+        return mask.copy()
+    count, labels, stats, _ = cv2.connectedComponentsWithStats(_u8(mask), connectivity=8)
+    keep = stats[:, cv2.CC_STAT_AREA] >= min_area_px
+    keep[0] = False  # label 0 is the unmasked background
+    return keep[labels]
+
+
+# each step of ``apply_ops`` that can leave nothing to repaint, and what the user should do then
+_EMPTIED = {
+    "specks": "every painted area is smaller than the speck size (min_area_px {min_area_px}): "
+    "paint a larger area or lower min_area_px",
+    "invert": "after inverting it nothing is left (everything was painted): paint less or turn "
+    "invert off",
+    "shrink": "paint a larger area or reduce the shrink",
+}
+
+
+def apply_ops(painted: np.ndarray, ops: MaskOps, strict: bool = False) -> np.ndarray:
+    """Bool (H, W): ``ops`` applied to a painting already read with ``ops.threshold``
+    (``load_mask``), in the canonical order: fill holes (``ops.fill_holes``: the lasso), remove
+    specks (``ops.min_area_px``), invert, grow (``ops.grow_px`` > 0) or shrink (< 0). Feather
+    is not applied here (``effective_alpha`` and paste-back apply ``ops.feather_px``).
+
+    ``strict``: raise MaskError, naming the step, when a step leaves nothing to repaint."""
+    mask = _as_bool_2d(painted)
+    steps = (
+        ("fill", lambda m: fill_holes(m) if ops.fill_holes else m),
+        ("specks", lambda m: remove_specks(m, int(ops.min_area_px))),
+        ("invert", lambda m: invert(m) if ops.invert else m),
+        (
+            "shrink",
+            lambda m: grow(m, int(ops.grow_px)) if ops.grow_px >= 0 else shrink(m, -ops.grow_px),
+        ),
+    )
+    for name, step in steps:
+        mask = step(mask)
+        if strict and name in _EMPTIED and not mask.any():
+            raise MaskError(
+                "mask is empty after the mask operations: "
+                + _EMPTIED[name].format(min_area_px=ops.min_area_px)
+            )
+    return mask
+
+
+def effective_alpha(painted: np.ndarray, ops: MaskOps) -> np.ndarray:
+    """Float32 (H, W) in [0, 1]: what paste-back takes from the generated image for this painting
+    and these ops (``apply_ops``, then ``feather`` by ``ops.feather_px``)."""
+    return feather(apply_ops(painted, ops), ops.feather_px)
 
 
 def token_mask(mask: np.ndarray, grid_hw: tuple[int, int], margin: int = 0) -> np.ndarray:
     """Bool (gh, gw): a token is masked if ANY pixel under it is, then grown by ``margin`` tokens
-    (Chebyshev). Needs H % gh == 0 and W % gw == 0 (each token covers a whole pixel block)."""
+    (the (2 margin + 1) square of tokens). Needs H % gh == 0 and W % gw == 0 (each token covers
+    a whole pixel block)."""
     mask = _as_bool_2d(mask)
     (h, w), (gh, gw) = mask.shape, grid_hw
     if gh < 1 or gw < 1 or h % gh or w % gw:
@@ -186,7 +324,36 @@ def token_mask(mask: np.ndarray, grid_hw: tuple[int, int], margin: int = 0) -> n
     if margin < 0:
         raise ValueError(f"token margin must be >= 0, got {margin}")
     tokens = mask.reshape(gh, h // gh, gw, w // gw).any(axis=(1, 3))
-    return grow(tokens, margin)
+    if margin == 0 or not tokens.any():
+        return tokens
+    return cv2.dilate(_u8(tokens), _square(margin)) > 0
+
+
+def _overlapping(start: int, length: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each of ``size`` cells splitting [start, start + length) evenly: the first and one
+    past the last source index it overlaps (floor and ceil of its ends, in integers)."""
+    cells = np.arange(size, dtype=np.int64)
+    return start + cells * length // size, start - (-(cells + 1) * length // size)
+
+
+def resize_any(
+    mask: np.ndarray, box: tuple[int, int, int, int], size_hw: tuple[int, int]
+) -> np.ndarray:
+    """Bool ``size_hw``: the (left, top, right, bottom) ``box`` of ``mask`` resized, a cell True
+    when ANY source pixel it overlaps (even partly) is, down- or upscaling. A resampling filter
+    can lose a stroke lying on a cell border (PIL's BOX drops a row whose centre falls exactly
+    there); counts over exact integer bounds cannot."""
+    mask = _as_bool_2d(mask)
+    left, top, right, bottom = box
+    th, tw = size_hw
+    rows_lo, rows_hi = _overlapping(top, bottom - top, th)
+    cols_lo, cols_hi = _overlapping(left, right - left, tw)
+    counts = np.zeros((mask.shape[0] + 1, right - left), dtype=np.int32)
+    np.cumsum(mask[:, left:right], axis=0, out=counts[1:])
+    rows = (counts[rows_hi] - counts[rows_lo]) > 0  # (th, crop width)
+    counts = np.zeros((th, rows.shape[1] + 1), dtype=np.int32)
+    np.cumsum(rows, axis=1, out=counts[:, 1:])
+    return (counts[:, cols_hi - left] - counts[:, cols_lo - left]) > 0
 
 
 def mask_ratio(token_mask: np.ndarray) -> float:

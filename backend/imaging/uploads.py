@@ -188,6 +188,9 @@ def fit_to_bucket(image: Image.Image, size_hw: tuple[int, int]) -> Image.Image:
     return image.resize((tw, th), Image.Resampling.LANCZOS, box=box)
 
 
+MAX_MIN_AREA_PX = 4096 * 4096
+
+
 def _validate_ops(ops: MaskOps) -> None:
     if not 0 <= ops.threshold <= 254:
         raise MaskError(f"mask threshold {ops.threshold} is out of range: use 0..254")
@@ -197,48 +200,40 @@ def _validate_ops(ops: MaskOps) -> None:
         )
     if not 0 <= ops.feather_px <= 256:  # also rejects NaN
         raise MaskError(f"mask feather {ops.feather_px} px is out of range: use 0..256")
+    if isinstance(ops.min_area_px, bool) or not 0 <= ops.min_area_px <= MAX_MIN_AREA_PX:
+        raise MaskError(
+            f"mask min_area_px {ops.min_area_px} is out of range: use 0..{MAX_MIN_AREA_PX} "
+            "(painted areas smaller than this many pixels are dropped; 0 keeps all)"
+        )
 
 
 def process_mask(mask: Image.Image, image_size_wh: tuple[int, int], ops: MaskOps) -> np.ndarray:
     """Bool mask at the upload's own resolution, True = repaint: what paste-back uses.
 
     Order: validate ops, threshold (``load_mask``, which also checks the mask is the size of the
-    image as uploaded), reject an empty painting, invert, grow/shrink by ``grow_px`` upload pixels
-    (the pixels the user painted on). Feather is not applied here (paste-back applies
-    ``ops.feather_px``). Raises MaskError when nothing is left to repaint.
+    image as uploaded), reject an empty painting, then ``masks.apply_ops`` (fill holes, remove
+    specks, invert, grow/shrink by ``grow_px`` upload pixels: the pixels the user painted on).
+    Feather is not applied here (paste-back applies ``ops.feather_px``). Raises MaskError, naming
+    the step, when nothing is left to repaint.
     """
     _validate_ops(ops)
     painted = masks.load_mask(mask, expected_size=image_size_wh, threshold=ops.threshold)
     masks.require_nonempty(painted)
-    if ops.invert:
-        painted = masks.invert(painted)
-        if not painted.any():  # say so: "reduce the shrink" below would be the wrong advice
-            raise MaskError(
-                "mask is empty after the mask operations: after inverting it nothing is left "
-                "(everything was painted): paint less or turn invert off"
-            )
-    px = int(ops.grow_px)
-    painted = masks.grow(painted, px) if px >= 0 else masks.shrink(painted, -px)
-    if not painted.any():
-        raise MaskError(
-            "mask is empty after the mask operations: paint a larger area or reduce the shrink"
-        )
-    return painted
+    return masks.apply_ops(painted, ops, strict=True)
 
 
 def mask_to_bucket(full_mask: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
     """The upload-resolution mask at the model resolution, through the same crop as
     ``fit_to_bucket``.
 
-    A model pixel is masked when ANY upload pixel under it is (box filter > 0), so thin strokes
-    survive a downscale and every pixel paste-back will take from the generated image was generated
-    inside the mask. Raises MaskError when the painting lies wholly in the cropped-off margins.
+    A model pixel is masked when ANY upload pixel under it is (``masks.resize_any``: any overlap,
+    in exact integer arithmetic), so thin strokes survive a downscale and every pixel paste-back
+    will take from the generated image was generated inside the mask. Raises MaskError when the
+    painting lies wholly in the cropped-off margins.
     """
     height, width = full_mask.shape
-    th, tw = size_hw
     box = crop_box_for((width, height), size_hw)
-    as_image = Image.fromarray(full_mask.astype(np.uint8) * 255, mode="L")
-    resized = np.asarray(as_image.resize((tw, th), Image.Resampling.BOX, box=box)) > 0
+    resized = masks.resize_any(full_mask, box, size_hw)
     if not resized.any():
         left, top, right, bottom = box
         raise MaskError(

@@ -21,7 +21,9 @@ from typing import Any, ClassVar
 from backend.protocol.fieldtypes import conform_fields
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 1  # 1.1: typed heartbeat rows and paste-back plans; unknown fields tolerated
+# 1.1: typed heartbeat rows and paste-back plans; unknown fields tolerated. 1.2: mask ops
+# fill_holes and min_area_px, an edit job's mode (erase)
+SCHEMA_MINOR = 2
 PROTOCOL_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 
@@ -31,13 +33,16 @@ class ProtocolError(ValueError):
 
 @dataclass(frozen=True)
 class MaskOps:
-    """Mask operations applied in pre-processing, in this order: threshold, invert, grow/shrink,
-    feather."""
+    """Mask operations applied in pre-processing, in this order: threshold, fill holes, remove
+    specks, invert, grow/shrink, feather (``backend.imaging.masks.apply_ops``). New fields have
+    defaults that change nothing, so older messages still read the same."""
 
     threshold: int = 127  # mask pixels above this (0-255) are repainted
     invert: bool = False
     grow_px: int = 0  # negative shrinks
     feather_px: float = 0.0
+    fill_holes: bool = False  # fill what a closed painted outline encloses (lasso)
+    min_area_px: int = 0  # drop painted areas smaller than this many pixels (0: keep all)
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,12 @@ class EditJob:
     # the gallery template edited, if any (its cache status is kept per model)
     template_id: str = ""
     prepare: bool = False  # record the template's activation cache only: no mask, no image result
+    # "generate" (the diffusion model), or "erase": filled from the surroundings by OpenCV (Telea)
+    # in pre-processing, which finishes the job itself (no worker, no post-processing)
+    mode: str = "generate"
+
+
+JOB_MODES = ("generate", "erase")
 
 
 @dataclass(frozen=True)

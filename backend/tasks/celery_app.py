@@ -266,6 +266,11 @@ def make_celery(settings: Settings) -> Celery:
             if moved_on or state.client.exists(handoff_key(job.job_id)):
                 log.info("pre-processing of %s skipped: the job already moved on", job.job_id)
                 return "skipped"
+            if job.mode == "erase":  # finished here, without a model: never sent to a worker
+                from backend.tasks.core import erase_job
+
+                erase_job(settings, job, state.jobstate())
+                return "done"
             hand_off(state.client, state.stages(job.model_id).preprocess(job))
 
         run(task, "pre", job.job_id, job_json, work)

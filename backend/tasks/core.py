@@ -5,6 +5,9 @@ pre:  template + mask files -> validated images -> resolution bucket -> mask ops
       and VAE encode -> a ``PreparedRequest`` file + a ``PreparedJob`` message (by reference).
 post: final latents -> VAE decode -> paste-back at the upload's own resolution -> PNG result,
       WebP thumbnail -> the job marked done.
+erase: an ``EditJob`` of mode ``erase`` is finished by pre-processing itself (``erase_job``):
+      template + mask -> mask ops -> OpenCV inpainting (Telea) -> the result written and the job
+      marked done by the same ``store_result`` as post; no model, no worker.
 
 Invariants:
 * the result has the uploaded template's size, and every pixel outside the (processed) mask is the
@@ -31,7 +34,8 @@ from backend.config import Settings
 from backend.engine.editor import EditParams, MaskAwareEngine
 from backend.engine.factory import edit_params
 from backend.engine.prepared import PreparedRequest
-from backend.imaging.masks import feather, paste_back
+from backend.imaging.erase import erase
+from backend.imaging.masks import feather, feather_support, paste_back
 from backend.imaging.uploads import (
     crop_box_for,
     decode_image,
@@ -68,6 +72,10 @@ class CpuStages:
 
     # ----- pre ----------------------------------------------------------------------------------
     def preprocess(self, job: EditJob) -> PreparedJob:
+        if job.mode == "erase":
+            raise ValueError(
+                "an erase job is finished in pre-processing (erase_job), not prepared for a worker"
+            )
         started = time.time()
         self._event(job.job_id, "preprocessing")
         if job.model_id != self.engine.spec.model_id:
@@ -89,7 +97,9 @@ class CpuStages:
         mask_image = decode_image(self.blobs.get(job.mask_ref), limit, what="mask")
         full_mask = process_mask(mask_image, template.size, job.mask_ops)
         box = crop_box_for(template.size, size_hw)
-        pixels = mask_to_bucket(full_mask, size_hw)
+        # the model repaints every pixel the feathered paste-back takes (alpha > 0), so the token
+        # mask computed from these pixels covers them all (backend.imaging.masks, module notes)
+        pixels = mask_to_bucket(feather_support(full_mask, job.mask_ops.feather_px), size_hw)
         prepared = self.engine.encode(
             fit_to_bucket(template, size_hw), None, job.prompt, job.seed, params, pixels=pixels
         )
@@ -202,26 +212,14 @@ class CpuStages:
             what="template",
         )
         result = self._paste(generated, template, prepared, params, job.paste)
-        result_ref = self.blobs.put(
-            "results", job_blob_name("results", job.job_id), encode_image(result, "png")
+        event = store_result(
+            self.blobs,
+            self.jobstate,
+            job.job_id,
+            result,
+            {**job.timings, "post_s": time.time() - started},
+            job.submitted_at,
         )
-        thumb_ref = self.blobs.put(
-            "thumbnails", job_blob_name("thumbnails", job.job_id), thumbnail(result, THUMBNAIL_SIDE)
-        )
-        timings = {**job.timings, "post_s": time.time() - started}
-        timings["total_s"] = (
-            time.time() - job.submitted_at if job.submitted_at else sum(timings.values())
-        )
-        event = JobEvent(
-            job_id=job.job_id,
-            status="done",
-            at=time.time(),
-            timings=timings,
-            result_ref=result_ref,
-            thumbnail_ref=thumb_ref,
-        )
-        if self.jobstate is not None:
-            self.jobstate.record_event(event)
         for ref in (job.latents_ref, job.prepared_ref):  # intermediates: the result is stored now
             self.blobs.delete(ref)
         return event
@@ -248,3 +246,58 @@ class CpuStages:
     def _event(self, job_id: str, status: str) -> None:
         if self.jobstate is not None:
             self.jobstate.record_event(JobEvent(job_id=job_id, status=status, at=time.time()))
+
+
+def store_result(
+    blobs: BlobStore,
+    jobstate,
+    job_id: str,
+    result: Image.Image,
+    timings: dict[str, float],
+    submitted_at: float,
+) -> JobEvent:
+    """Write a finished job's result (PNG) and thumbnail (WebP) under names derived from its id,
+    add ``total_s`` to its timings and mark it done (``jobstate`` None: nothing is reported).
+    Post-processing and erase both finish a job through here."""
+    result_ref = blobs.put("results", job_blob_name("results", job_id), encode_image(result, "png"))
+    thumb_ref = blobs.put(
+        "thumbnails", job_blob_name("thumbnails", job_id), thumbnail(result, THUMBNAIL_SIDE)
+    )
+    timings = dict(timings)
+    timings["total_s"] = time.time() - submitted_at if submitted_at else sum(timings.values())
+    event = JobEvent(
+        job_id=job_id,
+        status="done",
+        at=time.time(),
+        timings=timings,
+        result_ref=result_ref,
+        thumbnail_ref=thumb_ref,
+    )
+    if jobstate is not None:
+        jobstate.record_event(event)
+    return event
+
+
+def erase_job(
+    settings: Settings, job: EditJob, jobstate=None, blobs: BlobStore | None = None
+) -> JobEvent:
+    """Finish an erase job in pre-processing: the template and mask as uploaded, the mask ops,
+    OpenCV's inpainting (``backend.imaging.erase``) at the template's own resolution, then the
+    result stored and the job marked done like a generated one (``store_result``). Needs no
+    model. Raises UploadError/MaskError for a bad upload, like ``preprocess``."""
+    started = time.time()
+    blobs = blobs or BlobStore(settings.paths.data_dir / "blobs")
+    if jobstate is not None:
+        jobstate.record_event(JobEvent(job_id=job.job_id, status="preprocessing", at=started))
+    limit = settings.celery.max_upload_pixels
+    template = decode_image(blobs.get(job.template_ref), limit, what="template")
+    mask_image = decode_image(blobs.get(job.mask_ref), limit, what="mask")
+    full_mask = process_mask(mask_image, template.size, job.mask_ops)
+    erase_started = time.time()
+    result = erase(template, full_mask, job.mask_ops.feather_px)
+    timings = {
+        "queue_s": max(0.0, started - job.submitted_at) if job.submitted_at else 0.0,
+        "pre_s": erase_started - started,
+        "erase_s": time.time() - erase_started,
+    }
+    return store_result(blobs, jobstate, job.job_id, result, timings, job.submitted_at)
