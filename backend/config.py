@@ -111,6 +111,17 @@ class WorkerSettings(_Strict):
     metrics_port: int = Field(default=0, ge=0, le=65535)
     """Port of the worker's Prometheus ``/metrics``; 0: none (``maskserve up`` gives each worker a
     fixed one: ``supervisor.metrics_base_port``)."""
+    preview_every: int = Field(default=1, ge=0, le=1000)
+    """A live preview (a small PNG made from the latents by a linear latent -> RGB map, no VAE
+    decode) rides on the running event of every this many denoising steps; 0: no previews."""
+    preview_px: int = Field(default=64, ge=1, le=1024)
+    """Long side a live preview is upscaled to, px: the latent image (an eighth of the edit's side)
+    upscaled bilinearly by the largest integer factor that stays within it; a latent image this
+    large already is sent as it is."""
+    preview_budget: float = Field(default=0.025, ge=0.0, le=1.0)
+    """The share of the denoiser's time live previews may take: a step whose preview would go over
+    it goes without one (a model whose steps are short next to a preview, or a big batch, gets
+    fewer previews, never slower steps); 0: no cap."""
 
 
 class CacheSettings(_Strict):
@@ -438,6 +449,9 @@ _ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "MAX_BATCH": ("worker", "max_batch"),
     "BATCHING": ("worker", "batching"),
     "WORKER_METRICS_PORT": ("worker", "metrics_port"),
+    "PREVIEW_EVERY": ("worker", "preview_every"),
+    "PREVIEW_PX": ("worker", "preview_px"),
+    "PREVIEW_BUDGET": ("worker", "preview_budget"),
     "RAM_CACHE_MB": ("cache", "ram_budget_mb"),
     "DISK_CACHE_MB": ("cache", "disk_budget_mb"),
     "CACHE_POLICY": ("cache", "policy"),

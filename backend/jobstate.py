@@ -51,6 +51,24 @@ _RANK = {
 _RANK_JSON = json.dumps(_RANK)
 EVENTS_MAXLEN = 1000
 JOB_TTL_S = MIN_JOB_RECORD_S  # the default; services pass ``settings.retention.job_record_s``
+# When a job moves past ``running`` its live previews (``records.event_payload``: the last key of
+# a running event, a data URL) are stale: every event of the stream is kept, under its own id, with
+# the preview cut out. A job's stream holds previews only while it runs, so a finished job's
+# stream stays small however long it is kept.
+_STRIP_PREVIEWS = """
+if new_rank > ranks['running'] and current_rank <= ranks['running'] then
+  local entries, kept, cut = redis.call('XRANGE', KEYS[2], '-', '+'), {}, 0
+  for _, entry in ipairs(entries) do
+    local text, n = string.gsub(entry[2][2], ', "preview": "[^"]*"', '')
+    cut = cut + n
+    kept[#kept + 1] = {entry[1], text}
+  end
+  if cut > 0 then
+    redis.call('DEL', KEYS[2])
+    for _, entry in ipairs(kept) do redis.call('XADD', KEYS[2], entry[1], 'event', entry[2]) end
+  end
+end
+"""
 
 
 def worker_fence(job_hash: str, worker: str) -> str:
@@ -83,6 +101,9 @@ local ranks = cjson.decode(ARGV[6])
 local current_rank = ranks[current]
 local new_rank = tonumber(ARGV[1])
 if current_rank >= 5 or new_rank < current_rank then return 0 end
+"""
+    + _STRIP_PREVIEWS
+    + """
 if ARGV[2] ~= current then redis.call('HSET', KEYS[1], 'message', '') end
 for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if redis.call('HEXISTS', KEYS[1], ARGV[2] .. '_at') == 0 then

@@ -173,6 +173,9 @@ class JobEvent:
     timings: dict[str, float] = field(default_factory=dict)
     result_ref: str = ""
     thumbnail_ref: str = ""
+    # a running event's live preview, a ``data:image/png;base64,...`` URL (1.2; empty: none); on
+    # the job's event stream only, never in its record (``records.event_fields``)
+    preview: str = ""
 
     def __post_init__(self) -> None:
         if self.status not in JOB_STATES:

@@ -8,6 +8,7 @@ this build does not know (written by a newer minor version) is ignored, like in 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -121,7 +122,8 @@ def _format(value: object) -> str:
 
 
 def event_fields(event: JobEvent) -> dict[str, str]:
-    """The hash fields an event sets on its job's record, as text."""
+    """The hash fields an event sets on its job's record, as text. Never the ``preview``: the
+    record stays small; previews live on the event stream only."""
     values: dict[str, object] = {"status": event.status, "updated_at": event.at}
     if event.num_steps:
         values |= {"step": event.step, "num_steps": event.num_steps}
@@ -141,4 +143,11 @@ def event_payload(event: JobEvent) -> dict[str, Any]:
             payload[name] = getattr(event, name)
     if event.timings:
         payload["timings"] = event.timings
+    if event.status == "running" and PREVIEW_URL.fullmatch(event.preview):
+        payload["preview"] = event.preview  # last: ``jobstate`` cuts it out when the job moves on
     return payload
+
+
+# a live preview as the event stream carries it (no quote or escape: ``jobstate`` cuts it out of
+# the stored JSON text)
+PREVIEW_URL = re.compile(r"data:image/png;base64,[A-Za-z0-9+/]+={0,2}")

@@ -4,7 +4,8 @@ The loop is the thin shell around the pure ``BatchScheduler``: it turns prepared
 written by pre-processing) into engine states, runs the scheduler's groups through
 ``MaskAwareEngine.step`` and hands final latents to post-processing by reference. It never
 decodes or encodes an image, except in ``inline`` mode, whose whole point is to measure what doing
-so inside the loop costs.
+so inside the loop costs. Live previews (``backend.engine.previews``: latents mapped linearly to
+colours, no VAE) ride the step events, within their time budget.
 
 Invariants: every job that reaches the inbox ends with exactly one terminal event from this worker
 (denoised -> handed on, failed, or cancelled) and is acked then; a cache entry acquired for a row is
@@ -42,6 +43,7 @@ from backend.blobs import BlobStore, job_blob_name
 from backend.engine.cache_store import CacheCorruptError, CacheError, CacheKey
 from backend.engine.editor import EditParams, EditState, MaskAwareEngine
 from backend.engine.prepared import PreparedRequest
+from backend.engine.previews import JobPreview, Previews
 from backend.protocol import CancelJob, DenoisedJob, EditJob, JobEvent, PreparedJob
 from backend.worker.admission import AdmissionRules, Candidate
 from backend.worker.batching import BatchScheduler, Row
@@ -102,6 +104,7 @@ class _Job:
     # (handle, error) acquired when found ready, until ``_admit`` takes it
     early_cache: tuple | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    preview: JobPreview | None = None  # set at admission when the worker makes previews
 
 
 class EngineWorker:
@@ -117,11 +120,13 @@ class EngineWorker:
         max_batch: int = 8,
         caches: TemplateCaches | None = None,
         stages: InlineStages | None = None,
+        previews: Previews | None = None,
     ):
         if mode == "inline" and stages is None:
             raise ValueError("inline batching runs pre/post-processing in the loop: pass `stages`")
         self.engine, self.blobs, self.inbox, self.sink = engine, blobs, inbox, sink
         self.worker_id, self.mode, self.caches, self.stages = worker_id, mode, caches, stages
+        self.previews = previews  # live previews on running events (None: off)
         self.scheduler = BatchScheduler(max_batch, mode)
         self.jobs: dict[str, _Job] = {}
         self.stats = WorkerStats()
@@ -293,6 +298,7 @@ class EngineWorker:
             self._finish(job_id, "failed", f"could not start: {exc}")
             return
         job.timings["admitted_at"] = time.time()
+        job.preview = self._start_preview(job)
         self._emit(job_id, "running", step=0, num_steps=job.message.num_steps)
 
     def _admit_state(self, job: _Job, cache) -> EditState:
@@ -369,6 +375,7 @@ class EngineWorker:
     def _step_group(self, job_ids: list[str]) -> tuple[list[str], float]:
         states = [self.jobs[j].state for j in job_ids]
         mode = self.jobs[job_ids[0]].params.mode
+        before = [s.latents for s in states]  # the previews' clean estimates need both sides
         try:
             forward_s = self.engine.step(states, mode)
         except Exception as exc:  # one bad batch fails its rows, not the worker
@@ -380,6 +387,7 @@ class EngineWorker:
                 self._finish(job_id, "failed", f"denoising failed: {exc}")
             return [], 0.0
         self._drop_ended_recordings(job_ids)
+        previews = self._previews(job_ids, states, before, forward_s)
         now = time.time()
         self.sink.step_events(
             [
@@ -390,11 +398,53 @@ class EngineWorker:
                     worker_id=self.worker_id,
                     step=state.step,
                     num_steps=len(state.req.timesteps),
+                    preview=previews.get(job_id, ""),
                 )
                 for job_id, state in zip(job_ids, states)
             ]
         )
         return job_ids, forward_s
+
+    # ----- previews ------------------------------------------------------------------------------
+    def _start_preview(self, job: _Job) -> JobPreview | None:
+        if self.previews is None or job.message.prepare:  # a recording has no image to show
+            return None
+        try:
+            return self.previews.start(self.engine, job.prepared)
+        except Exception:  # a preview is never worth failing a job for
+            log.exception("no previews for %s", job.message.job_id)
+            return None
+
+    def _previews(
+        self,
+        job_ids: list[str],
+        states: list[EditState],
+        before: list[torch.Tensor],
+        forward_s: float,
+    ) -> dict[str, str]:
+        """Job id -> the preview of the step just taken, for the rows whose preview is due
+        (``Previews.due``: their step, and the time budget), the longest-waiting rows first."""
+        if self.previews is None:
+            return {}
+        self.previews.earn(forward_s)
+        rows = [
+            (self.jobs[job_id].preview, job_id, state, latents)
+            for job_id, state, latents in zip(job_ids, states, before)
+        ]
+        made = {}
+        for preview, job_id, state, latents in sorted(
+            (row for row in rows if row[0] is not None), key=lambda row: row[0].sent_at
+        ):
+            if not self.previews.due(state.step):
+                continue
+            started = time.perf_counter()
+            try:
+                made[job_id] = preview.frame(state.req.scheduler, latents, state.latents)
+            except Exception:  # a preview is never worth failing a job for
+                log.exception("preview of %s failed: no more previews for it", job_id)
+                self.jobs[job_id].preview = None
+            self.previews.spend(time.perf_counter() - started)
+        return made
 
     def _restart_rows_on_broken_cache(self, job_ids: list[str], exc: Exception) -> bool:
         """The rows reading the entry ``exc`` names start over densely at step 0 (see the module

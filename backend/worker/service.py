@@ -242,6 +242,7 @@ def build_worker(
     settings: Settings, client: Redis, celery_app=None
 ) -> tuple[EngineWorker, TieredActivationCache]:
     from backend.engine.factory import build_engine, engine_worker_role
+    from backend.engine.previews import worker_previews
     from backend.tasks.core import CpuStages
 
     engine = build_engine(settings, role=engine_worker_role(settings))
@@ -275,6 +276,7 @@ def build_worker(
         max_batch=settings.worker.max_batch,
         caches=caches,
         stages=stages,
+        previews=worker_previews(settings, engine),  # fits its latent -> RGB map once
     )
     return worker, caches
 
