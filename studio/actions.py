@@ -15,9 +15,12 @@ key theirs. Each signed-in user's History is their own (listed for ``security.st
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import logging
+import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
@@ -25,8 +28,8 @@ from pathlib import Path
 from PIL import Image
 
 from backend.api.security import studio_user
-from backend.api.service import JobRequest, JobService, ServiceError, SubmittedJob
-from backend.imaging.masks import MaskError
+from backend.api.service import MAX_SEED, JobRequest, JobService, ServiceError, SubmittedJob
+from backend.imaging.masks import MaskError, load_mask
 from backend.imaging.uploads import encode_image
 from backend.jobstate import TERMINAL
 from backend.models import resolve_model
@@ -42,7 +45,10 @@ from templates_store.store import (
     split_tags,
 )
 
+log = logging.getLogger(__name__)
+
 FOLLOW_SLICE_MS = 1000  # longest single wait for a job's next event
+MAX_VARIATIONS = 4  # seeds per Generate: they run as rows of one batch, so more barely costs more
 SAMPLE_TAG = "sample"
 SAMPLE_SPLIT = "heldout"  # scenes the demo model never trained on
 SAMPLE_SIZE = 128  # the demo model's resolution
@@ -78,11 +84,18 @@ class EditForm:
     grow_px: int = 0
     feather_px: float = 0.0
     use_cache: bool = True
+    fill_holes: bool = False  # a closed painted outline repaints what it encloses (lasso)
+    min_area_px: int = 0  # painted specks smaller than this are dropped
+    mode: str = "generate"  # or "erase": filled from the surroundings, no model and no prompt
 
     @property
     def mask_ops(self) -> MaskOps:
         return MaskOps(
-            invert=bool(self.invert), grow_px=int(self.grow_px), feather_px=float(self.feather_px)
+            invert=bool(self.invert),
+            grow_px=int(self.grow_px),
+            feather_px=float(self.feather_px),
+            fill_holes=bool(self.fill_holes),
+            min_area_px=int(self.min_area_px),
         )
 
 
@@ -120,6 +133,11 @@ def _sample_name(number: int, caption: str) -> str:
     if len(name) <= MAX_NAME_CHARS:
         return name
     return name[: MAX_NAME_CHARS - 1].rsplit(" ", 1)[0] + "…"
+
+
+def _seconds(value: float) -> str:
+    """Two significant figures under ten seconds (a CPU edit of a tiny model takes 0.04 s)."""
+    return f"{value:.2g}" if value < 10 else f"{value:.0f}"
 
 
 def _service_call(func, *args, **kwargs):
@@ -214,8 +232,25 @@ class StudioActions:
         _service_call(self.service.delete_template, template_id, self.owner)
         return record.name
 
-    def cache_status(self, template_id: str, model: str = "") -> str:
-        status = _service_call(self.service.cache_status, template_id, self.owner, model or None)
+    def cache_status(
+        self,
+        template_id: str,
+        model: str = "",
+        steps: int | None = None,
+        strength: float = 1.0,
+        guidance: float | None = None,
+    ) -> str:
+        """Where the template's cache for an edit with these settings is (None: the model's
+        default), and on which workers."""
+        status = _service_call(
+            self.service.cache_status,
+            template_id,
+            self.owner,
+            model or None,
+            steps=steps,
+            strength=strength,
+            guidance=guidance,
+        )
         where = f" ({', '.join(status['workers'])})" if status["workers"] else ""
         return f"{status['status']}{where}"
 
@@ -242,6 +277,34 @@ class StudioActions:
             raise StudioError(str(exc)) from None
         return spec.default_steps, spec.default_guidance
 
+    def estimate(self, model: str, mask_ratio: float, steps: int, guidance: float) -> str:
+        """The predicted denoising time of an edit on an idle worker of ``model``, with the
+        template's cache and as the ordinary pipeline, from the fitted cost profile of the
+        device a live worker of it runs on (else the deployment's); "" without a profile."""
+        from backend.costmodel.predict import estimate_edit
+        from backend.costmodel.profiles import load_profile
+        from backend.protocol.heartbeats import live_heartbeats
+
+        if not model or not 0 < mask_ratio <= 1 or steps < 1:
+            return ""
+        settings = self.service.settings
+        devices = [
+            b.device for b in live_heartbeats(self.service.client).values() if b.model_id == model
+        ]
+        device = devices[0] if devices else settings.engine.device
+        try:
+            profile = load_profile(
+                settings.paths.profiles_dir, model, device, settings.engine.cache_mode
+            )
+        except (OSError, ValueError):
+            return ""
+        guess = estimate_edit(profile, mask_ratio, steps, guidance)
+        return (
+            f"denoising ~{_seconds(guess.cached_s)} s with the cache, "
+            f"~{_seconds(guess.ordinary_s)} s without ({guess.speedup:.1f}x, {steps} steps on "
+            f"{device})"
+        )
+
     # ----- mask -----------------------------------------------------------------------------------
     def preview(self, template_id: str, editor_value, form: EditForm) -> tuple[Image.Image, float]:
         """(the template with the area to repaint tinted, the share of the image repainted)."""
@@ -253,12 +316,36 @@ class StudioActions:
     # ----- jobs -----------------------------------------------------------------------------------
     def submit(self, user: str, template_id: str, editor_value, form: EditForm) -> SubmittedJob:
         """Queue an edit of the studio's; ``user`` (the signed-in one) finds it in their History."""
+        return self.submit_variations(user, template_id, editor_value, form, 1)[0]
+
+    def submit_variations(
+        self, user: str, template_id: str, editor_value, form: EditForm, count: int
+    ) -> list[SubmittedJob]:
+        """``count`` (1..MAX_VARIATIONS) edits of one mask and prompt with consecutive seeds: the
+        form's seed (or a random one), then the next ones. They are queued together, so a worker
+        takes them in as rows of one running batch that share the template's cache read."""
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise StudioError(f"variations must be a whole number from 1 to {MAX_VARIATIONS}")
+        if not 1 <= count <= MAX_VARIATIONS:
+            raise StudioError(f"ask for 1 to {MAX_VARIATIONS} variations, not {count}")
+        request = self._edit_request(user, template_id, editor_value, form)
+        first = secrets.randbelow(MAX_SEED + 1) if form.seed is None else form.seed
+        submitted = []
+        for offset in range(count):
+            seed = (first + offset) % (MAX_SEED + 1)
+            job = _service_call(self.service.submit, dataclasses.replace(request, seed=seed))
+            self.on_submitted(job.model_id)
+            submitted.append(job)
+        return submitted
+
+    def _edit_request(self, user: str, template_id: str, editor_value, form: EditForm):
+        """The ``JobRequest`` of the painted canvas and the form (its seed is set per variation)."""
         record = self.template(template_id)
         painted = _service_call(
             studio_masks.painted_mask, editor_value, (record.width, record.height)
         )
         _service_call(studio_masks.require_painted, painted)
-        request = JobRequest(
+        return JobRequest(
             mask=studio_masks.mask_png(painted),
             prompt=form.prompt or "",
             template_id=template_id,
@@ -270,12 +357,10 @@ class StudioActions:
             seed=form.seed,
             mask_ops=form.mask_ops,
             use_cache=bool(form.use_cache),
+            mode=form.mode,
             owner=self.owner,
             listed_for=studio_user(user),
         )
-        submitted = _service_call(self.service.submit, request)
-        self.on_submitted(submitted.model_id)
-        return submitted
 
     def job(self, job_id: str) -> dict:
         return _service_call(self.service.get, job_id, self.owner)
@@ -294,25 +379,46 @@ class StudioActions:
     def follow(self, job_id: str, timeout_s: float = 3600.0) -> Iterator[Progress]:
         """The job's progress each time it changes, ending with its terminal state. Waits on the
         job's own event stream (never a global one), a slice at a time."""
-        cursor, deadline = "0", time.monotonic() + timeout_s
-        current = self.progress(job_id)
+        for progress in self.follow_all([job_id], timeout_s):
+            yield progress[0]
+
+    def follow_all(self, job_ids: Sequence[str], timeout_s: float = 3600.0) -> Iterator[list]:
+        """The progress of every job (in order) each time one changes, ending when all are
+        finished. Waits on the event stream of the first unfinished job: variations run in one
+        batch, so their events come together."""
+        deadline = time.monotonic() + timeout_s
+        cursors = dict.fromkeys(job_ids, "0")
+        current = [self.progress(job_id) for job_id in job_ids]
         yield current
-        while not current.finished and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            waiting = next((p.job_id for p in current if not p.finished), None)
+            if waiting is None:
+                return
             entries = _service_call(
-                self.service.events, job_id, self.owner, cursor, FOLLOW_SLICE_MS
+                self.service.events, waiting, self.owner, cursors[waiting], FOLLOW_SLICE_MS
             )
             if entries:
-                cursor = entries[-1][0]
-            latest = self.progress(job_id)
-            if entries or latest != current:
+                cursors[waiting] = entries[-1][0]
+            latest = [self.progress(job_id) for job_id in job_ids]
+            if latest != current:
                 current = latest
                 yield current
 
     def cancel(self, job_id: str) -> str:
-        if not job_id:
+        return self.cancel_all([job_id] if job_id else [])
+
+    def cancel_all(self, job_ids: Sequence[str]) -> str:
+        """Cancel every unfinished job of the last Generate; finished ones keep their results."""
+        if not job_ids:
             raise StudioError("no job is running: nothing to cancel")
-        _service_call(self.service.cancel, job_id, self.owner)
-        return "Cancelled: the job leaves its batch at the next step"
+        running = [job_id for job_id in job_ids if not self.progress(job_id).finished]
+        if not running:
+            raise StudioError("no edit is running: nothing to cancel")
+        for job_id in running:
+            _service_call(self.service.cancel, job_id, self.owner)
+        if len(running) == 1:
+            return "Cancelled: the edit stops before its next step"
+        return f"Cancelled {len(running)} edits: they stop before their next step"
 
     def result_path(self, job_id: str) -> Path:
         return _service_call(self.service.result_path, job_id, self.owner)
@@ -330,6 +436,47 @@ class StudioActions:
             except TemplateNotFound:
                 display = f"edit {job_id[:8]}"
         return _service_call(self.templates.add, data, display, self.owner, split_tags(tags))
+
+    def keep_editing(self, job_id: str) -> TemplateRecord:
+        """The job's result as a new template to edit next (``save_result``), with its cache
+        recorded in the background for the job's model and steps. The recording only speeds the
+        next edit up: when it cannot be queued the template is still returned (and the reason
+        logged)."""
+        job = self.job(job_id)
+        record = self.save_result(job_id)
+        try:
+            self.service.prepare_template(
+                record.id, self.owner, job.get("model_id") or None, job.get("steps") or None
+            )
+        except ServiceError as exc:
+            log.warning("no background cache recording for template %s: %s", record.id, exc)
+        return record
+
+    def job_mask_layer(self, job: dict) -> Image.Image:
+        """The mask a job was submitted with, as a painted canvas layer (the mask operations
+        are recalled separately, so the layer is the mask as painted). StudioError when its
+        file has expired."""
+        ref = job.get("mask_ref", "")
+        path = self.service.blobs.path(ref) if ref else None
+        if path is None or not path.exists():
+            raise StudioError(
+                "the job's mask has expired (its parameters are recalled): paint the mask again"
+            )
+        with Image.open(path) as stored:
+            return studio_masks.mask_layer(load_mask(stored))
+
+    def uploaded_mask_layer(self, template_id: str, image: Image.Image) -> Image.Image:
+        """An uploaded mask image (white or any bright colour, or alpha = repaint) as a canvas
+        layer at the template's size; a mask of another size but the same shape is scaled."""
+        record = self.template(template_id)
+        mask = _service_call(load_mask, image)
+        scaled = _service_call(studio_masks.to_size, mask, (record.width, record.height))
+        if not scaled.any():
+            raise StudioError(
+                "the uploaded mask is empty: white (or any bright or opaque) pixels mark the "
+                "area to repaint, black or transparent ones the area to keep"
+            )
+        return studio_masks.mask_layer(scaled)
 
     def history(self, user: str, limit: int = 50) -> list[dict]:
         """The signed-in ``user``'s edits, newest first."""

@@ -15,8 +15,16 @@ import html
 
 import gradio as gr
 
-from studio.actions import EditForm, StudioActions, StudioError
-from studio.components import BRUSH, GALLERY_COLUMNS, handler, progress_html, user_of
+from studio.actions import MAX_VARIATIONS, EditForm, StudioActions, StudioError
+from studio.components import (
+    BRUSH,
+    CANVAS_PLACEHOLDER,
+    GALLERY_COLUMNS,
+    NOTHING_PAINTED,
+    handler,
+    progress_html,
+    user_of,
+)
 from studio.gallery_tab import GalleryTab
 from studio.history_tab import HistoryTab
 
@@ -44,7 +52,10 @@ class StudioPage(GalleryTab, HistoryTab):
                 with gr.Tab("Gallery", id="gallery"):
                     gallery = self._gallery_tab(template_ids, current, tabs, editor)
                 with gr.Tab("History", id="history") as history_tab:
-                    self._history_tab(history_tab, history_jobs, current, tabs, editor)
+                    self._history_tab(
+                        history_tab, history_jobs, template_ids, current, tabs, editor
+                    )
+            self._wire_results(editor, gallery, template_ids, current, job_id)
             page.load(
                 self._refresh_all,
                 [editor["search"]],
@@ -75,7 +86,9 @@ class StudioPage(GalleryTab, HistoryTab):
 
     # ----- editor ---------------------------------------------------------------------------------
     def _editor_tab(self, template_ids, current, job_id) -> dict:
-        ui: dict = {}
+        """Three columns within one screen: templates; the canvas and the mask's tools; the prompt,
+        Generate and the result (the rarely changed settings fold away)."""
+        ui: dict = {"job_ids": gr.State([]), "seed_used": gr.State(None)}
         with gr.Row(equal_height=False):
             with gr.Column(scale=1, min_width=220):
                 ui["search"] = gr.Textbox(label="Find a template", placeholder="name contains...")
@@ -91,75 +104,117 @@ class StudioPage(GalleryTab, HistoryTab):
                     "No template selected.", elem_classes="ms-muted", elem_id="ms-picked"
                 )
             with gr.Column(scale=3, min_width=420):
-                ui["canvas"] = gr.ImageEditor(
-                    label="Paint the area to change",
-                    type="pil",
-                    format="png",
-                    image_mode="RGBA",
-                    sources=(),
-                    brush=BRUSH,
-                    eraser=gr.Eraser(default_size=24),
-                    transforms=(),
-                    layers=gr.LayerOptions(allow_additional_layers=False),
-                    height=560,
-                    elem_id="ms-canvas",
-                )
-                with gr.Row():
-                    ui["invert"] = gr.Checkbox(
-                        label="Invert (repaint everything else)", value=False
-                    )
-                    ui["grow"] = gr.Slider(-64, 64, value=0, step=1, label="Grow / shrink (px)")
-                    ui["feather"] = gr.Slider(0, 64, value=0, step=1, label="Feather (px)")
-                ui["ratio"] = gr.Markdown("Mask: nothing painted yet", elem_id="ms-ratio")
-                with gr.Accordion("Mask preview", open=False):
-                    ui["overlay"] = gr.Image(
-                        label="Area to repaint (tinted)", interactive=False, height=300
-                    )
-            with gr.Column(scale=2, min_width=280):
-                ui["prompt"] = gr.Textbox(
-                    label="Prompt",
-                    lines=3,
-                    placeholder="what should appear in the painted area",
-                    elem_id="ms-prompt",
-                )
-                ui["negative"] = gr.Textbox(label="Negative prompt", lines=1)
-                ui["model"] = gr.Dropdown(label="Model", choices=[], allow_custom_value=False)
-                with gr.Row():
-                    ui["steps"] = gr.Slider(
-                        1, 150, value=20, step=1, label="Steps", elem_id="ms-steps"
-                    )
-                    ui["guidance"] = gr.Slider(0, 20, value=7.5, step=0.5, label="Guidance")
-                ui["strength"] = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Strength")
-                with gr.Row():
-                    ui["random_seed"] = gr.Checkbox(label="Random seed", value=True)
-                    ui["seed"] = gr.Number(
-                        label="Seed", value=0, precision=0, minimum=0, maximum=2**32 - 1
-                    )
-                ui["use_cache"] = gr.Checkbox(
-                    label="Reuse the template's cached activations (faster)", value=True
-                )
-                with gr.Row():
-                    ui["submit"] = gr.Button("Generate", variant="primary", elem_id="ms-submit")
-                    ui["cancel"] = gr.Button("Cancel", variant="stop", elem_id="ms-cancel")
-                ui["status"] = gr.HTML("", elem_id="ms-status")
-        with gr.Row(equal_height=False):
-            with gr.Column(scale=3):
-                ui["compare"] = gr.ImageSlider(
-                    label="Before / after", interactive=False, height=520, elem_id="ms-compare"
-                )
-            with gr.Column(scale=2):
-                ui["info"] = gr.Markdown("", elem_id="ms-info")
-                ui["reuse_seed"] = gr.Button("Reuse this seed", visible=False)
-                ui["download"] = gr.DownloadButton(
-                    "Download PNG", visible=False, elem_id="ms-download"
-                )
-                ui["save_name"] = gr.Textbox(
-                    label="Save the result as a template named", placeholder="(optional)"
-                )
-                ui["save"] = gr.Button("Save result as a new template")
-                ui["seed_used"] = gr.State(None)
+                self._canvas_column(ui)
+            with gr.Column(scale=2, min_width=300):
+                self._prompt_column(ui)
         self._wire_editor(ui, template_ids, current, job_id)
         return ui
+
+    @staticmethod
+    def _canvas_column(ui: dict) -> None:
+        ui["canvas"] = gr.ImageEditor(
+            label="Paint over the area to change",
+            type="pil",
+            format="png",
+            image_mode="RGBA",
+            sources=(),
+            brush=BRUSH,
+            eraser=gr.Eraser(default_size=24),
+            transforms=(),
+            layers=gr.LayerOptions(allow_additional_layers=False),
+            height=520,
+            placeholder=CANVAS_PLACEHOLDER,
+            elem_id="ms-canvas",
+        )
+        ui["ratio"] = gr.Markdown(NOTHING_PAINTED, elem_id="ms-ratio")
+        with gr.Row():
+            ui["invert"] = gr.Checkbox(label="Invert (repaint everything else)", value=False)
+            ui["fill_holes"] = gr.Checkbox(
+                label="Fill closed outlines (lasso)", value=False, elem_id="ms-fill-holes"
+            )
+        with gr.Row():
+            ui["grow"] = gr.Slider(-64, 64, value=0, step=1, label="Grow / shrink (px)")
+            ui["feather"] = gr.Slider(0, 64, value=0, step=1, label="Feather (px)")
+            ui["min_area"] = gr.Slider(
+                0, 400, value=0, step=1, label="Drop specks under (px²)", elem_id="ms-min-area"
+            )
+        with gr.Row(equal_height=False):
+            ui["mask_upload"] = gr.Image(
+                label="Or drop a mask image (white = repaint)",
+                type="pil",
+                image_mode=None,
+                sources=["upload"],
+                height=140,
+                elem_id="ms-mask-upload",
+            )
+            with gr.Accordion("Mask preview", open=False):
+                ui["overlay"] = gr.Image(
+                    label="Area to repaint (outlined; the rest dimmed)",
+                    interactive=False,
+                    height=240,
+                )
+
+    def _prompt_column(self, ui: dict) -> None:
+        ui["prompt"] = gr.Textbox(
+            label="Prompt",
+            lines=2,
+            placeholder="what should appear in the painted area",
+            elem_id="ms-prompt",
+        )
+        with gr.Row():
+            ui["model"] = gr.Dropdown(label="Model", choices=[], allow_custom_value=False)
+            ui["steps"] = gr.Slider(1, 150, value=20, step=1, label="Steps", elem_id="ms-steps")
+        ui["variations"] = gr.Slider(
+            1,
+            MAX_VARIATIONS,
+            value=1,
+            step=1,
+            label="Variations (seeds side by side, run in one batch)",
+            elem_id="ms-variations",
+        )
+        with gr.Accordion("More settings", open=False):
+            ui["negative"] = gr.Textbox(label="Negative prompt", lines=1)
+            with gr.Row():
+                ui["guidance"] = gr.Slider(0, 20, value=7.5, step=0.5, label="Guidance")
+                ui["strength"] = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Strength")
+            with gr.Row():
+                ui["random_seed"] = gr.Checkbox(label="Random seed", value=True)
+                ui["seed"] = gr.Number(
+                    label="Seed", value=0, precision=0, minimum=0, maximum=2**32 - 1
+                )
+            ui["use_cache"] = gr.Checkbox(
+                label="Reuse the template's cached activations (faster)", value=True
+            )
+        with gr.Row():
+            ui["submit"] = gr.Button("Generate", variant="primary", elem_id="ms-submit")
+            ui["erase"] = gr.Button("Erase (instant, no model)", elem_id="ms-erase", min_width=120)
+            ui["cancel"] = gr.Button("Cancel", variant="stop", elem_id="ms-cancel")
+        ui["generate_mode"], ui["erase_mode"] = gr.State("generate"), gr.State("erase")
+        ui["status"] = gr.HTML("", elem_id="ms-status")
+        ui["compare"] = gr.ImageSlider(
+            label="Before / after", interactive=False, height=360, elem_id="ms-compare"
+        )
+        ui["results"] = gr.Gallery(
+            label="Variations: pick one",
+            columns=MAX_VARIATIONS,
+            height=180,
+            allow_preview=False,
+            object_fit="contain",
+            visible=False,
+            elem_id="ms-variants",
+        )
+        ui["info"] = gr.Markdown("", elem_id="ms-info")
+        with gr.Row():
+            ui["keep_editing"] = gr.Button(
+                "Keep editing this result", visible=False, elem_id="ms-keep-editing"
+            )
+            ui["reuse_seed"] = gr.Button("Reuse this seed", visible=False)
+            ui["download"] = gr.DownloadButton("Download PNG", visible=False, elem_id="ms-download")
+        with gr.Row():
+            ui["save_name"] = gr.Textbox(
+                label="Save the result as a template named", placeholder="(optional)", scale=2
+            )
+            ui["save"] = gr.Button("Save as template", scale=1, elem_id="ms-save")
 
     def _form_inputs(self, ui: dict) -> list:
         return [
@@ -177,6 +232,8 @@ class StudioPage(GalleryTab, HistoryTab):
                 "grow",
                 "feather",
                 "use_cache",
+                "fill_holes",
+                "min_area",
             )
         ]
 
@@ -194,6 +251,9 @@ class StudioPage(GalleryTab, HistoryTab):
         grow,
         feather,
         use_cache,
+        fill_holes=False,
+        min_area=0,
+        mode="generate",
     ) -> EditForm:
         return EditForm(
             prompt=prompt or "",
@@ -207,6 +267,9 @@ class StudioPage(GalleryTab, HistoryTab):
             grow_px=int(grow),
             feather_px=float(feather),
             use_cache=bool(use_cache),
+            fill_holes=bool(fill_holes),
+            min_area_px=int(min_area or 0),
+            mode=mode,
         )
 
     def _wire_editor(self, ui: dict, template_ids, current, job_id) -> None:
@@ -218,15 +281,38 @@ class StudioPage(GalleryTab, HistoryTab):
         )
         ui["gallery"].select(
             self._pick,
-            [template_ids, ui["model"]],
+            [template_ids, ui["model"], ui["steps"], ui["strength"], ui["guidance"]],
             [current, ui["canvas"], ui["picked"], ui["overlay"], ui["ratio"]],
         )
-        mask_inputs = [current, ui["canvas"], ui["invert"], ui["grow"], ui["feather"]]
+        # the editor's own "Clear canvas" drops the picture too: put the template back, unpainted
+        ui["canvas"].clear(self._unpainted, [current], [ui["canvas"], ui["overlay"], ui["ratio"]])
+        ui["mask_upload"].upload(
+            self._use_uploaded_mask,
+            [current, ui["mask_upload"]],
+            [ui["canvas"], ui["mask_upload"]],
+        )
+        mask_inputs = [
+            current,
+            ui["canvas"],
+            ui["invert"],
+            ui["grow"],
+            ui["feather"],
+            ui["fill_holes"],
+            ui["min_area"],
+            ui["model"],
+            ui["steps"],
+            ui["guidance"],
+        ]
         for trigger in (
             ui["canvas"].change,
             ui["invert"].change,
+            ui["fill_holes"].change,
             ui["grow"].release,
             ui["feather"].release,
+            ui["min_area"].release,
+            ui["model"].change,
+            ui["steps"].release,
+            ui["guidance"].release,
         ):
             trigger(
                 self._preview,
@@ -243,58 +329,123 @@ class StudioPage(GalleryTab, HistoryTab):
             [ui["steps"], ui["guidance"]],
             show_progress="hidden",
         )
-        ui["submit"].click(
-            self._submit,
-            [current, ui["canvas"], *self._form_inputs(ui)],
-            [
-                job_id,
-                ui["status"],
-                ui["compare"],
-                ui["info"],
-                ui["download"],
-                ui["reuse_seed"],
-                ui["seed_used"],
-            ],
-            concurrency_limit=None,
+        for button, mode in ((ui["submit"], ui["generate_mode"]), (ui["erase"], ui["erase_mode"])):
+            button.click(
+                self._submit,
+                [current, ui["canvas"], *self._form_inputs(ui), ui["variations"], mode],
+                [job_id, ui["job_ids"], ui["status"], *self._result_outputs(ui), ui["results"]],
+                concurrency_limit=None,
+            )
+        ui["results"].select(
+            self._pick_variation, [ui["job_ids"]], [job_id, *self._result_outputs(ui)]
         )
-        ui["cancel"].click(self._cancel, [job_id], [ui["status"]], concurrency_limit=None)
+        ui["cancel"].click(self._cancel, [ui["job_ids"]], [ui["status"]], concurrency_limit=None)
         ui["reuse_seed"].click(
             lambda seed: (False, seed), [ui["seed_used"]], [ui["random_seed"], ui["seed"]]
         )
-        ui["save"].click(
+
+    @staticmethod
+    def _result_outputs(ui: dict) -> list:
+        """What shows one finished edit (``_shown``'s values, in order)."""
+        names = ("compare", "info", "download", "reuse_seed", "keep_editing", "seed_used")
+        return [ui[name] for name in names]
+
+    def _wire_results(self, editor: dict, gallery: dict, template_ids, current, job_id) -> None:
+        """Save and keep editing add a template: both galleries list it at once."""
+        listings = [editor["gallery"], template_ids, gallery["gallery"], gallery["ids"]]
+        editor["save"].click(
             self._save,
-            [job_id, ui["save_name"], ui["search"]],
-            [ui["gallery"], template_ids, ui["save_name"]],
+            [job_id, editor["save_name"], editor["search"]],
+            [*listings, editor["save_name"]],
+        )
+        editor["keep_editing"].click(
+            self._keep_editing,
+            [job_id, editor["search"]],
+            [
+                *listings,
+                current,
+                editor["canvas"],
+                editor["picked"],
+                editor["overlay"],
+                editor["ratio"],
+            ],
         )
 
     @handler(5)
-    def _pick(self, template_ids: list, model: str, evt: gr.SelectData):
+    def _pick(self, template_ids, model, steps, strength, guidance, evt: gr.SelectData):
+        """The picked template on the canvas, and its cache status for the editor's settings."""
         if evt is None or evt.index is None or evt.index >= len(template_ids):
             raise StudioError("that template is no longer in the gallery: refresh it")
         template_id = template_ids[evt.index]
         record, canvas = self._on_canvas(template_id)
-        cache = self.actions.cache_status(template_id, model) if model else "unknown"
-        picked = (
-            f"**{html.escape(record.name)}** · {record.width}x{record.height}"
-            f"{' · ' + ', '.join(record.tags) if record.tags else ''} · cache: {cache}"
-        )
-        return template_id, canvas, picked, None, "Mask: nothing painted yet"
+        cache = "unknown"
+        if model:
+            settings = {"steps": int(steps), "strength": float(strength), "guidance": guidance}
+            cache = self.actions.cache_status(template_id, model, **settings)
+        return template_id, canvas, self._picked_line(record, cache), None, NOTHING_PAINTED
 
-    def _on_canvas(self, template_id: str):
-        """(record, the editor value showing the template with nothing painted)."""
+    @staticmethod
+    def _picked_line(record, cache: str = "") -> str:
+        tags = " · " + ", ".join(record.tags) if record.tags else ""
+        status = f" · cache: {cache}" if cache else ""
+        return f"**{html.escape(record.name)}** · {record.width}x{record.height}{tags}{status}"
+
+    def _on_canvas(self, template_id: str, layer=None):
+        """(record, the editor value showing the template with ``layer`` painted, or nothing)."""
         record = self.actions.template(template_id)
         path = str(self.actions.image_path(record.id))
-        return record, {"background": path, "layers": [], "composite": path}
+        if layer is None:
+            return record, {"background": path, "layers": [], "composite": path}
+        composite = self.actions.template_image(record.id).convert("RGBA")
+        composite.alpha_composite(layer)
+        return record, {"background": path, "layers": [layer], "composite": composite}
+
+    @handler(3)
+    def _unpainted(self, template_id: str):
+        if not template_id:
+            return gr.skip(), None, NOTHING_PAINTED
+        return self._on_canvas(template_id)[1], None, NOTHING_PAINTED
 
     @handler(2)
-    def _preview(self, template_id: str, canvas, invert: bool, grow: float, feather: float):
+    def _use_uploaded_mask(self, template_id: str, image):
+        if image is None:
+            return gr.skip(), gr.skip()
+        if not template_id:
+            raise StudioError("pick a template first, then drop its mask")
+        layer = self.actions.uploaded_mask_layer(template_id, image)
+        return self._on_canvas(template_id, layer)[1], None
+
+    @handler(2)
+    def _preview(
+        self,
+        template_id,
+        canvas,
+        invert,
+        grow,
+        feather,
+        fill_holes=False,
+        min_area=0,
+        model="",
+        steps=0,
+        guidance=0.0,
+    ):
+        """(the mask preview, the line saying how much is repainted and the predicted time)."""
         if not template_id or not canvas or not canvas.get("layers"):
-            return None, "Mask: nothing painted yet"
-        form = EditForm(prompt="", invert=invert, grow_px=int(grow), feather_px=float(feather))
+            return None, NOTHING_PAINTED
+        form = EditForm(
+            prompt="",
+            invert=invert,
+            grow_px=int(grow),
+            feather_px=float(feather),
+            fill_holes=bool(fill_holes),
+            min_area_px=int(min_area or 0),
+        )
         image, ratio = self.actions.preview(template_id, canvas, form)
         if ratio == 0:
-            return None, "Mask: nothing painted yet"
-        return image, f"Mask: **{ratio:.1%}** of the image will be repainted"
+            return None, NOTHING_PAINTED
+        line = f"Mask: **{ratio:.1%}** of the image will be repainted"
+        estimate = self.actions.estimate(model, ratio, int(steps or 0), float(guidance or 0))
+        return image, f"{line} · predicted {estimate}" if estimate else line
 
     @handler(2)
     def _model_defaults(self, model: str):
@@ -319,11 +470,15 @@ class StudioPage(GalleryTab, HistoryTab):
         grow,
         feather,
         use_cache,
+        fill_holes,
+        min_area,
+        variations,
+        mode,
         request: gr.Request,
     ):
-        """A generator: the job id at once, then the progress each time it changes, then the result.
+        """A generator: the job ids at once, then the progress each time it changes, then the
+        results (the first variation shown, all of them to pick from).
         (Every input is a named positional parameter: Gradio passes ``request`` only to those.)"""
-        idle = (gr.skip(),) * 4
         form = self._form(
             prompt,
             negative,
@@ -337,61 +492,111 @@ class StudioPage(GalleryTab, HistoryTab):
             grow,
             feather,
             use_cache,
+            fill_holes,
+            min_area,
+            mode,
         )
+        idle = (gr.skip(),) * 6
+        # an erase has no seed to vary: one is enough
+        count = 1 if mode == "erase" else int(variations or 1)
         try:
-            submitted = self.actions.submit(user_of(request), template_id, canvas, form)
+            jobs = self.actions.submit_variations(
+                user_of(request), template_id, canvas, form, count
+            )
         except StudioError as exc:
             gr.Warning(str(exc))
-            yield (gr.skip(), gr.skip(), *idle, gr.skip())
+            yield (gr.skip(), gr.skip(), gr.skip(), *idle, gr.skip())
+            return
+        job_ids = [job.job_id for job in jobs]
+        hidden = gr.update(visible=False)
+        # the first update clears the last edit's result; later ones only move the progress
+        cleared = (None, "", hidden, hidden, hidden, None, hidden)
+        final: list = []
+        for final in self.actions.follow_all(job_ids):
+            yield (job_ids[0], job_ids, progress_html(final), *cleared)
+            cleared = (*idle, gr.skip())
+        done = [p.job_id for p in final if p.status == "done"]
+        if not done:
             return
         yield (
-            submitted.job_id,
-            progress_html(self.actions.progress(submitted.job_id)),
-            None,
-            "",
-            gr.update(visible=False),
-            gr.update(visible=False),
-            submitted.seed,
-        )
-        final = None
-        for progress in self.actions.follow(submitted.job_id):
-            final = progress
-            yield (gr.skip(), progress_html(progress), *idle, gr.skip())
-        if final is None or final.status != "done":
-            return
-        result = str(self.actions.result_path(submitted.job_id))
-        original = str(self.actions.image_path(template_id))
-        job = self.actions.job(submitted.job_id)
-        timings = job.get("timings", {})
-        info = (
-            f"**Done.** Seed used: `{submitted.seed}` · model `{submitted.model_id}` · "
-            f"{submitted.steps} steps · job `{submitted.job_id}`"
-            f"<br><span class='ms-muted'>queue {timings.get('queue_s', 0):.1f} s · pre "
-            f"{timings.get('pre_s', 0):.1f} s · denoise {timings.get('denoise_s', 0):.1f} s · post "
-            f"{timings.get('post_s', 0):.1f} s · total {timings.get('total_s', 0):.1f} s</span>"
-        )
-        yield (
+            done[0],
             gr.skip(),
-            progress_html(final),
+            gr.skip(),
+            *self._shown(done[0], erased=mode == "erase"),
+            self._variants(done) if len(job_ids) > 1 else gr.update(visible=False),
+        )
+
+    def _variants(self, job_ids: list[str]):
+        items = [
+            (str(self.actions.result_path(job_id)), f"seed {self.actions.job(job_id)['seed']}")
+            for job_id in job_ids
+        ]
+        return gr.update(value=items, visible=True, selected_index=0)
+
+    def _shown(self, job_id: str, erased: bool = False) -> tuple:
+        """A finished edit's before/after, its summary, and the buttons that act on it."""
+        job = self.actions.job(job_id)
+        result = str(self.actions.result_path(job_id))
+        original = str(self.actions.image_path(job["template_id"]))
+        timings = job.get("timings", {})
+        stages = " · ".join(
+            f"{stage} {timings[f'{stage}_s']:.2f} s"
+            for stage in ("queue", "pre", "erase", "denoise", "post", "total")
+            if f"{stage}_s" in timings
+        )
+        done = (
+            "**Done.** Erased: filled from the surroundings (OpenCV Telea, no model)"
+            if erased
+            else f"**Done.** Seed used: `{job['seed']}` · model `{job['model_id']}` · "
+            f"{job['steps']} steps"
+        )
+        info = f"{done} · job `{job_id}`<br><span class='ms-muted'>{stages}</span>"
+        shown = gr.update(visible=True)
+        return (
             (original, result),
             info,
             gr.update(value=result, visible=True),
-            gr.update(visible=True),
-            submitted.seed,
+            shown,
+            shown,
+            job["seed"],
         )
 
-    @handler()
-    def _cancel(self, job_id: str):
-        return html.escape(self.actions.cancel(job_id))
+    @handler(7)
+    def _pick_variation(self, job_ids: list, evt: gr.SelectData):
+        done = [job_id for job_id in job_ids if self.actions.job(job_id)["status"] == "done"]
+        if evt is None or evt.index is None or evt.index >= len(done):
+            raise StudioError("that variation is gone: generate again")
+        return (done[evt.index], *self._shown(done[evt.index]))
 
-    @handler(3)
+    @handler()
+    def _cancel(self, job_ids: list):
+        return html.escape(self.actions.cancel_all(job_ids or []))
+
+    @handler(5)
     def _save(self, job_id: str, name: str, query: str):
         if not job_id:
             raise StudioError("no result yet: generate an edit first")
         record = self.actions.save_result(job_id, name)
         gr.Info(f"Saved as template '{record.name}'")
-        items, ids = self._gallery(query)
-        return items, ids, ""
+        return (*self._gallery(query), *self._gallery(), "")
+
+    @handler(9)
+    def _keep_editing(self, job_id: str, query: str):
+        if not job_id:
+            raise StudioError("no result yet: generate an edit first")
+        record = self.actions.keep_editing(job_id)
+        _record, canvas = self._on_canvas(record.id)
+        gr.Info(f"Editing '{record.name}': its cache is being prepared in the background")
+        picked = self._picked_line(record, "preparing")
+        return (
+            *self._gallery(query),
+            *self._gallery(),
+            record.id,
+            canvas,
+            picked,
+            None,
+            NOTHING_PAINTED,
+        )
 
 
 def build_studio(actions: StudioActions) -> gr.Blocks:

@@ -12,6 +12,8 @@ from studio.actions import StudioError
 
 BRUSH = gr.Brush(default_size=24, colors=["#ff3030", "#30a0ff", "#ffffff"], color_mode="defaults")
 GALLERY_COLUMNS = 3
+CANVAS_PLACEHOLDER = "Pick a template on the left, then paint over the area to change"
+NOTHING_PAINTED = "Mask: nothing painted yet"
 HISTORY_HEADERS = ["submitted", "status", "prompt", "seed", "steps", "model", "total s", "job"]
 # Gradio narrows a gallery's grid to its item count (one template fills the whole width): keep the
 # declared columns whatever the count
@@ -19,6 +21,8 @@ CSS = """
 #ms-pick .grid-container { grid-template-columns: repeat(3, minmax(0, 1fr)) !important; }
 #ms-gallery .grid-container { grid-template-columns: repeat(5, minmax(0, 1fr)) !important; }
 #ms-results .grid-container { grid-template-columns: repeat(8, minmax(0, 1fr)) !important; }
+#ms-pick .caption-label { white-space: normal; max-width: 100%; left: 0; line-height: 1.2;
+  font-size: 0.75em; max-height: 3.8em; overflow: hidden; }
 #ms-progress progress { width: 100%; height: 14px; }
 #ms-status { min-height: 2.5em; }
 .ms-muted { color: var(--body-text-color-subdued); font-size: 0.9em; }
@@ -49,7 +53,14 @@ def handler(n_outputs: int = 1):
 
 
 def progress_html(progress) -> str:
-    bar = ""
-    if progress.num_steps:
-        bar = f'<progress value="{progress.step}" max="{progress.num_steps}"></progress>'
-    return f'<div id="ms-progress">{bar}<div>{html.escape(progress.describe())}</div></div>'
+    """A progress bar and a line per job: ``progress`` is one ``Progress`` or a list of them (the
+    variations of one Generate, numbered)."""
+    many = isinstance(progress, list) and len(progress) > 1
+    rows = []
+    for number, one in enumerate(progress if isinstance(progress, list) else [progress], 1):
+        bar = ""
+        if one.num_steps:
+            bar = f'<progress value="{one.step}" max="{one.num_steps}"></progress>'
+        label = f"{number}: " if many else ""
+        rows.append(f"{bar}<div>{label}{html.escape(one.describe())}</div>")
+    return f'<div id="ms-progress">{"".join(rows)}</div>'

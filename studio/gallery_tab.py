@@ -12,7 +12,7 @@ import html
 import gradio as gr
 
 from studio.actions import SAMPLE_TAG, StudioActions, StudioError
-from studio.components import handler
+from studio.components import NOTHING_PAINTED, handler
 from templates_store.store import TemplateNotFound
 
 SELECT_HINT = "Select a template to see its details."
@@ -221,12 +221,11 @@ class GalleryTab:
     @handler(6)
     def _edit(self, template_id, model):
         record, canvas = self._on_canvas(template_id)
-        picked = f"**{html.escape(record.name)}** · {record.width}x{record.height}"
         return (
             record.id,
             canvas,
-            picked,
+            self._picked_line(record),
             None,
-            "Mask: nothing painted yet",
+            NOTHING_PAINTED,
             gr.Tabs(selected="editor"),
         )

@@ -10,8 +10,26 @@ import html
 
 import gradio as gr
 
-from studio.actions import StudioActions, StudioError
+from studio.actions import EditForm, StudioActions, StudioError
 from studio.components import HISTORY_HEADERS, handler, user_of
+
+# the editor's fields a recall sets from the job, in ``_recall``'s order
+RECALLED_FIELDS = (
+    "prompt",
+    "negative",
+    "model",
+    "steps",
+    "guidance",
+    "strength",
+    "random_seed",
+    "seed",
+    "invert",
+    "grow",
+    "feather",
+    "use_cache",
+    "fill_holes",
+    "min_area",
+)
 
 
 class HistoryTab:
@@ -44,7 +62,7 @@ class HistoryTab:
         return rows, thumbs, jobs
 
     # ----- history --------------------------------------------------------------------------------
-    def _history_tab(self, history_tab, history_jobs, current, tabs, editor) -> None:
+    def _history_tab(self, history_tab, history_jobs, template_ids, current, tabs, editor) -> None:
         refresh = gr.Button("Refresh")
         table = gr.Dataframe(
             headers=HISTORY_HEADERS, interactive=False, wrap=True, elem_id="ms-history"
@@ -52,54 +70,87 @@ class HistoryTab:
         thumbs = gr.Gallery(
             label="Results", columns=8, height=200, allow_preview=True, elem_id="ms-results"
         )
-        gr.Markdown("Select a row to load its parameters into the editor.", elem_classes="ms-muted")
+        gr.Markdown(
+            "Select a row to load its template, mask and parameters into the editor.",
+            elem_classes="ms-muted",
+        )
         for trigger in (history_tab.select, refresh.click):
             trigger(self._history_rows, None, [table, thumbs, history_jobs])
         recalled = [
             current,
             editor["canvas"],
             editor["picked"],
-            editor["prompt"],
-            editor["negative"],
-            editor["model"],
-            editor["steps"],
-            editor["guidance"],
-            editor["strength"],
-            editor["random_seed"],
-            editor["seed"],
-            editor["invert"],
-            editor["grow"],
-            editor["feather"],
-            editor["use_cache"],
+            *(editor[name] for name in RECALLED_FIELDS),
+            editor["overlay"],
+            editor["ratio"],
+            editor["gallery"],
             tabs,
         ]
-        table.select(self._recall, [history_jobs], recalled)
+        table.select(self._recall, [history_jobs, template_ids], recalled)
 
-    @handler(16)
-    def _recall(self, jobs: list, evt: gr.SelectData):
+    @handler(3 + len(RECALLED_FIELDS) + 4)
+    def _recall(self, jobs: list, template_ids: list, evt: gr.SelectData):
+        """The job's template with its mask painted, its parameters, the mask line and preview,
+        and its template highlighted among the editor's templates."""
         row = evt.index[0] if evt is not None and isinstance(evt.index, (list, tuple)) else None
         if row is None or row >= len(jobs):
             raise StudioError("that job is no longer in the history: refresh it")
         job = jobs[row]
-        # it may have been deleted since
-        record, canvas = self._on_canvas(job.get("template_id", ""))
+        template_id = job.get("template_id", "")
+        try:
+            layer = self.actions.job_mask_layer(job)
+        except StudioError as exc:  # expired: the parameters are still worth recalling
+            gr.Warning(str(exc))
+            layer = None
+        # the template may have been deleted since: then nothing changes (a warning says why)
+        record, canvas = self._on_canvas(template_id, layer)
         ops = job.get("mask_ops", {})
+        form = EditForm(
+            prompt="",
+            invert=bool(ops.get("invert")),
+            grow_px=int(ops.get("grow_px", 0)),
+            feather_px=float(ops.get("feather_px", 0)),
+            fill_holes=bool(ops.get("fill_holes")),
+            min_area_px=int(ops.get("min_area_px", 0)),
+        )
+        models = self.actions.models()
+        model = job.get("model_id")
+        if model not in models:
+            gr.Warning(f"no worker serves {model} now: the model choice is left as it was")
+        overlay, ratio_line = self._preview(
+            record.id,
+            canvas,
+            form.invert,
+            form.grow_px,
+            form.feather_px,
+            form.fill_holes,
+            form.min_area_px,
+            model,
+            job.get("steps"),
+            job.get("guidance"),
+        )
         return (
             record.id,
             canvas,
-            f"**{html.escape(record.name)}** · recalled from job {job['job_id'][:8]}: "
-            "paint the mask again",
+            f"**{html.escape(record.name)}** · recalled from job {job['job_id'][:8]}",
             job.get("prompt", ""),
             job.get("negative_prompt", ""),
-            job.get("model_id"),
+            model if model in models else gr.skip(),
             job.get("steps"),
             job.get("guidance"),
             job.get("strength"),
             False,
             job.get("seed"),
-            bool(ops.get("invert")),
-            ops.get("grow_px", 0),
-            ops.get("feather_px", 0),
+            form.invert,
+            form.grow_px,
+            form.feather_px,
             job.get("use_cache", True),
+            form.fill_holes,
+            form.min_area_px,
+            overlay,
+            ratio_line,
+            gr.update(
+                selected_index=template_ids.index(record.id) if record.id in template_ids else None
+            ),
             gr.Tabs(selected="editor"),
         )

@@ -23,8 +23,11 @@ from backend.imaging.masks import MaskError
 from backend.protocol import MaskOps
 
 ASPECT_TOLERANCE = 0.02  # relative: rounding when an editor scales a canvas
-OVERLAY_RGB = (255, 48, 48)
-OVERLAY_OPACITY = 0.55
+LAYER_RGB = (255, 48, 48)  # a recalled or uploaded mask shows in the brush's first colour
+OVERLAY_RGB = (255, 0, 200)  # magenta: rare in photographs, unlike the brush's red
+OVERLAY_OPACITY = 0.35
+OUTSIDE_BRIGHTNESS = 0.35  # the kept area is dimmed and greyed, so the repainted one stands out
+OUTLINE_RGB = (255, 255, 255)
 
 
 def _as_image(value) -> Image.Image | None:
@@ -41,6 +44,14 @@ def _as_image(value) -> Image.Image | None:
     )
 
 
+def mask_layer(mask: np.ndarray) -> Image.Image:
+    """A bool (H, W) mask as an editor layer: the brush's colour where True, transparent
+    elsewhere (``painted_mask`` reads it back as the same mask)."""
+    layer = np.zeros((*mask.shape, 4), dtype=np.uint8)
+    layer[mask] = (*LAYER_RGB, 255)
+    return Image.fromarray(layer, mode="RGBA")
+
+
 def _alpha(layer: Image.Image) -> np.ndarray:
     """Painted = alpha > 0; a layer without alpha is painted wherever it is not black."""
     if "A" in layer.getbands():
@@ -48,7 +59,7 @@ def _alpha(layer: Image.Image) -> np.ndarray:
     return np.asarray(layer.convert("L")) > 0
 
 
-def _to_size(painted: np.ndarray, size_wh: tuple[int, int]) -> np.ndarray:
+def to_size(painted: np.ndarray, size_wh: tuple[int, int]) -> np.ndarray:
     height, width = painted.shape
     tw, th = size_wh
     if (width, height) == (tw, th):
@@ -75,7 +86,7 @@ def painted_mask(editor_value, size_wh: tuple[int, int]) -> np.ndarray:
     tw, th = size_wh
     union = np.zeros((th, tw), dtype=bool)
     for layer in layers:
-        union |= _to_size(_alpha(layer), size_wh)
+        union |= to_size(_alpha(layer), size_wh)
     return union
 
 
@@ -103,8 +114,20 @@ def mask_ratio(weights: np.ndarray) -> float:
 
 
 def overlay(template: Image.Image, weights: np.ndarray) -> Image.Image:
-    """The template with the repainted area tinted, for the mask preview."""
+    """The template with the repainted area tinted and outlined, and the kept area dimmed to
+    grey: readable on colourful images, where a tint alone gets lost."""
     base = np.asarray(template.convert("RGB"), dtype=np.float32)
-    alpha = (weights.astype(np.float32) * OVERLAY_OPACITY)[..., None]
-    tinted = base * (1 - alpha) + np.asarray(OVERLAY_RGB, dtype=np.float32) * alpha
-    return Image.fromarray(np.clip(tinted + 0.5, 0, 255).astype(np.uint8), mode="RGB")
+    grey = base.mean(axis=2, keepdims=True) * OUTSIDE_BRIGHTNESS
+    tint = np.asarray(OVERLAY_RGB, dtype=np.float32)
+    inside = base * (1 - OVERLAY_OPACITY) + tint * OVERLAY_OPACITY
+    weight = weights.astype(np.float32)[..., None]
+    shown = inside * weight + grey * (1 - weight)
+    shown[_outline(weights > 0.5)] = OUTLINE_RGB
+    return Image.fromarray(np.clip(shown + 0.5, 0, 255).astype(np.uint8), mode="RGB")
+
+
+def _outline(mask: np.ndarray) -> np.ndarray:
+    """The mask's pixels with a 4-neighbour outside it (the image border counts as inside)."""
+    padded = np.pad(mask, 1, mode="edge")
+    interior = padded[:-2, 1:-1] & padded[2:, 1:-1] & padded[1:-1, :-2] & padded[1:-1, 2:]
+    return mask & ~interior

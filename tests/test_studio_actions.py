@@ -4,6 +4,7 @@ behind the one auth layer."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -16,6 +17,7 @@ from backend.api.security import STUDIO_OWNER
 from backend.imaging.uploads import encode_image
 from backend.protocol import JobEvent
 from backend.training.scenes import make_scene
+from studio import masks as studio_masks
 from studio.actions import MAX_SAMPLES, SAMPLE_TAG, EditForm, StudioActions, StudioError
 from templates_store.samples import sample_template
 from templates_store.store import MAX_NAME_CHARS
@@ -27,7 +29,10 @@ USER, PASSWORD = "ada", "s3cret pass"
 
 @pytest.fixture
 def settings(redis_url, tmp_path):
-    return make_settings(redis_url, tmp_path, users=(f"{USER}:{PASSWORD}",))
+    # the tests edit with tiny-sd2-inpaint, which no live worker serves here: configured (listed),
+    # so its jobs are accepted and wait for a worker, like the default model's
+    models = ("demo-sd2-inpaint", "tiny-sd2-inpaint")
+    return make_settings(redis_url, tmp_path, users=(f"{USER}:{PASSWORD}",), models=models)
 
 
 @pytest.fixture
@@ -277,3 +282,131 @@ def test_the_studio_can_be_switched_off(redis_url, tmp_path, redis_client):
     )
     with TestClient(create_app(off, redis_client=redis_client)) as client:
         assert client.get("/studio/").status_code == 404
+
+
+# ----- variations, recall, mask upload, keep editing ---------------------------------------------
+def test_variations_are_queued_together_with_consecutive_seeds_and_followed_as_one(
+    actions, tmp_path, settings, redis_client
+):
+    (record,), _ = actions.upload([upload_file(tmp_path)])
+    form = EditForm(prompt="a lamp", model="tiny-sd2-inpaint", steps=2, seed=2**32 - 2)
+    jobs = actions.submit_variations(USER, record.id, stroke(), form, 3)
+    # seeds follow the form's, wrapping past the largest
+    assert [job.seed for job in jobs] == [2**32 - 2, 2**32 - 1, 0]
+    queued = pre_queue_jobs(redis_client, settings)
+    assert sorted(job.job_id for job in queued) == sorted(job.job_id for job in jobs)
+    assert {job.mask_ref for job in queued} and len({job.prompt for job in queued}) == 1
+    follower = actions.follow_all([job.job_id for job in jobs])
+    assert [p.status for p in next(follower)] == ["queued"] * 3
+    for job in jobs:
+        finish(actions.service, job.job_id, sample_template(W, H, seed=job.seed % 7))
+    final = list(follower)[-1]
+    assert [p.status for p in final] == ["done"] * 3
+    for bad, message in ((0, "1 to 4"), (5, "1 to 4"), (2.5, "whole number"), (True, "whole")):
+        with pytest.raises(StudioError, match=message):
+            actions.submit_variations(USER, record.id, stroke(), form, bad)
+
+
+def test_cancel_all_stops_the_unfinished_variations_and_keeps_finished_results(actions, tmp_path):
+    (record,), _ = actions.upload([upload_file(tmp_path)])
+    form = EditForm(prompt="p", model="tiny-sd2-inpaint", steps=2)
+    first, second = actions.submit_variations(USER, record.id, stroke(), form, 2)
+    finish(actions.service, first.job_id, sample_template(W, H, seed=1))
+    assert actions.cancel_all([first.job_id, second.job_id]) == (
+        "Cancelled: the edit stops before its next step"
+    )
+    assert [actions.progress(j).status for j in (first.job_id, second.job_id)] == [
+        "done",
+        "cancelled",
+    ]
+    with pytest.raises(StudioError, match="nothing to cancel"):
+        actions.cancel_all([first.job_id, second.job_id])
+
+
+def test_a_recalled_job_brings_back_the_mask_it_was_submitted_with(actions, tmp_path):
+    (record,), _ = actions.upload([upload_file(tmp_path)])
+    painted = stroke(box=(5, 6, 40, 30))
+    submitted = actions.submit(USER, record.id, painted, EditForm(prompt="p", steps=2))
+    (job,) = actions.history(USER)
+    layer = actions.job_mask_layer(job)
+    assert layer.mode == "RGBA" and layer.size == (W, H)
+    again = {"background": None, "layers": [layer], "composite": None}
+    assert np.array_equal(
+        studio_masks.painted_mask(again, (W, H)), studio_masks.painted_mask(painted, (W, H))
+    )
+    # once the mask's file has expired, the recall says so (and what to do)
+    actions.service.blobs.path(job["mask_ref"]).unlink()
+    with pytest.raises(StudioError, match="mask has expired.*paint the mask again"):
+        actions.job_mask_layer(actions.job(submitted.job_id))
+
+
+def test_an_uploaded_mask_becomes_the_painted_layer_and_bad_ones_say_what_to_fix(actions, tmp_path):
+    (record,), _ = actions.upload([upload_file(tmp_path)])
+    white = Image.new("L", (W, H), 0)
+    white.paste(255, (10, 10, 30, 20))
+    layer = actions.uploaded_mask_layer(record.id, white)
+    painted = studio_masks.painted_mask({"layers": [layer]}, (W, H))
+    assert painted.sum() == 20 * 10 and painted[15, 20]
+    # twice the size, same shape: scaled to the template; a red RGB mask counts as painted
+    red = Image.new("RGB", (2 * W, 2 * H), (0, 0, 0))
+    red.paste((255, 0, 0), (20, 20, 60, 40))
+    scaled = studio_masks.painted_mask(
+        {"layers": [actions.uploaded_mask_layer(record.id, red)]}, (W, H)
+    )
+    assert np.array_equal(scaled, painted)
+    for bad, message in (
+        (Image.new("L", (W, H), 0), "uploaded mask is empty"),
+        (Image.new("L", (W, W), 255), "another shape"),
+    ):
+        with pytest.raises(StudioError, match=message):
+            actions.uploaded_mask_layer(record.id, bad)
+    with pytest.raises(StudioError, match="pick one in the gallery"):
+        actions.uploaded_mask_layer("", white)
+
+
+def test_keep_editing_makes_the_result_a_template_and_queues_its_cache_recording(
+    actions, tmp_path, settings, redis_client
+):
+    (record,), _ = actions.upload([upload_file(tmp_path)])
+    submitted = actions.submit(
+        USER, record.id, stroke(), EditForm(prompt="p", model="tiny-sd2-inpaint", steps=3)
+    )
+    finish(actions.service, submitted.job_id, sample_template(W, H, seed=11))
+    kept = actions.keep_editing(submitted.job_id)
+    assert kept.name == "street (edited)" and kept.id != record.id
+    (prepare,) = [job for job in pre_queue_jobs(redis_client, settings) if not job.mask_ref]
+    assert (prepare.template_id, prepare.model_id, prepare.steps, prepare.mask_ref) == (
+        kept.id,
+        "tiny-sd2-inpaint",
+        3,
+        "",
+    )
+
+
+def test_the_predicted_time_comes_from_the_models_cost_profile(actions):
+    line = actions.estimate("tiny-sd2-inpaint", 0.1, 20, 7.5)
+    cached, ordinary = (float(x) for x in re.findall(r"~([\d.]+) s", line))
+    assert "with the cache" in line and "on cpu" in line and 0 < cached < ordinary
+    shorter = actions.estimate("tiny-sd2-inpaint", 0.1, 10, 7.5)
+    assert float(re.findall(r"~([\d.]+) s", shorter)[1]) < ordinary
+    # no profile for the model or nothing painted: no prediction rather than a made-up one
+    assert actions.estimate("arch-flux-fill", 0.1, 20, 7.5) == ""
+    assert actions.estimate("tiny-sd2-inpaint", 0.0, 20, 7.5) == ""
+
+
+def test_erase_needs_no_prompt_and_the_lasso_and_speck_options_reach_the_job(
+    actions, tmp_path, settings, redis_client
+):
+    (record,), _ = actions.upload([upload_file(tmp_path)])
+    form = EditForm(prompt="", mode="erase", fill_holes=True, min_area_px=9)
+    actions.submit(USER, record.id, stroke(), form)
+    (job,) = pre_queue_jobs(redis_client, settings)
+    assert job.mode == "erase" and job.mask_ops.fill_holes and job.mask_ops.min_area_px == 9
+    # the preview applies them too: an outline with fill_holes repaints what it encloses
+    ring = Image.new("RGBA", (W, H), (0, 0, 0, 0))
+    ring.paste(Image.new("RGBA", (30, 30), (255, 48, 48, 255)), (10, 10))
+    ring.paste(Image.new("RGBA", (20, 20), (0, 0, 0, 0)), (15, 15))
+    canvas = {"background": None, "layers": [ring], "composite": None}
+    _, outline = actions.preview(record.id, canvas, EditForm(prompt=""))
+    _, filled = actions.preview(record.id, canvas, EditForm(prompt="", fill_holes=True))
+    assert outline == pytest.approx(500 / (W * H)) and filled == pytest.approx(900 / (W * H))

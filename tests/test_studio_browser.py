@@ -8,8 +8,11 @@ differ inside the stroke and equal the template outside it. Screenshots go to
 
 from __future__ import annotations
 
+import io
+import json
 import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +24,7 @@ from playwright.sync_api import sync_playwright
 from backend.api.security import STUDIO_OWNER
 from backend.client import MaskServeClient, MaskServeError
 from backend.jobstate import JobStateStore
+from backend.protocol.keys import job_key
 from templates_store.samples import sample_template
 from tests.stack_factory import running_stack
 
@@ -155,9 +159,11 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(
     page.locator("#ms-prompt textarea").fill("a red lantern")
     page.locator("#ms-steps input[type=number]").fill("6")
     page.locator("#ms-steps input[type=number]").press("Enter")
+    clicked = time.time()
     page.locator("#ms-submit").click()
     try:
         page.locator("#ms-info").get_by_text("Done.").wait_for(timeout=180_000)
+        seen = time.time()
     finally:
         screenshot(page, tmp_path, "3-result")
     info = page.locator("#ms-info").inner_text()
@@ -172,6 +178,14 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(
     job = JobStateStore(redis_client).get(job_id)
     result = Image.open(tmp_path / "data" / "blobs" / job["result_ref"]).convert("RGB")
     assert job["status"] == "done" and job["template_id"] and job["owner"] == STUDIO_OWNER, job
+    # where the wait between Generate and "Done." goes (a record for reading, not a bound)
+    latency = {
+        "click_to_job_created_s": job["created_at"] - clicked,
+        "job_total_s": job["done_at"] - job["created_at"],
+        "job_done_to_shown_s": seen - job["done_at"],
+        "click_to_shown_s": seen - clicked,
+    }
+    (OUTPUT / "latency.json").write_text(json.dumps(latency, indent=2))
     assert result.size == template.size
     # the mask the studio sent: the painted layer's alpha, grayscale, 255 = repaint, at the
     # template's size
@@ -185,7 +199,14 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(
     assert not changed[~painted].any(), "pixels outside the stroke differ from the template"
     assert changed[painted].mean() > 0.9, "the result is not edited inside the stroke"
 
-    # the history lists the job; selecting it recalls its parameters into the editor
+    # the result saved as a template shows in the open Gallery at once
+    page.locator("#ms-info").get_by_text("Done.").wait_for()
+    page.locator("#ms-save").click()
+    page.get_by_role("tab", name="Gallery").click()
+    page.locator("#ms-gallery").get_by_text("courtyard (edited)").wait_for(timeout=30_000)
+    page.get_by_role("tab", name="Editor").click()
+
+    # the history lists the job; selecting it recalls its mask and parameters into the editor
     page.locator("#ms-prompt textarea").fill("something else")
     page.get_by_role("tab", name="History").click()
     page.locator("#ms-history").get_by_text(job_id).first.wait_for(state="attached", timeout=30_000)
@@ -200,3 +221,43 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(
     )
     assert page.locator("#ms-steps input[type=number]").input_value() == "6"
     assert re.search(r"recalled from job", page.locator("#ms-picked").inner_text())
+    share = f"{painted.mean():.1%}"
+    page.locator("#ms-ratio").get_by_text(share).wait_for(timeout=30_000)
+
+    # ... and Generate runs it again, as two variations in one batch, with the recalled mask
+    page.locator("#ms-variations input[type=number]").fill("2")
+    page.locator("#ms-variations input[type=number]").press("Enter")
+    page.locator("#ms-submit").click()
+    page.locator("#ms-info").get_by_text("Done.").wait_for(timeout=180_000)
+    page.locator("#ms-variants img").nth(1).wait_for(timeout=30_000)
+    screenshot(page, tmp_path, "5-variations")
+    again = JobStateStore(redis_client)
+    jobs = (again.get(other) for other in _job_ids(redis_client) if other != job_id)
+    newest = [other for other in jobs if other["kind"] == "edit"]
+    assert len({j["seed"] for j in newest}) == 2 and all(j["status"] == "done" for j in newest)
+    for recalled in newest:
+        with Image.open(tmp_path / "data" / "blobs" / recalled["mask_ref"]) as stored:
+            assert np.array_equal(np.asarray(stored.convert("L")) > 127, painted)
+
+    # a mask image dropped on the studio becomes the painted area
+    mask_path = tmp_path / "mask.png"
+    uploaded = Image.new("L", (W, H), 0)
+    uploaded.paste(255, (0, 0, W // 4, H // 2))  # 12.5% of the image
+    uploaded.save(mask_path)
+    page.locator("#ms-mask-upload input[type=file]").set_input_files(str(mask_path))
+    page.locator("#ms-ratio").get_by_text("12.5%").wait_for(timeout=30_000)
+
+    # the editor's own "Clear canvas" leaves the template on the canvas, unpainted
+    page.locator("#ms-canvas").get_by_role("button", name="Clear canvas").click()
+    page.locator("#ms-ratio").get_by_text("nothing painted").wait_for(timeout=30_000)
+    page.wait_for_timeout(1000)
+    shown = np.asarray(Image.open(io.BytesIO(page.locator("#ms-canvas canvas").first.screenshot())))
+    assert shown[..., :3].std() > 20, "the canvas is blank after Clear canvas"
+    screenshot(page, tmp_path, "6-cleared")
+
+
+def _job_ids(redis_client) -> list[str]:
+    """Every job id with a record in Redis."""
+    record = re.compile(rf"^{re.escape(job_key(''))}([0-9a-f]{{32}})$")
+    keys = (key.decode() for key in redis_client.scan_iter(f"{job_key('')}*"))
+    return [match.group(1) for key in keys if (match := record.match(key))]

@@ -119,14 +119,20 @@ def test_the_preview_applies_the_mask_ops_like_pre_processing():
     assert feathered[25, 25] == 1.0 and 0 < feathered[20, 19] < 1 and feathered[0, 0] == 0
 
 
-def test_the_overlay_tints_only_the_area_to_repaint():
+def test_the_overlay_dims_the_kept_area_and_tints_and_outlines_the_repainted_one():
     image, mask = template(), np.zeros((H, W), dtype=np.float32)
     mask[0:8, 0:8] = 1.0
     shown = np.asarray(masks.overlay(image, mask)).astype(int)
     original = np.asarray(image).astype(int)
-    assert np.array_equal(shown[8:, :], original[8:, :]) and np.array_equal(
-        shown[:, 8:], original[:, 8:]
+    kept = shown[8:, 8:]
+    # the kept area: grey (no colour to compete with the tint) and darker than the original
+    assert (kept.max(axis=2) - kept.min(axis=2) <= 1).all()
+    assert (kept[..., 0] <= original[8:, 8:].mean(axis=2) * masks.OUTSIDE_BRIGHTNESS + 1).all()
+    # the repainted area: the original's colours under a tint, a white outline at its edge
+    inside = shown[1:7, 1:7]
+    tinted = (
+        original[1:7, 1:7] * (1 - masks.OVERLAY_OPACITY)
+        + np.asarray(masks.OVERLAY_RGB) * masks.OVERLAY_OPACITY
     )
-    assert (shown[0:8, 0:8, 0] >= original[0:8, 0:8, 0]).all() and (
-        shown[0:8, 0:8] != original[0:8, 0:8]
-    ).any()
+    assert np.abs(inside - tinted).max() <= 1
+    assert (shown[7, 0:8] == masks.OUTLINE_RGB).all() and (shown[0:8, 7] == masks.OUTLINE_RGB).all()
