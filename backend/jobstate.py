@@ -17,6 +17,9 @@ cannot break them):
   the worker that now runs the job (the record's ``worker_id`` is the fencing token);
 * the message says what is happening now: an event that changes the status replaces the message
   with its own (none clears it), an event of the same status replaces it only when it has one;
+* a failed or cancelled job reports timings like a done one: its terminal event sets the stages it
+  went through (the time between the statuses it reached, ``records.STAGE_TIMINGS``) and
+  ``total_s`` (creation to the end), keeping any the event gives, and carries them in the stream;
 * ``redeliveries`` counts the deliveries of the job again after a lost worker; ``requeue`` refuses
   to go past the bound its caller gives (the caller fails the job instead), so a job that kills its
   worker every time ends ``failed`` instead of looping.
@@ -35,7 +38,14 @@ from backend.config import MIN_JOB_RECORD_S
 from backend.metrics import job_latency_lua
 from backend.protocol import JobEvent, JobRecord, event_fields, event_payload, to_text
 from backend.protocol.keys import job_events_key, job_key
-from backend.protocol.records import TERMINAL
+from backend.protocol.records import (
+    DERIVED_TIMINGS,
+    REACHED_SUFFIX,
+    STAGE_TIMINGS,
+    TERMINAL,
+    TIMING_PREFIX,
+    TOTAL_TIMING,
+)
 
 __all__ = ["EXHAUSTED", "NOTHING_TO_REDO", "REQUEUED", "TERMINAL", "JobNotFound", "JobStateStore"]
 _RANK = {
@@ -87,6 +97,38 @@ end
 """
 
 
+# A failed or cancelled job's timings (``records.DERIVED_TIMINGS``), set when its terminal event
+# is applied: each status it reached (``<status>_at``) lasts until the next one it reached or the
+# end, named by ``records.STAGE_TIMINGS``; ``total_s`` runs from its creation. A timing the event
+# (or an earlier one) set is kept. The event in the stream carries the job's timings.
+_DERIVE_TIMINGS = f"""
+if {" or ".join(f"ARGV[2] == '{status}'" for status in DERIVED_TIMINGS)} then
+  local stages = cjson.decode('{json.dumps(STAGE_TIMINGS)}')
+  local finished = tonumber(redis.call('HGET', KEYS[1], 'updated_at'))
+  local ends = finished
+  for i = #stages, 1, -1 do
+    local since = tonumber(redis.call('HGET', KEYS[1], stages[i][1] .. '{REACHED_SUFFIX}') or '')
+    if since then
+      redis.call('HSETNX', KEYS[1], '{TIMING_PREFIX}' .. stages[i][2],
+                 string.format('%.6f', math.max(0, ends - since)))
+      ends = since
+    end
+  end
+  local created = tonumber(redis.call('HGET', KEYS[1], 'created_at') or '')
+  if created and created > 0 then
+    redis.call('HSETNX', KEYS[1], '{TIMING_PREFIX}{TOTAL_TIMING}',
+               string.format('%.6f', math.max(0, finished - created)))
+  end
+  local timings, fields = {{}}, redis.call('HGETALL', KEYS[1])
+  for i = 1, #fields, 2 do
+    if string.sub(fields[i], 1, {len(TIMING_PREFIX)}) == '{TIMING_PREFIX}' then
+      timings[string.sub(fields[i], {len(TIMING_PREFIX) + 1})] = tonumber(fields[i + 1])
+    end
+  end
+  event = string.sub(event, 1, -2) .. ', "timings": ' .. cjson.encode(timings) .. '}}'
+end
+"""
+
 # KEYS[1] hash, KEYS[2] events stream. ARGV: new rank, status, event json, maxlen, ttl, ranks,
 # the sending worker ('' when not a worker), then field/value pairs to set. Returns 1 when applied,
 # 0 when dropped.
@@ -109,7 +151,11 @@ for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if redis.call('HEXISTS', KEYS[1], ARGV[2] .. '_at') == 0 then
   redis.call('HSET', KEYS[1], ARGV[2] .. '_at', redis.call('HGET', KEYS[1], 'updated_at'))
 end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'event', ARGV[3])
+local event = ARGV[3]
+"""
+    + _DERIVE_TIMINGS
+    + """
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'event', event)
 if new_rank >= 5 and tonumber(ARGV[5]) > 0 then
   redis.call('EXPIRE', KEYS[1], ARGV[5])
   redis.call('EXPIRE', KEYS[2], ARGV[5])

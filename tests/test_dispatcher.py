@@ -276,12 +276,21 @@ def test_a_job_no_live_worker_serves_says_so_once_then_is_routed(env):
     submit(client, jobstate, prepared("lonely"))
     dispatcher = Dispatcher(settings, client, consumer="d")
     run(dispatcher, times=5)
-    told = [e for _, e in jobstate.events("lonely") if "none is running" in e.get("message", "")]
-    assert len(told) == 1
+    alone = f"waiting for a worker that serves {MODEL} (no worker is live)"
+
+    def told() -> list[str]:
+        return [e["message"] for _, e in jobstate.events("lonely") if e.get("message")]
+
+    assert told() == [alone]  # once, not at every retry
     record = jobstate.get("lonely")
-    assert record["status"] == "waiting"
-    assert record["message"] == f"waiting for a worker serving model {MODEL}; none is running"
+    assert record["status"] == "waiting" and record["message"] == alone
+    beat(client, "flux-worker", model_id="tiny-flux-fill")  # the live models changed: said again
+    run(dispatcher, times=5)
+    others = f"waiting for a worker that serves {MODEL} (live workers serve: tiny-flux-fill)"
+    assert told() == [alone, others] and jobstate.get("lonely")["message"] == others
     beat(client, "late-worker")
     run(dispatcher)
     assert inbox_jobs(client, "late-worker") == ["lonely"]
-    assert jobstate.get("lonely")["message"] == ""  # routed: the message says nothing stale
+    routed = f"routed to worker late-worker, which serves {MODEL}"
+    assert told() == [alone, others, routed]  # the message says nothing stale
+    assert jobstate.get("lonely")["message"] == routed

@@ -16,6 +16,7 @@ from fastapi import APIRouter, File, Form, Header, Query, Request, Security, Upl
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
 from backend.api.errors import ERROR_RESPONSES
+from backend.api.schemas import JobAccepted, JobCancelled, JobList, JobView
 from backend.api.security import api_key_query
 from backend.api.service import JobRequest, JobService
 from backend.jobstate import TERMINAL
@@ -43,7 +44,8 @@ def job_links(job_id: str, done: bool = False) -> dict:
 
 
 def public_job(job: dict) -> dict:
-    """A job as a client sees it: the record without the services' own fields, with its links."""
+    """A job as a client sees it (``schemas.JobView``): the record without the services' own
+    fields, with its links."""
     shown = {name: value for name, value in job.items() if name not in INTERNAL_JOB_FIELDS}
     return shown | job_links(job["job_id"], done=job["status"] == "done")
 
@@ -52,7 +54,13 @@ def _read(upload: UploadFile | None) -> bytes | None:
     return None if upload is None else upload.file.read()
 
 
-@router.post("", status_code=202, summary="Submit an edit (returns at once)")
+@router.post(
+    "",
+    status_code=202,
+    summary="Submit an edit (returns at once)",
+    response_model=None,
+    responses={202: {"model": JobAccepted, "description": "Accepted: follow its status_url"}},
+)
 def submit_job(
     request: Request,
     mask: UploadFile = File(
@@ -126,7 +134,12 @@ def submit_job(
     return JSONResponse(body, status_code=202, headers={"Location": body["status_url"]})
 
 
-@router.get("", summary="The caller's own jobs, newest first (submitted with this API key)")
+@router.get(
+    "",
+    summary="The caller's own jobs, newest first (submitted with this API key)",
+    response_model=JobList,
+    response_model_exclude_unset=True,
+)
 def list_jobs(
     request: Request, limit: int = Query(50, ge=1, le=500, description="At most this many")
 ) -> dict:
@@ -134,7 +147,12 @@ def list_jobs(
     return {"jobs": [public_job(job) for job in jobs]}
 
 
-@router.get("/{job_id}", summary="A job's status, step, seed, timings and links")
+@router.get(
+    "/{job_id}",
+    summary="A job's status, step, seed, timings and links",
+    response_model=JobView,
+    response_model_exclude_unset=True,
+)
 def get_job(request: Request, job_id: str) -> dict:
     return public_job(_service(request).get(job_id, _owner(request)))
 
@@ -159,6 +177,7 @@ def job_result(request: Request, job_id: str, thumbnail: bool = Query(False)) ->
 @router.delete(
     "/{job_id}",
     summary="Cancel a job (queued: dropped; running: leaves its batch at the next step)",
+    response_model=JobCancelled,
 )
 def cancel_job(request: Request, job_id: str) -> dict:
     return {"job_id": job_id, **_service(request).cancel(job_id, _owner(request))}

@@ -14,6 +14,9 @@ Invariants:
   recorded with it at submission, so another tenant gets the same ``not_found`` as for an id that
   never existed (ids are not confirmed);
 * an owner has at most ``api.max_queued_jobs`` unfinished jobs (``too_many``, 429);
+* a job names a model that a live worker serves or that the deployment configures
+  (``engine.model_id``, ``api.models``): a job for any other would wait for a worker nobody is
+  going to start, so it is refused (``invalid``), naming the models live workers serve;
 * cancel never touches another job: it records a terminal ``cancelled`` event for that job (the
   pre task, the dispatcher and post-processing skip cancelled jobs), and a job on a worker also
   gets a ``CancelJob`` in that worker's inbox, so the worker drops it at its next step.
@@ -46,7 +49,7 @@ from backend.jobstate import TERMINAL, JobNotFound, JobStateStore
 from backend.models import UnknownModelError, known_model_ids, resolve_model
 from backend.models.catalog import SHIPPED
 from backend.protocol import CancelJob, EditJob, JobEvent, MaskOps, to_text
-from backend.protocol.heartbeats import queue_position, read_heartbeat
+from backend.protocol.heartbeats import live_heartbeats, queue_position, read_heartbeat
 from backend.protocol.keys import job_key
 from backend.protocol.messages import JOB_MODES
 from backend.tasks.celery_app import submit_edit
@@ -155,6 +158,8 @@ class JobService:
     def submit(self, request: JobRequest) -> SubmittedJob:
         self._check_queued(request.owner)
         spec = self._model(request.model or self.settings.engine.model_id)
+        if request.mode != "erase":  # an erase is finished in pre-processing: it needs no worker
+            self._check_served(spec.model_id)
         steps = spec.default_steps if request.steps is None else request.steps
         guidance = spec.default_guidance if request.guidance is None else request.guidance
         seed = secrets.randbelow(MAX_SEED + 1) if request.seed is None else request.seed
@@ -221,6 +226,7 @@ class JobService:
         from backend.cachestatus import KeySettings, record_prepare_job
 
         spec = self._model(model or self.settings.engine.model_id)
+        self._check_served(spec.model_id)
         steps = _whole("steps", spec.default_steps if steps is None else steps)
         _check_range("steps", steps, 1, MAX_STEPS)
         _check_resolution(resolution)
@@ -363,6 +369,27 @@ class JobService:
                 "it in MASKSERVE_API_MODELS)"
             )
         return spec
+
+    def _check_served(self, model_id: str) -> None:
+        """A job waits for a worker of its model only when the deployment configures that model
+        (its own workers' ``engine.model_id``, or one listed in ``api.models``): one for a model
+        that no live worker serves and that is not configured would wait for a worker nobody is
+        going to start, so it is refused, naming the models live workers serve and how to add
+        one. A configured model is accepted before its first worker's heartbeat (a stack starting
+        up); its job says it waits for one (the dispatcher's message)."""
+        if model_id in {self.settings.engine.model_id, *self.settings.api.models}:
+            return
+        served = sorted({beat.model_id for beat in live_heartbeats(self.client).values()})
+        if model_id in served:
+            return
+        live = f"live workers serve {', '.join(served)}" if served else "no worker is live"
+        raise ServiceError(
+            f"no worker serves model {model_id!r} and this deployment does not configure it "
+            f"({live}): leave model out for the default ({self.settings.engine.model_id}) or name "
+            f"a served one; to serve {model_id}, start an engine worker for it (maskserve worker "
+            f"--model {model_id}), or list it in MASKSERVE_API_MODELS (with every model jobs may "
+            "name) so that its jobs are accepted and wait for such a worker"
+        )
 
     @staticmethod
     def _check_numbers(request: JobRequest, steps, guidance, seed) -> None:

@@ -165,6 +165,16 @@ def view_from_heartbeat(beat: WorkerHeartbeat) -> WorkerView:
     )
 
 
+def waiting_note(model_id: str, workers: Sequence[WorkerView]) -> str | None:
+    """What a job the router cannot place yet says while it waits: which models the live workers
+    serve when none serves its model; None when one does (it is only busy: late binding)."""
+    served = sorted({w.model_id for w in workers})
+    if model_id in served:
+        return None
+    live = f"live workers serve: {', '.join(served)}" if served else "no worker is live"
+    return f"waiting for a worker that serves {model_id} ({live})"
+
+
 def default_rows_per_request(model_id: str) -> int:
     """Engine rows per request of ``model_id``, from the model catalog (2 with classifier-free
     guidance, 1 for Flux Fill's guidance embedding); 2 for a model the catalog cannot resolve

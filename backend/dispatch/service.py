@@ -14,7 +14,10 @@ is not routed as if every worker were still idle.
 
 Late binding (``late_binding``): the router refuses a job while no worker has slack, and the job
 waits in the dispatcher's FIFO backlog (its stream entry still pending) until one has. A job no live
-worker's model serves waits there too, and its message says so (once) until one appears.
+worker's model serves waits there too, and its message (and event stream) says so, naming the models
+live workers serve: once, and again only when those change, not at every retry; when it is routed
+at last its message says to which worker. (The API refuses a job for a model no live worker serves
+that the deployment does not configure, so only a configured model's jobs wait here.)
 
 Idempotent routing: a job's inbox entry and its ``worker_id`` are written in one transaction, so an
 entry read again (this dispatcher died before its ack, or a job handed off twice) whose job is
@@ -48,6 +51,7 @@ from backend.dispatch.router import (
     RoutingCostModel,
     RowState,
     view_from_heartbeat,
+    waiting_note,
 )
 from backend.jobstate import EXHAUSTED, REQUEUED, TERMINAL, JobStateStore
 from backend.protocol import JobEvent, PreparedJob, entry_fields, entry_message, to_text
@@ -132,7 +136,8 @@ class Dispatcher:
             "redispatched": 0,
             "unreadable": 0,
         }
-        self._told_no_worker: set[str] = set()  # jobs whose message says no worker serves them
+        # job id -> what its message says while no live worker serves its model
+        self._told_no_worker: dict[str, str] = {}
         try:
             client.xgroup_create(PREPARED_STREAM, DISPATCHER_GROUP, id="0", mkstream=True)
         except ResponseError as exc:
@@ -227,7 +232,7 @@ class Dispatcher:
         )
         if status in TERMINAL:  # cancelled (or failed) before it reached a worker
             self.counts["dropped"] += 1
-            self._told_no_worker.discard(job.job_id)
+            self._told_no_worker.pop(job.job_id, None)
             self.client.xack(PREPARED_STREAM, DISPATCHER_GROUP, entry_id)
             return
         if status in PAST_ROUTING or worker_id in self._views:  # routed before: a duplicate
@@ -237,24 +242,32 @@ class Dispatcher:
             self.counts["duplicates"] += 1
             self.client.xack(PREPARED_STREAM, DISPATCHER_GROUP, entry_id)
             return
-        if self.place(job) is None:
+        worker_id = self.place(job)
+        if worker_id is None:
             self.backlog.append((entry_id, job))
             self._tell_if_no_worker(job)
             return
-        self._told_no_worker.discard(job.job_id)
+        if self._told_no_worker.pop(job.job_id, None) is not None:
+            # the job said it waits for a worker: its message (and its events) now say where it went
+            self._tell(job.job_id, f"routed to worker {worker_id}, which serves {job.model_id}")
         self.client.xack(PREPARED_STREAM, DISPATCHER_GROUP, entry_id)
 
     def _tell_if_no_worker(self, job: PreparedJob) -> None:
-        """Once per job: its message says no live worker serves its model (it is routed as soon
-        as one does)."""
-        if job.job_id in self._told_no_worker:
-            return
-        if any(view.model_id == job.model_id for view in self._views.values()):
-            return  # served, only busy (late binding)
-        self._told_no_worker.add(job.job_id)
-        message = f"waiting for a worker serving model {job.model_id}; none is running"
+        """While no live worker serves the job's model, its message (and its event stream) says so
+        and names the models live workers serve: once, and again only when that changes, never at
+        every retry. It is routed as soon as a worker of its model beats."""
+        note = waiting_note(job.model_id, list(self._views.values()))
+        if note is None:  # served, only busy (late binding)
+            if job.job_id not in self._told_no_worker:
+                return
+            note = f"waiting for a free slot on a worker that serves {job.model_id}"
+        if self._told_no_worker.get(job.job_id) != note:
+            self._told_no_worker[job.job_id] = note
+            self._tell(job.job_id, note)
+
+    def _tell(self, job_id: str, message: str) -> None:
         self.jobstate.record_event(
-            JobEvent(job_id=job.job_id, status="waiting", at=time.time(), message=message)
+            JobEvent(job_id=job_id, status="waiting", at=time.time(), message=message)
         )
 
     def place(self, job: PreparedJob, note: str = "") -> str | None:

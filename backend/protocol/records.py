@@ -19,6 +19,20 @@ from backend.protocol.wire import to_text
 TERMINAL = ("done", "failed", "cancelled")
 TIMING_PREFIX = "timing."  # hash field ``timing.<stage>`` holds that stage's seconds
 REACHED_SUFFIX = "_at"  # hash field ``<status>_at`` holds when the job first reached it
+# The stage a job is in while it has each status, in order; ``total_s`` is creation to the end. A
+# done job's stages are measured by the services that ran them (its ``done`` event carries them);
+# a failed or cancelled job's are the times between the statuses it reached (``jobstate`` derives
+# them when the terminal event is recorded), so every finished job reports where its time went.
+STAGE_TIMINGS = (
+    ("queued", "queue_s"),
+    ("preprocessing", "pre_s"),
+    ("waiting", "wait_s"),
+    ("running", "denoise_s"),
+    ("postprocessing", "post_s"),
+)
+TOTAL_TIMING = "total_s"
+# terminal statuses whose timings are derived from the statuses the job reached
+DERIVED_TIMINGS = ("failed", "cancelled")
 
 
 @dataclass
@@ -37,7 +51,7 @@ class JobRecord:
     message: str = ""
     result_ref: str = ""
     thumbnail_ref: str = ""
-    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds (STAGE_TIMINGS)
     model_id: str = ""
     prompt: str = ""
     negative_prompt: str = ""
@@ -136,12 +150,13 @@ def event_fields(event: JobEvent) -> dict[str, str]:
 
 def event_payload(event: JobEvent) -> dict[str, Any]:
     """An event as the job's event stream (and the API's server-sent events) carry it: the
-    status and time always, other fields only when set."""
+    status and time always, other fields only when set. A failed or cancelled event's timings are
+    the job's, added by ``jobstate`` when it records the event (``DERIVED_TIMINGS``)."""
     payload: dict[str, Any] = {"status": event.status, "at": event.at}
     for name in ("step", "num_steps", "worker_id", "message", "result_ref", "thumbnail_ref"):
         if getattr(event, name):
             payload[name] = getattr(event, name)
-    if event.timings:
+    if event.timings and event.status not in DERIVED_TIMINGS:
         payload["timings"] = event.timings
     if event.status == "running" and PREVIEW_URL.fullmatch(event.preview):
         payload["preview"] = event.preview  # last: ``jobstate`` cuts it out when the job moves on
