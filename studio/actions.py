@@ -109,6 +109,7 @@ class Progress:
     num_steps: int = 0
     queue_position: int | None = None
     message: str = ""
+    preview: str = ""  # the latest live preview while denoising (a PNG data URL), else ""
 
     @property
     def finished(self) -> bool:
@@ -278,8 +279,9 @@ class StudioActions:
         return spec.default_steps, spec.default_guidance
 
     def estimate(self, model: str, mask_ratio: float, steps: int, guidance: float) -> str:
-        """The predicted denoising time of an edit on an idle worker of ``model``, with the
-        template's cache and as the ordinary pipeline, from the fitted cost profile of the
+        """The predicted time of an edit's attention blocks (the units the cache spares; the
+        profile does not cover the rest of a step) alone on an idle worker of ``model``, with
+        the template's cache and as the ordinary pipeline, from the fitted cost profile of the
         device a live worker of it runs on (else the deployment's); "" without a profile."""
         from backend.costmodel.predict import estimate_edit
         from backend.costmodel.profiles import load_profile
@@ -300,7 +302,7 @@ class StudioActions:
             return ""
         guess = estimate_edit(profile, mask_ratio, steps, guidance)
         return (
-            f"denoising ~{_seconds(guess.cached_s)} s with the cache, "
+            f"attention blocks ~{_seconds(guess.cached_s)} s with the cache, "
             f"~{_seconds(guess.ordinary_s)} s without ({guess.speedup:.1f}x, {steps} steps on "
             f"{device})"
         )
@@ -388,18 +390,26 @@ class StudioActions:
         batch, so their events come together."""
         deadline = time.monotonic() + timeout_s
         cursors = dict.fromkeys(job_ids, "0")
+        previews = dict.fromkeys(job_ids, "")
         current = [self.progress(job_id) for job_id in job_ids]
         yield current
         while time.monotonic() < deadline:
             waiting = next((p.job_id for p in current if not p.finished), None)
             if waiting is None:
                 return
-            entries = _service_call(
-                self.service.events, waiting, self.owner, cursors[waiting], FOLLOW_SLICE_MS
-            )
-            if entries:
-                cursors[waiting] = entries[-1][0]
-            latest = [self.progress(job_id) for job_id in job_ids]
+            for job_id in job_ids:  # the first unfinished one waits; the others are read as is
+                block = FOLLOW_SLICE_MS if job_id == waiting else None
+                entries = _service_call(
+                    self.service.events, job_id, self.owner, cursors[job_id], block
+                )
+                if entries:
+                    cursors[job_id] = entries[-1][0]
+                    shown = [event["preview"] for _, event in entries if event.get("preview")]
+                    previews[job_id] = shown[-1] if shown else previews[job_id]
+            latest = [
+                dataclasses.replace(self.progress(job_id), preview=previews[job_id])
+                for job_id in job_ids
+            ]
             if latest != current:
                 current = latest
                 yield current

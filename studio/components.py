@@ -14,6 +14,7 @@ BRUSH = gr.Brush(default_size=24, colors=["#ff3030", "#30a0ff", "#ffffff"], colo
 GALLERY_COLUMNS = 3
 CANVAS_PLACEHOLDER = "Pick a template on the left, then paint over the area to change"
 NOTHING_PAINTED = "Mask: nothing painted yet"
+PREVIEW_PREFIX = "data:image/png;base64,"  # the only previews the page shows (from the worker)
 HISTORY_HEADERS = ["submitted", "status", "prompt", "seed", "steps", "model", "total s", "job"]
 # Gradio narrows a gallery's grid to its item count (one template fills the whole width): keep the
 # declared columns whatever the count
@@ -25,6 +26,8 @@ CSS = """
   font-size: 0.75em; max-height: 3.8em; overflow: hidden; }
 #ms-progress progress { width: 100%; height: 14px; }
 #ms-status { min-height: 2.5em; }
+.ms-previews { display: flex; gap: 6px; margin-top: 6px; }
+.ms-preview { width: 128px; height: auto; image-rendering: auto; border-radius: 4px; }
 .ms-muted { color: var(--body-text-color-subdued); font-size: 0.9em; }
 """
 
@@ -63,4 +66,10 @@ def progress_html(progress) -> str:
             bar = f'<progress value="{one.step}" max="{one.num_steps}"></progress>'
         label = f"{number}: " if many else ""
         rows.append(f"{bar}<div>{label}{html.escape(one.describe())}</div>")
-    return f'<div id="ms-progress">{"".join(rows)}</div>'
+    previews = [
+        f'<img class="ms-preview" alt="live preview" src="{html.escape(one.preview)}">'
+        for one in (progress if isinstance(progress, list) else [progress])
+        if one.preview.startswith(PREVIEW_PREFIX) and not one.finished
+    ]
+    shown = f'<div class="ms-previews">{"".join(previews)}</div>' if previews else ""
+    return f'<div id="ms-progress">{"".join(rows)}{shown}</div>'

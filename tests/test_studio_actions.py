@@ -4,6 +4,7 @@ behind the one auth layer."""
 
 from __future__ import annotations
 
+import base64
 import re
 import time
 
@@ -19,6 +20,7 @@ from backend.protocol import JobEvent
 from backend.training.scenes import make_scene
 from studio import masks as studio_masks
 from studio.actions import MAX_SAMPLES, SAMPLE_TAG, EditForm, StudioActions, StudioError
+from studio.components import progress_html
 from templates_store.samples import sample_template
 from templates_store.store import MAX_NAME_CHARS
 from tests.test_api import KEY, make_settings, pre_queue_jobs
@@ -410,3 +412,39 @@ def test_erase_needs_no_prompt_and_the_lasso_and_speck_options_reach_the_job(
     _, outline = actions.preview(record.id, canvas, EditForm(prompt=""))
     _, filled = actions.preview(record.id, canvas, EditForm(prompt="", fill_holes=True))
     assert outline == pytest.approx(500 / (W * H)) and filled == pytest.approx(900 / (W * H))
+
+
+def test_live_previews_from_the_event_stream_show_in_the_progress_until_the_job_ends(
+    actions, tmp_path
+):
+    (record,), _ = actions.upload([upload_file(tmp_path)])
+    first, second = actions.submit_variations(
+        USER, record.id, stroke(), EditForm(prompt="p", model="tiny-sd2-inpaint", steps=2), 2
+    )
+    preview = (
+        "data:image/png;base64,"
+        + base64.b64encode(encode_image(sample_template(16, 16, seed=2), "png")).decode()
+    )
+    follower = actions.follow_all([first.job_id, second.job_id])
+    next(follower)
+    for job in (first, second):
+        actions.service.jobstate.record_event(
+            JobEvent(
+                job_id=job.job_id,
+                status="running",
+                at=time.time(),
+                step=1,
+                num_steps=2,
+                worker_id="w",
+                preview=preview,
+            )
+        )
+    running = next(follower)
+    while [p.preview for p in running] != [preview, preview]:
+        running = next(follower)
+    page = progress_html(running)
+    assert page.count('<img class="ms-preview"') == 2 and "1: Denoising · step 1/2" in page
+    for job in (first, second):
+        finish(actions.service, job.job_id, sample_template(W, H, seed=3))
+    final = list(follower)[-1]
+    assert [p.status for p in final] == ["done", "done"] and "<img" not in progress_html(final)
