@@ -247,6 +247,14 @@ def test_feathered_paste_back_keeps_far_pixels(engine):
     assert not np.array_equal(np.asarray(result.image)[border], np.asarray(make_template())[border])
 
 
+def test_the_feather_ring_is_computed_fresh_not_read_from_the_cache(engine):
+    plain = engine.edit(make_template(), MASK, PROMPT, 2, make_params(engine, use_cache=False))
+    feathered = engine.edit(
+        make_template(), MASK, PROMPT, 2, make_params(engine, use_cache=False, feather_px=8.0)
+    )
+    assert feathered.mask_ratio > plain.mask_ratio
+
+
 def test_installed_engine_keeps_one_copy_of_every_weight(engine):
     """Fused projections are views of one storage: the denoiser's unique storages hold exactly the
     bytes of its state dict (no storage holds a second copy), and self-attention q/k/v share one."""

@@ -42,7 +42,14 @@ from backend.engine.families import (
 from backend.engine.feeder import MODE_TENSORS, BatchCacheFeeder, RowCacheRef
 from backend.engine.prepared import PreparedRequest
 from backend.engine.stepping import batched_step, guide_all
-from backend.imaging.masks import feather, load_mask, paste_back, require_nonempty, token_mask
+from backend.imaging.masks import (
+    feather,
+    feather_support,
+    load_mask,
+    paste_back,
+    require_nonempty,
+    token_mask,
+)
 from backend.models.registry import model_revision
 
 
@@ -266,7 +273,10 @@ class MaskAwareEngine:
             shared=prepared.shared,
         )
         grid = (params.size[0] // self.token_size, params.size[1] // self.token_size)
-        fresh_tokens = token_mask(prepared.pixels, grid, params.mask_margin)
+        # every pixel the feathered paste-back takes is computed fresh (the cache holds the
+        # template's own values there); pre-processing hands over the support already, with 0
+        support = feather_support(prepared.pixels, params.feather_px)
+        fresh_tokens = token_mask(support, grid, params.mask_margin)
         ratio = float(fresh_tokens.mean())
         dense = record or cache is None or ratio > params.dense_above_ratio
         state = EditState(

@@ -180,8 +180,7 @@ class CpuStages:
             strength=job.strength,
             negative_prompt=job.negative_prompt,
             use_cache=job.use_cache,
-            feather_px=job.mask_ops.feather_px,
-        )
+        )  # no feather_px: the mask handed over is its support already, pasted back in post
 
     def _timesteps(self, params: EditParams):
         return self.engine.adapter.schedule(params.steps, params.strength, params.size)[1]
