@@ -19,6 +19,7 @@ from studio.actions import MAX_VARIATIONS, EditForm, StudioActions, StudioError
 from studio.components import (
     BRUSH,
     CANVAS_PLACEHOLDER,
+    FORM_FIELDS,
     GALLERY_COLUMNS,
     NOTHING_PAINTED,
     handler,
@@ -216,26 +217,9 @@ class StudioPage(GalleryTab, HistoryTab):
             )
             ui["save"] = gr.Button("Save as template", scale=1, elem_id="ms-save")
 
-    def _form_inputs(self, ui: dict) -> list:
-        return [
-            ui[name]
-            for name in (
-                "prompt",
-                "negative",
-                "model",
-                "steps",
-                "guidance",
-                "strength",
-                "random_seed",
-                "seed",
-                "invert",
-                "grow",
-                "feather",
-                "use_cache",
-                "fill_holes",
-                "min_area",
-            )
-        ]
+    @staticmethod
+    def _form_inputs(ui: dict) -> list:
+        return [ui[name] for name in FORM_FIELDS]
 
     @staticmethod
     def _form(

@@ -15,6 +15,23 @@ GALLERY_COLUMNS = 3
 CANVAS_PLACEHOLDER = "Pick a template on the left, then paint over the area to change"
 NOTHING_PAINTED = "Mask: nothing painted yet"
 PREVIEW_PREFIX = "data:image/png;base64,"  # the only previews the page shows (from the worker)
+# the editor's form fields, in the order EditForm is built from them and a recall sets them
+FORM_FIELDS = (
+    "prompt",
+    "negative",
+    "model",
+    "steps",
+    "guidance",
+    "strength",
+    "random_seed",
+    "seed",
+    "invert",
+    "grow",
+    "feather",
+    "use_cache",
+    "fill_holes",
+    "min_area",
+)
 HISTORY_HEADERS = ["submitted", "status", "prompt", "seed", "steps", "model", "total s", "job"]
 # Gradio narrows a gallery's grid to its item count (one template fills the whole width): keep the
 # declared columns whatever the count

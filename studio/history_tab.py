@@ -11,25 +11,7 @@ import html
 import gradio as gr
 
 from studio.actions import EditForm, StudioActions, StudioError
-from studio.components import HISTORY_HEADERS, handler, user_of
-
-# the editor's fields a recall sets from the job, in ``_recall``'s order
-RECALLED_FIELDS = (
-    "prompt",
-    "negative",
-    "model",
-    "steps",
-    "guidance",
-    "strength",
-    "random_seed",
-    "seed",
-    "invert",
-    "grow",
-    "feather",
-    "use_cache",
-    "fill_holes",
-    "min_area",
-)
+from studio.components import FORM_FIELDS, HISTORY_HEADERS, handler, user_of
 
 
 class HistoryTab:
@@ -80,7 +62,7 @@ class HistoryTab:
             current,
             editor["canvas"],
             editor["picked"],
-            *(editor[name] for name in RECALLED_FIELDS),
+            *(editor[name] for name in FORM_FIELDS),
             editor["overlay"],
             editor["ratio"],
             editor["gallery"],
@@ -88,7 +70,7 @@ class HistoryTab:
         ]
         table.select(self._recall, [history_jobs, template_ids], recalled)
 
-    @handler(3 + len(RECALLED_FIELDS) + 4)
+    @handler(3 + len(FORM_FIELDS) + 4)
     def _recall(self, jobs: list, template_ids: list, evt: gr.SelectData):
         """The job's template with its mask painted, its parameters, the mask line and preview,
         and its template highlighted among the editor's templates."""

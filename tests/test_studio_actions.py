@@ -77,6 +77,21 @@ def finish(service, job_id: str, image: Image.Image) -> None:
     )
 
 
+def record_running(service, job_id: str, **extra) -> None:
+    """A worker's running event at step 1 of 2, as the worker records it."""
+    service.jobstate.record_event(
+        JobEvent(
+            job_id=job_id,
+            status="running",
+            at=time.time(),
+            step=1,
+            num_steps=2,
+            worker_id="w",
+            **extra,
+        )
+    )
+
+
 # ----- gallery ------------------------------------------------------------------------------------
 def test_several_templates_upload_at_once_and_bad_files_are_reported_not_fatal(actions, tmp_path):
     good = [upload_file(tmp_path, f"t{i}.png", seed=i) for i in range(3)]
@@ -214,16 +229,7 @@ def test_follow_reports_each_change_until_the_job_ends_and_the_result_can_be_sav
     seen = []
     follower = actions.follow(submitted.job_id)
     seen.append(next(follower))
-    service.jobstate.record_event(
-        JobEvent(
-            job_id=submitted.job_id,
-            status="running",
-            at=time.time(),
-            step=1,
-            num_steps=2,
-            worker_id="w",
-        )
-    )
+    record_running(service, submitted.job_id)
     seen.append(next(follower))
     finish(service, submitted.job_id, sample_template(W, H, seed=9))
     seen.extend(follower)
@@ -428,17 +434,7 @@ def test_live_previews_from_the_event_stream_show_in_the_progress_until_the_job_
     follower = actions.follow_all([first.job_id, second.job_id])
     next(follower)
     for job in (first, second):
-        actions.service.jobstate.record_event(
-            JobEvent(
-                job_id=job.job_id,
-                status="running",
-                at=time.time(),
-                step=1,
-                num_steps=2,
-                worker_id="w",
-                preview=preview,
-            )
-        )
+        record_running(actions.service, job.job_id, preview=preview)
     running = next(follower)
     while [p.preview for p in running] != [preview, preview]:
         running = next(follower)
