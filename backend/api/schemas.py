@@ -17,18 +17,10 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from backend.protocol import MaskOps
+from backend.protocol import JOB_STATES, MaskOps
 
-JobStatus = Literal[
-    "queued",
-    "preprocessing",
-    "waiting",
-    "running",
-    "postprocessing",
-    "done",
-    "failed",
-    "cancelled",
-]  # protocol.JOB_STATES, in the order a job moves through them
+# protocol.JOB_STATES, in the order a job moves through them (Literal of a tuple = of its items)
+JobStatus = Literal[JOB_STATES]  # type: ignore[valid-type]
 JobKind = Literal["edit", "prepare"]
 
 _REACHED = "Unix time at which the job first reached this status; absent until it has"
@@ -91,6 +83,13 @@ class JobView(BaseModel):
     resolution: int = Field(description="Resolution bucket side; 0: the model's default")
     use_cache: bool = Field(description="Reuse the template's cached activations")
     mask_ops: MaskOps = Field(description="The mask operations pre-processing applies")
+    inpaint_area: Literal["whole", "masked"] = Field(
+        description="whole: the model edits the whole image; masked: a padded crop around the "
+        "mask at the model's resolution, pasted back"
+    )
+    crop_padding_px: int = Field(
+        description="Pixels of context around the mask in the masked-area crop (0..1024)"
+    )
     template_id: str = Field(description="The gallery template it edits; empty for an upload")
     width: int = Field(description="The image's width, pixels")
     height: int = Field(description="The image's height, pixels")
