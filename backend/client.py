@@ -101,9 +101,11 @@ class MaskServeClient:
     ) -> dict:
         """Submit an edit; ``params``: negative_prompt, model, steps, guidance, strength, seed,
         threshold, invert, grow_px, feather_px, fill_holes, min_area_px, mode ("generate" or
-        "erase": filled from the surroundings, no prompt needed), resolution, use_cache (None
-        values are left out). Returns the 202 body: job_id, seed, status_url, events_url,
-        result_url."""
+        "erase": filled from the surroundings, no prompt needed), inpaint_area ("whole" or
+        "masked": a padded crop around the mask, edited at the model's resolution and pasted
+        back), crop_padding_px (that crop's context around the mask, 0..1024), resolution,
+        use_cache (None values are left out). Returns the 202 body: job_id, seed, status_url,
+        events_url, result_url."""
         data = {"prompt": prompt} | {k: _form_value(v) for k, v in params.items() if v is not None}
         if template_id is not None:
             data["template_id"] = template_id
@@ -232,6 +234,22 @@ def add_submit_arguments(parser) -> None:
         help="generate (default: the model paints the prompt) or erase (the painted area is "
         "filled from its surroundings at once; no prompt needed)",
     )
+    parser.add_argument(
+        "--inpaint-area",
+        dest="inpaint_area",
+        choices=["whole", "masked"],
+        default=None,
+        help="whole (default: the model edits the whole image) or masked (a padded crop around "
+        "the mask, edited at the model's resolution and pasted back: more detail for a small "
+        "mask on a large image)",
+    )
+    parser.add_argument(
+        "--crop-padding",
+        dest="crop_padding_px",
+        type=int,
+        default=None,
+        help="pixels of context around the mask in the masked-area crop (default 32, 0..1024)",
+    )
     parser.add_argument("--resolution", type=int, default=None)
     parser.add_argument("--no-cache", dest="no_cache", action="store_true")
     parser.add_argument(
@@ -281,6 +299,8 @@ def submit_cli(args, settings=None) -> int:
             "feather_px",
             "min_area_px",
             "mode",
+            "inpaint_area",
+            "crop_padding_px",
             "resolution",
         )
     }

@@ -19,6 +19,7 @@ from backend.api.errors import ERROR_RESPONSES
 from backend.api.schemas import JobAccepted, JobCancelled, JobList, JobView
 from backend.api.security import api_key_query
 from backend.api.service import JobRequest, JobService
+from backend.imaging.uploads import DEFAULT_CROP_PADDING_PX
 from backend.jobstate import TERMINAL
 from backend.protocol import INTERNAL_JOB_FIELDS, MaskOps
 
@@ -94,6 +95,16 @@ def submit_job(
         description="generate (the model paints the prompt) or erase (the painted area is "
         "filled from its surroundings at once, no model, no prompt)",
     ),
+    inpaint_area: str = Form(
+        "whole",
+        description="whole (the model edits the whole image) or masked (a padded crop around the "
+        "mask, edited at the model's resolution and pasted back: more detail for a small mask on "
+        "a large image)",
+    ),
+    crop_padding_px: int = Form(
+        DEFAULT_CROP_PADDING_PX,
+        description="Context around the mask in the masked-area crop, pixels (0..1024)",
+    ),
     resolution: int = Form(0, description="Model resolution bucket side; 0: the model's default"),
     use_cache: bool = Form(True, description="Reuse the template's cached activations"),
 ) -> JSONResponse:
@@ -117,6 +128,8 @@ def submit_job(
             min_area_px=min_area_px,
         ),
         mode=mode,
+        inpaint_area=inpaint_area,
+        crop_padding_px=crop_padding_px,
         resolution=resolution,
         use_cache=use_cache,
         owner=_owner(request),

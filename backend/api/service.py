@@ -41,7 +41,13 @@ from backend.config import Settings
 from backend.history import HistoryIndex
 from backend.imaging.erase import require_erasable
 from backend.imaging.masks import MaskError, feather_support
-from backend.imaging.uploads import UploadError, decode_image, process_mask
+from backend.imaging.uploads import (
+    DEFAULT_CROP_PADDING_PX,
+    UploadError,
+    decode_image,
+    process_mask,
+    validate_inpaint_area,
+)
 
 # the pre task's exact ranges
 from backend.imaging.uploads import _validate_ops as validate_mask_ops
@@ -97,6 +103,9 @@ class JobRequest:
     resolution: int = 0  # 0: the model's default resolution bucket
     # "generate", or "erase": filled from the surroundings in pre-processing (no model, no prompt)
     mode: str = "generate"
+    # "whole", or "masked": a padded crop around the mask at the model's resolution, pasted back
+    inpaint_area: str = "whole"
+    crop_padding_px: int = DEFAULT_CROP_PADDING_PX
     use_cache: bool = True
     # the tenant that owns it (``backend.api.security.Caller.owner``): only it can see the job
     owner: str = ""
@@ -189,6 +198,8 @@ class JobService:
             submitted_at=time.time(),
             template_id=request.template_id or "",
             mode=request.mode,
+            inpaint_area=request.inpaint_area,
+            crop_padding_px=request.crop_padding_px,
         )
         self.jobstate.create(
             job_id,
@@ -202,6 +213,8 @@ class JobService:
             resolution=request.resolution,
             use_cache=bool(request.use_cache),
             mask_ops=vars(request.mask_ops),
+            inpaint_area=request.inpaint_area,
+            crop_padding_px=request.crop_padding_px,
             template_id=request.template_id or "",
             width=image_size[0],
             height=image_size[1],
@@ -416,7 +429,8 @@ class JobService:
             )
         try:
             validate_mask_ops(request.mask_ops)
-        except MaskError as exc:
+            validate_inpaint_area(request.inpaint_area, request.crop_padding_px)
+        except (MaskError, UploadError) as exc:
             raise ServiceError(str(exc)) from None
 
     def _template(

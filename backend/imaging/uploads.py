@@ -6,7 +6,13 @@ Invariants:
 * an image and its mask go through the same ``crop_box_for`` box and the same PIL resize mapping,
   so a masked pixel lands where the image pixel under it lands (to one pixel);
 * buckets are multiples of the model's ``multiple`` and never distort: ``fit_to_bucket``
-  centre-crops to the bucket's aspect before it resizes.
+  centre-crops to the bucket's aspect before it resizes;
+* "inpaint only the masked area" (``inpaint_area="masked"``) is the same crop with another box:
+  ``masked_crop_box`` gives a box of the bucket's aspect (to the nearest pixel) that contains the
+  mask's feather support plus the padding (clamped to the image), its edges snapped outward to a
+  grid of 1/``CROP_GRID_DIVISIONS`` of each image side; ``fit_to_bucket`` and ``mask_to_bucket``
+  take that box, and post-processing pastes back into it (``PastePlan.crop_box``) as it does into
+  the bucket's centre crop (docs/design/crop.md).
 """
 
 from __future__ import annotations
@@ -177,15 +183,112 @@ def crop_box_for(size_wh: tuple[int, int], size_hw: tuple[int, int]) -> tuple[in
     return 0, 0, sw, sh
 
 
-def fit_to_bucket(image: Image.Image, size_hw: tuple[int, int]) -> Image.Image:
+def fit_to_bucket(
+    image: Image.Image, size_hw: tuple[int, int], box: tuple[int, int, int, int] | None = None
+) -> Image.Image:
     """Resize to (height, width) = ``size_hw`` with LANCZOS after a centre crop to the target
-    aspect (``crop_box_for``), so nothing is stretched. The mask must go through the same box:
-    use ``prepare_mask``. An image already of that size comes back as a copy."""
+    aspect (``crop_box_for``), so nothing is stretched; ``box``: crop this (left, top, right,
+    bottom) box instead (``masked_crop_box``, of the target's aspect). The mask must go through
+    the same box: use ``prepare_mask`` / ``mask_to_bucket``. An image already of that size comes
+    back as a copy (without ``box``)."""
     th, tw = size_hw
-    if image.size == (tw, th):
-        return image.copy()
-    box = crop_box_for(image.size, size_hw)
+    if box is None:
+        if image.size == (tw, th):
+            return image.copy()
+        box = crop_box_for(image.size, size_hw)
     return image.resize((tw, th), Image.Resampling.LANCZOS, box=box)
+
+
+INPAINT_AREAS = ("whole", "masked")
+DEFAULT_CROP_PADDING_PX = 32  # A1111's "only masked padding, pixels"
+MAX_CROP_PADDING_PX = 1024
+# crop box edges snap outward to multiples of 1/8 of each image side, so nearby masks share one
+# crop and so one template cache (docs/design/crop.md: the trade-off, measured)
+CROP_GRID_DIVISIONS = 8
+
+
+def validate_inpaint_area(area: str, padding_px: int) -> None:
+    """UploadError saying what to fix when ``area`` is not one of ``INPAINT_AREAS`` or the
+    padding is not a whole number of pixels in 0..``MAX_CROP_PADDING_PX``."""
+    if area not in INPAINT_AREAS:
+        raise UploadError(
+            f"inpaint_area {area!r} is not known: use whole (the model edits the whole image, "
+            "the default) or masked (it edits a padded crop around the mask at its full "
+            "resolution: more detail for a small mask on a large image)"
+        )
+    integral = isinstance(padding_px, int) and not isinstance(padding_px, bool)
+    if not integral or not 0 <= padding_px <= MAX_CROP_PADDING_PX:
+        raise UploadError(
+            f"crop_padding_px {padding_px!r} is out of range: use a whole number of pixels in "
+            f"0..{MAX_CROP_PADDING_PX} (the context kept around the mask when inpaint_area is "
+            "masked)"
+        )
+
+
+def _grid_line(index: int, size: int, divisions: int) -> int:
+    """The ``index``-th of ``divisions + 1`` grid lines across ``size`` pixels (0 and ``size``
+    included), to the nearest pixel."""
+    return (2 * index * size + divisions) // (2 * divisions)
+
+
+def _snap(lo: int, hi: int, size: int, divisions: int) -> tuple[int, int]:
+    """[lo, hi) grown outward to the nearest grid lines (``_grid_line``)."""
+    lines = [_grid_line(i, size, divisions) for i in range(divisions + 1)]
+    return max(x for x in lines if x <= lo), min(x for x in lines if x >= hi)
+
+
+def _place(lo: int, hi: int, length: int, size: int, keep: tuple[int, int]) -> int:
+    """The start of a window of ``length`` centred on [lo, hi), shifted to contain ``keep`` (or,
+    when ``keep`` is longer, centred on it: cut evenly on both sides, as ``crop_box_for`` cuts),
+    then inside [0, size)."""
+    if keep[1] - keep[0] > length:
+        start = keep[0] + (keep[1] - keep[0] - length) // 2
+    else:
+        start = lo - (length - (hi - lo)) // 2
+        start = min(max(start, keep[1] - length), keep[0])
+    return min(max(0, start), size - length)
+
+
+def masked_crop_box(
+    support: np.ndarray,
+    size_hw: tuple[int, int],
+    padding_px: int = DEFAULT_CROP_PADDING_PX,
+    divisions: int = CROP_GRID_DIVISIONS,
+) -> tuple[int, int, int, int]:
+    """(left, top, right, bottom) of the crop an ``inpaint_area="masked"`` edit runs on, in upload
+    pixels: the bounding box of ``support`` (the processed mask's feather support, at the upload's
+    resolution: every pixel paste-back can change) padded by ``padding_px`` on every side and
+    clamped to the image (``masks.crop_to_mask``), its edges snapped outward to the grid lines at
+    multiples of 1/``divisions`` of each side (0: no snapping), then its shorter side grown around
+    its centre to the aspect of ``size_hw`` (the bucket, to the nearest pixel) and the box
+    shifted inside the image.
+
+    Invariants: the box lies inside the image and has the bucket's aspect; it contains the padded
+    support whenever some box of that aspect inside the image does (else it is the largest one,
+    cutting the padded support evenly, as ``crop_box_for`` cuts a whole-image edit's margins: a
+    padded support covering the image gives ``crop_box_for``'s box); its size never
+    shrinks as ``padding_px`` grows. A box reaching the largest of that aspect is
+    ``crop_box_for``'s when that one contains the padded support: the whole-image edit's crop,
+    which shares its cache. Raises MaskError when ``support`` is empty."""
+    height, width = support.shape
+    padded = left, top, right, bottom = masks.crop_to_mask(support, padding_px)
+    if divisions:
+        left, right = _snap(left, right, width, divisions)
+        top, bottom = _snap(top, bottom, height, divisions)
+    (th, tw), (w, h) = size_hw, (right - left, bottom - top)
+    if w * th < tw * h:  # narrower than the bucket: widen, to the nearest pixel
+        w = max(1, (2 * h * tw + th) // (2 * th))
+    else:
+        h = max(1, (2 * w * th + tw) // (2 * tw))
+    full = crop_box_for((width, height), size_hw)
+    if w >= full[2] - full[0] or h >= full[3] - full[1]:
+        pl, pt, pr, pb = padded
+        if full[0] <= pl and full[1] <= pt and pr <= full[2] and pb <= full[3]:
+            return full  # the whole-image edit's crop: it shares that cache
+        w, h = full[2] - full[0], full[3] - full[1]
+    x = _place(left, right, w, width, (padded[0], padded[2]))
+    y = _place(top, bottom, h, height, (padded[1], padded[3]))
+    return x, y, x + w, y + h
 
 
 MAX_MIN_AREA_PX = 4096 * 4096
@@ -222,9 +325,13 @@ def process_mask(mask: Image.Image, image_size_wh: tuple[int, int], ops: MaskOps
     return masks.apply_ops(painted, ops, strict=True)
 
 
-def mask_to_bucket(full_mask: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
+def mask_to_bucket(
+    full_mask: np.ndarray,
+    size_hw: tuple[int, int],
+    box: tuple[int, int, int, int] | None = None,
+) -> np.ndarray:
     """The upload-resolution mask at the model resolution, through the same crop as
-    ``fit_to_bucket``.
+    ``fit_to_bucket`` (``box``: the one given to it, e.g. ``masked_crop_box``'s).
 
     A model pixel is masked when ANY upload pixel under it is (``masks.resize_any``: any overlap,
     in exact integer arithmetic), so thin strokes survive a downscale and every pixel paste-back
@@ -232,7 +339,8 @@ def mask_to_bucket(full_mask: np.ndarray, size_hw: tuple[int, int]) -> np.ndarra
     painting lies wholly in the cropped-off margins.
     """
     height, width = full_mask.shape
-    box = crop_box_for((width, height), size_hw)
+    if box is None:
+        box = crop_box_for((width, height), size_hw)
     resized = masks.resize_any(full_mask, box, size_hw)
     if not resized.any():
         left, top, right, bottom = box

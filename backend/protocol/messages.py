@@ -22,8 +22,9 @@ from backend.protocol.fieldtypes import conform_fields
 
 SCHEMA_MAJOR = 1
 # 1.1: typed heartbeat rows and paste-back plans; unknown fields tolerated. 1.2: mask ops
-# fill_holes and min_area_px, an edit job's mode (erase)
-SCHEMA_MINOR = 2
+# fill_holes and min_area_px, an edit job's mode (erase). 1.3: an edit job's inpaint_area and
+# crop_padding_px
+SCHEMA_MINOR = 3
 PROTOCOL_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 
@@ -50,7 +51,8 @@ class PastePlan:
     """How post-processing pastes a bucket-sized result back into the upload (pre -> post)."""
 
     mask_ref: str  # blob ref of the mask at the upload's resolution
-    crop_box: list[int]  # left, top, right, bottom of the bucket's crop in the upload
+    # left, top, right, bottom in the upload of the bucket's crop, or of the masked-area crop
+    crop_box: list[int]
     feather_px: float = 0.0
 
 
@@ -100,6 +102,10 @@ class EditJob:
     # "generate" (the diffusion model), or "erase": filled from the surroundings by OpenCV (Telea)
     # in pre-processing, which finishes the job itself (no worker, no post-processing)
     mode: str = "generate"
+    # "whole" (the model edits the whole image), or "masked": a padded crop around the mask, at
+    # the model's resolution, pasted back (``uploads.masked_crop_box``; docs/design/crop.md)
+    inpaint_area: str = "whole"
+    crop_padding_px: int = 32  # context kept around the mask when inpaint_area is "masked"
 
 
 JOB_MODES = ("generate", "erase")

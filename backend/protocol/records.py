@@ -62,6 +62,8 @@ class JobRecord:
     resolution: int = 0
     use_cache: bool = True
     mask_ops: dict[str, Any] = field(default_factory=dict)
+    inpaint_area: str = "whole"  # whole | masked: a padded crop around the mask (design/crop.md)
+    crop_padding_px: int = 32
     template_id: str = ""
     width: int = 0
     height: int = 0

@@ -1,10 +1,12 @@
 """Pre- and post-processing: the CPU work around a denoise, shared by the Celery tasks, the
 worker's ``inline`` mode and the worker benchmark (one implementation, three callers).
 
-pre:  template + mask files -> validated images -> resolution bucket -> mask ops -> text encoders
-      and VAE encode -> a ``PreparedRequest`` file + a ``PreparedJob`` message (by reference).
-post: final latents -> VAE decode -> paste-back at the upload's own resolution -> PNG result,
-      WebP thumbnail -> the job marked done.
+pre:  template + mask files -> validated images -> resolution bucket -> mask ops -> the crop
+      (the bucket's centre crop, or with ``inpaint_area="masked"`` a padded box around the mask)
+      -> text encoders and VAE encode -> a ``PreparedRequest`` file + a ``PreparedJob`` message
+      (by reference).
+post: final latents -> VAE decode -> paste-back into the crop box at the upload's own resolution
+      -> PNG result, WebP thumbnail -> the job marked done.
 erase: an ``EditJob`` of mode ``erase`` is finished by pre-processing itself (``erase_job``):
       template + mask -> mask ops -> OpenCV inpainting (Telea) -> the result written and the job
       marked done by the same ``store_result`` as post; no model, no worker.
@@ -42,9 +44,11 @@ from backend.imaging.uploads import (
     encode_image,
     fit_to_bucket,
     mask_to_bucket,
+    masked_crop_box,
     process_mask,
     resolution_bucket,
     thumbnail,
+    validate_inpaint_area,
 )
 from backend.protocol import DenoisedJob, EditJob, JobEvent, PastePlan, PreparedJob
 
@@ -96,12 +100,17 @@ class CpuStages:
             return self._prepare_recording(job, template, size_hw, params, started)
         mask_image = decode_image(self.blobs.get(job.mask_ref), limit, what="mask")
         full_mask = process_mask(mask_image, template.size, job.mask_ops)
-        box = crop_box_for(template.size, size_hw)
         # the model repaints every pixel the feathered paste-back takes (alpha > 0), so the token
         # mask computed from these pixels covers them all (backend.imaging.masks, module notes)
-        pixels = mask_to_bucket(feather_support(full_mask, job.mask_ops.feather_px), size_hw)
+        support = feather_support(full_mask, job.mask_ops.feather_px)
+        validate_inpaint_area(job.inpaint_area, job.crop_padding_px)
+        if job.inpaint_area == "masked":  # a padded crop around the mask (docs/design/crop.md)
+            box = masked_crop_box(support, size_hw, job.crop_padding_px)
+        else:
+            box = crop_box_for(template.size, size_hw)
+        pixels = mask_to_bucket(support, size_hw, box)
         prepared = self.engine.encode(
-            fit_to_bucket(template, size_hw), None, job.prompt, job.seed, params, pixels=pixels
+            fit_to_bucket(template, size_hw, box), None, job.prompt, job.seed, params, pixels=pixels
         )
         prepared_ref, path = self.blobs.new_path("prepared", job_blob_name("prepared", job.job_id))
         prepared.save(path)
