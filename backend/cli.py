@@ -259,9 +259,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     add_bench_parsers(bench)
-    from backend.bench.crop_bench import add_crop_parser  # light: imports numpy only
-
-    add_crop_parser(next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction)))
     add_train_parser(sub)
 
     profile = sub.add_parser(

@@ -9,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from backend.bench.crop_bench import add_crop_parser  # light: numpy only
 from backend.config import Settings
 from backend.dispatch.router import POLICIES as ROUTING_POLICIES
 from backend.models.catalog import DEFAULT_MODEL
@@ -354,6 +355,7 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     route.add_argument("--json", required=True)
     route.set_defaults(func=cmd_bench_route)
     add_soak_parser(bench_sub)
+    add_crop_parser(bench_sub)
 
 
 def cmd_bench_soak(args, settings: Settings) -> int:
