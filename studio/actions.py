@@ -87,6 +87,8 @@ class EditForm:
     fill_holes: bool = False  # a closed painted outline repaints what it encloses (lasso)
     min_area_px: int = 0  # painted specks smaller than this are dropped
     mode: str = "generate"  # or "erase": filled from the surroundings, no model and no prompt
+    inpaint_area: str = "whole"  # or "masked": a padded crop around the mask (design/crop.md)
+    crop_padding_px: int = 32
 
     @property
     def mask_ops(self) -> MaskOps:
@@ -360,6 +362,8 @@ class StudioActions:
             mask_ops=form.mask_ops,
             use_cache=bool(form.use_cache),
             mode=form.mode,
+            inpaint_area=form.inpaint_area,
+            crop_padding_px=int(form.crop_padding_px),
             owner=self.owner,
             listed_for=studio_user(user),
         )

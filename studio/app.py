@@ -186,6 +186,15 @@ class StudioPage(GalleryTab, HistoryTab):
             ui["use_cache"] = gr.Checkbox(
                 label="Reuse the template's cached activations (faster)", value=True
             )
+            with gr.Row():
+                ui["masked_only"] = gr.Checkbox(
+                    label="Inpaint only the masked area (a padded crop at the model's "
+                    "resolution: more detail for small masks in large images)",
+                    value=False,
+                )
+                ui["crop_padding"] = gr.Slider(
+                    0, 256, value=32, step=8, label="Padding around the mask (px)"
+                )
         with gr.Row():
             ui["submit"] = gr.Button("Generate", variant="primary", elem_id="ms-submit")
             ui["erase"] = gr.Button("Erase (instant, no model)", elem_id="ms-erase", min_width=120)
@@ -237,6 +246,8 @@ class StudioPage(GalleryTab, HistoryTab):
         use_cache,
         fill_holes=False,
         min_area=0,
+        masked_only=False,
+        crop_padding=32,
         mode="generate",
     ) -> EditForm:
         return EditForm(
@@ -254,6 +265,8 @@ class StudioPage(GalleryTab, HistoryTab):
             fill_holes=bool(fill_holes),
             min_area_px=int(min_area or 0),
             mode=mode,
+            inpaint_area="masked" if masked_only else "whole",
+            crop_padding_px=int(crop_padding or 0),
         )
 
     def _wire_editor(self, ui: dict, template_ids, current, job_id) -> None:
@@ -456,6 +469,8 @@ class StudioPage(GalleryTab, HistoryTab):
         use_cache,
         fill_holes,
         min_area,
+        masked_only,
+        crop_padding,
         variations,
         mode,
         request: gr.Request,
@@ -478,6 +493,8 @@ class StudioPage(GalleryTab, HistoryTab):
             use_cache,
             fill_holes,
             min_area,
+            masked_only,
+            crop_padding,
             mode,
         )
         idle = (gr.skip(),) * 6
@@ -506,7 +523,7 @@ class StudioPage(GalleryTab, HistoryTab):
             done[0],
             gr.skip(),
             gr.skip(),
-            *self._shown(done[0], erased=mode == "erase"),
+            *self._shown(done[0]),
             self._variants(done) if len(job_ids) > 1 else gr.update(visible=False),
         )
 
@@ -517,7 +534,7 @@ class StudioPage(GalleryTab, HistoryTab):
         ]
         return gr.update(value=items, visible=True, selected_index=0)
 
-    def _shown(self, job_id: str, erased: bool = False) -> tuple:
+    def _shown(self, job_id: str) -> tuple:
         """A finished edit's before/after, its summary, and the buttons that act on it."""
         job = self.actions.job(job_id)
         result = str(self.actions.result_path(job_id))
@@ -530,7 +547,7 @@ class StudioPage(GalleryTab, HistoryTab):
         )
         done = (
             "**Done.** Erased: filled from the surroundings (OpenCV Telea, no model)"
-            if erased
+            if job.get("mode") == "erase"
             else f"**Done.** Seed used: `{job['seed']}` · model `{job['model_id']}` · "
             f"{job['steps']} steps"
         )

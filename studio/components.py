@@ -31,6 +31,8 @@ FORM_FIELDS = (
     "use_cache",
     "fill_holes",
     "min_area",
+    "masked_only",
+    "crop_padding",
 )
 HISTORY_HEADERS = ["submitted", "status", "prompt", "seed", "steps", "model", "total s", "job"]
 # Gradio narrows a gallery's grid to its item count (one template fills the whole width): keep the

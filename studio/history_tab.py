@@ -129,6 +129,8 @@ class HistoryTab:
             job.get("use_cache", True),
             form.fill_holes,
             form.min_area_px,
+            job.get("inpaint_area") == "masked",
+            job.get("crop_padding_px", 32),
             overlay,
             ratio_line,
             gr.update(

@@ -227,6 +227,7 @@ def test_the_new_fields_reach_the_job_message_and_record(client, redis_client):
     assert job.mask_ops == MaskOps(fill_holes=True, min_area_px=4)
     shown = test_client.get(f"/v1/jobs/{job.job_id}").json()
     assert shown["mask_ops"]["fill_holes"] is True and shown["mask_ops"]["min_area_px"] == 4
+    assert shown["mode"] == "erase"
     # the defaults: a generate job whose ops change nothing
     accepted = post(test_client, mask_png(box_mask(SQUARE)), prompt="a vase")
     assert accepted.status_code == 202
@@ -236,6 +237,7 @@ def test_the_new_fields_reach_the_job_message_and_record(client, redis_client):
         if queued.job_id == accepted.json()["job_id"]
     ]
     assert plain.mode == "generate" and plain.mask_ops == MaskOps()
+    assert test_client.get(f"/v1/jobs/{plain.job_id}").json()["mode"] == "generate"
 
 
 def test_the_cli_sends_mode_and_mask_ops():

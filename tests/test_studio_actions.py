@@ -402,7 +402,7 @@ def test_the_predicted_time_comes_from_the_models_cost_profile(actions):
     assert actions.estimate("tiny-sd2-inpaint", 0.0, 20, 7.5) == ""
 
 
-def test_erase_needs_no_prompt_and_the_lasso_and_speck_options_reach_the_job(
+def test_erase_masked_area_lasso_and_speck_options_reach_the_job(
     actions, tmp_path, settings, redis_client
 ):
     (record,), _ = actions.upload([upload_file(tmp_path)])
@@ -410,6 +410,13 @@ def test_erase_needs_no_prompt_and_the_lasso_and_speck_options_reach_the_job(
     actions.submit(USER, record.id, stroke(), form)
     (job,) = pre_queue_jobs(redis_client, settings)
     assert job.mode == "erase" and job.mask_ops.fill_holes and job.mask_ops.min_area_px == 9
+    # "inpaint only the masked area" and its padding reach the job too
+    cropped = EditForm(prompt="a cat", inpaint_area="masked", crop_padding_px=64)
+    submitted = actions.submit(USER, record.id, stroke(), cropped)
+    (masked,) = [j for j in pre_queue_jobs(redis_client, settings) if j.job_id == submitted.job_id]
+    assert (masked.inpaint_area, masked.crop_padding_px) == ("masked", 64)
+    with pytest.raises(StudioError, match="crop_padding"):
+        actions.submit(USER, record.id, stroke(), EditForm(prompt="x", crop_padding_px=-1))
     # the preview applies them too: an outline with fill_holes repaints what it encloses
     ring = Image.new("RGBA", (W, H), (0, 0, 0, 0))
     ring.paste(Image.new("RGBA", (30, 30), (255, 48, 48, 255)), (10, 10))

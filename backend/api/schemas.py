@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from backend.protocol import JOB_STATES, MaskOps
+from backend.protocol.messages import JOB_MODES
 
 # protocol.JOB_STATES, in the order a job moves through them (Literal of a tuple = of its items)
 JobStatus = Literal[JOB_STATES]  # type: ignore[valid-type]
@@ -83,6 +84,10 @@ class JobView(BaseModel):
     resolution: int = Field(description="Resolution bucket side; 0: the model's default")
     use_cache: bool = Field(description="Reuse the template's cached activations")
     mask_ops: MaskOps = Field(description="The mask operations pre-processing applies")
+    mode: Literal[JOB_MODES] = Field(  # type: ignore[valid-type]
+        description="generate: the model paints the mask; erase: filled from the surroundings "
+        "(OpenCV Telea, no model)"
+    )
     inpaint_area: Literal["whole", "masked"] = Field(
         description="whole: the model edits the whole image; masked: a padded crop around the "
         "mask at the model's resolution, pasted back"

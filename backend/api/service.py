@@ -213,6 +213,7 @@ class JobService:
             resolution=request.resolution,
             use_cache=bool(request.use_cache),
             mask_ops=vars(request.mask_ops),
+            mode=request.mode,
             inpaint_area=request.inpaint_area,
             crop_padding_px=request.crop_padding_px,
             template_id=request.template_id or "",

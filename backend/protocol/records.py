@@ -62,6 +62,7 @@ class JobRecord:
     resolution: int = 0
     use_cache: bool = True
     mask_ops: dict[str, Any] = field(default_factory=dict)
+    mode: str = "generate"  # generate | erase: filled from the surroundings, no model
     inpaint_area: str = "whole"  # whole | masked: a padded crop around the mask (design/crop.md)
     crop_padding_px: int = 32
     template_id: str = ""
