@@ -149,6 +149,8 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(
     )
     screenshot(page, tmp_path, "1-gallery")
     page.get_by_role("tab", name="Editor").click()
+    # the empty editor says what to do first (not "select the draw tool")
+    page.locator("#ms-canvas").get_by_text("Pick a template on the left").wait_for()
     page.locator("#ms-pick").get_by_text(name).click()
     page.locator("#ms-canvas canvas").first.wait_for(timeout=30_000)
     page.wait_for_timeout(500)  # the canvas loads the template before the brush is ready
@@ -169,6 +171,9 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(
     info = page.locator("#ms-info").inner_text()
     job_id = re.search(r"job ([0-9a-f]{32})", info).group(1)
     assert re.search(r"Seed used: \d+", info) and "6 steps" in info, info
+    # the result lands on the first screen, beside the canvas: at least its upper half shows
+    shown = page.locator("#ms-compare").bounding_box()
+    assert shown["y"] + shown["height"] / 2 < page.viewport_size["height"], shown
 
     # the studio is its own tenant: an API key does not see its jobs ...
     with MaskServeClient(base, API_KEY) as client, pytest.raises(MaskServeError) as hidden:

@@ -238,7 +238,7 @@ class Target:
         )
         self.cache_dir = settings.paths.resolved_cache_dir()
         roles = plan_roles(settings, engine_devices(), cpu_workers=self.cfg.cpu_workers)
-        assign_metrics_ports(roles, settings, free_port)
+        assign_metrics_ports(roles, settings)  # fixed ports when free, like `up`
         for role in roles:
             role.env = {**env, **role.env}
         self.stack = Stack(settings, roles)
