@@ -101,9 +101,6 @@ class StudioPage(GalleryTab, HistoryTab):
                     object_fit="contain",
                     elem_id="ms-pick",
                 )
-                ui["picked"] = gr.Markdown(
-                    "No template selected.", elem_classes="ms-muted", elem_id="ms-picked"
-                )
             with gr.Column(scale=3, min_width=420):
                 self._canvas_column(ui)
             with gr.Column(scale=2, min_width=300):
@@ -113,6 +110,9 @@ class StudioPage(GalleryTab, HistoryTab):
 
     @staticmethod
     def _canvas_column(ui: dict) -> None:
+        # above the canvas: what to do first, then which template it shows (an empty editor
+        # is a blank page that takes strokes, so it must say a template comes first)
+        ui["picked"] = gr.Markdown(CANVAS_PLACEHOLDER, elem_id="ms-picked")
         ui["canvas"] = gr.ImageEditor(
             label="Paint over the area to change",
             type="pil",
@@ -124,7 +124,6 @@ class StudioPage(GalleryTab, HistoryTab):
             transforms=(),
             layers=gr.LayerOptions(allow_additional_layers=False),
             height=520,
-            placeholder=CANVAS_PLACEHOLDER,
             elem_id="ms-canvas",
         )
         ui["ratio"] = gr.Markdown(NOTHING_PAINTED, elem_id="ms-ratio")

@@ -12,7 +12,7 @@ from studio.actions import StudioError
 
 BRUSH = gr.Brush(default_size=24, colors=["#ff3030", "#30a0ff", "#ffffff"], color_mode="defaults")
 GALLERY_COLUMNS = 3
-CANVAS_PLACEHOLDER = "Pick a template on the left, then paint over the area to change"
+CANVAS_PLACEHOLDER = "**Pick a template on the left**, then paint over the area to change."
 NOTHING_PAINTED = "Mask: nothing painted yet"
 PREVIEW_PREFIX = "data:image/png;base64,"  # the only previews the page shows (from the worker)
 # the editor's form fields, in the order EditForm is built from them and a recall sets them

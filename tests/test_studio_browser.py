@@ -149,8 +149,8 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(
     )
     screenshot(page, tmp_path, "1-gallery")
     page.get_by_role("tab", name="Editor").click()
-    # the empty editor says what to do first (not "select the draw tool")
-    page.locator("#ms-canvas").get_by_text("Pick a template on the left").wait_for()
+    # the empty editor says what to do first (not "select the draw tool" or a blank page)
+    page.locator("#ms-picked").get_by_text("Pick a template on the left").wait_for()
     page.locator("#ms-pick").get_by_text(name).click()
     page.locator("#ms-canvas canvas").first.wait_for(timeout=30_000)
     page.wait_for_timeout(500)  # the canvas loads the template before the brush is ready
