@@ -281,8 +281,7 @@ class StudioActions:
         return spec.default_steps, spec.default_guidance
 
     def estimate(self, model: str, mask_ratio: float, steps: int, guidance: float) -> str:
-        """The predicted time of an edit's attention blocks (the units the cache spares; the
-        profile does not cover the rest of a step) alone on an idle worker of ``model``, with
+        """The predicted denoising time of an edit alone on an idle worker of ``model``, with
         the template's cache and as the ordinary pipeline, from the fitted cost profile of the
         device a live worker of it runs on (else the deployment's); "" without a profile."""
         from backend.costmodel.predict import estimate_edit
@@ -304,7 +303,7 @@ class StudioActions:
             return ""
         guess = estimate_edit(profile, mask_ratio, steps, guidance)
         return (
-            f"attention blocks ~{_seconds(guess.cached_s)} s with the cache, "
+            f"denoising ~{_seconds(guess.cached_s)} s with the cache, "
             f"~{_seconds(guess.ordinary_s)} s without ({guess.speedup:.1f}x, {steps} steps on "
             f"{device})"
         )

@@ -194,5 +194,29 @@ def test_build_profile_fits_both_lines():
         [(b, 1e-9 * b + 1e-5) for b in (1e5, 1e6, 1e7)],
     )
     assert profile.compute.slope == pytest.approx(2e-12) and profile.load.r2 == pytest.approx(1.0)
+    assert profile.rest_seconds(4) == 0.0  # no step samples: the rest is unknown, 0
     with pytest.raises(ValueError, match="mode"):
         build_profile("m", "cpu", "sparse", UNITS, [], [])
+
+
+def test_the_rest_of_a_step_is_fitted_per_row_and_read_as_0_from_older_profiles():
+    profile = build_profile(
+        "m",
+        "cpu",
+        "kv",
+        UNITS,
+        [(f, 2e-12 * f + 1e-4) for f in (1e9, 4e9)],
+        [(b, 1e-9 * b) for b in (1e5, 1e6)],
+        [(2.0, 0.03), (4.0, 0.05), (2.0, 0.03)],  # (rows, seconds outside the units)
+    )
+    assert profile.rest_seconds(2) == pytest.approx(0.03) and profile.rest_seconds(8) == (
+        pytest.approx(0.09)
+    )
+    assert CostProfile.from_json(profile.to_json()) == profile
+    older = json.loads(profile.to_json())
+    del older["step_rest"]
+    assert CostProfile.from_json(json.dumps(older)).rest_seconds(4) == 0.0
+    with pytest.raises(ValueError, match="step_rest.slope"):
+        CostProfile.from_json(
+            json.dumps({**older, "step_rest": {"slope": "x", "intercept": 0, "r2": 1}})
+        )

@@ -25,6 +25,8 @@ def test_profile_fits_and_round_trips(flux_engine, tmp_path):
     costs = profile.unit_costs([RowWork(0.2, "t")])
     assert len(costs) == flux_engine.num_units and all(c.compute_dense_s >= 0 for c in costs)
     assert all(u.cache_bytes_per_token > 0 for u in profile.units)
+    # a step's time outside the units is measured at two row counts and grows with the rows
+    assert profile.rest_seconds(2) > 0 and profile.rest_seconds(4) >= profile.rest_seconds(2) * 0.5
     path = profile_path(tmp_path, flux_engine.spec.model_id, "cpu", "kv")
     path.write_text(profile.to_json())
     assert CostProfile.from_json(path.read_text()) == profile

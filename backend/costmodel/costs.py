@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
@@ -36,6 +36,9 @@ class LinearModel:
 
     def predict(self, x: float) -> float:
         return self.slope * x + self.intercept
+
+
+STEP_REST_UNKNOWN = LinearModel(0.0, 0.0, 0.0)  # a step's time outside the units, not measured
 
 
 def fit_linear(xs: Sequence[float], ys: Sequence[float]) -> LinearModel:
@@ -229,6 +232,9 @@ class CostProfile:
     compute: LinearModel  # seconds vs FLOPs of a unit (fit over cached and dense samples together)
     load: LinearModel  # seconds vs bytes
     units: list[UnitShape]
+    # seconds of a step outside the units (convolutions, embeddings, the scheduler) vs the rows
+    # in the batch; a profile written before it was measured reads as 0 (``STEP_REST_UNKNOWN``)
+    step_rest: LinearModel = field(default_factory=lambda: STEP_REST_UNKNOWN)
 
     def __post_init__(self) -> None:
         if self.format_version != FORMAT_VERSION:
@@ -244,6 +250,10 @@ class CostProfile:
 
     def unit_costs(self, rows: Sequence[RowWork]) -> list[UnitCost]:
         return batch_unit_costs(self, rows)
+
+    def rest_seconds(self, num_rows: int) -> float:
+        """Seconds of a step of ``num_rows`` rows spent outside the units."""
+        return _seconds(self.step_rest, num_rows)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -263,7 +273,9 @@ class CostProfile:
                 f"cost profile format_version {version!r} is not supported (expected "
                 f"{FORMAT_VERSION}): re-run the profiler for this model and device"
             )
-        _check_keys(data, {f.name for f in fields(cls)}, "cost profile")
+        optional = {"step_rest"}  # absent from profiles measured before it was
+        required = {f.name for f in fields(cls)} - optional
+        _check_keys({k: v for k, v in data.items() if k not in optional}, required, "cost profile")
         for key in ("model_id", "device"):
             if not isinstance(data[key], str) or not data[key]:
                 raise ValueError(f"cost profile field {key!r} must be a non-empty string")
@@ -281,6 +293,9 @@ class CostProfile:
             _parse_line(data["compute"], "compute"),
             _parse_line(data["load"], "load"),
             [_parse_unit(u, i) for i, u in enumerate(data["units"])],
+            _parse_line(data["step_rest"], "step_rest")
+            if "step_rest" in data
+            else STEP_REST_UNKNOWN,
         )
 
 
@@ -325,13 +340,16 @@ def build_profile(
     units: Sequence[UnitShape],
     compute_samples: Sequence[tuple[float, float]],
     load_samples: Sequence[tuple[float, float]],
+    rest_samples: Sequence[tuple[float, float]] = (),
 ) -> CostProfile:
-    """Profile from measurements: (FLOPs, seconds) of cached and dense unit runs together, and
-    (bytes, seconds) of host->device copies."""
+    """Profile from measurements: (FLOPs, seconds) of cached and dense unit runs together,
+    (bytes, seconds) of host->device copies and (rows, seconds) of steps outside the units (at
+    least two row counts; none: unknown, 0)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     compute = fit_linear(*zip(*compute_samples)) if compute_samples else None
     load = fit_linear(*zip(*load_samples)) if load_samples else None
     if compute is None or load is None:
         raise ValueError("a profile needs compute and load samples")
-    return CostProfile(FORMAT_VERSION, model_id, device, mode, compute, load, list(units))
+    rest = fit_linear(*zip(*rest_samples)) if rest_samples else STEP_REST_UNKNOWN
+    return CostProfile(FORMAT_VERSION, model_id, device, mode, compute, load, list(units), rest)

@@ -1,5 +1,6 @@
 """What one edit's denoising will take, from a fitted cost profile: with the template's cache (the
-loading plan the worker would pick) and as the ordinary pipeline (every token, every step).
+loading plan the worker would pick) and as the ordinary pipeline (every token, every step), each
+step's time outside the units (``CostProfile.step_rest``) added to both.
 
 Pure: a profile and numbers in, seconds out. It is an estimate of an idle worker's denoising only
 (no queue, no encode/decode); the studio shows it before a submit. Classifier-free guidance runs
@@ -42,4 +43,8 @@ def estimate_edit(
     costs = profile.unit_costs(rows)
     plan = solve_plan(costs, profile.stack_ids, monotone_within_stack=profile.mode == "kv")
     ordinary = sum(cost.compute_dense_s for cost in costs)
-    return EditEstimate(cached_s=min(plan.latency_s, ordinary) * steps, ordinary_s=ordinary * steps)
+    rest = profile.rest_seconds(halves)  # the same either way: the cache spares units only
+    return EditEstimate(
+        cached_s=(min(plan.latency_s, ordinary) + rest) * steps,
+        ordinary_s=(ordinary + rest) * steps,
+    )

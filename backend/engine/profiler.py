@@ -80,7 +80,7 @@ def measure_profile(
     template = sample_template(size, size, seed=3)
     cache = engine.prepare_template(template, params)
     shapes = unit_shapes(engine, cache, mode)
-    compute, load = [], []
+    compute, load, rest = [], [], []
     for ratio in tqdm(
         (*PROFILE_RATIOS, None), desc=f"profile {engine.spec.model_id} {mode}", unit="ratio"
     ):
@@ -91,7 +91,7 @@ def measure_profile(
                 template, mask, "profile", 0, params, cache=cache if ratio else None
             )
             seconds: dict[int, float] = {}
-            engine.step([state], mode, unit_seconds=seconds)
+            rest.append(_time_rest(engine, [state], mode, seconds))
             for unit, shape in enumerate(shapes):
                 masked = (
                     shape.num_tokens
@@ -105,7 +105,20 @@ def measure_profile(
     )  # checksum check and page cache, untimed
     for count in range(1, engine.num_units + 1):  # growing batches of units: distinct byte counts
         load.append(_time_load(cache, range(count), mode, device))
-    return build_profile(engine.spec.model_id, device, mode, shapes, compute, load)
+    everything = Image.fromarray(synthetic_mask(size, size, 1.0, seed=5).astype(np.uint8) * 255)
+    for _ in range(repeats):  # a dense batch of two requests: the rest's second row count
+        pair = [engine.start(template, everything, "profile", seed, params) for seed in (0, 1)]
+        rest.append(_time_rest(engine, pair, mode, {}))
+    return build_profile(engine.spec.model_id, device, mode, shapes, compute, load, rest)
+
+
+def _time_rest(engine: MaskAwareEngine, states: list, mode: str, seconds: dict) -> tuple:
+    """(rows, seconds) of one step of ``states`` spent outside the units (``seconds`` receives
+    each unit's time)."""
+    started = time.perf_counter()
+    engine.step(states, mode, unit_seconds=seconds)
+    elapsed = time.perf_counter() - started
+    return float(sum(s.req.halves for s in states)), max(0.0, elapsed - sum(seconds.values()))
 
 
 def _time_load(cache, units, mode: str, device: str) -> tuple[float, float]:
