@@ -331,6 +331,7 @@ class StudioActions:
             raise StudioError(f"variations must be a whole number from 1 to {MAX_VARIATIONS}")
         if not 1 <= count <= MAX_VARIATIONS:
             raise StudioError(f"ask for 1 to {MAX_VARIATIONS} variations, not {count}")
+        started = time.perf_counter()
         request = self._edit_request(user, template_id, editor_value, form)
         first = secrets.randbelow(MAX_SEED + 1) if form.seed is None else form.seed
         submitted = []
@@ -339,6 +340,14 @@ class StudioActions:
             job = _service_call(self.service.submit, dataclasses.replace(request, seed=seed))
             self.on_submitted(job.model_id)
             submitted.append(job)
+        # what the studio itself adds before the first job exists (mask, blobs, queueing)
+        log.info(
+            "studio queued %d %s job(s) in %.3f s: %s",
+            count,
+            form.mode,
+            time.perf_counter() - started,
+            ", ".join(job.job_id for job in submitted),
+        )
         return submitted
 
     def _edit_request(self, user: str, template_id: str, editor_value, form: EditForm):
