@@ -90,6 +90,16 @@ class MaskServeClient:
     def delete_template(self, template_id: str) -> None:
         self._call("DELETE", f"/v1/templates/{template_id}")
 
+    def prepare_template(
+        self, template_id: str, model: str | None = None, steps: int | None = None, resolution=0
+    ) -> dict:
+        """Record the template's activation cache for edits with these settings; returns the 202
+        body (job_id, status_url, cache_url)."""
+        data = {"resolution": resolution} | {
+            k: v for k, v in (("model", model), ("steps", steps)) if v is not None
+        }
+        return self._call("POST", f"/v1/templates/{template_id}/prepare", data=data).json()
+
     # ----- jobs -----------------------------------------------------------------------------------
     def submit(
         self,

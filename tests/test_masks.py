@@ -11,6 +11,7 @@ from PIL import Image
 
 from backend.imaging import masks
 from backend.imaging.masks import (
+    MASK_KINDS,
     MaskError,
     apply_ops,
     crop_to_mask,
@@ -277,7 +278,7 @@ def test_crop_to_mask_pads_clips_and_rounds_to_a_multiple():
         crop_to_mask(np.zeros((4, 4), bool), 0, 1)
 
 
-@pytest.mark.parametrize("kind", ["blob", "rect"])
+@pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("ratio", [0.05, 0.2, 0.5, 0.8])
 def test_synthetic_masks_hit_the_ratio_and_are_not_prefixes(kind, ratio):
     mask = synthetic_mask(64, 96, ratio, seed=3, kind=kind)
@@ -297,6 +298,15 @@ def test_synthetic_mask_extremes_and_seeds():
     )
     with pytest.raises(ValueError, match="kind"):
         synthetic_mask(8, 8, 0.5, seed=0, kind="star")
+
+
+def test_stroke_masks_are_thin_paths_not_blobs():
+    """A stroke of a tenth of the image spans much of it (a path), where a disc of that area would
+    span a third of the side."""
+    mask = synthetic_mask(128, 128, 0.1, seed=5, kind="stroke")
+    rows, cols = np.nonzero(mask)
+    span = max(rows.max() - rows.min(), cols.max() - cols.min()) + 1
+    assert span > 64
 
 
 @pytest.mark.parametrize("source_hw, box, size_hw", [

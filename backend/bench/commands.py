@@ -1,4 +1,5 @@
-"""`maskserve bench ...`: the benchmark commands (engine, worker, route, soak) and their arguments.
+"""`maskserve bench ...`: the benchmark commands (engine, demo, worker, route, soak, crop, serve)
+and their arguments.
 
 Each command imports its benchmark module only when it runs, so `maskserve --help` stays light.
 """
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 from backend.bench.crop_bench import add_crop_parser  # light: numpy only
+from backend.bench.serve_cli import add_serve_parser  # light: argparse only
 from backend.config import Settings
 from backend.dispatch.router import POLICIES as ROUTING_POLICIES
 from backend.models.catalog import DEFAULT_MODEL
@@ -356,6 +358,7 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     route.set_defaults(func=cmd_bench_route)
     add_soak_parser(bench_sub)
     add_crop_parser(bench_sub)
+    add_serve_parser(bench_sub)
 
 
 def cmd_bench_soak(args, settings: Settings) -> int:

@@ -211,10 +211,13 @@ def _png(image) -> bytes:
 
 # ----- the stack under test ---------------------------------------------------------------------
 class Target:
-    """The stack a soak drives: its URL and key, Redis, role processes and data directory."""
+    """The stack a soak drives: its URL and key, Redis, role processes and data directory.
+    ``extra_env``: settings of every role it starts, over the soak's own (``_stack_env``)."""
 
-    def __init__(self, cfg: SoakConfig, settings: Settings):
+    def __init__(self, cfg: SoakConfig, settings: Settings, extra_env: dict | None = None):
         self.cfg, self.settings = cfg, settings
+        self.extra_env = dict(extra_env or {})
+        self.made_data_dir = False
         self.stack = None
         self.base_url, self.api_key, self.redis_url = cfg.url, cfg.api_key, cfg.redis_url
         self.data_dir = Path(cfg.data_dir or settings.paths.data_dir)
@@ -230,9 +233,10 @@ class Target:
 
         models_dir = self.settings.paths.resolved_models_dir().resolve()
         materialize(self.cfg.model_id, models_dir)  # once, before every role loads it
+        self.made_data_dir = not self.cfg.data_dir  # a temporary one, the caller's to remove
         self.data_dir = Path(self.cfg.data_dir or tempfile.mkdtemp(prefix="maskserve-soak-"))
         port, self.api_key = free_port(), secrets.token_urlsafe(16)
-        env = _stack_env(self.cfg, models_dir, port, self.api_key)
+        env = _stack_env(self.cfg, models_dir, port, self.api_key) | self.extra_env
         settings = load_settings(
             env={**os.environ, **env}, paths={"data_dir": str(self.data_dir)}, redis={"url": ""}
         )

@@ -1,9 +1,10 @@
 """Synthetic request traces for serving benchmarks (pure: numpy only, seeded).
 
-Arrivals are Poisson (exponential gaps, optionally bursty); templates follow a Zipf popularity (a
-few hot templates, a long tail); mask ratios follow a Beta distribution with the requested mean
-(FlashPS reports a mean of 0.11 in its production trace and 0.19 in the public one), clipped to
-[0.02, 0.9].
+Arrivals are Poisson (exponential gaps, optionally alternating calm and busy periods), or a
+two-state Markov-modulated Poisson process (``mmpp_trace``: rare bursts at a multiple of the mean
+rate, as ROCK saw in production); templates follow a Zipf popularity (a few hot templates, a long
+tail); mask ratios follow a Beta distribution with the requested mean (FlashPS reports a mean of
+0.11 in its production trace and 0.19 in the public one), clipped to [0.02, 0.9].
 """
 
 from __future__ import annotations
@@ -65,6 +66,54 @@ def poisson_trace(
         if now >= duration_s:
             break
         arrivals.append(now)
+    return _requests(rng, arrivals, num_templates, mask_mean, zipf_exponent)
+
+
+def mmpp_trace(
+    rps: float,
+    duration_s: float,
+    num_templates: int,
+    mask_mean: float,
+    seed: int = 0,
+    zipf_exponent: float = 1.1,
+    burst_factor: float = 10.0,
+    burst_share: float = 0.05,
+    burst_s: float = 3.0,
+) -> list[TraceRequest]:
+    """A two-state Markov-modulated Poisson trace with long-run mean rate ``rps``.
+
+    The busy state runs at ``burst_factor`` x ``rps`` and holds ``burst_share`` of the time in
+    stays of ``burst_s`` on average (exponential); the calm state's rate is what keeps the mean:
+    ``rps * (1 - share * factor) / (1 - share)``. Invariant: ``share * factor < 1``."""
+    if rps <= 0 or duration_s <= 0:
+        raise ValueError("rps and duration must be positive")
+    if not (0 < burst_share < 1 and burst_factor >= 1 and burst_share * burst_factor < 1):
+        raise ValueError(
+            f"burst share x factor must stay under 1 (got {burst_share} x {burst_factor})"
+        )
+    rng = np.random.default_rng(seed)
+    rates = (rps * (1 - burst_share * burst_factor) / (1 - burst_share), rps * burst_factor)
+    dwell = (burst_s * (1 - burst_share) / burst_share, burst_s)
+    arrivals, now, state = [], 0.0, 0
+    while now < duration_s:
+        until = min(duration_s, now + rng.exponential(dwell[state]))
+        while True:  # Poisson arrivals within this stay (memoryless: restart at its end)
+            now += rng.exponential(1.0 / rates[state])
+            if now >= until:
+                break
+            arrivals.append(now)
+        now, state = until, 1 - state
+    return _requests(rng, arrivals, num_templates, mask_mean, zipf_exponent)
+
+
+def _requests(
+    rng: np.random.Generator,
+    arrivals: list[float],
+    num_templates: int,
+    mask_mean: float,
+    zipf_exponent: float,
+) -> list[TraceRequest]:
+    """Requests at ``arrivals``: a Zipf template, a Beta mask ratio and a seed each."""
     templates = rng.choice(
         num_templates, size=len(arrivals), p=zipf_weights(num_templates, zipf_exponent)
     )

@@ -130,6 +130,7 @@ def invert(mask: np.ndarray) -> np.ndarray:
 KERNEL_MAX_RADIUS = 24
 # float32 distances tell r^2 from r^2 + 1 apart safely up to here (see _within_disc)
 DISTANCE_MAX_RADIUS = 1024
+MASK_KINDS = ("blob", "stroke", "rect")  # synthetic_mask: shapes painted masks take in benchmarks
 
 
 def disc(radius: int) -> np.ndarray:
@@ -444,6 +445,22 @@ def _rect_mask(height: int, width: int, area: float, rng: np.random.Generator) -
     return out
 
 
+def _stroke_mask(height: int, width: int, count: int, rng: np.random.Generator) -> np.ndarray:
+    """The ``count`` pixels nearest a random polyline of 2-4 segments (a brush's path): a level
+    set of the distance to it, so the area is exact and the shape is a stroke of even width."""
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float64)
+    points = rng.uniform(0.1, 0.9, size=(int(rng.integers(3, 6)), 2)) * (height, width)
+    distance = np.full((height, width), np.inf)
+    for (y0, x0), (y1, x1) in zip(points[:-1], points[1:]):
+        dy, dx = y1 - y0, x1 - x0
+        along = np.clip(((yy - y0) * dy + (xx - x0) * dx) / max(dy * dy + dx * dx, 1e-9), 0, 1)
+        distance = np.minimum(distance, np.hypot(yy - y0 - along * dy, xx - x0 - along * dx))
+    order = np.argsort(distance, axis=None, kind="stable")
+    out = np.zeros(height * width, dtype=bool)
+    out[order[:count]] = True
+    return out.reshape(height, width)
+
+
 def _blob_mask(height: int, width: int, count: int, rng: np.random.Generator) -> np.ndarray:
     """The ``count`` pixels closest to a union of 1-4 random rotated ellipses (in each ellipse's
     own normalised distance): a level set of that union, so the area is exact and the shape is
@@ -470,16 +487,17 @@ def synthetic_mask(
 ) -> np.ndarray:
     """Realistic bool (H, W) mask covering about ``ratio`` of the image, for benchmarks.
 
-    ``blob``: union of random ellipses, area exact to one pixel; ``rect``: a rectangle, area within
-    ~0.5 % for images of a few dozen pixels a side. Deterministic in ``seed``; ratio 0 gives no
-    pixel, ratio 1 every pixel.
+    ``blob``: union of random ellipses, area exact to one pixel; ``stroke``: a brush stroke (a thick
+    random polyline), area exact to one pixel; ``rect``: a rectangle, area within ~0.5 % for images
+    of a few dozen pixels a side. Deterministic in ``seed``; ratio 0 gives no pixel, ratio 1 every
+    pixel.
     """
     if height < 1 or width < 1:
         raise ValueError(f"mask size must be positive, got {height}x{width}")
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ratio must be in [0, 1], got {ratio}")
-    if kind not in ("blob", "rect"):
-        raise ValueError(f"kind must be 'blob' or 'rect', got {kind!r}")
+    if kind not in MASK_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(MASK_KINDS)}, got {kind!r}")
     count = round(ratio * height * width)
     if count == 0:
         return np.zeros((height, width), dtype=bool)
@@ -488,4 +506,6 @@ def synthetic_mask(
     rng = np.random.default_rng(seed)
     if kind == "rect":
         return _rect_mask(height, width, ratio * height * width, rng)
+    if kind == "stroke":
+        return _stroke_mask(height, width, count, rng)
     return _blob_mask(height, width, count, rng)
