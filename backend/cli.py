@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from backend.bench.commands import add_bench_parsers
-from backend.config import Settings, SettingsError, load_settings
+from backend.config import BATCHING_MODES, Settings, SettingsError, load_settings
 from backend.dispatch.router import POLICIES as ROUTING_POLICIES
 from backend.models.catalog import DEFAULT_MODEL
 from backend.training.commands import add_train_parser
@@ -282,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--worker-id", default=None, help="default: MASKSERVE_WORKER_ID or worker-0"
     )
-    worker.add_argument("--batching", choices=["continuous", "static", "inline"], default=None)
+    worker.add_argument("--batching", choices=BATCHING_MODES, default=None)
     worker.add_argument("--max-batch", type=int, default=None)
     worker.set_defaults(func=cmd_role, role="worker", overrides=_worker_overrides)
 

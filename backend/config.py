@@ -10,7 +10,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -91,7 +91,8 @@ class EngineSettings(_Strict):
         return _check_device(value)
 
 
-BatchingMode = Literal["continuous", "static", "inline"]
+BatchingMode = Literal["continuous", "static", "inline", "baseline"]
+BATCHING_MODES = get_args(BatchingMode)
 EvictionPolicy = Literal["lru", "lfu"]
 
 
@@ -105,7 +106,9 @@ class WorkerSettings(_Strict):
     batching: BatchingMode = "continuous"
     """``continuous``: admit at every step; ``static``: a batch runs to completion before new rows
     join; ``inline``: continuous with pre/post-processing inside the worker loop (the paper's
-    strawman, for comparison)."""
+    strawman, for comparison); ``baseline``: the ordinary diffusers pipeline, no activation cache
+    and no masked-token compute, one call per static batch of requests of the same size, steps,
+    strength and guidance (what MaskServe is measured against; the worker loads the whole model)."""
     idle_poll_s: float = Field(default=0.05, gt=0.0, le=5.0)
     """Seconds an idle worker blocks on its inbox before checking cancels and shutdown."""
     metrics_port: int = Field(default=0, ge=0, le=65535)

@@ -78,6 +78,7 @@ def make_prepared_job(
         num_steps=params.steps,
         mask_ratio=float(prepared.pixels.mean()),
         cache_digest=prepared.cache_key.digest() if prepared.cache_key else "",
+        prompt=prompt,
     )
 
 

@@ -52,6 +52,23 @@ def test_inline_admits_like_continuous():
     assert out.admitted == ["b"]
 
 
+def test_baseline_batches_the_oldest_rows_key_only_and_admits_when_nothing_runs():
+    scheduler = BatchScheduler(max_batch=2, mode="baseline")
+    for name, key in (("a", "x"), ("b", "y"), ("c", "x"), ("d", "x")):
+        scheduler.add(make_row(name, steps=2, key=key))
+    out, _ = run_step(scheduler)
+    assert out.admitted == ["a", "c"] and out.groups == [["a", "c"]] and out.held == []
+    assert list(scheduler.waiting) == ["b", "d"]  # b keeps its place at the head
+    scheduler.add(make_row("e", steps=2, key="y"))
+    out, finished = run_step(scheduler)
+    assert out.admitted == [] and [r.job_id for r in finished] == ["a", "c"]
+    out, _ = run_step(scheduler)
+    assert out.admitted == ["b", "e"] and out.groups == [["b", "e"]]
+    run_step(scheduler)
+    out, _ = run_step(scheduler)
+    assert out.admitted == ["d"]
+
+
 def test_max_batch_is_respected_and_fifo():
     scheduler = BatchScheduler(max_batch=2)
     for name in "abcd":
@@ -127,7 +144,7 @@ def test_bad_rows_are_rejected():
         BatchScheduler(0)
 
 
-@pytest.mark.parametrize("mode", ["continuous", "static", "inline"])
+@pytest.mark.parametrize("mode", ["continuous", "static", "inline", "baseline"])
 def test_random_walk_keeps_invariants(mode):
     rng = random.Random(7)
     scheduler = BatchScheduler(max_batch=3, mode=mode)
@@ -146,6 +163,8 @@ def test_random_walk_keeps_invariants(mode):
         # each running row once, never above max_batch
         assert len(stepped) == len(set(stepped)) <= 3
         assert set(stepped) == set(scheduler.running)
+        if mode == "baseline":  # one pipeline call: every running row of one key
+            assert len(out.groups) <= 1
         for job_id in stepped:
             steps_run[job_id] = steps_run.get(job_id, 0) + 1
         for row in scheduler.update_from_output(stepped):

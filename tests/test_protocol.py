@@ -43,6 +43,7 @@ MESSAGES = [
         cache_digest="abc",
         paste=PastePlan(mask_ref="masks/j1.png", crop_box=[0, 8, 200, 158], feather_px=2.0),
         timings={"pre_s": 0.1},
+        prompt="a lamp",
     ),
     DenoisedJob(
         job_id="j1",

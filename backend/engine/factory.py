@@ -5,7 +5,8 @@ Each role loads only the parts of the model it runs (``ROLES``): the CPU stages 
 encode prompts and images and decode results, so they load the text encoders, tokenizers and
 VAE; an engine worker only steps the denoiser, so it loads the denoiser and the scheduler (its
 VAE's config values come without weights, see ``load_pipeline``), unless it runs the CPU stages
-itself (``inline`` batching). The CLI and the benchmarks load everything.
+itself (``inline`` batching) or is the ``baseline`` worker (the ordinary pipeline, with its own text
+encoders and VAE encode, as a user runs it). The CLI and the benchmarks load everything.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ ROLES: dict[str, frozenset[str] | None] = {
 
 
 def engine_worker_role(settings: Settings) -> str:
-    """An engine worker runs the CPU stages itself only with ``inline`` batching."""
-    return FULL if settings.worker.batching == "inline" else DENOISER_ONLY
+    """An engine worker loads the whole model when it runs the CPU stages itself (``inline``) or
+    the ordinary pipeline (``baseline``); else the denoiser only."""
+    return FULL if settings.worker.batching in ("inline", "baseline") else DENOISER_ONLY
 
 
 def build_engine(

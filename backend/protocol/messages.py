@@ -23,8 +23,8 @@ from backend.protocol.fieldtypes import conform_fields
 SCHEMA_MAJOR = 1
 # 1.1: typed heartbeat rows and paste-back plans; unknown fields tolerated. 1.2: mask ops
 # fill_holes and min_area_px, an edit job's mode (erase). 1.3: an edit job's inpaint_area and
-# crop_padding_px
-SCHEMA_MINOR = 3
+# crop_padding_px. 1.4: a prepared job's prompt (the baseline worker runs the pipeline on it)
+SCHEMA_MINOR = 4
 PROTOCOL_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 
@@ -128,6 +128,8 @@ class PreparedJob:
     submitted_at: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds so far
     prepare: bool = False  # a recording: the worker records and finishes it, no post-processing
+    # the request's prompt as submitted: the ``baseline`` worker's pipeline encodes it itself
+    prompt: str = ""
 
 
 @dataclass(frozen=True)

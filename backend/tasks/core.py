@@ -137,6 +137,7 @@ class CpuStages:
             ),
             submitted_at=job.submitted_at,
             timings=timings,
+            prompt=job.prompt,
         )
 
     def _prepare_recording(

@@ -7,7 +7,10 @@ ones. Modes:
 
 * ``continuous`` (default): waiting rows join the running batch at every step while slots are free;
 * ``static``: a batch is formed only when the previous one has completely finished;
-* ``inline``: admission as ``continuous``; the worker also runs pre/post-processing in its own loop.
+* ``inline``: admission as ``continuous``; the worker also runs pre/post-processing in its own loop;
+* ``baseline``: as ``static``, and a batch holds only rows of one group key, the oldest waiting
+  row's (the baseline worker runs the whole batch in one ordinary pipeline call, which shares size,
+  steps, strength and guidance); rows of other keys keep their places for a later batch.
 
 Prefetch-gated admission: ``schedule(now, ready)`` admits a waiting row only when ``ready(row)``
 says so (the engine worker and the route simulation's workers both answer with
@@ -18,8 +21,10 @@ serving).
 
 Invariants: at most ``max_batch`` rows run; a row is in exactly one of waiting / running / done;
 every running row is stepped exactly once per ``schedule`` -> ``update_from_output`` round (rows
-that cannot share a forward pass, e.g. other resolutions, go into separate groups of the same step);
-a cancelled row never runs another step after the ``schedule`` that follows the cancel.
+that cannot share a forward pass, e.g. other resolutions, go into separate groups of the same step;
+the baseline worker runs its one group's steps inside one pipeline call, reporting each step with
+``update_from_output``); a cancelled row never runs another step after the ``schedule`` that
+follows the cancel.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 
 from backend.protocol.messages import RunningRow, WaitingRow
 
-MODES = ("continuous", "static", "inline")
+MODES = ("continuous", "static", "inline", "baseline")
 
 
 @dataclass
@@ -105,12 +110,17 @@ class BatchScheduler:
                 out.cancelled.append(job_id)
         self._cancel_requests.clear()
         if self._may_admit():
+            batch_key = None  # baseline: the group key of the first row admitted
             for job_id, row in list(self.waiting.items()):
                 if len(self.running) >= self.max_batch:
                     break
+                if batch_key is not None and row.group_key != batch_key:
+                    continue  # not held: it waits for a batch of its own key
                 if ready is not None and not ready(row):
                     out.held.append(job_id)
                     continue
+                if self.mode == "baseline":
+                    batch_key = row.group_key
                 del self.waiting[job_id]
                 row.admitted_at = now
                 self.running[job_id] = row
@@ -122,7 +132,7 @@ class BatchScheduler:
         return out
 
     def _may_admit(self) -> bool:
-        return self.mode != "static" or not self.running
+        return self.mode not in ("static", "baseline") or not self.running
 
     def update_from_output(self, stepped: list[str]) -> list[Row]:
         """Advance the rows that ran one step; return (and drop) those that finished."""

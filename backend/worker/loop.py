@@ -228,12 +228,11 @@ class EngineWorker:
             return
         job = _Job(message, prepared, params, received_at=time.time())
         self.jobs[message.job_id] = job
-        key = f"{params.mode}:{params.size[0]}x{params.size[1]}"
         self.scheduler.add(
             Row(
                 message.job_id,
                 message.num_steps,
-                key,
+                self._group_key(job),
                 message.mask_ratio,
                 job.received_at,
                 template=message.cache_digest,
@@ -242,6 +241,10 @@ class EngineWorker:
         if self.caches is not None and params.use_cache and prepared.cache_key is not None:
             self.caches.prefetch(prepared.cache_key)  # disk -> RAM while the job waits for a slot
         self._emit(message.job_id, "waiting", num_steps=message.num_steps)
+
+    def _group_key(self, job: _Job) -> str:
+        """Rows of equal keys share one forward pass: the same cache mode and resolution."""
+        return f"{job.params.mode}:{job.params.size[0]}x{job.params.size[1]}"
 
     # ----- admission ------------------------------------------------------------------------------
     def _ready(self, row: Row) -> bool:
@@ -483,29 +486,35 @@ class EngineWorker:
             message = "cache recorded" if recorded else NOT_RECORDED
             self._finish_prepare(row.job_id, message, job.timings)
             return
-        latents_ref, path = self.blobs.new_path("latents", job_blob_name("latents", row.job_id))
-        save_file({"latents": state.latents.detach().to("cpu").contiguous()}, str(path))
+        self._hand_on(job, state.latents, used_cache=state.cache is not None)
+
+    def _hand_on(self, job: _Job, latents: torch.Tensor, used_cache: bool) -> None:
+        """The row's final latents (one row) to a file, the job to post-processing by reference
+        (in the loop itself with ``inline`` batching); the job leaves this worker."""
+        job_id = job.message.job_id
+        latents_ref, path = self.blobs.new_path("latents", job_blob_name("latents", job_id))
+        save_file({"latents": latents.detach().to("cpu").contiguous()}, str(path))
         job.timings["denoise_s"] = time.time() - job.timings.pop("admitted_at")
         timings = {**job.message.timings, **job.timings}
         denoised = DenoisedJob(
-            job_id=row.job_id,
+            job_id=job_id,
             model_id=job.message.model_id,
             latents_ref=latents_ref,
             prepared_ref=job.message.prepared_ref,
             template_ref=job.message.template_ref,
-            used_cache=state.cache is not None,
+            used_cache=used_cache,
             paste=job.message.paste,
             submitted_at=job.message.submitted_at,
             timings=timings,
         )
         self._release(job)
-        del self.jobs[row.job_id]
+        del self.jobs[job_id]
         self.stats.record_job("denoised")
         if self.mode == "inline":
             self.stages.postprocess(denoised)
         else:
             self.sink.denoised(denoised)
-        self.inbox.ack(row.job_id)
+        self.inbox.ack(job_id)
 
     def _commit_recording(self, job: _Job) -> bool:
         """Publish the row's recording; False when it was not kept (the cache says why)."""

@@ -38,6 +38,7 @@ from backend.protocol.keys import WORKERS_KEY, heartbeat_key
 from backend.runtime import REDIS_UNAVAILABLE, stop_event_on_signals
 from backend.services.supervisor import Backoff, Reconnect
 from backend.tasks.celery_app import make_celery, submit_postprocess
+from backend.worker.baseline import BaselineWorker
 from backend.worker.loop import EngineWorker
 from backend.worker.redis_inbox import RedisInbox
 from backend.worker.stats import WorkerStats
@@ -50,6 +51,10 @@ HEARTBEAT_EVERY_S = 1.0
 REDIS_DOWN = (*REDIS_UNAVAILABLE, BrokerUnavailable)
 # one quick retry on a pooled connection Redis closed when it restarted; outages are ours to handle
 CLIENT_RETRY = Retry(ExponentialBackoff(cap=0.05, base=0.01), 1)
+BASELINE_NOTE = (
+    ": the ordinary diffusers pipeline, one call per batch, no activation cache, no masked-token "
+    "compute"
+)
 SOCKET_TIMEOUT_S = 15.0  # above the longest inbox block (``worker.idle_poll_s`` <= 5 s)
 
 
@@ -204,8 +209,9 @@ class Heartbeat:
             batching=live["mode"],
             running=live["running"],
             waiting=live["waiting"],
-            resident_ram=self.caches.resident(Tier.RAM),
-            resident_disk=self.caches.resident(Tier.DISK),
+            # a worker that reads no cache (baseline) holds none, whatever the shared disk has
+            resident_ram=self.caches.resident(Tier.RAM) if self.worker.caches else [],
+            resident_disk=self.caches.resident(Tier.DISK) if self.worker.caches else [],
             stats=self.worker_stats,
         )
 
@@ -257,7 +263,6 @@ def build_worker(
     blobs = BlobStore(settings.paths.data_dir / "blobs")
     jobstate = JobStateStore(client, settings.retention.job_record_s)
     celery_app = celery_app or make_celery(settings)
-    stages = CpuStages(settings, engine, jobstate) if settings.worker.batching == "inline" else None
     outbox = Outbox()
     sink = OutboxSink(RedisSink(jobstate, celery_app, settings), outbox)
     inbox = RedisInbox(
@@ -266,17 +271,28 @@ def build_worker(
         fail_job=sink.fail,
         max_redeliveries=settings.dispatcher.max_redeliveries,
     )
+    common = dict(worker_id=settings.worker.worker_id, max_batch=settings.worker.max_batch)
+    if settings.worker.batching == "baseline":  # reads no cache: ``caches`` serves the heartbeat
+        worker: EngineWorker = BaselineWorker(
+            engine,
+            blobs,
+            OutageSafeInbox(inbox, outbox),
+            sink,
+            max_pixels=settings.celery.max_upload_pixels,
+            **common,
+        )
+        return worker, caches
+    inline = settings.worker.batching == "inline"
     worker = EngineWorker(
         engine,
         blobs,
         OutageSafeInbox(inbox, outbox),
         sink,
-        worker_id=settings.worker.worker_id,
         mode=settings.worker.batching,
-        max_batch=settings.worker.max_batch,
         caches=caches,
-        stages=stages,
+        stages=CpuStages(settings, engine, jobstate) if inline else None,
         previews=worker_previews(settings, engine),  # fits its latent -> RGB map once
+        **common,
     )
     return worker, caches
 
@@ -381,12 +397,13 @@ def run_worker(settings: Settings) -> int:
     )
     stop = stop_event_on_signals()
     log.info(
-        "worker %s serving %s on %s (%s batching, max batch %d)",
+        "worker %s serving %s on %s (%s batching, max batch %d)%s",
         worker.worker_id,
         worker.engine.spec.model_id,
         settings.engine.device,
         worker.mode,
         worker.scheduler.max_batch,
+        BASELINE_NOTE if isinstance(worker, BaselineWorker) else "",
     )
     serving = Serving(settings, client, worker, heartbeat)
     serving.join()
