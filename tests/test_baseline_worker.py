@@ -247,9 +247,11 @@ def test_failures_stay_with_their_rows(sd2_engine, tmp_path):
 def test_pre_processed_crop_goes_through_the_call_and_is_pasted_back(sd2_engine, tmp_path):
     """An upload of its own size, a masked-area crop: the call runs on the template fit through
     the crop box with the prepared mask and the job's prompt (what the ordinary pipeline gives for
-    them), and post-processing keeps every pixel outside the mask."""
+    them), and post-processing keeps every pixel outside the mask. Pre-processing for a baseline
+    stack encodes nothing: the pipeline encodes the prompt and the image itself."""
     settings = load_settings(
-        env={}, paths={"data_dir": str(tmp_path), "models_dir": str(tmp_path / "models")}
+        env={"MASKSERVE_BATCHING": "baseline"},
+        paths={"data_dir": str(tmp_path), "models_dir": str(tmp_path / "models")},
     )
     blobs = BlobStore(tmp_path / "blobs")
     stages = CpuStages(settings, sd2_engine, blobs=blobs)
@@ -271,6 +273,7 @@ def test_pre_processed_crop_goes_through_the_call_and_is_pasted_back(sd2_engine,
     prepared_job = stages.preprocess(job)
     assert prepared_job.prompt == "a green lamp"
     prepared = PreparedRequest.load(blobs.path(prepared_job.prepared_ref))
+    assert prepared.init_latents.numel() == 0 and not prepared.conditioning
     params = EditParams.from_dict(prepared.params)
     expected = run_ordinary(
         sd2_engine.pipe,

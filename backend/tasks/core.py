@@ -109,9 +109,17 @@ class CpuStages:
         else:
             box = crop_box_for(template.size, size_hw)
         pixels = mask_to_bucket(support, size_hw, box)
-        prepared = self.engine.encode(
-            fit_to_bucket(template, size_hw, box), None, job.prompt, job.seed, params, pixels=pixels
-        )
+        if self.settings.worker.batching == "baseline":
+            prepared = self._baseline_request(job, params, pixels)
+        else:
+            prepared = self.engine.encode(
+                fit_to_bucket(template, size_hw, box),
+                None,
+                job.prompt,
+                job.seed,
+                params,
+                pixels=pixels,
+            )
         prepared_ref, path = self.blobs.new_path("prepared", job_blob_name("prepared", job.job_id))
         prepared.save(path)
         self._publish_key_basis()
@@ -138,6 +146,25 @@ class CpuStages:
             submitted_at=job.submitted_at,
             timings=timings,
             prompt=job.prompt,
+        )
+
+    def _baseline_request(
+        self, job: EditJob, params: EditParams, pixels: np.ndarray
+    ) -> PreparedRequest:
+        """What a ``baseline`` worker reads: the mask, seed and settings, no tensors. Its ordinary
+        pipeline encodes the prompt and the image itself, as a user's would, so encoding them here
+        too would bill the baseline twice."""
+        empty = torch.zeros(0)
+        return PreparedRequest(
+            model_id=job.model_id,
+            params=params.to_dict(),
+            seed=job.seed,
+            pixels=pixels,
+            init_latents=empty,
+            conditioning={},
+            extra_channels=empty,
+            halves=1,
+            guidance=params.guidance,
         )
 
     def _prepare_recording(
