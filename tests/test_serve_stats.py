@@ -104,8 +104,10 @@ def test_headline_ratios_at_the_baseline_saturation_rate():
     )
     head = headline(summarize(records), {"baseline": 10.0, "full": 2.5})
     assert head["saturation_trace"] == "poisson@1"
+    assert head["past_saturation_trace"] == "poisson@2"
     assert head["sustained_rps"] == {"baseline": 1.0, "full": 4.0}
     assert head["full"]["latency_gain"] == pytest.approx(4.0)  # 2.0 s / 0.5 s at 1 rps
+    assert head["full"]["latency_gain_past"] == pytest.approx(40.0)  # 20 s / 0.5 s at 2 rps
     assert head["full"]["throughput_gain"] == pytest.approx(4.0)
     assert head["full"]["peak_gain"] > 1.0
 
@@ -113,8 +115,9 @@ def test_headline_ratios_at_the_baseline_saturation_rate():
 def test_headline_without_a_sustained_baseline_rate_gives_no_latency_ratio():
     records = group("baseline", "poisson@1", [50.0] * 5) + group("full", "poisson@1", [1.0] * 5)
     head = headline(summarize(records), {"baseline": 10.0, "full": 5.0})
-    assert head["saturation_trace"] is None
+    assert head["saturation_trace"] is None and head["past_saturation_trace"] == "poisson@1"
     assert head["full"]["latency_gain"] is None and head["full"]["throughput_gain"] is None
+    assert head["full"]["latency_gain_past"] == pytest.approx(50.0)
 
 
 def test_mmpp_trace_keeps_its_mean_rate_and_bursts():

@@ -188,13 +188,17 @@ def summary_text(report: dict) -> str:
             lines.append(f"  skipped (saturated below): {', '.join(report['skipped'][arm])}")
     head = report["headline"]
     lines.append(f"sustained rate (P95 within SLO): {_rates(head['sustained_rps'])}")
-    lines.append(f"baseline saturation trace: {head['saturation_trace']}")
+    lines.append(
+        f"baseline saturation: sustains {head['saturation_trace']}, "
+        f"breaks its SLO from {head['past_saturation_trace']}"
+    )
     for arm in ("nocache", "full"):
         if arm in head:
             gains = head[arm]
             lines.append(
-                f"{arm} vs baseline: mean latency at saturation {_x(gains['latency_gain'])} "
-                f"lower; sustained rate {_x(gains['throughput_gain'])}; peak throughput "
+                f"{arm} vs baseline: mean latency {_x(gains['latency_gain'])} lower at the "
+                f"baseline's saturation, {_x(gains['latency_gain_past'])} just past it; "
+                f"sustained rate {_x(gains['throughput_gain'])}; peak throughput "
                 f"{_x(gains['peak_gain'])}"
             )
     for arm, q in report["quality"].items():

@@ -134,9 +134,11 @@ def slo_bound(single_s: float | None, factor: float, absolute_s: float) -> float
 def headline(summary: dict[str, dict[str, dict]], slos: dict[str, float | None]) -> dict:
     """The ratios of MaskServe's arms to the baseline, side by side from one run.
 
-    ``latency_gain``: the baseline's mean latency over the arm's, at the baseline's saturation
-    rate; ``throughput_gain``: the arm's sustained rate over the baseline's; ``peak_gain``: the
-    arm's highest measured throughput over the baseline's."""
+    ``latency_gain``: the baseline's mean latency over the arm's at the baseline's saturation rate
+    (the highest rate it sustains); ``latency_gain_past``: the same at the lowest rate the baseline
+    did not sustain (where its queue starts to grow, FlashPS Fig. 12's knee);
+    ``throughput_gain``: the arm's sustained rate over the baseline's; ``peak_gain``: the arm's
+    highest measured throughput over the baseline's."""
     rates = {
         arm: sustained(by_trace, slos[arm]) if slos.get(arm) else None
         for arm, by_trace in summary.items()
@@ -145,23 +147,41 @@ def headline(summary: dict[str, dict[str, dict]], slos: dict[str, float | None])
         arm: max((f.get("throughput_rps", 0.0) for f in by_trace.values()), default=0.0)
         for arm, by_trace in summary.items()
     }
-    base_rate = rates.get("baseline")
+    base_rate, base = rates.get("baseline"), summary.get("baseline", {})
     at = trace_name("poisson", base_rate) if base_rate is not None else None
-    base = summary.get("baseline", {})
-    out: dict = {"sustained_rps": rates, "peak_throughput_rps": peaks, "saturation_trace": at}
+    past = _first_unsustained(base, slos.get("baseline"))
+    out: dict = {
+        "sustained_rps": rates,
+        "peak_throughput_rps": peaks,
+        "saturation_trace": at,
+        "past_saturation_trace": past,
+    }
     for arm in summary:
-        if arm == "baseline":
-            continue
-        mine = summary[arm]
-        latency_gain = None
-        if at and "mean_s" in mine.get(at, {}) and "mean_s" in base.get(at, {}):
-            latency_gain = base[at]["mean_s"] / mine[at]["mean_s"]
-        out[arm] = {
-            "latency_gain": latency_gain,
-            "throughput_gain": _ratio(rates.get(arm), base_rate),
-            "peak_gain": _ratio(peaks.get(arm), peaks.get("baseline")),
-        }
+        if arm != "baseline":
+            out[arm] = {
+                "latency_gain": _mean_ratio(base, summary[arm], at),
+                "latency_gain_past": _mean_ratio(base, summary[arm], past),
+                "throughput_gain": _ratio(rates.get(arm), base_rate),
+                "peak_gain": _ratio(peaks.get(arm), peaks.get("baseline")),
+            }
     return out
+
+
+def _first_unsustained(by_trace: dict[str, dict], slo_s: float | None) -> str | None:
+    """The lowest Poisson trace whose figures break the SLO (None: none ran, or no SLO)."""
+    broken = [
+        name
+        for name, figures in by_trace.items()
+        if name.startswith("poisson@") and slo_s and not meets_slo(figures, slo_s)
+    ]
+    return min(broken, key=trace_rate, default=None)
+
+
+def _mean_ratio(base: dict[str, dict], mine: dict[str, dict], trace: str | None) -> float | None:
+    """The baseline's mean latency over the arm's on ``trace`` (None: either did not finish it)."""
+    if trace is None or "mean_s" not in base.get(trace, {}) or "mean_s" not in mine.get(trace, {}):
+        return None
+    return base[trace]["mean_s"] / mine[trace]["mean_s"]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

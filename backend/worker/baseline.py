@@ -12,7 +12,8 @@ False). Everything around the call is the engine worker's: the inbox, events, ac
 The call's inputs are what pre-processing gave the engine: the template fit to the model's bucket
 through the job's crop box (``fit_to_bucket``, as ``CpuStages.preprocess`` fits it) and the
 prepared mask pixels; the prompt from the job, the seed and negative prompt from the prepared
-request.
+request. A baseline stack's pre-processing encodes nothing for it (``CpuStages._baseline_request``:
+mask, seed and settings, no tensors), so encoding is paid once, inside the call, as a user pays it.
 
 Invariants (the engine worker's): every job that reaches the inbox ends with exactly one terminal
 event from this worker (denoised -> handed on, failed, or cancelled) and is acked then. During a
