@@ -26,6 +26,7 @@ from backend.bench.serve import COLD, TEMPLATE_SEED, ServeConfig
 from backend.bench.serve_load import request_mask
 from backend.bench.serve_stats import (
     ARM_TITLES,
+    ARMS,
     headline,
     slo_bound,
     summarize,
@@ -124,7 +125,7 @@ def plot(report: dict, path: Path) -> None:
 
     cfg, summary = report["config"], report["summary"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    for arm, by_trace in summary.items():
+    for arm, by_trace in _in_arm_order(summary):
         points = sorted(
             (trace_rate(name), f) for name, f in by_trace.items() if name.startswith("poisson@")
         )
@@ -150,6 +151,14 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _in_arm_order(summary: dict[str, dict]) -> list[tuple[str, dict]]:
+    """The arms as the run orders them (baseline first), whatever order the JSON kept."""
+    order = [*ARMS, COLD]
+    return sorted(
+        summary.items(), key=lambda item: order.index(item[0]) if item[0] in order else 99
+    )
+
+
 def _plot_breakdown(axis, report: dict) -> None:
     """Stacked mean stage times per arm at the baseline's saturation trace (else the lowest)."""
     summary = report["summary"]
@@ -158,7 +167,9 @@ def _plot_breakdown(axis, report: dict) -> None:
         key=trace_rate,
         default=None,
     )
-    arms = [arm for arm, by_trace in summary.items() if "breakdown_s" in by_trace.get(trace, {})]
+    arms = [
+        arm for arm, by_trace in _in_arm_order(summary) if "breakdown_s" in by_trace.get(trace, {})
+    ]
     bottoms = np.zeros(len(arms))
     stages = ("queue", "pre", "wait", "denoise", "post", "other")
     for stage in stages:
@@ -172,7 +183,7 @@ def _plot_breakdown(axis, report: dict) -> None:
 def summary_text(report: dict) -> str:
     """The printed table: per arm and trace, then the headline and quality."""
     lines = []
-    for arm, by_trace in report["summary"].items():
+    for arm, by_trace in _in_arm_order(report["summary"]):
         single, slo = report["single_s"].get(arm), report["slo_s"].get(arm)
         lines.append(f"{arm}: {ARM_TITLES.get(arm, arm)}; single {_s(single)}, SLO P95 {_s(slo)}")
         for name, f in sorted(by_trace.items(), key=lambda item: (item[0][0], trace_rate(item[0]))):
