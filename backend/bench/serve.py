@@ -24,7 +24,8 @@ fetched and compared with the baseline's (``backend.bench.serve_report``).
 
 With ``--url`` (and ``--api-key``) the command drives a stack already running instead; it
 cannot restart it per arm, so it measures only the arms given with ``--arms`` that the running
-stack serves as they need (``baseline`` needs a stack started with ``MASKSERVE_BATCHING=baseline``).
+stack serves as they need (``baseline`` needs a stack started with ``MASKSERVE_BATCHING=baseline``),
+and no cold variant.
 """
 
 from __future__ import annotations
@@ -157,7 +158,9 @@ def run_serve(cfg: ServeConfig, settings: Settings, progress: bool = True) -> di
     """Every arm in turn (then the cold variant); returns the raw results for the report."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     traces, bank = build_traces(cfg), RequestBank(cfg.size)
-    arms = list(cfg.arms) + ([COLD] if cfg.cold and "full" in cfg.arms else [])
+    # a running stack (--url) cannot be made cold again: the variant needs a fresh one
+    cold = cfg.cold and "full" in cfg.arms and not cfg.url
+    arms = list(cfg.arms) + ([COLD] if cold else [])
     results = []
     started = time.time()
     for arm in arms:
