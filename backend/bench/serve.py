@@ -186,7 +186,9 @@ def run_arm(
 ) -> ArmResult:
     """Start the arm's stack, warm it, time it, replay its traces, fetch its quality images."""
     result = ArmResult(arm)
-    target = Target(_stack_config(cfg, arm), settings, ARM_ENV[arm.removesuffix("-cold")])
+    # each arm's caches in its own data directory: none inherits another's (the cold one least)
+    env = ARM_ENV[arm.removesuffix("-cold")]
+    target = Target(_stack_config(cfg, arm), settings, env, own_cache=True)
     began = time.monotonic()
     try:
         target.start()

@@ -212,10 +212,18 @@ def _png(image) -> bytes:
 # ----- the stack under test ---------------------------------------------------------------------
 class Target:
     """The stack a soak drives: its URL and key, Redis, role processes and data directory.
-    ``extra_env``: settings of every role it starts, over the soak's own (``_stack_env``)."""
+    ``extra_env``: settings of every role it starts, over the soak's own (``_stack_env``);
+    ``own_cache``: its template cache inside its data directory, whatever the environment names
+    (a stack that must start cold)."""
 
-    def __init__(self, cfg: SoakConfig, settings: Settings, extra_env: dict | None = None):
-        self.cfg, self.settings = cfg, settings
+    def __init__(
+        self,
+        cfg: SoakConfig,
+        settings: Settings,
+        extra_env: dict | None = None,
+        own_cache: bool = False,
+    ):
+        self.cfg, self.settings, self.own_cache = cfg, settings, own_cache
         self.extra_env = dict(extra_env or {})
         self.made_data_dir = False
         self.stack = None
@@ -237,6 +245,8 @@ class Target:
         self.data_dir = Path(self.cfg.data_dir or tempfile.mkdtemp(prefix="maskserve-soak-"))
         port, self.api_key = free_port(), secrets.token_urlsafe(16)
         env = _stack_env(self.cfg, models_dir, port, self.api_key) | self.extra_env
+        if self.own_cache:
+            env["MASKSERVE_CACHE_DIR"] = str(self.data_dir / "template_cache")
         settings = load_settings(
             env={**os.environ, **env}, paths={"data_dir": str(self.data_dir)}, redis={"url": ""}
         )
