@@ -77,21 +77,11 @@ def blob_ellipses(centre, side: int, rng: np.random.Generator) -> list[Ellipse]:
 
 def paint(height: int, width: int, ellipses: list[Ellipse], ratio: float) -> np.ndarray:
     """Exactly ``round(ratio * H * W)`` pixels: those closest to the union of ``ellipses`` (in
-    each ellipse's own normalised distance; a level set of the union, as
-    ``masks.synthetic_mask`` builds its blobs, but in one place, as a painter masks one
-    object)."""
-    count = round(ratio * height * width)
-    yy, xx = np.mgrid[0:height, 0:width].astype(np.float64)
-    score = np.full((height, width), -np.inf)
-    for cy, cx, ry, rx, theta in ellipses:
-        dy, dx = yy - cy, xx - cx
-        u = (dx * np.cos(theta) + dy * np.sin(theta)) / rx
-        v = (-dx * np.sin(theta) + dy * np.cos(theta)) / ry
-        score = np.maximum(score, -np.hypot(u, v))
-    order = np.argsort(-score, axis=None, kind="stable")
-    out = np.zeros(height * width, dtype=bool)
-    out[order[:count]] = True
-    return out.reshape(height, width)
+    each ellipse's own normalised distance, as ``masks.synthetic_mask`` builds its blobs, but in
+    one place, as a painter masks one object)."""
+    from backend.imaging.masks import ellipse_union_mask
+
+    return ellipse_union_mask(height, width, round(ratio * height * width), ellipses)
 
 
 def make_masks(cfg: CropBenchConfig, scenario: str) -> list[np.ndarray]:

@@ -244,19 +244,14 @@ def _prepare(client: MaskServeClient, cfg: ServeConfig, templates: list[str]) ->
 
 def _warm_up(client, cfg: ServeConfig, template_id: str, workload: Workload, bank) -> None:
     """Jobs on the warm-up template, one at a time, not measured (first-call costs)."""
+    replay = Replay(client, workload, [template_id], bank, "warm-up", progress=False)
     for i in range(cfg.warmup):
         request = TraceRequest(i, 0.0, 0, cfg.mask_mean, 90_000 + i)
-        accepted = client.submit(
-            bank.mask_png("warmup", request),
-            "warm-up",
-            template_id=template_id,
-            model=workload.model_id,
-            steps=workload.steps,
-            resolution=workload.size,
-            seed=request.seed,
-            use_cache=workload.use_cache,
-        )
-        wait_done(client, accepted["job_id"], cfg.drain_s)
+        [record] = replay.run("warmup", [request], cfg.drain_s)
+        if record.status != "done":
+            raise RuntimeError(
+                f"warm-up job {record.job_id} ended {record.status}: {record.message}"
+            )
 
 
 def _time_single(replay: Replay, cfg: ServeConfig, result: ArmResult) -> None:

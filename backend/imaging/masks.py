@@ -445,9 +445,33 @@ def _rect_mask(height: int, width: int, area: float, rng: np.random.Generator) -
     return out
 
 
+def nearest_pixels(distance: np.ndarray, count: int) -> np.ndarray:
+    """The ``count`` pixels of least ``distance`` (ties in raster order): a level set of it, so a
+    mask of exactly that area whose shape follows the distance's."""
+    order = np.argsort(distance, axis=None, kind="stable")
+    out = np.zeros(distance.size, dtype=bool)
+    out[order[:count]] = True
+    return out.reshape(distance.shape)
+
+
+def ellipse_union_mask(
+    height: int, width: int, count: int, ellipses: list[tuple[float, float, float, float, float]]
+) -> np.ndarray:
+    """The ``count`` pixels nearest a union of rotated ellipses ``(cy, cx, ry, rx, angle)``, each
+    in its own normalised distance."""
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float64)
+    distance = np.full((height, width), np.inf)
+    for cy, cx, ry, rx, theta in ellipses:
+        dy, dx = yy - cy, xx - cx
+        u = (dx * np.cos(theta) + dy * np.sin(theta)) / rx
+        v = (-dx * np.sin(theta) + dy * np.cos(theta)) / ry
+        distance = np.minimum(distance, np.hypot(u, v))
+    return nearest_pixels(distance, count)
+
+
 def _stroke_mask(height: int, width: int, count: int, rng: np.random.Generator) -> np.ndarray:
-    """The ``count`` pixels nearest a random polyline of 2-4 segments (a brush's path): a level
-    set of the distance to it, so the area is exact and the shape is a stroke of even width."""
+    """The ``count`` pixels nearest a random polyline of 2-4 segments (a brush's path): a stroke
+    of even width and exact area."""
     yy, xx = np.mgrid[0:height, 0:width].astype(np.float64)
     points = rng.uniform(0.1, 0.9, size=(int(rng.integers(3, 6)), 2)) * (height, width)
     distance = np.full((height, width), np.inf)
@@ -455,31 +479,19 @@ def _stroke_mask(height: int, width: int, count: int, rng: np.random.Generator) 
         dy, dx = y1 - y0, x1 - x0
         along = np.clip(((yy - y0) * dy + (xx - x0) * dx) / max(dy * dy + dx * dx, 1e-9), 0, 1)
         distance = np.minimum(distance, np.hypot(yy - y0 - along * dy, xx - x0 - along * dx))
-    order = np.argsort(distance, axis=None, kind="stable")
-    out = np.zeros(height * width, dtype=bool)
-    out[order[:count]] = True
-    return out.reshape(height, width)
+    return nearest_pixels(distance, count)
 
 
 def _blob_mask(height: int, width: int, count: int, rng: np.random.Generator) -> np.ndarray:
-    """The ``count`` pixels closest to a union of 1-4 random rotated ellipses (in each ellipse's
-    own normalised distance): a level set of that union, so the area is exact and the shape is
-    blob-like rather than a prefix of the raster order."""
-    yy, xx = np.mgrid[0:height, 0:width].astype(np.float64)
-    score = np.full((height, width), -np.inf)
+    """The ``count`` pixels closest to a union of 1-4 random rotated ellipses: blob-like rather
+    than a prefix of the raster order."""
     side = min(height, width)
+    ellipses = []
     for _ in range(int(rng.integers(1, 5))):
         cy, cx = rng.uniform(0, height), rng.uniform(0, width)
         ry, rx = rng.uniform(0.1, 0.35, size=2) * side
-        theta = rng.uniform(0, np.pi)
-        dy, dx = yy - cy, xx - cx
-        u = (dx * np.cos(theta) + dy * np.sin(theta)) / rx
-        v = (-dx * np.sin(theta) + dy * np.cos(theta)) / ry
-        score = np.maximum(score, -np.hypot(u, v))
-    order = np.argsort(-score, axis=None, kind="stable")
-    out = np.zeros(height * width, dtype=bool)
-    out[order[:count]] = True
-    return out.reshape(height, width)
+        ellipses.append((cy, cx, ry, rx, rng.uniform(0, np.pi)))
+    return ellipse_union_mask(height, width, count, ellipses)
 
 
 def synthetic_mask(
