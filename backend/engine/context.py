@@ -21,6 +21,7 @@ import torch
 
 from backend.engine.attention import replace_rows
 from backend.engine.layout import RowLayout, full_layout, make_layout
+from backend.engine.lora import BatchLora
 
 # Row r's token mask on a grid (gh, gw) -> flat bool tensor (gh * gw,), True = computed fresh.
 TokenMaskFn = Callable[[tuple[int, int]], torch.Tensor]
@@ -54,6 +55,7 @@ class ForwardContext:
     recorder: dict[tuple[int, str], torch.Tensor] | None = None
     device: torch.device | str = "cpu"
     unit_seconds: dict[int, float] | None = None  # filled by profiling runs: unit -> seconds
+    lora: BatchLora | None = None  # the rows' adapters (None: every row runs the base model)
     _layouts: dict[tuple[int, int], RowLayout] = field(default_factory=dict)
 
     @property

@@ -40,6 +40,7 @@ from backend.engine.families import (
     UnitLayout,
 )
 from backend.engine.feeder import MODE_TENSORS, BatchCacheFeeder, RowCacheRef
+from backend.engine.lora import ResidentAdapters, RowAdapters
 from backend.engine.prepared import PreparedRequest
 from backend.engine.stepping import batched_step, guide_all
 from backend.imaging.masks import (
@@ -94,6 +95,7 @@ class EditState:
     recorded_latents: list[torch.Tensor] = field(default_factory=list)
     mask_ratio: float = 1.0  # fresh tokens / all tokens on the model's token grid
     step: int = 0
+    adapters: RowAdapters = ()  # (adapter id, scale) applied to both halves of the request
 
     @property
     def done(self) -> bool:
@@ -121,6 +123,14 @@ class MaskAwareEngine:
         # without a denoiser (the CPU stages' engine) there are no units to hook
         self._units = self.adapter.install_hooks() if self.adapter.holds(DENOISER) else None
         self.token_size = self.adapter.token_px
+        self._adapters: ResidentAdapters | None = None
+
+    @property
+    def adapters(self) -> ResidentAdapters:
+        """The LoRA adapters on the device that rows may name (``EditState.adapters``)."""
+        if self._adapters is None:
+            self._adapters = ResidentAdapters(self.adapter.denoiser, self.adapter.lora_kind)
+        return self._adapters
 
     @property
     def units(self) -> UnitLayout:
@@ -252,9 +262,16 @@ class MaskAwareEngine:
         )
 
     def admit(
-        self, prepared: PreparedRequest, cache: TemplateCache | None = None, record: bool = False
+        self,
+        prepared: PreparedRequest,
+        cache: TemplateCache | None = None,
+        record: bool = False,
+        adapters: RowAdapters = (),
     ) -> EditState:
-        """Turn a prepared request into a running ``EditState`` (no encoder runs here)."""
+        """Turn a prepared request into a running ``EditState`` (no encoder runs here). A
+        template cache is recorded with the base model, so a recording request has no adapters."""
+        if record and adapters:
+            raise ValueError("a template cache is recorded with the base model: drop the adapters")
         if prepared.model_id != self.spec.model_id:
             raise ValueError(
                 f"request was prepared for {prepared.model_id}, this engine serves "
@@ -285,6 +302,7 @@ class MaskAwareEngine:
             fresh=self._fresh(fresh_tokens, req),
             mask_ratio=ratio,
             token_masks=None if dense else self._token_mask_fn(prepared.pixels, params.mask_margin),
+            adapters=tuple(adapters),
         )
         if not dense:
             state.cache, state.trajectory = cache, cache.trajectory("latents").to(req.init_latents)
@@ -303,10 +321,11 @@ class MaskAwareEngine:
         cache: TemplateCache | None = None,
         record: bool = False,
         pixels: np.ndarray | None = None,
+        adapters: RowAdapters = (),
     ) -> EditState:
         """``encode`` then ``admit`` in one process."""
         return self.admit(
-            self.encode(image, mask, prompt, seed, params, pixels, record), cache, record
+            self.encode(image, mask, prompt, seed, params, pixels, record), cache, record, adapters
         )
 
     def _fresh(self, tokens: np.ndarray, req: RequestTensors) -> torch.Tensor:
@@ -362,6 +381,7 @@ class MaskAwareEngine:
             raise ValueError(
                 "a batch cannot both record a template cache and read caches: step them apart"
             )
+        row_adapters = [s.adapters for s in states for _ in range(s.req.halves)]
         ctx = ForwardContext(
             masks,
             use_cache,
@@ -370,10 +390,11 @@ class MaskAwareEngine:
             {} if recording else None,
             rows[0].device,
             unit_seconds=unit_seconds,
+            lora=self.adapters.batch(row_adapters, rows[0].device),
         )
-        # Nothing to reuse, record or time: the model's own (fastest dense) forward does the same
-        # math.
-        ordinary = not units and not recording and unit_seconds is None
+        # Nothing to reuse, record, adapt or time: the model's own (fastest dense) forward does
+        # the same math.
+        ordinary = not units and not recording and unit_seconds is None and ctx.lora is None
         batch_rows, batch_t = torch.cat(rows), torch.cat(row_t)
         forward_started = time.perf_counter()
         with contextlib.nullcontext() if ordinary else active_context(ctx):
@@ -501,7 +522,10 @@ class MaskAwareEngine:
         seed: int,
         params: EditParams,
         cache: TemplateCache | None = None,
+        adapters: RowAdapters = (),
     ) -> EditResult:
+        """One edit from start to finish; ``adapters`` must be resident (``self.adapters``). An
+        edit with adapters reuses the base model's template cache but never records one."""
         timings, started = {}, time.perf_counter()
         pixels = self.pixel_mask(image, mask, params)
         require_nonempty(pixels)
@@ -512,7 +536,7 @@ class MaskAwareEngine:
             cache = cache_store.lookup(self.cache_root, key)
         if cache is not None and key is not None:
             self._check_cache(cache, key)
-        record = cache is None and params.use_cache and params.record_on_first_edit
+        record = cache is None and params.use_cache and params.record_on_first_edit and not adapters
         state = self.start(
             image,
             mask,
@@ -521,6 +545,7 @@ class MaskAwareEngine:
             params,
             cache=cache if params.use_cache else None,
             pixels=pixels,
+            adapters=adapters,
         )
         timings["prepare_s"] = time.perf_counter() - started
         if record:

@@ -85,6 +85,7 @@ class RequestTensors:
 class FamilyAdapter(ABC):
     uses_cfg: bool
     denoiser_name: str  # the pipeline attribute that holds the denoiser
+    lora_kind: str  # the layers adapters may update: a key of backend.engine.lora.TARGET_PATTERNS
     latent_patch: int  # latent pixels per token side (Flux packs 2x2 latent pixels per token)
 
     def __init__(self, pipe, max_sequence_length: int | None = None):
@@ -212,6 +213,7 @@ class UnetAdapter(FamilyAdapter):
 
     uses_cfg = True
     denoiser_name = "unet"
+    lora_kind = "unet"  # which layers adapters may update (backend.engine.lora.TARGET_PATTERNS)
     latent_patch = 1
 
     def install_hooks(self) -> UnitLayout:
@@ -331,6 +333,7 @@ class FluxFillAdapter(FamilyAdapter):
 
     uses_cfg = False
     denoiser_name = "transformer"
+    lora_kind = "flux"
     latent_patch = 2
 
     def install_hooks(self) -> UnitLayout:

@@ -37,9 +37,10 @@ from diffusers.models.transformers.transformer_flux import (
     FluxTransformerBlock,
 )
 
-from backend.engine.attention import attend, fuse_linears, fused_linear
+from backend.engine.attention import attend, fuse_linears
 from backend.engine.context import ForwardContext, cat_once
 from backend.engine.layout import RowLayout
+from backend.engine.lora import feed_forward, linear, project
 from backend.engine.strict import (
     RUN_ORDINARY,
     StrictForwardHook,
@@ -232,7 +233,7 @@ def run_flux(
         )
     else:
         temb = model.time_text_embed(timestep, pooled_projections)
-    text = model.context_embedder(encoder_hidden_states)
+    text = linear(ctx.lora, model.context_embedder, encoder_hidden_states, None)
     rotations = _rotations(*model.pos_embed(torch.cat((txt_ids, img_ids), dim=0)))
     num_text = txt_ids.shape[0]
     masked = ctx.layout(grid)
@@ -247,9 +248,11 @@ def run_flux(
         last_unit=len(model.transformer_blocks) + len(model.single_transformer_blocks) - 1,
     )
     if ctx.uses_cache(0) and ctx.mode == "kv":
-        state = _State(None, model.x_embedder(shared.masked.gather(hidden_states)))
+        state = _State(
+            None, linear(ctx.lora, model.x_embedder, masked.gather(hidden_states), masked)
+        )
     else:
-        state = _State(model.x_embedder(hidden_states), None)
+        state = _State(linear(ctx.lora, model.x_embedder, hidden_states, None), None)
     blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
     for unit, block in enumerate(blocks):
         single = unit >= len(model.transformer_blocks)
@@ -262,7 +265,7 @@ def run_flux(
         norm_out.linear(norm_out.silu(temb).to(temb.dtype)).to(packed.dtype).chunk(2, dim=1)
     )
     packed = _modulate(norm_out.norm(packed), masked, scale, shift)
-    out = model.proj_out(packed)
+    out = linear(ctx.lora, model.proj_out, packed, masked)
     return masked.scatter_into(out.new_zeros(num_rows, num_tokens, out.shape[-1]), out)
 
 
@@ -342,12 +345,14 @@ def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
 
 
-def _image_qkv(attn, normed: torch.Tensor, rotations: torch.Tensor, projected=None):
-    """Q, K, V (total, H, d) of packed image tokens, after q/k RMS norm and rotary embedding.
-    ``projected``: the caller's projections (q, k, v), or (k, v) when no queries are needed (Q is
-    then None); when not given, q, k and v are projected here in one fused matmul."""
+def _image_qkv(
+    attn, normed: torch.Tensor, rotations: torch.Tensor, layout: RowLayout, ctx, projected=None
+):
+    """Q, K, V (total, H, d) of packed image tokens (in ``layout``), after q/k RMS norm and rotary
+    embedding. ``projected``: the caller's projections (q, k, v), or (k, v) when no queries are
+    needed (Q is then None); when not given, q, k and v are projected here in one fused matmul."""
     if projected is None:
-        projected = fused_linear(normed, (attn.to_q, attn.to_k, attn.to_v))
+        projected = project(ctx.lora, normed, (attn.to_q, attn.to_k, attn.to_v), layout)
     *query, key, value = (p.unflatten(-1, (-1, attn.head_dim)) for p in projected)
     query = _rotate(_rms_norm(attn.norm_q, query[0]), rotations) if query else None
     return query, _rotate(_rms_norm(attn.norm_k, key), rotations), value
@@ -374,7 +379,12 @@ def _image_keys_for_groups(
         dense = ctx.dense_layout(layout_q.num_tokens)
         full_flat = full_normed.reshape(-1, full_normed.shape[-1])
         _, key_flat, value_flat = _image_qkv(
-            attn, full_flat, shared.rope_for(dense), fused_linear(full_flat, (attn.to_k, attn.to_v))
+            attn,
+            full_flat,
+            shared.rope_for(dense),
+            dense,
+            ctx,
+            project(ctx.lora, full_flat, (attn.to_k, attn.to_v), dense),
         )
         key_full = key_flat.reshape(layout_q.num_rows, layout_q.num_tokens, *key_flat.shape[1:])
         value_full = value_flat.reshape(key_full.shape)
@@ -415,7 +425,7 @@ def _joint_attention(text_q, text_k, text_v, query, layout_q: RowLayout, group_k
     return (None if text_q is None else cat_once(text_out)), cat_once(image_out)
 
 
-def _text_qkv(attn, normed_text, rope_text, added: bool, projected=None):
+def _text_qkv(attn, normed_text, rope_text, added: bool, lora, projected=None):
     """Q, K, V (rows, T, H, d) of the text tokens (always computed), normed and rotated.
     ``projected``: the caller's projections, either (q, k, v) or (k, v) only (Q is then None)."""
     head_dim = attn.head_dim
@@ -426,7 +436,7 @@ def _text_qkv(attn, normed_text, rope_text, added: bool, projected=None):
         projections = (attn.to_q, attn.to_k, attn.to_v)
         norms = (attn.norm_q, attn.norm_k)
     if projected is None:
-        projected = fused_linear(normed_text, projections)
+        projected = project(lora, normed_text, projections, None)
     *query, key, value = (p.unflatten(-1, (-1, head_dim)) for p in projected)
     query = _rotate(_rms_norm(norms[0], query[0]), rope_text) if query else None
     return query, _rotate(_rms_norm(norms[1], key), rope_text), value
@@ -444,19 +454,25 @@ def _double_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared
     normed_text, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(
         text, emb=temb
     )
-    attn = block.attn
-    query, key_q, value_q = _image_qkv(attn, normed_q, shared.rope_for(layout_q))
+    attn, lora = block.attn, shared.ctx.lora
+    query, key_q, value_q = _image_qkv(
+        attn, normed_q, shared.rope_for(layout_q), layout_q, shared.ctx
+    )
     group_kv = _image_keys_for_groups(
         attn, key_q, value_q, layout_q, normed_full, from_cache, unit, shared
     )
-    text_q, text_k, text_v = _text_qkv(attn, normed_text, shared.rope_text, added=True)
+    text_q, text_k, text_v = _text_qkv(attn, normed_text, shared.rope_text, True, lora)
     text_attn, image_attn = _joint_attention(text_q, text_k, text_v, query, layout_q, group_kv)
-    hidden = torch.addcmul(x_q, layout_q.expand_rows(gate_msa), attn.to_out[0](image_attn))
+    image_out = linear(lora, attn.to_out[0], image_attn, layout_q)
+    hidden = torch.addcmul(x_q, layout_q.expand_rows(gate_msa), image_out)
     normed = _modulate(block.norm2(hidden), layout_q, scale_mlp, shift_mlp)
-    hidden = torch.addcmul(hidden, layout_q.expand_rows(gate_mlp), block.ff(normed))
-    text = torch.addcmul(text, c_gate_msa.unsqueeze(1), attn.to_add_out(text_attn))
+    mlp = feed_forward(lora, block.ff, normed, layout_q)
+    hidden = torch.addcmul(hidden, layout_q.expand_rows(gate_mlp), mlp)
+    text_out = linear(lora, attn.to_add_out, text_attn, None)
+    text = torch.addcmul(text, c_gate_msa.unsqueeze(1), text_out)
     normed_text = _modulate_rows(block.norm2_context(text), c_scale_mlp, c_shift_mlp)
-    text = torch.addcmul(text, c_gate_mlp.unsqueeze(1), block.ff_context(normed_text))
+    text_mlp = feed_forward(lora, block.ff_context, normed_text, None)
+    text = torch.addcmul(text, c_gate_mlp.unsqueeze(1), text_mlp)
     return _clip_half(text), hidden
 
 
@@ -473,33 +489,36 @@ def _single_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared
     if x_full is not None and not layout_q.is_full:
         normed_full = _modulate_rows(block.norm.norm(x_full), scale, shift)
     normed_text = _modulate_rows(block.norm.norm(text), scale, shift)
-    attn = block.attn
+    attn, lora = block.attn, shared.ctx.lora
     num_rows, num_text, width = text.shape
     split = num_rows * num_text
     image_linears = (attn.to_q, attn.to_k, attn.to_v, block.proj_mlp)
     text_needed = unit != shared.last_unit
     if text_needed:
-        projected = fused_linear(
-            torch.cat([normed_text.reshape(-1, width), normed_q]), image_linears
+        # one packed sequence [every row's text ; masked image tokens]
+        rows = lora.text_then_packed(text, layout_q) if lora is not None else None
+        projected = project(
+            lora, torch.cat([normed_text.reshape(-1, width), normed_q]), image_linears, rows
         )
         image_projected = [p[split:] for p in projected]
         text_projected = [p[:split].reshape(num_rows, num_text, -1) for p in projected[:3]]
     else:
-        image_projected = fused_linear(normed_q, image_linears)
-        text_projected = fused_linear(normed_text, (attn.to_k, attn.to_v))
+        rows = layout_q
+        image_projected = project(lora, normed_q, image_linears, layout_q)
+        text_projected = project(lora, normed_text, (attn.to_k, attn.to_v), None)
     query, key_q, value_q = _image_qkv(
-        attn, normed_q, shared.rope_for(layout_q), image_projected[:3]
+        attn, normed_q, shared.rope_for(layout_q), layout_q, shared.ctx, image_projected[:3]
     )
     group_kv = _image_keys_for_groups(
         attn, key_q, value_q, layout_q, normed_full, from_cache, unit, shared
     )
     text_q, text_k, text_v = _text_qkv(
-        attn, normed_text, shared.rope_text, added=False, projected=text_projected
+        attn, normed_text, shared.rope_text, False, lora, projected=text_projected
     )
     text_attn, image_attn = _joint_attention(text_q, text_k, text_v, query, layout_q, group_kv)
     mlp = block.act_mlp(projected[3] if text_needed else image_projected[3])
     attn_rows = torch.cat([text_attn.reshape(split, -1), image_attn]) if text_needed else image_attn
-    mixed = block.proj_out(torch.cat([attn_rows, mlp], dim=-1))
+    mixed = linear(lora, block.proj_out, torch.cat([attn_rows, mlp], dim=-1), rows)
     if not text_needed:
         return text, _clip_half(torch.addcmul(x_q, layout_q.expand_rows(gate), mixed))
     hidden = torch.addcmul(x_q, layout_q.expand_rows(gate), mixed[split:])

@@ -32,9 +32,10 @@ from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
-from backend.engine.attention import fuse_linears, fused_linear, ragged_attention
+from backend.engine.attention import fuse_linears, ragged_attention
 from backend.engine.context import ForwardContext
 from backend.engine.layout import RowLayout
+from backend.engine.lora import feed_forward, linear, project
 from backend.engine.strict import (
     RUN_ORDINARY,
     StrictForwardHook,
@@ -194,20 +195,20 @@ def run_stack(
     units = range(info.first_unit, info.first_unit + info.num_units)
     first_cached_kv = ctx.uses_cache(info.first_unit) and ctx.mode == "kv"
     if first_cached_kv:
-        state = _State(None, stack.proj_in(masked.gather(normed)))
+        state = _State(None, linear(ctx.lora, stack.proj_in, masked.gather(normed), masked))
     else:
-        state = _State(stack.proj_in(normed), None)
+        state = _State(linear(ctx.lora, stack.proj_in, normed, None), None)
     for unit, block in zip(units, stack.transformer_blocks):
         with ctx.timed_unit(unit):
             state = _run_unit(block, unit, state, text, masked, ctx)
     last = info.first_unit + info.num_units - 1
     if ctx.uses_cache(last):
         packed = state.packed if state.packed is not None else masked.gather(state.full)
-        fresh = stack.proj_out(packed)
+        fresh = linear(ctx.lora, stack.proj_out, packed, masked)
         ctx.cache.wait_for(last)
         delta = ctx.merge_cached(last, "delta", masked, fresh)
     else:
-        delta = stack.proj_out(state.full)
+        delta = linear(ctx.lora, stack.proj_out, state.full, None)
         ctx.record(last, "delta", delta)
     delta = delta.reshape(num_rows, height, width, -1).permute(0, 3, 1, 2).contiguous()
     return delta + residual
@@ -264,12 +265,14 @@ def _block_forward(
     from the cache of ``kv_cache_unit`` with the tokens of ``layout_q`` replaced by fresh K/V.
     """
     attn1, attn2 = block.attn1, block.attn2
-    heads = attn1.heads
+    heads, lora = attn1.heads, ctx.lora
     normed_q = block.norm1(x_q)
     if x_full is None or layout_q.is_full:
-        query, key_q, value_q = fused_linear(normed_q, (attn1.to_q, attn1.to_k, attn1.to_v))
+        query, key_q, value_q = project(
+            lora, normed_q, (attn1.to_q, attn1.to_k, attn1.to_v), layout_q
+        )
     else:
-        query = attn1.to_q(normed_q)
+        query = linear(lora, attn1.to_q, normed_q, layout_q)
     query = _heads(query, heads)
     if x_full is not None:
         if layout_q.is_full:
@@ -278,7 +281,9 @@ def _block_forward(
                 value_q.reshape(x_full.shape[:2] + (-1,)),
             )
         else:
-            key_full, value_full = fused_linear(block.norm1(x_full), (attn1.to_k, attn1.to_v))
+            key_full, value_full = project(
+                lora, block.norm1(x_full), (attn1.to_k, attn1.to_v), None
+            )
         ctx.record(unit, "k", key_full)
         ctx.record(unit, "v", value_full)
 
@@ -298,14 +303,14 @@ def _block_forward(
             return _heads(key, heads), _heads(value, heads)
 
     attn_out = ragged_attention(query, layout_q, kv_for_group).flatten(1)
-    hidden = attn1.to_out[0](attn_out) + x_q
+    hidden = linear(lora, attn1.to_out[0], attn_out, layout_q) + x_q
     if attn2 is not None:
-        query2 = _heads(attn2.to_q(block.norm2(hidden)), attn2.heads)
+        query2 = _heads(linear(lora, attn2.to_q, block.norm2(hidden), layout_q), attn2.heads)
         key2, value2 = (
-            _heads(p, attn2.heads) for p in fused_linear(text, (attn2.to_k, attn2.to_v))
+            _heads(p, attn2.heads) for p in project(lora, text, (attn2.to_k, attn2.to_v), None)
         )
         cross = ragged_attention(
             query2, layout_q, lambda g: (key2[g[0] : g[1]], value2[g[0] : g[1]])
         )
-        hidden = attn2.to_out[0](cross.flatten(1)) + hidden
-    return block.ff(block.norm3(hidden)) + hidden
+        hidden = linear(lora, attn2.to_out[0], cross.flatten(1), layout_q) + hidden
+    return feed_forward(lora, block.ff, block.norm3(hidden), layout_q) + hidden

@@ -1,0 +1,308 @@
+"""Per-row LoRA adapters inside one denoiser forward.
+
+Rows of one batch may carry different adapters (or none), each with its own scale. Every
+LoRA-targeted projection computes its base output once for all packed tokens (the fused matmul of
+``attention.fused_linear``) and then, per adapter present in the batch, adds that adapter's
+low-rank delta ``scale * (x @ down.T) @ up.T`` to the tokens of the rows carrying it: one gather
+and two thin matmuls per (module, adapter), never a merged weight per row.
+
+Invariants: a ``BatchLora`` is built for one forward and never outlives it; a row without adapters
+gets exactly the base output (its tokens are never touched); ``scale`` on a pair is the adapter's
+own ``alpha / rank`` (PEFT's ``scaling``), the per-row scale the request's, so a row's delta is
+``row_scale * pair.scale * up(down(x))`` as PEFT computes it after ``set_adapters(weights=...)``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.activations import GEGLU, GELU
+
+from backend.engine.attention import fused_linear
+from backend.engine.layout import RowLayout
+
+# Linear layers the mask-aware forwards route through ``BatchLora`` (module names inside the
+# denoiser). Adapters may target these only: other layers (ResNet convolutions, norms' modulation
+# linears, time embeddings) run through their stock forward, which knows nothing of rows.
+_UNET_STACK = r"(down_blocks\.\d+|mid_block|up_blocks\.\d+)\.attentions\.\d+\."
+_UNET_BLOCK = (
+    r"transformer_blocks\.\d+\.(attn[12]\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))"
+)
+_FLUX_DOUBLE = (
+    r"transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj"
+    r"|to_add_out)|ff\.net\.(0\.proj|2)|ff_context\.net\.(0\.proj|2))"
+)
+_FLUX_SINGLE = r"single_transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v)|proj_mlp|proj_out)"
+TARGET_PATTERNS: dict[str, re.Pattern[str]] = {
+    "unet": re.compile(rf"{_UNET_STACK}(proj_in|proj_out|{_UNET_BLOCK})"),
+    "flux": re.compile(rf"(x_embedder|context_embedder|proj_out|{_FLUX_DOUBLE}|{_FLUX_SINGLE})"),
+}
+
+# Row tokens of a projection's input: a packed layout, a tensor naming each token's row, or None
+# when the input's leading dimension is the row (rows, tokens, C).
+TokenRows = RowLayout | torch.Tensor | None
+RowAdapters = tuple[tuple[str, float], ...]  # one row's (adapter id, scale) pairs
+
+
+@dataclass(frozen=True)
+class LoraPair:
+    """One adapter's low-rank update of one linear layer: ``delta(x) = scale * up(down(x))``."""
+
+    down: torch.Tensor  # (rank, in_features): PEFT's lora_A
+    up: torch.Tensor  # (out_features, rank): PEFT's lora_B
+    scale: float  # alpha / rank
+
+    @property
+    def rank(self) -> int:
+        return int(self.down.shape[0])
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """An adapter's pairs by the name of the denoiser module each updates."""
+
+    adapter_id: str
+    pairs: Mapping[str, LoraPair]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size() for p in self.pairs.values() for t in (p.down, p.up)
+        )
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> LoraAdapter:
+        return LoraAdapter(
+            self.adapter_id,
+            {
+                name: LoraPair(p.down.to(device, dtype), p.up.to(device, dtype), p.scale)
+                for name, p in self.pairs.items()
+            },
+        )
+
+
+def lora_targets(denoiser: torch.nn.Module, kind: str) -> dict[str, torch.nn.Linear]:
+    """The denoiser's linear layers adapters may update, by module name (``kind``: unet | flux)."""
+    pattern = TARGET_PATTERNS[kind]
+    return {
+        name: module
+        for name, module in denoiser.named_modules()
+        if type(module) is torch.nn.Linear and pattern.fullmatch(name)
+    }
+
+
+def check_adapter(adapter: LoraAdapter, targets: Mapping[str, torch.nn.Linear]) -> None:
+    """Raise ``ValueError`` naming the first pair that does not fit a target layer's shape."""
+    for name, pair in adapter.pairs.items():
+        layer = targets.get(name)
+        if layer is None:
+            raise ValueError(
+                f"adapter {adapter.adapter_id} updates {name}, which is not a layer adapters may "
+                "update in this model (attention, feed-forward and projection linears of its "
+                "transformer blocks)"
+            )
+        expected = (layer.in_features, layer.out_features)
+        if (pair.down.shape[1], pair.up.shape[0]) != expected or pair.up.shape[1] != pair.rank:
+            raise ValueError(
+                f"adapter {adapter.adapter_id}'s {name} maps {pair.down.shape[1]} -> "
+                f"{pair.up.shape[0]} features (rank {pair.rank}), the layer {expected[0]} -> "
+                f"{expected[1]}: the adapter was trained for another model"
+            )
+
+
+@dataclass(frozen=True)
+class _Slice:
+    """One adapter on one module: its pair and each batch row's scale (0: the row lacks it)."""
+
+    key: str  # adapter id: token selections are memoised per adapter
+    pair: LoraPair
+    row_scale: torch.Tensor  # (num_rows,) float
+
+
+class BatchLora:
+    """The per-row adapters of one batch, indexed by the module each pair updates."""
+
+    def __init__(
+        self,
+        num_rows: int,
+        slices: dict[int, list[_Slice]],
+        row_scales: dict[str, torch.Tensor],
+    ):
+        self.num_rows = num_rows
+        self._slices = slices
+        self._row_scales = row_scales
+        self._selections: dict[tuple[int, str], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self._leading: dict[tuple[int, int], torch.Tensor] = {}
+        self._concatenated: dict[tuple[int, int], torch.Tensor] = {}
+
+    @classmethod
+    def build(
+        cls,
+        targets: Mapping[str, torch.nn.Module],
+        adapters: Mapping[str, LoraAdapter],
+        rows: Sequence[RowAdapters],
+        device: torch.device | str,
+    ) -> BatchLora | None:
+        """None when no row carries an adapter. ``adapters`` must hold every id the rows name,
+        already on ``device`` in the model's dtype."""
+        scales: dict[str, list[float]] = {}
+        for row, row_adapters in enumerate(rows):
+            for adapter_id, scale in row_adapters:
+                if adapter_id not in adapters:
+                    raise KeyError(f"adapter {adapter_id} is not loaded")
+                per_row = scales.setdefault(adapter_id, [0.0] * len(rows))
+                per_row[row] += float(scale)
+        if not scales:
+            return None
+        row_scales = {
+            adapter_id: torch.tensor(values, dtype=torch.float32, device=device)
+            for adapter_id, values in scales.items()
+        }
+        slices: dict[int, list[_Slice]] = {}
+        for adapter_id, row_scale in row_scales.items():
+            for name, pair in adapters[adapter_id].pairs.items():
+                module = targets[name]
+                slices.setdefault(id(module), []).append(_Slice(adapter_id, pair, row_scale))
+        return cls(len(rows), slices, row_scales)
+
+    def touches(self, *modules: torch.nn.Module) -> bool:
+        return any(id(m) in self._slices for m in modules)
+
+    def add(
+        self, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, rows: TokenRows
+    ) -> torch.Tensor:
+        """``y`` (the base output of ``module`` on ``x``) plus each adapter's delta on its rows."""
+        slices = self._slices.get(id(module))
+        if not slices:
+            return y
+        token_rows = self._token_rows(x, rows)
+        flat_x = x.reshape(-1, x.shape[-1])
+        flat_y = y.reshape(-1, y.shape[-1])
+        for piece in slices:
+            index, token_scale = self._selection(token_rows, piece)
+            picked = flat_x if index is None else flat_x.index_select(0, index)
+            low = F.linear(picked, piece.pair.down) * (token_scale * piece.pair.scale).to(x.dtype)
+            delta = F.linear(low, piece.pair.up)
+            flat_y = flat_y + delta if index is None else flat_y.index_add(0, index, delta)
+        return flat_y.reshape(y.shape)
+
+    def _token_rows(self, x: torch.Tensor, rows: TokenRows) -> torch.Tensor:
+        if isinstance(rows, RowLayout):
+            return rows.row_of_token
+        if isinstance(rows, torch.Tensor):
+            return rows
+        shape = (x.shape[0], x[0].numel() // x.shape[-1])
+        if shape not in self._leading:
+            self._leading[shape] = torch.arange(shape[0], device=x.device).repeat_interleave(
+                shape[1]
+            )
+        return self._leading[shape]
+
+    def _selection(
+        self, token_rows: torch.Tensor, piece: _Slice
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(token indices or None for all tokens, (n, 1) scale per selected token)."""
+        key = (id(token_rows), piece.key)
+        if key not in self._selections:
+            per_token = piece.row_scale.index_select(0, token_rows)
+            index = torch.nonzero(per_token, as_tuple=False).reshape(-1)
+            if index.numel() == per_token.numel():
+                self._selections[key] = (None, per_token.unsqueeze(1))
+            else:
+                self._selections[key] = (index, per_token.index_select(0, index).unsqueeze(1))
+        return self._selections[key]
+
+    def text_then_packed(self, text: torch.Tensor, packed: RowLayout) -> torch.Tensor:
+        """Token rows of ``cat([text.flatten(0, 1), packed tokens])``: Flux's single-stream
+        sequence of every row's text (rows, T, C), then the packed image tokens; memoised."""
+        key = (id(packed), text.shape[1])
+        if key not in self._concatenated:
+            self._concatenated[key] = torch.cat([self._token_rows(text, None), packed.row_of_token])
+        return self._concatenated[key]
+
+
+def project(
+    lora: BatchLora | None,
+    x: torch.Tensor,
+    modules: Sequence[torch.nn.Module],
+    rows: TokenRows,
+) -> tuple[torch.Tensor, ...]:
+    """``fused_linear`` of ``modules`` on ``x``, each output plus its rows' adapter deltas."""
+    outputs = fused_linear(x, modules)
+    if lora is None:
+        return outputs
+    return tuple(lora.add(m, x, y, rows) for m, y in zip(modules, outputs))
+
+
+def linear(
+    lora: BatchLora | None, module: torch.nn.Module, x: torch.Tensor, rows: TokenRows
+) -> torch.Tensor:
+    """``module(x)`` plus the rows' adapter deltas."""
+    y = module(x)
+    return y if lora is None else lora.add(module, x, y, rows)
+
+
+def feed_forward(
+    lora: BatchLora | None, ff: torch.nn.Module, x: torch.Tensor, rows: TokenRows
+) -> torch.Tensor:
+    """diffusers ``FeedForward`` on ``x`` with adapter deltas on its two linears. Without an
+    adapter on them the stock forward runs."""
+    if lora is None or not lora.touches(*ff.modules()):
+        return ff(x)
+    hidden = x
+    for module in ff.net:
+        if type(module) is GEGLU:
+            value, gate = linear(lora, module.proj, hidden, rows).chunk(2, dim=-1)
+            hidden = value * module.gelu(gate)
+        elif type(module) is GELU:
+            hidden = module.gelu(linear(lora, module.proj, hidden, rows))
+        elif type(module) is torch.nn.Linear:
+            hidden = linear(lora, module, hidden, rows)
+        elif isinstance(module, torch.nn.Dropout):
+            hidden = module(hidden)
+        else:
+            raise TypeError(
+                f"adapters on a feed-forward with a {type(module).__name__} are not supported"
+            )
+    return hidden
+
+
+class ResidentAdapters:
+    """The adapters on the compute device that rows may name, checked against the model's layers
+    once when they arrive. The worker's adapter tiers decide what is here; the engine reads it."""
+
+    def __init__(self, denoiser: torch.nn.Module, kind: str):
+        self._denoiser, self._kind = denoiser, kind
+        self._targets: dict[str, torch.nn.Linear] | None = None
+        self._loaded: dict[str, LoraAdapter] = {}
+
+    @property
+    def targets(self) -> dict[str, torch.nn.Linear]:
+        if self._targets is None:
+            self._targets = lora_targets(self._denoiser, self._kind)
+        return self._targets
+
+    def __contains__(self, adapter_id: str) -> bool:
+        return adapter_id in self._loaded
+
+    def ids(self) -> tuple[str, ...]:
+        return tuple(self._loaded)
+
+    def put(self, adapter: LoraAdapter) -> None:
+        """Check ``adapter`` against the model (``ValueError`` when it does not fit) and keep it
+        on the model's device in the model's dtype."""
+        check_adapter(adapter, self.targets)
+        weight = next(iter(self.targets.values())).weight
+        self._loaded[adapter.adapter_id] = adapter.to(weight.device, weight.dtype)
+
+    def drop(self, adapter_id: str) -> None:
+        self._loaded.pop(adapter_id, None)
+
+    def batch(self, rows: Sequence[RowAdapters], device: torch.device | str) -> BatchLora | None:
+        """The ``BatchLora`` of one forward (None when no row names an adapter)."""
+        if not any(rows):
+            return None
+        return BatchLora.build(self.targets, self._loaded, rows, device)
