@@ -74,13 +74,17 @@ class LoraAdapter:
             t.numel() * t.element_size() for p in self.pairs.values() for t in (p.down, p.up)
         )
 
-    def to(self, device: torch.device | str, dtype: torch.dtype) -> LoraAdapter:
+    def to(
+        self, device: torch.device | str, dtype: torch.dtype, non_blocking: bool = False
+    ) -> LoraAdapter:
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if non_blocking and t.device.type == "cpu":
+                t = t.pin_memory()  # an asynchronous host -> device copy needs pinned memory
+            return t.to(device, dtype, non_blocking=non_blocking)
+
         return LoraAdapter(
             self.adapter_id,
-            {
-                name: LoraPair(p.down.to(device, dtype), p.up.to(device, dtype), p.scale)
-                for name, p in self.pairs.items()
-            },
+            {name: LoraPair(move(p.down), move(p.up), p.scale) for name, p in self.pairs.items()},
         )
 
 

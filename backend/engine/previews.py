@@ -286,6 +286,26 @@ class Previews:
         if self.budget > 0:
             self.credit_s -= seconds
 
+    def frames(self, rows: list[tuple], forward_s: float) -> tuple[dict[str, str], list[str]]:
+        """Previews of the step just taken: ``rows`` are (job preview or None, job id, state,
+        latents before the step). Returns (job id -> frame, for the rows whose preview is due,
+        longest-waiting first; job ids whose preview failed, to get no more)."""
+        self.earn(forward_s)
+        made, broken = {}, []
+        for preview, job_id, state, latents in sorted(
+            (row for row in rows if row[0] is not None), key=lambda row: row[0].sent_at
+        ):
+            if not self.due(state.step):
+                continue
+            started = time.perf_counter()
+            try:
+                made[job_id] = preview.frame(state.req.scheduler, latents, state.latents)
+            except Exception:  # a preview is never worth failing a job for
+                log.exception("preview of %s failed: no more previews for it", job_id)
+                broken.append(job_id)
+            self.spend(time.perf_counter() - started)
+        return made, broken
+
     def due(self, step: int) -> bool:
         """Whether the running event after finished step ``step`` carries a preview (its step is
         one of every ``every``, and the budget has room)."""

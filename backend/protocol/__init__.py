@@ -16,6 +16,7 @@ from backend.protocol.messages import (
     PROTOCOL_VERSION,
     SCHEMA_MAJOR,
     SCHEMA_MINOR,
+    AdapterUse,
     CancelJob,
     DenoisedJob,
     EditJob,
@@ -43,6 +44,7 @@ from backend.protocol.records import (
 from backend.protocol.wire import entry_fields, entry_message, to_text
 
 __all__ = [
+    "AdapterUse",
     "JOB_STATES",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",

@@ -23,8 +23,9 @@ from backend.protocol.fieldtypes import conform_fields
 SCHEMA_MAJOR = 1
 # 1.1: typed heartbeat rows and paste-back plans; unknown fields tolerated. 1.2: mask ops
 # fill_holes and min_area_px, an edit job's mode (erase). 1.3: an edit job's inpaint_area and
-# crop_padding_px. 1.4: a prepared job's prompt (the baseline worker runs the pipeline on it)
-SCHEMA_MINOR = 4
+# crop_padding_px. 1.4: a prepared job's prompt (the baseline worker runs the pipeline on it).
+# 1.5: LoRA adapters on edit, prepared and denoised jobs; adapters resident in a heartbeat
+SCHEMA_MINOR = 5
 PROTOCOL_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 
@@ -57,6 +58,17 @@ class PastePlan:
 
 
 @dataclass(frozen=True)
+class AdapterUse:
+    """One LoRA adapter a request applies (API -> pre-processing -> worker). ``sha256`` names the
+    adapter's normalized file in the adapter store (content-addressed: workers load and keep
+    adapters by it); ``adapter_id`` is the user's record, for events and records."""
+
+    adapter_id: str
+    sha256: str
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class RunningRow:
     """A row in a worker's running batch, as its heartbeat reports it."""
 
@@ -64,6 +76,7 @@ class RunningRow:
     mask_ratio: float
     remaining_steps: int
     template: str = ""  # cache digest of the row's template ("" = none), for residency routing
+    adapters: list[str] = field(default_factory=list)  # sha256 of each adapter the row applies
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,7 @@ class WaitingRow:
     mask_ratio: float
     num_steps: int
     template: str = ""
+    adapters: list[str] = field(default_factory=list)  # sha256 of each adapter the row applies
 
 
 @dataclass(frozen=True)
@@ -106,6 +120,7 @@ class EditJob:
     # the model's resolution, pasted back (``uploads.masked_crop_box``; docs/design/crop.md)
     inpaint_area: str = "whole"
     crop_padding_px: int = 32  # context kept around the mask when inpaint_area is "masked"
+    adapters: list[AdapterUse] = field(default_factory=list)  # LoRA adapters, at most a few
 
 
 JOB_MODES = ("generate", "erase")
@@ -130,6 +145,7 @@ class PreparedJob:
     prepare: bool = False  # a recording: the worker records and finishes it, no post-processing
     # the request's prompt as submitted: the ``baseline`` worker's pipeline encodes it itself
     prompt: str = ""
+    adapters: list[AdapterUse] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -146,6 +162,8 @@ class DenoisedJob:
     paste: PastePlan | None = None
     submitted_at: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
+    # adapter id -> the denoising step at which it joined the row (0: from the start)
+    adapter_steps: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -208,6 +226,9 @@ class WorkerHeartbeat:
     waiting: list[WaitingRow] = field(default_factory=list)  # in admission order
     resident_ram: list[str] = field(default_factory=list)  # template cache digests per tier
     resident_disk: list[str] = field(default_factory=list)
+    # sha256 of the LoRA adapters per tier of the worker (routing prefers where a job's are)
+    adapters_device: list[str] = field(default_factory=list)
+    adapters_host: list[str] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)  # free-form counters for /metrics
 
 
@@ -218,7 +239,11 @@ MESSAGE_TYPES: dict[str, type] = {
 }
 # field name -> the dataclass its value (or each item of its list) decodes into
 _NESTED: dict[str, type] = {"mask_ops": MaskOps, "paste": PastePlan}
-_NESTED_LISTS: dict[str, type] = {"running": RunningRow, "waiting": WaitingRow}
+_NESTED_LISTS: dict[str, type] = {
+    "running": RunningRow,
+    "waiting": WaitingRow,
+    "adapters": AdapterUse,
+}
 
 
 def to_dict(message: Message) -> dict[str, Any]:

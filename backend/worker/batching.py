@@ -48,6 +48,7 @@ class Row:
     mask_ratio: float = 1.0
     enqueued_at: float = 0.0
     template: str = ""  # cache digest of the row's template ("" = none), for routing by residency
+    adapters: tuple[str, ...] = ()  # sha256 of the row's LoRA adapters, for routing by residency
     admitted_at: float | None = None
     step: int = 0
 
@@ -167,11 +168,11 @@ class BatchScheduler:
         """Running batch and queue, as the worker's heartbeat reports them."""
         return {
             "running": [
-                RunningRow(r.job_id, r.mask_ratio, r.remaining_steps, r.template)
+                RunningRow(r.job_id, r.mask_ratio, r.remaining_steps, r.template, list(r.adapters))
                 for r in self.running.values()
             ],
             "waiting": [
-                WaitingRow(r.job_id, r.mask_ratio, r.num_steps, r.template)
+                WaitingRow(r.job_id, r.mask_ratio, r.num_steps, r.template, list(r.adapters))
                 for r in self.waiting.values()
             ],
             "max_batch": self.max_batch,

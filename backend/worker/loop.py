@@ -45,6 +45,7 @@ from backend.engine.editor import EditParams, EditState, MaskAwareEngine
 from backend.engine.prepared import PreparedRequest
 from backend.engine.previews import JobPreview, Previews
 from backend.protocol import CancelJob, DenoisedJob, EditJob, JobEvent, PreparedJob
+from backend.worker.adapter_tiers import RowAdapters
 from backend.worker.admission import AdmissionRules, Candidate
 from backend.worker.batching import BatchScheduler, Row
 from backend.worker.channels import Inbox, JobSink
@@ -121,12 +122,14 @@ class EngineWorker:
         caches: TemplateCaches | None = None,
         stages: InlineStages | None = None,
         previews: Previews | None = None,
+        adapters: RowAdapters | None = None,
     ):
         if mode == "inline" and stages is None:
             raise ValueError("inline batching runs pre/post-processing in the loop: pass `stages`")
         self.engine, self.blobs, self.inbox, self.sink = engine, blobs, inbox, sink
         self.worker_id, self.mode, self.caches, self.stages = worker_id, mode, caches, stages
         self.previews = previews  # live previews on running events (None: off)
+        self.adapters = adapters  # LoRA tiers and late joins (None: jobs with adapters fail)
         self.scheduler = BatchScheduler(max_batch, mode)
         self.jobs: dict[str, _Job] = {}
         self.stats = WorkerStats()
@@ -236,8 +239,11 @@ class EngineWorker:
                 message.mask_ratio,
                 job.received_at,
                 template=message.cache_digest,
+                adapters=tuple(use.sha256 for use in message.adapters),
             )
         )
+        if self.adapters is not None:
+            self.adapters.queued(message.adapters)  # disk -> RAM while the job waits
         if self.caches is not None and params.use_cache and prepared.cache_key is not None:
             self.caches.prefetch(prepared.cache_key)  # disk -> RAM while the job waits for a slot
         self._emit(message.job_id, "waiting", num_steps=message.num_steps)
@@ -293,6 +299,7 @@ class EngineWorker:
                 )
                 return
             job.state = self._admit_state(job, cache)
+            self._admit_adapters(job)
             if job.state.cache is None and self._should_record(job, forced=job.message.prepare):
                 self._start_recording(job)
         except Exception as exc:
@@ -314,6 +321,14 @@ class EngineWorker:
                 raise
             self._drop_broken_cache(job, exc)
             return self.engine.admit(job.prepared, None, record=job.message.prepare)
+
+    def _admit_adapters(self, job: _Job) -> None:
+        """The row's adapters join at its first step on which they are on the device."""
+        if not job.message.adapters:
+            return
+        if self.adapters is None:
+            raise ValueError("this worker serves no LoRA adapters")
+        self.adapters.admit(job.message.job_id, job.message.adapters, job.message.num_steps)
 
     def _drop_broken_cache(self, job: _Job, exc: CacheCorruptError) -> None:
         log.warning(
@@ -376,6 +391,14 @@ class EngineWorker:
 
     # ----- steps ----------------------------------------------------------------------------
     def _step_group(self, job_ids: list[str]) -> tuple[list[str], float]:
+        if self.adapters is not None:
+            failed = self.adapters.before_step(job_ids, [self.jobs[j].state for j in job_ids])
+            for job_id, reason in failed.items():
+                self.scheduler.drop(job_id)
+                self._finish(job_id, "failed", reason)
+            job_ids = [j for j in job_ids if j not in failed]
+            if not job_ids:
+                return [], 0.0
         states = [self.jobs[j].state for j in job_ids]
         mode = self.jobs[job_ids[0]].params.mode
         before = [s.latents for s in states]  # the previews' clean estimates need both sides
@@ -429,24 +452,13 @@ class EngineWorker:
         (``Previews.due``: their step, and the time budget), the longest-waiting rows first."""
         if self.previews is None:
             return {}
-        self.previews.earn(forward_s)
         rows = [
             (self.jobs[job_id].preview, job_id, state, latents)
             for job_id, state, latents in zip(job_ids, states, before)
         ]
-        made = {}
-        for preview, job_id, state, latents in sorted(
-            (row for row in rows if row[0] is not None), key=lambda row: row[0].sent_at
-        ):
-            if not self.previews.due(state.step):
-                continue
-            started = time.perf_counter()
-            try:
-                made[job_id] = preview.frame(state.req.scheduler, latents, state.latents)
-            except Exception:  # a preview is never worth failing a job for
-                log.exception("preview of %s failed: no more previews for it", job_id)
-                self.jobs[job_id].preview = None
-            self.previews.spend(time.perf_counter() - started)
+        made, broken = self.previews.frames(rows, forward_s)
+        for job_id in broken:
+            self.jobs[job_id].preview = None
         return made
 
     def _restart_rows_on_broken_cache(self, job_ids: list[str], exc: Exception) -> bool:
@@ -506,8 +518,8 @@ class EngineWorker:
             paste=job.message.paste,
             submitted_at=job.message.submitted_at,
             timings=timings,
+            adapter_steps=self._release(job),
         )
-        self._release(job)
         del self.jobs[job_id]
         self.stats.record_job("denoised")
         if self.mode == "inline":
@@ -540,10 +552,12 @@ class EngineWorker:
         self._emit(job_id, "done", message=message, timings=timings or {})
         self.inbox.ack(job_id)
 
-    def _release(self, job: _Job) -> None:
+    def _release(self, job: _Job) -> dict[str, int]:
+        """Unpin the row's cache and adapters; adapter id -> the step it joined at."""
         if job.cache_key is not None:
             self.caches.release(job.cache_key)
             job.cache_key = None
+        return {} if self.adapters is None else self.adapters.leave(job.message.job_id)
 
     def _finish(self, job_id: str, status: str, message: str) -> None:
         """A job leaves without a result (cancelled or failed)."""
