@@ -1,4 +1,4 @@
-"""`maskserve` command line: models, templates, edits, profiles, benchmarks, and `up`."""
+"""`maskserve` command line: models, templates, adapters, edits, profiles, benchmarks, and `up`."""
 
 from __future__ import annotations
 
@@ -306,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_submit_arguments(submit)
     submit.set_defaults(func=cmd_submit)
+    from backend.adapters.cli import add_adapter_parser
+
+    add_adapter_parser(sub)
 
     up = sub.add_parser(
         "up",

@@ -24,6 +24,7 @@ import httpx
 from backend.config import API_KEY_DIGEST_PREFIX
 
 TERMINAL = ("done", "failed", "cancelled")
+UPLOAD_TIMEOUT_S = 600.0  # an adapter upload: sending up to hundreds of MB, then its validation
 
 
 class MaskServeError(RuntimeError):
@@ -75,6 +76,27 @@ class MaskServeClient:
                 message = response.text
             raise MaskServeError(response.status_code, message)
         return response
+
+    # ----- adapters -------------------------------------------------------------------------------
+    def upload_adapter(
+        self, file: str | Path | bytes, name: str | None = None, model: str | None = None
+    ) -> dict:
+        """Register a LoRA adapter (.safetensors); returns its record. The server reads and
+        validates it before answering (up to its ``adapters.ingest_timeout_s``)."""
+        data = {k: v for k, v in (("name", name), ("model", model)) if v is not None}
+        files = {"file": (_file_name(file, "adapter.safetensors"), _file_bytes(file))}
+        return self._call(
+            "POST", "/v1/adapters", data=data, files=files, timeout=UPLOAD_TIMEOUT_S
+        ).json()
+
+    def list_adapters(self) -> list[dict]:
+        return self._call("GET", "/v1/adapters").json()["adapters"]
+
+    def get_adapter(self, adapter_id: str) -> dict:
+        return self._call("GET", f"/v1/adapters/{adapter_id}").json()
+
+    def delete_adapter(self, adapter_id: str) -> None:
+        self._call("DELETE", f"/v1/adapters/{adapter_id}")
 
     # ----- templates ------------------------------------------------------------------------------
     def upload_template(self, image: str | Path | bytes, name: str | None = None, tags=()) -> dict:
@@ -195,8 +217,8 @@ class MaskServeClient:
         raise TimeoutError(f"job {job_id} did not finish within {timeout:.0f} s")
 
 
-def add_submit_arguments(parser) -> None:
-    """The arguments ``submit_cli`` reads, for an argparse (sub)parser."""
+def add_connection_arguments(parser) -> None:
+    """``--url`` and ``--api-key``, which ``connection`` reads."""
     parser.add_argument(
         "--url", default=None, help="API base URL (default: http://<api host>:<api port>)"
     )
@@ -207,6 +229,19 @@ def add_submit_arguments(parser) -> None:
         help="X-API-Key (default: the first raw key in MASKSERVE_API_KEYS, else the key "
         "`maskserve up` wrote to <data dir>/api_key)",
     )
+
+
+def connection(args, settings=None) -> tuple[str, str | None]:
+    """(API base URL, API key) from ``args``, else from ``settings`` (the local stack)."""
+    url = getattr(args, "url", None) or (
+        f"http://{settings.api.host}:{settings.api.port}" if settings else "http://127.0.0.1:8000"
+    )
+    return url, getattr(args, "api_key", None) or _settings_api_key(settings)
+
+
+def add_submit_arguments(parser) -> None:
+    """The arguments ``submit_cli`` reads, for an argparse (sub)parser."""
+    add_connection_arguments(parser)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--image", help="image file to edit")
     source.add_argument("--template-id", dest="template_id", help="gallery template to edit")
@@ -291,10 +326,7 @@ def submit_cli(args, settings=None) -> int:
     accepted job, then the final state). Exit status: 0 done (or submitted with --no-wait), 1
     failed, cancelled or timed out, 2 refused by the server or unreachable. ``settings`` (optional)
     supplies the URL and key when ``args`` leaves them out."""
-    url = getattr(args, "url", None) or (
-        f"http://{settings.api.host}:{settings.api.port}" if settings else "http://127.0.0.1:8000"
-    )
-    api_key = getattr(args, "api_key", None) or _settings_api_key(settings)
+    url, api_key = connection(args, settings)
     params = {
         name: getattr(args, name, None)
         for name in (

@@ -46,6 +46,10 @@ class PathSettings(_Strict):
     cache_dir: Path | None = None
     """Disk tier of the activation cache; unset: ``<data_dir>/template_cache``. Workers of one host
     share it (one disk budget, one recency order)."""
+    adapters_dir: Path | None = None
+    """The LoRA adapter registry (records and normalized adapters); unset:
+    ``<data_dir>/adapters``. The API and every engine worker read it: share it like the data
+    directory."""
     profiles_dir: Path = Path(__file__).resolve().parent.parent / "profiles"
     """Cost profiles (``maskserve profile``) read by the loading planner and the router; default:
     the ``profiles/`` directory shipped with the source."""
@@ -55,6 +59,9 @@ class PathSettings(_Strict):
 
     def resolved_cache_dir(self) -> Path:
         return self.cache_dir or self.data_dir / "template_cache"
+
+    def resolved_adapters_dir(self) -> Path:
+        return self.adapters_dir or self.data_dir / "adapters"
 
 
 def _check_device(value: str) -> str:
@@ -309,6 +316,45 @@ class ApiSettings(_Strict):
         return users
 
 
+class AdapterSettings(_Strict):
+    """LoRA adapters users register (``/v1/adapters``) and name in their requests."""
+
+    max_mb: float = Field(default=512.0, gt=0.0)
+    """Largest adapter file accepted, MB (413 above); uploads to ``/v1/adapters`` may be this large
+    whatever ``api.max_body_mb`` says."""
+    max_rank: int = Field(default=128, ge=1, le=4096)
+    """Highest LoRA rank of any layer of an adapter accepted."""
+    ingest_timeout_s: float = Field(default=60.0, gt=0.0, le=3600.0)
+    """Seconds the API waits for a CPU worker to read and validate an upload before answering 503
+    (no CPU worker running, or all busy)."""
+    max_per_request: int = Field(default=3, ge=0, le=16)
+    """Adapters one edit request may name."""
+    scale_min: float = -2.0
+    """Lowest scale a request may give an adapter."""
+    scale_max: float = 2.0
+    """Highest scale a request may give an adapter."""
+    device_mb: int = Field(default=1024, ge=0)
+    """Device tier of each engine worker: adapters kept in the model's dtype where it computes,
+    MB (adapters rows run with are never evicted, whatever this says)."""
+    host_mb: int = Field(default=4096, ge=0)
+    """Host-RAM tier of each engine worker: adapters read from the registry, MB."""
+    policy: EvictionPolicy = "lfu"
+    """Which adapter each tier evicts first: lfu (least frequently used, with ageing: keeps the
+    popular head of a long-tailed catalogue) or lru."""
+    join_by: float = Field(default=0.2, ge=0.0, le=1.0)
+    """A row whose adapters are still loading starts without them and takes each at the first
+    step at which it is on the device; at this share of its steps it waits for the rest (0: wait
+    before the first step, as an ordinary server does)."""
+
+    @field_validator("scale_max")
+    @classmethod
+    def _above_min(cls, value: float, info) -> float:
+        low = info.data.get("scale_min", value)
+        if value < low:
+            raise ValueError(f"scale_max ({value}) must be >= scale_min ({low})")
+        return value
+
+
 class StudioSettings(_Strict):
     """The Gradio studio, mounted in the API app at ``path`` (same process, port and auth)."""
 
@@ -426,6 +472,7 @@ class Settings(_Strict):
     celery: CelerySettings = CelerySettings()
     api: ApiSettings = ApiSettings()
     studio: StudioSettings = StudioSettings()
+    adapters: AdapterSettings = AdapterSettings()
     dispatcher: DispatcherSettings = DispatcherSettings()
     retention: RetentionSettings = RetentionSettings()
     supervisor: SupervisorSettings = SupervisorSettings()
@@ -442,6 +489,17 @@ _ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "MODELS_DIR": ("paths", "models_dir"),
     "CACHE_DIR": ("paths", "cache_dir"),
     "PROFILES_DIR": ("paths", "profiles_dir"),
+    "ADAPTERS_DIR": ("paths", "adapters_dir"),
+    "ADAPTER_MAX_MB": ("adapters", "max_mb"),
+    "ADAPTER_MAX_RANK": ("adapters", "max_rank"),
+    "ADAPTER_INGEST_TIMEOUT_S": ("adapters", "ingest_timeout_s"),
+    "MAX_ADAPTERS_PER_REQUEST": ("adapters", "max_per_request"),
+    "ADAPTER_SCALE_MIN": ("adapters", "scale_min"),
+    "ADAPTER_SCALE_MAX": ("adapters", "scale_max"),
+    "ADAPTER_DEVICE_MB": ("adapters", "device_mb"),
+    "ADAPTER_HOST_MB": ("adapters", "host_mb"),
+    "ADAPTER_POLICY": ("adapters", "policy"),
+    "ADAPTER_JOIN_BY": ("adapters", "join_by"),
     "MODEL": ("engine", "model_id"),
     "DEVICE": ("engine", "device"),
     "DTYPE": ("engine", "dtype"),
@@ -510,6 +568,7 @@ _SECTIONS = (
     "dispatcher",
     "api",
     "studio",
+    "adapters",
     "retention",
     "supervisor",
 )

@@ -117,20 +117,19 @@ def upload_error_code(exc: UploadError) -> str:
     return "invalid"
 
 
-def clean_name(name: str) -> str:
-    """The display name, NFC-normalised and stripped; TemplateError when empty, too long or holding
-    control characters."""
+def clean_name(name: str, what: str = "template") -> str:
+    """The display name of a ``what`` (template, adapter), NFC-normalised and stripped;
+    TemplateError when empty, too long or holding control characters."""
     name = unicodedata.normalize("NFC", str(name)).strip()
     if not name:
-        raise TemplateError("template name is empty: give the template a name")
+        raise TemplateError(f"{what} name is empty: give the {what} a name")
     if len(name) > MAX_NAME_CHARS:
         raise TemplateError(
-            f"template name is {len(name)} characters long, the limit is {MAX_NAME_CHARS}: "
-            "shorten it"
+            f"{what} name is {len(name)} characters long, the limit is {MAX_NAME_CHARS}: shorten it"
         )
     if any(unicodedata.category(ch).startswith("C") for ch in name):
         raise TemplateError(
-            "template name contains control characters (newlines, tabs, ...): "
+            f"{what} name contains control characters (newlines, tabs, ...): "
             "use printable characters only"
         )
     return name

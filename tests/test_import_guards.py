@@ -20,6 +20,8 @@ ROLE_MODULES = (
     "backend.dispatch.service",  # the dispatcher
     "backend.api.app",  # the API
     "backend.api.server",
+    "backend.adapters.store",  # the API's adapter registry
+    "backend.adapters.service",
     "studio.mount",  # the studio
     "studio.app",
     "studio.gallery_tab",
@@ -30,6 +32,7 @@ ROLE_MODULES = (
 )
 PURE_CORES = (
     "backend.protocol",
+    "backend.protocol.adapters",
     "backend.costmodel.costs",
     "backend.costmodel.plan",
     "backend.costmodel.profiles",

@@ -1,13 +1,14 @@
 """The REST API as a FastAPI app: ``create_app(settings)``.
 
-Routes: ``/v1/templates...`` and ``/v1/jobs...`` (API key + rate limit, see
+Routes: ``/v1/templates...``, ``/v1/adapters...`` and ``/v1/jobs...`` (API key + rate limit, see
 ``backend.api.security``), ``/healthz`` (the process is up), ``/readyz`` (Redis answers),
 ``/metrics`` (Prometheus), ``/docs``.
 
-Errors are JSON ``{"error": "<what is wrong and how to fix it>"}``: 401/403 auth, 404 unknown job or
-template, 409 result not ready / job finished, 410 result expired (blob retention), 413 too large,
-415 unsupported image format, 422 a bad field, 429 rate limited (``Retry-After``), 503 Redis or the
-queue unavailable. Bad input never gives a 500.
+Errors are JSON ``{"error": "<what is wrong and how to fix it>"}``: 401/403 auth, 404 unknown job,
+template or adapter, 409 result not ready / job finished, 410 result expired (blob retention), 413
+too large, 415 unsupported image or adapter file format, 422 a bad field, 429 rate limited
+(``Retry-After``), 503 Redis or the queue unavailable (or no CPU worker answered an adapter upload).
+Bad input never gives a 500.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis import Redis
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from backend.api import routes_jobs, routes_templates
+from backend.adapters.service import AdapterService
+from backend.adapters.store import AdapterError, AdapterNotFound, AdapterStore
+from backend.api import routes_adapters, routes_jobs, routes_templates
 from backend.api.middleware import (
     ApiMetrics,
     BodyLimitMiddleware,
@@ -90,13 +93,16 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def service_error(_request, exc: ServiceError):
         return _error(STATUS_BY_CODE.get(exc.code, 422), str(exc))
 
-    @app.exception_handler(TemplateError)
-    async def template_error(_request, exc: TemplateError):
+    async def coded_error(_request, exc: TemplateError | AdapterError):
         return _error(STATUS_BY_CODE.get(exc.code, 422), str(exc))
 
-    @app.exception_handler(TemplateNotFound)
-    async def template_not_found(_request, exc: TemplateNotFound):
+    async def not_found(_request, exc: LookupError):
         return _error(404, str(exc))
+
+    for coded in (TemplateError, AdapterError):
+        app.add_exception_handler(coded, coded_error)
+    for missing in (TemplateNotFound, AdapterNotFound):
+        app.add_exception_handler(missing, not_found)
 
     @app.exception_handler(BlobError)
     async def blob_error(_request, exc: BlobError):
@@ -170,6 +176,10 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
     jobstate = JobStateStore(client, settings.retention.job_record_s)
     app.state.service = JobService(settings, client, celery_app, blobs, templates, jobstate)
     app.state.metrics = metrics
+    app.state.adapters = AdapterStore(settings.paths.resolved_adapters_dir())
+    app.state.adapter_service = AdapterService(
+        settings, client, celery_app, blobs, app.state.adapters, app.state.service._model
+    )
     app.state.sse_limiter = anyio.CapacityLimiter(MAX_EVENT_STREAMS)
     guard = Guard(settings.api, client, on_limited=metrics.rate_limited.inc)
 
@@ -181,7 +191,7 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
 
     # routers carry their full /v1/... prefix themselves: the route template then is the metrics
     # label
-    for router in (routes_templates.router, routes_jobs.router):
+    for router in (routes_templates.router, routes_adapters.router, routes_jobs.router):
         app.include_router(router, dependencies=[Depends(require_api_key)])
     _ops_routes(app, client, metrics)
     _offline_docs(app)
@@ -191,7 +201,12 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
 
         mount_studio(app, app.state.service, templates, guard, settings, metrics)
     # the last added runs first: metrics see every response, the body limit's 413s included
-    app.add_middleware(BodyLimitMiddleware, max_bytes=int(settings.api.max_body_mb * MB))
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=int(settings.api.max_body_mb * MB),
+        # the adapter limit is checked exactly while staging; this bound leaves room for the form
+        path_limits={"/v1/adapters": int(settings.adapters.max_mb * MB) + MB},
+    )
     _add_cors(app, settings)
     app.add_middleware(SecurityHeadersMiddleware)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

@@ -35,30 +35,36 @@ class _BodyTooLarge(Exception):
 
 
 class BodyLimitMiddleware:
-    """413 for a request body over ``max_bytes``: at once when ``Content-Length`` says so, else as
-    soon as the streamed body passes the limit. Past the limit, reading the body raises, so no
-    route ever acts on a partial body; whatever response the app makes of that is replaced."""
+    """413 for a request body over ``max_bytes`` (or over ``path_limits[path]`` for the paths it
+    names: uploads that may be larger, such as adapters): at once when ``Content-Length`` says so,
+    else as soon as the streamed body passes the limit. Past the limit, reading the body raises, so
+    no route ever acts on a partial body; whatever response the app makes of that is replaced."""
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, path_limits: dict[str, int] | None = None):
         self.app, self.max_bytes = app, int(max_bytes)
-        self.message = (
-            f"request body is larger than this server's limit of {human_bytes(self.max_bytes)}: "
+        self.path_limits = {path: int(limit) for path, limit in (path_limits or {}).items()}
+
+    @staticmethod
+    def _message(limit: int) -> str:
+        return (
+            f"request body is larger than this server's limit of {human_bytes(limit)}: "
             "send smaller files"
         )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.path_limits.get(scope.get("path", ""), self.max_bytes)
         declared = dict(scope.get("headers") or ()).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._refuse(send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await self._refuse(send, limit)
         state = {"received": 0, "over": False, "replaced": False}
 
         async def limited_receive():
             message = await receive()
             if message["type"] == "http.request":
                 state["received"] += len(message.get("body", b""))
-                if state["received"] > self.max_bytes:
+                if state["received"] > limit:
                     state["over"] = True
                     raise _BodyTooLarge()
             return message
@@ -68,17 +74,17 @@ class BodyLimitMiddleware:
                 return await send(message)
             if message["type"] == "http.response.start" and not state["replaced"]:
                 state["replaced"] = True
-                await self._refuse(send)
+                await self._refuse(send, limit)
 
         try:
             await self.app(scope, limited_receive, guarded_send)
         except _BodyTooLarge:
             if not state["replaced"]:
                 state["replaced"] = True
-                await self._refuse(send)
+                await self._refuse(send, limit)
 
-    async def _refuse(self, send):
-        start, body = _error_response(413, self.message, [(b"connection", b"close")])
+    async def _refuse(self, send, limit: int):
+        start, body = _error_response(413, self._message(limit), [(b"connection", b"close")])
         await send(start)
         await send(body)
 

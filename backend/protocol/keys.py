@@ -76,6 +76,15 @@ def cpu_task_key(job_id: str) -> str:
     return f"{NAMESPACE}:cpu:task:{job_id}"
 
 
+# ----- adapters ------------------------------------------------------------------------------
+ADAPTER_INGEST_TASK = f"{NAMESPACE}.adapters.ingest"  # on the pre-processing queue
+
+
+def adapter_reply_key(request_id: str) -> str:
+    """List holding a CPU worker's one answer to an adapter ingest request (short TTL)."""
+    return f"{NAMESPACE}:adapters:reply:{request_id}"
+
+
 # ----- templates, API, janitor ----------------------------------------------------------------
 JANITOR_LOCK_KEY = f"{NAMESPACE}:janitor:lock"
 

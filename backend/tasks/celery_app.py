@@ -41,6 +41,7 @@ from backend.imaging.uploads import UploadError
 from backend.metrics import make_registry, serve_metrics
 from backend.protocol import JobEvent, ProtocolError, to_text
 from backend.protocol.keys import (
+    ADAPTER_INGEST_TASK,
     CPU_STATS_KEY,
     POST_TASK,
     PRE_TASK,
@@ -198,6 +199,7 @@ def make_celery(settings: Settings) -> Celery:
         task_routes={
             PRE_TASK: {"queue": settings.celery.pre_queue},
             POST_TASK: {"queue": settings.celery.post_queue},
+            ADAPTER_INGEST_TASK: {"queue": settings.celery.pre_queue},
         },
         worker_send_task_events=False,
         task_default_queue=settings.celery.pre_queue,
@@ -285,6 +287,14 @@ def make_celery(settings: Settings) -> Celery:
             return "done" if state.stages(job.model_id).postprocess(job) else "skipped"
 
         run(task, "post", job.job_id, denoised_json, work)
+
+    @app.task(name=ADAPTER_INGEST_TASK)
+    def ingest_adapter(request_json: str) -> None:
+        """An uploaded LoRA adapter: read, validate, normalize; the API waits for the answer."""
+        from backend.adapters.ingest import run_ingest_task
+        from backend.blobs import BlobStore
+
+        run_ingest_task(state.client, BlobStore(settings.paths.data_dir / "blobs"), request_json)
 
     return app
 

@@ -1,0 +1,255 @@
+"""The adapter registry's storage: LoRA adapters users upload once and name in many edits.
+
+Layout under ``root``::
+
+    content/<sha256>.safetensors   the adapter in the normalized format (``backend.adapters.files``)
+    records/<id>.json              one record per upload (``AdapterRecord``)
+
+Invariants (those of ``templates_store.store``, for adapters):
+* ids are generated here (uuid4 hex) and validated before any path is built from one, so no id a
+  caller passes can name a file outside ``root``; names are display strings, never paths;
+* every record has an ``owner`` (a tenant) and every read, listing and delete names one: another
+  owner's record is ``AdapterNotFound`` word for word like an id that never existed, and never
+  listed; a record without an owner belongs to nobody (fail closed);
+* content is deduplicated by the sha256 of the normalized file: the same adapter uploaded twice (by
+  one owner or two) gives two records sharing one content file, deleted with its last record;
+* every file is written atomically, and a record is written last, so a record that can be read
+  always has its content; a crash leaves at most an unreferenced content file, never a record
+  without one;
+* ``add`` and ``delete`` hold an inter-process lock around the record/content bookkeeping.
+
+No torch here: the API imports this module; what a record says of an adapter (family, ranks, size)
+comes from the CPU worker that read the file (``AdapterFacts``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import hmac
+import json
+import logging
+import re
+import shutil
+import time
+import uuid
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from backend.atomic import atomic_path, write_atomic
+from templates_store.store import TemplateError, clean_name
+
+log = logging.getLogger(__name__)
+
+_ID = re.compile(r"^[0-9a-f]{32}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_INDEX = re.compile(r"\.\d+(?=\.|$)")
+SOURCE_LAYOUTS = ("peft", "kohya")
+CHUNK = 1 << 20
+
+
+class AdapterError(ValueError):
+    """An adapter the user must fix; ``code`` as ``templates_store.store.TemplateError``'s."""
+
+    def __init__(self, message: str, code: str = "invalid"):
+        super().__init__(message)
+        self.code = code
+
+
+class AdapterNotFound(LookupError):
+    """No adapter with this id (never created, deleted, another owner's, or not an id at all)."""
+
+    def __init__(self, adapter_id: str):
+        super().__init__(f"no adapter with id {adapter_id!r}: list adapters to see the ids")
+        self.adapter_id = adapter_id
+
+
+@dataclass(frozen=True)
+class AdapterFacts:
+    """What reading an adapter file established (the CPU worker's answer)."""
+
+    family: str
+    model_id: str  # the model it was validated against
+    source_layout: str  # peft | kohya
+    ranks: dict[str, int]  # denoiser module -> rank
+    nbytes: int  # bytes of its tensors
+
+
+def layer_kinds(modules) -> dict[str, int]:
+    """Targeted modules counted by kind: block indices as ``N`` (``down_blocks.N.attentions.N.
+    transformer_blocks.N.attn1.to_q``), sorted by kind."""
+    counts = Counter(_INDEX.sub(".N", module) for module in modules)
+    return dict(sorted(counts.items()))
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    adapter_id: str
+    owner: str
+    name: str
+    family: str
+    model_id: str
+    rank: int  # the highest rank of any module
+    ranks: dict[str, int]  # module -> rank (the modules it targets)
+    num_pairs: int
+    nbytes: int  # bytes of its tensors
+    sha256: str  # of the normalized file (the content file's name)
+    created_at: float
+    source_layout: str  # peft | kohya
+
+    @property
+    def targets(self) -> dict[str, int]:
+        return layer_kinds(self.ranks)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> AdapterRecord:
+        return cls(
+            adapter_id=str(data["adapter_id"]),
+            owner=str(data.get("owner", "")),
+            name=str(data["name"]),
+            family=str(data["family"]),
+            model_id=str(data["model_id"]),
+            rank=int(data["rank"]),
+            ranks={str(k): int(v) for k, v in data["ranks"].items()},
+            num_pairs=int(data["num_pairs"]),
+            nbytes=int(data["nbytes"]),
+            sha256=str(data["sha256"]),
+            created_at=float(data["created_at"]),
+            source_layout=str(data["source_layout"]),
+        )
+
+
+def adapter_name(name: str) -> str:
+    """The display name, cleaned as template names are; AdapterError when unusable."""
+    try:
+        return clean_name(name, "adapter")
+    except TemplateError as exc:
+        raise AdapterError(str(exc)) from None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class AdapterStore:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        for sub in ("content", "records"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+    # ----- paths ----------------------------------------------------------------------------------
+    def _record_path(self, adapter_id: str) -> Path:
+        if not isinstance(adapter_id, str) or not _ID.match(adapter_id):
+            raise AdapterNotFound(str(adapter_id)[:80])
+        return self.root / "records" / f"{adapter_id}.json"
+
+    def _content_path(self, sha256: str) -> Path:
+        return self.root / "content" / f"{sha256}.safetensors"
+
+    @contextmanager
+    def _locked(self):
+        with open(self.root / ".lock", "a+b") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    # ----- operations -----------------------------------------------------------------------------
+    def add(self, normalized: Path, facts: AdapterFacts, name: str, owner: str) -> AdapterRecord:
+        """Store one of ``owner``'s uploads from its normalized file (left in place: the caller
+        removes it). Raises AdapterError for a bad name or facts."""
+        if not owner:
+            raise ValueError("an adapter needs an owner")  # a caller's bug, never a user's
+        name = adapter_name(name)
+        if not facts.ranks or facts.source_layout not in SOURCE_LAYOUTS:
+            raise ValueError(f"adapter facts are incomplete: {facts}")  # a worker's bug
+        sha256 = _sha256(normalized)
+        record = AdapterRecord(
+            adapter_id=uuid.uuid4().hex,
+            owner=owner,
+            name=name,
+            family=facts.family,
+            model_id=facts.model_id,
+            rank=max(facts.ranks.values()),
+            ranks=dict(sorted(facts.ranks.items())),
+            num_pairs=len(facts.ranks),
+            nbytes=int(facts.nbytes),
+            sha256=sha256,
+            created_at=time.time(),
+            source_layout=facts.source_layout,
+        )
+        with self._locked():
+            content = self._content_path(sha256)
+            if not content.exists():
+                with atomic_path(content) as tmp:
+                    shutil.copyfile(normalized, tmp)
+            write_atomic(
+                self._record_path(record.adapter_id), json.dumps(record.to_dict()).encode()
+            )
+        return record
+
+    def get(self, adapter_id: str, owner: str) -> AdapterRecord:
+        """``owner``'s adapter; AdapterNotFound when it does not exist or is another's."""
+        path = self._record_path(adapter_id)
+        try:
+            record = AdapterRecord.from_dict(json.loads(path.read_bytes()))
+        except FileNotFoundError:
+            raise AdapterNotFound(adapter_id) from None
+        # compare_digest: how long the check takes does not say how much of an owner matched
+        if not owner or not hmac.compare_digest(record.owner, owner):
+            raise AdapterNotFound(adapter_id)
+        return record
+
+    def list(self, owner: str) -> list[AdapterRecord]:
+        """``owner``'s records, newest first."""
+        records = [r for r in self._all_records() if owner and r.owner == owner]
+        records.sort(key=lambda r: (r.created_at, r.adapter_id), reverse=True)
+        return records
+
+    def _all_records(self) -> list[AdapterRecord]:
+        """Every owner's records. Unreadable record files are skipped (and logged)."""
+        records = []
+        for path in (self.root / "records").glob("*.json"):
+            try:
+                records.append(AdapterRecord.from_dict(json.loads(path.read_bytes())))
+            except FileNotFoundError:
+                continue  # deleted while we listed
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                log.warning("skipping unreadable adapter record %s: %s", path.name, exc)
+        return records
+
+    def delete(self, adapter_id: str, owner: str) -> None:
+        """Remove ``owner``'s record, and its content when no other record (of any owner)
+        shares it."""
+        record = self.get(adapter_id, owner)
+        with self._locked():
+            self._record_path(adapter_id).unlink(missing_ok=True)
+            if not any(other.sha256 == record.sha256 for other in self._all_records()):
+                self._content_path(record.sha256).unlink(missing_ok=True)
+
+    def content_of(self, sha256: str) -> Path:
+        """The normalized file of the content ``sha256`` names (engine workers load adapters by
+        content); AdapterNotFound when no such file is stored."""
+        if not isinstance(sha256, str) or not _SHA256.match(sha256):
+            raise AdapterNotFound(str(sha256)[:80])
+        path = self._content_path(sha256)
+        if not path.exists():
+            raise AdapterNotFound(sha256)
+        return path
+
+    def content_path(self, record: AdapterRecord) -> Path:
+        """The normalized file of a record; AdapterNotFound when it is gone (deleted since)."""
+        path = self._content_path(record.sha256)
+        if not path.exists():
+            raise AdapterNotFound(record.adapter_id)
+        return path
