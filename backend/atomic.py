@@ -7,6 +7,7 @@ so the final rename never crosses a file system.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 from collections.abc import Iterator
@@ -28,6 +29,18 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def file_lock(path: Path | str) -> Iterator[None]:
+    """Hold an exclusive inter-process lock (``flock``) on ``path`` (created when missing) for the
+    block: stores that keep records and shared content files do their bookkeeping under one."""
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def write_atomic(path: Path | str, data: bytes) -> None:

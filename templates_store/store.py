@@ -28,7 +28,6 @@ The REST API and the Studio UI share this class; neither touches the files direc
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import hmac
 import json
@@ -37,13 +36,12 @@ import re
 import time
 import unicodedata
 import uuid
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from PIL import UnidentifiedImageError
 
-from backend.atomic import write_atomic
+from backend.atomic import file_lock, write_atomic
 from backend.imaging.uploads import UploadError, decode_image, encode_image, thumbnail
 
 log = logging.getLogger(__name__)
@@ -179,14 +177,8 @@ class TemplateStore:
     def _thumb_path(self, sha256: str) -> Path:
         return self.root / "thumbs" / f"{sha256}.webp"
 
-    @contextmanager
     def _locked(self):
-        with open(self.root / ".lock", "a+b") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        return file_lock(self.root / ".lock")
 
     # ----- operations -----------------------------------------------------------------------------
     def add(

@@ -24,7 +24,6 @@ comes from the CPU worker that read the file (``AdapterFacts``).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import hmac
 import json
@@ -34,11 +33,10 @@ import shutil
 import time
 import uuid
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from backend.atomic import atomic_path, write_atomic
+from backend.atomic import atomic_path, file_lock, write_atomic
 from templates_store.store import TemplateError, clean_name
 
 log = logging.getLogger(__name__)
@@ -155,14 +153,8 @@ class AdapterStore:
     def _content_path(self, sha256: str) -> Path:
         return self.root / "content" / f"{sha256}.safetensors"
 
-    @contextmanager
     def _locked(self):
-        with open(self.root / ".lock", "a+b") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        return file_lock(self.root / ".lock")
 
     # ----- operations -----------------------------------------------------------------------------
     def add(self, normalized: Path, facts: AdapterFacts, name: str, owner: str) -> AdapterRecord:
