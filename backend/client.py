@@ -14,6 +14,7 @@ status and the server's message.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -136,9 +137,13 @@ class MaskServeClient:
         "erase": filled from the surroundings, no prompt needed), inpaint_area ("whole" or
         "masked": a padded crop around the mask, edited at the model's resolution and pasted
         back), crop_padding_px (that crop's context around the mask, 0..1024), resolution,
-        use_cache (None values are left out). Returns the 202 body: job_id, seed, status_url,
+        use_cache, adapters (LoRA adapters: ``[(adapter id, scale), ...]``, up to the server's
+        limit) (None values are left out). Returns the 202 body: job_id, seed, status_url,
         events_url, result_url."""
+        adapters = params.pop("adapters", None)
         data = {"prompt": prompt} | {k: _form_value(v) for k, v in params.items() if v is not None}
+        if adapters:
+            data["adapters"] = json.dumps([{"id": i, "scale": float(s)} for i, s in adapters])
         if template_id is not None:
             data["template_id"] = template_id
         files = {"mask": (_file_name(mask, "mask.png"), _file_bytes(mask))}
@@ -239,6 +244,17 @@ def connection(args, settings=None) -> tuple[str, str | None]:
     return url, getattr(args, "api_key", None) or _settings_api_key(settings)
 
 
+def adapter_choice(text: str) -> tuple[str, float]:
+    """``ID[:SCALE]`` -> (adapter id, scale), for ``--adapter``."""
+    adapter_id, _, scale = text.partition(":")
+    try:
+        return adapter_id, float(scale) if scale else 1.0
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give an adapter as ID or ID:SCALE (a number, e.g. abc123:0.8)"
+        ) from None
+
+
 def add_submit_arguments(parser) -> None:
     """The arguments ``submit_cli`` reads, for an argparse (sub)parser."""
     add_connection_arguments(parser)
@@ -298,6 +314,14 @@ def add_submit_arguments(parser) -> None:
     parser.add_argument("--resolution", type=int, default=None)
     parser.add_argument("--no-cache", dest="no_cache", action="store_true")
     parser.add_argument(
+        "--adapter",
+        dest="adapters",
+        action="append",
+        type=adapter_choice,
+        metavar="ID[:SCALE]",
+        help="a LoRA adapter (maskserve adapters list) and its scale (default 1); repeat for more",
+    )
+    parser.add_argument(
         "--no-wait", dest="wait", action="store_false", help="print the job id and return"
     )
     parser.add_argument(
@@ -349,6 +373,7 @@ def submit_cli(args, settings=None) -> int:
     params["invert"] = True if getattr(args, "invert", False) else None
     params["fill_holes"] = True if getattr(args, "fill_holes", False) else None
     params["use_cache"] = False if getattr(args, "no_cache", False) else None
+    params["adapters"] = getattr(args, "adapters", None)
     try:
         with MaskServeClient(url, api_key) as client:
             job = client.submit(

@@ -12,17 +12,17 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from backend.api.app import create_app
-from backend.api.service import (
+from backend.api.checks import (
     MAX_GUIDANCE,
     MAX_PROMPT_CHARS,
     MAX_SEED,
     MAX_STEPS,
     RESOLUTION_RANGE,
-    JobRequest,
-    JobService,
     ServiceError,
-    _whole,
+    check_numbers,
+    whole,
 )
+from backend.api.service import JobRequest
 from backend.config import Settings, SettingsError, env_variable_names, load_settings
 from tests.property_settings import examples
 from tests.test_api import IMAGE, KEY, mask_png, png
@@ -55,7 +55,7 @@ def test_numbers_are_accepted_exactly_inside_their_ranges(
         and prompt_chars <= MAX_PROMPT_CHARS
     )
     try:
-        JobService._check_numbers(request, steps, guidance, seed)
+        check_numbers(request, steps, guidance, seed)
     except ServiceError as exc:
         assert not expected and exc.code == "invalid", exc
         return
@@ -67,11 +67,11 @@ def test_numbers_are_accepted_exactly_inside_their_ranges(
 def test_whole_numbers_are_exactly_the_integral_non_bool_numbers(value):
     integral = (type(value) is int) or (isinstance(value, float) and value.is_integer())
     try:
-        whole = _whole("steps", value)
+        number = whole("steps", value)
     except ServiceError as exc:
         assert not integral and "whole number" in str(exc)
         return
-    assert integral and whole == value
+    assert integral and number == value
 
 
 env_values = st.one_of(

@@ -15,6 +15,7 @@ import anyio
 from fastapi import APIRouter, File, Form, Header, Query, Request, Security, UploadFile
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
+from backend.api.adapter_requests import FORM_HELP, parse_choices
 from backend.api.errors import ERROR_RESPONSES
 from backend.api.schemas import JobAccepted, JobCancelled, JobList, JobView
 from backend.api.security import api_key_query
@@ -107,6 +108,7 @@ def submit_job(
     ),
     resolution: int = Form(0, description="Model resolution bucket side; 0: the model's default"),
     use_cache: bool = Form(True, description="Reuse the template's cached activations"),
+    adapters: str = Form("", description=FORM_HELP),
 ) -> JSONResponse:
     job_request = JobRequest(
         mask=_read(mask) or b"",
@@ -132,6 +134,7 @@ def submit_job(
         crop_padding_px=crop_padding_px,
         resolution=resolution,
         use_cache=use_cache,
+        adapters=tuple(parse_choices(adapters)),
         owner=_owner(request),
     )
     submitted = _service(request).submit(job_request)

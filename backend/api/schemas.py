@@ -32,6 +32,11 @@ _EVENTS_URL = "Its server-sent events (GET, resumable with Last-Event-ID)"
 _RESULT_URL = "Its result, a PNG once the job is done"
 
 
+class AdapterChoiceView(BaseModel):
+    id: str = Field(description="The adapter's id (GET /v1/adapters)")
+    scale: float = Field(description="How strongly it applies (1: as trained)")
+
+
 class JobView(BaseModel):
     """One job: what was asked, how far it got, where its time went, and its links."""
 
@@ -94,6 +99,14 @@ class JobView(BaseModel):
     )
     crop_padding_px: int = Field(
         description="Pixels of context around the mask in the masked-area crop (0..1024)"
+    )
+    adapters: list[AdapterChoiceView] = Field(
+        default_factory=list, description="The LoRA adapters it applies, each with its scale"
+    )
+    adapter_steps: dict[str, int] = Field(
+        default_factory=dict,
+        description="Once denoised: adapter id -> the denoising step at which the adapter joined "
+        "(0: from the start; later when it was still loading, see docs/design/adapters.md)",
     )
     template_id: str = Field(description="The gallery template it edits; empty for an upload")
     width: int = Field(description="The image's width, pixels")

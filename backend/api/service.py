@@ -25,7 +25,6 @@ Invariants:
 from __future__ import annotations
 
 import hmac
-import math
 import re
 import secrets
 import time
@@ -36,6 +35,17 @@ from pathlib import Path
 
 from kombu.exceptions import OperationalError as BrokerError
 
+from backend.adapters.store import AdapterStore
+from backend.api.adapter_requests import AdapterChoice, resolve_uses
+from backend.api.checks import (
+    MAX_SEED,
+    MAX_STEPS,
+    ServiceError,
+    check_numbers,
+    check_range,
+    check_resolution,
+    whole,
+)
 from backend.blobs import BlobStore
 from backend.config import Settings
 from backend.history import HistoryIndex
@@ -46,41 +56,23 @@ from backend.imaging.uploads import (
     UploadError,
     decode_image,
     process_mask,
-    validate_inpaint_area,
 )
 
 # the pre task's exact ranges
-from backend.imaging.uploads import _validate_ops as validate_mask_ops
 from backend.jobstate import TERMINAL, JobNotFound, JobStateStore
 from backend.models import UnknownModelError, known_model_ids, resolve_model
 from backend.models.catalog import SHIPPED
-from backend.protocol import CancelJob, EditJob, JobEvent, MaskOps, to_text
+from backend.protocol import AdapterUse, CancelJob, EditJob, JobEvent, MaskOps, to_text
 from backend.protocol.heartbeats import live_heartbeats, queue_position, read_heartbeat
 from backend.protocol.keys import job_key
-from backend.protocol.messages import JOB_MODES
 from backend.tasks.celery_app import submit_edit
 from backend.worker.redis_inbox import send_to_inbox
 from templates_store.store import TemplateNotFound, TemplateStore, upload_error_code
 
-MAX_PROMPT_CHARS = 2000
-MAX_STEPS = 150
-MAX_GUIDANCE = 50.0
-MAX_SEED = 2**32 - 1
-RESOLUTION_RANGE = (64, 2048)
 _JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 _EVENT_ID = re.compile(r"^\d+(-\d+)?$")
 # statuses in which a job with a worker_id is that worker's to cancel
 ON_WORKER = ("waiting", "running")
-
-
-class ServiceError(ValueError):
-    """A request the service refuses; ``code`` is one of ``invalid``, ``not_found``, ``conflict``,
-    ``gone``, ``unsupported_format``, ``too_large``, ``unavailable``. The message says what to
-    fix."""
-
-    def __init__(self, message: str, code: str = "invalid"):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -107,6 +99,7 @@ class JobRequest:
     inpaint_area: str = "whole"
     crop_padding_px: int = DEFAULT_CROP_PADDING_PX
     use_cache: bool = True
+    adapters: tuple[AdapterChoice, ...] = ()  # LoRA adapters, each with a scale
     # the tenant that owns it (``backend.api.security.Caller.owner``): only it can see the job
     owner: str = ""
     # whose history lists it (a studio user within the studio's tenant); empty: the owner's
@@ -121,31 +114,6 @@ class SubmittedJob:
     steps: int
 
 
-def _check_range(name: str, value, low, high, low_open: bool = False) -> None:
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ServiceError(f"{name} must be a finite number, got {value}")
-    if (value <= low if low_open else value < low) or value > high:
-        bracket = "(" if low_open else "["
-        raise ServiceError(
-            f"{name} {value} is out of range: use a value in {bracket}{low}, {high}]"
-        )
-
-
-def _check_resolution(resolution: int) -> None:
-    if resolution and not RESOLUTION_RANGE[0] <= resolution <= RESOLUTION_RANGE[1]:
-        raise ServiceError(
-            f"resolution {resolution} is out of range: use 0 (the model's default) or "
-            f"{RESOLUTION_RANGE[0]}..{RESOLUTION_RANGE[1]}"
-        )
-
-
-def _whole(name: str, value) -> int:
-    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-    if isinstance(value, bool) or not integral:
-        raise ServiceError(f"{name} must be a whole number, got {value!r}")
-    return int(value)
-
-
 class JobService:
     def __init__(
         self,
@@ -158,6 +126,7 @@ class JobService:
     ):
         self.settings, self.client, self.celery_app = settings, redis_client, celery_app
         self.blobs, self.templates = blobs, templates
+        self.adapters = AdapterStore(settings.paths.resolved_adapters_dir())
         self.jobstate = jobstate or JobStateStore(redis_client, settings.retention.job_record_s)
         self.history_index = HistoryIndex(
             redis_client, settings.studio.history_limit, settings.retention.job_record_s
@@ -173,8 +142,9 @@ class JobService:
         guidance = spec.default_guidance if request.guidance is None else request.guidance
         seed = secrets.randbelow(MAX_SEED + 1) if request.seed is None else request.seed
         # a UI's number widget gives floats
-        steps, seed = _whole("steps", steps), _whole("seed", seed)
-        self._check_numbers(request, steps, guidance, seed)
+        steps, seed = whole("steps", steps), whole("seed", seed)
+        check_numbers(request, steps, guidance, seed)
+        adapters = self._adapter_uses(request, spec.model_id)
         # everything is validated before any blob is written: a refused request stores nothing
         store_template, image_size = self._template(request, request.owner)
         self._check_mask(request, image_size)
@@ -200,6 +170,7 @@ class JobService:
             mode=request.mode,
             inpaint_area=request.inpaint_area,
             crop_padding_px=request.crop_padding_px,
+            adapters=adapters,
         )
         self.jobstate.create(
             job_id,
@@ -216,6 +187,7 @@ class JobService:
             mode=request.mode,
             inpaint_area=request.inpaint_area,
             crop_padding_px=request.crop_padding_px,
+            adapters=[{"id": use.adapter_id, "scale": use.scale} for use in adapters],
             template_id=request.template_id or "",
             width=image_size[0],
             height=image_size[1],
@@ -226,6 +198,13 @@ class JobService:
         self.history_index.add(request.listed_for or request.owner, job_id, job.submitted_at)
         self._queue(job)
         return SubmittedJob(job_id=job_id, seed=seed, model_id=spec.model_id, steps=steps)
+
+    def _adapter_uses(self, request: JobRequest, model_id: str) -> list[AdapterUse]:
+        if request.adapters and request.mode == "erase":
+            raise ServiceError("an erase uses no model, so no adapters: drop them or generate")
+        return resolve_uses(
+            request.adapters, self.adapters, request.owner, model_id, self.settings.adapters
+        )
 
     def prepare_template(
         self,
@@ -241,9 +220,9 @@ class JobService:
 
         spec = self._model(model or self.settings.engine.model_id)
         self._check_served(spec.model_id)
-        steps = _whole("steps", spec.default_steps if steps is None else steps)
-        _check_range("steps", steps, 1, MAX_STEPS)
-        _check_resolution(resolution)
+        steps = whole("steps", spec.default_steps if steps is None else steps)
+        check_range("steps", steps, 1, MAX_STEPS)
+        check_resolution(resolution)
         record = self._owned_template(template_id, owner)
         self._check_queued(owner)
         job_id = uuid.uuid4().hex
@@ -306,10 +285,10 @@ class JobService:
         from backend.cachestatus import KeySettings, cache_status
 
         spec = self._model(model or self.settings.engine.model_id)
-        steps = _whole("steps", spec.default_steps if steps is None else steps)
+        steps = whole("steps", spec.default_steps if steps is None else steps)
         guidance = spec.default_guidance if guidance is None else guidance
         query = JobRequest(mask=b"", prompt="", strength=strength, resolution=resolution)
-        self._check_numbers(query, steps, guidance, 0)
+        check_numbers(query, steps, guidance, 0)
         record = self._owned_template(template_id, owner)
         settings = KeySettings.of(
             spec, self.settings.engine, steps, resolution, float(strength), float(guidance)
@@ -404,35 +383,6 @@ class JobService:
             f"--model {model_id}), or list it in MASKSERVE_API_MODELS (with every model jobs may "
             "name) so that its jobs are accepted and wait for such a worker"
         )
-
-    @staticmethod
-    def _check_numbers(request: JobRequest, steps, guidance, seed) -> None:
-        _check_range("steps", steps, 1, MAX_STEPS)
-        _check_range("guidance", float(guidance), 0.0, MAX_GUIDANCE)
-        _check_range("strength", float(request.strength), 0.0, 1.0, low_open=True)
-        _check_range("seed", seed, 0, MAX_SEED)
-        for name, text in (
-            ("prompt", request.prompt),
-            ("negative_prompt", request.negative_prompt),
-        ):
-            if not isinstance(text, str):
-                raise ServiceError(f"{name} must be text")
-            if len(text) > MAX_PROMPT_CHARS:
-                raise ServiceError(
-                    f"{name} is {len(text)} characters long, the limit is {MAX_PROMPT_CHARS}: "
-                    "shorten it"
-                )
-        _check_resolution(request.resolution)
-        if request.mode not in JOB_MODES:
-            raise ServiceError(
-                f"mode {request.mode!r} is not known: use one of {', '.join(JOB_MODES)} (erase "
-                "fills the painted area from its surroundings, with no model and no prompt)"
-            )
-        try:
-            validate_mask_ops(request.mask_ops)
-            validate_inpaint_area(request.inpaint_area, request.crop_padding_px)
-        except (MaskError, UploadError) as exc:
-            raise ServiceError(str(exc)) from None
 
     def _template(
         self, request: JobRequest, owner: str

@@ -202,6 +202,8 @@ class JobEvent:
     # a running event's live preview, a ``data:image/png;base64,...`` URL (1.2; empty: none); on
     # the job's event stream only, never in its record (``records.event_fields``)
     preview: str = ""
+    # the post-processing (done) event: adapter id -> the step it joined the row at (1.5)
+    adapter_steps: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.status not in JOB_STATES:

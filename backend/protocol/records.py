@@ -65,6 +65,9 @@ class JobRecord:
     mode: str = "generate"  # generate | erase: filled from the surroundings, no model
     inpaint_area: str = "whole"  # whole | masked: a padded crop around the mask (design/crop.md)
     crop_padding_px: int = 32
+    adapters: list[dict[str, Any]] = field(default_factory=list)  # [{"id", "scale"}] (LoRA)
+    # adapter id -> the denoising step at which it joined (0: from the start), set when denoised
+    adapter_steps: dict[str, int] = field(default_factory=dict)
     template_id: str = ""
     width: int = 0
     height: int = 0
@@ -125,7 +128,7 @@ def _parse(kind: type, text: str) -> object:
         return text not in ("0", "False", "false", "")
     if kind is int:
         return int(float(text))
-    if kind is dict:
+    if kind in (dict, list):
         return json.loads(text)
     return kind(text)  # float, str
 
@@ -147,6 +150,8 @@ def event_fields(event: JobEvent) -> dict[str, str]:
     for name in ("worker_id", "message", "result_ref", "thumbnail_ref"):
         if getattr(event, name):
             values[name] = getattr(event, name)
+    if event.adapter_steps:
+        values["adapter_steps"] = json.dumps(event.adapter_steps)
     values |= {f"{TIMING_PREFIX}{stage}": seconds for stage, seconds in event.timings.items()}
     return {name: str(value) for name, value in values.items()}
 

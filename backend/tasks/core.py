@@ -146,6 +146,7 @@ class CpuStages:
             submitted_at=job.submitted_at,
             timings=timings,
             prompt=job.prompt,
+            adapters=job.adapters,
         )
 
     def _baseline_request(
@@ -255,6 +256,7 @@ class CpuStages:
             result,
             {**job.timings, "post_s": time.time() - started},
             job.submitted_at,
+            job.adapter_steps,
         )
         for ref in (job.latents_ref, job.prepared_ref):  # intermediates: the result is stored now
             self.blobs.delete(ref)
@@ -291,10 +293,12 @@ def store_result(
     result: Image.Image,
     timings: dict[str, float],
     submitted_at: float,
+    adapter_steps: dict[str, int] | None = None,
 ) -> JobEvent:
     """Write a finished job's result (PNG) and thumbnail (WebP) under names derived from its id,
     add ``total_s`` to its timings and mark it done (``jobstate`` None: nothing is reported).
-    Post-processing and erase both finish a job through here."""
+    Post-processing and erase both finish a job through here. ``adapter_steps``: the step each
+    LoRA adapter joined the row at, for the job's record."""
     result_ref = blobs.put("results", job_blob_name("results", job_id), encode_image(result, "png"))
     thumb_ref = blobs.put(
         "thumbnails", job_blob_name("thumbnails", job_id), thumbnail(result, THUMBNAIL_SIDE)
@@ -308,6 +312,7 @@ def store_result(
         timings=timings,
         result_ref=result_ref,
         thumbnail_ref=thumb_ref,
+        adapter_steps=dict(adapter_steps or {}),
     )
     if jobstate is not None:
         jobstate.record_event(event)

@@ -94,6 +94,37 @@ class AdapterBook:
         self.pins: dict[str, int] = {}  # sha -> running rows using it on the device
         self.counters = TierCounters()
 
+    # the keys of ``snapshot`` that only grow (Prometheus counters)
+    COUNTERS = frozenset(
+        {
+            "hits",
+            "disk_loads",
+            "disk_load_bytes",
+            "device_loads",
+            "device_load_bytes",
+            "evictions",
+            "rows_blocked",
+            "rows_with_adapters",
+        }
+    )
+
+    def snapshot(self) -> dict:
+        """Counters and residency for metrics (``maskserve_adapters_*``)."""
+        counters = self.counters
+        return {
+            "hits": dict(counters.hits),
+            "disk_loads": counters.disk_loads,
+            "disk_load_bytes": counters.disk_bytes,
+            "device_loads": counters.device_loads,
+            "device_load_bytes": counters.device_bytes,
+            "evictions": dict(counters.evictions),
+            "rows_blocked": counters.rows_blocked,
+            "rows_with_adapters": counters.rows_with_adapters,
+            "resident": {DEVICE: len(self.device.sizes), HOST: len(self.host.sizes)},
+            "resident_bytes": {DEVICE: self.device.used, HOST: self.host.used},
+            "loading": len(self.loading),
+        }
+
     def where(self, sha: str) -> str:
         if sha in self.device.sizes:
             return DEVICE

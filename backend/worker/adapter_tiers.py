@@ -127,6 +127,10 @@ class AdapterTiers:
             for sha in shas:
                 self.book.unpin(sha)
 
+    def snapshot(self) -> dict:
+        with self._lock:
+            return self.book.snapshot()
+
     def resident_shas(self) -> tuple[list[str], list[str]]:
         """(on the device, on the host) for the heartbeat."""
         with self._lock:
@@ -194,6 +198,18 @@ class RowAdapters:
             return {}
         self.tiers.unpin(row.joined)
         return {ids[sha]: step for sha, step in row.joined.items()}
+
+
+def worker_adapters(settings, engine) -> RowAdapters:
+    """An engine worker's adapter tiers over the adapter registry, as ``settings`` size them."""
+    from backend.adapters.store import AdapterStore
+
+    tiers = settings.adapters
+    store = AdapterStore(settings.paths.resolved_adapters_dir())
+    book = AdapterBook(tiers.device_mb << 20, tiers.host_mb << 20, tiers.policy)
+    return RowAdapters(
+        AdapterTiers(engine.adapters, book, store_loader(store.content_of)), tiers.join_by
+    )
 
 
 def store_loader(content_path: Callable[[str], Path]) -> AdapterLoader:

@@ -38,6 +38,8 @@ from backend.protocol.keys import WORKERS_KEY, heartbeat_key
 from backend.runtime import REDIS_UNAVAILABLE, stop_event_on_signals
 from backend.services.supervisor import Backoff, Reconnect
 from backend.tasks.celery_app import make_celery, submit_postprocess
+from backend.worker.adapter_book import AdapterBook
+from backend.worker.adapter_tiers import worker_adapters
 from backend.worker.baseline import BaselineWorker
 from backend.worker.loop import EngineWorker
 from backend.worker.redis_inbox import RedisInbox
@@ -193,6 +195,7 @@ class Heartbeat:
         self._lock = threading.Lock()
         self.worker_stats: dict = {}
         self.cache_stats: dict = {}
+        self.adapter_stats: dict = {}
 
     def message(self) -> WorkerHeartbeat:
         live = self.worker.scheduler.live_state()
@@ -212,8 +215,18 @@ class Heartbeat:
             # a worker that reads no cache (baseline) holds none, whatever the shared disk has
             resident_ram=self.caches.resident(Tier.RAM) if self.worker.caches else [],
             resident_disk=self.caches.resident(Tier.DISK) if self.worker.caches else [],
+            **self._adapters(),
             stats=self.worker_stats,
         )
+
+    def _adapters(self) -> dict[str, list[str]]:
+        """The adapters on this worker's device and host tiers (routing prefers where a job's
+        adapters are)."""
+        if self.worker.adapters is None:
+            return {}
+        self.adapter_stats = self.worker.adapters.tiers.snapshot()
+        on_device, on_host = self.worker.adapters.tiers.resident_shas()
+        return {"adapters_device": on_device, "adapters_host": on_host}
 
     def refresh(self, force: bool = False) -> None:
         """From the worker loop: rebuild the message when it is due (or ``force``) and publish
@@ -292,6 +305,7 @@ def build_worker(
         caches=caches,
         stages=CpuStages(settings, engine, jobstate) if inline else None,
         previews=worker_previews(settings, engine),  # fits its latent -> RGB map once
+        adapters=worker_adapters(settings, engine),
         **common,
     )
     return worker, caches
@@ -387,10 +401,12 @@ def run_worker(settings: Settings) -> int:
             {
                 "maskserve_worker": lambda: heartbeat.worker_stats,
                 "maskserve_cache": lambda: heartbeat.cache_stats,
+                "maskserve_adapters": lambda: heartbeat.adapter_stats,
             },
             counters={
                 "maskserve_worker": WorkerStats.COUNTERS,
                 "maskserve_cache": CacheMetrics.COUNTERS,
+                "maskserve_adapters": AdapterBook.COUNTERS,
             },
         ),
         settings.metrics_host,

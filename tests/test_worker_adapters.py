@@ -1,0 +1,182 @@
+"""LoRA adapters through the engine worker on the tiny SD2 model: tiers, late joining at the first
+ready step, blocking at the deadline, failures that leave the rest of the batch running."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+
+from backend.adapters.files import NormalizedMeta, read_for_model, save_normalized
+from backend.blobs import BlobStore
+from backend.protocol import AdapterUse
+from backend.worker.adapter_book import AdapterBook
+from backend.worker.adapter_tiers import AdapterTiers, RowAdapters, store_loader
+from backend.worker.channels import LocalInbox, LocalSink
+from backend.worker.loop import EngineWorker
+from tests.adapter_factory import make_adapter_file
+from tests.factories import make_engine, make_params, make_prepared_job, make_template, rect_mask
+from tests.test_worker import final_latents
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+MODEL = "tiny-sd2-inpaint"
+STEPS = 5
+TOL = 1e-4
+MASK = rect_mask((32, 40, 96, 80))
+MB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def engine(models_dir, tmp_path_factory):
+    return make_engine("sd2-inpaint", models_dir, tmp_path_factory.mktemp("adapter-worker-cache"))
+
+
+@pytest.fixture(scope="module")
+def content(tmp_path_factory):
+    """A store's content folder with two normalized adapters, named by a content id."""
+    folder = tmp_path_factory.mktemp("adapter-content")
+    for seed, sha in ((1, "a" * 64), (2, "b" * 64)):
+        source = make_adapter_file(MODEL, folder / f"source-{seed}.safetensors", seed=seed)
+        read = read_for_model(source, MODEL, max_rank=64)
+        save_normalized(
+            read.adapter,
+            NormalizedMeta("sd2-inpaint", MODEL, "peft"),
+            folder / f"{sha}.safetensors",
+        )
+    return folder
+
+
+class GatedLoader:
+    """``store_loader`` that waits for ``gate`` before each read (a slow disk)."""
+
+    def __init__(self, folder):
+        self.read = store_loader(lambda sha: folder / f"{sha}.safetensors")
+        self.gate = threading.Event()
+
+    def __call__(self, sha):
+        self.gate.wait(30)
+        return self.read(sha)
+
+
+def make_worker(engine, tmp_path, loader, join_by=0.2):
+    for sha in engine.adapters.ids():  # each test starts with nothing on the device
+        engine.adapters.drop(sha)
+    book = AdapterBook(device_bytes=64 * MB, host_bytes=64 * MB)
+    rows = RowAdapters(AdapterTiers(engine.adapters, book, loader), join_by)
+    blobs, inbox, sink = BlobStore(tmp_path / "blobs"), LocalInbox(), LocalSink()
+    worker = EngineWorker(engine, blobs, inbox, sink, adapters=rows)
+    return worker, inbox, sink, blobs
+
+
+def submit(engine, worker, inbox, blobs, job_id, seed, uses):
+    params = make_params(engine, steps=STEPS, use_cache=False)
+    job = make_prepared_job(engine, blobs, job_id, make_template(), MASK, seed, params)
+    inbox.put(replace(job, adapters=list(uses)))
+    return params
+
+
+def reference(engine, seed, adapters):
+    """The same edit run by the engine alone with ``adapters`` from step 0."""
+    params = make_params(engine, steps=STEPS, use_cache=False)
+    state = engine.start(make_template(), MASK, "a blue vase", seed, params, adapters=adapters)
+    while not state.done:
+        engine.step([state], params.mode)
+    return state.latents
+
+
+def drain(worker, limit=100):
+    for _ in range(limit):
+        worker.iterate()
+        if worker.scheduler.idle:
+            return
+    raise AssertionError("worker did not drain")
+
+
+def done_job(sink, job_id):
+    (job,) = [j for j in sink.denoised_jobs if j.job_id == job_id]
+    return job
+
+
+USE_A = AdapterUse("rec-a", "a" * 64, 0.8)
+USE_B = AdapterUse("rec-b", "b" * 64, 1.3)
+
+
+def test_prefetched_adapters_join_at_step_zero_and_match_the_engine(engine, content, tmp_path):
+    loader = GatedLoader(content)
+    loader.gate.set()
+    worker, inbox, sink, blobs = make_worker(engine, tmp_path, loader)
+    submit(engine, worker, inbox, blobs, "j1", 3, [USE_A, USE_B])
+    submit(engine, worker, inbox, blobs, "j2", 4, [])
+    for sha in (USE_A.sha256, USE_B.sha256):
+        worker.adapters.tiers.prefetch(sha)
+        worker.adapters.tiers.wait(sha)
+        worker.adapters.tiers.unpin([sha])
+    drain(worker)
+    assert done_job(sink, "j1").adapter_steps == {"rec-a": 0, "rec-b": 0}
+    assert done_job(sink, "j2").adapter_steps == {}
+    expected = reference(engine, 3, (("a" * 64, 0.8), ("b" * 64, 1.3)))
+    assert (final_latents(blobs, sink, "j1") - expected).abs().max().item() <= TOL
+    assert (final_latents(blobs, sink, "j2") - reference(engine, 4, ())).abs().max().item() <= TOL
+    counters = worker.adapters.tiers.book.counters
+    assert counters.rows_blocked == 0 and counters.rows_with_adapters == 1
+    assert counters.hits["device"] == 2
+
+
+def test_an_adapter_still_loading_joins_later_without_blocking(engine, content, tmp_path):
+    loader = GatedLoader(content)
+    worker, inbox, sink, blobs = make_worker(engine, tmp_path, loader, join_by=1.0)
+    submit(engine, worker, inbox, blobs, "late", 3, [USE_A])
+    worker.iterate()
+    worker.iterate()  # two steps without the adapter: its file is still being read
+    assert worker.jobs["late"].state.step == 2 and worker.jobs["late"].state.adapters == ()
+    loader.gate.set()
+    worker.adapters.tiers._futures[USE_A.sha256].result(30)
+    drain(worker)
+    joined = done_job(sink, "late").adapter_steps["rec-a"]
+    assert joined == 2
+    assert worker.adapters.tiers.book.counters.rows_blocked == 0
+    # it is a different edit from one with the adapter from step 0, and from one without it
+    latents = final_latents(blobs, sink, "late")
+    assert (latents - reference(engine, 3, (("a" * 64, 0.8),))).abs().max().item() > TOL
+    assert (latents - reference(engine, 3, ())).abs().max().item() > TOL
+
+
+def test_a_row_at_its_deadline_blocks_until_its_adapter_arrives(engine, content, tmp_path):
+    loader = GatedLoader(content)
+    worker, inbox, sink, blobs = make_worker(engine, tmp_path, loader, join_by=0.0)
+    submit(engine, worker, inbox, blobs, "blocked", 3, [USE_A])
+    threading.Timer(0.3, loader.gate.set).start()
+    drain(worker)
+    assert done_job(sink, "blocked").adapter_steps == {"rec-a": 0}
+    assert worker.adapters.tiers.book.counters.rows_blocked == 1
+    expected = reference(engine, 3, (("a" * 64, 0.8),))
+    assert (final_latents(blobs, sink, "blocked") - expected).abs().max().item() <= TOL
+
+
+def test_an_adapter_that_cannot_be_loaded_fails_its_row_only(engine, content, tmp_path):
+    loader = GatedLoader(content)
+    loader.gate.set()
+    worker, inbox, sink, blobs = make_worker(engine, tmp_path, loader, join_by=0.0)
+    missing = AdapterUse("rec-gone", "c" * 64, 1.0)
+    submit(engine, worker, inbox, blobs, "bad", 3, [missing])
+    submit(engine, worker, inbox, blobs, "good", 4, [])
+    drain(worker)
+    failed = [e for e in sink.events if e.job_id == "bad" and e.status == "failed"]
+    assert failed and "adapter rec-gone could not be loaded" in failed[0].message
+    assert done_job(sink, "good").adapter_steps == {}
+    assert not worker.adapters.tiers.book.pins  # nothing left pinned
+
+
+def test_the_heartbeat_rows_name_their_adapters(engine, content, tmp_path):
+    loader = GatedLoader(content)
+    loader.gate.set()
+    worker, inbox, sink, blobs = make_worker(engine, tmp_path, loader)
+    submit(engine, worker, inbox, blobs, "hb", 3, [USE_B])
+    worker.iterate()
+    live = worker.scheduler.live_state()
+    (row,) = live["running"] + live["waiting"]
+    assert row.adapters == [USE_B.sha256]
+    drain(worker)
+    assert not worker.adapters.tiers.book.pins
