@@ -47,7 +47,7 @@ def test_a_job_carries_its_adapters_to_pre_processing(client, adapters, redis_cl
     accepted = submit(client, adapters=with_adapters([(sd2["adapter_id"], 0.8)]))
     assert accepted.status_code == 202, accepted.text
     (job,) = pre_queue_jobs(redis_client, settings)
-    assert job.adapters == [AdapterUse(sd2["adapter_id"], sd2["sha256"], 0.8)]
+    assert job.adapters == [AdapterUse(sd2["adapter_id"], sd2["sha256"], 0.8, sd2["nbytes"])]
     shown = client.get(f"/v1/jobs/{accepted.json()['job_id']}").json()
     assert shown["adapters"] == [{"id": sd2["adapter_id"], "scale": 0.8}]
     assert shown["adapter_steps"] == {}
@@ -124,7 +124,8 @@ def test_a_job_with_an_adapter_runs_end_to_end(stack, engine, tmp_path):  # noqa
         assert accepted.status_code == 202, accepted.text
         job_id = accepted.json()["job_id"]
         (prepared,) = wait_for(lambda: handed_off(redis), "the pre-processed job", log)
-        assert prepared.adapters == [AdapterUse(record["adapter_id"], record["sha256"], 0.9)]
+        use = AdapterUse(record["adapter_id"], record["sha256"], 0.9, record["nbytes"])
+        assert prepared.adapters == [use]
         blobs = BlobStore(stack_settings.paths.data_dir / "blobs")
         inbox = LocalInbox()
         rows = worker_adapters(stack_settings, engine)

@@ -101,4 +101,4 @@ def _use(
             f"adapter {record.adapter_id} ({record.name}) was registered for {record.model_id}; "
             f"this edit runs {model_id}: pick that model, or register the adapter for this one"
         )
-    return AdapterUse(record.adapter_id, record.sha256, scale)
+    return AdapterUse(record.adapter_id, record.sha256, scale, record.nbytes)

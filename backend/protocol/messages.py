@@ -66,6 +66,7 @@ class AdapterUse:
     adapter_id: str
     sha256: str
     scale: float = 1.0
+    nbytes: int = 0  # the adapter's tensors, for the router's load estimate (0: unknown)
 
 
 @dataclass(frozen=True)
