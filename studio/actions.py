@@ -2,7 +2,8 @@
 ``TemplateStore``); no Gradio here, so every action is unit-tested without a browser.
 
 The studio never touches a model: an edit is a ``JobRequest`` like a REST submission, progress is
-the job's own event stream, the result is the job's result file. Problems a user must fix are raised
+the job's own event stream, the result is the job's result file. LoRA adapters: ``actions.adapters``
+(``studio.adapter_actions``). Problems a user must fix are raised
 as ``StudioError`` with a message saying how (the UI shows it as a warning, never a stack trace).
 
 New users start from ``add_samples``: held-out scenes of the demo model's scene generator
@@ -27,15 +28,19 @@ from pathlib import Path
 
 from PIL import Image
 
+from backend.adapters.service import AdapterService
+from backend.api.adapter_requests import AdapterChoice
 from backend.api.security import studio_user
 from backend.api.service import MAX_SEED, JobRequest, JobService, ServiceError, SubmittedJob
-from backend.imaging.masks import MaskError, load_mask
+from backend.imaging.masks import load_mask
 from backend.imaging.uploads import encode_image
 from backend.jobstate import TERMINAL
 from backend.models import resolve_model
 from backend.protocol import MaskOps
 from backend.training.scenes import make_scene
 from studio import masks as studio_masks
+from studio.adapter_actions import StudioAdapters
+from studio.errors import StudioError, service_call
 from templates_store.store import (
     MAX_NAME_CHARS,
     TemplateError,
@@ -65,10 +70,6 @@ STAGES = {
 }
 
 
-class StudioError(ValueError):
-    """Something the user must fix; the message says what."""
-
-
 @dataclass(frozen=True)
 class EditForm:
     """The editor's fields. ``seed`` None = a random seed (the one used is reported back)."""
@@ -89,6 +90,8 @@ class EditForm:
     mode: str = "generate"  # or "erase": filled from the surroundings, no model and no prompt
     inpaint_area: str = "whole"  # or "masked": a padded crop around the mask (design/crop.md)
     crop_padding_px: int = 32
+    # LoRA adapters with their scales (none: the base model); an erase runs no model and drops them
+    adapters: tuple[AdapterChoice, ...] = ()
 
     @property
     def mask_ops(self) -> MaskOps:
@@ -143,15 +146,6 @@ def _seconds(value: float) -> str:
     return f"{value:.2g}" if value < 10 else f"{value:.0f}"
 
 
-def _service_call(func, *args, **kwargs):
-    try:
-        return func(*args, **kwargs)
-    except (ServiceError, TemplateError, MaskError) as exc:
-        raise StudioError(str(exc)) from None
-    except TemplateNotFound as exc:
-        raise StudioError(f"{exc} (it may have been deleted: refresh the gallery)") from None
-
-
 class StudioActions:
     def __init__(
         self,
@@ -159,11 +153,16 @@ class StudioActions:
         templates: TemplateStore,
         owner: str,
         on_submitted=lambda model_id: None,
+        adapter_uploads: AdapterService | None = None,
     ):
         """``owner``: the tenant the studio acts as. ``on_submitted(model_id)`` is called for every
-        accepted edit (the API's metrics count it)."""
+        accepted edit (the API's metrics count it). ``adapter_uploads``: the API's adapter upload
+        path (None: adapters are listed and used, not registered, here)."""
         self.service, self.templates, self.on_submitted = service, templates, on_submitted
         self.owner = owner
+        self.adapters = StudioAdapters(
+            service.adapters, adapter_uploads, owner, service.settings.adapters
+        )
 
     # ----- gallery --------------------------------------------------------------------------------
     def gallery(self, query: str = "", tag: str = "") -> list[TemplateRecord]:
@@ -172,13 +171,13 @@ class StudioActions:
     def template(self, template_id: str) -> TemplateRecord:
         if not template_id:
             raise StudioError("no template selected: pick one in the gallery")
-        return _service_call(self.templates.get, template_id, self.owner)
+        return service_call(self.templates.get, template_id, self.owner)
 
     def image_path(self, template_id: str) -> Path:
-        return _service_call(self.templates.image_path, template_id, self.owner)
+        return service_call(self.templates.image_path, template_id, self.owner)
 
     def thumbnail_path(self, template_id: str) -> Path:
-        return _service_call(self.templates.thumbnail_path, template_id, self.owner)
+        return service_call(self.templates.thumbnail_path, template_id, self.owner)
 
     def template_image(self, template_id: str) -> Image.Image:
         with Image.open(self.image_path(template_id)) as image:
@@ -228,11 +227,11 @@ class StudioActions:
         if existing is not None:
             return existing
         name = _sample_name(seed + 1, scene.caption)
-        return _service_call(self.templates.add, png, name, self.owner, [SAMPLE_TAG])
+        return service_call(self.templates.add, png, name, self.owner, [SAMPLE_TAG])
 
     def delete(self, template_id: str) -> str:
         record = self.template(template_id)
-        _service_call(self.service.delete_template, template_id, self.owner)
+        service_call(self.service.delete_template, template_id, self.owner)
         return record.name
 
     def cache_status(
@@ -245,7 +244,7 @@ class StudioActions:
     ) -> str:
         """Where the template's cache for an edit with these settings is (None: the model's
         default), and on which workers."""
-        status = _service_call(
+        status = service_call(
             self.service.cache_status,
             template_id,
             self.owner,
@@ -258,7 +257,7 @@ class StudioActions:
         return f"{status['status']}{where}"
 
     def prepare(self, template_id: str, model: str = "") -> SubmittedJob:
-        return _service_call(self.service.prepare_template, template_id, self.owner, model or None)
+        return service_call(self.service.prepare_template, template_id, self.owner, model or None)
 
     # ----- models ---------------------------------------------------------------------------------
     def models(self) -> list[str]:
@@ -312,8 +311,8 @@ class StudioActions:
     def preview(self, template_id: str, editor_value, form: EditForm) -> tuple[Image.Image, float]:
         """(the template with the area to repaint tinted, the share of the image repainted)."""
         template = self.template_image(template_id)
-        painted = _service_call(studio_masks.painted_mask, editor_value, template.size)
-        weights = _service_call(studio_masks.effective_mask, painted, form.mask_ops)
+        painted = service_call(studio_masks.painted_mask, editor_value, template.size)
+        weights = service_call(studio_masks.effective_mask, painted, form.mask_ops)
         return studio_masks.overlay(template, weights), studio_masks.mask_ratio(weights)
 
     # ----- jobs -----------------------------------------------------------------------------------
@@ -337,7 +336,7 @@ class StudioActions:
         submitted = []
         for offset in range(count):
             seed = (first + offset) % (MAX_SEED + 1)
-            job = _service_call(self.service.submit, dataclasses.replace(request, seed=seed))
+            job = service_call(self.service.submit, dataclasses.replace(request, seed=seed))
             self.on_submitted(job.model_id)
             submitted.append(job)
         # what the studio itself adds before the first job exists (mask, blobs, queueing)
@@ -353,10 +352,10 @@ class StudioActions:
     def _edit_request(self, user: str, template_id: str, editor_value, form: EditForm):
         """The ``JobRequest`` of the painted canvas and the form (its seed is set per variation)."""
         record = self.template(template_id)
-        painted = _service_call(
+        painted = service_call(
             studio_masks.painted_mask, editor_value, (record.width, record.height)
         )
-        _service_call(studio_masks.require_painted, painted)
+        service_call(studio_masks.require_painted, painted)
         return JobRequest(
             mask=studio_masks.mask_png(painted),
             prompt=form.prompt or "",
@@ -372,12 +371,13 @@ class StudioActions:
             mode=form.mode,
             inpaint_area=form.inpaint_area,
             crop_padding_px=int(form.crop_padding_px),
+            adapters=form.adapters if form.mode != "erase" else (),
             owner=self.owner,
             listed_for=studio_user(user),
         )
 
     def job(self, job_id: str) -> dict:
-        return _service_call(self.service.get, job_id, self.owner)
+        return service_call(self.service.get, job_id, self.owner)
 
     def progress(self, job_id: str) -> Progress:
         job = self.job(job_id)
@@ -411,7 +411,7 @@ class StudioActions:
                 return
             for job_id in job_ids:  # the first unfinished one waits; the others are read as is
                 block = FOLLOW_SLICE_MS if job_id == waiting else None
-                entries = _service_call(
+                entries = service_call(
                     self.service.events, job_id, self.owner, cursors[job_id], block
                 )
                 if entries:
@@ -437,13 +437,13 @@ class StudioActions:
         if not running:
             raise StudioError("no edit is running: nothing to cancel")
         for job_id in running:
-            _service_call(self.service.cancel, job_id, self.owner)
+            service_call(self.service.cancel, job_id, self.owner)
         if len(running) == 1:
             return "Cancelled: the edit stops before its next step"
         return f"Cancelled {len(running)} edits: they stop before their next step"
 
     def result_path(self, job_id: str) -> Path:
-        return _service_call(self.service.result_path, job_id, self.owner)
+        return service_call(self.service.result_path, job_id, self.owner)
 
     def save_result(self, job_id: str, name: str = "", tags: str = "") -> TemplateRecord:
         """The job's result as a new gallery template (named after the original when no name is
@@ -457,7 +457,7 @@ class StudioActions:
                 display = f"{original.name} (edited)"
             except TemplateNotFound:
                 display = f"edit {job_id[:8]}"
-        return _service_call(self.templates.add, data, display, self.owner, split_tags(tags))
+        return service_call(self.templates.add, data, display, self.owner, split_tags(tags))
 
     def keep_editing(self, job_id: str) -> TemplateRecord:
         """The job's result as a new template to edit next (``save_result``), with its cache
@@ -491,8 +491,8 @@ class StudioActions:
         """An uploaded mask image (white or any bright colour, or alpha = repaint) as a canvas
         layer at the template's size; a mask of another size but the same shape is scaled."""
         record = self.template(template_id)
-        mask = _service_call(load_mask, image)
-        scaled = _service_call(studio_masks.to_size, mask, (record.width, record.height))
+        mask = service_call(load_mask, image)
+        scaled = service_call(studio_masks.to_size, mask, (record.width, record.height))
         if not scaled.any():
             raise StudioError(
                 "the uploaded mask is empty: white (or any bright or opaque) pixels mark the "

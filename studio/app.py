@@ -1,9 +1,11 @@
 """The studio's page: a Gradio ``Blocks`` over ``StudioActions`` (layout and wiring only).
 
-Three tabs: **Editor** (pick a template, paint the mask, prompt and parameters, submit, watch the
-steps, cancel, before/after, download, save as template), **Gallery** (upload several templates,
-name and tags, search, cache status per model and prepare, delete with a confirmation) and
-**History** (the signed-in user's jobs; selecting one recalls its parameters into the editor).
+Four tabs: **Editor** (pick a template, paint the mask, prompt and parameters, LoRA adapters with a
+scale each, submit, watch the steps, cancel, before/after, download, save as template: the part
+after Generate is ``studio.results_view``), **Gallery** (upload several templates, name and tags,
+search, cache status per model and prepare, delete with a confirmation), **History** (the signed-in
+user's jobs; selecting one recalls its parameters into the editor) and **Adapters** (register,
+list and delete LoRA adapters: ``studio.adapters_tab``, with the editor's picker).
 
 Every handler turns a ``StudioError`` into a ``gr.Warning`` toast (what to fix) and leaves the page
 as it was: a bad input never shows a stack trace.
@@ -16,6 +18,7 @@ import html
 import gradio as gr
 
 from studio.actions import MAX_VARIATIONS, EditForm, StudioActions, StudioError
+from studio.adapters_tab import AdaptersTab
 from studio.components import (
     BRUSH,
     CANVAS_PLACEHOLDER,
@@ -23,14 +26,13 @@ from studio.components import (
     GALLERY_COLUMNS,
     NOTHING_PAINTED,
     handler,
-    progress_html,
-    user_of,
 )
 from studio.gallery_tab import GalleryTab
 from studio.history_tab import HistoryTab
+from studio.results_view import ResultsView
 
 
-class StudioPage(GalleryTab, HistoryTab):
+class StudioPage(GalleryTab, HistoryTab, ResultsView, AdaptersTab):
     """Builds the Blocks; ``actions`` does the work."""
 
     def __init__(self, actions: StudioActions, title: str = "MaskServe Studio"):
@@ -56,6 +58,8 @@ class StudioPage(GalleryTab, HistoryTab):
                     self._history_tab(
                         history_tab, history_jobs, template_ids, current, tabs, editor
                     )
+                with gr.Tab("Adapters", id="adapters") as adapters_tab:
+                    adapters = self._adapters_tab(adapters_tab, editor)
             self._wire_results(editor, gallery, template_ids, current, job_id)
             page.load(
                 self._refresh_all,
@@ -65,8 +69,15 @@ class StudioPage(GalleryTab, HistoryTab):
             page.load(
                 self._models,
                 None,
-                [editor["model"], gallery["model"], editor["steps"], editor["guidance"]],
+                [
+                    editor["model"],
+                    gallery["model"],
+                    adapters["model"],
+                    editor["steps"],
+                    editor["guidance"],
+                ],
             )
+            page.load(self._adapter_rows, None, [adapters["table"], adapters["ids"]])
         return page
 
     def _refresh_all(self, query: str = ""):
@@ -74,13 +85,13 @@ class StudioPage(GalleryTab, HistoryTab):
         return (*self._gallery(query), *self._gallery())
 
     def _models(self):
-        """Model choices, and the first model's default steps and guidance."""
+        """Model choices (the editor's, the gallery's, the adapter upload's), and the first model's
+        default steps and guidance."""
         models = self.actions.models()
         first = models[0] if models else None
         steps, guidance = self.actions.model_defaults(first) if first else (gr.skip(), gr.skip())
         return (
-            gr.update(choices=models, value=first),
-            gr.update(choices=models, value=first),
+            *(gr.update(choices=models, value=first) for _ in range(3)),
             steps,
             guidance,
         )
@@ -164,6 +175,7 @@ class StudioPage(GalleryTab, HistoryTab):
         with gr.Row():
             ui["model"] = gr.Dropdown(label="Model", choices=[], allow_custom_value=False)
             ui["steps"] = gr.Slider(1, 150, value=20, step=1, label="Steps", elem_id="ms-steps")
+        self._adapter_picker(ui)
         ui["variations"] = gr.Slider(
             1,
             MAX_VARIATIONS,
@@ -229,45 +241,6 @@ class StudioPage(GalleryTab, HistoryTab):
     def _form_inputs(ui: dict) -> list:
         return [ui[name] for name in FORM_FIELDS]
 
-    @staticmethod
-    def _form(
-        prompt,
-        negative,
-        model,
-        steps,
-        guidance,
-        strength,
-        random_seed,
-        seed,
-        invert,
-        grow,
-        feather,
-        use_cache,
-        fill_holes=False,
-        min_area=0,
-        masked_only=False,
-        crop_padding=32,
-        mode="generate",
-    ) -> EditForm:
-        return EditForm(
-            prompt=prompt or "",
-            negative_prompt=negative or "",
-            model=model or "",
-            steps=int(steps),
-            guidance=float(guidance),
-            strength=float(strength),
-            seed=None if random_seed or seed is None else int(seed),
-            invert=bool(invert),
-            grow_px=int(grow),
-            feather_px=float(feather),
-            use_cache=bool(use_cache),
-            fill_holes=bool(fill_holes),
-            min_area_px=int(min_area or 0),
-            mode=mode,
-            inpaint_area="masked" if masked_only else "whole",
-            crop_padding_px=int(crop_padding or 0),
-        )
-
     def _wire_editor(self, ui: dict, template_ids, current, job_id) -> None:
         ui["search"].change(
             lambda q: self._gallery(q),
@@ -325,10 +298,12 @@ class StudioPage(GalleryTab, HistoryTab):
             [ui["steps"], ui["guidance"]],
             show_progress="hidden",
         )
+        self._wire_picker(ui)
+        fields = [*self._form_inputs(ui), *self._picker_inputs(ui)]
         for button, mode in ((ui["submit"], ui["generate_mode"]), (ui["erase"], ui["erase_mode"])):
             button.click(
                 self._submit,
-                [current, ui["canvas"], *self._form_inputs(ui), ui["variations"], mode],
+                [current, ui["canvas"], ui["variations"], mode, *fields],
                 [job_id, ui["job_ids"], ui["status"], *self._result_outputs(ui), ui["results"]],
                 concurrency_limit=None,
             )
@@ -338,33 +313,6 @@ class StudioPage(GalleryTab, HistoryTab):
         ui["cancel"].click(self._cancel, [ui["job_ids"]], [ui["status"]], concurrency_limit=None)
         ui["reuse_seed"].click(
             lambda seed: (False, seed), [ui["seed_used"]], [ui["random_seed"], ui["seed"]]
-        )
-
-    @staticmethod
-    def _result_outputs(ui: dict) -> list:
-        """What shows one finished edit (``_shown``'s values, in order)."""
-        names = ("compare", "info", "download", "reuse_seed", "keep_editing", "seed_used")
-        return [ui[name] for name in names]
-
-    def _wire_results(self, editor: dict, gallery: dict, template_ids, current, job_id) -> None:
-        """Save and keep editing add a template: both galleries list it at once."""
-        listings = [editor["gallery"], template_ids, gallery["gallery"], gallery["ids"]]
-        editor["save"].click(
-            self._save,
-            [job_id, editor["save_name"], editor["search"]],
-            [*listings, editor["save_name"]],
-        )
-        editor["keep_editing"].click(
-            self._keep_editing,
-            [job_id, editor["search"]],
-            [
-                *listings,
-                current,
-                editor["canvas"],
-                editor["picked"],
-                editor["overlay"],
-                editor["ratio"],
-            ],
         )
 
     @handler(5)
@@ -449,154 +397,6 @@ class StudioPage(GalleryTab, HistoryTab):
             return gr.skip(), gr.skip()
         steps, guidance = self.actions.model_defaults(model)
         return steps, guidance
-
-    def _submit(
-        self,
-        template_id,
-        canvas,
-        prompt,
-        negative,
-        model,
-        steps,
-        guidance,
-        strength,
-        random_seed,
-        seed,
-        invert,
-        grow,
-        feather,
-        use_cache,
-        fill_holes,
-        min_area,
-        masked_only,
-        crop_padding,
-        variations,
-        mode,
-        request: gr.Request,
-    ):
-        """A generator: the job ids at once, then the progress each time it changes, then the
-        results (the first variation shown, all of them to pick from).
-        (Every input is a named positional parameter: Gradio passes ``request`` only to those.)"""
-        form = self._form(
-            prompt,
-            negative,
-            model,
-            steps,
-            guidance,
-            strength,
-            random_seed,
-            seed,
-            invert,
-            grow,
-            feather,
-            use_cache,
-            fill_holes,
-            min_area,
-            masked_only,
-            crop_padding,
-            mode,
-        )
-        idle = (gr.skip(),) * 6
-        # an erase has no seed to vary: one is enough
-        count = 1 if mode == "erase" else int(variations or 1)
-        try:
-            jobs = self.actions.submit_variations(
-                user_of(request), template_id, canvas, form, count
-            )
-        except StudioError as exc:
-            gr.Warning(str(exc))
-            yield (gr.skip(), gr.skip(), gr.skip(), *idle, gr.skip())
-            return
-        job_ids = [job.job_id for job in jobs]
-        hidden = gr.update(visible=False)
-        # the first update clears the last edit's result; later ones only move the progress
-        cleared = (None, "", hidden, hidden, hidden, None, hidden)
-        final: list = []
-        for final in self.actions.follow_all(job_ids):
-            yield (job_ids[0], job_ids, progress_html(final), *cleared)
-            cleared = (*idle, gr.skip())
-        done = [p.job_id for p in final if p.status == "done"]
-        if not done:
-            return
-        yield (
-            done[0],
-            gr.skip(),
-            gr.skip(),
-            *self._shown(done[0]),
-            self._variants(done) if len(job_ids) > 1 else gr.update(visible=False),
-        )
-
-    def _variants(self, job_ids: list[str]):
-        items = [
-            (str(self.actions.result_path(job_id)), f"seed {self.actions.job(job_id)['seed']}")
-            for job_id in job_ids
-        ]
-        return gr.update(value=items, visible=True, selected_index=0)
-
-    def _shown(self, job_id: str) -> tuple:
-        """A finished edit's before/after, its summary, and the buttons that act on it."""
-        job = self.actions.job(job_id)
-        result = str(self.actions.result_path(job_id))
-        original = str(self.actions.image_path(job["template_id"]))
-        timings = job.get("timings", {})
-        stages = " · ".join(
-            f"{stage} {timings[f'{stage}_s']:.2f} s"
-            for stage in ("queue", "pre", "erase", "denoise", "post", "total")
-            if f"{stage}_s" in timings
-        )
-        done = (
-            "**Done.** Erased: filled from the surroundings (OpenCV Telea, no model)"
-            if job.get("mode") == "erase"
-            else f"**Done.** Seed used: `{job['seed']}` · model `{job['model_id']}` · "
-            f"{job['steps']} steps"
-        )
-        info = f"{done} · job `{job_id}`<br><span class='ms-muted'>{stages}</span>"
-        shown = gr.update(visible=True)
-        return (
-            (original, result),
-            info,
-            gr.update(value=result, visible=True),
-            shown,
-            shown,
-            job["seed"],
-        )
-
-    @handler(7)
-    def _pick_variation(self, job_ids: list, evt: gr.SelectData):
-        done = [job_id for job_id in job_ids if self.actions.job(job_id)["status"] == "done"]
-        if evt is None or evt.index is None or evt.index >= len(done):
-            raise StudioError("that variation is gone: generate again")
-        return (done[evt.index], *self._shown(done[evt.index]))
-
-    @handler()
-    def _cancel(self, job_ids: list):
-        return html.escape(self.actions.cancel_all(job_ids or []))
-
-    @handler(5)
-    def _save(self, job_id: str, name: str, query: str):
-        if not job_id:
-            raise StudioError("no result yet: generate an edit first")
-        record = self.actions.save_result(job_id, name)
-        gr.Info(f"Saved as template '{record.name}'")
-        return (*self._gallery(query), *self._gallery(), "")
-
-    @handler(9)
-    def _keep_editing(self, job_id: str, query: str):
-        if not job_id:
-            raise StudioError("no result yet: generate an edit first")
-        record = self.actions.keep_editing(job_id)
-        _record, canvas = self._on_canvas(record.id)
-        gr.Info(f"Editing '{record.name}': its cache is being prepared in the background")
-        picked = self._picked_line(record, "preparing")
-        return (
-            *self._gallery(query),
-            *self._gallery(),
-            record.id,
-            canvas,
-            picked,
-            None,
-            NOTHING_PAINTED,
-        )
 
 
 def build_studio(actions: StudioActions) -> gr.Blocks:

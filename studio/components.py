@@ -34,7 +34,17 @@ FORM_FIELDS = (
     "masked_only",
     "crop_padding",
 )
-HISTORY_HEADERS = ["submitted", "status", "prompt", "seed", "steps", "model", "total s", "job"]
+HISTORY_HEADERS = [
+    "submitted",
+    "status",
+    "prompt",
+    "seed",
+    "steps",
+    "model",
+    "adapters",
+    "total s",
+    "job",
+]
 # Gradio narrows a gallery's grid to its item count (one template fills the whole width): keep the
 # declared columns whatever the count
 CSS = """
@@ -56,6 +66,11 @@ def user_of(request: gr.Request | None) -> str:
     return (getattr(request, "username", None) or "local") if request is not None else "local"
 
 
+def unchanged(n_outputs: int):
+    """What a handler feeding ``n_outputs`` components returns to leave every one as it is."""
+    return gr.skip() if n_outputs == 1 else tuple(gr.skip() for _ in range(n_outputs))
+
+
 def handler(n_outputs: int = 1):
     """A handler feeding ``n_outputs`` components: a StudioError becomes a warning toast and every
     output keeps its value."""
@@ -67,7 +82,7 @@ def handler(n_outputs: int = 1):
                 return func(*args, **kwargs)
             except StudioError as exc:
                 gr.Warning(str(exc))
-                return gr.skip() if n_outputs == 1 else tuple(gr.skip() for _ in range(n_outputs))
+                return unchanged(n_outputs)
 
         return wrapper
 

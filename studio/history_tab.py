@@ -1,4 +1,5 @@
-"""The studio's History tab: the signed-in user's jobs; selecting one recalls it into the editor.
+"""The studio's History tab: the signed-in user's jobs (with their adapters and the step each
+joined at); selecting one recalls it into the editor, its adapters into the picker.
 
 A mixin of ``StudioPage``: it uses the page's ``actions`` and the editor's components it is given.
 """
@@ -11,7 +12,10 @@ import html
 import gradio as gr
 
 from studio.actions import EditForm, StudioActions, StudioError
-from studio.components import FORM_FIELDS, HISTORY_HEADERS, handler, user_of
+from studio.components import FORM_FIELDS, HISTORY_HEADERS, unchanged, user_of
+
+# what a recall sets besides the form's fields and the adapter picker (``_recall``'s values)
+RECALL_EXTRAS = 7
 
 
 class HistoryTab:
@@ -32,6 +36,7 @@ class HistoryTab:
                     job.get("seed", ""),
                     job.get("num_steps") or job.get("steps", ""),
                     job.get("model_id", ""),
+                    self.actions.adapters.describe(job),
                     "" if total is None else f"{total:.1f}",
                     job["job_id"],
                 ]
@@ -67,13 +72,24 @@ class HistoryTab:
             editor["ratio"],
             editor["gallery"],
             tabs,
+            *editor["adapter_slots"],
+            *editor["adapter_scales"],
         ]
         table.select(self._recall, [history_jobs, template_ids], recalled)
 
-    @handler(3 + len(FORM_FIELDS) + 4)
     def _recall(self, jobs: list, template_ids: list, evt: gr.SelectData):
+        """``_recalled``'s values; on a StudioError a warning and every output as it was."""
+        try:
+            return self._recalled(jobs, template_ids, evt)
+        except StudioError as exc:
+            gr.Warning(str(exc))
+            slots = self.actions.adapters.limits.max_per_request
+            return unchanged(RECALL_EXTRAS + len(FORM_FIELDS) + 2 * slots)
+
+    def _recalled(self, jobs: list, template_ids: list, evt: gr.SelectData):
         """The job's template with its mask painted, its parameters, the mask line and preview,
-        and its template highlighted among the editor's templates."""
+        its template highlighted among the editor's templates, and its adapters in the picker
+        (when its model is recalled: they were registered for it)."""
         row = evt.index[0] if evt is not None and isinstance(evt.index, (list, tuple)) else None
         if row is None or row >= len(jobs):
             raise StudioError("that job is no longer in the history: refresh it")
@@ -97,8 +113,11 @@ class HistoryTab:
         )
         models = self.actions.models()
         model = job.get("model_id")
+        adapters = self._recalled_adapters(job) if model in models else None
         if model not in models:
-            gr.Warning(f"no worker serves {model} now: the model choice is left as it was")
+            gr.Warning(
+                f"no worker serves {model} now: the model choice and adapters are left as they were"
+            )
         overlay, ratio_line = self._preview(
             record.id,
             canvas,
@@ -137,4 +156,5 @@ class HistoryTab:
                 selected_index=template_ids.index(record.id) if record.id in template_ids else None
             ),
             gr.Tabs(selected="editor"),
+            *(adapters or unchanged(2 * self.actions.adapters.limits.max_per_request)),
         )

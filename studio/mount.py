@@ -2,7 +2,8 @@
 
 The Gradio login page checks ``Guard.check_login`` (the users in ``MASKSERVE_USERS``; failed
 sign-ins throttled by ``studio.login_throttle``), the REST routes check the same Guard's API keys;
-with auth disabled neither asks. The studio acts as one tenant, ``Guard.studio_owner``. ``/``
+with auth disabled neither asks. The studio acts as one tenant, ``Guard.studio_owner``: its
+templates, jobs and adapters are that tenant's. ``/``
 redirects to the studio so a person opening the server's address lands on it.
 """
 
@@ -48,6 +49,8 @@ def mount_studio(
             templates,
             guard.studio_owner,
             lambda model: counted.labels(model, "studio").inc(),
+            # the REST upload's own path (``create_app`` sets it before mounting the studio)
+            adapter_uploads=app.state.adapter_service,
         )
     )
     page.queue(default_concurrency_limit=8)
