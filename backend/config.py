@@ -223,6 +223,17 @@ class DispatcherSettings(_Strict):
     more loss fails it (a job that kills its worker every time must not loop)."""
     metrics_port: int = Field(default=0, ge=0, le=65535)
     """Port of the dispatcher's Prometheus ``/metrics``; 0: none."""
+    adapter_copy_gbps: float = Field(default=0.0, ge=0.0)
+    """Host -> device bandwidth ``mask_aware`` assumes for copying a job's LoRA adapters to a
+    worker's device, GB/s; 0: the cost profile's fitted cache-load line (the same copy path, from
+    ``maskserve profile``), or 16 where it fits none. To set it from a measurement: time moving an
+    adapter-sized pinned host tensor to the worker's device (``tensor.to(device)``, synchronised)
+    and divide its bytes by the seconds."""
+    adapter_read_gbps: float = Field(default=0.0, ge=0.0)
+    """Bandwidth ``mask_aware`` assumes for reading a LoRA adapter from the registry (disk) into a
+    worker's host RAM, GB/s; 0: the router's template-cache disk read, 1 GB/s. To set it from a
+    measurement: time reading a stored adapter file (``<adapters_dir>``) with the page cache
+    dropped and divide its bytes by the seconds."""
 
 
 API_KEY_DIGEST_PREFIX = "sha256:"  # an ``api_keys`` entry that is a key's SHA-256, not a key

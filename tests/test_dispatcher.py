@@ -4,6 +4,7 @@ worker can take them, a dead dispatcher's entries taken over, a dead worker's jo
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -11,7 +12,7 @@ from backend import protocol
 from backend.config import load_settings
 from backend.dispatch.service import Dispatcher
 from backend.jobstate import JobStateStore
-from backend.protocol import CancelJob, JobEvent, PreparedJob, WorkerHeartbeat
+from backend.protocol import AdapterUse, CancelJob, JobEvent, PreparedJob, WorkerHeartbeat
 from backend.protocol.keys import DISPATCHER_GROUP as GROUP
 from backend.protocol.keys import WORKERS_KEY, heartbeat_key, inbox_stream
 from backend.tasks.celery_app import PREPARED_STREAM, hand_off
@@ -21,7 +22,7 @@ from backend.worker.service import HEARTBEAT_TTL_S
 MODEL = "tiny-sd2-inpaint"
 
 
-def beat(client, worker_id, model_id=MODEL, running=(), resident_ram=()):
+def beat(client, worker_id, model_id=MODEL, running=(), resident_ram=(), adapters_device=()):
     message = WorkerHeartbeat(
         worker_id=worker_id,
         model_id=model_id,
@@ -31,6 +32,7 @@ def beat(client, worker_id, model_id=MODEL, running=(), resident_ram=()):
         batching="continuous",
         running=list(running),
         resident_ram=list(resident_ram),
+        adapters_device=list(adapters_device),
     )
     client.set(heartbeat_key(worker_id), protocol.encode(message), ex=HEARTBEAT_TTL_S)
     client.sadd(WORKERS_KEY, worker_id)
@@ -94,6 +96,31 @@ def test_the_warm_worker_gets_the_job_and_a_burst_is_spread(env):
         submit(client, jobstate, prepared(f"cold-{index}", template=f"c{index}"))
     run(dispatcher)
     assert len(inbox_jobs(client, "w1")) >= 3 and len(inbox_jobs(client, "w2")) >= 2
+
+
+def test_a_job_goes_where_its_adapters_are_and_the_view_counts_them_until_the_next_beat(
+    redis_url, redis_client
+):
+    client, jobstate = redis_client, JobStateStore(redis_client)
+    settings = load_settings(
+        env={},
+        redis={"url": redis_url},
+        dispatcher={"check_every_s": 0.01, "adapter_copy_gbps": 2.0},
+        adapters={"join_by": 0.0},
+    )
+    beat(client, "w1")
+    beat(client, "w2", adapters_device=["a" * 64])
+    use = AdapterUse("style", "a" * 64, 0.8, 10**8)
+    submit(client, jobstate, replace(prepared("lora-1"), adapters=[use]))
+    dispatcher = Dispatcher(settings, client, consumer="d")
+    run(dispatcher)
+    assert inbox_jobs(client, "w2") == ["lora-1"]  # both idle: only the adapter tells them apart
+    model = dispatcher.router.cost_model(MODEL, "cpu")
+    assert model is not None and model.adapter_copy_s_per_byte == pytest.approx(0.5e-9)
+    assert model.adapter_join_by == 0.0
+    jobstate.create("lora-2")  # placed with no heartbeat since: the view counts its adapters
+    assert dispatcher.place(replace(prepared("lora-2"), adapters=[use])) == "w2"
+    assert dispatcher._views["w2"].waiting[-1].adapters == ("a" * 64,)
 
 
 def test_a_cancelled_job_is_dropped(env):

@@ -104,7 +104,9 @@ class MaskAware:
         why = (
             f"min estimated completion {terms['total']:.3f} s (wait {terms['wait']:.3f} + run "
             f"{terms['run']:.3f} + residency {terms['residency']:.3f} + imposed "
-            f"{terms['imposed']:.3f})"
+            f"{terms['imposed']:.3f}"
+            + (f" + adapters {terms['adapters']:.3f}" if job.adapters else "")
+            + ")"
         )
         return Choice(best, costs, why)
 

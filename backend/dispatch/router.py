@@ -1,9 +1,10 @@
 """Mask-aware request routing (FlashPS section 4.4, Algorithm 2) and its baselines. Pure Python.
 
-Notation: worker W has ``max_batch`` B, running rows R (mask m, remaining steps s, template),
-waiting rows Q (FIFO; mask, steps n), RAM / disk template sets. Job J has mask m_J, steps n_J,
-template t_J. T(X) is the per-step Algorithm-1 pipeline latency of batch X under W's cost model
-(``RoutingCostModel.step_latency``); the loads of a template shared by rows are paid once.
+Notation: worker W has ``max_batch`` B, running rows R (mask m, remaining steps s, template,
+adapters), waiting rows Q (FIFO; mask, steps n, template, adapters), RAM / disk template sets and
+device / host adapter sets (sha256). Job J has mask m_J, steps n_J, template t_J and LoRA adapters
+A_J (sha256, bytes). T(X) is the per-step Algorithm-1 pipeline latency of batch X under W's cost
+model (``RoutingCostModel.step_latency``); the loads of a template shared by rows are paid once.
 
 Policies (``POLICIES``):
 
@@ -12,7 +13,7 @@ Policies (``POLICIES``):
   fill free slots at the next step (the paper's scheduler puts a dispatched job straight into the
   running batch); no queue, residency or remaining-steps terms.
 * ``mask_aware`` -- the estimated completion time of J on W, plus, when J computes densely,
-  the time it costs its co-runners: ``cost = wait + run + residency + imposed``:
+  the time it costs its co-runners: ``cost = wait + run + residency + imposed + adapters``:
 
   - residency of a row (for T): a template in W's RAM or disk is *cached* (masked compute plus the
     host->device copy of its unit caches each step); a template in neither tier is *recorded*:
@@ -47,11 +48,39 @@ Policies (``POLICIES``):
     Charged for dense J only: for a cached J the same term (a weighted co-runner delay for every
     job) made P95 worse in the route simulation.
 
+  - ``adapters``, loading J's LoRA adapters where W does not hold them (Katz / ROCK
+    affinity-aware placement: jobs go where their adapters are). Each adapter a of A_J (each
+    sha once) is, on W: ``device`` (nothing to load), ``host`` (a host->device copy,
+    ``bytes * adapter_copy_s_per_byte``), ``arriving`` (in neither tier, but a running or
+    waiting row of W applies it, so its load is under way: the copy plus half a read, the
+    expected remainder of a read begun at an unknown time) or ``disk`` (only in the shared
+    registry: a read, ``bytes * adapter_read_s_per_byte``, plus the copy). The copy's rate is
+    the profile's fitted cache-load slope (the same host->device path, ``maskserve profile``)
+    unless set (``dispatcher.adapter_copy_gbps``; 16 GB/s where the fit is not positive); the
+    read's is ``disk_read_s_per_byte`` unless set (``dispatcher.adapter_read_gbps``). A worker
+    reads a queued job's adapters into host RAM while it waits (prefetch) and copies them when
+    the row asks; a row starts without adapters that are not on the device and takes each at
+    the first step it is there, blocking only at its join deadline, step
+    ``K = join_deadline(n_J, adapter_join_by)`` (``adapters.join_by``, default 0.2 of its
+    steps; ``backend.worker.adapter_book``). So J waits only for the part of the load that
+    neither its time in W's queue nor its first K steps hide:
+    ``adapters = max(0, max(0, reads - (wait + residency)) + copies - K * T(J))``, reads and
+    copies summed over A_J (one load thread). T(J), J's step alone, is a lower bound of its
+    steps in any batch, so the hidden part is never overestimated. The quality cost of rows
+    that take adapters late (steps run without them) is charged nowhere; an adapter of unknown
+    size (bytes 0) costs nothing; the reads of other waiting rows' adapters queued before J's
+    are not charged (heartbeats carry no adapter sizes). ``flashps`` and the baselines ignore
+    adapters; jobs without adapters cost exactly what they did before the term.
+
   Invariants (tested): every term is >= 0; T(J) <= run / n_J <= T(C + J); more steps, a larger
-  mask for J or one more running row never lower a cost; for one worker state RAM <= disk and
-  RAM <= absent, and disk <= absent whenever recomputing densely costs more than the disk read
-  (every shipped profile with a positive compute slope). The recording's cache write is not
-  charged.
+  mask for J or one more running row (that applies none of A_J) never lower a cost; for one
+  worker state RAM <= disk and RAM <= absent, and disk <= absent whenever recomputing densely
+  costs more than the disk read (every shipped profile with a positive compute slope). The
+  recording's cache write is not charged. Adapters: the term is 0 without adapters and at most
+  the whole load (reads + copies); it is 0 when the load fits in K steps of T(J); moving one
+  adapter of A_J to a cheaper tier (disk -> arriving -> host -> device) or making any adapter
+  smaller never raises a cost; the term can only lower what ``wait + residency`` add (each
+  second of queueing hides at most one second of reads), so the invariants above still hold.
 * ``fewest_requests`` -- min len(R) + len(Q); ``fewest_tokens`` -- min sum of mask ratios over
   R + Q (masked-token balancing, as LLM routers balance tokens); ``round_robin`` -- the next
   candidate by worker id after the last one chosen for this model.
@@ -92,10 +121,16 @@ from backend.costmodel.profiles import all_profiles, device_kind
 from backend.dispatch.policies import ROUTING_POLICIES
 from backend.models.catalog import UnknownModelError, rows_per_request
 from backend.protocol.messages import WorkerHeartbeat
+from backend.worker.adapter_book import join_deadline
 
 POLICIES = tuple(ROUTING_POLICIES)  # names, as the CLI and settings spell them
 FALLBACK_POLICY = "fewest_requests"  # for a policy that needs a cost model a device lacks
 DEFAULT_DISK_READ_S_PER_BYTE = 1e-9  # 1 GB/s
+# a host -> device adapter copy where the profile fits no positive cache-load slope: 16 GB/s
+# (PCIe Gen4 x16 order of magnitude)
+DEFAULT_ADAPTER_COPY_S_PER_BYTE = 1 / 16e9
+DEFAULT_ADAPTER_JOIN_BY = 0.2  # as ``AdapterSettings.join_by``: a row's adapters join by 20% of it
+ADAPTER_TIERS = ("device", "host", "arriving", "disk")  # cheapest first
 PLANNERS = ("greedy", "exact")
 
 
@@ -105,6 +140,16 @@ class RowState:
     mask_ratio: float
     remaining_steps: int
     template: str = ""
+    adapters: tuple[str, ...] = ()  # sha256 of each LoRA adapter the row applies
+
+
+@dataclass(frozen=True)
+class AdapterNeed:
+    """One LoRA adapter a job applies, as the router weighs it: its sha256 (how workers keep it)
+    and the bytes of its tensors (0: unknown, charged nothing)."""
+
+    sha256: str
+    nbytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -117,6 +162,8 @@ class WorkerView:
     waiting: tuple[RowState, ...] = ()  # remaining_steps = the job's num_steps
     resident_ram: frozenset[str] = frozenset()
     resident_disk: frozenset[str] = frozenset()
+    adapters_device: frozenset[str] = frozenset()  # sha256 of the adapters in W's device tier
+    adapters_host: frozenset[str] = frozenset()  # ... and in its host-RAM tier
 
     @property
     def load(self) -> int:
@@ -134,6 +181,7 @@ class JobRequest:
     mask_ratio: float
     num_steps: int
     template: str = ""  # cache digest of the job's template ("" = no cache: computes densely)
+    adapters: tuple[AdapterNeed, ...] = ()  # its LoRA adapters (none: the base model)
 
 
 @dataclass(frozen=True)
@@ -147,11 +195,12 @@ class Decision:
 def view_from_heartbeat(beat: WorkerHeartbeat) -> WorkerView:
     """A router's view of a worker's heartbeat (a waiting row's remaining steps: all of them)."""
     running = tuple(
-        RowState(row.job_id, row.mask_ratio, row.remaining_steps, row.template)
+        RowState(row.job_id, row.mask_ratio, row.remaining_steps, row.template, tuple(row.adapters))
         for row in beat.running
     )
     waiting = tuple(
-        RowState(row.job_id, row.mask_ratio, row.num_steps, row.template) for row in beat.waiting
+        RowState(row.job_id, row.mask_ratio, row.num_steps, row.template, tuple(row.adapters))
+        for row in beat.waiting
     )
     return WorkerView(
         beat.worker_id,
@@ -162,6 +211,8 @@ def view_from_heartbeat(beat: WorkerHeartbeat) -> WorkerView:
         waiting,
         frozenset(beat.resident_ram),
         frozenset(beat.resident_disk),
+        frozenset(beat.adapters_device),
+        frozenset(beat.adapters_host),
     )
 
 
@@ -198,6 +249,9 @@ class RoutingCostModel:
         disk_read_s_per_byte: float = DEFAULT_DISK_READ_S_PER_BYTE,
         rows_per_request: int | None = None,
         planner: str = "greedy",
+        adapter_copy_s_per_byte: float | None = None,
+        adapter_read_s_per_byte: float | None = None,
+        adapter_join_by: float = DEFAULT_ADAPTER_JOIN_BY,
     ):
         if planner not in PLANNERS:
             raise ValueError(f"planner must be one of {PLANNERS}, got {planner!r}")
@@ -205,9 +259,26 @@ class RoutingCostModel:
             raise ValueError(
                 f"{profile.model_id}: a cost model needs units and disk_read_s_per_byte >= 0"
             )
+        if not 0.0 <= adapter_join_by <= 1.0:
+            raise ValueError(f"adapter_join_by must be in [0, 1], got {adapter_join_by}")
+        for name, rate in (("copy", adapter_copy_s_per_byte), ("read", adapter_read_s_per_byte)):
+            if rate is not None and not rate >= 0:
+                raise ValueError(f"adapter_{name}_s_per_byte must be >= 0, got {rate}")
         self.profile, self.planner = profile, planner
         self.model_id, self.device = profile.model_id, device_kind(profile.device)
         self.disk_read_s_per_byte = float(disk_read_s_per_byte)
+        # adapter loads (module docstring): the copy as the profile's fitted cache-load slope (the
+        # same host -> device path) unless given; the read as the template cache's disk read
+        fitted = profile.load.slope if profile.load.slope > 0 else DEFAULT_ADAPTER_COPY_S_PER_BYTE
+        self.adapter_copy_s_per_byte = float(
+            fitted if adapter_copy_s_per_byte is None else adapter_copy_s_per_byte
+        )
+        self.adapter_read_s_per_byte = float(
+            self.disk_read_s_per_byte
+            if adapter_read_s_per_byte is None
+            else adapter_read_s_per_byte
+        )
+        self.adapter_join_by = float(adapter_join_by)
         self.rows_per_request = rows_per_request or default_rows_per_request(profile.model_id)
         self.monotone = profile.mode == "kv"
         self._cslope, self._cicpt = max(0.0, profile.compute.slope), profile.compute.intercept
@@ -259,7 +330,8 @@ class RoutingCostModel:
 
     @classmethod
     def from_profile(cls, profile: CostProfile, **kwargs: Any) -> RoutingCostModel:
-        return cls(profile, **kwargs)  # kwargs: disk_read_s_per_byte, rows_per_request, planner
+        # kwargs: disk_read_s_per_byte, rows_per_request, planner, adapter_* (the constructor's)
+        return cls(profile, **kwargs)
 
     # ----- one batch ----------------------------------------------------------------------------
     def _row(self, ratio: float, cached: bool) -> tuple[tuple[int, ...], float, float]:
@@ -399,6 +471,46 @@ class RoutingCostModel:
             else "absent"
         )
 
+    def adapter_tier(self, sha256: str, view: WorkerView) -> str:
+        """Where adapter ``sha256`` is for a job placed on ``view``: 'device', 'host', 'arriving'
+        (in neither tier, but a row already on W applies it: its load is under way) or 'disk'
+        (only in the shared registry)."""
+        if sha256 in view.adapters_device:
+            return "device"
+        if sha256 in view.adapters_host:
+            return "host"
+        if any(sha256 in r.adapters for r in (*view.running, *view.waiting)):
+            return "arriving"
+        return "disk"
+
+    def adapter_load_s(self, need: AdapterNeed, tier: str) -> tuple[float, float]:
+        """(read, copy) seconds of bringing adapter ``need`` to the device from ``tier``: a read
+        from the registry (disk only; half of one when 'arriving') and a host -> device copy
+        (all but 'device')."""
+        nbytes = max(0, need.nbytes)
+        copy = 0.0 if tier == "device" else nbytes * self.adapter_copy_s_per_byte
+        read = nbytes * self.adapter_read_s_per_byte
+        return (read if tier == "disk" else read / 2 if tier == "arriving" else 0.0), copy
+
+    def adapter_cost(
+        self, job: JobRequest, view: WorkerView, queued_s: float, step_s: float, num_steps: int
+    ) -> float:
+        """Seconds ``job``'s adapters hold it on ``view`` beyond its own work (module docstring):
+        the reads not hidden by ``queued_s`` (its time in W's queue) plus the copies, less what
+        its first K steps of ``step_s`` each hide."""
+        read = copy = 0.0
+        seen: set[str] = set()
+        for need in job.adapters:
+            if need.sha256 in seen:
+                continue
+            seen.add(need.sha256)
+            r, c = self.adapter_load_s(need, self.adapter_tier(need.sha256, view))
+            read, copy = read + r, copy + c
+        if read == 0.0 and copy == 0.0:
+            return 0.0
+        k = join_deadline(num_steps, self.adapter_join_by)  # the worker's own deadline
+        return max(0.0, max(0.0, read - queued_s) + copy - k * step_s)
+
     def estimate(
         self, job: JobRequest, view: WorkerView, memo: dict[Any, Any] | None = None
     ) -> dict[str, float]:
@@ -489,12 +601,14 @@ class RoutingCostModel:
             residency = max(0.0, pending + self.disk_read_s(n) - wait)  # held until it lands
         elif recorder is not None:  # held until W's recording of t_J is committed and read into RAM
             residency = max(0.0, recorder * t_first + self.disk_read_s(n) - wait)
+        adapters = self.adapter_cost(job, view, wait + residency, t_job, n) if job.adapters else 0.0
         return {
             "wait": wait,
             "run": run,
             "residency": residency,
             "imposed": imposed,
-            "total": wait + run + residency + imposed,
+            "adapters": adapters,
+            "total": wait + run + residency + imposed + adapters,
             "admit_step": float(admit),
         }
 

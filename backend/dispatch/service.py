@@ -7,7 +7,9 @@ finished or was cancelled), so a restarted dispatcher first re-reads its own pen
 new ones: no job is lost between the two streams. An entry that cannot be decoded is acked and, when
 it names its job, fails that job with a terminal event saying why (it never hangs).
 
-Workers: heartbeats (``backend.protocol.heartbeats``) give the live workers and their state;
+Workers: heartbeats (``backend.protocol.heartbeats``) give the live workers and their state
+(rows, templates and LoRA adapters resident per tier; each job's adapters, sha256 and size, go to
+the router with it);
 ``keys.WORKERS_KEY`` (a set every worker joins at start) remembers the ones that may have died.
 Between two heartbeats the dispatcher adds the jobs it has just sent to a worker's view, so a burst
 is not routed as if every worker were still idle.
@@ -46,6 +48,7 @@ from backend import protocol
 from backend.config import Settings
 from backend.costmodel.profiles import device_kind, load_profile
 from backend.dispatch.router import (
+    AdapterNeed,
     JobRequest,
     Router,
     RoutingCostModel,
@@ -83,6 +86,14 @@ class CostModels:
     def __init__(self, settings: Settings):
         self.profiles_dir = settings.paths.profiles_dir
         self.mode = settings.engine.cache_mode
+        d = settings.dispatcher
+        # adapter loads (router docstring): bandwidths set in GB/s, 0 = fitted / default; the join
+        # deadline is the workers' own setting, so router and workers agree on K
+        self.adapter_costs = {
+            "adapter_copy_s_per_byte": 1e-9 / d.adapter_copy_gbps if d.adapter_copy_gbps else None,
+            "adapter_read_s_per_byte": 1e-9 / d.adapter_read_gbps if d.adapter_read_gbps else None,
+            "adapter_join_by": settings.adapters.join_by,
+        }
         self.models: dict[tuple[str, str], RoutingCostModel] = {}
         self._missing: set[tuple[str, str]] = set()
 
@@ -93,7 +104,7 @@ class CostModels:
         if key not in self.models and key not in self._missing:
             try:
                 profile = load_profile(self.profiles_dir, model_id, key[1], self.mode)
-                self.models[key] = RoutingCostModel.from_profile(profile)
+                self.models[key] = RoutingCostModel.from_profile(profile, **self.adapter_costs)
             except (OSError, ValueError) as exc:
                 log.warning(
                     "no cost profile for %s on %s (%s): routing it by request count",
@@ -279,6 +290,7 @@ class Dispatcher:
             mask_ratio=job.mask_ratio,
             num_steps=job.num_steps,
             template=job.cache_digest,
+            adapters=tuple(AdapterNeed(a.sha256, a.nbytes) for a in job.adapters),
         )
         started = time.perf_counter()
         decision = self.router.choose(request, list(self._views.values()))
@@ -293,7 +305,15 @@ class Dispatcher:
         self._views[decision.worker_id] = replace(
             view,
             waiting=view.waiting
-            + (RowState(job.job_id, job.mask_ratio, job.num_steps, job.cache_digest),),
+            + (
+                RowState(
+                    job.job_id,
+                    job.mask_ratio,
+                    job.num_steps,
+                    job.cache_digest,
+                    tuple(a.sha256 for a in job.adapters),
+                ),
+            ),
         )
         self.counts["routed"] += 1
         log.info(
