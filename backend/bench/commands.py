@@ -1,5 +1,5 @@
-"""`maskserve bench ...`: the benchmark commands (engine, demo, worker, route, soak, crop, serve)
-and their arguments.
+"""`maskserve bench ...`: the benchmark commands (engine, demo, worker, route, soak, crop, serve,
+adapter-quality) and their arguments.
 
 Each command imports its benchmark module only when it runs, so `maskserve --help` stays light.
 """
@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from backend.bench.adapter_quality_cli import add_adapter_quality_parser  # light: argparse only
 from backend.bench.crop_bench import add_crop_parser  # light: numpy only
 from backend.bench.serve_cli import add_serve_parser  # light: argparse only
 from backend.config import Settings
@@ -359,6 +360,7 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     add_soak_parser(bench_sub)
     add_crop_parser(bench_sub)
     add_serve_parser(bench_sub)
+    add_adapter_quality_parser(bench_sub)
 
 
 def cmd_bench_soak(args, settings: Settings) -> int:

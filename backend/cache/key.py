@@ -14,7 +14,14 @@ A key is everything that determines the recorded activations:
   deployment sets (template seed, cache mode);
 * what the loaded model contributes (``ModelKeyBasis``): its revision and scheduler, whether it uses
   classifier-free guidance, the multiple its image sides must have. Only a process that loaded the
-  model knows these (a built model's revision hashes its tokenizers), so the CPU stages publish it.
+  model knows these (a built model's revision hashes its tokenizers), so the CPU stages publish it;
+* for a pinned cache, the LoRA adapter set it was recorded with (``adapter_set``: ids and scales).
+  A base cache's key has ``adapters == ""`` and the same digest as before pinned caches existed.
+
+Invariant of pinned keys: an adapter id names the adapter's content (the worker's ids are the
+sha256 of the normalized adapter file), so the same id with other weights must never share a cache
+root. An edit with adapters may read its pinned cache or the base cache (``lookup_keys``); an edit
+without adapters reads only the base cache.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, replace
 
 from PIL import Image
 
@@ -45,6 +53,7 @@ class CacheKey:
     negative_prompt: str = ""
     guidance: float = 0.0
     mask_sha256: str = "none"
+    adapters: str = ""  # adapter_set of a pinned cache; "" for the base model's
 
     def digest(self) -> str:
         return self._digest
@@ -52,8 +61,12 @@ class CacheKey:
     @functools.cached_property
     def _digest(self) -> str:
         """Computed once per key (the worker asks for it for every waiting row at every step);
-        the key is frozen, so it never goes stale."""
-        text = json.dumps(asdict(self), sort_keys=True)
+        the key is frozen, so it never goes stale. A base key hashes without its empty
+        ``adapters``, so base caches recorded before pinned caches existed keep their digest."""
+        fields = asdict(self)
+        if not self.adapters:
+            del fields["adapters"]
+        text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def mismatches(self, other: CacheKey) -> list[str]:
@@ -125,3 +138,26 @@ def template_key(
         mode=mode,
         guidance=key_guidance(basis.uses_cfg, guidance),
     )
+
+
+def adapter_set(adapters: Iterable[tuple[str, float]]) -> str:
+    """Canonical text of a row's adapters ((id, scale) pairs) as the engine applies them: a
+    repeated id's scales add up (``BatchLora``), ids whose scale is then 0 are dropped (they change
+    nothing), the rest sorted by id; ``""`` when nothing is left (the base model)."""
+    scales: dict[str, float] = {}
+    for adapter_id, scale in adapters:
+        scales[adapter_id] = scales.get(adapter_id, 0.0) + float(scale)
+    kept = sorted((adapter_id, scale) for adapter_id, scale in scales.items() if scale != 0.0)
+    return json.dumps(kept, separators=(",", ":")) if kept else ""
+
+
+def pinned_key(key: CacheKey, adapters: Iterable[tuple[str, float]]) -> CacheKey:
+    """The key of ``key``'s template recorded with ``adapters`` (the base key for none)."""
+    return replace(key, adapters=adapter_set(adapters))
+
+
+def lookup_keys(key: CacheKey, adapters: Iterable[tuple[str, float]]) -> tuple[CacheKey, ...]:
+    """The caches an edit with ``adapters`` may read, best first: its pinned cache, then the
+    template's base cache (whether ``key`` is the base key or a pinned one)."""
+    pinned, base = pinned_key(key, adapters), replace(key, adapters="")
+    return (pinned, base) if pinned.adapters else (base,)

@@ -9,7 +9,11 @@ Invariants:
 * unmasked latents of a cached edit follow the template's recorded trajectory at every step, so the
   cached activations and the latents they came from always agree;
 * a request's seed drives noise inside its mask, the template's seed outside;
-* with every token masked, or with no cache, the edit is the ordinary pipeline's computation.
+* with every token masked, or with no cache, the edit is the ordinary pipeline's computation;
+* a cache holds the activations of the adapter set in its key (``CacheKey.adapters``, "" for the
+  base model): a recording row applies exactly that set at every step (``step`` refuses
+  otherwise), so a base cache never holds adapted activations. An edit with adapters reads its
+  pinned (template, adapters) cache when there is one, else the base cache.
 
 An engine may wrap a pipeline holding only some parts of the model (``backend.engine.factory``):
 the CPU stages' engine encodes and decodes but has no denoiser (no units, no hooks); an engine
@@ -28,7 +32,14 @@ import numpy as np
 import torch
 from PIL import Image
 
-from backend.cache.key import CacheKey, ModelKeyBasis, template_key
+from backend.cache.key import (
+    CacheKey,
+    ModelKeyBasis,
+    adapter_set,
+    lookup_keys,
+    pinned_key,
+    template_key,
+)
 from backend.engine import cache_store
 from backend.engine.cache_store import CacheWriter, TemplateCache
 from backend.engine.context import ForwardContext, active_context
@@ -161,8 +172,11 @@ class MaskAwareEngine:
             size_multiple=self.size_multiple,
         )
 
-    def cache_key(self, template: Image.Image, params: EditParams) -> CacheKey:
-        return template_key(
+    def cache_key(
+        self, template: Image.Image, params: EditParams, adapters: RowAdapters = ()
+    ) -> CacheKey:
+        """The template's base cache key, or with ``adapters`` its pinned cache's."""
+        base = template_key(
             self.key_basis(),
             template,
             params.size,
@@ -172,6 +186,7 @@ class MaskAwareEngine:
             template_seed=params.template_seed,
             mode=params.mode,
         )
+        return pinned_key(base, adapters)
 
     @property
     def size_multiple(self) -> int:
@@ -269,9 +284,8 @@ class MaskAwareEngine:
         adapters: RowAdapters = (),
     ) -> EditState:
         """Turn a prepared request into a running ``EditState`` (no encoder runs here). A
-        template cache is recorded with the base model, so a recording request has no adapters."""
-        if record and adapters:
-            raise ValueError("a template cache is recorded with the base model: drop the adapters")
+        recording request with adapters records a pinned cache: its writer's key must name the
+        same adapter set (``cache_key(..., adapters)``)."""
         if prepared.model_id != self.spec.model_id:
             raise ValueError(
                 f"request was prepared for {prepared.model_id}, this engine serves "
@@ -376,6 +390,12 @@ class MaskAwareEngine:
         units = [u for u in range(self.num_units) if use_cache[u]]
         feeder = BatchCacheFeeder(refs, units, mode, rows[0].device) if units else None
         recording = any(s.writer is not None for s in states)
+        for s in states:
+            if s.writer is not None and s.writer.key.adapters != adapter_set(s.adapters):
+                raise ValueError(
+                    f"a row applies adapters {adapter_set(s.adapters) or 'none'} while recording "
+                    f"a cache for {s.writer.key.adapters or 'none'}: record a pinned cache for them"
+                )
         if recording and units and any(s.cache is not None for s in states):
             # a cached unit computes only masked tokens, so it could not record a full K/V
             raise ValueError(
@@ -476,11 +496,15 @@ class MaskAwareEngine:
         params: EditParams,
         prompt: str = "",
         mask: Image.Image | None = None,
+        adapters: RowAdapters = (),
     ) -> TemplateCache:
         """Run the ordinary computation over ``image`` with the template seed and record its
-        cache."""
-        key = self.cache_key(image, params)
-        state = self.start(image, mask, prompt, params.template_seed, params, record=True)
+        cache; with ``adapters`` (resident) the pinned cache that only edits with exactly that
+        set read."""
+        key = self.cache_key(image, params, adapters)
+        state = self.start(
+            image, mask, prompt, params.template_seed, params, record=True, adapters=adapters
+        )
         self._record(state, key, params)
         return state.writer.commit()
 
@@ -498,8 +522,10 @@ class MaskAwareEngine:
             state.writer.abort()
             raise
 
-    def _check_cache(self, cache: TemplateCache, expected: CacheKey) -> None:
-        if cache.key != expected:
+    def _check_cache(self, cache: TemplateCache, accepted: tuple[CacheKey, ...]) -> None:
+        """``cache`` must be one of the ``accepted`` keys (``lookup_keys``)."""
+        if cache.key not in accepted:
+            expected = next((k for k in accepted if k.adapters == cache.key.adapters), accepted[-1])
             raise cache_store.CacheMismatchError(
                 "template cache does not fit this edit: "
                 + "; ".join(expected.mismatches(cache.key))
@@ -510,8 +536,15 @@ class MaskAwareEngine:
                 f"{self.num_units}: the model changed, prepare the template again"
             )
 
-    def lookup(self, image: Image.Image, params: EditParams) -> TemplateCache | None:
-        return cache_store.lookup(self.cache_root, self.cache_key(image, params))
+    def lookup(
+        self, image: Image.Image, params: EditParams, adapters: RowAdapters = ()
+    ) -> TemplateCache | None:
+        """The cache an edit with ``adapters`` reads: its pinned cache, else the base cache."""
+        return self._first_cache(lookup_keys(self.cache_key(image, params), adapters))
+
+    def _first_cache(self, keys: tuple[CacheKey, ...]) -> TemplateCache | None:
+        found = (cache_store.lookup(self.cache_root, key) for key in keys)
+        return next((cache for cache in found if cache is not None), None)
 
     @torch.no_grad()
     def edit(
@@ -525,17 +558,15 @@ class MaskAwareEngine:
         adapters: RowAdapters = (),
     ) -> EditResult:
         """One edit from start to finish; ``adapters`` must be resident (``self.adapters``). An
-        edit with adapters reuses the base model's template cache but never records one."""
+        edit with adapters reads its pinned cache, else the base one, but never records one."""
         timings, started = {}, time.perf_counter()
         pixels = self.pixel_mask(image, mask, params)
         require_nonempty(pixels)
-        key = (
-            self.cache_key(image, params) if params.use_cache else None
-        )  # hashes every pixel: once
-        if cache is None and key is not None:
-            cache = cache_store.lookup(self.cache_root, key)
-        if cache is not None and key is not None:
-            self._check_cache(cache, key)
+        keys = lookup_keys(self.cache_key(image, params), adapters) if params.use_cache else ()
+        if cache is None:
+            cache = self._first_cache(keys)
+        if cache is not None and keys:
+            self._check_cache(cache, keys)
         record = cache is None and params.use_cache and params.record_on_first_edit and not adapters
         state = self.start(
             image,
@@ -549,7 +580,7 @@ class MaskAwareEngine:
         )
         timings["prepare_s"] = time.perf_counter() - started
         if record:
-            self._record(state, key, params)
+            self._record(state, keys[0], params)
             state.writer.commit()
         else:
             while not state.done:
