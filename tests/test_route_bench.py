@@ -368,3 +368,61 @@ def test_the_route_bench_command_runs_several_seeds_and_writes_their_mean(tmp_pa
             main(["bench", "route", "--profiles-dir", str(PROFILES), *bad, "--json", str(out)]) == 2
         )
     assert "--seeds takes a comma list of integers" in capsys.readouterr().err
+
+
+# ----- adapters in the simulation ---------------------------------------------------------------
+def test_sim_a_row_takes_its_adapter_late_and_blocks_only_at_its_join_deadline():
+    from backend.dispatch.router import AdapterNeed
+
+    for join_by in (0.0, 0.25):
+        cfg, model, make = _sim(num_adapters=1, adapter_join_by=join_by)
+        dense = model.step_latency([(0.1, "tpl0", False)])  # tpl0 on no disk: it records
+        nbytes = int(3 * dense / (model.adapter_read_s_per_byte + model.adapter_copy_s_per_byte))
+        load = nbytes * (model.adapter_read_s_per_byte + model.adapter_copy_s_per_byte)
+        sim = make([_req(0, 0.0, 0), _req(1, 20.0, 0)])
+        need = (AdapterNeed("lora0", nbytes),)
+        sim.adapters_of = {0: need, 1: need}
+        sim.run()
+        cached = model.step_latency([(0.1, "tpl0", True)])
+        # K = 0: the first step waits for the whole load; K = 1 (of 4 steps): step 0 runs
+        # without it, step 1 waits for the rest
+        k = 0 if join_by == 0 else 1
+        assert sim.done_at[0] == pytest.approx(max(k * dense, load) + (4 - k) * dense)
+        counts = sim.counts
+        assert counts["adapter_rows_blocked"] == 1 and counts["adapter_block_s"] > 0
+        # the second job finds it on the device (pinned by none, kept by the tier's budget)
+        assert sim.done_at[1] == pytest.approx(20.0 + 4 * cached)
+        assert (counts["adapter_hits_device"], counts["adapter_hits_disk"]) == (1, 1)
+        assert counts["adapter_reads"] == counts["adapter_copies"] == 1
+
+
+def test_the_route_bench_with_adapters_completes_every_job_for_mask_aware_with_and_without():
+    from backend.bench.route_bench import ADAPTER_BLIND, request_adapters
+
+    cfg = RouteBenchConfig(
+        profiles_dir=str(PROFILES),
+        policies=("mask_aware", ADAPTER_BLIND, "fewest_requests"),
+        loads=(0.7,),
+        duration_s=30.0,
+        num_workers=3,
+        max_batch=4,
+        steps=5,
+        num_templates=12,
+        ram_templates=3,
+        num_adapters=20,
+        adapter_device_mb=200,
+        adapter_host_mb=600,
+        adapter_read_gbps=0.2,
+        calibrate=False,
+    )
+    report = run_route_bench(cfg)
+    trace = offered_trace(cfg, report["results"][0]["rps"], cfg.seed)
+    wanted = sum(len({a.sha256 for a in v}) for v in request_adapters(cfg, trace).values())
+    for r in report["results"]:
+        c = r["cache"]
+        assert r["completed"] == r["num_jobs"] == len(trace) > 0, r["policy"]
+        # every admitted row asked for each of its adapters once
+        assert c["adapter_hits_device"] + c["adapter_hits_host"] + c["adapter_hits_disk"] == wanted
+        assert 0 <= c["adapter_rows_blocked"] <= c["adapter_rows"]
+    # the same requests draw the same adapters whatever the policy
+    assert request_adapters(cfg, trace) == request_adapters(cfg, trace)

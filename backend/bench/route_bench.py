@@ -53,6 +53,7 @@ from backend.costmodel import profiles
 from backend.costmodel.costs import CostProfile, RowWork, batch_unit_costs
 from backend.dispatch.router import (
     POLICIES,
+    AdapterNeed,
     JobRequest,
     Router,
     RoutingCostModel,
@@ -63,6 +64,8 @@ from backend.dispatch.router import (
 from backend.worker.stats import percentile
 
 BASELINES = tuple(p for p in POLICIES if p != "mask_aware")
+# mask_aware with the router shown no adapters (its adapter term off): the simulation's ablation
+ADAPTER_BLIND = "mask_aware_no_adapters"
 
 
 @dataclass
@@ -97,6 +100,19 @@ class RouteBenchConfig:
     queue_depth: int = 0  # with late_binding: waiting rows a worker may hold beyond max_batch
     warmup_fraction: float = 0.25  # latency statistics over arrivals after this share of the run
     seed: int = 0
+    # LoRA adapters (0: none, the scenario as before): each request draws 0..adapters_per_request
+    # (uniform) distinct adapters by Zipf popularity; adapter i has rank 8, 16, 32 or 64 (seeded)
+    # and adapter_mb_per_rank MiB per rank
+    num_adapters: int = 0
+    adapters_per_request: int = 3
+    adapter_zipf: float = 1.1
+    adapter_mb_per_rank: float = 4.0  # rank 64: 256 MiB, rank 8: 32 MiB
+    adapter_device_mb: int = 1024  # per worker, as adapters.device_mb
+    adapter_host_mb: int = 4096  # per worker, as adapters.host_mb
+    adapter_policy: str = "lfu"
+    adapter_join_by: float = 0.2  # as adapters.join_by
+    adapter_read_gbps: float = 1.0  # registry -> host RAM
+    adapter_copy_gbps: float = 0.0  # host -> device; 0: the profile's fitted cache-load slope
 
 
 @dataclass
@@ -184,8 +200,33 @@ def cost_model_for(cfg: RouteBenchConfig, planner: str = "greedy") -> RoutingCos
             raise ValueError(f"load_scale must be > 0, got {scale}")
         profile = _scaled_loads(profile, scale)
     return RoutingCostModel.from_profile(
-        profile, disk_read_s_per_byte=cfg.disk_read_s_per_byte, planner=planner
+        profile,
+        disk_read_s_per_byte=cfg.disk_read_s_per_byte,
+        planner=planner,
+        adapter_read_s_per_byte=1e-9 / cfg.adapter_read_gbps,
+        adapter_copy_s_per_byte=1e-9 / cfg.adapter_copy_gbps if cfg.adapter_copy_gbps else None,
+        adapter_join_by=cfg.adapter_join_by,
     )
+
+
+def adapter_sizes(cfg: RouteBenchConfig) -> list[int]:
+    """Bytes of each adapter of the catalogue (rank 8, 16, 32 or 64, seeded)."""
+    rng = np.random.default_rng([cfg.seed, 17])
+    ranks = rng.choice([8, 16, 32, 64], size=cfg.num_adapters)
+    return [int(r * cfg.adapter_mb_per_rank * (1 << 20)) for r in ranks]
+
+
+def request_adapters(cfg: RouteBenchConfig, trace) -> dict[int, tuple[AdapterNeed, ...]]:
+    """Each request's adapters (index -> (sha, bytes) ...): 0 to ``adapters_per_request``
+    (uniform) distinct ones drawn by Zipf popularity, the same for every policy."""
+    sizes, weights = adapter_sizes(cfg), zipf_weights(cfg.num_adapters, cfg.adapter_zipf)
+    rng = np.random.default_rng([cfg.seed, 23])
+    out = {}
+    for req in trace:
+        count = min(int(rng.integers(0, cfg.adapters_per_request + 1)), cfg.num_adapters)
+        picks = rng.choice(cfg.num_adapters, size=count, replace=False, p=weights)
+        out[req.index] = tuple(AdapterNeed(f"lora{i}", sizes[i]) for i in picks)
+    return out
 
 
 def capacity_rps(cfg: RouteBenchConfig, model: RoutingCostModel) -> float:
@@ -240,7 +281,7 @@ def run_route_bench(cfg: RouteBenchConfig, progress=None) -> dict:
     ``{"config", "capacity_rps", "capacity_bound_rps", "results": [PolicyResult as dict],
     "p95_reduction": {load: {baseline: frac}}, "p95_all_reduction": the same over every job}``.
     ``progress``: optional callable(str) told about each finished run."""
-    unknown = set(cfg.policies) - set(POLICIES)
+    unknown = set(cfg.policies) - set(POLICIES) - {ADAPTER_BLIND}
     if unknown:
         raise ValueError(
             f"unknown routing policies {sorted(unknown)}; expected some of {', '.join(POLICIES)}"
@@ -262,12 +303,14 @@ def run_route_bench(cfg: RouteBenchConfig, progress=None) -> dict:
         trace = offered_trace(cfg, rps, cfg.seed)
         for policy in cfg.policies:
             router = Router(
-                policy,
+                "mask_aware" if policy == ADAPTER_BLIND else policy,
                 {(cfg.model_id, cfg.device): routing},
                 allow_queueing=not cfg.late_binding,
                 queue_depth=cfg.queue_depth if cfg.late_binding else 0,
             )
-            sim = ClusterSimulation(cfg, truth, router, trace, prerecorded)
+            sim = ClusterSimulation(
+                cfg, truth, router, trace, prerecorded, adapter_blind=policy == ADAPTER_BLIND
+            )
             sim.run()
             every = [sim.done_at[r.index] - r.arrival_s for r in trace if r.index in sim.done_at]
             warm = cfg.warmup_fraction * cfg.duration_s

@@ -12,9 +12,18 @@ simulation cannot drift from the worker's rules. What the simulation supplies is
   in the order the manager plans them; a recording is committed to the shared disk when its row
   finishes and then read into the recorder's RAM, as ``TieredActivationCache.commit`` does.
 
+LoRA adapters (``cfg.num_adapters`` > 0; ``SimulatedAdapters``): each job carries the adapters
+its request draws (``route_bench.adapter_catalog``), and each worker keeps them in the serving
+worker's own ``AdapterBook`` (device and host tiers with their byte budgets and eviction policy)
+and joins them to rows with its ``RowJoins``: a queued job's adapters are read from the shared
+registry into host RAM at once (one read at a time), a row asks for them when admitted (a host ->
+device copy, one at a time, after the read), takes each at the first step it is on the device and,
+at its join deadline, blocks the whole step until the rest has landed (as
+``RowAdapters.before_step`` does). Reads and copies take bytes x their seconds per byte.
+
 Invariants: a worker's RAM tier holds at most ``ram_templates`` entries (its budget in bytes);
 every job routed to a worker finishes on it; a read lands (``complete_load``) only at or after the
-time it was planned to.
+time it was planned to; a row runs its join-deadline step only with every adapter joined.
 """
 
 from __future__ import annotations
@@ -29,7 +38,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from backend.cache.manager import CacheManager, LoadPlan, Residency, Tier
-from backend.dispatch.router import JobRequest, Router, RoutingCostModel, RowState, WorkerView
+from backend.dispatch.router import (
+    AdapterNeed,
+    JobRequest,
+    Router,
+    RoutingCostModel,
+    RowState,
+    WorkerView,
+)
+from backend.worker.adapter_book import AdapterBook, RowJoins, join_deadline
 from backend.worker.admission import AdmissionRules, Candidate
 from backend.worker.batching import BatchScheduler, Row
 
@@ -49,6 +66,68 @@ class SimJob:
     admitted_at: float | None = None
     cached: bool = False  # reads its template's cache (set at admission)
     records: bool = False  # computes densely and records its template's cache
+    adapters: tuple[AdapterNeed, ...] = ()  # its LoRA adapters (sha, bytes)
+    joins: RowJoins | None = None  # set at admission when it has adapters
+    steps_done: int = 0
+
+
+class SimulatedAdapters:
+    """One worker's adapter tiers on simulated time (module docstring); ``AdapterBook`` decides
+    residency and eviction, this class supplies when reads and copies land."""
+
+    def __init__(self, cfg: RouteBenchConfig, read_s_per_byte: float, copy_s_per_byte: float):
+        mib = 1 << 20
+        self.book = AdapterBook(
+            cfg.adapter_device_mb * mib, cfg.adapter_host_mb * mib, cfg.adapter_policy
+        )
+        self.read_s_per_byte, self.copy_s_per_byte = read_s_per_byte, copy_s_per_byte
+        self.to_host: dict[str, tuple[float, int]] = {}  # sha -> (read lands, bytes)
+        self.to_device: dict[str, tuple[float, int]] = {}  # sha -> (copy lands, bytes)
+        self.read_free_at = self.copy_free_at = 0.0
+
+    def settle(self, now: float) -> None:
+        """Reads and copies that landed by ``now`` enter their tier, in landing order."""
+        landed = [(t, 0, sha, n) for sha, (t, n) in self.to_host.items() if t <= now]
+        landed += [(t, 1, sha, n) for sha, (t, n) in self.to_device.items() if t <= now]
+        for _t, kind, sha, nbytes in sorted(landed):
+            if kind == 0:
+                del self.to_host[sha]
+                self.book.loaded(sha, nbytes)
+            else:
+                del self.to_device[sha]
+                self.book.on_device(sha, nbytes)
+
+    def prefetch(self, need: AdapterNeed, now: float) -> float:
+        """Start reading ``need`` into host RAM unless it is there or on its way; when it is in
+        host RAM (now or later)."""
+        if need.sha256 in self.to_host:
+            return self.to_host[need.sha256][0]
+        if self.book.start_load(need.sha256):
+            self.read_free_at = max(now, self.read_free_at) + need.nbytes * self.read_s_per_byte
+            self.to_host[need.sha256] = (self.read_free_at, need.nbytes)
+            return self.read_free_at
+        return now
+
+    def ask(self, need: AdapterNeed, now: float) -> None:
+        """A row was admitted with ``need``: count the hit by tier, and start its copy to the
+        device (after its read) unless it is there or on its way."""
+        self.book.asked(need.sha256)
+        self._copy(need, now)
+
+    def _copy(self, need: AdapterNeed, now: float) -> None:
+        if need.sha256 in self.book.device.sizes or need.sha256 in self.to_device:
+            return
+        on_host = self.prefetch(need, now)
+        start = max(on_host, self.copy_free_at)
+        self.copy_free_at = start + need.nbytes * self.copy_s_per_byte
+        self.to_device[need.sha256] = (self.copy_free_at, need.nbytes)
+
+    def lands_at(self, need: AdapterNeed, now: float) -> float:
+        """When ``need`` is on the device (asking for it again if an eviction took it)."""
+        if need.sha256 in self.book.device.sizes:
+            return now
+        self._copy(need, now)
+        return self.to_device[need.sha256][0]
 
 
 class SharedDisk:
@@ -143,8 +222,12 @@ class SimWorker:
         worker_id: str,
         cfg: RouteBenchConfig,
         caches: SimulatedCaches,
+        adapters: SimulatedAdapters | None = None,
     ):
         self.worker_id, self.cfg, self.caches = worker_id, cfg, caches
+        self.adapters = adapters
+        self.block_s = 0.0  # how long the step being started waits for adapters (deadline)
+        self.blocked_s = 0.0  # all steps' waits for adapters
         self.scheduler = BatchScheduler(cfg.max_batch)
         self.admission = AdmissionRules()
         self._gate = _AdmittedGate(self)
@@ -156,18 +239,41 @@ class SimWorker:
 
     def view(self, cfg: RouteBenchConfig) -> WorkerView:
         running = self.scheduler.running.values()
+        if self.adapters is None:
+            return WorkerView(
+                self.worker_id,
+                cfg.model_id,
+                cfg.device,
+                cfg.max_batch,
+                tuple(
+                    RowState(r.job_id, r.mask_ratio, r.remaining_steps, r.template) for r in running
+                ),
+                tuple(
+                    RowState(r.job_id, r.mask_ratio, r.num_steps, r.template)
+                    for r in self.scheduler.waiting.values()
+                ),
+                frozenset(self.caches.manager.resident(Tier.RAM)),
+                self.caches.disk.view,
+            )
+        shas = {j: tuple(a.sha256 for a in job.adapters) for j, job in self.jobs.items()}
+        book = self.adapters.book
         return WorkerView(
             self.worker_id,
             cfg.model_id,
             cfg.device,
             cfg.max_batch,
-            tuple(RowState(r.job_id, r.mask_ratio, r.remaining_steps, r.template) for r in running),
             tuple(
-                RowState(r.job_id, r.mask_ratio, r.num_steps, r.template)
+                RowState(r.job_id, r.mask_ratio, r.remaining_steps, r.template, shas[r.job_id])
+                for r in running
+            ),
+            tuple(
+                RowState(r.job_id, r.mask_ratio, r.num_steps, r.template, shas[r.job_id])
                 for r in self.scheduler.waiting.values()
             ),
             frozenset(self.caches.manager.resident(Tier.RAM)),
             self.caches.disk.view,
+            frozenset(book.device.sizes),
+            frozenset(book.host.sizes),
         )
 
     def receive(self, job: SimJob, now: float) -> None:
@@ -180,6 +286,10 @@ class SimWorker:
         )
         self.caches.settle(now)
         self.caches.prefetch(job.template, speculative=True)
+        if self.adapters is not None:
+            self.adapters.settle(now)
+            for need in job.adapters:  # read into host RAM while queued
+                self.adapters.prefetch(need, now)
 
     def start_step(self, now: float) -> list[tuple[float, str, bool]]:
         """Admit at a step boundary; the running rows ``(mask, template, cached)`` of the step."""
@@ -189,6 +299,7 @@ class SimWorker:
         self.held += len(out.held)
         for job_id in out.admitted:
             self._admit(self.jobs[job_id], now)
+        self.block_s = self._join_adapters(now) if self.adapters is not None else 0.0
         return [
             (job.mask_ratio, job.template, job.cached)
             for job in (self.jobs[j] for j in self.scheduler.running)
@@ -197,9 +308,47 @@ class SimWorker:
     def _ready(self, row: Row) -> bool:
         return self.admission.admit(Candidate(row.job_id, row.template), self._gate)
 
+    def _join_adapters(self, now: float) -> float:
+        """Running rows take the adapters on the device; a row at its deadline waits for the
+        rest: the seconds the step waits (``RowAdapters.before_step``)."""
+        assert self.adapters is not None
+        tiers, until = self.adapters, now
+        tiers.settle(now)
+        blocked: list[SimJob] = []
+        for job in (self.jobs[j] for j in self.scheduler.running):
+            if job.joins is None or not job.joins.missing():
+                continue
+            ready, waits = job.joins.plan(job.steps_done, tiers.book.device.sizes)
+            self._join(job, ready)
+            if waits:
+                tiers.book.counters.rows_blocked += 1
+                needs = {a.sha256: a for a in job.adapters}
+                until = max([until] + [tiers.lands_at(needs[sha], now) for sha in waits])
+                blocked.append(job)
+        if blocked:
+            tiers.settle(until)
+            for job in blocked:
+                assert job.joins is not None
+                self._join(job, job.joins.missing())
+        return until - now
+
+    def _join(self, job: SimJob, shas: list[str]) -> None:
+        assert self.adapters is not None and job.joins is not None
+        for sha in shas:
+            if sha not in job.joins.joined:
+                self.adapters.book.pin(sha)
+        job.joins.join(shas, job.steps_done)
+
     def _admit(self, job: SimJob, now: float) -> None:
         job.admitted_at = now
         self.queue_s.append(now - job.arrived_at)
+        if self.adapters is not None and job.adapters:
+            self.adapters.settle(now)
+            wanted = {a.sha256: 1.0 for a in job.adapters}
+            job.joins = RowJoins(wanted, join_deadline(self.cfg.steps, self.cfg.adapter_join_by))
+            self.adapters.book.counters.rows_with_adapters += 1
+            for need in {a.sha256: a for a in job.adapters}.values():
+                self.adapters.ask(need, now)
         if job.cached:
             return
         self.dense_rows += 1
@@ -212,9 +361,14 @@ class SimWorker:
         """Every running row stepped once; the jobs that finished (their caches released, their
         recordings committed)."""
         self.caches.settle(now)
+        for job_id in self.scheduler.running:
+            self.jobs[job_id].steps_done += 1
         finished = []
         for row in self.scheduler.update_from_output(list(self.scheduler.running)):
             job = self.jobs.pop(row.job_id)
+            if job.joins is not None and self.adapters is not None:
+                for sha in job.joins.joined:
+                    self.adapters.book.unpin(sha)
             if job.records:
                 self.admission.end_recording(job.template)
                 self.caches.commit(job.template)
@@ -249,10 +403,19 @@ class ClusterSimulation:
         router: Router,
         trace,
         disk: set[str],
+        adapter_blind: bool = False,
     ):
         self.cfg, self.truth, self.router, self.trace = cfg, truth, router, trace
         self.disk = SharedDisk(disk)
         entry_bytes = max(1, truth.step_cache_bytes * cfg.steps)
+        # adapters: each request's (route_bench.request_adapters); the router is shown none of
+        # them when ``adapter_blind`` (mask_aware without its adapter term)
+        self.adapter_blind = adapter_blind
+        self.adapters_of: dict[int, tuple[AdapterNeed, ...]] = {}
+        if cfg.num_adapters > 0:
+            from backend.bench.route_bench import request_adapters
+
+            self.adapters_of = request_adapters(cfg, trace)
         self.workers = [
             SimWorker(
                 f"w{i:02d}",
@@ -260,6 +423,9 @@ class ClusterSimulation:
                 SimulatedCaches(
                     cfg.ram_templates, self.disk, entry_bytes, truth.disk_read_s(cfg.steps)
                 ),
+                SimulatedAdapters(cfg, truth.adapter_read_s_per_byte, truth.adapter_copy_s_per_byte)
+                if cfg.num_adapters > 0
+                else None,
             )
             for i in range(cfg.num_workers)
         ]
@@ -273,16 +439,29 @@ class ClusterSimulation:
         self.decisions: list[float] = []
 
     @property
-    def counts(self) -> dict[str, int]:
+    def counts(self) -> dict[str, float]:
         """ram_hits (rows whose entry was in RAM without a read of their own), disk_reads,
-        dense_rows (rows run without a cache: recordings), held (row-schedules held, slot free)."""
+        dense_rows (rows run without a cache: recordings), held (row-schedules held, slot free);
+        with adapters also adapter_hits_{device,host,disk} (by the tier each adapter was in when
+        its row was admitted), adapter_reads, adapter_copies, adapter_rows (rows with adapters),
+        adapter_rows_blocked (rows that waited at their join deadline), adapter_block_s."""
         metrics = [w.caches.manager.metrics for w in self.workers]
-        return {
+        out: dict[str, float] = {
             "ram_hits": sum(m.ram_hits - m.prefetch_uses for m in metrics),
             "disk_reads": sum(w.caches.reads for w in self.workers),
             "dense_rows": sum(w.dense_rows for w in self.workers),
             "held": sum(w.held for w in self.workers),
         }
+        books = [w.adapters.book.counters for w in self.workers if w.adapters is not None]
+        if books:
+            for tier in ("device", "host", "disk"):
+                out[f"adapter_hits_{tier}"] = sum(c.hits[tier] for c in books)
+            out["adapter_reads"] = sum(c.disk_loads for c in books)
+            out["adapter_copies"] = sum(c.device_loads for c in books)
+            out["adapter_rows"] = sum(c.rows_with_adapters for c in books)
+            out["adapter_rows_blocked"] = sum(c.rows_blocked for c in books)
+            out["adapter_block_s"] = sum(w.blocked_s for w in self.workers)
+        return out
 
     @property
     def queue_s(self) -> list[float]:
@@ -316,8 +495,14 @@ class ClusterSimulation:
         """Route ``req`` now; False when the router has no candidate (late binding: all full)."""
         views = [w.view(self.cfg) for w in self.workers]
         template = f"tpl{req.template}"
+        adapters = self.adapters_of.get(req.index, ())
         job = JobRequest(
-            str(req.index), self.cfg.model_id, req.mask_ratio, self.cfg.steps, template
+            str(req.index),
+            self.cfg.model_id,
+            req.mask_ratio,
+            self.cfg.steps,
+            template,
+            () if self.adapter_blind else adapters,
         )
         started = time.perf_counter()
         decision = self.router.choose(job, views)
@@ -325,7 +510,8 @@ class ClusterSimulation:
         if decision.worker_id is None:
             return False
         worker = self.workers[int(decision.worker_id[1:])]
-        worker.receive(SimJob(req.index, template, req.mask_ratio, req.arrival_s), now)
+        sim_job = SimJob(req.index, template, req.mask_ratio, req.arrival_s, adapters=adapters)
+        worker.receive(sim_job, now)
         if not worker.busy:
             self.start_step(worker, now)
         return True
@@ -343,7 +529,8 @@ class ClusterSimulation:
             return
         worker.busy = True
         self.batch_rows.append(len(rows))
-        self.push(now + self.step_seconds(worker, rows), "step", worker)
+        worker.blocked_s += worker.block_s
+        self.push(now + worker.block_s + self.step_seconds(worker, rows), "step", worker)
 
     def step_seconds(self, worker: SimWorker, rows: list[tuple[float, str, bool]]) -> float:
         key = tuple(rows)
