@@ -180,3 +180,61 @@ def test_the_heartbeat_rows_name_their_adapters(engine, content, tmp_path):
     assert row.adapters == [USE_B.sha256]
     drain(worker)
     assert not worker.adapters.tiers.book.pins
+
+
+def test_a_row_with_adapters_never_records_the_template_cache(engine, content, tmp_path):
+    from backend.cache import Tier, TieredActivationCache
+
+    loader = GatedLoader(content)
+    loader.gate.set()
+    worker, inbox, sink, blobs = make_worker(engine, tmp_path, loader)
+    worker.caches = TieredActivationCache(tmp_path / "cache", 1 << 30, 1 << 32)
+    params = make_params(engine, steps=STEPS, template_seed=91)
+    template = make_template(seed=91)
+    job = make_prepared_job(engine, blobs, "adapted", template, MASK, 3, params)
+    inbox.put(replace(job, adapters=[USE_A]))
+    drain(worker)
+    assert done_job(sink, "adapted").adapter_steps["rec-a"] <= 1  # by its deadline
+    # nothing recorded: a template cache is the base model's
+    assert worker.caches.resident(Tier.RAM) == worker.caches.resident(Tier.DISK) == []
+
+
+def test_the_baseline_worker_fuses_a_calls_adapters_like_diffusers(engine, content, tmp_path):
+    """The baseline loads the request's adapter files with diffusers, fuses, runs, unfuses: its
+    result is the engine's with the same adapters (a full mask: the ordinary computation)."""
+    from backend.worker.baseline import BaselineWorker
+    from tests.factories import full_mask
+
+    sources = {}
+    for seed, sha in ((1, "a" * 64), (2, "b" * 64)):
+        sources[sha] = make_adapter_file(MODEL, tmp_path / f"src-{seed}.safetensors", seed=seed)
+    blobs, inbox, sink = BlobStore(tmp_path / "blobs"), LocalInbox(), LocalSink()
+    worker = BaselineWorker(
+        engine, blobs, inbox, sink, max_batch=1, adapter_files=sources.__getitem__
+    )
+    params = make_params(engine, steps=STEPS, use_cache=False)
+    job = make_prepared_job(engine, blobs, "base", make_template(), full_mask(), 3, params)
+    inbox.put(replace(job, adapters=[USE_A, USE_B]))
+    inbox.put(replace(job, job_id="plain"))
+    drain(worker)
+    for sha in engine.adapters.ids():
+        engine.adapters.drop(sha)
+    read = store_loader(lambda sha: content / f"{sha}.safetensors")
+    for sha in ("a" * 64, "b" * 64):
+        engine.adapters.put(read(sha))
+    state = engine.start(
+        make_template(),
+        full_mask(),
+        "a blue vase",
+        3,
+        params,
+        adapters=(("a" * 64, 0.8), ("b" * 64, 1.3)),
+    )
+    while not state.done:
+        engine.step([state], params.mode)
+    assert (final_latents(blobs, sink, "base") - state.latents).abs().max().item() <= TOL
+    plain = engine.start(make_template(), full_mask(), "a blue vase", 3, params)
+    while not plain.done:
+        engine.step([plain], params.mode)
+    # unfused and unloaded after its call: the next call runs the base model
+    assert (final_latents(blobs, sink, "plain") - plain.latents).abs().max().item() <= TOL

@@ -282,7 +282,9 @@ def _meta_denoiser(model_id: str) -> torch.nn.Module:
 
 
 @cache
-def _targets(model_id: str) -> dict[str, torch.nn.Linear]:
+def model_targets(model_id: str) -> dict[str, torch.nn.Linear]:
+    """The layers adapters may update in the model's denoiser, by name (meta tensors: shapes
+    only)."""
     family = resolve_model(model_id).family
     return lora_targets(_meta_denoiser(model_id), DENOISERS[family][1])
 
@@ -296,7 +298,7 @@ def check_for_model(adapter: LoraAdapter, model_id: str) -> None:
     """``check_adapter`` against the model's targetable layers; ``AdapterFileError`` naming the
     layer and the model."""
     try:
-        check_adapter(adapter, _targets(model_id))
+        check_adapter(adapter, model_targets(model_id))
     except ValueError as exc:
         raise AdapterFileError(f"{exc} (model {model_id})") from None
 

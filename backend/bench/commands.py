@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from backend.bench.adapter_bench_cli import add_adapters_parser  # light: argparse only
 from backend.bench.adapter_quality_cli import add_adapter_quality_parser  # light: argparse only
 from backend.bench.crop_bench import add_crop_parser  # light: numpy only
 from backend.bench.serve_cli import add_serve_parser  # light: argparse only
@@ -361,6 +362,7 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     add_crop_parser(bench_sub)
     add_serve_parser(bench_sub)
     add_adapter_quality_parser(bench_sub)
+    add_adapters_parser(bench_sub)
 
 
 def cmd_bench_soak(args, settings: Settings) -> int:

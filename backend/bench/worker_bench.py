@@ -107,7 +107,7 @@ def _post_in_process(denoised_json: str) -> tuple[float, float]:
 
 # ----- set-up -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class _Inputs:
+class BenchInputs:
     """What every mode replays: blob refs of the templates and of each request's mask, and the mean
     size of the templates' cache entries (the RAM budget is counted in them)."""
 
@@ -122,9 +122,9 @@ def _png(image) -> bytes:
     return buffer.getvalue()
 
 
-def _prepare_inputs(
+def prepare_inputs(
     cfg: BenchConfig, settings: Settings, engine, trace: list[TraceRequest], blobs: BlobStore
-) -> _Inputs:
+) -> BenchInputs:
     """Template and mask files for the trace, and every template's cache recorded on disk (not
     timed)."""
     params = edit_params(engine.spec, settings, steps=cfg.steps, size=cfg.size)
@@ -152,11 +152,11 @@ def _prepare_inputs(
     ]
     # The RAM budget is counted in the trace's own entries (the cache directory may hold entries of
     # other models and resolutions, which must not inflate it).
-    return _Inputs(template_refs, mask_refs, sum(entry_bytes) / len(entry_bytes))
+    return BenchInputs(template_refs, mask_refs, sum(entry_bytes) / len(entry_bytes))
 
 
-def _edit_job(
-    cfg: BenchConfig, request: TraceRequest, inputs: _Inputs, mode: str, guidance: float
+def edit_job(
+    cfg: BenchConfig, request: TraceRequest, inputs: BenchInputs, mode: str, guidance: float
 ) -> EditJob:
     return EditJob(
         job_id=f"{mode}-{request.index}",
@@ -176,7 +176,9 @@ def _edit_job(
 class _Run:
     """Drives one worker through the trace; records arrival and completion times per job."""
 
-    def __init__(self, cfg, settings, engine, blobs, mode, ram_templates, inputs: _Inputs, pool):
+    def __init__(
+        self, cfg, settings, engine, blobs, mode, ram_templates, inputs: BenchInputs, pool
+    ):
         self.cfg, self.mode, self.pool, self.inputs = cfg, mode, pool, inputs
         self.arrival: dict[str, float] = {}
         self.done: dict[str, float] = {}
@@ -226,7 +228,7 @@ class _Run:
         guidance = self.worker.engine.spec.default_guidance
         for request in trace:
             time.sleep(max(0.0, start + request.arrival_s - time.time()))
-            job = _edit_job(self.cfg, request, self.inputs, self.mode, guidance)
+            job = edit_job(self.cfg, request, self.inputs, self.mode, guidance)
             with self.lock:
                 self.arrival[job.job_id] = time.time()
             if self.mode == "inline":
@@ -299,7 +301,7 @@ def run_worker_bench(cfg: BenchConfig, settings: Settings) -> list[ModeResult]:
         seed=cfg.seed,
         burst_factor=cfg.burst_factor,
     )
-    inputs = _prepare_inputs(cfg, settings, engine, trace, blobs)
+    inputs = prepare_inputs(cfg, settings, engine, trace, blobs)
     context = multiprocessing.get_context("spawn")  # never fork a process that holds torch threads
     results = []
     with ProcessPoolExecutor(

@@ -143,12 +143,16 @@ class AdapterTiers:
 class RowAdapters:
     """The worker loop's side of adapters: each row's wanted adapters, their joins and pins."""
 
-    def __init__(self, tiers: AdapterTiers, join_by: float):
-        self.tiers, self.join_by = tiers, join_by
+    def __init__(self, tiers: AdapterTiers, join_by: float, prefetch: bool = True):
+        # prefetch: start reading a job's adapters when it is queued (False: only when its row
+        # asks, as a server without asynchronous loading does)
+        self.tiers, self.join_by, self.prefetch = tiers, join_by, prefetch
         self._rows: dict[str, RowJoins] = {}
         self._ids: dict[str, dict[str, str]] = {}  # job -> sha -> adapter id (for records)
 
     def queued(self, uses: list[AdapterUse]) -> None:
+        if not self.prefetch:
+            return
         for use in uses:
             self.tiers.prefetch(use.sha256)
 

@@ -38,6 +38,7 @@ from backend.engine.editor import MaskAwareEngine
 from backend.engine.ordinary import run_ordinary_batch
 from backend.imaging.uploads import decode_image, fit_to_bucket
 from backend.protocol import JobEvent
+from backend.worker.baseline_adapters import AdapterFiles, fused_adapters
 from backend.worker.channels import Inbox, JobSink
 from backend.worker.loop import EngineWorker, _Job
 
@@ -67,11 +68,15 @@ class BaselineWorker(EngineWorker):
         worker_id: str = "worker-0",
         max_batch: int = 8,
         max_pixels: int = CelerySettings.model_fields["max_upload_pixels"].default,
+        adapter_files: AdapterFiles | None = None,
     ):
         super().__init__(
             engine, blobs, inbox, sink, worker_id=worker_id, mode="baseline", max_batch=max_batch
         )
         self.max_pixels = max_pixels
+        # sha256 -> the adapter's file as users have it (diffusers/PEFT or kohya layout): the
+        # baseline loads and fuses a call's adapters with diffusers, as a user would
+        self.adapter_files = adapter_files
         self._step_started = 0.0  # when the call's current step began (per-step statistics)
 
     def iterate(self, idle_poll_s: float = 0.0) -> bool:
@@ -93,7 +98,12 @@ class BaselineWorker(EngineWorker):
         """Rows of equal keys share one pipeline call (one model per worker; the key names it
         anyway, so that rows of two models could never meet)."""
         p = job.params
-        return f"{job.message.model_id}:{p.size[0]}x{p.size[1]}:{p.steps}:{p.strength}:{p.guidance}"
+        # one call fuses one adapter set into the weights: rows of other sets run in other calls
+        adapters = ",".join(f"{use.sha256}*{use.scale}" for use in job.message.adapters)
+        return (
+            f"{job.message.model_id}:{p.size[0]}x{p.size[1]}:{p.steps}:{p.strength}:{p.guidance}"
+            f":{adapters}"
+        )
 
     def _admit(self, job_id: str) -> None:
         """The row joins the next call (its inputs are read then); a recording ends here."""
@@ -112,20 +122,21 @@ class BaselineWorker(EngineWorker):
         if not rows:
             return
         jobs = [self.jobs[job_id] for job_id in rows]
-        self._step_started = time.perf_counter()
         try:
-            latents = run_ordinary_batch(
-                self.engine.pipe,
-                self.engine.spec,
-                [inputs[job_id][0] for job_id in rows],
-                [inputs[job_id][1] for job_id in rows],
-                [job.message.prompt for job in jobs],
-                [job.prepared.seed for job in jobs],
-                jobs[0].params,  # size, steps, strength, guidance: the same for every row (key)
-                output_type="latent",
-                callback=self._on_step,
-                negative_prompts=[job.params.negative_prompt for job in jobs],
-            )
+            with fused_adapters(self.engine.pipe, jobs[0].message.adapters, self.adapter_files):
+                self._step_started = time.perf_counter()
+                latents = run_ordinary_batch(
+                    self.engine.pipe,
+                    self.engine.spec,
+                    [inputs[job_id][0] for job_id in rows],
+                    [inputs[job_id][1] for job_id in rows],
+                    [job.message.prompt for job in jobs],
+                    [job.prepared.seed for job in jobs],
+                    jobs[0].params,  # size, steps, strength, guidance, adapters: one per call
+                    output_type="latent",
+                    callback=self._on_step,
+                    negative_prompts=[job.params.negative_prompt for job in jobs],
+                )
         except Exception as exc:  # one bad call fails its rows, not the worker
             log.exception("the pipeline call failed for %s", rows)
             for job_id in rows:

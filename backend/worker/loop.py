@@ -264,7 +264,9 @@ class EngineWorker:
         return Candidate(
             job.message.job_id,
             key.digest() if reads_cache else "",
-            records_on_miss=job.message.prepare or job.params.record_on_first_edit,
+            # a template cache is the base model's: a row with adapters never records one
+            records_on_miss=job.message.prepare
+            or (job.params.record_on_first_edit and not job.message.adapters),
             prepare=job.message.prepare,
         )
 

@@ -1,0 +1,118 @@
+"""`maskserve bench adapters`: the figures on made-up results, the CLI's refusals, the request mix,
+and the whole bench end to end on the tiny model (every arm finishes every request; no timing is
+asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from backend.bench.adapter_bench import ArmResult, request_adapters
+from backend.bench.adapter_bench_cli import add_adapters_parser
+from backend.bench.adapter_catalog import CatalogAdapter
+from backend.bench.adapter_report import headline, summary_text
+from backend.bench.trace import poisson_trace
+from backend.cli import main
+
+
+def result(arm, rps, mean, thru, trace="poisson", rows=0, blocked=0, hits=None) -> ArmResult:
+    return ArmResult(
+        arm=arm,
+        trace=trace,
+        rps=rps,
+        num_jobs=10,
+        avg_latency_s=mean,
+        p95_latency_s=2 * mean,
+        throughput_rps=thru,
+        mean_batch_rows=1.0,
+        rows_with_adapters=rows,
+        rows_blocked=blocked,
+        hits=hits or {},
+    )
+
+
+def test_headline_reads_the_reference_points():
+    results = [
+        result("baseline", 0.1, 10.0, 0.1),
+        result("baseline", 0.2, 100.0, 0.15),
+        result("baseline", 0.4, 400.0, 0.15),
+        result("maskserve", 0.1, 2.0, 0.1, rows=10, blocked=1),
+        result("maskserve", 0.2, 2.5, 0.2, rows=10, blocked=0),
+        result("maskserve", 0.4, 4.0, 0.38, rows=10, blocked=2),
+        result("base-model", 0.4, 3.0, 0.4),
+        result("one-set", 0.4, 20.0, 0.3),
+        result("maskserve", 1.0, 9.0, 0.5, trace="bursty"),  # not a Poisson run: ignored
+    ]
+    head = headline(results)
+    # capacity 0.15/s: the highest rate not above it is 0.1
+    assert head["saturation_rps"] == 0.1 and head["latency_x"] == pytest.approx(5.0)
+    assert head["mixed_throughput_share"] == pytest.approx(0.38 / 0.4)
+    # 80% of 0.38 = 0.304: the closest rate is 0.4 (0.096 away) over 0.2 (0.104)
+    assert head["load80_rps"] == 0.4 and head["blocked_share"] == pytest.approx(0.2)
+    assert head["one_set_latency_x"] == pytest.approx(5.0)
+    text = summary_text({"results": [r.__dict__ for r in results], "headline": head})
+    assert "latency_x: 5.000 (target >= 7.8: missed)" in text
+    assert "blocked_share: 0.200 (target <= 0.05: missed)" in text
+
+
+def test_headline_without_some_arms_says_only_what_it_can():
+    head = headline([result("maskserve", 0.1, 1.0, 0.1, rows=4, blocked=0)])
+    assert set(head) == {"load80_rps", "blocked_share"} and head["blocked_share"] == 0.0
+
+
+def test_requests_carry_zero_to_three_distinct_adapters_popular_first():
+    catalog = [CatalogAdapter(f"id{i}", f"{i:064x}", 1000 + i, 8, None) for i in range(50)]
+    trace = poisson_trace(5.0, 100.0, 4, 0.1, seed=1)
+    uses = request_adapters(trace, catalog, 1.0, seed=1)
+    counts = [len(u) for u in uses.values()]
+    assert set(counts) <= {0, 1, 2, 3} and 0.9 < sum(c > 0 for c in counts) / len(counts)
+    assert all(len({x.sha256 for x in u}) == len(u) for u in uses.values())
+    popular = sum(x.adapter_id == "id0" for u in uses.values() for x in u)
+    rare = sum(x.adapter_id == "id49" for u in uses.values() for x in u)
+    assert popular > 5 * max(rare, 1) and all(
+        0.6 <= x.scale <= 1.0 for u in uses.values() for x in u
+    )
+    assert request_adapters(trace, catalog, 1.0, seed=1) == uses  # seeded
+
+
+@pytest.mark.parametrize("argv", [["--arms", "baseline,nope"], ["--rps", ""], ["--adapters", "0"]])
+def test_bad_arguments_exit_2(argv, capsys):
+    assert main(["bench", "adapters", *argv]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_the_parser_registers_every_option():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_adapters_parser(parser.add_subparsers())
+    args = parser.parse_args(["adapters", "--rps", "0.5,1", "--join-by", "0.1"])
+    assert args.rps == "0.5,1" and args.join_by == 0.1
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_the_bench_runs_every_arm_end_to_end(tmp_path, models_dir, monkeypatch):
+    monkeypatch.setenv("MASKSERVE_MODELS_DIR", str(models_dir))
+    out = tmp_path / "adapters.json"
+    code = main(
+        [
+            "bench", "adapters", "--model", "tiny-sd2-inpaint", "--size", "64", "--steps", "3",
+            "--adapters", "4", "--templates", "2", "--rps", "2", "--burst-rps", "0",
+            "--duration-s", "3", "--max-requests", "4", "--json", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert {r["arm"] for r in report["results"]} == {
+        "baseline",
+        "one-set",
+        "maskserve",
+        "base-model",
+    }
+    assert all(r["num_jobs"] == 4 for r in report["results"])
+    ours = next(r for r in report["results"] if r["arm"] == "maskserve")
+    assert ours["rows_with_adapters"] >= 1 and sum(ours["hits"].values()) >= 1
+    assert report["catalog"]["adapters"] == 4 and "latency_x" in report["headline"]
+    assert out.with_suffix(".png").exists()
