@@ -3,8 +3,10 @@
 Celery CPU worker, dispatcher, an engine worker, the API with the studio mounted), the way a person
 uses it: sign in, fill the empty gallery with the sample scenes, upload a template into it, pick
 it, paint a stroke with the mouse, write a prompt, submit, wait for the result. The result must
-differ inside the stroke and equal the template outside it. Screenshots go to
-``test-output/studio/`` (and the test's tmp dir)."""
+differ inside the stroke and equal the template outside it. Later the same edit runs again with a
+LoRA adapter registered in the Adapters tab (ingested by the stack's CPU worker), chosen in the
+editor's picker with a scale. Screenshots go to ``test-output/studio/`` (and the test's tmp
+dir)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from backend.client import MaskServeClient, MaskServeError
 from backend.jobstate import JobStateStore
 from backend.protocol.keys import job_key
 from templates_store.samples import sample_template
+from tests.adapter_factory import make_adapter_file
 from tests.stack_factory import running_stack
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -249,6 +252,8 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(
         with Image.open(tmp_path / "data" / "blobs" / recalled["mask_ref"]) as stored:
             assert np.array_equal(np.asarray(stored.convert("L")) > 127, painted)
 
+    generate_with_an_adapter(page, tmp_path, redis_client)
+
     # a mask image dropped on the studio becomes the painted area
     mask_path = tmp_path / "mask.png"
     uploaded = Image.new("L", (W, H), 0)
@@ -264,6 +269,47 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(
         assert _canvas_shows_a_picture(page), "the canvas is blank after Clear canvas"
     finally:
         screenshot(page, tmp_path, "7-cleared")
+
+
+def generate_with_an_adapter(page, tmp_path, redis_client) -> None:
+    """Register an adapter in the Adapters tab, choose it in the editor's picker at scale 0.5 and
+    Generate again (the recalled mask is still painted): the job runs with it, and the result and
+    the history say the step it joined at."""
+    path = make_adapter_file("tiny-sd2-inpaint", tmp_path / "pixel-art.safetensors", seed=1)
+    page.get_by_role("tab", name="Adapters").click()
+    page.locator("#ms-adapter-file input[type=file]").set_input_files(str(path))
+    page.locator("#ms-adapter-file").get_by_text(path.name).wait_for(timeout=30_000)
+    page.locator("#ms-adapter-add").click()
+    page.locator("#ms-adapters").get_by_text("pixel-art").first.wait_for(
+        state="attached", timeout=90_000
+    )
+    page.get_by_role("tab", name="Editor").click()
+    page.locator("#ms-adapter-picker").get_by_text("Adapters (LoRA)").click()
+    page.locator("#ms-adapter-hint").get_by_text("1 adapter for").wait_for(timeout=30_000)
+    page.locator("#ms-adapter-0 input").click()
+    page.get_by_role("option", name=re.compile("pixel-art · rank 4")).click()
+    page.locator("#ms-adapter-scale-0 input[type=number]").fill("0.5")
+    page.locator("#ms-adapter-scale-0 input[type=number]").press("Enter")
+    for field, value in (("#ms-variations", "1"), ("#ms-steps", "6")):
+        page.locator(f"{field} input[type=number]").fill(value)
+        page.locator(f"{field} input[type=number]").press("Enter")
+    screenshot(page, tmp_path, "8-adapter-picked")
+    page.locator("#ms-submit").click()
+    try:
+        shown = page.locator("#ms-info").get_by_text(re.compile(r"pixel-art ×0\.5 from step \d"))
+        shown.wait_for(timeout=180_000)
+    finally:
+        screenshot(page, tmp_path, "9-adapter-result")
+    job_id = re.search(r"job ([0-9a-f]{32})", page.locator("#ms-info").inner_text()).group(1)
+    job = JobStateStore(redis_client).get(job_id)
+    ((adapter_id, joined),) = job["adapter_steps"].items()
+    assert job["status"] == "done" and job["adapters"] == [{"id": adapter_id, "scale": 0.5}], job
+    assert 0 <= joined <= 1, job  # by 20% of its 6 steps at the latest
+    page.get_by_role("tab", name="History").click()
+    page.locator("#ms-history").get_by_text(f"pixel-art ×0.5 from step {joined}").first.wait_for(
+        state="attached", timeout=30_000
+    )
+    page.get_by_role("tab", name="Editor").click()
 
 
 def _canvas_shows_a_picture(page, timeout_s: float = 60.0) -> bool:
