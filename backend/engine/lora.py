@@ -184,13 +184,18 @@ class BatchLora:
             return y
         token_rows = self._token_rows(x, rows)
         flat_x = x.reshape(-1, x.shape[-1])
+        # a view of ``y`` where its layout allows (the caller's fresh projection output, or a
+        # column block of the fused one: adding in place touches no other block), else a copy
         flat_y = y.reshape(-1, y.shape[-1])
         for piece in slices:
             index, token_scale = self._selection(token_rows, piece)
             picked = flat_x if index is None else flat_x.index_select(0, index)
             low = F.linear(picked, piece.pair.down) * (token_scale * piece.pair.scale).to(x.dtype)
             delta = F.linear(low, piece.pair.up)
-            flat_y = flat_y + delta if index is None else flat_y.index_add(0, index, delta)
+            if index is None:
+                flat_y.add_(delta)
+            else:
+                flat_y.index_add_(0, index, delta)
         return flat_y.reshape(y.shape)
 
     def _token_rows(self, x: torch.Tensor, rows: TokenRows) -> torch.Tensor:
