@@ -3,8 +3,9 @@
 Rows of one batch may carry different adapters (or none), each with its own scale. Every
 LoRA-targeted projection computes its base output once for all packed tokens (the fused matmul of
 ``attention.fused_linear``) and then, per adapter present in the batch, adds that adapter's
-low-rank delta ``scale * (x @ down.T) @ up.T`` to the tokens of the rows carrying it: one gather
-and two thin matmuls per (module, adapter), never a merged weight per row.
+low-rank delta ``scale * (x @ down.T) @ up.T`` to the tokens of the rows carrying it: per run of
+consecutive tokens of such rows, two thin matmuls on views (no gather, no scatter, no merged
+weight per row).
 
 Invariants: a ``BatchLora`` is built for one forward and never outlives it; a row without adapters
 gets exactly the base output (its tokens are never touched); ``scale`` on a pair is the adapter's
@@ -42,9 +43,6 @@ TARGET_PATTERNS: dict[str, re.Pattern[str]] = {
     "flux": re.compile(rf"(x_embedder|context_embedder|proj_out|{_FLUX_DOUBLE}|{_FLUX_SINGLE})"),
 }
 
-# Row tokens of a projection's input: a packed layout, a tensor naming each token's row, or None
-# when the input's leading dimension is the row (rows, tokens, C).
-TokenRows = RowLayout | torch.Tensor | None
 RowAdapters = tuple[tuple[str, float], ...]  # one row's (adapter id, scale) pairs
 
 
@@ -118,29 +116,41 @@ def check_adapter(adapter: LoraAdapter, targets: Mapping[str, torch.nn.Linear]) 
 
 
 @dataclass(frozen=True)
+class Segments:
+    """Where each row's tokens lie in a projection's flattened input: (row, start, stop) spans in
+    input order (a row may have several: Flux's single-stream [text ; image] sequence)."""
+
+    spans: tuple[tuple[int, int, int], ...]
+
+
+# Row tokens of a projection's input: a packed layout, the segments of an input built from several
+# parts (``BatchLora.text_then_packed``), or None when the input's leading dimension is the row
+# (rows, tokens, C).
+TokenRows = RowLayout | Segments | None
+
+
+@dataclass(frozen=True)
 class _Slice:
     """One adapter on one module: its pair and each batch row's scale (0: the row lacks it)."""
 
-    key: str  # adapter id: token selections are memoised per adapter
+    key: str  # adapter id: token runs are memoised per adapter
     pair: LoraPair
-    row_scale: torch.Tensor  # (num_rows,) float
+    row_scale: tuple[float, ...]
 
 
 class BatchLora:
-    """The per-row adapters of one batch, indexed by the module each pair updates."""
+    """The per-row adapters of one batch, indexed by the module each pair updates.
 
-    def __init__(
-        self,
-        num_rows: int,
-        slices: dict[int, list[_Slice]],
-        row_scales: dict[str, torch.Tensor],
-    ):
+    Rows of a batch lie in contiguous token spans of every projection input (a request's CFG
+    halves next to each other), so an adapter's tokens are a few runs of consecutive tokens: each
+    run is a slice of the input and of the output (views, no gather or scatter), and its delta is
+    two matmuls added in place: ``y[run] += (scale * x[run] @ down.T) @ up.T``."""
+
+    def __init__(self, num_rows: int, slices: dict[int, list[_Slice]]):
         self.num_rows = num_rows
         self._slices = slices
-        self._row_scales = row_scales
-        self._selections: dict[tuple[int, str], tuple[torch.Tensor | None, torch.Tensor]] = {}
-        self._leading: dict[tuple[int, int], torch.Tensor] = {}
-        self._concatenated: dict[tuple[int, int], torch.Tensor] = {}
+        self._runs: dict[tuple[int, str], list[tuple[int, int, float]]] = {}
+        self._segments: dict[tuple, Segments] = {}
 
     @classmethod
     def build(
@@ -161,16 +171,12 @@ class BatchLora:
                 per_row[row] += float(scale)
         if not scales:
             return None
-        row_scales = {
-            adapter_id: torch.tensor(values, dtype=torch.float32, device=device)
-            for adapter_id, values in scales.items()
-        }
         slices: dict[int, list[_Slice]] = {}
-        for adapter_id, row_scale in row_scales.items():
+        for adapter_id, row_scale in scales.items():
             for name, pair in adapters[adapter_id].pairs.items():
                 module = targets[name]
-                slices.setdefault(id(module), []).append(_Slice(adapter_id, pair, row_scale))
-        return cls(len(rows), slices, row_scales)
+                slices.setdefault(id(module), []).append(_Slice(adapter_id, pair, tuple(row_scale)))
+        return cls(len(rows), slices)
 
     def touches(self, *modules: torch.nn.Module) -> bool:
         return any(id(m) in self._slices for m in modules)
@@ -182,55 +188,67 @@ class BatchLora:
         slices = self._slices.get(id(module))
         if not slices:
             return y
-        token_rows = self._token_rows(x, rows)
+        segments = self._segments_of(x, rows)
         flat_x = x.reshape(-1, x.shape[-1])
         # a view of ``y`` where its layout allows (the caller's fresh projection output, or a
         # column block of the fused one: adding in place touches no other block), else a copy
         flat_y = y.reshape(-1, y.shape[-1])
         for piece in slices:
-            index, token_scale = self._selection(token_rows, piece)
-            picked = flat_x if index is None else flat_x.index_select(0, index)
-            low = F.linear(picked, piece.pair.down) * (token_scale * piece.pair.scale).to(x.dtype)
-            delta = F.linear(low, piece.pair.up)
-            if index is None:
-                flat_y.add_(delta)
-            else:
-                flat_y.index_add_(0, index, delta)
+            for start, stop, scale in self._runs_of(segments, piece):
+                low = F.linear(flat_x[start:stop], piece.pair.down).mul_(scale)
+                flat_y[start:stop].addmm_(low, piece.pair.up.t())
         return flat_y.reshape(y.shape)
 
-    def _token_rows(self, x: torch.Tensor, rows: TokenRows) -> torch.Tensor:
-        if isinstance(rows, RowLayout):
-            return rows.row_of_token
-        if isinstance(rows, torch.Tensor):
+    def _segments_of(self, x: torch.Tensor, rows: TokenRows) -> Segments:
+        if isinstance(rows, Segments):
             return rows
-        shape = (x.shape[0], x[0].numel() // x.shape[-1])
-        if shape not in self._leading:
-            self._leading[shape] = torch.arange(shape[0], device=x.device).repeat_interleave(
-                shape[1]
+        if isinstance(rows, RowLayout):
+            key: tuple = ("layout", id(rows))
+            if key not in self._segments:
+                offsets = rows.offsets
+                self._segments[key] = Segments(
+                    tuple((r, offsets[r], offsets[r + 1]) for r in range(rows.num_rows))
+                )
+            return self._segments[key]
+        length = x[0].numel() // x.shape[-1]
+        key = ("leading", x.shape[0], length)
+        if key not in self._segments:
+            self._segments[key] = Segments(
+                tuple((r, r * length, (r + 1) * length) for r in range(x.shape[0]))
             )
-        return self._leading[shape]
+        return self._segments[key]
 
-    def _selection(
-        self, token_rows: torch.Tensor, piece: _Slice
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(token indices or None for all tokens, (n, 1) scale per selected token)."""
-        key = (id(token_rows), piece.key)
-        if key not in self._selections:
-            per_token = piece.row_scale.index_select(0, token_rows)
-            index = torch.nonzero(per_token, as_tuple=False).reshape(-1)
-            if index.numel() == per_token.numel():
-                self._selections[key] = (None, per_token.unsqueeze(1))
-            else:
-                self._selections[key] = (index, per_token.index_select(0, index).unsqueeze(1))
-        return self._selections[key]
+    def _runs_of(self, segments: Segments, piece: _Slice) -> list[tuple[int, int, float]]:
+        """(start, stop, scale) runs of consecutive tokens of rows carrying ``piece``'s adapter
+        at one scale (times the pair's own scale); memoised per input layout and adapter."""
+        key = (id(segments), piece.key)
+        if key not in self._runs:
+            runs: list[tuple[int, int, float]] = []
+            for row, start, stop in segments.spans:
+                scale = piece.row_scale[row]
+                if scale == 0 or start == stop:
+                    continue
+                if runs and runs[-1][1] == start and runs[-1][2] == scale:
+                    runs[-1] = (runs[-1][0], stop, scale)
+                else:
+                    runs.append((start, stop, scale))
+            self._runs[key] = runs
+        return [(start, stop, scale * piece.pair.scale) for start, stop, scale in self._runs[key]]
 
-    def text_then_packed(self, text: torch.Tensor, packed: RowLayout) -> torch.Tensor:
-        """Token rows of ``cat([text.flatten(0, 1), packed tokens])``: Flux's single-stream
+    def text_then_packed(self, text: torch.Tensor, packed: RowLayout) -> Segments:
+        """Segments of ``cat([text.flatten(0, 1), packed tokens])``: Flux's single-stream
         sequence of every row's text (rows, T, C), then the packed image tokens; memoised."""
-        key = (id(packed), text.shape[1])
-        if key not in self._concatenated:
-            self._concatenated[key] = torch.cat([self._token_rows(text, None), packed.row_of_token])
-        return self._concatenated[key]
+        key = ("text+packed", id(packed), text.shape[0], text.shape[1])
+        if key not in self._segments:
+            rows, length = text.shape[0], text.shape[1]
+            text_spans = tuple((r, r * length, (r + 1) * length) for r in range(rows))
+            offset = rows * length
+            image_spans = tuple(
+                (r, offset + packed.offsets[r], offset + packed.offsets[r + 1])
+                for r in range(packed.num_rows)
+            )
+            self._segments[key] = Segments(text_spans + image_spans)
+        return self._segments[key]
 
 
 def project(
