@@ -143,3 +143,18 @@ def test_a_job_with_an_adapter_runs_end_to_end(stack, engine, tmp_path):  # noqa
     assert shown["adapter_steps"][record["adapter_id"]] <= 1
     assert rows.tiers.book.counters.rows_with_adapters == 1
     assert not rows.tiers.book.pins
+
+
+def test_a_template_cache_can_be_pinned_to_adapters(client, adapters, redis_client, settings):  # noqa: F811
+    sd2, flux = adapters
+    template = client.post("/v1/templates", files={"file": ("room.png", IMAGE)}).json()
+    url = f"/v1/templates/{template['id']}/prepare"
+    pinned = client.post(url, data={"adapters": with_adapters([(sd2["adapter_id"], 0.7)])})
+    assert pinned.status_code == 202, pinned.text
+    (job,) = pre_queue_jobs(redis_client, settings)
+    assert job.prepare and job.adapters == [
+        AdapterUse(sd2["adapter_id"], sd2["sha256"], 0.7, sd2["nbytes"])
+    ]
+    refused = client.post(url, data={"adapters": with_adapters([(flux["adapter_id"], 1.0)])})
+    assert refused.status_code == 422 and "registered for tiny-flux-fill" in refused.text
+    assert len(pre_queue_jobs(redis_client, settings)) == 1

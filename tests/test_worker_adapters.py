@@ -238,3 +238,52 @@ def test_the_baseline_worker_fuses_a_calls_adapters_like_diffusers(engine, conte
         engine.step([plain], params.mode)
     # unfused and unloaded after its call: the next call runs the base model
     assert (final_latents(blobs, sink, "plain") - plain.latents).abs().max().item() <= TOL
+
+
+def test_a_cache_pinned_to_an_adapter_set_is_recorded_then_read_by_exactly_that_set(
+    engine, content, tmp_path, models_dir
+):
+    """A prepare job with adapters (as pre-processing makes it) records the cache pinned to its
+    adapter set, applying them from step 0; an edit naming that set reads it, another set reads
+    the base cache."""
+    from backend.cache import Tier, TieredActivationCache
+    from backend.cache.key import pinned_key
+    from backend.config import load_settings
+    from backend.protocol import EditJob
+    from backend.tasks.core import CpuStages
+    from tests.test_api import png
+
+    loader = GatedLoader(content)
+    loader.gate.set()
+    worker, inbox, sink, blobs = make_worker(engine, tmp_path, loader)
+    worker.caches = TieredActivationCache(tmp_path / "cache", 1 << 30, 1 << 32)
+    settings = load_settings(
+        env={}, paths={"data_dir": str(tmp_path), "models_dir": str(models_dir)}
+    )
+    stages = CpuStages(settings, engine, blobs=blobs)
+    template_ref = blobs.put("uploads", "t.png", png(make_template(seed=95)))
+    mask_ref = blobs.put("uploads", "m.png", png(MASK))
+    common = dict(model_id=MODEL, template_ref=template_ref, seed=3, steps=STEPS, guidance=7.5)
+    prepare = EditJob(
+        job_id="pin", mask_ref="", prompt="", prepare=True, adapters=[USE_A], **common
+    )
+    recording = stages.preprocess(prepare)
+    inbox.put(recording)
+    drain(worker)
+    (done,) = [e for e in sink.events if e.job_id == "pin" and e.status == "done"]
+    assert done.message == "cache recorded"
+    pinned = recording.cache_digest
+    edits = {}
+    for job_id, uses in (("same", [USE_A]), ("other", [replace(USE_A, scale=0.5)])):
+        job = EditJob(job_id=job_id, mask_ref=mask_ref, prompt="a cat", adapters=uses, **common)
+        inbox.put(stages.preprocess(job))
+        worker.iterate()
+        edits[job_id] = worker.jobs[job_id].prepared.cache_key
+    drain(worker)
+    base = edits["other"]
+    assert edits["same"].digest() == pinned and base.adapters == ""
+    assert pinned_key(base, [(USE_A.sha256, USE_A.scale)]).digest() == pinned
+    assert {j.job_id for j in sink.denoised_jobs} == {"same", "other"}
+    # only the pinned cache exists: neither edit recorded the base one
+    held = worker.caches.resident(Tier.RAM) + worker.caches.resident(Tier.DISK)
+    assert pinned in held and base.digest() not in held

@@ -11,6 +11,7 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse, JSONResponse, Response
 
+from backend.api.adapter_requests import FORM_HELP, parse_choices
 from backend.api.errors import ERROR_RESPONSES
 from templates_store.store import TemplateRecord, TemplateStore, split_tags
 
@@ -99,9 +100,14 @@ def prepare_template(
     model: str | None = Form(None, description="Model id (default: the server's model)"),
     steps: int | None = Form(None, description="Steps the edits will use (default: the model's)"),
     resolution: int = Form(0, description="Resolution bucket side; 0: the model's default"),
+    adapters: str = Form(
+        "",
+        description="Pin the cache to these LoRA adapters (edits naming exactly them read "
+        "it): " + FORM_HELP,
+    ),
 ) -> JSONResponse:
     submitted = request.app.state.service.prepare_template(
-        template_id, _owner(request), model, steps, resolution
+        template_id, _owner(request), model, steps, resolution, tuple(parse_choices(adapters))
     )
     body = {
         "job_id": submitted.job_id,

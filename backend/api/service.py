@@ -213,9 +213,13 @@ class JobService:
         model: str | None = None,
         steps: int | None = None,
         resolution: int = 0,
+        adapters: tuple[AdapterChoice, ...] = (),
     ) -> SubmittedJob:
         """Queue a recording of a gallery template's activation cache for ``model`` (a job with no
-        mask and no image result; it ends ``done`` with "cache recorded" or "already prepared")."""
+        mask and no image result; it ends ``done`` with "cache recorded" or "already prepared").
+        With ``adapters`` the cache is pinned to that adapter set: edits naming exactly those
+        adapters and scales read it instead of the base cache (the cache status follows base
+        caches only)."""
         from backend.cachestatus import KeySettings, record_prepare_job
 
         spec = self._model(model or self.settings.engine.model_id)
@@ -224,6 +228,7 @@ class JobService:
         check_range("steps", steps, 1, MAX_STEPS)
         check_resolution(resolution)
         record = self._owned_template(template_id, owner)
+        uses = resolve_uses(adapters, self.adapters, owner, spec.model_id, self.settings.adapters)
         self._check_queued(owner)
         job_id = uuid.uuid4().hex
         job = EditJob(
@@ -239,6 +244,7 @@ class JobService:
             submitted_at=time.time(),
             template_id=template_id,
             prepare=True,
+            adapters=uses,
         )
         self.jobstate.create(
             job_id,
@@ -249,14 +255,16 @@ class JobService:
             resolution=resolution,
             template_ref=job.template_ref,
             owner=owner,
+            adapters=[{"id": use.adapter_id, "scale": use.scale} for use in uses],
         )
         self.history_index.add(owner, job_id, job.submitted_at)
-        record_prepare_job(
-            self.client,
-            template_id,
-            KeySettings.of(spec, self.settings.engine, steps, resolution),
-            job_id,
-        )
+        if not uses:
+            record_prepare_job(
+                self.client,
+                template_id,
+                KeySettings.of(spec, self.settings.engine, steps, resolution),
+                job_id,
+            )
         self._queue(job)
         return SubmittedJob(job_id=job_id, seed=0, model_id=spec.model_id, steps=steps)
 

@@ -32,6 +32,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from backend.blobs import BlobStore, job_blob_name
+from backend.cache.key import pinned_key
 from backend.config import Settings
 from backend.engine.editor import EditParams, MaskAwareEngine
 from backend.engine.factory import edit_params
@@ -183,6 +184,9 @@ class CpuStages:
             pixels=pixels,
             record=True,
         )
+        if job.adapters:  # a cache pinned to the job's adapter set
+            pairs = [(use.sha256, use.scale) for use in job.adapters]
+            prepared.cache_key = pinned_key(prepared.cache_key, pairs)
         prepared_ref, path = self.blobs.new_path("prepared", job_blob_name("prepared", job.job_id))
         prepared.save(path)
         self._publish_key_basis()
@@ -197,6 +201,7 @@ class CpuStages:
             submitted_at=job.submitted_at,
             timings={"pre_s": time.time() - started},
             prepare=True,
+            adapters=job.adapters,
         )
 
     def _publish_key_basis(self) -> None:

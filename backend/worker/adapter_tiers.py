@@ -21,9 +21,11 @@ from pathlib import Path
 
 import torch
 
+from backend.cache import Tier
+from backend.cache.key import CacheKey, pinned_key
 from backend.engine.editor import EditState
 from backend.engine.lora import LoraAdapter, ResidentAdapters
-from backend.protocol import AdapterUse
+from backend.protocol import AdapterUse, PreparedJob
 from backend.worker.adapter_book import AdapterBook, RowJoins, join_deadline
 
 log = logging.getLogger(__name__)
@@ -156,14 +158,28 @@ class RowAdapters:
         for use in uses:
             self.tiers.prefetch(use.sha256)
 
-    def admit(self, job_id: str, uses: list[AdapterUse], num_steps: int) -> None:
+    def cache_key(self, message: PreparedJob, key: CacheKey | None, caches) -> CacheKey | None:
+        """The template cache a queued job reads: for an edit with adapters, the cache pinned to
+        exactly its adapter set when this worker's tiers hold one, else ``key`` (the base
+        cache; a recording's key is already the one it records)."""
+        if key is None or caches is None or message.prepare or not message.adapters:
+            return key
+        pinned = pinned_key(key, [(use.sha256, use.scale) for use in message.adapters])
+        digest = pinned.digest()
+        held = digest in caches.resident(Tier.RAM) or digest in caches.resident(Tier.DISK)
+        return pinned if held else key
+
+    def admit(self, job_id: str, uses: list[AdapterUse], num_steps: int, records: bool) -> None:
+        """``records``: the row records a cache pinned to its adapters, so it applies them from
+        its first step (it waits for them there)."""
         if not uses:
             return
         wanted: dict[str, float] = {}
         for use in uses:
             wanted[use.sha256] = wanted.get(use.sha256, 0.0) + use.scale
             self.tiers.book.asked(use.sha256)
-        self._rows[job_id] = RowJoins(wanted, join_deadline(num_steps, self.join_by))
+        join_by = 0.0 if records else self.join_by
+        self._rows[job_id] = RowJoins(wanted, join_deadline(num_steps, join_by))
         self._ids[job_id] = {use.sha256: use.adapter_id for use in uses}
         self.tiers.book.counters.rows_with_adapters += 1
 

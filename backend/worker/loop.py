@@ -231,6 +231,9 @@ class EngineWorker:
             return
         job = _Job(message, prepared, params, received_at=time.time())
         self.jobs[message.job_id] = job
+        if self.adapters is not None:
+            self.adapters.queued(message.adapters)  # disk -> RAM while the job waits
+            prepared.cache_key = self.adapters.cache_key(message, prepared.cache_key, self.caches)
         self.scheduler.add(
             Row(
                 message.job_id,
@@ -238,12 +241,10 @@ class EngineWorker:
                 self._group_key(job),
                 message.mask_ratio,
                 job.received_at,
-                template=message.cache_digest,
+                template=prepared.cache_key.digest() if prepared.cache_key else "",
                 adapters=tuple(use.sha256 for use in message.adapters),
             )
         )
-        if self.adapters is not None:
-            self.adapters.queued(message.adapters)  # disk -> RAM while the job waits
         if self.caches is not None and params.use_cache and prepared.cache_key is not None:
             self.caches.prefetch(prepared.cache_key)  # disk -> RAM while the job waits for a slot
         self._emit(message.job_id, "waiting", num_steps=message.num_steps)
@@ -330,7 +331,8 @@ class EngineWorker:
             return
         if self.adapters is None:
             raise ValueError("this worker serves no LoRA adapters")
-        self.adapters.admit(job.message.job_id, job.message.adapters, job.message.num_steps)
+        message = job.message
+        self.adapters.admit(message.job_id, message.adapters, message.num_steps, message.prepare)
 
     def _drop_broken_cache(self, job: _Job, exc: CacheCorruptError) -> None:
         log.warning(
