@@ -114,13 +114,21 @@ class MaskServeClient:
         self._call("DELETE", f"/v1/templates/{template_id}")
 
     def prepare_template(
-        self, template_id: str, model: str | None = None, steps: int | None = None, resolution=0
+        self,
+        template_id: str,
+        model: str | None = None,
+        steps: int | None = None,
+        resolution=0,
+        adapters=None,
     ) -> dict:
-        """Record the template's activation cache for edits with these settings; returns the 202
-        body (job_id, status_url, cache_url)."""
+        """Record the template's activation cache for edits with these settings (``adapters``,
+        ``[(adapter id, scale), ...]``: pinned to that set, read by edits naming exactly it);
+        returns the 202 body (job_id, status_url, cache_url)."""
         data = {"resolution": resolution} | {
             k: v for k, v in (("model", model), ("steps", steps)) if v is not None
         }
+        if adapters:
+            data["adapters"] = adapters_field(adapters)
         return self._call("POST", f"/v1/templates/{template_id}/prepare", data=data).json()
 
     # ----- jobs -----------------------------------------------------------------------------------
@@ -143,7 +151,7 @@ class MaskServeClient:
         adapters = params.pop("adapters", None)
         data = {"prompt": prompt} | {k: _form_value(v) for k, v in params.items() if v is not None}
         if adapters:
-            data["adapters"] = json.dumps([{"id": i, "scale": float(s)} for i, s in adapters])
+            data["adapters"] = adapters_field(adapters)
         if template_id is not None:
             data["template_id"] = template_id
         files = {"mask": (_file_name(mask, "mask.png"), _file_bytes(mask))}
@@ -242,6 +250,11 @@ def connection(args, settings=None) -> tuple[str, str | None]:
         f"http://{settings.api.host}:{settings.api.port}" if settings else "http://127.0.0.1:8000"
     )
     return url, getattr(args, "api_key", None) or _settings_api_key(settings)
+
+
+def adapters_field(adapters) -> str:
+    """The ``adapters`` form field of ``[(adapter id, scale), ...]``."""
+    return json.dumps([{"id": i, "scale": float(s)} for i, s in adapters])
 
 
 def adapter_choice(text: str) -> tuple[str, float]:
