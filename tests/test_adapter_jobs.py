@@ -4,6 +4,7 @@ its adapter tiers over the registry."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
@@ -12,14 +13,21 @@ from fastapi.testclient import TestClient
 
 from backend.api.app import create_app
 from backend.blobs import BlobStore
-from backend.client import adapter_choice
+from backend.client import MaskServeClient, adapter_choice, add_submit_arguments, submit_cli
 from backend.protocol import AdapterUse
 from backend.worker.adapter_tiers import worker_adapters
 from backend.worker.channels import LocalInbox
 from backend.worker.loop import EngineWorker
 from backend.worker.service import RedisSink
 from tests.adapter_factory import make_adapter_file
-from tests.test_adapters_api import MODEL, client, settings, upload, worker  # noqa: F401
+from tests.test_adapters_api import (  # noqa: F401 (fixtures)
+    MODEL,
+    client,
+    served,
+    settings,
+    upload,
+    worker,
+)
 from tests.test_api import IMAGE, KEY, MASK, OTHER_KEY, pre_queue_jobs, submit
 from tests.test_celery_tasks import engine, handed_off, stack, wait_for  # noqa: F401
 
@@ -158,3 +166,24 @@ def test_a_template_cache_can_be_pinned_to_adapters(client, adapters, redis_clie
     refused = client.post(url, data={"adapters": with_adapters([(flux["adapter_id"], 1.0)])})
     assert refused.status_code == 422 and "registered for tiny-flux-fill" in refused.text
     assert len(pre_queue_jobs(redis_client, settings)) == 1
+
+
+def test_the_client_and_cli_name_adapters(served, adapters, redis_client, settings, tmp_path):  # noqa: F811
+    sd2, _ = adapters
+    with MaskServeClient(served, KEY) as api:
+        api.submit(MASK, "a cat", image=IMAGE, adapters=[(sd2["adapter_id"], 0.6)])
+        template = api.upload_template(IMAGE, name="room")
+        api.prepare_template(template["id"], adapters=[(sd2["adapter_id"], 1.1)])
+    (tmp_path / "image.png").write_bytes(IMAGE)
+    (tmp_path / "mask.png").write_bytes(MASK)
+    parser = argparse.ArgumentParser()
+    add_submit_arguments(parser)
+    argv = ["--image", str(tmp_path / "image.png"), "--mask", str(tmp_path / "mask.png")]
+    argv += ["--adapter", f"{sd2['adapter_id']}:0.9", "--no-wait", "--url", served]
+    assert submit_cli(parser.parse_args([*argv, "--api-key", KEY])) == 0
+    jobs = pre_queue_jobs(redis_client, settings)
+    assert sorted((job.prepare, [u.scale for u in job.adapters]) for job in jobs) == [
+        (False, [0.6]),
+        (False, [0.9]),
+        (True, [1.1]),
+    ]
