@@ -8,13 +8,10 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from backend.bench.serve_cli import comma_floats
 from backend.config import Settings
 
 ARM_NAMES = ("baseline", "one-set", "maskserve", "base-model")
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(part) for part in text.split(",") if part.strip())
 
 
 def add_adapters_parser(bench_sub) -> None:
@@ -51,7 +48,7 @@ def cmd_bench_adapters(args, settings: Settings) -> int:
 
     arms = tuple(a for a in args.arms.split(",") if a)
     unknown = sorted(set(arms) - set(ARM_NAMES))
-    rates = _floats(args.rps)
+    rates = comma_floats(args.rps)
     if unknown or not arms or not rates or args.adapters < 1 or args.max_requests < 1:
         print(
             f"error: arms must be some of {', '.join(ARM_NAMES)} (unknown: {unknown}), --rps "

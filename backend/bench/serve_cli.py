@@ -9,7 +9,8 @@ from backend.bench.serve_stats import ARMS
 from backend.config import Settings
 
 
-def _floats(text: str) -> tuple[float, ...]:
+def comma_floats(text: str) -> tuple[float, ...]:
+    """``"0.5,1, 2"`` -> (0.5, 1.0, 2.0); empty parts are skipped."""
     return tuple(float(part) for part in text.split(",") if part.strip())
 
 
@@ -61,8 +62,8 @@ def cmd_bench_serve(args, settings: Settings) -> int:
             model_id=args.model,
             size=args.size,
             steps=args.steps,
-            rps=_floats(args.rps),
-            burst_rps=_floats(args.burst_rps),
+            rps=comma_floats(args.rps),
+            burst_rps=comma_floats(args.burst_rps),
             burst_factor=args.burst_factor,
             duration_s=args.duration_s,
             max_requests=args.max_requests,
