@@ -287,3 +287,34 @@ def test_a_cache_pinned_to_an_adapter_set_is_recorded_then_read_by_exactly_that_
     # only the pinned cache exists: neither edit recorded the base one
     held = worker.caches.resident(Tier.RAM) + worker.caches.resident(Tier.DISK)
     assert pinned in held and base.digest() not in held
+
+
+@pytest.mark.gpu
+def test_host_to_device_copies_run_on_a_side_stream_on_cuda(models_dir, content, tmp_path):
+    """On CUDA an adapter on the host is copied on a side stream: not resident until its event
+    completed, then resident (and pinned) without the compute stream having waited."""
+    import torch
+
+    from backend.engine.editor import MaskAwareEngine
+    from backend.models import load_pipeline, resolve_model
+
+    pipe = load_pipeline(MODEL, models_dir).to("cuda")
+    cuda_engine = MaskAwareEngine(pipe, resolve_model(MODEL), tmp_path / "cache")
+    tiers = AdapterTiers(
+        cuda_engine.adapters,
+        AdapterBook(64 * MB, 64 * MB),
+        store_loader(lambda s: content / f"{s}.safetensors"),
+    )
+    sha = USE_A.sha256
+    tiers.prefetch(sha)
+    tiers._futures[sha].result(30)
+    assert tiers.take([sha]) == []  # the copy starts on the side stream
+    tiers.wait(sha)
+    assert sha in cuda_engine.adapters and tiers.book.pins[sha] == 1
+    params = make_params(cuda_engine, steps=STEPS, use_cache=False)
+    state = cuda_engine.start(
+        make_template(), MASK, "a blue vase", 3, params, adapters=((sha, 0.8),)
+    )
+    while not state.done:
+        cuda_engine.step([state], params.mode)
+    assert state.latents.is_cuda and torch.isfinite(state.latents).all()
