@@ -111,7 +111,7 @@ def test_the_bench_runs_every_arm_end_to_end(tmp_path, models_dir, monkeypatch):
         "maskserve",
         "base-model",
     }
-    assert all(r["num_jobs"] == 4 for r in report["results"])
+    assert all(r["num_jobs"] == 4 and r["failed"] == 0 for r in report["results"])
     ours = next(r for r in report["results"] if r["arm"] == "maskserve")
     assert ours["rows_with_adapters"] >= 1 and sum(ours["hits"].values()) >= 1
     assert report["catalog"]["adapters"] == 4 and "latency_x" in report["headline"]

@@ -37,7 +37,7 @@ from backend.bench.worker_bench import BenchInputs, edit_job, prepare_inputs
 from backend.blobs import BlobStore
 from backend.cache import TieredActivationCache
 from backend.config import Settings
-from backend.engine.factory import build_engine
+from backend.engine.factory import CPU_STAGES, build_engine
 from backend.protocol import AdapterUse, EditJob
 from backend.tasks.core import CpuStages
 from backend.worker.adapter_book import AdapterBook
@@ -83,6 +83,7 @@ class ArmResult:
     p95_latency_s: float
     throughput_rps: float
     mean_batch_rows: float
+    failed: int = 0  # jobs that ended without a result (the log says why)
     rows_with_adapters: int = 0
     rows_blocked: int = 0
     hits: dict = field(default_factory=dict)
@@ -121,6 +122,19 @@ class OneSetWorker(EngineWorker):
         return f"{super()._group_key(job)}:{adapters}"
 
 
+class _Sink(LocalSink):
+    """A local sink that also keeps the ids of jobs that ended without a result."""
+
+    def __init__(self, on_denoised):
+        super().__init__(on_denoised=on_denoised)
+        self.failed: set[str] = set()
+
+    def event(self, event) -> None:
+        super().event(event)
+        if event.status in ("failed", "cancelled"):
+            self.failed.add(event.job_id)
+
+
 class _Arm:
     """One arm on one trace: arrivals (pre-processed on their own thread), the worker loop,
     completion times."""
@@ -132,7 +146,7 @@ class _Arm:
         self.done: dict[str, float] = {}
         self.lock = threading.Lock()
         self.inbox = LocalInbox()
-        self.sink = LocalSink(on_denoised=self._post)
+        self.sink = _Sink(self._post)
         self.rows: RowAdapters | None = None
         common = dict(worker_id=f"bench-{arm}", max_batch=cfg.max_batch)
         if arm == "baseline":
@@ -183,7 +197,7 @@ class _Arm:
         arrivals = threading.Thread(target=self._arrive, args=(trace, jobs, start), daemon=True)
         arrivals.start()
         with tqdm(total=len(trace), desc=f"{self.label:28s}", leave=False) as bar:
-            while len(self.done) < len(trace):
+            while len(self.done) + len(self.sink.failed) < len(trace):
                 self.worker.iterate(idle_poll_s=0.002)
                 bar.update(len(self.done) - bar.n)
         arrivals.join()
@@ -194,6 +208,8 @@ class _Arm:
 
     def _result(self, count: int) -> ArmResult:
         latencies = [self.done[j] - self.arrival[j] for j in self.done]
+        if not latencies:
+            raise RuntimeError(f"every job of {self.label} failed: the log says why")
         span = max(self.done.values()) - min(self.arrival.values())
         arm, trace, rps = self.label.rsplit("-", 2)
         stats = self.worker.stats.snapshot()
@@ -204,8 +220,9 @@ class _Arm:
             num_jobs=count,
             avg_latency_s=float(np.mean(latencies)),
             p95_latency_s=percentile(latencies, 95),
-            throughput_rps=count / span,
+            throughput_rps=len(latencies) / span,
             mean_batch_rows=stats["mean_batch_rows"],
+            failed=len(self.sink.failed),
         )
         if self.rows is not None:
             snapshot = self.rows.tiers.snapshot()
@@ -228,6 +245,9 @@ class _Bench:
     def __init__(self, cfg: AdapterBenchConfig, settings: Settings, work: Path):
         self.cfg = cfg
         self.engine = build_engine(settings, cfg.model_id)
+        # pre/post-processing hold their own copy of the text encoders and VAE (as CPU workers
+        # do): they run beside the worker loop and must share no pipeline state with it
+        stages_engine = build_engine(settings, cfg.model_id, role=CPU_STAGES)
         self.blobs = BlobStore(work / "blobs")
         store = AdapterStore(work / "adapters")
         self.catalog = build_catalog(
@@ -235,10 +255,10 @@ class _Bench:
         )
         self.sources = {entry.sha256: entry.source for entry in self.catalog}
         self.loader = store_loader(store.content_of)
-        self.stages = CpuStages(settings, self.engine)
+        self.stages = CpuStages(settings, stages_engine)
         baseline = settings.worker.model_copy(update={"batching": "baseline"})
         self.baseline_stages = CpuStages(
-            settings.model_copy(update={"worker": baseline}), self.engine
+            settings.model_copy(update={"worker": baseline}), stages_engine
         )
 
     def source_of(self, sha: str) -> Path:

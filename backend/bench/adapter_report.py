@@ -79,6 +79,7 @@ def summary_text(report: dict) -> str:
             f"{result.trace:8s} {result.rps:6.3f} {result.arm:11s} {result.avg_latency_s:8.2f} "
             f"{result.p95_latency_s:8.2f} {result.throughput_rps:7.3f} "
             f"{result.mean_batch_rows:5.2f} {hit} {blocked}"
+            + (f"  ({result.failed} failed)" if result.failed else "")
         )
     head = report["headline"]
     for key, target in TARGETS.items():
