@@ -116,8 +116,8 @@ def test_a_job_goes_where_its_adapters_are_and_the_view_counts_them_until_the_ne
     run(dispatcher)
     assert inbox_jobs(client, "w2") == ["lora-1"]  # both idle: only the adapter tells them apart
     model = dispatcher.router.cost_model(MODEL, "cpu")
-    assert model is not None and model.adapter_copy_s_per_byte == pytest.approx(0.5e-9)
-    assert model.adapter_join_by == 0.0
+    assert model is not None and model.adapter_loads.copy_s_per_byte == pytest.approx(0.5e-9)
+    assert model.adapter_loads.join_by == 0.0
     jobstate.create("lora-2")  # placed with no heartbeat since: the view counts its adapters
     assert dispatcher.place(replace(prepared("lora-2"), adapters=[use])) == "w2"
     assert dispatcher._views["w2"].waiting[-1].adapters == ("a" * 64,)

@@ -377,8 +377,10 @@ def test_sim_a_row_takes_its_adapter_late_and_blocks_only_at_its_join_deadline()
     for join_by in (0.0, 0.25):
         cfg, model, make = _sim(num_adapters=1, adapter_join_by=join_by)
         dense = model.step_latency([(0.1, "tpl0", False)])  # tpl0 on no disk: it records
-        nbytes = int(3 * dense / (model.adapter_read_s_per_byte + model.adapter_copy_s_per_byte))
-        load = nbytes * (model.adapter_read_s_per_byte + model.adapter_copy_s_per_byte)
+        nbytes = int(
+            3 * dense / (model.adapter_loads.read_s_per_byte + model.adapter_loads.copy_s_per_byte)
+        )
+        load = nbytes * (model.adapter_loads.read_s_per_byte + model.adapter_loads.copy_s_per_byte)
         sim = make([_req(0, 0.0, 0), _req(1, 20.0, 0)])
         need = (AdapterNeed("lora0", nbytes),)
         sim.adapters_of = {0: need, 1: need}

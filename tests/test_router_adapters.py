@@ -10,15 +10,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from backend.costmodel.costs import CostProfile
-from backend.dispatch.router import (
+from backend.dispatch.adapter_cost import (
     ADAPTER_TIERS,
     DEFAULT_ADAPTER_COPY_S_PER_BYTE,
     AdapterNeed,
+)
+from backend.dispatch.router import (
     JobRequest,
     Router,
     RoutingCostModel,
     RowState,
     WorkerView,
+    adapter_residency,
     view_from_heartbeat,
 )
 from backend.protocol.messages import RunningRow, WaitingRow, WorkerHeartbeat
@@ -93,7 +96,7 @@ def test_the_router_prefers_device_then_host_then_a_running_row_bringing_them_th
     assert r.choose(job(need), workers[:2]).worker_id == "w1"
     # a waiting row's adapter is arriving too (its read started when it was queued)
     queued = view("w1", BUSY, waiting=((0.1, 20, "t0", (need[0],)),))
-    assert strict.adapter_tier(need[0], queued) == "arriving"
+    assert strict.adapter_loads.tier(need[0], adapter_residency(queued)) == "arriving"
     # the same states without adapters on the job: the same costs for all (adapters ignored)
     plain = r.choose(job(), workers[::2])
     assert plain.costs["w0"] == plain.costs["w2"] and plain.worker_id == "w0"
@@ -114,10 +117,10 @@ def test_the_costs_of_a_job_without_adapters_are_the_same_whatever_the_workers_h
 def test_a_load_hidden_by_the_first_k_steps_costs_nothing(default):
     w = view("w0", BUSY)
     t_job = default.estimate(job(), view("idle"))["run"] / 20  # alone: run = n T(J)
-    k = join_deadline(20, default.adapter_join_by)
+    k = join_deadline(20, default.adapter_loads.join_by)
     assert k == 4
     # a read + copy a bit under K steps of T(J): hidden; the same adapter well above: charged
-    per_byte = default.adapter_read_s_per_byte + default.adapter_copy_s_per_byte
+    per_byte = default.adapter_loads.read_s_per_byte + default.adapter_loads.copy_s_per_byte
     hidden = int(0.9 * k * t_job / per_byte)
     assert default.estimate(job(("a", hidden)), w)["adapters"] == 0.0
     assert default.estimate(job(("a", hidden)), w)["total"] == default.estimate(job(), w)["total"]
@@ -128,7 +131,10 @@ def test_a_load_hidden_by_the_first_k_steps_costs_nothing(default):
     full = view("w0", [(0.1, 10, "t0", ())] * 8)
     est = default.estimate(job(("a", big)), full)
     assert est["wait"] > 0
-    read, copy = big * default.adapter_read_s_per_byte, big * default.adapter_copy_s_per_byte
+    read, copy = (
+        big * default.adapter_loads.read_s_per_byte,
+        big * default.adapter_loads.copy_s_per_byte,
+    )
     assert est["adapters"] == pytest.approx(
         max(0.0, max(0.0, read - est["wait"]) + copy - k * t_job)
     )
@@ -139,20 +145,24 @@ def test_a_load_hidden_by_the_first_k_steps_costs_nothing(default):
 
 def test_bandwidths_come_from_the_profile_or_the_settings():
     p = profile()
-    assert RoutingCostModel.from_profile(p).adapter_copy_s_per_byte == p.load.slope
+    assert RoutingCostModel.from_profile(p).adapter_loads.copy_s_per_byte == p.load.slope
     flat = replace(p, load=replace(p.load, slope=-1e-12))
-    assert RoutingCostModel.from_profile(flat).adapter_copy_s_per_byte == (
+    assert RoutingCostModel.from_profile(flat).adapter_loads.copy_s_per_byte == (
         DEFAULT_ADAPTER_COPY_S_PER_BYTE
     )
     cm = RoutingCostModel.from_profile(
         p, adapter_copy_s_per_byte=2e-10, adapter_read_s_per_byte=5e-10, adapter_join_by=0.5
     )
-    assert (cm.adapter_copy_s_per_byte, cm.adapter_read_s_per_byte, cm.adapter_join_by) == (
+    assert (
+        cm.adapter_loads.copy_s_per_byte,
+        cm.adapter_loads.read_s_per_byte,
+        cm.adapter_loads.join_by,
+    ) == (
         2e-10,
         5e-10,
         0.5,
     )
-    assert RoutingCostModel.from_profile(p).adapter_read_s_per_byte == 1e-9  # the disk read's
+    assert RoutingCostModel.from_profile(p).adapter_loads.read_s_per_byte == 1e-9  # the disk read's
     with pytest.raises(ValueError, match="join_by"):
         RoutingCostModel.from_profile(p, adapter_join_by=1.5)
     with pytest.raises(ValueError, match="copy"):
@@ -246,7 +256,11 @@ def test_the_adapter_term_is_bounded_and_leaves_every_other_term_alone(s, adapte
     est = cm.estimate(job(*adapters, mask=mask, steps=steps), w)
     assert all(v >= 0 for v in est.values())
     whole = sum(
-        sum(cm.adapter_load_s(AdapterNeed(sha, n), cm.adapter_tier(sha, w)))
+        sum(
+            cm.adapter_loads.load_s(
+                AdapterNeed(sha, n), cm.adapter_loads.tier(sha, adapter_residency(w))
+            )
+        )
         for sha, n in dict(reversed(adapters)).items()  # each sha once, its first size
     )
     assert est["adapters"] <= whole + 1e-12
@@ -265,7 +279,7 @@ def test_a_cheaper_tier_or_a_smaller_adapter_never_costs_more(s, adapters, r, wh
     bigger = job(*[(a, n + grow if a == sha else n) for a, n in adapters])
     assert cm.estimate(bigger, w)["total"] >= cost
     # move the adapter one tier up (disk -> arriving -> host -> device): never dearer
-    tier = cm.adapter_tier(sha, w)
+    tier = cm.adapter_loads.tier(sha, adapter_residency(w))
     if tier == "disk":
         up = replace(w, waiting=w.waiting + (RowState("x", 0.1, 20, "", (sha,)),))
         # the extra waiting row costs J its slot order: compare with the same row without it
@@ -278,7 +292,7 @@ def test_a_cheaper_tier_or_a_smaller_adapter_never_costs_more(s, adapters, r, wh
         up = replace(w, adapters_device=w.adapters_device | {sha})
         assert cm.estimate(j, up)["total"] <= cost + 1e-12
     # the tiers' per-adapter loads are ordered
-    loads = [sum(cm.adapter_load_s(AdapterNeed(sha, nbytes), t)) for t in ADAPTER_TIERS]
+    loads = [sum(cm.adapter_loads.load_s(AdapterNeed(sha, nbytes), t)) for t in ADAPTER_TIERS]
     assert loads == sorted(loads) and loads[0] == 0.0
 
 

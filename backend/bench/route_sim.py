@@ -423,7 +423,9 @@ class ClusterSimulation:
                 SimulatedCaches(
                     cfg.ram_templates, self.disk, entry_bytes, truth.disk_read_s(cfg.steps)
                 ),
-                SimulatedAdapters(cfg, truth.adapter_read_s_per_byte, truth.adapter_copy_s_per_byte)
+                SimulatedAdapters(
+                    cfg, truth.adapter_loads.read_s_per_byte, truth.adapter_loads.copy_s_per_byte
+                )
                 if cfg.num_adapters > 0
                 else None,
             )

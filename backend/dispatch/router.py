@@ -48,29 +48,9 @@ Policies (``POLICIES``):
     Charged for dense J only: for a cached J the same term (a weighted co-runner delay for every
     job) made P95 worse in the route simulation.
 
-  - ``adapters``, loading J's LoRA adapters where W does not hold them (Katz / ROCK
-    affinity-aware placement: jobs go where their adapters are). Each adapter a of A_J (each
-    sha once) is, on W: ``device`` (nothing to load), ``host`` (a host->device copy,
-    ``bytes * adapter_copy_s_per_byte``), ``arriving`` (in neither tier, but a running or
-    waiting row of W applies it, so its load is under way: the copy plus half a read, the
-    expected remainder of a read begun at an unknown time) or ``disk`` (only in the shared
-    registry: a read, ``bytes * adapter_read_s_per_byte``, plus the copy). The copy's rate is
-    the profile's fitted cache-load slope (the same host->device path, ``maskserve profile``)
-    unless set (``dispatcher.adapter_copy_gbps``; 16 GB/s where the fit is not positive); the
-    read's is ``disk_read_s_per_byte`` unless set (``dispatcher.adapter_read_gbps``). A worker
-    reads a queued job's adapters into host RAM while it waits (prefetch) and copies them when
-    the row asks; a row starts without adapters that are not on the device and takes each at
-    the first step it is there, blocking only at its join deadline, step
-    ``K = join_deadline(n_J, adapter_join_by)`` (``adapters.join_by``, default 0.2 of its
-    steps; ``backend.worker.adapter_book``). So J waits only for the part of the load that
-    neither its time in W's queue nor its first K steps hide:
-    ``adapters = max(0, max(0, reads - (wait + residency)) + copies - K * T(J))``, reads and
-    copies summed over A_J (one load thread). T(J), J's step alone, is a lower bound of its
-    steps in any batch, so the hidden part is never overestimated. The quality cost of rows
-    that take adapters late (steps run without them) is charged nowhere; an adapter of unknown
-    size (bytes 0) costs nothing; the reads of other waiting rows' adapters queued before J's
-    are not charged (heartbeats carry no adapter sizes). ``flashps`` and the baselines ignore
-    adapters; jobs without adapters cost exactly what they did before the term.
+  - ``adapters``, loading J's LoRA adapters where W does not hold them, less what J's time in
+    W's queue and its first K steps hide (``backend.dispatch.adapter_cost``: tiers, rates and
+    the exact formula); 0 for a job without adapters.
 
   Invariants (tested): every term is >= 0; T(J) <= run / n_J <= T(C + J); more steps, a larger
   mask for J or one more running row (that applies none of A_J) never lower a cost; for one
@@ -111,129 +91,29 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from backend.costmodel.costs import CostProfile, LinearModel, RowWork, batch_unit_costs, unit_flops
 from backend.costmodel.plan import solve_plan
 from backend.costmodel.profiles import all_profiles, device_kind
+from backend.dispatch.adapter_cost import DEFAULT_ADAPTER_JOIN_BY, AdapterLoads
+from backend.dispatch.adapter_cost import AdapterNeed as AdapterNeed
 from backend.dispatch.policies import ROUTING_POLICIES
-from backend.models.catalog import UnknownModelError, rows_per_request
-from backend.protocol.messages import WorkerHeartbeat
-from backend.worker.adapter_book import join_deadline
+from backend.dispatch.views import Decision as Decision
+from backend.dispatch.views import JobRequest as JobRequest
+from backend.dispatch.views import RowState as RowState
+from backend.dispatch.views import WorkerView as WorkerView
+from backend.dispatch.views import adapter_residency as adapter_residency
+from backend.dispatch.views import default_rows_per_request as default_rows_per_request
+from backend.dispatch.views import view_from_heartbeat as view_from_heartbeat
+from backend.dispatch.views import waiting_note as waiting_note
 
 POLICIES = tuple(ROUTING_POLICIES)  # names, as the CLI and settings spell them
 FALLBACK_POLICY = "fewest_requests"  # for a policy that needs a cost model a device lacks
 DEFAULT_DISK_READ_S_PER_BYTE = 1e-9  # 1 GB/s
-# a host -> device adapter copy where the profile fits no positive cache-load slope: 16 GB/s
-# (PCIe Gen4 x16 order of magnitude)
-DEFAULT_ADAPTER_COPY_S_PER_BYTE = 1 / 16e9
-DEFAULT_ADAPTER_JOIN_BY = 0.2  # as ``AdapterSettings.join_by``: a row's adapters join by 20% of it
-ADAPTER_TIERS = ("device", "host", "arriving", "disk")  # cheapest first
 PLANNERS = ("greedy", "exact")
-
-
-@dataclass(frozen=True)
-class RowState:
-    job_id: str
-    mask_ratio: float
-    remaining_steps: int
-    template: str = ""
-    adapters: tuple[str, ...] = ()  # sha256 of each LoRA adapter the row applies
-
-
-@dataclass(frozen=True)
-class AdapterNeed:
-    """One LoRA adapter a job applies, as the router weighs it: its sha256 (how workers keep it)
-    and the bytes of its tensors (0: unknown, charged nothing)."""
-
-    sha256: str
-    nbytes: int = 0
-
-
-@dataclass(frozen=True)
-class WorkerView:
-    worker_id: str
-    model_id: str
-    device: str
-    max_batch: int
-    running: tuple[RowState, ...] = ()
-    waiting: tuple[RowState, ...] = ()  # remaining_steps = the job's num_steps
-    resident_ram: frozenset[str] = frozenset()
-    resident_disk: frozenset[str] = frozenset()
-    adapters_device: frozenset[str] = frozenset()  # sha256 of the adapters in W's device tier
-    adapters_host: frozenset[str] = frozenset()  # ... and in its host-RAM tier
-
-    @property
-    def load(self) -> int:
-        return len(self.running) + len(self.waiting)
-
-    @property
-    def slack(self) -> int:
-        return self.max_batch - self.load
-
-
-@dataclass(frozen=True)
-class JobRequest:
-    job_id: str
-    model_id: str
-    mask_ratio: float
-    num_steps: int
-    template: str = ""  # cache digest of the job's template ("" = no cache: computes densely)
-    adapters: tuple[AdapterNeed, ...] = ()  # its LoRA adapters (none: the base model)
-
-
-@dataclass(frozen=True)
-class Decision:
-    worker_id: str | None  # None: no candidate (``reason`` says why)
-    policy: str  # the policy that decided (a fallback names itself)
-    reason: str
-    costs: dict[str, float]  # candidate worker id -> the policy's cost (lower wins)
-
-
-def view_from_heartbeat(beat: WorkerHeartbeat) -> WorkerView:
-    """A router's view of a worker's heartbeat (a waiting row's remaining steps: all of them)."""
-    running = tuple(
-        RowState(row.job_id, row.mask_ratio, row.remaining_steps, row.template, tuple(row.adapters))
-        for row in beat.running
-    )
-    waiting = tuple(
-        RowState(row.job_id, row.mask_ratio, row.num_steps, row.template, tuple(row.adapters))
-        for row in beat.waiting
-    )
-    return WorkerView(
-        beat.worker_id,
-        beat.model_id,
-        beat.device,
-        beat.max_batch,
-        running,
-        waiting,
-        frozenset(beat.resident_ram),
-        frozenset(beat.resident_disk),
-        frozenset(beat.adapters_device),
-        frozenset(beat.adapters_host),
-    )
-
-
-def waiting_note(model_id: str, workers: Sequence[WorkerView]) -> str | None:
-    """What a job the router cannot place yet says while it waits: which models the live workers
-    serve when none serves its model; None when one does (it is only busy: late binding)."""
-    served = sorted({w.model_id for w in workers})
-    if model_id in served:
-        return None
-    live = f"live workers serve: {', '.join(served)}" if served else "no worker is live"
-    return f"waiting for a worker that serves {model_id} ({live})"
-
-
-def default_rows_per_request(model_id: str) -> int:
-    """Engine rows per request of ``model_id``, from the model catalog (2 with classifier-free
-    guidance, 1 for Flux Fill's guidance embedding); 2 for a model the catalog cannot resolve
-    on this host (a checkpoint directory only the workers have)."""
-    try:
-        return rows_per_request(model_id)
-    except UnknownModelError:
-        return 2
 
 
 class RoutingCostModel:
@@ -259,26 +139,16 @@ class RoutingCostModel:
             raise ValueError(
                 f"{profile.model_id}: a cost model needs units and disk_read_s_per_byte >= 0"
             )
-        if not 0.0 <= adapter_join_by <= 1.0:
-            raise ValueError(f"adapter_join_by must be in [0, 1], got {adapter_join_by}")
-        for name, rate in (("copy", adapter_copy_s_per_byte), ("read", adapter_read_s_per_byte)):
-            if rate is not None and not rate >= 0:
-                raise ValueError(f"adapter_{name}_s_per_byte must be >= 0, got {rate}")
         self.profile, self.planner = profile, planner
         self.model_id, self.device = profile.model_id, device_kind(profile.device)
         self.disk_read_s_per_byte = float(disk_read_s_per_byte)
-        # adapter loads (module docstring): the copy as the profile's fitted cache-load slope (the
-        # same host -> device path) unless given; the read as the template cache's disk read
-        fitted = profile.load.slope if profile.load.slope > 0 else DEFAULT_ADAPTER_COPY_S_PER_BYTE
-        self.adapter_copy_s_per_byte = float(
-            fitted if adapter_copy_s_per_byte is None else adapter_copy_s_per_byte
+        self.adapter_loads = AdapterLoads.fitted(
+            profile.load.slope,
+            self.disk_read_s_per_byte,
+            adapter_copy_s_per_byte,
+            adapter_read_s_per_byte,
+            adapter_join_by,
         )
-        self.adapter_read_s_per_byte = float(
-            self.disk_read_s_per_byte
-            if adapter_read_s_per_byte is None
-            else adapter_read_s_per_byte
-        )
-        self.adapter_join_by = float(adapter_join_by)
         self.rows_per_request = rows_per_request or default_rows_per_request(profile.model_id)
         self.monotone = profile.mode == "kv"
         self._cslope, self._cicpt = max(0.0, profile.compute.slope), profile.compute.intercept
@@ -471,46 +341,6 @@ class RoutingCostModel:
             else "absent"
         )
 
-    def adapter_tier(self, sha256: str, view: WorkerView) -> str:
-        """Where adapter ``sha256`` is for a job placed on ``view``: 'device', 'host', 'arriving'
-        (in neither tier, but a row already on W applies it: its load is under way) or 'disk'
-        (only in the shared registry)."""
-        if sha256 in view.adapters_device:
-            return "device"
-        if sha256 in view.adapters_host:
-            return "host"
-        if any(sha256 in r.adapters for r in (*view.running, *view.waiting)):
-            return "arriving"
-        return "disk"
-
-    def adapter_load_s(self, need: AdapterNeed, tier: str) -> tuple[float, float]:
-        """(read, copy) seconds of bringing adapter ``need`` to the device from ``tier``: a read
-        from the registry (disk only; half of one when 'arriving') and a host -> device copy
-        (all but 'device')."""
-        nbytes = max(0, need.nbytes)
-        copy = 0.0 if tier == "device" else nbytes * self.adapter_copy_s_per_byte
-        read = nbytes * self.adapter_read_s_per_byte
-        return (read if tier == "disk" else read / 2 if tier == "arriving" else 0.0), copy
-
-    def adapter_cost(
-        self, job: JobRequest, view: WorkerView, queued_s: float, step_s: float, num_steps: int
-    ) -> float:
-        """Seconds ``job``'s adapters hold it on ``view`` beyond its own work (module docstring):
-        the reads not hidden by ``queued_s`` (its time in W's queue) plus the copies, less what
-        its first K steps of ``step_s`` each hide."""
-        read = copy = 0.0
-        seen: set[str] = set()
-        for need in job.adapters:
-            if need.sha256 in seen:
-                continue
-            seen.add(need.sha256)
-            r, c = self.adapter_load_s(need, self.adapter_tier(need.sha256, view))
-            read, copy = read + r, copy + c
-        if read == 0.0 and copy == 0.0:
-            return 0.0
-        k = join_deadline(num_steps, self.adapter_join_by)  # the worker's own deadline
-        return max(0.0, max(0.0, read - queued_s) + copy - k * step_s)
-
     def estimate(
         self, job: JobRequest, view: WorkerView, memo: dict[Any, Any] | None = None
     ) -> dict[str, float]:
@@ -601,7 +431,10 @@ class RoutingCostModel:
             residency = max(0.0, pending + self.disk_read_s(n) - wait)  # held until it lands
         elif recorder is not None:  # held until W's recording of t_J is committed and read into RAM
             residency = max(0.0, recorder * t_first + self.disk_read_s(n) - wait)
-        adapters = self.adapter_cost(job, view, wait + residency, t_job, n) if job.adapters else 0.0
+        adapters = 0.0
+        if job.adapters:
+            where = adapter_residency(view)
+            adapters = self.adapter_loads.cost(job.adapters, where, wait + residency, t_job, n)
         return {
             "wait": wait,
             "run": run,

@@ -1,0 +1,112 @@
+"""What the router reads: a worker's state (``WorkerView``, from its heartbeat), a job to place
+(``JobRequest``) and the choice (``Decision``). Pure Python over dataclasses; the router
+(``backend.dispatch.router``) re-exports every name here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from backend.dispatch.adapter_cost import AdapterNeed, AdapterResidency
+from backend.models.catalog import UnknownModelError, rows_per_request
+from backend.protocol.messages import WorkerHeartbeat
+
+
+@dataclass(frozen=True)
+class RowState:
+    job_id: str
+    mask_ratio: float
+    remaining_steps: int
+    template: str = ""
+    adapters: tuple[str, ...] = ()  # sha256 of each LoRA adapter the row applies
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    worker_id: str
+    model_id: str
+    device: str
+    max_batch: int
+    running: tuple[RowState, ...] = ()
+    waiting: tuple[RowState, ...] = ()  # remaining_steps = the job's num_steps
+    resident_ram: frozenset[str] = frozenset()
+    resident_disk: frozenset[str] = frozenset()
+    adapters_device: frozenset[str] = frozenset()  # sha256 of the adapters in W's device tier
+    adapters_host: frozenset[str] = frozenset()  # ... and in its host-RAM tier
+
+    @property
+    def load(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    @property
+    def slack(self) -> int:
+        return self.max_batch - self.load
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    job_id: str
+    model_id: str
+    mask_ratio: float
+    num_steps: int
+    template: str = ""  # cache digest of the job's template ("" = no cache: computes densely)
+    adapters: tuple[AdapterNeed, ...] = ()  # its LoRA adapters (none: the base model)
+
+
+@dataclass(frozen=True)
+class Decision:
+    worker_id: str | None  # None: no candidate (``reason`` says why)
+    policy: str  # the policy that decided (a fallback names itself)
+    reason: str
+    costs: dict[str, float]  # candidate worker id -> the policy's cost (lower wins)
+
+
+def view_from_heartbeat(beat: WorkerHeartbeat) -> WorkerView:
+    """A router's view of a worker's heartbeat (a waiting row's remaining steps: all of them)."""
+    running = tuple(
+        RowState(row.job_id, row.mask_ratio, row.remaining_steps, row.template, tuple(row.adapters))
+        for row in beat.running
+    )
+    waiting = tuple(
+        RowState(row.job_id, row.mask_ratio, row.num_steps, row.template, tuple(row.adapters))
+        for row in beat.waiting
+    )
+    return WorkerView(
+        beat.worker_id,
+        beat.model_id,
+        beat.device,
+        beat.max_batch,
+        running,
+        waiting,
+        frozenset(beat.resident_ram),
+        frozenset(beat.resident_disk),
+        frozenset(beat.adapters_device),
+        frozenset(beat.adapters_host),
+    )
+
+
+def adapter_residency(view: WorkerView) -> AdapterResidency:
+    """Where W holds adapters, as the adapter term reads it."""
+    in_use = frozenset(a for r in (*view.running, *view.waiting) for a in r.adapters)
+    return AdapterResidency(view.adapters_device, view.adapters_host, in_use)
+
+
+def waiting_note(model_id: str, workers: Sequence[WorkerView]) -> str | None:
+    """What a job the router cannot place yet says while it waits: which models the live workers
+    serve when none serves its model; None when one does (it is only busy: late binding)."""
+    served = sorted({w.model_id for w in workers})
+    if model_id in served:
+        return None
+    live = f"live workers serve: {', '.join(served)}" if served else "no worker is live"
+    return f"waiting for a worker that serves {model_id} ({live})"
+
+
+def default_rows_per_request(model_id: str) -> int:
+    """Engine rows per request of ``model_id``, from the model catalog (2 with classifier-free
+    guidance, 1 for Flux Fill's guidance embedding); 2 for a model the catalog cannot resolve
+    on this host (a checkpoint directory only the workers have)."""
+    try:
+        return rows_per_request(model_id)
+    except UnknownModelError:
+        return 2
