@@ -14,6 +14,9 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+# environment variable -> (section, field), and the variables read without the prefix
+from backend.config_env import ENV_FIELDS as _ENV_FIELDS
+from backend.config_env import PLAIN_ENV as _PLAIN_ENV
 from backend.models.catalog import DEFAULT_MODEL
 from backend.protocol.keys import POST_QUEUE, PRE_QUEUE
 
@@ -494,81 +497,6 @@ class Settings(_Strict):
     on; loopback by default: exposing them (``0.0.0.0``) is a deliberate choice."""
 
 
-# Environment variable -> (section, field). The one place that knows variable names.
-_ENV_FIELDS: dict[str, tuple[str | None, str]] = {
-    "DATA_DIR": ("paths", "data_dir"),
-    "MODELS_DIR": ("paths", "models_dir"),
-    "CACHE_DIR": ("paths", "cache_dir"),
-    "PROFILES_DIR": ("paths", "profiles_dir"),
-    "ADAPTERS_DIR": ("paths", "adapters_dir"),
-    "ADAPTER_MAX_MB": ("adapters", "max_mb"),
-    "ADAPTER_MAX_RANK": ("adapters", "max_rank"),
-    "ADAPTER_INGEST_TIMEOUT_S": ("adapters", "ingest_timeout_s"),
-    "MAX_ADAPTERS_PER_REQUEST": ("adapters", "max_per_request"),
-    "ADAPTER_SCALE_MIN": ("adapters", "scale_min"),
-    "ADAPTER_SCALE_MAX": ("adapters", "scale_max"),
-    "ADAPTER_DEVICE_MB": ("adapters", "device_mb"),
-    "ADAPTER_HOST_MB": ("adapters", "host_mb"),
-    "ADAPTER_POLICY": ("adapters", "policy"),
-    "ADAPTER_JOIN_BY": ("adapters", "join_by"),
-    "MODEL": ("engine", "model_id"),
-    "DEVICE": ("engine", "device"),
-    "DTYPE": ("engine", "dtype"),
-    "CACHE_MODE": ("engine", "cache_mode"),
-    "MASK_MARGIN": ("engine", "mask_margin_tokens"),
-    "LOG_LEVEL": (None, "log_level"),
-    "WORKER_ID": ("worker", "worker_id"),
-    "MAX_BATCH": ("worker", "max_batch"),
-    "BATCHING": ("worker", "batching"),
-    "WORKER_METRICS_PORT": ("worker", "metrics_port"),
-    "PREVIEW_EVERY": ("worker", "preview_every"),
-    "PREVIEW_PX": ("worker", "preview_px"),
-    "PREVIEW_BUDGET": ("worker", "preview_budget"),
-    "RAM_CACHE_MB": ("cache", "ram_budget_mb"),
-    "DISK_CACHE_MB": ("cache", "disk_budget_mb"),
-    "CACHE_POLICY": ("cache", "policy"),
-    "REDIS_URL": ("redis", "url"),
-    "CELERY_CONCURRENCY": ("celery", "concurrency"),
-    "CELERY_DEVICE": ("celery", "device"),
-    "CPU_METRICS_PORT": ("celery", "metrics_port"),
-    "API_HOST": ("api", "host"),
-    "API_PORT": ("api", "port"),
-    "API_KEYS": ("api", "api_keys"),
-    "AUTH_DISABLED": ("api", "auth_disabled"),
-    "READ_RATE_PER_MINUTE": ("api", "read_rate_per_minute"),
-    "READ_BURST": ("api", "read_burst"),
-    "WRITE_RATE_PER_MINUTE": ("api", "write_rate_per_minute"),
-    "WRITE_BURST": ("api", "write_burst"),
-    "MAX_QUEUED_JOBS": ("api", "max_queued_jobs"),
-    "LOGIN_FAILURES_PER_MINUTE": ("api", "login_failures_per_minute"),
-    "LOGIN_FAILURES_BURST": ("api", "login_failures_burst"),
-    "CORS_ORIGINS": ("api", "cors_origins"),
-    "METRICS_HOST": (None, "metrics_host"),
-    "MAX_BODY_MB": ("api", "max_body_mb"),
-    "MAX_TEMPLATE_MB": ("api", "max_template_mb"),
-    "API_MODELS": ("api", "models"),
-    "USERS": ("api", "users"),
-    "STUDIO": ("studio", "enabled"),
-    "STUDIO_PATH": ("studio", "path"),
-    "STUDIO_SHARE": ("studio", "share"),
-    "SHARE_SERVER": ("studio", "share_server"),
-    "ROUTING_POLICY": ("dispatcher", "policy"),
-    "LATE_BINDING": ("dispatcher", "late_binding"),
-    "QUEUE_DEPTH": ("dispatcher", "queue_depth"),
-    "DISPATCHER_METRICS_PORT": ("dispatcher", "metrics_port"),
-    "INPUT_RETENTION_HOURS": ("retention", "inputs_hours"),
-    "RESULT_RETENTION_HOURS": ("retention", "results_hours"),
-    "JANITOR_EVERY_S": ("retention", "sweep_every_s"),
-    "RESTART_INITIAL_S": ("supervisor", "restart_initial_s"),
-    "RESTART_MAX_S": ("supervisor", "restart_max_s"),
-    "RESTART_STABLE_S": ("supervisor", "restart_stable_s"),
-    "RECONNECT_INITIAL_S": ("supervisor", "reconnect_initial_s"),
-    "RECONNECT_MAX_S": ("supervisor", "reconnect_max_s"),
-    "SUPERVISOR_METRICS_PORT": ("supervisor", "metrics_port"),
-    "METRICS_BASE_PORT": ("supervisor", "metrics_base_port"),
-}
-# Also read without the prefix: the conventional name every Redis deployment already sets.
-_PLAIN_ENV = {"REDIS_URL": ("redis", "url")}
 _SECTIONS = (
     "paths",
     "engine",
