@@ -47,6 +47,7 @@ def test_headline_reads_the_reference_points():
     head = headline(results)
     # capacity 0.15/s: the highest rate not above it is 0.1
     assert head["saturation_rps"] == 0.1 and head["latency_x"] == pytest.approx(5.0)
+    assert head["past_rps"] == 0.2 and head["latency_x_past"] == pytest.approx(40.0)
     assert head["mixed_throughput_share"] == pytest.approx(0.38 / 0.4)
     # 80% of 0.38 = 0.304: the closest rate is 0.4 (0.096 away) over 0.2 (0.104)
     assert head["load80_rps"] == 0.4 and head["blocked_share"] == pytest.approx(0.2)
