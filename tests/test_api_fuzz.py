@@ -68,6 +68,8 @@ def served(redis_url, redis_client, models_dir, tmp_path):
             "MASKSERVE_MODEL": "tiny-sd2-inpaint",
             "MASKSERVE_API_KEYS": KEY,
             "MASKSERVE_STUDIO": "0",
+            # no CPU worker runs here: an adapter upload is answered 503 (nothing stored) in 1 s
+            "MASKSERVE_ADAPTER_INGEST_TIMEOUT_S": "1",
         },
         # a fuzzer sends thousands of requests a minute: a real limit would answer 429 to most
         api={
@@ -96,8 +98,9 @@ def served(redis_url, redis_client, models_dir, tmp_path):
         thread.join(timeout=30)
 
 
-def stored(settings, redis_client) -> tuple[frozenset, frozenset, frozenset]:
-    """What a request could have stored: blob files, gallery files, Redis keys (less buckets)."""
+def stored(settings, redis_client) -> tuple[frozenset, ...]:
+    """What a request could have stored: blob files, gallery and adapter registry files, Redis
+    keys (less buckets)."""
     data_dir = Path(settings.paths.data_dir)
 
     def files(root: Path) -> frozenset:
@@ -112,7 +115,8 @@ def stored(settings, redis_client) -> tuple[frozenset, frozenset, frozenset]:
         for k in (key.decode() for key in redis_client.keys("*"))
         if not k.startswith(RATE_LIMIT_PREFIX)
     )
-    return files(data_dir / "blobs"), files(data_dir / "templates"), redis_keys
+    registry = files(settings.paths.resolved_adapters_dir())
+    return files(data_dir / "blobs"), files(data_dir / "templates"), registry, redis_keys
 
 
 def test_every_operation_fuzzed_answers_per_schema_without_5xx_and_refusals_store_nothing(

@@ -19,7 +19,7 @@ from templates_store.samples import sample_template
 from tests.test_api import IMAGE, KEY, MASK, OTHER_KEY, make_settings, png, submit
 
 # every path parameter a /v1 route may have, and how the contract makes a real one of the owner's
-OWNED_PARAMS = {"job_id", "template_id"}
+OWNED_PARAMS = {"job_id", "template_id", "adapter_id"}
 _PARAM = re.compile(r"{(\w+)}")
 
 
@@ -43,25 +43,42 @@ def app(redis_url, redis_client, tmp_path):
     return create_app(make_settings(redis_url, tmp_path), redis_client=redis_client)
 
 
-def owned_objects(client) -> dict[str, str]:
-    """A template and a queued job of KEY's (the job edits the template)."""
+def owned_objects(client, tmp_path) -> dict[str, str]:
+    """A template, a queued job (editing the template) and an adapter of KEY's (written into the
+    registry as a CPU worker's ingest would leave it: this app has no CPU worker)."""
     uploaded = client.post("/v1/templates", files={"file": ("t.png", IMAGE, "image/png")})
     template_id = uploaded.json()["id"]
     mask = {"mask": ("m.png", MASK, "image/png")}
     job_id = submit(client, files=mask, template_id=template_id).json()["job_id"]
-    return {"job_id": job_id, "template_id": template_id}
+    return {"job_id": job_id, "template_id": template_id, "adapter_id": _adapter(client, tmp_path)}
+
+
+def _adapter(client, tmp_path) -> str:
+    from backend.adapters.files import NormalizedMeta, read_for_model, save_normalized
+    from backend.adapters.store import AdapterFacts
+    from backend.api.security import key_digest, key_owner
+    from tests.adapter_factory import make_adapter_file
+
+    model = "tiny-sd2-inpaint"
+    read = read_for_model(make_adapter_file(model, tmp_path / "a.safetensors"), model, max_rank=8)
+    normalized = tmp_path / "a.normalized.safetensors"
+    save_normalized(read.adapter, NormalizedMeta("sd2-inpaint", model, "peft"), normalized)
+    ranks = {module: pair.rank for module, pair in read.adapter.pairs.items()}
+    facts = AdapterFacts("sd2-inpaint", model, "peft", ranks, read.adapter.nbytes)
+    owner = key_owner(key_digest(KEY))
+    return client.app.state.adapters.add(normalized, facts, "mine", owner).adapter_id
 
 
 def call(client, method: str, path: str, key: str):
     return client.request(method, path, headers={"X-API-Key": key})
 
 
-def test_another_key_gets_the_404_of_an_id_that_never_existed_on_every_owned_route(app):
+def test_another_key_gets_the_404_of_an_id_that_never_existed_on_every_owned_route(app, tmp_path):
     with TestClient(app, headers={"X-API-Key": KEY}) as client:
         routes = owned_routes(app)
         # jobs: get, result, events, cancel; templates: get, delete, image, thumbnail, prepare
         assert len(routes) >= 10, routes
-        ids = owned_objects(client)
+        ids = owned_objects(client, tmp_path)
         for method, template in routes:
             path = template.format(**ids)
             theirs = call(client, method, path, OTHER_KEY)
@@ -83,6 +100,7 @@ def test_another_key_gets_the_404_of_an_id_that_never_existed_on_every_owned_rou
         # and listings are per key
         assert call(client, "GET", "/v1/templates", OTHER_KEY).json()["templates"] == []
         assert call(client, "GET", "/v1/jobs", OTHER_KEY).json()["jobs"] == []
+        assert call(client, "GET", "/v1/adapters", OTHER_KEY).json()["adapters"] == []
         # a job cannot be submitted over another key's template either
         stolen = client.post(
             "/v1/jobs",
@@ -148,7 +166,7 @@ def test_keys_reach_redis_only_as_digests(redis_url, redis_client, tmp_path):
     with TestClient(
         create_app(settings, redis_client=redis_client), headers={"X-API-Key": KEY}
     ) as client:
-        ids = owned_objects(client)
+        ids = owned_objects(client, tmp_path)
         job_id = submit(client).json()["job_id"]
         client.get(f"/v1/jobs/{job_id}")
         client.get("/v1/jobs")

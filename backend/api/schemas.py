@@ -101,10 +101,9 @@ class JobView(BaseModel):
         description="Pixels of context around the mask in the masked-area crop (0..1024)"
     )
     adapters: list[AdapterChoiceView] = Field(
-        default_factory=list, description="The LoRA adapters it applies, each with its scale"
+        description="The LoRA adapters it applies, each with its scale (empty: the base model)"
     )
     adapter_steps: dict[str, int] = Field(
-        default_factory=dict,
         description="Once denoised: adapter id -> the denoising step at which the adapter joined "
         "(0: from the start; later when it was still loading, see docs/design/adapters.md)",
     )
