@@ -32,6 +32,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from backend.adapters.container import safetensors_keys
+from backend.adapters.store import AdapterError
 from backend.atomic import atomic_path
 from backend.engine.lora import LoraAdapter, LoraPair, check_adapter, lora_targets
 from backend.models import resolve_model
@@ -86,14 +88,9 @@ def _names(keys) -> str:
 
 def _file_keys(path: Path) -> list[str]:
     try:
-        with safe_open(str(path), framework="pt") as handle:
-            return list(handle.keys())
-    except SafetensorError as exc:
-        raise AdapterFileError(
-            f"the file is not a readable .safetensors file ({exc}): upload the adapter's "
-            ".safetensors file, whole (a truncated or corrupt download fails here too)",
-            "unsupported_format",
-        ) from None
+        return safetensors_keys(path)
+    except AdapterError as exc:
+        raise AdapterFileError(str(exc), exc.code) from None
 
 
 def _refuse_unsupported_kinds(keys: list[str]) -> None:

@@ -24,8 +24,8 @@ from typing import BinaryIO
 
 from kombu.exceptions import OperationalError as BrokerError
 from redis import Redis
-from safetensors import SafetensorError, safe_open
 
+from backend.adapters.container import safetensors_keys
 from backend.adapters.store import (
     AdapterError,
     AdapterFacts,
@@ -47,23 +47,6 @@ from backend.protocol.messages import ProtocolError
 MB = 2**20
 CHUNK = 1 << 20
 WAIT_SLICE_S = 1  # one blocking read of the reply key; below the API client's socket timeout
-
-
-def _check_container(path) -> None:
-    """Refuse, before a CPU worker sees it, a file that is not a safetensors container or holds no
-    tensor: the safetensors library reads its header (no tensor is loaded, no model library
-    imported). Whether its tensors are a LoRA of the model is the CPU worker's to say."""
-    try:
-        with safe_open(str(path), framework="numpy") as handle:
-            empty = not list(handle.keys())
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise AdapterError(
-            f"the file is not a safetensors file ({exc}): upload the adapter's .safetensors file "
-            "(the diffusers/PEFT or kohya layout)",
-            "unsupported_format",
-        ) from None
-    if empty:
-        raise AdapterError("the safetensors file holds no tensors: upload the adapter's weights")
 
 
 class AdapterService:
@@ -128,7 +111,9 @@ class AdapterService:
                 out.write(chunk)
         if written == 0:
             raise AdapterError("the adapter file is empty: upload its .safetensors file")
-        _check_container(path)
+        # not a safetensors container: refused here, before a CPU worker sees it (whether its
+        # tensors are a LoRA of the model is the worker's to say)
+        safetensors_keys(path)
 
     def _ingest(self, request: IngestAdapter) -> AdapterIngested:
         """Send the request to a CPU worker and wait for its answer until the deadline."""
