@@ -371,6 +371,14 @@ def test_garbage_body_is_a_4xx(client):
         "/v1/jobs", content=b"--zzz\r\ngarbage", headers={"Content-Type": "multipart/form-data"}
     )
     assert 400 <= response.status_code < 500
+    boundary = "a222103b9b30b1f9e8be6882ecedb1d2"  # a body the multipart parser refuses
+    malformed = client.post(
+        "/v1/jobs",
+        content=f"--{boundary}\r\n[]--{boundary}--\r\n".encode(),
+        headers={"Content-Type": f"multipart/form-data; boundary={boundary}"},
+    )
+    assert malformed.status_code == 400, malformed.text  # documented, saying what to do
+    assert "resend the fields as multipart/form-data" in malformed.json()["error"]
 
 
 # ----- templates ----------------------------------------------------------------------------------

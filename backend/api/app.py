@@ -4,7 +4,8 @@ Routes: ``/v1/templates...``, ``/v1/adapters...`` and ``/v1/jobs...`` (API key +
 ``backend.api.security``), ``/healthz`` (the process is up), ``/readyz`` (Redis answers),
 ``/metrics`` (Prometheus), ``/docs``.
 
-Errors are JSON ``{"error": "<what is wrong and how to fix it>"}``: 401/403 auth, 404 unknown job,
+Errors are JSON ``{"error": "<what is wrong and how to fix it>"}``: 400 a body that cannot be
+parsed (malformed multipart), 401/403 auth, 404 unknown job,
 template or adapter, 409 result not ready / job finished, 410 result expired (blob retention), 413
 too large, 415 unsupported image or adapter file format, 422 a bad field, 429 rate limited
 (``Retry-After``), 503 Redis or the queue unavailable (or no CPU worker answered an adapter upload).
@@ -83,7 +84,10 @@ def _validation_message(exc: RequestValidationError) -> str:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+        detail = str(exc.detail)
+        if exc.status_code == 400:  # a body Starlette could not parse (malformed multipart)
+            detail = f"{detail.rstrip('.')}: resend the fields as multipart/form-data"
+        return _error(exc.status_code, detail, getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request, exc: RequestValidationError):

@@ -18,9 +18,11 @@ class ApiError(BaseModel):
 
 
 _STATUSES = {
+    400: "The body could not be parsed (malformed multipart form data): resend it as "
+    "multipart/form-data",
     401: "No API key given (or none configured on the server)",
     403: "The API key is not valid",
-    404: "No such job or template",
+    404: "No such job, template or adapter",
     409: "The job is not in a state that allows this (result not ready, already finished)",
     410: "The result expired (blob retention)",
     413: "The body, the file or its pixel count is over the limit",
