@@ -12,7 +12,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
+
+from backend.config_base import Strict as _Strict
+from backend.config_base import comma_separated
+
+from backend.config_deadlines import DeadlineSettings
 
 # environment variable -> (section, field), and the variables read without the prefix
 from backend.config_env import ENV_FIELDS as _ENV_FIELDS
@@ -30,12 +35,6 @@ ENV_PREFIX = "MASKSERVE_"
 
 class SettingsError(ValueError):
     """A setting is missing or invalid; the message names the setting and what to fix."""
-
-
-class _Strict(BaseModel):
-    # Each field's docstring (the string literal under it) is its description: the configuration
-    # reference (docs/configuration.md, ``maskserve config-reference``) is generated from them.
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class PathSettings(_Strict):
@@ -301,9 +300,7 @@ class ApiSettings(_Strict):
     @field_validator("api_keys", "models", "users", "cors_origins", mode="before")
     @classmethod
     def _comma_separated(cls, value):
-        if isinstance(value, str):
-            value = value.split(",")
-        return tuple(item.strip() for item in value if item and item.strip())
+        return comma_separated(value)
 
     @field_validator("api_keys")
     @classmethod
@@ -487,6 +484,7 @@ class Settings(_Strict):
     api: ApiSettings = ApiSettings()
     studio: StudioSettings = StudioSettings()
     adapters: AdapterSettings = AdapterSettings()
+    deadlines: DeadlineSettings = DeadlineSettings()
     dispatcher: DispatcherSettings = DispatcherSettings()
     retention: RetentionSettings = RetentionSettings()
     supervisor: SupervisorSettings = SupervisorSettings()
@@ -508,6 +506,7 @@ _SECTIONS = (
     "api",
     "studio",
     "adapters",
+    "deadlines",
     "retention",
     "supervisor",
 )

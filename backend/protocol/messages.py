@@ -24,8 +24,10 @@ SCHEMA_MAJOR = 1
 # 1.1: typed heartbeat rows and paste-back plans; unknown fields tolerated. 1.2: mask ops
 # fill_holes and min_area_px, an edit job's mode (erase). 1.3: an edit job's inpaint_area and
 # crop_padding_px. 1.4: a prepared job's prompt (the baseline worker runs the pipeline on it).
-# 1.5: LoRA adapters on edit, prepared and denoised jobs; adapters resident in a heartbeat
-SCHEMA_MINOR = 5
+# 1.5: LoRA adapters on edit, prepared and denoised jobs; adapters resident in a heartbeat.
+# 1.6: service levels (class, deadline, priority) on edit and prepared jobs and heartbeat rows;
+# a waiting row's steps already run (parked); predicted start/finish and queue position on events
+SCHEMA_MINOR = 6
 PROTOCOL_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 
@@ -70,6 +72,16 @@ class AdapterUse:
 
 
 @dataclass(frozen=True)
+class ServiceLevel:
+    """What a job was promised (1.6): its class, when it should be done, how it ranks."""
+
+    service_class: str = "batch"  # "interactive" | "batch" (config_deadlines.SERVICE_CLASSES)
+    deadline: float = 0.0  # epoch seconds by which its result should be stored (0: none)
+    priority: int = 0  # 0..9, higher goes first (after rows past the starvation bound)
+    late: bool = False  # accepted though predicted to finish past its deadline
+
+
+@dataclass(frozen=True)
 class RunningRow:
     """A row in a worker's running batch, as its heartbeat reports it."""
 
@@ -78,6 +90,8 @@ class RunningRow:
     remaining_steps: int
     template: str = ""  # cache digest of the row's template ("" = none), for residency routing
     adapters: list[str] = field(default_factory=list)  # sha256 of each adapter the row applies
+    deadline: float = 0.0  # the job's ServiceLevel (1.6), for routing by deadline
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -89,6 +103,9 @@ class WaitingRow:
     num_steps: int
     template: str = ""
     adapters: list[str] = field(default_factory=list)  # sha256 of each adapter the row applies
+    deadline: float = 0.0  # the job's ServiceLevel (1.6), for routing by deadline
+    priority: int = 0
+    step: int = 0  # steps already run: a row parked at a step boundary resumes from here (1.6)
 
 
 @dataclass(frozen=True)
@@ -122,6 +139,7 @@ class EditJob:
     inpaint_area: str = "whole"
     crop_padding_px: int = 32  # context kept around the mask when inpaint_area is "masked"
     adapters: list[AdapterUse] = field(default_factory=list)  # LoRA adapters, at most a few
+    service: ServiceLevel = field(default_factory=ServiceLevel)  # 1.6
 
 
 JOB_MODES = ("generate", "erase")
@@ -147,6 +165,7 @@ class PreparedJob:
     # the request's prompt as submitted: the ``baseline`` worker's pipeline encodes it itself
     prompt: str = ""
     adapters: list[AdapterUse] = field(default_factory=list)
+    service: ServiceLevel = field(default_factory=ServiceLevel)  # 1.6
 
 
 @dataclass(frozen=True)
@@ -205,6 +224,11 @@ class JobEvent:
     preview: str = ""
     # the post-processing (done) event: adapter id -> the step it joined the row at (1.5)
     adapter_steps: dict[str, int] = field(default_factory=dict)
+    # the worker's forecast (1.6; 0: none): 1 = next to join its batch, epoch seconds of the
+    # predicted first step and of the predicted end of denoising
+    queue_position: int = 0
+    predicted_start: float = 0.0
+    predicted_finish: float = 0.0
 
     def __post_init__(self) -> None:
         if self.status not in JOB_STATES:
@@ -241,7 +265,7 @@ MESSAGE_TYPES: dict[str, type] = {
     for cls in (EditJob, PreparedJob, DenoisedJob, CancelJob, JobEvent, WorkerHeartbeat)
 }
 # field name -> the dataclass its value (or each item of its list) decodes into
-_NESTED: dict[str, type] = {"mask_ops": MaskOps, "paste": PastePlan}
+_NESTED: dict[str, type] = {"mask_ops": MaskOps, "paste": PastePlan, "service": ServiceLevel}
 _NESTED_LISTS: dict[str, type] = {
     "running": RunningRow,
     "waiting": WaitingRow,

@@ -1,0 +1,61 @@
+"""Settings of deadlines, priorities and admission control (``Settings.deadlines``).
+
+A request belongs to a service class (``interactive``: the studio's default; ``batch``: the REST
+default); each class has a target latency, which is the request's deadline unless it gives its
+own. The API sheds (429) a new job of a class configured to shed when it is predicted to finish
+too late, or when the queue is past its bound; jobs of other classes are accepted and marked late.
+Engine workers plan their batches against the deadlines (``scheduler``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from backend.config_base import Strict, comma_separated
+
+SERVICE_CLASSES = ("interactive", "batch")
+ServiceClass = Literal["interactive", "batch"]
+StepScheduler = Literal["fifo", "edf", "slack"]
+MAX_PRIORITY = 9
+
+
+class DeadlineSettings(Strict):
+    """Service classes, deadline-aware step scheduling and admission control."""
+
+    interactive_target_s: float = Field(default=30.0, gt=0.0, le=86_400.0)
+    """Target latency of an ``interactive`` request (submitted -> result stored), seconds: its
+    deadline unless it gives its own."""
+    batch_target_s: float = Field(default=600.0, gt=0.0, le=7 * 86_400.0)
+    """Target latency of a ``batch`` request, seconds."""
+    shed_classes: tuple[ServiceClass, ...] = ("batch",)
+    """Classes answered 429 (with ``Retry-After``) when admission control refuses them; a request
+    of any other class is accepted and marked late."""
+    late_factor: float = Field(default=2.0, ge=1.0, le=100.0)
+    """Admission refuses a job whose predicted latency exceeds this many times the time to its
+    deadline."""
+    max_queue: int = Field(default=256, ge=1, le=1_000_000)
+    """Jobs accepted and not yet running, over the whole deployment, past which admission refuses
+    new ones."""
+    scheduler: StepScheduler = "slack"
+    """How an engine worker picks the rows that hold its batch's slots: ``fifo`` (arrival order),
+    ``edf`` (earliest deadline first, a running row keeps its slot), ``slack`` (least slack first,
+    planned in rounds; a row with slack to spare may be parked at a step boundary for a tighter
+    one and resumes later from the same step)."""
+    round_steps: int = Field(default=5, ge=1, le=100)
+    """Steps per planning round of the ``slack`` scheduler (TetriServe found 5 the most robust)."""
+    max_wait_s: float = Field(default=300.0, gt=0.0)
+    """Starvation bound: a row that has waited (queued or parked) this long goes first and is never
+    parked again."""
+    max_parks_per_round: int = Field(default=2, ge=0, le=64)
+    """Rows one planning round may park (0: never park)."""
+
+    @field_validator("shed_classes", mode="before")
+    @classmethod
+    def _split(cls, value):
+        return comma_separated(value)
+
+    def target_s(self, service_class: str) -> float:
+        """The class's target latency."""
+        return self.interactive_target_s if service_class == "interactive" else self.batch_target_s

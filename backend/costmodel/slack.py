@@ -1,0 +1,31 @@
+"""Slack and precedence of jobs with deadlines: one definition shared by the engine worker's step
+scheduler, the router and the API's admission control (pure: no torch, no redis, no clock).
+
+* ``slack_s``: how long a row may still wait and meet its deadline, ``deadline - now -
+  remaining_steps * step_s`` (``step_s``: the predicted time of one step of the batch it would run
+  in). A job without a deadline (0) has infinite slack: it never displaces one that has one.
+* ``precedence``: the order in which rows claim a worker's slots, smaller first: rows past the
+  starvation bound first (the longest waiting first), then higher priority, then least slack, then
+  arrival order (FIFO among equals, so the order is total and stable).
+"""
+
+from __future__ import annotations
+
+import math
+
+NO_DEADLINE = 0.0
+
+
+def slack_s(deadline: float, now: float, remaining_steps: int, step_s: float) -> float:
+    """Seconds the row may wait and still finish by ``deadline``; inf without one, negative when it
+    is already going to be late."""
+    if deadline == NO_DEADLINE:
+        return math.inf
+    return deadline - now - max(0, remaining_steps) * step_s
+
+
+def precedence(
+    *, starved: bool, waited_s: float, priority: int, slack: float, enqueued_at: float
+) -> tuple[int, float, int, float, float]:
+    """Sort key of a row (module docstring); ``waited_s`` only orders starved rows."""
+    return (0 if starved else 1, -waited_s if starved else 0.0, -priority, slack, enqueued_at)
