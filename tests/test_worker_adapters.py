@@ -13,6 +13,7 @@ from backend.blobs import BlobStore
 from backend.protocol import AdapterUse
 from backend.worker.adapter_book import AdapterBook
 from backend.worker.adapter_tiers import AdapterTiers, RowAdapters, store_loader
+from backend.worker.baseline_adapters import ADAPTER_PHASES
 from backend.worker.channels import LocalInbox, LocalSink
 from backend.worker.loop import EngineWorker
 from tests.adapter_factory import make_adapter_file
@@ -238,6 +239,12 @@ def test_the_baseline_worker_fuses_a_calls_adapters_like_diffusers(engine, conte
         engine.step([plain], params.mode)
     # unfused and unloaded after its call: the next call runs the base model
     assert (final_latents(blobs, sink, "plain") - plain.latents).abs().max().item() <= TOL
+    # what the adapters cost the baseline is timed per phase, inside the call's denoise time
+    timings = {job.job_id: job.timings for job in sink.denoised_jobs}
+    phases = [timings["base"][name] for name in ADAPTER_PHASES]
+    assert all(seconds > 0 for seconds in phases)
+    assert sum(phases) < timings["base"]["denoise_s"]
+    assert not set(ADAPTER_PHASES) & set(timings["plain"])
 
 
 def test_a_cache_pinned_to_an_adapter_set_is_recorded_then_read_by_exactly_that_set(

@@ -43,6 +43,7 @@ from backend.tasks.core import CpuStages
 from backend.worker.adapter_book import AdapterBook
 from backend.worker.adapter_tiers import AdapterTiers, RowAdapters, store_loader
 from backend.worker.baseline import BaselineWorker
+from backend.worker.baseline_adapters import ADAPTER_PHASES
 from backend.worker.channels import LocalInbox, LocalSink
 from backend.worker.loop import EngineWorker, _Job
 from backend.worker.stats import percentile
@@ -90,6 +91,9 @@ class ArmResult:
     disk_loads: int = 0
     device_loads: int = 0
     join_steps: dict = field(default_factory=dict)  # step -> rows that took an adapter then
+    # baseline: mean seconds per request with adapters spent loading, fusing, unfusing them and
+    # denoising (the pipeline call alone)
+    phases: dict = field(default_factory=dict)
 
 
 def request_adapters(
@@ -120,6 +124,17 @@ class OneSetWorker(EngineWorker):
     def _group_key(self, job: _Job) -> str:
         adapters = ",".join(sorted(f"{u.sha256}*{u.scale}" for u in job.message.adapters))
         return f"{super()._group_key(job)}:{adapters}"
+
+
+def baseline_phases(denoised_jobs) -> dict[str, float]:
+    """Mean seconds per baseline request with adapters: each adapter phase, and the pipeline call
+    without them (``denoise_s`` covers the whole ``fused_adapters`` block)."""
+    with_adapters = [d.timings for d in denoised_jobs if ADAPTER_PHASES[0] in d.timings]
+    if not with_adapters:
+        return {}
+    means = {k: float(np.mean([t.get(k, 0.0) for t in with_adapters])) for k in ADAPTER_PHASES}
+    denoise = float(np.mean([t["denoise_s"] for t in with_adapters]))
+    return {**means, "pipeline_s": denoise - sum(means.values()), "requests": len(with_adapters)}
 
 
 class _Sink(LocalSink):
@@ -224,6 +239,8 @@ class _Arm:
             mean_batch_rows=stats["mean_batch_rows"],
             failed=len(self.sink.failed),
         )
+        if self.arm == "baseline":
+            result.phases = baseline_phases(self.sink.denoised_jobs)
         if self.rows is not None:
             snapshot = self.rows.tiers.snapshot()
             result.rows_with_adapters = snapshot["rows_with_adapters"]

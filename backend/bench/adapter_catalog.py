@@ -26,7 +26,7 @@ from backend.adapters.store import AdapterFacts, AdapterStore
 from backend.models import resolve_model
 from backend.models.registry import pipeline_class
 
-ATTENTION = re.compile(r".*\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$")
+ATTENTION = re.compile(r".*\.attn[12]?\.(to_q|to_k|to_v|to_out\.0)$")
 DEFAULT_RANKS = (8, 16, 32, 64)
 DEFAULT_RANK_SHARES = (0.4, 0.3, 0.2, 0.1)  # most adapters are small; a few are large
 OWNER = "bench"

@@ -87,6 +87,14 @@ def summary_text(report: dict) -> str:
             f"{result.mean_batch_rows:5.2f} {hit} {blocked}"
             + (f"  ({result.failed} failed)" if result.failed else "")
         )
+    for r in report["results"]:
+        if r.get("phases"):
+            p = r["phases"]
+            lines.append(
+                f"baseline {r['trace']} {r['rps']}: per request with adapters, load "
+                f"{p['adapter_load_s']:.3f} s + fuse {p['adapter_fuse_s']:.3f} s + unfuse "
+                f"{p['adapter_unfuse_s']:.3f} s around a {p['pipeline_s']:.3f} s pipeline call"
+            )
     head = report["headline"]
     for key, target in TARGETS.items():
         if key in head:

@@ -123,7 +123,9 @@ class BaselineWorker(EngineWorker):
             return
         jobs = [self.jobs[job_id] for job_id in rows]
         try:
-            with fused_adapters(self.engine.pipe, jobs[0].message.adapters, self.adapter_files):
+            with fused_adapters(
+                self.engine.pipe, jobs[0].message.adapters, self.adapter_files
+            ) as phases:
                 self._step_started = time.perf_counter()
                 latents = run_ordinary_batch(
                     self.engine.pipe,
@@ -148,6 +150,7 @@ class BaselineWorker(EngineWorker):
             # the batch leaves the scheduler with its call, whatever count of steps it reported
             self.scheduler.drop(job_id)
             if job_id in self.jobs:  # not cancelled during the call
+                self.jobs[job_id].timings.update(phases)  # what its adapters cost (load, fuse)
                 self._hand_on(self.jobs[job_id], latents[index : index + 1], used_cache=False)
 
     def _inputs(self, job_id: str) -> tuple[Image.Image, Image.Image] | None:
