@@ -16,7 +16,6 @@ from pydantic import Field, ValidationError, field_validator
 
 from backend.config_base import Strict as _Strict
 from backend.config_base import comma_separated
-
 from backend.config_deadlines import DeadlineSettings
 
 # environment variable -> (section, field), and the variables read without the prefix
