@@ -16,8 +16,11 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
+
+from backend.costmodel.slack import NO_DEADLINE
+from backend.dispatch.deadline_cost import choose_by_deadline
 
 if TYPE_CHECKING:
     from backend.dispatch.router import JobRequest, RoutingCostModel, WorkerView
@@ -30,6 +33,7 @@ class Choice:
     worker_id: str
     costs: dict[str, float]  # candidate worker id -> the policy's cost (lower wins)
     why: str
+    terms: dict[str, dict[str, float]] = field(default_factory=dict)  # the cost's terms
 
 
 class RoutingPolicy(Protocol):
@@ -86,7 +90,9 @@ class FlashPS(_LowestCost):
 
 
 class MaskAware:
-    """Lowest estimated completion time (``RoutingCostModel.estimate``); says its terms."""
+    """Lowest estimated completion time (``RoutingCostModel.estimate``); says its terms. A job
+    with a deadline: the least of it among the workers where it meets its deadline, else the
+    least late (``backend.dispatch.deadline_cost``)."""
 
     needs_cost_model = True
 
@@ -98,17 +104,21 @@ class MaskAware:
         estimates = {
             w.worker_id: _model_of(job, w, cost_model).estimate(job, w, memo) for w in candidates
         }
-        costs = {worker_id: est["total"] for worker_id, est in estimates.items()}
-        best = min(candidates, key=lambda w: (costs[w.worker_id], w.worker_id)).worker_id
+        if job.deadline != NO_DEADLINE:
+            best, costs, lead = choose_by_deadline(job, candidates, estimates)
+        else:
+            costs = {worker_id: est["total"] for worker_id, est in estimates.items()}
+            best = min(candidates, key=lambda w: (costs[w.worker_id], w.worker_id)).worker_id
+            lead = f"min estimated completion {estimates[best]['total']:.3f} s"
         terms = estimates[best]
         why = (
-            f"min estimated completion {terms['total']:.3f} s (wait {terms['wait']:.3f} + run "
+            f"{lead} (wait {terms['wait']:.3f} + run "
             f"{terms['run']:.3f} + residency {terms['residency']:.3f} + imposed "
             f"{terms['imposed']:.3f}"
             + (f" + adapters {terms['adapters']:.3f}" if job.adapters else "")
             + ")"
         )
-        return Choice(best, costs, why)
+        return Choice(best, costs, why, estimates)
 
 
 class RoundRobin:

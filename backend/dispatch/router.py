@@ -71,7 +71,9 @@ picks the candidates and hands them to it.
 Candidates are live workers serving J's model with slack (len(R) + len(Q) < B + ``queue_depth``,
 default 0). When none has slack and ``allow_queueing`` (default True), a job waits in a worker's
 queue rather than being rejected: the candidates become the least-loaded serving workers (fewest
-rows) and the policy chooses among them (mask_aware then also weighs their queues). Without it
+rows) and the policy chooses among them (mask_aware then also weighs their queues; for a job with
+a deadline every serving worker, since one that orders by deadline lets J pass looser rows, and
+``backend.dispatch.deadline_cost`` chooses: on time at least cost, else least late). Without it
 (late binding, ``DispatcherSettings.late_binding``) the decision is None and the dispatcher holds
 the job (FIFO) until a worker has slack. Every tie goes to the smallest worker id, so a decision
 is a function of its inputs (and, for round_robin, of the last choice).
@@ -88,7 +90,6 @@ is clamped to 0 here, so more work never costs less.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -100,6 +101,15 @@ from backend.costmodel.plan import solve_plan
 from backend.costmodel.profiles import all_profiles, device_kind
 from backend.dispatch.adapter_cost import DEFAULT_ADAPTER_JOIN_BY, AdapterLoads
 from backend.dispatch.adapter_cost import AdapterNeed as AdapterNeed
+from backend.dispatch.deadline_cost import (
+    FIFO,
+    JOB,
+    deadlines_matter,
+    finish_terms,
+    replay,
+    row_order,
+)
+from backend.dispatch.deadline_cost import RowOrder as RowOrder
 from backend.dispatch.policies import ROUTING_POLICIES
 from backend.dispatch.views import Decision as Decision
 from backend.dispatch.views import JobRequest as JobRequest
@@ -374,26 +384,19 @@ class RoutingCostModel:
         job_cached = tier in ("ram", "disk") or recorder is not None
         job_tokens = self._row(job.mask_ratio, job_cached)[0]
         job_template = job.template if job_cached else None
-        cap = max(1, view.max_batch)
-        heap = [(f, i) for i, f in enumerate(finish)]
-        heapq.heapify(heap)
-        first = list(range(len(finish)))  # the batch of the next step
-        for i, r in enumerate(view.waiting, start=len(finish)):
-            if len(heap) < cap:
-                heapq.heappush(heap, (max(0, r.remaining_steps), i))
-                first.append(i)
-            else:
-                f, _ = heapq.heappop(heap)
-                heapq.heappush(heap, (f + max(0, r.remaining_steps), i))
-        admit, wait, t_first = 0, 0.0, 0.0
-        if len(heap) >= cap or recorder is not None:
+        cap, n = max(1, view.max_batch), max(1, job.num_steps)
+        order = list(range(len(finish), len(toks))) + [JOB]  # fifo: J after every waiting row
+        by = FIFO
+        if deadlines_matter(job, view):  # W orders its rows by deadline: by T with J in its batch
+            step_s = self._latency(toks[:cap] + [job_tokens], tmpls[:cap] + [job_template])
+            order, by = row_order(job, view, step_s), view.order
+        steps = finish + [max(0, r.remaining_steps) for r in view.waiting]
+        slots = replay(steps, len(finish), order, n, cap, by)
+        admit, wait, t_first, first = slots.admit, 0.0, 0.0, slots.first
+        if admit > 0 or recorder is not None:
             t_first = self._latency([toks[i] for i in first], [tmpls[i] for i in first])
-        if len(heap) >= cap:
-            admit = heap[0][0]
-            wait = admit * t_first
-        n = max(1, job.num_steps)
-        # co-runners: (steps overlapping J, row index) of each row whose slot outlives J's admission
-        co_runners = [(min(f - admit, n), i) for f, i in heap if f > admit]
+        wait = admit * t_first
+        co_runners = list(slots.co_runners)  # (steps overlapping J, row index)
         memo = {} if memo is None else memo
         t_job = memo.get((id(self), job_cached))
         if t_job is None:
@@ -435,7 +438,7 @@ class RoutingCostModel:
         if job.adapters:
             where = adapter_residency(view)
             adapters = self.adapter_loads.cost(job.adapters, where, wait + residency, t_job, n)
-        return {
+        terms = {
             "wait": wait,
             "run": run,
             "residency": residency,
@@ -443,7 +446,10 @@ class RoutingCostModel:
             "adapters": adapters,
             "total": wait + run + residency + imposed + adapters,
             "admit_step": float(admit),
+            "ahead": float(slots.ahead),
+            "parked": float(slots.parked),
         }
+        return terms | finish_terms(job, terms)
 
 
 def load_cost_models(
@@ -502,6 +508,10 @@ class Router:
             fewest = min(w.load for w in serving)
             candidates = [w for w in serving if w.load == fewest]
             note = f"; all full, queued on the least loaded ({fewest} rows)"
+            if job.deadline and self._strategy.needs_cost_model:
+                # the fewest rows is not the soonest start: a worker that orders by deadline
+                # lets J pass its looser rows (deadline_cost); J's finish decides among all
+                candidates, note = serving, "; all full, queued where it finishes in time"
         policy, strategy = self.policy, self._strategy
         if strategy.needs_cost_model:
             missing = sorted(
@@ -519,4 +529,4 @@ class Router:
                 )
         choice = strategy.choose(job, candidates, self.cost_model)
         reason = f"{choice.why} among {len(candidates)} candidate(s){note}"
-        return Decision(choice.worker_id, policy, reason, choice.costs)
+        return Decision(choice.worker_id, policy, reason, choice.costs, choice.terms)

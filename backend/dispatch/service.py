@@ -52,6 +52,7 @@ from backend.dispatch.router import (
     JobRequest,
     Router,
     RoutingCostModel,
+    RowOrder,
     RowState,
     view_from_heartbeat,
     waiting_note,
@@ -146,6 +147,8 @@ class Dispatcher:
             "duplicates": 0,
             "redispatched": 0,
             "unreadable": 0,
+            "routed_with_deadline": 0,  # jobs with a deadline routed
+            "routed_late": 0,  # ... to a worker where they were predicted to finish late
         }
         # job id -> what its message says while no live worker serves its model
         self._told_no_worker: dict[str, str] = {}
@@ -180,7 +183,11 @@ class Dispatcher:
             model = self.costs.ensure(beat.model_id, beat.device)
             if model is not None:
                 self.router.cost_models[(beat.model_id, device_kind(beat.device))] = model
-        self._views = {worker_id: view_from_heartbeat(beat) for worker_id, beat in beats.items()}
+        dl = self.settings.deadlines  # the workers' step scheduler, as the router models it
+        order = RowOrder(dl.scheduler, dl.round_steps, dl.max_parks_per_round)
+        self._views = {
+            worker_id: view_from_heartbeat(beat, order) for worker_id, beat in beats.items()
+        }
 
     def _read(self, block_ms: int) -> list[tuple[str, PreparedJob]]:
         replaying = self._replay_from is not None
@@ -291,6 +298,9 @@ class Dispatcher:
             num_steps=job.num_steps,
             template=job.cache_digest,
             adapters=tuple(AdapterNeed(a.sha256, a.nbytes) for a in job.adapters),
+            deadline=job.service.deadline,
+            priority=job.service.priority,
+            now=time.time(),  # deadlines are epoch seconds
         )
         started = time.perf_counter()
         decision = self.router.choose(request, list(self._views.values()))
@@ -312,10 +322,16 @@ class Dispatcher:
                     job.num_steps,
                     job.cache_digest,
                     tuple(a.sha256 for a in job.adapters),
+                    job.service.deadline,
+                    job.service.priority,
                 ),
             ),
         )
         self.counts["routed"] += 1
+        if request.deadline:
+            self.counts["routed_with_deadline"] += 1
+            late = decision.terms.get(decision.worker_id, {}).get("late_s", 0.0)
+            self.counts["routed_late"] += late > 0
         log.info(
             "routed %s to %s (%s: %s)",
             job.job_id,

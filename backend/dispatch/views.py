@@ -6,9 +6,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from backend.dispatch.adapter_cost import AdapterNeed, AdapterResidency
+from backend.dispatch.deadline_cost import RowOrder
 from backend.models.catalog import UnknownModelError, rows_per_request
 from backend.protocol.messages import WorkerHeartbeat
 
@@ -20,6 +21,9 @@ class RowState:
     remaining_steps: int
     template: str = ""
     adapters: tuple[str, ...] = ()  # sha256 of each LoRA adapter the row applies
+    deadline: float = 0.0  # the job's deadline (the deadlines' clock; 0: none)
+    priority: int = 0
+    step: int = 0  # steps already run (a waiting row > 0: parked at a step boundary)
 
 
 @dataclass(frozen=True)
@@ -29,11 +33,12 @@ class WorkerView:
     device: str
     max_batch: int
     running: tuple[RowState, ...] = ()
-    waiting: tuple[RowState, ...] = ()  # remaining_steps = the job's num_steps
+    waiting: tuple[RowState, ...] = ()  # remaining_steps = num_steps less the steps run
     resident_ram: frozenset[str] = frozenset()
     resident_disk: frozenset[str] = frozenset()
     adapters_device: frozenset[str] = frozenset()  # sha256 of the adapters in W's device tier
     adapters_host: frozenset[str] = frozenset()  # ... and in its host-RAM tier
+    order: RowOrder = RowOrder()  # how W gives its slots to its rows (its deadlines settings)
 
     @property
     def load(self) -> int:
@@ -52,6 +57,9 @@ class JobRequest:
     num_steps: int
     template: str = ""  # cache digest of the job's template ("" = no cache: computes densely)
     adapters: tuple[AdapterNeed, ...] = ()  # its LoRA adapters (none: the base model)
+    deadline: float = 0.0  # by when its result is due (ServiceLevel.deadline; 0: none)
+    priority: int = 0  # ServiceLevel.priority
+    now: float = 0.0  # the time of the decision, on the deadlines' clock
 
 
 @dataclass(frozen=True)
@@ -60,16 +68,36 @@ class Decision:
     policy: str  # the policy that decided (a fallback names itself)
     reason: str
     costs: dict[str, float]  # candidate worker id -> the policy's cost (lower wins)
+    # candidate worker id -> the cost's terms (mask_aware: the estimate, finish and lateness)
+    terms: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
-def view_from_heartbeat(beat: WorkerHeartbeat) -> WorkerView:
-    """A router's view of a worker's heartbeat (a waiting row's remaining steps: all of them)."""
+def view_from_heartbeat(beat: WorkerHeartbeat, order: RowOrder = RowOrder()) -> WorkerView:
+    """A router's view of a worker's heartbeat (a waiting row's remaining steps: those it has not
+    run; all of them unless it was parked); ``order``: how the worker orders its rows."""
     running = tuple(
-        RowState(row.job_id, row.mask_ratio, row.remaining_steps, row.template, tuple(row.adapters))
+        RowState(
+            row.job_id,
+            row.mask_ratio,
+            row.remaining_steps,
+            row.template,
+            tuple(row.adapters),
+            row.deadline,
+            row.priority,
+        )
         for row in beat.running
     )
     waiting = tuple(
-        RowState(row.job_id, row.mask_ratio, row.num_steps, row.template, tuple(row.adapters))
+        RowState(
+            row.job_id,
+            row.mask_ratio,
+            max(0, row.num_steps - row.step),
+            row.template,
+            tuple(row.adapters),
+            row.deadline,
+            row.priority,
+            row.step,
+        )
         for row in beat.waiting
     )
     return WorkerView(
@@ -83,6 +111,7 @@ def view_from_heartbeat(beat: WorkerHeartbeat) -> WorkerView:
         frozenset(beat.resident_disk),
         frozenset(beat.adapters_device),
         frozenset(beat.adapters_host),
+        order,
     )
 
 

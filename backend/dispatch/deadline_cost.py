@@ -1,0 +1,256 @@
+"""Routing with deadlines (pure): in what order a worker gives its slots to its rows and to the job
+being placed, and which worker a job with a deadline goes to.
+
+The router's cost of a job J on worker W (``RoutingCostModel.estimate``) replays W's slots at step
+granularity. Which rows are ahead of J depends on how W orders its rows (``RowOrder.scheduler``,
+the deployment's ``deadlines.scheduler``); the order between two rows is
+``backend.costmodel.slack.precedence`` (priority, then least slack, then arrival), with each row's
+slack ``slack_s(deadline, now, remaining steps, T)`` and T the cost model's step latency of W's
+batch with J in it (a row without a deadline has infinite slack):
+
+* ``fifo``: running rows keep their slots; waiting rows take freed slots in arrival order; J last.
+  Exactly the replay the router made before deadlines.
+* ``edf``: running rows keep their slots; the waiting rows and J take freed slots in precedence
+  order. Rows ranked behind J are admitted after it (and may then run beside it).
+* ``slack``: running and waiting rows and J in precedence order; the first ``max_batch`` of them
+  hold the slots. A waiting row (or J) ranked into the batch beyond its free slots displaces a
+  running row at a round boundary: the k-th such row (from 0) starts after ``round_steps // 2``
+  steps (the expected wait for the next boundary: the router does not know the round's phase)
+  plus ``round_steps`` for every ``max_parks_per_round`` displacements before it (the churn
+  bound). A running row ranked past the batch is parked and resumes, with its remaining steps,
+  when a slot frees. With ``max_parks_per_round`` 0 nothing is parked: ``edf``.
+
+So under ``slack`` a tight job is not charged for the rows with more slack ahead of it in W's
+queue, and the running rows it displaces (``parked``: 1 when J takes a slot beyond the free ones)
+no longer run beside it. Not modelled: the starvation bound (heartbeats carry no waiting times),
+rows that arrive after J, and pre/post-processing after the last step.
+
+The choice (``choose_by_deadline``) for a job with a deadline: among the workers where its
+predicted finish (now + wait + run + residency + adapters) is by its deadline, the least
+mask-aware cost (``total``: so template and adapter residency still matter); when none is, the
+worker where it is least late (ties: the least total, then the smallest id). A job without a
+deadline is ranked by ``total`` alone, as before.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from backend.costmodel.slack import NO_DEADLINE, precedence, slack_s
+
+if TYPE_CHECKING:
+    from backend.dispatch.views import JobRequest, RowState, WorkerView
+
+SCHEDULERS = ("fifo", "edf", "slack")
+JOB = -1  # the job's index in an order of rows
+
+
+@dataclass(frozen=True)
+class RowOrder:
+    """How a worker orders its rows, as the router models it (module docstring); the worker's
+    ``deadlines`` settings."""
+
+    scheduler: str = "fifo"
+    round_steps: int = 5
+    max_parks_per_round: int = 2
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        if self.round_steps < 1 or self.max_parks_per_round < 0:
+            raise ValueError("round_steps must be >= 1 and max_parks_per_round >= 0")
+
+    @property
+    def parks(self) -> bool:
+        return self.scheduler == "slack" and self.max_parks_per_round > 0
+
+
+FIFO = RowOrder()
+
+
+@dataclass(frozen=True)
+class Replay:
+    """J's place in a worker's slot replay."""
+
+    admit: float  # the step at which J takes a slot
+    first: tuple[int, ...]  # rows (index into running + waiting) in the batch of the next step
+    co_runners: tuple[tuple[float, int], ...]  # (steps overlapping J's, row index)
+    ahead: int  # rows that take a slot before J (running rows that keep theirs included)
+    parked: int  # running rows W parks for J (0 or 1)
+
+
+def deadlines_matter(job: JobRequest, view: WorkerView) -> bool:
+    """Whether W's order can differ from arrival order: it schedules by deadline and J or one of
+    W's rows has a deadline or a priority."""
+    if view.order.scheduler == "fifo":
+        return False
+    rows = (*view.running, *view.waiting)
+    return bool(job.deadline != NO_DEADLINE or job.priority) or any(
+        r.deadline != NO_DEADLINE or r.priority for r in rows
+    )
+
+
+def row_order(job: JobRequest, view: WorkerView, step_s: float) -> list[int]:
+    """The rows that compete for slots, J (``JOB``) among them, in W's order: fifo and edf list
+    only the waiting rows and J (running rows keep their slots), slack lists every row."""
+    num_running = len(view.running)
+    rows: list[tuple[int, RowState]] = list(enumerate(view.waiting, start=num_running))
+    if view.order.parks:
+        rows = list(enumerate(view.running)) + rows
+    if view.order.scheduler == "fifo":
+        return [i for i, _ in rows] + [JOB]
+    keys = [
+        (
+            precedence(
+                starved=False,
+                waited_s=0.0,
+                priority=r.priority,
+                slack=slack_s(r.deadline, job.now, r.remaining_steps, step_s),
+                enqueued_at=float(i),
+            ),
+            i,
+        )
+        for i, r in rows
+    ]
+    own = slack_s(job.deadline, job.now, job.num_steps, step_s)
+    keys.append(
+        (
+            precedence(
+                starved=False,
+                waited_s=0.0,
+                priority=job.priority,
+                slack=own,
+                enqueued_at=math.inf,
+            ),
+            JOB,
+        )
+    )
+    keys.sort()
+    return [i for _, i in keys]
+
+
+def replay(
+    steps: Sequence[int], num_running: int, order: Sequence[int], n: int, cap: int, row: RowOrder
+) -> Replay:
+    """Replay W's slots (module docstring): ``steps`` the remaining steps of the running rows then
+    the waiting rows, ``order`` what ``row_order`` gives, ``n`` J's steps, ``cap`` W's max batch.
+    Each row in turn takes the slot that frees first; under fifo this is the router's replay from
+    before deadlines, operation for operation."""
+    if row.parks:
+        return _replay_parking(steps, num_running, order, n, cap, row)
+    heap = [(float(steps[i]), i) for i in range(num_running)]  # running rows keep their slots
+    heapq.heapify(heap)
+    spans = {i: (0.0, float(steps[i])) for i in range(num_running)}  # row -> its slot's span
+    first = list(range(num_running))  # rows that hold a slot from the next step
+    admit, ahead = 0.0, 0
+    before: list[int] = []  # the rows in slots when J takes one, in heap order
+    for i in order:
+        start = 0.0 if len(heap) < cap else heap[0][0]
+        if i == JOB:
+            admit, ahead = start, len(spans)
+            before = [k for f, k in heap if f > start]
+        if len(heap) >= cap:
+            heapq.heappop(heap)
+        elif start == 0.0 and i != JOB:
+            first.append(i)
+        end = start + (n if i == JOB else steps[i])
+        heapq.heappush(heap, (end, i))
+        if i != JOB:
+            spans[i] = (start, end)
+    end, seen = admit + n, set(before)
+    co_runners = [
+        (min(e, end) - max(s0, admit), k)
+        for k, (s0, e) in [(k, spans[k]) for k in before]
+        + [(k, v) for k, v in spans.items() if k not in seen and v[0] >= admit]
+        if min(e, end) > max(s0, admit)
+    ]
+    return Replay(admit, tuple(first), tuple(co_runners), ahead, 0)
+
+
+def _replay_parking(
+    steps: Sequence[int], num_running: int, order: Sequence[int], n: int, cap: int, row: RowOrder
+) -> Replay:
+    """The slack scheduler's replay: every row in ``order``, running ones included. A running row
+    keeps its slot until a row ranked before it displaces it (at a round boundary, within the
+    churn bound, when no slot frees sooner); it is then parked and, when its turn in ``order``
+    comes, resumes its remaining steps in the first slot to free."""
+    rank = {i: pos for pos, i in enumerate(order)}
+    slots: list[tuple[float, int | None]] = [(float(steps[i]), i) for i in range(num_running)]
+    slots += [(0.0, None)] * max(0, cap - num_running)  # (when it frees, its holder)
+    spans: dict[int, list[tuple[float, float]]] = {
+        i: [(0.0, float(steps[i]))] for i in range(num_running)
+    }
+    left = list(steps)  # steps each row has left to run
+    holding = set(range(num_running))  # running rows still in their slot, not yet reached
+    displaced, admit, ahead, parked = 0, 0.0, 0, 0
+    for pos, i in enumerate(order):
+        if i in holding:  # its turn: it keeps its slot
+            holding.discard(i)
+            continue
+        k = min(range(len(slots)), key=lambda j: (slots[j][0], j))
+        start = slots[k][0]
+        if start > 0.0 and i not in spans:  # a waiting row, or J: displace a running row?
+            boundary = float(
+                row.round_steps // 2 + row.round_steps * (displaced // row.max_parks_per_round)
+            )
+            victims = [j for j, (_, h) in enumerate(slots) if h in holding]
+            if victims and boundary < start:
+                k = max(victims, key=lambda j: rank[slots[j][1]])  # type: ignore[index]
+                victim = slots[k][1]
+                assert victim is not None
+                holding.discard(victim)
+                left[victim] -= int(boundary)
+                spans[victim] = [(0.0, boundary)]
+                start, displaced, parked = boundary, displaced + 1, parked + (i == JOB)
+        end = start + (n if i == JOB else left[i])
+        slots[k] = (end, i)
+        if i == JOB:
+            admit, ahead = start, pos
+        else:
+            spans.setdefault(i, []).append((start, end))
+    end = admit + n
+    co_runners = []
+    for k, intervals in sorted(spans.items()):
+        overlap = sum(max(0.0, min(e, end) - max(s0, admit)) for s0, e in intervals)
+        if overlap > 0:
+            co_runners.append((overlap, k))
+    first = tuple(sorted(k for k, iv in spans.items() if iv[0][0] == 0.0))
+    return Replay(admit, first, tuple(co_runners), ahead, parked)
+
+
+def finish_terms(job: JobRequest, terms: Mapping[str, float]) -> dict[str, float]:
+    """``finish_s`` (now -> J's last step: wait + run + residency + adapters; ``imposed`` is what
+    J costs its co-runners, not its own time), ``finish_at`` (on the deadlines' clock) and
+    ``late_s`` (past the deadline, 0 without one)."""
+    own = terms["wait"] + terms["run"] + terms["residency"] + terms["adapters"]
+    at = job.now + own
+    late = max(0.0, at - job.deadline) if job.deadline != NO_DEADLINE else 0.0
+    return {"finish_s": own, "finish_at": at, "late_s": late}
+
+
+def choose_by_deadline(
+    job: JobRequest, candidates: Sequence[WorkerView], estimates: Mapping[str, Mapping[str, float]]
+) -> tuple[str, dict[str, float], str]:
+    """(worker id, cost per candidate, why) for a job with a deadline (module docstring). The cost
+    of a worker where J is on time is its ``total``; where it is late, the largest total of any
+    candidate plus its lateness, so every late worker ranks after every on-time one and the least
+    late first: the least cost still wins, ties to the smallest id."""
+    ceiling = max(e["total"] for e in estimates.values())
+    costs = {
+        w: e["total"] if e["late_s"] <= 0.0 else ceiling + e["late_s"] for w, e in estimates.items()
+    }
+    best = min(candidates, key=lambda w: (costs[w.worker_id], w.worker_id)).worker_id
+    terms, on_time = estimates[best], sum(1 for e in estimates.values() if e["late_s"] <= 0.0)
+    if terms["late_s"] <= 0.0:
+        why = (
+            f"meets its deadline on {on_time} of {len(estimates)}: min estimated completion "
+            f"{terms['total']:.3f} s, finishing {job.deadline - terms['finish_at']:.3f} s early"
+        )
+    else:
+        why = f"late on every worker: least late, by {terms['late_s']:.3f} s"
+    parks = f", parks {int(terms.get('parked', 0))} row" if terms.get("parked") else ""
+    return best, costs, why + parks

@@ -1,0 +1,281 @@
+"""Routing with deadlines (pure): the predicted finish per worker, the rows that precede a job under
+each step scheduler, and the choice (on time at least cost, else least late)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from backend import protocol
+from backend.costmodel.costs import CostProfile
+from backend.dispatch.deadline_cost import RowOrder, replay
+from backend.dispatch.router import (
+    JobRequest,
+    Router,
+    RoutingCostModel,
+    RowState,
+    WorkerView,
+    view_from_heartbeat,
+)
+
+PROFILES = Path(__file__).resolve().parents[1] / "profiles"
+MODEL = "small-flux-fill"
+NOW = 1000.0
+SLACK, EDF, FIFO = RowOrder("slack"), RowOrder("edf"), RowOrder("fifo")
+
+
+@pytest.fixture(scope="module")
+def cm() -> RoutingCostModel:
+    return RoutingCostModel.from_profile(
+        CostProfile.from_json((PROFILES / f"{MODEL}__cpu__kv.json").read_text())
+    )
+
+
+def rows(spec, prefix="r", deadline=0.0, priority=0) -> tuple[RowState, ...]:
+    return tuple(
+        RowState(f"{prefix}{i}", m, s, t, deadline=deadline, priority=priority)
+        for i, (m, s, t) in enumerate(spec)
+    )
+
+
+def worker(wid, running=(), waiting=(), ram=(), order=FIFO, max_batch=8) -> WorkerView:
+    return WorkerView(
+        wid, MODEL, "cpu", max_batch, running, waiting, frozenset(ram), frozenset(), order=order
+    )
+
+
+def job(deadline=0.0, template="t0", priority=0, steps=20) -> JobRequest:
+    return JobRequest(
+        "j", MODEL, 0.1, steps, template, deadline=deadline, priority=priority, now=NOW
+    )
+
+
+def choose(cm, j, views):
+    return Router("mask_aware", {(MODEL, "cpu"): cm}).choose(j, views)
+
+
+def cheap_but_slow(cm):
+    """Two full workers (batch 2). w0: J's template in RAM, but it waits 30 steps of two large
+    masks (cheap: it slows no one, yet finishes late); w1: J records its template densely after 2
+    steps (it finishes sooner, yet costs more: its dense row slows its co-runner)."""
+    w0 = worker("w0", rows([(0.5, 30, "a")] * 2), ram={"a", "t0"}, max_batch=2)
+    w1 = worker("w1", rows([(0.1, 2, "b"), (0.1, 20, "b")]), ram={"b"}, max_batch=2)
+    e0, e1 = cm.estimate(job(), w0), cm.estimate(job(), w1)
+    assert e0["total"] < e1["total"] and e0["finish_s"] > e1["finish_s"] + 5
+    return w0, w1, e0, e1
+
+
+# ----- the choice -------------------------------------------------------------------------------
+def test_the_router_prefers_the_worker_that_meets_the_deadline_over_a_cheaper_one(cm):
+    w0, w1, e0, e1 = cheap_but_slow(cm)
+    assert choose(cm, job(), [w0, w1]).worker_id == "w0"  # no deadline: the least cost
+    deadline = NOW + (e0["finish_s"] + e1["finish_s"]) / 2  # w1 meets it, w0 does not
+    d = choose(cm, job(deadline), [w0, w1])
+    assert d.worker_id == "w1" and "meets its deadline on 1 of 2" in d.reason
+    assert d.costs["w1"] < d.costs["w0"]  # the least cost still wins
+    assert d.terms["w0"]["late_s"] == pytest.approx(e0["finish_s"] - (deadline - NOW))
+    assert d.terms["w1"]["late_s"] == 0.0
+    assert d.terms["w1"]["finish_at"] == pytest.approx(NOW + e1["finish_s"])
+    # a deadline both meet: the cheaper one, as without a deadline
+    assert choose(cm, job(NOW + e0["finish_s"] + 5), [w0, w1]).worker_id == "w0"
+
+
+def test_when_no_worker_meets_the_deadline_the_least_late_one_wins(cm):
+    w0, w1, e0, e1 = cheap_but_slow(cm)
+    d = choose(cm, job(NOW + 1.0), [w0, w1])
+    assert d.worker_id == "w1" and "late on every worker" in d.reason
+    assert d.terms["w1"]["late_s"] == pytest.approx(e1["finish_s"] - 1.0)
+    assert d.costs["w1"] < d.costs["w0"]
+
+
+def test_a_job_already_past_its_deadline_goes_where_it_finishes_first(cm):
+    w0, w1, _, _ = cheap_but_slow(cm)
+    assert choose(cm, job(NOW - 60.0), [w0, w1]).worker_id == "w1"
+
+
+# ----- the rows ahead of a job ------------------------------------------------------------------
+def test_a_tight_job_is_not_charged_for_the_slack_rich_queue_ahead_of_it(cm):
+    """A full batch (20 steps left) and 8 queued rows, all with an hour of slack: under FIFO J waits
+    for the queue (40 steps), under EDF only for the running batch (20), under the slack scheduler
+    for the next round boundary, displacing (parking) one running row."""
+    loose = NOW + 3600
+    running = rows([(0.1, 20, "a")] * 8, "r", loose)
+    waiting = rows([(0.1, 20, "a")] * 8, "q", loose)
+    tight = job(NOW + 10)
+    est = {
+        order.scheduler: cm.estimate(
+            tight, worker("w", running, waiting, ram={"a", "t0"}, order=order)
+        )
+        for order in (FIFO, EDF, SLACK)
+    }
+    assert est["fifo"]["admit_step"] == 40 and est["fifo"]["ahead"] == 16
+    assert est["edf"]["admit_step"] == 20 and est["edf"]["ahead"] == 8
+    assert est["slack"]["admit_step"] == SLACK.round_steps // 2 and est["slack"]["parked"] == 1
+    assert est["slack"]["ahead"] == 0
+    assert est["slack"]["wait"] < est["edf"]["wait"] < est["fifo"]["wait"]
+    assert est["slack"]["finish_s"] < est["edf"]["finish_s"] < est["fifo"]["finish_s"]
+    # no parking allowed (churn bound 0): the slack scheduler is EDF
+    no_parks = cm.estimate(
+        tight,
+        worker("w", running, waiting, ram={"a", "t0"}, order=RowOrder("slack", 5, 0)),
+    )
+    assert no_parks["admit_step"] == 20 and no_parks["parked"] == 0
+
+
+def test_rows_with_less_slack_still_precede_the_job(cm):
+    """Queued rows tighter than J (or of a higher priority) stay ahead of it; looser ones do not."""
+    running = rows([(0.1, 10, "a")] * 8, "r")
+    tighter = rows([(0.1, 20, "a")] * 8, "q", NOW + 5)
+    looser = rows([(0.1, 20, "a")] * 8, "q", NOW + 3600)
+    urgent = rows([(0.1, 20, "a")] * 8, "q", NOW + 3600, priority=5)
+    j = job(NOW + 60)
+    for order in (EDF, SLACK):
+
+        def admit(waiting, order=order):
+            view = worker("w", running, waiting, ram={"a", "t0"}, order=order)
+            return cm.estimate(j, view)["admit_step"]
+
+        assert admit(tighter) > admit(looser) and admit(urgent) == admit(tighter)
+
+
+def test_the_routed_choice_follows_the_workers_scheduler(cm):
+    """Every worker is full. w0 queues 16 slack-rich batch rows, w1 8 rows tighter than J: under
+    FIFO J goes to w1 (fewer rows ahead); under EDF and the slack scheduler to w0, where it passes
+    the whole queue (and, under slack, parks a running row at the next round boundary). Without a
+    deadline J would only be offered the least loaded worker, w1."""
+    loose, tighter = NOW + 3600, NOW + 1
+
+    def views(order):
+        return [
+            worker(
+                "w0",
+                rows([(0.1, 20, "a")] * 8, "r", loose),
+                rows([(0.1, 20, "a")] * 16, "q", loose),
+                ram={"a", "t0"},
+                order=order,
+            ),
+            worker(
+                "w1",
+                rows([(0.1, 16, "b")] * 8, "r", tighter),
+                rows([(0.1, 20, "b")] * 8, "q", tighter),
+                ram={"b", "t0"},
+                order=order,
+            ),
+        ]
+
+    j = job(NOW + 40)
+    fifo = choose(cm, j, views(FIFO))
+    assert fifo.worker_id == "w1" and fifo.terms["w0"]["admit_step"] == 60
+    edf = choose(cm, j, views(EDF))
+    assert edf.worker_id == "w0" and edf.terms["w0"]["admit_step"] == 20
+    assert edf.terms["w1"]["admit_step"] == 36
+    slack = choose(cm, j, views(SLACK))
+    assert slack.worker_id == "w0" and slack.terms["w0"]["parked"] == 1
+    assert set(choose(cm, job(), views(SLACK)).costs) == {"w1"}
+
+
+def test_the_slack_replay_bounds_parks_per_round():
+    """Queued rows (and J) ranked before running rows displace them at round boundaries, at most
+    ``max_parks_per_round`` a round; a parked row resumes its remaining steps when its turn comes
+    and a slot frees."""
+    order = RowOrder("slack", round_steps=4, max_parks_per_round=2)
+    # 3 running rows (20 steps left, indexes 0-2), 4 waiting (5 steps, 3-6), max batch 3; the
+    # waiting rows rank first, then J (-1), then the running rows
+    r = replay([20, 20, 20, 5, 5, 5, 5], 3, [3, 4, 5, 6, -1, 0, 1, 2], 6, 3, order)
+    # rows 3 and 4 displace at the first boundary (step 4 // 2 = 2) and run to 7; row 5 at the next
+    # one (6: the churn bound); row 6 and J take the slots rows 3 and 4 free at 7. Rows 0 and 1
+    # (parked at 2) resume at 11 and 12, when rows 5 and 6 finish: they overlap J's 7..13
+    assert r.admit == 7 and r.parked == 0 and r.ahead == 4
+    assert dict((k, o) for o, k in r.co_runners) == {5: 4, 6: 5, 0: 2, 1: 1}
+    assert set(r.first) == {0, 1, 2}  # the parked rows run until their boundary
+    roomy = replay([20, 20, 20, 5, 5, 5, 5], 3, [3, 4, 5, 6, -1, 0, 1, 2], 6, 8, order)
+    # max batch 8: 5 free slots, nobody displaced, everything from step 0
+    assert roomy.admit == 0 and roomy.parked == 0 and set(roomy.first) == {0, 1, 2, 3, 4, 5, 6}
+    tight = replay([10, 10, 10], 3, [-1, 0, 1, 2], 6, 3, order)  # a full batch; J ranks first
+    assert tight.admit == 2 and tight.parked == 1 and tight.ahead == 0
+
+
+# ----- no deadlines: as before ------------------------------------------------------------------
+def test_without_deadlines_every_scheduler_gives_the_old_estimates_and_choices(cm):
+    rng = random.Random(7)
+    for trial in range(150):
+        spec = [
+            (
+                [(rng.random() * 0.9, rng.randint(0, 25), f"t{rng.randint(0, 5)}")]
+                * rng.randint(0, 8),
+                [(rng.random() * 0.9, rng.randint(1, 25), f"t{rng.randint(0, 5)}")]
+                * rng.randint(0, 6),
+                {f"t{rng.randint(0, 5)}" for _ in range(3)},
+            )
+            for _ in range(rng.randint(1, 4))
+        ]
+        j = JobRequest(f"j{trial}", MODEL, rng.random(), 20, f"t{rng.randint(0, 6)}", now=NOW)
+        picks = {}
+        for order in (FIFO, EDF, SLACK):
+            views = [
+                worker(f"w{i}", rows(run), rows(wait, "q"), ram, order)
+                for i, (run, wait, ram) in enumerate(spec)
+            ]
+            d = choose(cm, j, views)
+            picks[order.scheduler] = (d.worker_id, d.costs)
+        assert picks["fifo"] == picks["edf"] == picks["slack"]
+
+
+def test_a_deadline_job_on_fifo_workers_costs_what_it_did(cm):
+    """FIFO workers admit in arrival order whatever the deadlines: the estimate is the same with or
+    without one; only the choice rule changes."""
+    view = worker(
+        "w",
+        rows([(0.2, 3, "a"), (0.1, 30, "b")], "r", NOW + 5),
+        rows([(0.3, 20, "c")] * 2, "q", NOW + 2),
+        ram={"a", "b", "c", "t0"},
+        max_batch=4,
+    )
+    plain, timed = cm.estimate(job(), view), cm.estimate(job(NOW + 1), view)
+    for key in ("wait", "run", "residency", "imposed", "adapters", "total", "admit_step"):
+        assert plain[key] == timed[key]
+    assert timed["late_s"] > 0 and plain["late_s"] == 0.0
+    assert all(v >= 0 for v in timed.values())
+
+
+def test_a_job_without_a_deadline_ranks_after_rows_with_one(cm):
+    """On a slack worker, rows with deadlines precede a job without one (infinite slack), as do
+    rows without one that arrived before it: it waits for the whole queue, as under FIFO."""
+    view = worker(
+        "w",
+        rows([(0.1, 10, "a")] * 8, "r", NOW + 100),
+        rows([(0.1, 20, "a")] * 4, "q", NOW + 3600),
+        ram={"a", "t0"},
+        order=SLACK,
+    )
+    est = cm.estimate(job(), view)
+    assert est["admit_step"] == 10 and est["parked"] == 0 and est["ahead"] == 12
+    fifo = cm.estimate(job(), replace(view, order=FIFO))
+    assert all(est[k] == fifo[k] for k in ("wait", "run", "total", "admit_step", "ahead"))
+
+
+# ----- heartbeats -------------------------------------------------------------------------------
+def test_views_carry_deadlines_priorities_and_the_steps_a_parked_row_has_left():
+    beat = protocol.WorkerHeartbeat(
+        worker_id="w1",
+        model_id=MODEL,
+        device="cpu",
+        at=1.0,
+        max_batch=4,
+        batching="continuous",
+        running=[protocol.RunningRow("a", 0.1, 7, "t", deadline=50.0, priority=2)],
+        waiting=[protocol.WaitingRow("b", 0.2, 20, "u", deadline=60.0, priority=1, step=8)],
+    )
+    view = view_from_heartbeat(protocol.decode(protocol.encode(beat)), SLACK)
+    (run,), (wait,) = view.running, view.waiting
+    assert (run.deadline, run.priority, run.remaining_steps) == (50.0, 2, 7)
+    assert (wait.deadline, wait.priority, wait.step, wait.remaining_steps) == (60.0, 1, 8, 12)
+    assert view.order == SLACK and view_from_heartbeat(beat).order == FIFO
+
+
+def test_row_order_refuses_an_unknown_scheduler():
+    with pytest.raises(ValueError, match="scheduler must be one of"):
+        RowOrder("lifo")
