@@ -19,12 +19,40 @@ of the queue while rows behind it take the free slots (``SchedulerOutput.held``)
 first step after it becomes ready. No read ever stalls the running batch (FlashPS's bubble-free
 serving).
 
-Invariants: at most ``max_batch`` rows run; a row is in exactly one of waiting / running / done;
-every running row is stepped exactly once per ``schedule`` -> ``update_from_output`` round (rows
-that cannot share a forward pass, e.g. other resolutions, go into separate groups of the same step;
-the baseline worker runs its one group's steps inside one pipeline call, reporting each step with
-``update_from_output``); a cancelled row never runs another step after the ``schedule`` that
-follows the cancel.
+Deadlines (``backend.worker.deadlines.DeadlinePlan``; none, or ``fifo``, is arrival order as above).
+In ``continuous`` and ``inline`` modes (``static`` and ``baseline`` stay FIFO: they are the
+baselines compared against):
+
+* ``edf``: waiting rows take free slots in ``precedence`` order (starved first, then priority,
+  then least slack, then arrival: ``backend.costmodel.slack``); a running row keeps its slot;
+* ``slack`` (after TetriServe): as ``edf`` at every step; and every ``round_steps`` steps a
+  planning round ranks running and waiting rows together, slack priced at the step time of the
+  batch as it would be, and parks running rows that fall out of the first ``max_batch`` so that
+  tighter waiting rows get their slots. A parked row leaves the batch at a step boundary
+  (``SchedulerOutput.parked``: the worker releases its cache pins and keeps its latents and
+  scheduler state), keeps its ``step`` and waits in the queue; it resumes like any waiting row
+  (``ready`` is asked again; ``SchedulerOutput.resumed``) and runs its remaining steps only.
+
+A round parks a running row R for a waiting row W only when all of these hold: fewer than
+``max_parks_per_round`` rows were parked in this round; W precedes R; W is ready (``ready(W)``
+is asked only once a row to park was found, and W then takes R's slot in the same schedule, so a
+row that is not ready never displaces anyone); W is starved, or W's slack is strictly less than
+R's and W needs the slot now (under ``URGENT_ROUNDS`` rounds of slack left, and no slot frees by
+itself in time); R is not starved, was not resumed since the last round, and stays on time after
+sitting out one round (its slack minus one round's time is >= 0). A row without a deadline has
+infinite slack: it never displaces anyone, and rows without deadlines keep FIFO among themselves.
+
+Invariants: at most ``max_batch`` rows run; a row is in exactly one of waiting (queued or
+parked) / running / done; every running row is stepped exactly once per ``schedule`` ->
+``update_from_output`` round (rows that cannot share a forward pass, e.g. other resolutions, go
+into separate groups of the same step; the baseline worker runs its one group's steps inside one
+pipeline call, reporting each step with ``update_from_output``); a cancelled row never runs
+another step after the ``schedule`` that follows the cancel; a parked row keeps its ``step`` and
+ends after exactly ``num_steps`` steps in all; a planning round parks at most
+``max_parks_per_round`` rows; a row that has waited ``max_wait_s`` (queued and parked, summed)
+goes before every row that has not and is never parked again: it joins at the next free slot, or
+at the next round when a running row may be parked for it, so no row waits past ``max_wait_s`` and
+one round (or the steps left of the batch, when nothing may be parked) while it is ready.
 """
 
 from __future__ import annotations
@@ -35,6 +63,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend.protocol.messages import RunningRow, WaitingRow
+from backend.worker import deadlines as dl
+from backend.worker.deadlines import DeadlinePlan, RowForecast, StepTime
 
 MODES = ("continuous", "static", "inline", "baseline")
 
@@ -49,8 +79,18 @@ class Row:
     enqueued_at: float = 0.0
     template: str = ""  # cache digest of the row's template ("" = none), for routing by residency
     adapters: tuple[str, ...] = ()  # sha256 of the row's LoRA adapters, for routing by residency
-    admitted_at: float | None = None
+    admitted_at: float | None = None  # the first admission (a resumed row keeps it)
     step: int = 0
+    deadline: float = 0.0  # epoch seconds on the clock of ``now`` and ``enqueued_at``; 0 = none
+    priority: int = 0  # higher goes first (``backend.costmodel.slack.precedence``)
+    service_class: str = ""  # "interactive" / "batch" ("" = unknown), for the worker's metrics
+    # Time spent waiting (queued or parked), for the starvation bound: ``wait_s`` sums the waits
+    # that ended, ``waiting_since`` is when the current one began (None while running). ``add``
+    # starts the first wait at ``enqueued_at``: it must be on the clock of ``schedule(now)``.
+    wait_s: float = 0.0
+    waiting_since: float | None = None
+    parked: bool = False  # parked at a step boundary and not resumed yet (``step`` is kept)
+    parks: int = 0  # times this row was parked
 
     @property
     def remaining_steps(self) -> int:
@@ -63,8 +103,14 @@ class SchedulerOutput:
     admitted: list[str] = field(default_factory=list)
     groups: list[list[str]] = field(default_factory=list)  # one forward pass per group, this step
     cancelled: list[str] = field(default_factory=list)  # rows dropped (waiting or running)
-    # waiting rows passed over: not ready, a slot was free
+    # waiting rows passed over: not ready, a slot was free (or a park would have made one)
     held: list[str] = field(default_factory=list)
+    # running rows that left the batch at this step boundary (slack scheduler): the worker
+    # releases their cache pins and keeps their state; they never appear in ``groups``
+    parked: list[str] = field(default_factory=list)
+    # rows in ``admitted`` that were parked: the worker re-acquires their cache and resumes their
+    # state from their ``step`` (it does not build it again)
+    resumed: list[str] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -72,15 +118,23 @@ class SchedulerOutput:
 
 
 class BatchScheduler:
-    def __init__(self, max_batch: int, mode: str = "continuous"):
+    def __init__(self, max_batch: int, mode: str = "continuous", plan: DeadlinePlan | None = None):
         if mode not in MODES:
             raise ValueError(f"batching mode must be one of {', '.join(MODES)}, got {mode!r}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
-        self.max_batch, self.mode = max_batch, mode
+        self.max_batch, self.mode, self.plan = max_batch, mode, plan
+        # the step scheduler in force: static and baseline batches stay FIFO (module docstring)
+        self.policy = plan.scheduler if plan and mode in ("continuous", "inline") else "fifo"
         self.waiting: OrderedDict[str, Row] = OrderedDict()
         self.running: OrderedDict[str, Row] = OrderedDict()
         self._cancel_requests: set[str] = set()
+        # planning rounds (slack): steps run since the last round; rows resumed since it (not
+        # parked at the next one, so a resumed row runs at least until the round after)
+        self._steps_since_round = 0
+        self._resumed_since_round: set[str] = set()
+        self._order: list[str] = []  # waiting rows in admission order at the last schedule
+        self.parks = self.resumes = self.rounds = 0  # totals, for the worker's metrics
 
     # ----- inputs -----------------------------------------------------------------------------
     def add(self, row: Row) -> bool:
@@ -90,12 +144,14 @@ class BatchScheduler:
             raise ValueError(f"job {row.job_id} has no steps to run")
         if row.job_id in self.waiting or row.job_id in self.running:
             return False
+        if row.waiting_since is None:
+            row.waiting_since = row.enqueued_at
         self.waiting[row.job_id] = row
         return True
 
     def cancel(self, job_id: str) -> bool:
-        """Ask to drop ``job_id``; it leaves at the next ``schedule``. False if the job is unknown
-        here."""
+        """Ask to drop ``job_id`` (waiting, parked or running); it leaves at the next ``schedule``.
+        False if the job is unknown here."""
         if job_id in self.waiting or job_id in self.running:
             self._cancel_requests.add(job_id)
             return True
@@ -103,34 +159,154 @@ class BatchScheduler:
 
     # ----- one step ---------------------------------------------------------------------------
     def schedule(self, now: float, ready: Callable[[Row], bool] | None = None) -> SchedulerOutput:
-        """Retire cancelled rows, admit waiting rows (FIFO, skipping those ``ready`` rejects), and
-        group the running rows into this step's forward passes."""
+        """Retire cancelled rows, park rows at a planning round (slack), admit waiting rows (in
+        the policy's order, skipping those ``ready`` rejects), and group the running rows into
+        this step's forward passes. The worker handles ``cancelled``, then ``parked`` (release
+        pins, keep state), then ``admitted`` (``resumed`` among them). ``ready`` of a row that
+        takes a parked row's slot is asked while the parked row still holds its pins (they are
+        released after this call): under RAM pressure that row waits for a later round."""
         out = SchedulerOutput()
         for job_id in sorted(self._cancel_requests):
             if self.waiting.pop(job_id, None) or self.running.pop(job_id, None):
                 out.cancelled.append(job_id)
+            self._resumed_since_round.discard(job_id)
         self._cancel_requests.clear()
         if self._may_admit():
-            batch_key = None  # baseline: the group key of the first row admitted
-            for job_id, row in list(self.waiting.items()):
-                if len(self.running) >= self.max_batch:
-                    break
-                if batch_key is not None and row.group_key != batch_key:
-                    continue  # not held: it waits for a batch of its own key
-                if ready is not None and not ready(row):
-                    out.held.append(job_id)
-                    continue
-                if self.mode == "baseline":
-                    batch_key = row.group_key
-                del self.waiting[job_id]
-                row.admitted_at = now
-                self.running[job_id] = row
-                out.admitted.append(job_id)
+            if self.policy == "fifo":
+                self._admit_fifo(now, ready, out)
+            else:
+                self._admit_by_precedence(now, ready, out)
         groups: dict[str, list[str]] = {}
         for job_id, row in self.running.items():
             groups.setdefault(row.group_key, []).append(job_id)
         out.groups = list(groups.values())
+        if out.groups:
+            self._steps_since_round += 1
         return out
+
+    def _admit_fifo(
+        self, now: float, ready: Callable[[Row], bool] | None, out: SchedulerOutput
+    ) -> None:
+        batch_key = None  # baseline: the group key of the first row admitted
+        for job_id, row in list(self.waiting.items()):
+            if len(self.running) >= self.max_batch:
+                break
+            if batch_key is not None and row.group_key != batch_key:
+                continue  # not held: it waits for a batch of its own key
+            if ready is not None and not ready(row):
+                out.held.append(job_id)
+                continue
+            if self.mode == "baseline":
+                batch_key = row.group_key
+            self._admit(row, now, out)
+
+    def _admit_by_precedence(
+        self, now: float, ready: Callable[[Row], bool] | None, out: SchedulerOutput
+    ) -> None:
+        """``edf`` and ``slack``: free slots go to waiting rows in precedence order; at a planning
+        round (``slack``) a row that finds no free slot may take a parked row's (``_victim``)."""
+        plan = self.plan
+        assert plan is not None  # a policy other than fifo comes from a plan
+        step_s = dl.planned_step_s(
+            plan, list(self.running.values()), list(self.waiting.values()), self.max_batch, now
+        )
+        # a planning round every round_steps steps run (idle schedules do not count)
+        planning = self.policy == "slack" and self._steps_since_round >= plan.round_steps
+        protected: set[str] = set()
+        parks_left = 0
+        if planning:
+            self.rounds += 1
+            self._steps_since_round = 0
+            protected, self._resumed_since_round = self._resumed_since_round, set()
+            parks_left = plan.max_parks_per_round
+        queued_ahead = 0  # rows before this one left waiting for a slot to free by itself
+        for row in dl.ordered(self.waiting.values(), now, step_s, plan):
+            if len(self.running) < self.max_batch:
+                if ready is not None and not ready(row):
+                    out.held.append(row.job_id)
+                    queued_ahead += 1
+                    continue
+                self._admit(row, now, out)
+                continue
+            if not planning or parks_left == 0:
+                break  # no slot, and none may be made by parking
+            victim = self._victim(row, now, step_s, queued_ahead, protected, out)
+            if victim is None:
+                queued_ahead += 1
+                continue
+            if ready is not None and not ready(row):
+                out.held.append(row.job_id)  # a park would have made it a slot
+                queued_ahead += 1
+                continue
+            self._park(victim, now, out)
+            parks_left -= 1
+            self._admit(row, now, out)
+        self._order = [r.job_id for r in dl.ordered(self.waiting.values(), now, step_s, plan)]
+
+    def _victim(
+        self,
+        row: Row,
+        now: float,
+        step_s: float,
+        queued_ahead: int,
+        protected: set[str],
+        out: SchedulerOutput,
+    ) -> Row | None:
+        """The running row to park so that waiting ``row`` gets its slot this round, or None
+        (rules in the module docstring); of the rows that may be parked, the last in precedence."""
+        plan = self.plan
+        assert plan is not None
+        round_s = plan.round_steps * step_s
+        slack = dl.row_slack(row, now, step_s)
+        row_starved = dl.starved(row, now, plan)
+        if not row_starved:
+            if not slack < dl.URGENT_ROUNDS * round_s:
+                return None  # it can wait for a later round and still be on time
+            # the slots that free by themselves (rows ending), the earliest first; the rows left
+            # waiting before this one take the first of them
+            ends = sorted(r.remaining_steps for r in self.running.values())
+            if queued_ahead < len(ends) and ends[queued_ahead] * step_s <= slack:
+                return None  # a slot frees in time without parking anyone
+        key = dl.row_key(row, now, step_s, plan)
+        best: Row | None = None
+        best_key = key
+        for candidate in self.running.values():
+            if candidate.job_id in protected or candidate.job_id in out.admitted:
+                continue  # resumed since the last round, or joined in this schedule
+            if dl.starved(candidate, now, plan):
+                continue  # a starved row is never parked again
+            their_slack = dl.row_slack(candidate, now, step_s)
+            if their_slack - round_s < 0:
+                continue  # sitting out a round would make it late
+            if not row_starved and not slack < their_slack:
+                continue  # parks only for a tighter row
+            their_key = dl.row_key(candidate, now, step_s, plan)
+            if their_key > best_key:  # after ``row``, and the last such so far
+                best, best_key = candidate, their_key
+        return best
+
+    def _admit(self, row: Row, now: float, out: SchedulerOutput) -> None:
+        del self.waiting[row.job_id]
+        if row.waiting_since is not None:  # the wait ends: it counts toward the starvation bound
+            row.wait_s += max(0.0, now - row.waiting_since)
+            row.waiting_since = None
+        if row.admitted_at is None:
+            row.admitted_at = now
+        self.running[row.job_id] = row
+        out.admitted.append(row.job_id)
+        if row.parked:
+            row.parked = False
+            out.resumed.append(row.job_id)
+            self._resumed_since_round.add(row.job_id)
+            self.resumes += 1
+
+    def _park(self, row: Row, now: float, out: SchedulerOutput) -> None:
+        """``row`` leaves the batch at this step boundary and waits again, keeping its step."""
+        del self.running[row.job_id]
+        row.parked, row.parks, row.waiting_since = True, row.parks + 1, now
+        self.waiting[row.job_id] = row
+        out.parked.append(row.job_id)
+        self.parks += 1
 
     def _may_admit(self) -> bool:
         return self.mode not in ("static", "baseline") or not self.running
@@ -145,6 +321,7 @@ class BatchScheduler:
             row.step += 1
             if row.remaining_steps <= 0:
                 finished.append(self.running.pop(job_id))
+                self._resumed_since_round.discard(job_id)
         return finished
 
     def restart(self, job_id: str) -> None:
@@ -157,24 +334,76 @@ class BatchScheduler:
 
     def drop(self, job_id: str) -> Row | None:
         """Remove a row at once (its admission failed); the worker reports why."""
+        self._resumed_since_round.discard(job_id)
         return self.waiting.pop(job_id, None) or self.running.pop(job_id, None)
 
-    # ----- views (heartbeats, routing) ------------------------------------------------------
+    # ----- views (heartbeats, routing, events) -------------------------------------------------
     @property
     def idle(self) -> bool:
         return not self.running and not self.waiting
 
+    def counters(self) -> dict[str, int]:
+        """Totals since start, for metrics: rows parked, rows resumed, planning rounds."""
+        return {"parks": self.parks, "resumes": self.resumes, "rounds": self.rounds}
+
+    def queue_order(self) -> list[Row]:
+        """Waiting rows in the order they would join, as of the last ``schedule`` (rows queued
+        since then last, in arrival order). Costs no step-time prediction."""
+        waiting = dict(self.waiting)
+        first = [waiting.pop(job_id) for job_id in self._order if job_id in waiting]
+        return first + list(waiting.values())
+
+    def forecast(self, now: float, step_time: StepTime | None = None) -> dict[str, RowForecast]:
+        """Every row's ``RowForecast``: the running batch and the queue run forward on predicted
+        step times (``step_time``, else the plan's), the queue joining in this scheduler's order
+        as slots free (``deadlines.simulate``). Pure; at most O(rows) step-time predictions."""
+        step_time = step_time or (self.plan.step_time if self.plan else None)
+        if step_time is None:
+            raise ValueError("forecast needs a step time: pass step_time or a DeadlinePlan")
+        running = [r for r in self.running.values() if r.job_id not in self._cancel_requests]
+        waiting = [r for r in self.waiting.values() if r.job_id not in self._cancel_requests]
+        if self.policy != "fifo" and self.plan is not None:
+            step_s = dl.planned_step_s(self.plan, running, waiting, self.max_batch, now)
+            waiting = dl.ordered(waiting, now, step_s, self.plan)
+        time_of = step_time  # bound for the closure (mypy: not None)
+        return dl.simulate(
+            now,
+            running,
+            waiting,
+            self.max_batch,
+            lambda rows: max(0.0, float(time_of(rows))) if rows else 0.0,
+            join_when_empty=self.mode not in ("continuous", "inline"),
+        )
+
     def live_state(self) -> dict[str, Any]:
-        """Running batch and queue, as the worker's heartbeat reports them."""
+        """Running batch and queue (in admission order), as the worker's heartbeat reports them."""
         return {
             "running": [
-                RunningRow(r.job_id, r.mask_ratio, r.remaining_steps, r.template, list(r.adapters))
-                for r in self.running.values()
+                RunningRow(
+                    r.job_id,
+                    r.mask_ratio,
+                    r.remaining_steps,
+                    r.template,
+                    list(r.adapters),
+                    deadline=r.deadline,
+                    priority=r.priority,
+                )
+                for r in list(self.running.values())
             ],
             "waiting": [
-                WaitingRow(r.job_id, r.mask_ratio, r.num_steps, r.template, list(r.adapters))
-                for r in self.waiting.values()
+                WaitingRow(
+                    r.job_id,
+                    r.mask_ratio,
+                    r.num_steps,
+                    r.template,
+                    list(r.adapters),
+                    deadline=r.deadline,
+                    priority=r.priority,
+                    step=r.step,
+                )
+                for r in self.queue_order()
             ],
             "max_batch": self.max_batch,
             "mode": self.mode,
+            "scheduler": self.policy,
         }

@@ -1,0 +1,191 @@
+"""Deadline-aware step scheduling: the plan ``BatchScheduler`` follows and its pure helpers (no
+torch, no redis, no clock: ``now`` is always an argument).
+
+A ``DeadlinePlan`` picks one of three step schedulers (``Settings.deadlines.scheduler``):
+
+* ``fifo``: arrival order, exactly the scheduler MaskServe had before deadlines;
+* ``edf``: waiting rows take free slots in ``precedence`` order (starved first, then priority, then
+  least slack, then arrival); a running row keeps its slot;
+* ``slack`` (after TetriServe): as ``edf`` at every step, and every ``round_steps`` steps a planning
+  round may park running rows with slack to spare so that tighter waiting rows get their slots.
+
+Slack and precedence have one definition, ``backend.costmodel.slack``: this module only says which
+step time they use, that of the batch as it would be (``planned_step_s``), and how long a row has
+waited (``waited_s``: queued or parked, summed over every wait).
+
+``forecast`` predicts, for every row of a worker, its queue position and the epochs of its next and
+last steps, by running the scheduler's own order forward on the predicted step times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from backend.costmodel.slack import precedence, slack_s
+
+if TYPE_CHECKING:  # batching imports this module: the row type is only needed for annotations
+    from backend.config_deadlines import DeadlineSettings
+    from backend.worker.batching import Row
+
+SCHEDULERS = ("fifo", "edf", "slack")
+# A waiting row asks for a park only when fewer than this many rounds of slack are left: a row with
+# more can wait for a later round (or a slot that frees by itself) and still be on time. Without
+# this, least-slack-first parks running rows for fresh rows of the same deadline (a fresh row has
+# more steps left, hence less slack) and the batch thrashes; two rounds leave one round of margin
+# for step times that come out longer than predicted.
+URGENT_ROUNDS = 2
+
+StepTime = Callable[[Sequence["Row"]], float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeadlinePlan:
+    """How a worker's ``BatchScheduler`` orders and parks rows (``Settings.deadlines``).
+
+    ``step_time(rows)``: predicted seconds of one step of a batch made of ``rows`` (the worker
+    answers from its fitted cost model; it is called O(rows) times per schedule or forecast).
+    """
+
+    scheduler: str = "slack"
+    round_steps: int = 5
+    max_wait_s: float = 300.0
+    max_parks_per_round: int = 2
+    step_time: StepTime
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(
+                f"step scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}"
+            )
+        if self.round_steps < 1:
+            raise ValueError(f"round_steps must be at least 1, got {self.round_steps}")
+        if not self.max_wait_s > 0:
+            raise ValueError(f"max_wait_s must be positive, got {self.max_wait_s}")
+        if self.max_parks_per_round < 0:
+            raise ValueError(f"max_parks_per_round must be >= 0, got {self.max_parks_per_round}")
+
+    @classmethod
+    def from_settings(cls, settings: DeadlineSettings, step_time: StepTime) -> DeadlinePlan:
+        """The plan of ``Settings.deadlines``, with the worker's step-time prediction."""
+        return cls(
+            scheduler=settings.scheduler,
+            round_steps=settings.round_steps,
+            max_wait_s=settings.max_wait_s,
+            max_parks_per_round=settings.max_parks_per_round,
+            step_time=step_time,
+        )
+
+    def step_s(self, rows: Sequence[Row]) -> float:
+        """Predicted step time of a batch of ``rows``; 0 for no rows, never negative."""
+        return max(0.0, float(self.step_time(rows))) if rows else 0.0
+
+
+@dataclass(frozen=True)
+class RowForecast:
+    """Where a row stands on a worker: ``position`` in the queue (1 = next to join; 0 = running),
+    ``start`` the predicted epoch of its next step (its first, for a row that has not run) and
+    ``finish`` the predicted epoch at which its last step ends."""
+
+    position: int
+    start: float
+    finish: float
+
+
+# ----- per row ---------------------------------------------------------------------------------
+def waited_s(row: Row, now: float) -> float:
+    """Seconds ``row`` has waited, queued or parked, over all its waits up to ``now``."""
+    open_wait = now - row.waiting_since if row.waiting_since is not None else 0.0
+    return row.wait_s + max(0.0, open_wait)
+
+
+def starved(row: Row, now: float, plan: DeadlinePlan) -> bool:
+    """Past the starvation bound: the row goes first and is never parked again."""
+    return waited_s(row, now) > plan.max_wait_s
+
+
+def row_slack(row: Row, now: float, step_s: float) -> float:
+    """``slack_s`` of the row at ``now`` in a batch stepping every ``step_s`` seconds."""
+    return slack_s(row.deadline, now, row.remaining_steps, step_s)
+
+
+def row_key(
+    row: Row, now: float, step_s: float, plan: DeadlinePlan
+) -> tuple[int, float, int, float, float]:
+    """The row's ``precedence`` (smaller goes first)."""
+    return precedence(
+        starved=starved(row, now, plan),
+        waited_s=waited_s(row, now),
+        priority=row.priority,
+        slack=row_slack(row, now, step_s),
+        enqueued_at=row.enqueued_at,
+    )
+
+
+# ----- per batch -------------------------------------------------------------------------------
+def planned_step_s(
+    plan: DeadlinePlan, running: Sequence[Row], waiting: Sequence[Row], max_batch: int, now: float
+) -> float:
+    """Step time of the batch as it would be: the ``max_batch`` rows of highest precedence among
+    ``running`` and ``waiting``. Precedence needs a step time and the step time needs the batch, so
+    a first guess (the running rows topped up from the queue in its order) orders the rows once and
+    the batch they choose is priced again: two ``step_time`` calls."""
+    if not running and not waiting:
+        return 0.0
+    guess = plan.step_s([*running, *waiting][:max_batch])
+    rows = sorted([*running, *waiting], key=lambda r: row_key(r, now, guess, plan))
+    return plan.step_s(rows[:max_batch])
+
+
+def ordered(rows: Iterable[Row], now: float, step_s: float, plan: DeadlinePlan) -> list[Row]:
+    """``rows`` in precedence order (stable: FIFO among equals)."""
+    return sorted(rows, key=lambda r: row_key(r, now, step_s, plan))
+
+
+def simulate(
+    now: float,
+    running: Sequence[Row],
+    queue: Sequence[Row],
+    max_batch: int,
+    step_s: Callable[[Sequence[Row]], float],
+    join_when_empty: bool = False,
+) -> dict[str, RowForecast]:
+    """Run the batch forward on predicted step times: each running row ends after its remaining
+    steps; queued rows, in ``queue``'s order, take slots as they free (``join_when_empty``: only
+    once the whole batch has ended, as static batching does). The batch changes only when a row
+    ends, so ``step_s`` is called once per change: at most once per row, plus one.
+
+    Future parks are not simulated: a tight queued row may join sooner than forecast (by a park),
+    and the running row it displaces end later."""
+    position = {row.job_id: i + 1 for i, row in enumerate(queue)}
+    start = {row.job_id: now for row in running}
+    finish: dict[str, float] = {}
+    left = {row.job_id: row.remaining_steps for row in running}  # steps left, per batch row
+    batch = list(running)
+    pending = list(reversed(queue))  # pop() takes the next to join
+    clock = now
+
+    def fill() -> None:
+        if join_when_empty and batch:
+            return
+        while pending and len(batch) < max_batch:
+            row = pending.pop()
+            start[row.job_id] = clock
+            left[row.job_id] = row.remaining_steps
+            batch.append(row)
+
+    fill()
+    while batch:
+        steps = max(0, min(left[row.job_id] for row in batch))
+        clock += steps * max(0.0, step_s(batch))
+        for row in batch:
+            left[row.job_id] -= steps
+            if left[row.job_id] <= 0:
+                finish[row.job_id] = clock
+        batch = [row for row in batch if left[row.job_id] > 0]
+        fill()
+    return {
+        job_id: RowForecast(position.get(job_id, 0), start[job_id], finish[job_id])
+        for job_id in start
+    }
