@@ -126,7 +126,9 @@ def test_a_tight_job_is_not_charged_for_the_slack_rich_queue_ahead_of_it(cm):
 
 
 def test_rows_with_less_slack_still_precede_the_job(cm):
-    """Queued rows tighter than J (or of a higher priority) stay ahead of it; looser ones do not."""
+    """Queued rows tighter than J (or of a higher priority) stay ahead of it; looser ones do not.
+    (Under slack the tighter rows also park running rows; rows of a higher priority with slack to
+    spare do not: they only precede J.)"""
     running = rows([(0.1, 10, "a")] * 8, "r")
     tighter = rows([(0.1, 20, "a")] * 8, "q", NOW + 5)
     looser = rows([(0.1, 20, "a")] * 8, "q", NOW + 3600)
@@ -138,14 +140,15 @@ def test_rows_with_less_slack_still_precede_the_job(cm):
             view = worker("w", running, waiting, ram={"a", "t0"}, order=order)
             return cm.estimate(j, view)["admit_step"]
 
-        assert admit(tighter) > admit(looser) and admit(urgent) == admit(tighter)
+        assert admit(tighter) > admit(looser) and admit(urgent) > admit(looser)
 
 
 def test_the_routed_choice_follows_the_workers_scheduler(cm):
     """Every worker is full. w0 queues 16 slack-rich batch rows, w1 8 rows tighter than J: under
-    FIFO J goes to w1 (fewer rows ahead); under EDF and the slack scheduler to w0, where it passes
-    the whole queue (and, under slack, parks a running row at the next round boundary). Without a
-    deadline J would only be offered the least loaded worker, w1."""
+    FIFO J goes to w1 (fewer rows ahead); under EDF to w0, where it passes the whole queue (late
+    everywhere, least late there); under the slack scheduler to w0 too, where it also parks a
+    running row at the next round boundary and is on time. Without a deadline J would only be
+    offered the least loaded worker, w1."""
     loose, tighter = NOW + 3600, NOW + 1
 
     def views(order):
@@ -166,7 +169,7 @@ def test_the_routed_choice_follows_the_workers_scheduler(cm):
             ),
         ]
 
-    j = job(NOW + 40)
+    j = job(NOW + 20)
     fifo = choose(cm, j, views(FIFO))
     assert fifo.worker_id == "w1" and fifo.terms["w0"]["admit_step"] == 60
     edf = choose(cm, j, views(EDF))
@@ -174,28 +177,44 @@ def test_the_routed_choice_follows_the_workers_scheduler(cm):
     assert edf.terms["w1"]["admit_step"] == 36
     slack = choose(cm, j, views(SLACK))
     assert slack.worker_id == "w0" and slack.terms["w0"]["parked"] == 1
+    assert slack.terms["w0"]["admit_step"] == 2 and slack.terms["w0"]["late_s"] == 0
+    assert edf.terms["w0"]["late_s"] > 0 and "least late" in edf.reason
     assert set(choose(cm, job(), views(SLACK)).costs) == {"w1"}
 
 
-def test_the_slack_replay_bounds_parks_per_round():
-    """Queued rows (and J) ranked before running rows displace them at round boundaries, at most
-    ``max_parks_per_round`` a round; a parked row resumes its remaining steps when its turn comes
-    and a slot frees."""
+def test_the_slack_replay_parks_only_for_rows_that_would_be_late_within_the_churn_bound():
+    """Queued rows (and J) ranked before running rows displace them at round boundaries, only when
+    waiting for a free slot would make them late, at most ``max_parks_per_round`` a round; a parked
+    row resumes its remaining steps when its turn comes and a slot frees."""
     order = RowOrder("slack", round_steps=4, max_parks_per_round=2)
-    # 3 running rows (20 steps left, indexes 0-2), 4 waiting (5 steps, 3-6), max batch 3; the
-    # waiting rows rank first, then J (-1), then the running rows
-    r = replay([20, 20, 20, 5, 5, 5, 5], 3, [3, 4, 5, 6, -1, 0, 1, 2], 6, 3, order)
+    steps, ranked = [20, 20, 20, 5, 5, 5, 5], [3, 4, 5, 6, -1, 0, 1, 2]
+    # 3 running rows (20 steps left, indexes 0-2, an hour of slack), 4 waiting (5 steps, 3-6) and J
+    # (6 steps) already late (negative slack): they rank first; steps of 1 s, max batch 3
+    slack = {0: 3600.0, 1: 3600.0, 2: 3600.0, 3: -1.0, 4: -1.0, 5: -1.0, 6: -1.0, -1: -1.0}
+    r = replay(steps, 3, ranked, 6, 3, order, slack, 1.0)
     # rows 3 and 4 displace at the first boundary (step 4 // 2 = 2) and run to 7; row 5 at the next
     # one (6: the churn bound); row 6 and J take the slots rows 3 and 4 free at 7. Rows 0 and 1
     # (parked at 2) resume at 11 and 12, when rows 5 and 6 finish: they overlap J's 7..13
     assert r.admit == 7 and r.parked == 0 and r.ahead == 4
     assert dict((k, o) for o, k in r.co_runners) == {5: 4, 6: 5, 0: 2, 1: 1}
     assert set(r.first) == {0, 1, 2}  # the parked rows run until their boundary
-    roomy = replay([20, 20, 20, 5, 5, 5, 5], 3, [3, 4, 5, 6, -1, 0, 1, 2], 6, 8, order)
     # max batch 8: 5 free slots, nobody displaced, everything from step 0
-    assert roomy.admit == 0 and roomy.parked == 0 and set(roomy.first) == {0, 1, 2, 3, 4, 5, 6}
-    tight = replay([10, 10, 10], 3, [-1, 0, 1, 2], 6, 3, order)  # a full batch; J ranks first
+    roomy = replay(steps, 3, ranked, 6, 8, order, slack, 1.0)
+    assert roomy.admit == 0 and roomy.parked == 0 and set(roomy.first) == set(range(7))
+    # a full batch, J ranks first: it parks the last ranked running row at the next boundary
+    tight = replay([10, 10, 10], 3, [-1, 0, 1, 2], 6, 3, order, slack, 1.0)
     assert tight.admit == 2 and tight.parked == 1 and tight.ahead == 0
+    # ... but not when the first slot to free (10 steps) comes in time, nor for a row that would
+    # be late after sitting out a round (slack under one round: 4 s)
+    on_time = replay([10, 10, 10], 3, [-1, 0, 1, 2], 6, 3, order, {**slack, -1: 10.0}, 1.0)
+    assert on_time.admit == 10 and on_time.parked == 0
+    fragile = replay([10, 10, 10], 3, [-1, 0, 1, 2], 6, 3, order, {**slack, 2: 3.0}, 1.0)
+    assert fragile.admit == 2 and fragile.parked == 1  # row 1 is parked instead of row 2
+    assert 2 in {k for _, k in fragile.co_runners} and 1 not in {k for _, k in fragile.co_runners}
+    # J has 30 s of slack and the first slot frees at 40: J becomes urgent (under 2 rounds: 8 s)
+    # after 22 steps, and 22 is a boundary (2 + 5 rounds)
+    loose = replay([40, 40, 40], 3, [-1, 0, 1, 2], 6, 3, order, {**slack, -1: 30.0}, 1.0)
+    assert loose.admit == 22 and loose.parked == 1
 
 
 # ----- no deadlines: as before ------------------------------------------------------------------
@@ -274,6 +293,14 @@ def test_views_carry_deadlines_priorities_and_the_steps_a_parked_row_has_left():
     assert (run.deadline, run.priority, run.remaining_steps) == (50.0, 2, 7)
     assert (wait.deadline, wait.priority, wait.step, wait.remaining_steps) == (60.0, 1, 8, 12)
     assert view.order == SLACK and view_from_heartbeat(beat).order == FIFO
+
+
+def test_the_router_models_the_workers_urgency_rule():
+    from backend.dispatch import deadline_cost
+
+    worker_rules = pytest.importorskip("backend.worker.deadlines")
+    assert deadline_cost.URGENT_ROUNDS == worker_rules.URGENT_ROUNDS
+    assert deadline_cost.SCHEDULERS == worker_rules.SCHEDULERS
 
 
 def test_row_order_refuses_an_unknown_scheduler():

@@ -12,13 +12,16 @@ batch with J in it (a row without a deadline has infinite slack):
   Exactly the replay the router made before deadlines.
 * ``edf``: running rows keep their slots; the waiting rows and J take freed slots in precedence
   order. Rows ranked behind J are admitted after it (and may then run beside it).
-* ``slack``: running and waiting rows and J in precedence order; the first ``max_batch`` of them
-  hold the slots. A waiting row (or J) ranked into the batch beyond its free slots displaces a
-  running row at a round boundary: the k-th such row (from 0) starts after ``round_steps // 2``
-  steps (the expected wait for the next boundary: the router does not know the round's phase)
-  plus ``round_steps`` for every ``max_parks_per_round`` displacements before it (the churn
-  bound). A running row ranked past the batch is parked and resumes, with its remaining steps,
-  when a slot frees. With ``max_parks_per_round`` 0 nothing is parked: ``edf``.
+* ``slack``: as ``edf``, and running rows join the order: a waiting row (or J) ranked before a
+  running row displaces it as the worker's planning round would (``backend.worker.batching``):
+  only when waiting for the first slot to free would make it late, at the first round boundary at
+  which its slack (shrinking while it waits) is under ``URGENT_ROUNDS`` rounds and the round has
+  parks left (``max_parks_per_round``), if that comes sooner than the free slot. The running row
+  parked is the last ranked one with more slack that stays on time after sitting out a round; it
+  resumes its remaining steps when its turn in the order comes and a slot frees. Round boundaries
+  are at ``round_steps // 2 + m * round_steps`` steps (m = 0, 1, ...): the router does not know
+  the round's phase, so the next one is expected half a round away. With
+  ``max_parks_per_round`` 0 nothing is parked: ``edf``.
 
 So under ``slack`` a tight job is not charged for the rows with more slack ahead of it in W's
 queue, and the running rows it displaces (``parked``: 1 when J takes a slot beyond the free ones)
@@ -46,6 +49,9 @@ if TYPE_CHECKING:
     from backend.dispatch.views import JobRequest, RowState, WorkerView
 
 SCHEDULERS = ("fifo", "edf", "slack")
+# the worker parks a running row for a waiting one only when the waiting row has fewer than this
+# many rounds of slack left (``backend.worker.deadlines.URGENT_ROUNDS``; a test keeps them equal)
+URGENT_ROUNDS = 2
 JOB = -1  # the job's index in an order of rows
 
 
@@ -94,29 +100,33 @@ def deadlines_matter(job: JobRequest, view: WorkerView) -> bool:
     )
 
 
-def row_order(job: JobRequest, view: WorkerView, step_s: float) -> list[int]:
-    """The rows that compete for slots, J (``JOB``) among them, in W's order: fifo and edf list
-    only the waiting rows and J (running rows keep their slots), slack lists every row."""
+def row_order(
+    job: JobRequest, view: WorkerView, step_s: float
+) -> tuple[list[int], dict[int, float]]:
+    """The rows that compete for slots, J (``JOB``) among them, in W's order (fifo and edf list
+    only the waiting rows and J: running rows keep their slots; slack lists every row), and the
+    slack of every row and of J now, in a batch stepping every ``step_s`` seconds."""
     num_running = len(view.running)
     rows: list[tuple[int, RowState]] = list(enumerate(view.waiting, start=num_running))
     if view.order.parks:
         rows = list(enumerate(view.running)) + rows
+    slack = {i: slack_s(r.deadline, job.now, r.remaining_steps, step_s) for i, r in rows}
+    slack[JOB] = own = slack_s(job.deadline, job.now, job.num_steps, step_s)
     if view.order.scheduler == "fifo":
-        return [i for i, _ in rows] + [JOB]
+        return [i for i, _ in rows] + [JOB], slack
     keys = [
         (
             precedence(
                 starved=False,
                 waited_s=0.0,
                 priority=r.priority,
-                slack=slack_s(r.deadline, job.now, r.remaining_steps, step_s),
+                slack=slack[i],
                 enqueued_at=float(i),
             ),
             i,
         )
         for i, r in rows
     ]
-    own = slack_s(job.deadline, job.now, job.num_steps, step_s)
     keys.append(
         (
             precedence(
@@ -130,18 +140,25 @@ def row_order(job: JobRequest, view: WorkerView, step_s: float) -> list[int]:
         )
     )
     keys.sort()
-    return [i for _, i in keys]
+    return [i for _, i in keys], slack
 
 
 def replay(
-    steps: Sequence[int], num_running: int, order: Sequence[int], n: int, cap: int, row: RowOrder
+    steps: Sequence[int],
+    num_running: int,
+    order: Sequence[int],
+    n: int,
+    cap: int,
+    row: RowOrder,
+    slack: Mapping[int, float] | None = None,
+    step_s: float = 0.0,
 ) -> Replay:
     """Replay W's slots (module docstring): ``steps`` the remaining steps of the running rows then
-    the waiting rows, ``order`` what ``row_order`` gives, ``n`` J's steps, ``cap`` W's max batch.
-    Each row in turn takes the slot that frees first; under fifo this is the router's replay from
-    before deadlines, operation for operation."""
-    if row.parks:
-        return _replay_parking(steps, num_running, order, n, cap, row)
+    the waiting rows, ``order`` and ``slack`` what ``row_order`` gives, ``n`` J's steps, ``cap``
+    W's max batch, ``step_s`` its step time. Each row in turn takes the slot that frees first;
+    under fifo this is the router's replay from before deadlines, operation for operation."""
+    if row.parks and slack is not None and step_s > 0:
+        return _replay_parking(steps, num_running, order, n, cap, row, slack, step_s)
     heap = [(float(steps[i]), i) for i in range(num_running)]  # running rows keep their slots
     heapq.heapify(heap)
     spans = {i: (0.0, float(steps[i])) for i in range(num_running)}  # row -> its slot's span
@@ -172,13 +189,25 @@ def replay(
 
 
 def _replay_parking(
-    steps: Sequence[int], num_running: int, order: Sequence[int], n: int, cap: int, row: RowOrder
+    steps: Sequence[int],
+    num_running: int,
+    order: Sequence[int],
+    n: int,
+    cap: int,
+    row: RowOrder,
+    slack: Mapping[int, float],
+    step_s: float,
 ) -> Replay:
-    """The slack scheduler's replay: every row in ``order``, running ones included. A running row
-    keeps its slot until a row ranked before it displaces it (at a round boundary, within the
-    churn bound, when no slot frees sooner); it is then parked and, when its turn in ``order``
-    comes, resumes its remaining steps in the first slot to free."""
+    """The slack scheduler's replay (module docstring): every row in ``order``, running ones
+    included. A running row keeps its slot unless a row ranked before it displaces it; it is then
+    parked and, when its turn in ``order`` comes, resumes its remaining steps in the first slot to
+    free. A waiting row (or J) displaces one only as the worker's planning round would
+    (``backend.worker.batching``): when waiting for the first slot to free would make it late, at
+    the first round boundary at which its slack is under ``URGENT_ROUNDS`` rounds and the round
+    has parks left, if that is sooner; the running row parked is the last ranked one that has
+    more slack and stays on time after sitting out a round."""
     rank = {i: pos for pos, i in enumerate(order)}
+    round_s = row.round_steps * step_s
     slots: list[tuple[float, int | None]] = [(float(steps[i]), i) for i in range(num_running)]
     slots += [(0.0, None)] * max(0, cap - num_running)  # (when it frees, its holder)
     spans: dict[int, list[tuple[float, float]]] = {
@@ -186,26 +215,41 @@ def _replay_parking(
     }
     left = list(steps)  # steps each row has left to run
     holding = set(range(num_running))  # running rows still in their slot, not yet reached
-    displaced, admit, ahead, parked = 0, 0.0, 0, 0
+    used: dict[int, int] = {}  # round (0: the next) -> parks it made
+    admit, ahead, parked = 0.0, 0, 0
     for pos, i in enumerate(order):
         if i in holding:  # its turn: it keeps its slot
             holding.discard(i)
             continue
         k = min(range(len(slots)), key=lambda j: (slots[j][0], j))
         start = slots[k][0]
-        if start > 0.0 and i not in spans:  # a waiting row, or J: displace a running row?
-            boundary = float(
-                row.round_steps // 2 + row.round_steps * (displaced // row.max_parks_per_round)
+        own = slack[i]
+        if start > 0.0 and i not in spans and start * step_s > own:  # it would be late: park?
+            # the first round at which it is urgent, with parks left
+            m = max(
+                0,
+                math.ceil(
+                    ((own - URGENT_ROUNDS * round_s) / step_s - row.round_steps // 2)
+                    / row.round_steps
+                ),
             )
-            victims = [j for j, (_, h) in enumerate(slots) if h in holding]
-            if victims and boundary < start:
+            while used.get(m, 0) >= row.max_parks_per_round:
+                m += 1
+            boundary = row.round_steps // 2 + m * row.round_steps
+            then = own - boundary * step_s  # its slack at that boundary (it waited meanwhile)
+            victims = [
+                j
+                for j, (_, h) in enumerate(slots)
+                if h in holding and slack[h] - round_s >= 0 and slack[h] > then
+            ]
+            if boundary < start and victims:
                 k = max(victims, key=lambda j: rank[slots[j][1]])  # type: ignore[index]
                 victim = slots[k][1]
                 assert victim is not None
                 holding.discard(victim)
-                left[victim] -= int(boundary)
-                spans[victim] = [(0.0, boundary)]
-                start, displaced, parked = boundary, displaced + 1, parked + (i == JOB)
+                left[victim] -= boundary
+                spans[victim] = [(0.0, float(boundary))]
+                start, used[m], parked = float(boundary), used.get(m, 0) + 1, parked + (i == JOB)
         end = start + (n if i == JOB else left[i])
         slots[k] = (end, i)
         if i == JOB:
