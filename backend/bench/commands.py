@@ -1,5 +1,5 @@
-"""`maskserve bench ...`: the benchmark commands (engine, demo, worker, route, soak, crop, serve,
-adapter-quality) and their arguments.
+"""`maskserve bench ...`: the benchmark commands (engine, demo, worker, route, route-deadlines,
+soak, crop, serve, adapter-quality) and their arguments.
 
 Each command imports its benchmark module only when it runs, so `maskserve --help` stays light.
 """
@@ -13,6 +13,7 @@ from pathlib import Path
 from backend.bench.adapter_bench_cli import add_adapters_parser  # light: argparse only
 from backend.bench.adapter_quality_cli import add_adapter_quality_parser  # light: argparse only
 from backend.bench.crop_bench import add_crop_parser  # light: numpy only
+from backend.bench.route_deadlines_cli import add_route_deadlines_parser  # light: argparse only
 from backend.bench.serve_cli import add_serve_parser  # light: argparse only
 from backend.config import Settings
 from backend.dispatch.router import POLICIES as ROUTING_POLICIES
@@ -358,6 +359,7 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     route.add_argument("--real-duration", type=float, default=30.0)
     route.add_argument("--json", required=True)
     route.set_defaults(func=cmd_bench_route)
+    add_route_deadlines_parser(bench_sub)
     add_soak_parser(bench_sub)
     add_crop_parser(bench_sub)
     add_serve_parser(bench_sub)

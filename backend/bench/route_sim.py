@@ -40,15 +40,17 @@ import numpy as np
 from backend.cache.manager import CacheManager, LoadPlan, Residency, Tier
 from backend.dispatch.router import (
     AdapterNeed,
+    Decision,
     JobRequest,
     Router,
     RoutingCostModel,
+    RowOrder,
     RowState,
     WorkerView,
 )
 from backend.worker.adapter_book import AdapterBook, RowJoins, join_deadline
 from backend.worker.admission import AdmissionRules, Candidate
-from backend.worker.batching import BatchScheduler, Row
+from backend.worker.batching import BatchScheduler, Row, SchedulerOutput
 
 if TYPE_CHECKING:
     from backend.bench.route_bench import RouteBenchConfig
@@ -69,6 +71,11 @@ class SimJob:
     adapters: tuple[AdapterNeed, ...] = ()  # its LoRA adapters (sha, bytes)
     joins: RowJoins | None = None  # set at admission when it has adapters
     steps_done: int = 0
+    deadline: float = 0.0  # on the simulated clock (0: none); route_deadlines sets these
+    priority: int = 0
+    service_class: str = ""
+    wait_s: float = 0.0  # queued and parked, in all (set when it finishes)
+    parks: int = 0  # times it was parked (set when it finishes)
 
 
 class SimulatedAdapters:
@@ -229,6 +236,7 @@ class SimWorker:
         self.block_s = 0.0  # how long the step being started waits for adapters (deadline)
         self.blocked_s = 0.0  # all steps' waits for adapters
         self.scheduler = BatchScheduler(cfg.max_batch)
+        self.order = RowOrder()  # how the router models this worker's scheduler
         self.admission = AdmissionRules()
         self._gate = _AdmittedGate(self)
         self.jobs: dict[str, SimJob] = {}
@@ -238,42 +246,33 @@ class SimWorker:
         self.wake_at: float | None = None  # a wake event is pending for a landing read
 
     def view(self, cfg: RouteBenchConfig) -> WorkerView:
-        running = self.scheduler.running.values()
-        if self.adapters is None:
-            return WorkerView(
-                self.worker_id,
-                cfg.model_id,
-                cfg.device,
-                cfg.max_batch,
-                tuple(
-                    RowState(r.job_id, r.mask_ratio, r.remaining_steps, r.template) for r in running
-                ),
-                tuple(
-                    RowState(r.job_id, r.mask_ratio, r.num_steps, r.template)
-                    for r in self.scheduler.waiting.values()
-                ),
-                frozenset(self.caches.manager.resident(Tier.RAM)),
-                self.caches.disk.view,
+        book = self.adapters.book if self.adapters is not None else None
+        shas = {j: tuple(a.sha256 for a in job.adapters) for j, job in self.jobs.items() if book}
+
+        def state(r: Row, step: int) -> RowState:
+            return RowState(
+                r.job_id,
+                r.mask_ratio,
+                r.remaining_steps,
+                r.template,
+                shas.get(r.job_id, ()),
+                r.deadline,
+                r.priority,
+                step,
             )
-        shas = {j: tuple(a.sha256 for a in job.adapters) for j, job in self.jobs.items()}
-        book = self.adapters.book
+
         return WorkerView(
             self.worker_id,
             cfg.model_id,
             cfg.device,
             cfg.max_batch,
-            tuple(
-                RowState(r.job_id, r.mask_ratio, r.remaining_steps, r.template, shas[r.job_id])
-                for r in running
-            ),
-            tuple(
-                RowState(r.job_id, r.mask_ratio, r.num_steps, r.template, shas[r.job_id])
-                for r in self.scheduler.waiting.values()
-            ),
+            tuple(state(r, 0) for r in self.scheduler.running.values()),
+            tuple(state(r, r.step) for r in self.scheduler.waiting.values()),
             frozenset(self.caches.manager.resident(Tier.RAM)),
             self.caches.disk.view,
-            frozenset(book.device.sizes),
-            frozenset(book.host.sizes),
+            frozenset(book.device.sizes) if book else frozenset(),
+            frozenset(book.host.sizes) if book else frozenset(),
+            self.order,
         )
 
     def receive(self, job: SimJob, now: float) -> None:
@@ -282,7 +281,17 @@ class SimWorker:
         job_id = str(job.index)
         self.jobs[job_id] = job
         self.scheduler.add(
-            Row(job_id, self.cfg.steps, GROUP, job.mask_ratio, now, template=job.template)
+            Row(
+                job_id,
+                self.cfg.steps,
+                GROUP,
+                job.mask_ratio,
+                now,
+                template=job.template,
+                deadline=job.deadline,
+                priority=job.priority,
+                service_class=job.service_class,
+            )
         )
         self.caches.settle(now)
         self.caches.prefetch(job.template, speculative=True)
@@ -297,13 +306,17 @@ class SimWorker:
         self.admission.start_schedule()
         out = self.scheduler.schedule(now, self._ready)
         self.held += len(out.held)
-        for job_id in out.admitted:
-            self._admit(self.jobs[job_id], now)
+        self._scheduled(out, now)
         self.block_s = self._join_adapters(now) if self.adapters is not None else 0.0
         return [
             (job.mask_ratio, job.template, job.cached)
             for job in (self.jobs[j] for j in self.scheduler.running)
         ]
+
+    def _scheduled(self, out: SchedulerOutput, now: float) -> None:
+        """The schedule's admissions (a subclass also handles its parks and resumes)."""
+        for job_id in out.admitted:
+            self._admit(self.jobs[job_id], now)
 
     def _ready(self, row: Row) -> bool:
         return self.admission.admit(Candidate(row.job_id, row.template), self._gate)
@@ -366,6 +379,7 @@ class SimWorker:
         finished = []
         for row in self.scheduler.update_from_output(list(self.scheduler.running)):
             job = self.jobs.pop(row.job_id)
+            job.wait_s, job.parks = row.wait_s, row.parks
             if job.joins is not None and self.adapters is not None:
                 for sha in job.joins.joined:
                     self.adapters.book.unpin(sha)
@@ -396,6 +410,8 @@ class _AdmittedGate:
 class ClusterSimulation:
     """Workers, a router and a trace: ``run`` replays the trace (module docstring)."""
 
+    worker_class = SimWorker
+
     def __init__(
         self,
         cfg: RouteBenchConfig,
@@ -417,7 +433,7 @@ class ClusterSimulation:
 
             self.adapters_of = request_adapters(cfg, trace)
         self.workers = [
-            SimWorker(
+            self.worker_class(
                 f"w{i:02d}",
                 cfg,
                 SimulatedCaches(
@@ -437,6 +453,7 @@ class ClusterSimulation:
         self.held: deque = deque()  # late binding: jobs the dispatcher holds (FIFO)
         self.seq = 0
         self.done_at: dict[int, float] = {}
+        self.finished: dict[int, SimJob] = {}
         self.batch_rows: list[int] = []
         self.decisions: list[float] = []
 
@@ -498,25 +515,36 @@ class ClusterSimulation:
         views = [w.view(self.cfg) for w in self.workers]
         template = f"tpl{req.template}"
         adapters = self.adapters_of.get(req.index, ())
-        job = JobRequest(
-            str(req.index),
-            self.cfg.model_id,
-            req.mask_ratio,
-            self.cfg.steps,
-            template,
-            () if self.adapter_blind else adapters,
-        )
+        job = self.request_of(req, template, () if self.adapter_blind else adapters, now)
         started = time.perf_counter()
         decision = self.router.choose(job, views)
         self.decisions.append(time.perf_counter() - started)
         if decision.worker_id is None:
             return False
+        if not self.accept(req, decision, now):
+            return True  # refused (admission control): answered, never queued
         worker = self.workers[int(decision.worker_id[1:])]
         sim_job = SimJob(req.index, template, req.mask_ratio, req.arrival_s, adapters=adapters)
-        worker.receive(sim_job, now)
+        worker.receive(self.with_service(sim_job, req), now)
         if not worker.busy:
             self.start_step(worker, now)
         return True
+
+    def request_of(
+        self, req, template: str, adapters: tuple[AdapterNeed, ...], now: float
+    ) -> JobRequest:
+        """The job as the router sees it (a subclass adds its deadline)."""
+        return JobRequest(
+            str(req.index), self.cfg.model_id, req.mask_ratio, self.cfg.steps, template, adapters
+        )
+
+    def accept(self, req, decision: Decision, now: float) -> bool:
+        """Admission control of a routed job (here: every job is accepted)."""
+        return True
+
+    def with_service(self, job: SimJob, req) -> SimJob:
+        """The job with its service level (here: none)."""
+        return job
 
     def start_step(self, worker: SimWorker, now: float) -> None:
         """The worker admits and runs its next step; with nothing to run it sleeps until the
@@ -556,6 +584,7 @@ class ClusterSimulation:
         finished = worker.finish_step(now)
         for job in finished:
             self.done_at[job.index] = now
+            self.finished[job.index] = job
         self.start_step(worker, now)
         if finished and self.held:  # a worker's load fell: held jobs may find slack now
             self.dispatch_held(now)

@@ -4,7 +4,8 @@ Arrivals are Poisson (exponential gaps, optionally alternating calm and busy per
 two-state Markov-modulated Poisson process (``mmpp_trace``: rare bursts at a multiple of the mean
 rate, as ROCK saw in production); templates follow a Zipf popularity (a few hot templates, a long
 tail); mask ratios follow a Beta distribution with the requested mean (FlashPS reports a mean of
-0.11 in its production trace and 0.19 in the public one), clipped to [0.02, 0.9].
+0.11 in its production trace and 0.19 in the public one), clipped to [0.02, 0.9]. Service classes
+(``service_classes``: interactive or batch) are drawn apart from the arrivals.
 """
 
 from __future__ import annotations
@@ -104,6 +105,59 @@ def mmpp_trace(
             arrivals.append(now)
         now, state = until, 1 - state
     return _requests(rng, arrivals, num_templates, mask_mean, zipf_exponent)
+
+
+def counted_trace(
+    rps: float,
+    duration_s: float,
+    num_templates: int,
+    mask_mean: float,
+    seed: int = 0,
+    zipf_exponent: float = 1.1,
+    burst_factor: float = 1.0,
+    burst_share: float = 0.0,
+    burst_s: float = 3.0,
+) -> list[TraceRequest]:
+    """Exactly ``round(rps * duration_s)`` requests: a Poisson process (``burst_factor`` 1 or
+    ``burst_share`` 0) or ``mmpp_trace``'s two-state MMPP, conditioned on its count, so that it
+    offers exactly the intended rate. The modulating states come from their own seeded stream, so
+    the bursts fall at the same times whatever the rate; given the count, the arrivals are
+    uniform in the process's operational time (its integrated rate), mapped back to seconds."""
+    if rps <= 0 or duration_s <= 0:
+        raise ValueError("rps and duration must be positive")
+    # (start, end, relative rate) of each stay; one calm stay without bursts
+    stays = [(0.0, duration_s, 1.0)]
+    if burst_factor > 1.0 and burst_share > 0.0:
+        if not (burst_share < 1 and burst_share * burst_factor < 1):
+            raise ValueError(
+                f"burst share x factor must stay under 1 (got {burst_share} x {burst_factor})"
+            )
+        states = np.random.default_rng([seed, 41])
+        rates = ((1 - burst_share * burst_factor) / (1 - burst_share), burst_factor)
+        dwell = (burst_s * (1 - burst_share) / burst_share, burst_s)
+        stays, now, state = [], 0.0, 0
+        while now < duration_s:
+            until = min(duration_s, now + states.exponential(dwell[state]))
+            stays.append((now, until, rates[state]))
+            now, state = until, 1 - state
+    ends = np.cumsum([(b - a) * r for a, b, r in stays])  # operational time at each stay's end
+    rng = np.random.default_rng(seed)
+    ops = np.sort(rng.uniform(0.0, ends[-1], size=int(round(rps * duration_s))))
+    arrivals = []
+    for u in ops:
+        k = min(int(np.searchsorted(ends, u, side="right")), len(stays) - 1)
+        a, b, r = stays[k]
+        arrivals.append(min(b, a + (u - (ends[k] - (b - a) * r)) / r))
+    return _requests(rng, arrivals, num_templates, mask_mean, zipf_exponent)
+
+
+def service_classes(count: int, interactive_share: float, seed: int = 0) -> list[str]:
+    """A service class per request, ``interactive`` with probability ``interactive_share`` (else
+    ``batch``), drawn from its own seeded stream: the same arrivals get the same classes."""
+    if not 0.0 <= interactive_share <= 1.0:
+        raise ValueError(f"interactive share must be in [0, 1], got {interactive_share}")
+    draws = np.random.default_rng([seed, 31]).random(count)
+    return ["interactive" if d < interactive_share else "batch" for d in draws]
 
 
 def _requests(

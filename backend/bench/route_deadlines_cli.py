@@ -1,0 +1,115 @@
+"""`maskserve bench route-deadlines`: its arguments and command (``route_deadlines`` runs it;
+imported only when the command runs, so `maskserve --help` stays light)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from backend.config import Settings
+
+DEFAULT_JSON = "docs/bench/route-deadlines.json"
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x for x in text.split(",") if x)
+
+
+def cmd_bench_route_deadlines(args, settings: Settings) -> int:
+    from backend.bench.route_deadlines import (
+        DeadlineBenchConfig,
+        run_deadline_bench,
+        table,
+        write_outputs,
+    )
+
+    d = settings.deadlines
+    cfg = DeadlineBenchConfig(
+        model_id=args.model,
+        device=args.device_kind,
+        profiles_dir=args.profiles_dir or str(settings.paths.profiles_dir),
+        duration_s=args.duration,
+        num_workers=args.workers,
+        max_batch=args.max_batch,
+        steps=args.steps,
+        num_templates=args.templates,
+        ram_templates=args.ram_templates,
+        mask_mean=args.mask_mean,
+        capacity_rps=args.capacity_rps,
+        seed=args.seed,
+        schedulers=_names(args.schedulers),
+        traces=_names(args.traces),
+        loads=_floats(args.loads),
+        interactive_share=args.interactive_share,
+        interactive_target_s=args.interactive_target or d.interactive_target_s,
+        batch_target_s=args.batch_target or d.batch_target_s,
+        burst_factor=args.burst_factor,
+        burst_share=args.burst_share,
+        burst_s=args.burst_s,
+        round_steps=d.round_steps,
+        max_wait_s=d.max_wait_s,
+        max_parks_per_round=d.max_parks_per_round,
+        shed=not args.no_shed,
+        shed_classes=tuple(d.shed_classes),
+        late_factor=d.late_factor,
+        max_queue=d.max_queue,
+    )
+    report = run_deadline_bench(cfg, progress=print)
+    plot = write_outputs(report, Path(args.json))
+    print(f"capacity {report['capacity_rps']:.2f} req/s ({cfg.num_workers} workers)")
+    print(table(report))
+    for kind, t in report["targets"].items():
+        print(
+            f"{kind}, loads 0.8-1.0, slack vs fifo: interactive attainment "
+            f"+{t['interactive_points_min']:.1f} points at least "
+            f"({'met' if t['interactive_30_points'] else 'NOT met'}: >= 30); batch throughput "
+            f"x{t['batch_throughput_ratio_min']:.3f} at worst "
+            f"({'met' if t['batch_throughput_within_5pct'] else 'NOT met'}: >= 0.95); "
+            f"longest wait {t['max_wait_s']:.0f} s, {t['starved_jobs']} starved "
+            f"({'met' if t['no_job_starved'] else 'NOT met'})"
+        )
+    print(f"wrote {args.json} and {plot}")
+    return 0
+
+
+def add_route_deadlines_parser(bench_sub) -> argparse.ArgumentParser:
+    """``bench route-deadlines``: arguments default to ``Settings.deadlines`` where it has them
+    (targets, rounds, bounds, shedding)."""
+    p = bench_sub.add_parser(
+        "route-deadlines",
+        help="step schedulers (fifo, edf, slack) side by side under deadlines: mixed classes, "
+        "Poisson and bursty traces, in the route simulation",
+    )
+    p.add_argument("--model", default="small-flux-fill")
+    p.add_argument("--device-kind", default="cpu", help="the profile's device kind")
+    p.add_argument("--profiles-dir", default=None)
+    p.add_argument("--schedulers", default="fifo,edf,slack")
+    p.add_argument("--traces", default="poisson,bursty")
+    p.add_argument("--loads", default="0.5,0.8,0.9,1.0,1.2", help="fractions of the capacity")
+    p.add_argument("--duration", type=float, default=600.0, help="simulated seconds of arrivals")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--templates", type=int, default=200)
+    p.add_argument("--ram-templates", type=int, default=8, help="per worker")
+    p.add_argument("--mask-mean", type=float, default=0.11)
+    p.add_argument("--interactive-share", type=float, default=0.3)
+    p.add_argument(
+        "--interactive-target", type=float, default=0.0, help="seconds (0: deadlines settings)"
+    )
+    p.add_argument("--batch-target", type=float, default=0.0, help="seconds (0: settings)")
+    p.add_argument("--burst-factor", type=float, default=20.0, help="burst rate / mean rate")
+    p.add_argument("--burst-share", type=float, default=0.02, help="share of time in bursts")
+    p.add_argument("--burst-s", type=float, default=3.0, help="mean burst length (s)")
+    p.add_argument(
+        "--capacity-rps", type=float, default=0.0, help="loads as fractions of this rate"
+    )
+    p.add_argument("--no-shed", action="store_true", help="no admission control (no 429s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=DEFAULT_JSON)
+    p.set_defaults(func=cmd_bench_route_deadlines)
+    return p

@@ -1,0 +1,197 @@
+"""The route simulation with deadlines: workers that schedule their steps by deadline and park rows
+(``backend.worker.batching.BatchScheduler`` with a ``DeadlinePlan``), a router shown each job's
+deadline, and the API's admission-control rule (429) at arrival.
+
+Each simulated worker runs the serving worker's own scheduler with the arm's step scheduler:
+``fifo`` (no plan: today's continuous batching), ``edf`` or ``slack``, planned in rounds of
+``round_steps`` steps, with its starvation bound (``max_wait_s``) and churn bound
+(``max_parks_per_round``). Its step-time prediction is the worker's own: the routing cost model's
+latency of the rows (the fitted lines; a recording row dense, every other one cached), while a step
+takes the exact plan's latency (``route_sim``). A parked row leaves the batch at a step boundary and
+keeps its step; as the worker does, it releases its cache pin, and when resumed it acquires its
+cache again (waiting, like any row, while its entry is read back into RAM) and runs its remaining
+steps. A parked recording row keeps its recording (it needs no cache).
+
+Admission control (``ShedRule``), the API's formula: a job of a shed class is refused when its
+predicted latency (the router's predicted finish on the worker it chose) exceeds ``late_factor`` x
+the time to its deadline, or when the jobs accepted and not running (waiting or parked on any
+worker) are ``max_queue`` or more; a refused job is counted, never queued. A job of another class
+is accepted and counted as accepted late when predicted late.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from backend.bench.route_sim import ClusterSimulation, SimJob, SimWorker
+from backend.dispatch.router import AdapterNeed, Decision, JobRequest, RoutingCostModel, RowOrder
+from backend.worker.admission import Candidate
+from backend.worker.batching import BatchScheduler, Row, SchedulerOutput
+from backend.worker.deadlines import DeadlinePlan
+
+if TYPE_CHECKING:
+    from backend.bench.route_bench import RouteBenchConfig
+
+ARMS = ("fifo", "edf", "slack")
+
+
+@dataclass(frozen=True)
+class Service:
+    """A request's service level on the simulated clock."""
+
+    service_class: str
+    deadline: float  # arrival + the class's target
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The workers' step scheduler and its bounds (``Settings.deadlines``)."""
+
+    scheduler: str = "slack"
+    round_steps: int = 5
+    max_wait_s: float = 300.0
+    max_parks_per_round: int = 2
+
+    @property
+    def order(self) -> RowOrder:
+        """The same, as the router models it."""
+        return RowOrder(self.scheduler, self.round_steps, self.max_parks_per_round)
+
+
+@dataclass(frozen=True)
+class ShedRule:
+    """Admission control (module docstring); ``Settings.deadlines``' fields of the same names."""
+
+    shed_classes: tuple[str, ...] = ("batch",)
+    late_factor: float = 2.0
+    max_queue: int = 256
+
+    def refuses(
+        self, service: Service, predicted_s: float, to_deadline_s: float, queued: int
+    ) -> str:
+        """Why a job is refused ("queue", "deadline"), or "" when it is accepted."""
+        if service.service_class not in self.shed_classes:
+            return ""
+        if queued >= self.max_queue:
+            return "queue"
+        return "deadline" if predicted_s > self.late_factor * to_deadline_s else ""
+
+
+class DeadlineSimWorker(SimWorker):
+    """A ``SimWorker`` whose scheduler may park rows: parked rows release their cache pin and
+    acquire it again when they resume (module docstring)."""
+
+    def use_plan(self, plan: StepPlan, model: RoutingCostModel) -> None:
+        """Schedule with ``plan`` (fifo: no plan, as today), predicting steps with ``model``."""
+        self.order = plan.order
+
+        def step_time(rows: Sequence[Row]) -> float:
+            jobs = self.jobs
+            return model.step_latency(
+                [(r.mask_ratio, r.template, not jobs[r.job_id].records) for r in rows]
+            )
+
+        self.scheduler = BatchScheduler(
+            self.cfg.max_batch,
+            plan=None
+            if plan.scheduler == "fifo"
+            else DeadlinePlan(
+                scheduler=plan.scheduler,
+                round_steps=plan.round_steps,
+                max_wait_s=plan.max_wait_s,
+                max_parks_per_round=plan.max_parks_per_round,
+                step_time=step_time,
+            ),
+        )
+
+    def _ready(self, row: Row) -> bool:
+        if not row.parked:
+            return super()._ready(row)
+        job = self.jobs[row.job_id]
+        if job.records or not job.cached:  # it computes densely: no cache to acquire
+            return True
+        candidate = Candidate(row.job_id, row.template)
+        if not self.caches.ready(candidate):
+            return False
+        job.cached = not self.caches.acquire(candidate)
+        return True
+
+    def _scheduled(self, out: SchedulerOutput, now: float) -> None:
+        for job_id in out.parked:
+            job = self.jobs[job_id]
+            if job.cached and not job.records:
+                self.caches.release(job.template)
+        resumed = set(out.resumed)
+        for job_id in out.admitted:
+            if job_id not in resumed:  # a resumed row was admitted (and counted) before
+                self._admit(self.jobs[job_id], now)
+
+
+class DeadlineClusterSimulation(ClusterSimulation):
+    """``ClusterSimulation`` with service levels, deadline-scheduled workers and admission
+    control (module docstring). ``blind``: the router is not shown the deadlines."""
+
+    worker_class = DeadlineSimWorker
+
+    def __init__(
+        self,
+        cfg: RouteBenchConfig,
+        truth: RoutingCostModel,
+        router,
+        trace,
+        disk: set[str],
+        services: Sequence[Service],
+        plan: StepPlan,
+        model: RoutingCostModel,
+        shed: ShedRule | None = None,
+        blind: bool = False,
+    ):
+        super().__init__(cfg, truth, router, trace, disk)
+        self.services, self.shed_rule, self.blind = services, shed, blind
+        for worker in self.workers:
+            assert isinstance(worker, DeadlineSimWorker)
+            worker.use_plan(plan, model)
+        self.refused: dict[int, str] = {}  # request index -> why ("queue" or "deadline")
+        self.accepted_late: set[int] = set()  # accepted although predicted late
+        self.predicted: dict[int, float] = {}  # request index -> the router's predicted finish
+
+    def request_of(
+        self, req, template: str, adapters: tuple[AdapterNeed, ...], now: float
+    ) -> JobRequest:
+        job = super().request_of(req, template, adapters, now)
+        if self.blind:
+            return job
+        service = self.services[req.index]
+        return replace(job, deadline=service.deadline, priority=service.priority, now=now)
+
+    def accept(self, req, decision: Decision, now: float) -> bool:
+        service = self.services[req.index]
+        terms = decision.terms.get(decision.worker_id or "", {})
+        predicted = terms.get("finish_s", 0.0)
+        self.predicted[req.index] = now + predicted
+        if self.shed_rule is not None:
+            queued = len(self.held) + sum(len(w.scheduler.waiting) for w in self.workers)
+            why = self.shed_rule.refuses(service, predicted, service.deadline - now, queued)
+            if why:
+                self.refused[req.index] = why
+                return False
+        if now + predicted > service.deadline:
+            self.accepted_late.add(req.index)
+        return True
+
+    def with_service(self, job: SimJob, req) -> SimJob:
+        service = self.services[req.index]
+        job.deadline, job.priority = service.deadline, service.priority
+        job.service_class = service.service_class
+        return job
+
+    def scheduler_counts(self) -> dict[str, int]:
+        """Parks, resumes and planning rounds over every worker."""
+        out = {"parks": 0, "resumes": 0, "rounds": 0}
+        for worker in self.workers:
+            for key, value in worker.scheduler.counters().items():
+                out[key] += value
+        return out

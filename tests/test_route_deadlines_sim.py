@@ -1,0 +1,264 @@
+"""`maskserve bench route-deadlines` at a toy scale: traces with service classes, the simulated
+workers' parking and resuming, admission control, the report and its targets (not a timing test:
+simulated time)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from backend.bench.route_bench import RouteBenchConfig, cost_model_for
+from backend.bench.route_deadlines import (
+    DeadlineBenchConfig,
+    deadline_trace,
+    run_deadline_bench,
+    services_of,
+    table,
+    targets,
+    write_outputs,
+)
+from backend.bench.route_deadlines_sim import (
+    DeadlineClusterSimulation,
+    Service,
+    ShedRule,
+    StepPlan,
+)
+from backend.bench.trace import TraceRequest, service_classes
+from backend.dispatch.router import Router
+
+PROFILES = Path(__file__).resolve().parents[1] / "profiles"
+
+
+def toy(**kw) -> DeadlineBenchConfig:
+    base = dict(
+        profiles_dir=str(PROFILES),
+        duration_s=40.0,
+        num_workers=3,
+        max_batch=2,
+        steps=6,
+        num_templates=10,
+        ram_templates=3,
+        prerecorded=0.7,
+        loads=(0.6, 1.1),
+        interactive_target_s=8.0,
+        batch_target_s=120.0,
+        burst_factor=10.0,
+        burst_share=0.05,
+        burst_s=2.0,
+    )
+    return DeadlineBenchConfig(**(base | kw))
+
+
+# ----- traces -----------------------------------------------------------------------------------
+def test_service_classes_are_seeded_and_take_their_share():
+    classes = service_classes(5000, 0.3, seed=4)
+    assert classes == service_classes(5000, 0.3, seed=4) != service_classes(5000, 0.3, seed=5)
+    assert classes.count("interactive") / 5000 == pytest.approx(0.3, abs=0.02)
+    assert set(service_classes(10, 0.0)) == {"batch"}
+    with pytest.raises(ValueError, match="interactive share"):
+        service_classes(3, 1.5)
+
+
+def test_deadline_traces_offer_the_rate_and_bursts_cluster_arrivals_at_the_same_times():
+    cfg = toy(duration_s=600.0, burst_factor=20.0, burst_share=0.02, burst_s=3.0)
+    poisson, bursty = deadline_trace(cfg, "poisson", 4.0, 0), deadline_trace(cfg, "bursty", 4.0, 0)
+    assert len(poisson) == len(bursty) == 2400  # exactly the rate offered
+    assert all(0 <= r.arrival_s <= 600 for r in bursty)
+    assert [r.arrival_s for r in bursty] == sorted(r.arrival_s for r in bursty)
+
+    def busiest_second(trace):
+        counts: dict[int, int] = {}
+        for r in trace:
+            counts[int(r.arrival_s)] = counts.get(int(r.arrival_s), 0) + 1
+        return max(counts.values())
+
+    assert busiest_second(bursty) > 3 * busiest_second(poisson)
+
+    # the bursts do not move with the rate: the busiest seconds are the same at half the rate
+    def busy(trace):
+        counts: dict[int, int] = {}
+        for r in trace:
+            counts[int(r.arrival_s)] = counts.get(int(r.arrival_s), 0) + 1
+        return {sec for sec, n in counts.items() if n >= 4 * len(trace) / 600}
+
+    assert busy(bursty) and len(busy(bursty) & busy(deadline_trace(cfg, "bursty", 2.0, 0))) >= 3
+    services = services_of(cfg, bursty)
+    for req, s in zip(bursty, services):
+        target = (
+            cfg.interactive_target_s if s.service_class == "interactive" else cfg.batch_target_s
+        )
+        assert s.deadline == pytest.approx(req.arrival_s + target)
+    with pytest.raises(ValueError, match="trace must be one of"):
+        deadline_trace(cfg, "diurnal", 1.0, 0)
+
+
+# ----- the simulated workers --------------------------------------------------------------------
+def one_worker(scheduler: str):
+    """One worker, one slot, 20 steps a job: a batch job runs from t=0; an interactive job arrives
+    5.5 steps in, with 6 steps of slack (it must start by step 10 and a half)."""
+    route = RouteBenchConfig(
+        profiles_dir=str(PROFILES),
+        num_workers=1,
+        max_batch=1,
+        steps=20,
+        num_templates=1,
+        ram_templates=1,
+        prerecorded=1.0,
+        noise_cv=0.0,
+        disk_read_s_per_byte=0.0,
+    )
+    truth, routing = cost_model_for(route, "exact"), cost_model_for(route)
+    t = truth.step_latency([(0.1, "tpl0", True)])
+    trace = [TraceRequest(0, 0.0, 0, 0.1, 1), TraceRequest(1, 5.5 * t, 0, 0.1, 2)]
+    services = [Service("batch", 600.0), Service("interactive", trace[1].arrival_s + 26 * t)]
+    sim = DeadlineClusterSimulation(
+        route,
+        truth,
+        Router("mask_aware", {(route.model_id, route.device): routing}),
+        trace,
+        {"tpl0"},
+        services,
+        StepPlan(scheduler, round_steps=5),
+        routing,
+    )
+    sim.run()
+    return sim, t, services
+
+
+def test_the_slack_scheduler_parks_the_batch_row_for_the_tight_one_which_resumes_after():
+    sim, t, services = one_worker("slack")
+    # the planning round at step 10 parks the batch job (10 steps left) for the interactive one
+    assert sim.done_at[1] == pytest.approx(30 * t, rel=0.02)
+    assert sim.done_at[1] <= services[1].deadline
+    assert sim.done_at[0] == pytest.approx(40 * t, rel=0.02)  # it resumed for its last 10 steps
+    batch, interactive = sim.finished[0], sim.finished[1]
+    assert batch.parks == 1 and batch.steps_done == 20 and interactive.steps_done == 20
+    assert batch.wait_s == pytest.approx(20 * t, rel=0.02)  # parked from step 10 to 30
+    counts = sim.scheduler_counts()
+    assert counts["parks"] == counts["resumes"] == 1 and counts["rounds"] >= 7  # every 5 steps
+    assert sim.predicted[1] <= services[1].deadline  # the router expected the park
+
+
+@pytest.mark.parametrize("scheduler", ["fifo", "edf"])
+def test_without_parking_the_tight_job_waits_for_the_slot_and_is_late(scheduler):
+    sim, t, services = one_worker(scheduler)
+    assert sim.done_at[0] == pytest.approx(20 * t, rel=0.02)
+    assert sim.done_at[1] == pytest.approx(40 * t, rel=0.02)
+    assert sim.done_at[1] > services[1].deadline
+    assert sim.scheduler_counts()["parks"] == 0 and sim.finished[0].parks == 0
+    assert 1 in sim.accepted_late  # predicted late, and accepted (interactive is not shed)
+
+
+def test_the_shed_rule_is_the_apis():
+    rule = ShedRule(("batch",), late_factor=2.0, max_queue=10)
+    batch, interactive = Service("batch", 100.0), Service("interactive", 100.0)
+    assert rule.refuses(batch, 30.0, 20.0, queued=3) == ""
+    assert rule.refuses(batch, 41.0, 20.0, queued=3) == "deadline"
+    assert rule.refuses(batch, 1.0, 20.0, queued=10) == "queue"
+    assert rule.refuses(interactive, 1000.0, 20.0, queued=1000) == ""
+
+
+# ----- the bench --------------------------------------------------------------------------------
+def test_the_deadline_bench_runs_every_scheduler_on_the_same_traces_and_writes_its_report(
+    tmp_path,
+):
+    cfg = toy(max_queue=6)
+    report = run_deadline_bench(cfg)
+    results = report["results"]
+    assert report["capacity_rps"] > 0
+    assert [(r["trace"], r["load"], r["scheduler"]) for r in results] == [
+        (k, load, a) for k in cfg.traces for load in cfg.loads for a in cfg.schedulers
+    ]
+    for r in results:
+        same = [x for x in results if (x["trace"], x["load"]) == (r["trace"], r["load"])]
+        assert {x["num_jobs"] for x in same} == {r["num_jobs"]}  # one trace per (process, load)
+        # every accepted job completes; refused ones never run
+        assert r["completed"] == r["accepted"] == r["num_jobs"] - sum(r["refused"].values())
+        for cls in ("interactive", "batch"):
+            c = r["classes"][cls]
+            assert 0.0 <= c["attainment"] <= 1.0 and 0.0 <= c["shed_rate"] <= 1.0
+            assert c["p50_latency_s"] <= c["p95_latency_s"]
+        assert r["classes"]["interactive"]["shed_rate"] == 0.0  # only batch is shed
+        if r["scheduler"] != "slack":
+            assert r["parks_per_job"] == 0.0
+    assert any(sum(r["refused"].values()) for r in results)  # the queue bound of 6 bites
+    assert {(c["trace"], c["load"], c["scheduler"]) for c in report["comparison"]} == {
+        (k, load, a) for k in cfg.traces for load in cfg.loads for a in ("edf", "slack")
+    }
+    text = table(report)
+    assert "**poisson**" in text and "**bursty**" in text and "slack vs fifo" in text
+    plot = write_outputs(report, tmp_path / "route-deadlines.json")
+    assert plot.exists() and plot.stat().st_size > 0
+    assert json.loads((tmp_path / "route-deadlines.json").read_text())["config"]["steps"] == 6
+
+
+def test_targets_take_the_worst_load_in_range():
+    def run(kind, load, points, tput, starved=0, wait=10.0):
+        return (
+            {"trace": kind, "load": load, "scheduler": "slack", "interactive_points": points}
+            | {"batch_throughput_ratio": tput},
+            {"trace": kind, "load": load, "scheduler": "slack"}
+            | {"starved_jobs": starved, "max_wait_s": wait},
+        )
+
+    pairs = [
+        run("bursty", 0.5, 5.0, 0.5),  # outside 0.8-1.0: ignored
+        run("bursty", 0.8, 40.0, 0.99),
+        run("bursty", 1.0, 31.0, 0.96, wait=50.0),
+        run("poisson", 0.9, 2.0, 1.0, starved=1),
+    ]
+    report = {"comparison": [c for c, _ in pairs], "results": [r for _, r in pairs]}
+    out = targets(report, 300.0)
+    assert out["bursty"] == {
+        "interactive_points_min": 31.0,
+        "interactive_30_points": True,
+        "batch_throughput_ratio_min": 0.96,
+        "batch_throughput_within_5pct": True,
+        "max_wait_s": 50.0,
+        "starved_jobs": 0,
+        "no_job_starved": True,
+    }
+    assert not out["poisson"]["interactive_30_points"] and not out["poisson"]["no_job_starved"]
+
+
+def test_the_command_writes_the_report(tmp_path, capsys):
+    from backend.cli import main
+
+    out = tmp_path / "dl.json"
+    code = main(
+        [
+            "bench",
+            "route-deadlines",
+            "--profiles-dir",
+            str(PROFILES),
+            "--duration",
+            "20",
+            "--workers",
+            "2",
+            "--max-batch",
+            "2",
+            "--steps",
+            "4",
+            "--templates",
+            "6",
+            "--ram-templates",
+            "2",
+            "--loads",
+            "0.9",
+            "--traces",
+            "bursty",
+            "--interactive-target",
+            "5",
+            "--burst-factor",
+            "10",
+            "--burst-share",
+            "0.05",
+            "--json",
+            str(out),
+        ]
+    )
+    assert code == 0 and out.exists() and out.with_suffix(".png").exists()
+    printed = capsys.readouterr().out
+    assert "bursty, loads 0.8-1.0, slack vs fifo" in printed and "wrote" in printed
