@@ -29,9 +29,35 @@ UPLOAD_TIMEOUT_S = 600.0  # an adapter upload: sending up to hundreds of MB, the
 
 
 class MaskServeError(RuntimeError):
-    def __init__(self, status: int, message: str):
+    """``status`` and the server's ``message``; ``retry_after`` (seconds, from ``Retry-After``) on
+    a 429, ``detail`` the error body's other fields (a refusal by admission control: ``reason``,
+    ``predicted_latency_s``, ``deadline_s``, ...)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        retry_after: float | None = None,
+        detail: dict | None = None,
+    ):
         super().__init__(f"HTTP {status}: {message}")
         self.status, self.message = status, message
+        self.retry_after, self.detail = retry_after, detail or {}
+
+
+def _error_of(response: httpx.Response) -> MaskServeError:
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        return MaskServeError(response.status_code, response.text)
+    message = body.pop("error", response.text)
+    try:
+        retry_after = float(response.headers["Retry-After"])
+    except (KeyError, ValueError):
+        retry_after = None
+    return MaskServeError(response.status_code, message, retry_after, body)
 
 
 def _file_bytes(value: str | Path | bytes) -> bytes:
@@ -71,11 +97,7 @@ class MaskServeClient:
     def _call(self, method: str, url: str, **kwargs) -> httpx.Response:
         response = self.http.request(method, url, **kwargs)
         if response.status_code >= 400:
-            try:
-                message = response.json().get("error", response.text)
-            except ValueError:
-                message = response.text
-            raise MaskServeError(response.status_code, message)
+            raise _error_of(response)
         return response
 
     # ----- adapters -------------------------------------------------------------------------------
@@ -146,8 +168,10 @@ class MaskServeClient:
         "masked": a padded crop around the mask, edited at the model's resolution and pasted
         back), crop_padding_px (that crop's context around the mask, 0..1024), resolution,
         use_cache, adapters (LoRA adapters: ``[(adapter id, scale), ...]``, up to the server's
-        limit) (None values are left out). Returns the 202 body: job_id, seed, status_url,
-        events_url, result_url."""
+        limit), service_class ("interactive" or "batch", the default), deadline_s (seconds from
+        now; default: the class's target), priority (0..9, higher first) (None values are left
+        out). Returns the 202 body: job_id, seed, status_url, events_url, result_url. A job
+        refused by admission control raises ``MaskServeError`` 429 with ``retry_after``."""
         adapters = params.pop("adapters", None)
         data = {"prompt": prompt} | {k: _form_value(v) for k, v in params.items() if v is not None}
         if adapters:
@@ -200,11 +224,7 @@ class MaskServeClient:
 
     @staticmethod
     def _call_error(response: httpx.Response):
-        try:
-            message = response.json().get("error", response.text)
-        except ValueError:
-            message = response.text
-        raise MaskServeError(response.status_code, message)
+        raise _error_of(response)
 
     def wait(self, job_id: str, timeout: float = 600.0, on_event=None, poll_s: float = 1.0) -> dict:
         """Block until the job finishes; returns its final state (``get``). Follows the event stream
@@ -335,6 +355,24 @@ def add_submit_arguments(parser) -> None:
         help="a LoRA adapter (maskserve adapters list) and its scale (default 1); repeat for more",
     )
     parser.add_argument(
+        "--class",
+        dest="service_class",
+        choices=["interactive", "batch"],
+        default=None,
+        help="service class: interactive (someone waits for it) or batch (default); each has a "
+        "target latency, the default deadline",
+    )
+    parser.add_argument(
+        "--deadline-s",
+        dest="deadline_s",
+        type=float,
+        default=None,
+        help="seconds from now by which the result should be stored (default: the class's target)",
+    )
+    parser.add_argument(
+        "--priority", type=int, default=None, help="0..9, higher goes first (default 0)"
+    )
+    parser.add_argument(
         "--no-wait", dest="wait", action="store_false", help="print the job id and return"
     )
     parser.add_argument(
@@ -381,6 +419,9 @@ def submit_cli(args, settings=None) -> int:
             "inpaint_area",
             "crop_padding_px",
             "resolution",
+            "service_class",
+            "deadline_s",
+            "priority",
         )
     }
     params["invert"] = True if getattr(args, "invert", False) else None
@@ -402,7 +443,7 @@ def submit_cli(args, settings=None) -> int:
             final = client.wait(job["job_id"], timeout=getattr(args, "timeout", 600.0) or 600.0)
             report = {
                 k: final.get(k)
-                for k in ("job_id", "status", "seed", "message", "timings")
+                for k in ("job_id", "status", "seed", "message", "timings", "met_deadline")
                 if k in final
             }
             if final["status"] == "done":
@@ -412,7 +453,8 @@ def submit_cli(args, settings=None) -> int:
             print(json.dumps(report), flush=True)
             return 0 if final["status"] == "done" else 1
     except MaskServeError as exc:
-        print(f"error: {exc.message} (HTTP {exc.status})", file=sys.stderr)
+        retry = f", retry after {exc.retry_after:g} s" if exc.retry_after is not None else ""
+        print(f"error: {exc.message} (HTTP {exc.status}{retry})", file=sys.stderr)
         return 2
     except TimeoutError as exc:  # before OSError, its base class
         print(f"error: {exc}", file=sys.stderr)

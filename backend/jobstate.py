@@ -23,6 +23,10 @@ cannot break them):
 * ``redeliveries`` counts the deliveries of the job again after a lost worker; ``requeue`` refuses
   to go past the bound its caller gives (the caller fails the job instead), so a job that kills its
   worker every time ends ``failed`` instead of looping.
+* a job is in the unstarted set (``UNSTARTED_KEY``, admission control's queue) from its creation
+  until it first reaches ``running`` or a terminal status (again after a ``requeue``);
+* a job with a deadline that ends ``done`` gets ``met_deadline`` (its done event at or before its
+  deadline), counted once by class in ``DEADLINE_STATS_KEY``.
 The only way back is ``requeue`` (a dead worker's job, re-dispatched), which resets a job that is
 not terminal and was not denoised yet to ``waiting``.
 """
@@ -30,14 +34,16 @@ not terminal and was not denoised yet to ``waiting``.
 from __future__ import annotations
 
 import json
+import math
 import time
+from dataclasses import dataclass
 
 from redis import Redis
 
 from backend.config import MIN_JOB_RECORD_S
 from backend.metrics import job_latency_lua
 from backend.protocol import JobEvent, JobRecord, event_fields, event_payload, to_text
-from backend.protocol.keys import job_events_key, job_key
+from backend.protocol.keys import NAMESPACE, job_events_key, job_key
 from backend.protocol.records import (
     DERIVED_TIMINGS,
     REACHED_SUFFIX,
@@ -47,7 +53,16 @@ from backend.protocol.records import (
     TOTAL_TIMING,
 )
 
-__all__ = ["EXHAUSTED", "NOTHING_TO_REDO", "REQUEUED", "TERMINAL", "JobNotFound", "JobStateStore"]
+__all__ = [
+    "EXHAUSTED",
+    "NOTHING_TO_REDO",
+    "REQUEUED",
+    "TERMINAL",
+    "JobNotFound",
+    "JobStateStore",
+    "UnstartedJob",
+    "deadline_counts",
+]
 _RANK = {
     "queued": 0,
     "preprocessing": 1,
@@ -129,8 +144,36 @@ if {" or ".join(f"ARGV[2] == '{status}'" for status in DERIVED_TIMINGS)} then
 end
 """
 
-# KEYS[1] hash, KEYS[2] events stream. ARGV: new rank, status, event json, maxlen, ttl, ranks,
-# the sending worker ('' when not a worker), then field/value pairs to set. Returns 1 when applied,
+# Accepted jobs not running yet, over the deployment (a sorted set: job id by deadline, +inf for
+# none): a job enters it when created (and again when ``requeue`` sends it back to ``waiting``) and
+# leaves it when it reaches ``running`` or a terminal status. The API's admission control counts
+# it (``DeadlineSettings.max_queue``) and reads the earliest deadlines for its forecast.
+UNSTARTED_KEY = f"{NAMESPACE}:jobs:unstarted"
+# Deadline attainment of done jobs: hash ``<service class>|<1 met, 0 missed>`` -> jobs
+# (``maskserve_jobs_deadline_total{class, met}`` on the API's /metrics)
+DEADLINE_STATS_KEY = f"{NAMESPACE}:stats:deadline"
+UNSTARTED_READ = 512  # the earliest deadlines ``unstarted`` reads (the forecast's unplaced jobs)
+# Leaving the unstarted set at ``running`` (or beyond); a job with a deadline that ends ``done``
+# records ``met_deadline`` (its result stored at or before its deadline) and is counted by class.
+# Part of the script that applies the status: a terminal status is applied once per job.
+_SERVICE_LEVEL = f"""
+if new_rank >= ranks['running'] then redis.call('ZREM', KEYS[3], ARGV[8]) end
+if ARGV[2] == 'done' then
+  local deadline = tonumber(redis.call('HGET', KEYS[1], 'deadline') or '')
+  if deadline and deadline > 0 then
+    local ended = tonumber(redis.call('HGET', KEYS[1], 'updated_at') or '') or 0
+    local met = 0
+    if ended <= deadline then met = 1 end
+    redis.call('HSET', KEYS[1], 'met_deadline', met)
+    local class = redis.call('HGET', KEYS[1], 'service_class') or 'batch'
+    redis.call('HINCRBY', '{DEADLINE_STATS_KEY}', class .. '|' .. met, 1)
+  end
+end
+"""
+
+# KEYS[1] hash, KEYS[2] events stream, KEYS[3] the unstarted set. ARGV: new rank, status, event
+# json, maxlen, ttl, ranks, the sending worker ('' when not a worker), the job id, then field/value
+# pairs to set. Returns 1 when applied,
 # 0 when dropped.
 _APPLY = (
     """
@@ -147,10 +190,13 @@ if current_rank >= 5 or new_rank < current_rank then return 0 end
     + _STRIP_PREVIEWS
     + """
 if ARGV[2] ~= current then redis.call('HSET', KEYS[1], 'message', '') end
-for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 9, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if redis.call('HEXISTS', KEYS[1], ARGV[2] .. '_at') == 0 then
   redis.call('HSET', KEYS[1], ARGV[2] .. '_at', redis.call('HGET', KEYS[1], 'updated_at'))
 end
+"""
+    + _SERVICE_LEVEL
+    + """
 local event = ARGV[3]
 """
     + _DERIVE_TIMINGS
@@ -174,8 +220,8 @@ if not status or status == 'done' or status == 'failed' or status == 'cancelled'
 redis.call('HSET', KEYS[1], 'worker_id', ARGV[1], 'message', ARGV[2])
 return 1
 """
-# ARGV: message, now, max redeliveries. 1: requeued; 0: finished or denoised (nothing to redo);
-# -1: the bound is reached (the caller fails the job).
+# KEYS: hash, the unstarted set. ARGV: message, now, max redeliveries, job id. 1: requeued; 0:
+# finished or denoised (nothing to redo); -1: the bound is reached (the caller fails the job).
 _REQUEUE = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or status == 'done' or status == 'failed' or status == 'cancelled'
@@ -187,9 +233,25 @@ end
 redis.call('HINCRBY', KEYS[1], 'redeliveries', 1)
 redis.call('HSET', KEYS[1], 'status', 'waiting', 'step', 0, 'message', ARGV[1],
            'updated_at', ARGV[2], 'worker_id', '')
+local deadline = tonumber(redis.call('HGET', KEYS[1], 'deadline') or '') or 0
+if deadline > 0 then redis.call('ZADD', KEYS[2], deadline, ARGV[4])
+else redis.call('ZADD', KEYS[2], '+inf', ARGV[4]) end
 return 1
 """
 REQUEUED, NOTHING_TO_REDO, EXHAUSTED = 1, 0, -1
+
+
+@dataclass(frozen=True)
+class UnstartedJob:
+    """An accepted job that is not running yet, as admission control reads it."""
+
+    job_id: str
+    model_id: str
+    status: str
+    deadline: float  # 0: none
+    priority: int
+    steps: int  # its denoising steps (``num_steps`` once pre-processed, else those asked for)
+    worker_id: str
 
 
 class JobNotFound(KeyError):
@@ -217,26 +279,25 @@ class JobStateStore:
         submission)."""
         record = JobRecord(job_id=job_id, created_at=time.time(), **fields)
         if self.client.hsetnx(job_key(job_id), "status", "queued"):
-            self.client.hset(job_key(job_id), mapping=record.creation_fields())
+            with self.client.pipeline(transaction=False) as pipe:
+                pipe.hset(job_key(job_id), mapping=record.creation_fields())
+                pipe.zadd(UNSTARTED_KEY, {job_id: record.deadline or math.inf})
+                pipe.execute()
 
     def record_event(self, event: JobEvent) -> bool:
         """Apply one event (see the module invariants); True when it changed the job."""
-        return bool(
-            self._apply(
-                keys=[job_key(event.job_id), job_events_key(event.job_id)], args=self._argv(event)
-            )
-        )
+        return bool(self._apply(keys=self._keys(event.job_id), args=self._argv(event)))
 
     def record_events(self, events: list[JobEvent]) -> list[bool]:
         """Apply several events in one round trip (a worker's progress events of one step)."""
         with self.client.pipeline(transaction=False) as pipe:
             for event in events:
-                self._apply(
-                    keys=[job_key(event.job_id), job_events_key(event.job_id)],
-                    args=self._argv(event),
-                    client=pipe,
-                )
+                self._apply(keys=self._keys(event.job_id), args=self._argv(event), client=pipe)
             return [bool(applied) for applied in pipe.execute()]
+
+    @staticmethod
+    def _keys(job_id: str) -> list[str]:
+        return [job_key(job_id), job_events_key(job_id), UNSTARTED_KEY]
 
     def _argv(self, event: JobEvent) -> list:
         argv = [
@@ -247,6 +308,7 @@ class JobStateStore:
             self.ttl_s,
             _RANK_JSON,
             event.worker_id,
+            event.job_id,
         ]
         for name, value in event_fields(event).items():
             argv += [name, value]
@@ -263,7 +325,10 @@ class JobStateStore:
         died), counted in ``redeliveries``: ``REQUEUED``; ``NOTHING_TO_REDO`` if it had finished
         or was denoised already (its result is on the way); ``EXHAUSTED`` when it was redelivered
         ``max_redeliveries`` times already (the caller fails it)."""
-        reply = self._requeue(keys=[job_key(job_id)], args=[message, time.time(), max_redeliveries])
+        reply = self._requeue(
+            keys=[job_key(job_id), UNSTARTED_KEY],
+            args=[message, time.time(), max_redeliveries, job_id],
+        )
         return int(reply)
 
     def redelivered(self, job_id: str) -> int:
@@ -304,3 +369,48 @@ class JobStateStore:
             (to_text(entry_id), json.loads(to_text(fields.get(b"event") or fields.get("event"))))
             for entry_id, fields in entries
         ]
+
+    def unstarted(self, limit: int = UNSTARTED_READ) -> tuple[int, list[UnstartedJob]]:
+        """(how many jobs are accepted and not running yet, over the deployment; the ``limit`` of
+        them with the earliest deadlines). An entry whose job is gone or running is dropped from
+        the set as it is met (the set heals itself)."""
+        count = int(self.client.zcard(UNSTARTED_KEY))
+        entries = self.client.zrange(UNSTARTED_KEY, 0, max(0, limit) - 1, withscores=True)
+        fields = ("status", "model_id", "num_steps", "steps", "priority", "worker_id")
+        with self.client.pipeline(transaction=False) as pipe:
+            for member, _ in entries:
+                pipe.hmget(job_key(to_text(member)), fields)
+            replies = pipe.execute()
+        jobs, gone = [], []
+        for (member, deadline), values in zip(entries, replies):
+            job_id = to_text(member)
+            status, model_id, num_steps, steps, priority, worker_id = (
+                to_text(v) if v is not None else "" for v in values
+            )
+            if _RANK.get(status, 99) >= _RANK["running"]:
+                gone.append(job_id)
+                continue
+            jobs.append(
+                UnstartedJob(
+                    job_id=job_id,
+                    model_id=model_id,
+                    status=status,
+                    deadline=0.0 if math.isinf(deadline) else float(deadline),
+                    priority=int(float(priority or 0)),
+                    steps=int(float(num_steps or 0)) or int(float(steps or 0)),
+                    worker_id=worker_id,
+                )
+            )
+        if gone:
+            self.client.zrem(UNSTARTED_KEY, *gone)
+        return count - len(gone), jobs
+
+
+def deadline_counts(client: Redis) -> dict[tuple[str, bool], int]:
+    """(service class, met) -> done jobs with a deadline, over the deployment, from Redis."""
+    counts: dict[tuple[str, bool], int] = {}
+    for name, value in client.hgetall(DEADLINE_STATS_KEY).items():
+        service_class, _, met = to_text(name).rpartition("|")
+        if service_class and met in ("0", "1"):
+            counts[(service_class, met == "1")] = int(to_text(value))
+    return counts

@@ -22,11 +22,13 @@ from backend.api.schemas import JobStatus, JobView
 from backend.jobstate import JobStateStore
 from backend.protocol import INTERNAL_JOB_FIELDS, JOB_STATES, JobEvent, JobRecord
 from backend.protocol.keys import job_key
-from backend.protocol.records import STAGE_TIMINGS
+from backend.protocol.records import STAGE_TIMINGS, UNSET_JOB_FIELDS
 from tests.test_api import KEY, make_settings, sse_events, submit
 
-# what the API adds to the record: its place in a worker's queue and its links
-API_FIELDS = {"queue_position", "status_url", "events_url", "result_url", "thumbnail_url"}
+# what the API adds to the record: its links
+API_FIELDS = {"status_url", "events_url", "result_url", "thumbnail_url"}
+# left out until the job has them: its place in a worker's queue, its forecast, met_deadline
+UNSET = set(UNSET_JOB_FIELDS)
 
 
 @pytest.fixture
@@ -66,7 +68,7 @@ def test_the_openapi_schema_types_every_field_a_client_sees(client):
     assert {f"{status}_at" for status in JOB_STATES} <= set(fields)
     assert API_FIELDS <= set(fields)
     # always there: a field left out only when the job does not have it yet
-    optional = {f"{status}_at" for status in JOB_STATES} | {"queue_position", "thumbnail_url"}
+    optional = {f"{status}_at" for status in JOB_STATES} | UNSET | {"thumbnail_url"}
     assert set(job["required"]) == set(fields) - optional
     listed = ok_schema(spec, "/v1/jobs")["properties"]["jobs"]
     assert resolve(spec, listed["items"]) == job
@@ -95,7 +97,7 @@ def test_a_job_as_answered_matches_its_schema_and_leaves_out_only_what_it_has_no
     assert None not in shown.values()  # absent, never null
     assert set(shown) == set(JobView.model_fields) - {
         f"{status}_at" for status in JOB_STATES if status != "queued"
-    } - {"queue_position", "thumbnail_url"}
+    } - UNSET - {"thumbnail_url"}
     assert client.get("/v1/jobs").json() == {"jobs": [shown]}
 
 

@@ -7,8 +7,9 @@ Routes: ``/v1/templates...``, ``/v1/adapters...`` and ``/v1/jobs...`` (API key +
 Errors are JSON ``{"error": "<what is wrong and how to fix it>"}``: 400 a body that cannot be
 parsed (malformed multipart), 401/403 auth, 404 unknown job,
 template or adapter, 409 result not ready / job finished, 410 result expired (blob retention), 413
-too large, 415 unsupported image or adapter file format, 422 a bad field, 429 rate limited
-(``Retry-After``), 503 Redis or the queue unavailable (or no CPU worker answered an adapter upload).
+too large, 415 unsupported image or adapter file format, 422 a bad field, 429 rate limited or
+refused by admission control (``Retry-After``), 503 Redis or the queue unavailable (or no CPU
+worker answered an adapter upload).
 Bad input never gives a 500.
 """
 
@@ -28,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from backend.adapters.service import AdapterService
 from backend.adapters.store import AdapterError, AdapterNotFound, AdapterStore
 from backend.api import routes_adapters, routes_jobs, routes_templates
+from backend.api.admission import DeadlineCollector
 from backend.api.middleware import (
     ApiMetrics,
     BodyLimitMiddleware,
@@ -65,8 +67,10 @@ STATUS_BY_CODE = {
 }
 
 
-def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
+def _error(
+    status: int, message: str, headers: dict | None = None, detail: dict | None = None
+) -> JSONResponse:
+    return JSONResponse({"error": message, **(detail or {})}, status_code=status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -95,7 +99,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ServiceError)
     async def service_error(_request, exc: ServiceError):
-        return _error(STATUS_BY_CODE.get(exc.code, 422), str(exc))
+        return _error(STATUS_BY_CODE.get(exc.code, 422), str(exc), exc.headers, exc.detail)
 
     async def coded_error(_request, exc: TemplateError | AdapterError):
         return _error(STATUS_BY_CODE.get(exc.code, 422), str(exc))
@@ -169,6 +173,7 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
     )
     metrics = ApiMetrics()
     metrics.registry.register(JobLatencyCollector(client))  # every job's, from Redis
+    metrics.registry.register(DeadlineCollector(client))  # deadline attainment, from Redis
     app = FastAPI(
         title="MaskServe",
         version="1",
@@ -178,7 +183,9 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
     )
     app.state.settings, app.state.redis, app.state.templates = settings, client, templates
     jobstate = JobStateStore(client, settings.retention.job_record_s)
-    app.state.service = JobService(settings, client, celery_app, blobs, templates, jobstate)
+    app.state.service = JobService(
+        settings, client, celery_app, blobs, templates, jobstate, registry=metrics.registry
+    )
     app.state.metrics = metrics
     app.state.adapters = AdapterStore(settings.paths.resolved_adapters_dir())
     app.state.adapter_service = AdapterService(

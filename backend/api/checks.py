@@ -22,12 +22,28 @@ RESOLUTION_RANGE = (64, 2048)
 
 class ServiceError(ValueError):
     """A request the service refuses; ``code`` is one of ``invalid``, ``not_found``, ``conflict``,
-    ``gone``, ``unsupported_format``, ``too_large``, ``unavailable``. The message says what to
-    fix."""
+    ``gone``, ``unsupported_format``, ``too_large``, ``too_many``, ``unavailable``. The message
+    says what to fix; ``headers`` and ``detail`` (more fields of the error body) are for the
+    HTTP answer."""
+
+    headers: dict[str, str] | None = None
+    detail: dict | None = None
 
     def __init__(self, message: str, code: str = "invalid"):
         super().__init__(message)
         self.code = code
+
+
+class Overloaded(ServiceError):
+    """Admission control refused the job (``too_many``, 429): ``Retry-After`` says when to try
+    again, ``detail`` which bound refused it and the numbers behind it
+    (``errors.AdmissionRefused``)."""
+
+    def __init__(self, message: str, retry_after_s: int, detail: dict):
+        super().__init__(message, "too_many")
+        self.retry_after_s = int(retry_after_s)
+        self.headers = {"Retry-After": str(self.retry_after_s)}
+        self.detail = detail
 
 
 def check_range(name: str, value, low, high, low_open: bool = False) -> None:

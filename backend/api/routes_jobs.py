@@ -16,7 +16,7 @@ from fastapi import APIRouter, File, Form, Header, Query, Request, Security, Upl
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
 from backend.api.adapter_requests import FORM_HELP, parse_choices
-from backend.api.errors import ERROR_RESPONSES
+from backend.api.errors import ADMISSION_REFUSED, ERROR_RESPONSES
 from backend.api.schemas import JobAccepted, JobCancelled, JobList, JobView
 from backend.api.security import api_key_query
 from backend.api.service import JobRequest, JobService
@@ -61,7 +61,10 @@ def _read(upload: UploadFile | None) -> bytes | None:
     status_code=202,
     summary="Submit an edit (returns at once)",
     response_model=None,
-    responses={202: {"model": JobAccepted, "description": "Accepted: follow its status_url"}},
+    responses={
+        202: {"model": JobAccepted, "description": "Accepted: follow its status_url"},
+        429: ADMISSION_REFUSED,
+    },
 )
 def submit_job(
     request: Request,
@@ -109,6 +112,19 @@ def submit_job(
     resolution: int = Form(0, description="Model resolution bucket side; 0: the model's default"),
     use_cache: bool = Form(True, description="Reuse the template's cached activations"),
     adapters: str = Form("", description=FORM_HELP),
+    service_class: str | None = Form(
+        None,
+        description="interactive (someone waits for it) or batch (default): each class has a "
+        "target latency, its default deadline; admission control answers 429 to a class that "
+        "sheds (batch by default) when the job would finish too late or the queue is full, and "
+        "accepts another class's job marked late",
+    ),
+    deadline_s: float | None = Form(
+        None,
+        description="Seconds from now by which the result should be stored, (0, 604800] "
+        "(default: the class's target)",
+    ),
+    priority: int = Form(0, description="0..9, higher goes first among jobs with a deadline"),
 ) -> JSONResponse:
     job_request = JobRequest(
         mask=_read(mask) or b"",
@@ -135,6 +151,9 @@ def submit_job(
         resolution=resolution,
         use_cache=use_cache,
         adapters=tuple(parse_choices(adapters)),
+        service_class=service_class or None,
+        deadline_s=deadline_s,
+        priority=priority,
         owner=_owner(request),
     )
     submitted = _service(request).submit(job_request)

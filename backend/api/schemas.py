@@ -3,12 +3,13 @@ schema at ``/openapi.json``).
 
 ``JobView`` is ``protocol.JobRecord`` (the job hash, typed in one place) less the services' own
 fields (``protocol.INTERNAL_JOB_FIELDS``: blob refs, the owner's digest, the post-processing
-guard), with ``reached_at`` flattened to ``<status>_at`` and what the API adds: ``queue_position``
-and the links. tests/test_job_schema.py keeps it field for field in step with ``JobRecord``.
+guard), with ``reached_at`` flattened to ``<status>_at`` and what the API adds: the links.
+tests/test_job_schema.py keeps it field for field in step with ``JobRecord``.
 
 The routes answer with ``response_model_exclude_unset``: a field the job does not have yet (a
-status it never reached, ``queue_position`` while it is not on a worker, ``thumbnail_url`` before
-it is done) is left out, not sent as null; every other field is always there.
+status it never reached, ``queue_position`` while it is not in a worker's queue, a forecast before
+there is one, ``met_deadline`` before it is done, ``thumbnail_url`` before it is done) is left out,
+not sent as null; every other field is always there.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from backend.config_deadlines import SERVICE_CLASSES
 from backend.protocol import JOB_STATES, MaskOps
 from backend.protocol.messages import JOB_MODES
 
 # protocol.JOB_STATES, in the order a job moves through them (Literal of a tuple = of its items)
 JobStatus = Literal[JOB_STATES]  # type: ignore[valid-type]
 JobKind = Literal["edit", "prepare"]
+ServiceClass = Literal[SERVICE_CLASSES]  # type: ignore[valid-type]
 
 _REACHED = "Unix time at which the job first reached this status; absent until it has"
 
@@ -58,7 +61,36 @@ class JobView(BaseModel):
     queue_position: int | None = Field(
         None,
         description="Only while it waits in a worker's queue: 1 = next to join the running "
-        "batch; null while on its way to that worker",
+        "batch (the worker's latest heartbeat, else its latest report); null while on its way to "
+        "that worker",
+    )
+    service_class: ServiceClass = Field(
+        description="interactive (someone waits for it) or batch: its default deadline and "
+        "whether admission control sheds it"
+    )
+    priority: int = Field(description="0..9, higher goes first")
+    deadline: float = Field(
+        description="Unix time by which its result should be stored (0: none, a job from before "
+        "deadlines)"
+    )
+    late: bool = Field(
+        description="Accepted though admission control predicted it to finish too late for its "
+        "deadline, or found the queue full (its class is not shed)"
+    )
+    predicted_start: float | None = Field(
+        None,
+        description="Unix time of its predicted first denoising step: admission control's "
+        "forecast, then its worker's as it waits and runs; absent until there is one",
+    )
+    predicted_finish: float | None = Field(
+        None,
+        description="Unix time of the predicted end of its denoising (same sources); absent "
+        "until there is one",
+    )
+    met_deadline: bool | None = Field(
+        None,
+        description="Once done: whether its result was stored by its deadline; absent while it "
+        "runs, when it failed or was cancelled, or without a deadline",
     )
     worker_id: str = Field(description="The engine worker it was routed to; empty until then")
     timings: dict[str, float] = Field(

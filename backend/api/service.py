@@ -14,6 +14,9 @@ Invariants:
   recorded with it at submission, so another tenant gets the same ``not_found`` as for an id that
   never existed (ids are not confirmed);
 * an owner has at most ``api.max_queued_jobs`` unfinished jobs (``too_many``, 429);
+* every job has a service level (``service_levels``: class, deadline, priority); admission control
+  (``admission``) refuses one of a class that sheds with ``too_many`` (429, ``Retry-After``) before
+  anything is stored, and marks one of another class late; nothing accepted is dropped;
 * a job names a model that a live worker serves or that the deployment configures
   (``engine.model_id``, ``api.models``): a job for any other would wait for a worker nobody is
   going to start, so it is refused (``invalid``), naming the models live workers serve;
@@ -37,6 +40,7 @@ from kombu.exceptions import OperationalError as BrokerError
 
 from backend.adapters.store import AdapterStore
 from backend.api.adapter_requests import AdapterChoice, resolve_uses
+from backend.api.admission import NEW_JOB_TEMPLATE, AdmissionGate, check_owner_queue
 from backend.api.checks import (
     MAX_SEED,
     MAX_STEPS,
@@ -46,6 +50,7 @@ from backend.api.checks import (
     check_resolution,
     whole,
 )
+from backend.api.service_levels import level_fields, mask_ratio_estimate, service_level
 from backend.blobs import BlobStore
 from backend.config import Settings
 from backend.history import HistoryIndex
@@ -62,9 +67,8 @@ from backend.imaging.uploads import (
 from backend.jobstate import TERMINAL, JobNotFound, JobStateStore
 from backend.models import UnknownModelError, known_model_ids, resolve_model
 from backend.models.catalog import SHIPPED
-from backend.protocol import AdapterUse, CancelJob, EditJob, JobEvent, MaskOps, to_text
+from backend.protocol import AdapterUse, CancelJob, EditJob, JobEvent, MaskOps
 from backend.protocol.heartbeats import live_heartbeats, queue_position, read_heartbeat
-from backend.protocol.keys import job_key
 from backend.tasks.celery_app import submit_edit
 from backend.worker.redis_inbox import send_to_inbox
 from templates_store.store import TemplateNotFound, TemplateStore, upload_error_code
@@ -100,6 +104,10 @@ class JobRequest:
     crop_padding_px: int = DEFAULT_CROP_PADDING_PX
     use_cache: bool = True
     adapters: tuple[AdapterChoice, ...] = ()  # LoRA adapters, each with a scale
+    # its service level (``service_levels``): None = the class's default (REST: batch)
+    service_class: str | None = None
+    deadline_s: float | None = None  # seconds from submission; None: the class's target
+    priority: int = 0  # 0..9, higher goes first
     # the tenant that owns it (``backend.api.security.Caller.owner``): only it can see the job
     owner: str = ""
     # whose history lists it (a studio user within the studio's tenant); empty: the owner's
@@ -123,11 +131,13 @@ class JobService:
         blobs: BlobStore,
         templates: TemplateStore,
         jobstate: JobStateStore | None = None,
+        registry=None,  # the API's metrics registry (admission counters)
     ):
         self.settings, self.client, self.celery_app = settings, redis_client, celery_app
         self.blobs, self.templates = blobs, templates
         self.adapters = AdapterStore(settings.paths.resolved_adapters_dir())
         self.jobstate = jobstate or JobStateStore(redis_client, settings.retention.job_record_s)
+        self.admission = AdmissionGate(settings, redis_client, self.jobstate, registry)
         self.history_index = HistoryIndex(
             redis_client, settings.studio.history_limit, settings.retention.job_record_s
         )
@@ -144,10 +154,21 @@ class JobService:
         # a UI's number widget gives floats
         steps, seed = whole("steps", steps), whole("seed", seed)
         check_numbers(request, steps, guidance, seed)
+        now = time.time()
+        level = service_level(
+            request.service_class,
+            request.deadline_s,
+            request.priority,
+            self.settings.deadlines,
+            now,
+        )
         adapters = self._adapter_uses(request, spec.model_id)
         # everything is validated before any blob is written: a refused request stores nothing
         store_template, image_size = self._template(request, request.owner)
-        self._check_mask(request, image_size)
+        ratio = self._check_mask(request, image_size)
+        cached = bool(request.use_cache and request.template_id)  # a gallery template's cache
+        row = None if request.mode == "erase" else (ratio, NEW_JOB_TEMPLATE, cached)
+        level, forecast = self.admission.admit(level, spec.model_id, steps, now, row)
         template_ref = store_template()
         mask_ref = self.blobs.put_content("uploads", request.mask, ".mask")
         job_id = uuid.uuid4().hex
@@ -165,12 +186,13 @@ class JobService:
             use_cache=bool(request.use_cache),
             mask_ops=request.mask_ops,
             resolution=request.resolution,
-            submitted_at=time.time(),
+            submitted_at=now,
             template_id=request.template_id or "",
             mode=request.mode,
             inpaint_area=request.inpaint_area,
             crop_padding_px=request.crop_padding_px,
             adapters=adapters,
+            service=level,
         )
         self.jobstate.create(
             job_id,
@@ -194,6 +216,7 @@ class JobService:
             template_ref=template_ref,
             mask_ref=mask_ref,
             owner=request.owner,
+            **level_fields(level, forecast),
         )  # the refs keep these blobs from the janitor while the job runs
         self.history_index.add(request.listed_for or request.owner, job_id, job.submitted_at)
         self._queue(job)
@@ -230,6 +253,11 @@ class JobService:
         record = self._owned_template(template_id, owner)
         uses = resolve_uses(adapters, self.adapters, owner, spec.model_id, self.settings.adapters)
         self._check_queued(owner)
+        now = time.time()  # a recording is batch work: it reads no mask and computes densely
+        level = service_level("batch", None, 0, self.settings.deadlines, now)
+        level, forecast = self.admission.admit(
+            level, spec.model_id, steps, now, (1.0, NEW_JOB_TEMPLATE, False)
+        )
         job_id = uuid.uuid4().hex
         job = EditJob(
             job_id=job_id,
@@ -241,10 +269,11 @@ class JobService:
             steps=steps,
             guidance=float(spec.default_guidance),
             resolution=resolution,
-            submitted_at=time.time(),
+            submitted_at=now,
             template_id=template_id,
             prepare=True,
             adapters=uses,
+            service=level,
         )
         self.jobstate.create(
             job_id,
@@ -256,6 +285,7 @@ class JobService:
             template_ref=job.template_ref,
             owner=owner,
             adapters=[{"id": use.adapter_id, "scale": use.scale} for use in uses],
+            **level_fields(level, forecast),
         )
         self.history_index.add(owner, job_id, job.submitted_at)
         if not uses:
@@ -318,22 +348,7 @@ class JobService:
             raise ServiceError(str(exc), "not_found") from None
 
     def _check_queued(self, owner: str) -> None:
-        """``too_many`` when ``owner`` already has ``max_queued_jobs`` unfinished jobs (counted
-        among its newest ``history_limit`` jobs: the ones its history index holds)."""
-        bound = self.settings.api.max_queued_jobs
-        if not bound or not owner:
-            return
-        with self.client.pipeline(transaction=False) as pipe:
-            for job_id in self.history_index.job_ids(owner):
-                pipe.hget(job_key(job_id), "status")
-            statuses = [to_text(status) for status in pipe.execute() if status is not None]
-        queued = sum(1 for status in statuses if status not in TERMINAL)
-        if queued >= bound:
-            raise ServiceError(
-                f"{queued} of your jobs are queued or running, the bound is {bound}: wait for some "
-                "to finish (or cancel some) before submitting more",
-                "too_many",
-            )
+        check_owner_queue(self.client, self.history_index, owner, self.settings.api.max_queued_jobs)
 
     def _queue(self, job: EditJob) -> None:
         try:
@@ -429,7 +444,8 @@ class JobService:
             self.blobs.put_content("uploads", data, ".png")
         return ref
 
-    def _check_mask(self, request: JobRequest, image_size: tuple[int, int]) -> None:
+    def _check_mask(self, request: JobRequest, image_size: tuple[int, int]) -> float:
+        """Its mask ratio as far as it can be told here (``mask_ratio_estimate``)."""
         mask = self._decode(request.mask, "mask")
         try:  # the pre task's own mask steps: a mask that ends up empty is refused now, not later
             processed = process_mask(mask, image_size, request.mask_ops)
@@ -437,6 +453,7 @@ class JobService:
                 require_erasable(feather_support(processed, request.mask_ops.feather_px))
         except MaskError as exc:
             raise ServiceError(str(exc)) from None
+        return mask_ratio_estimate(processed, request.inpaint_area)
 
     def _decode(self, data: bytes | None, what: str):
         try:
@@ -446,9 +463,10 @@ class JobService:
 
     # ----- read -----------------------------------------------------------------------------------
     def get(self, job_id: str, owner: str) -> dict:
-        """``owner``'s job as stored (``protocol.JobRecord.as_dict``), with its place in its
-        worker's queue while it waits there (``queue_position``: 1 = next; None while on its way).
-        Another owner's job is ``not_found``, word for word like one that never existed."""
+        """``owner``'s job as stored (``protocol.JobRecord.as_dict``); ``queue_position`` only
+        while it waits for a worker (1 = next): its worker's heartbeat's, else the latest its worker
+        reported, else None (on its way). Another owner's job is ``not_found``, word for word like
+        one that never existed."""
         try:
             job = self.jobstate.get(self._job_id(job_id))
         except JobNotFound:
@@ -458,9 +476,10 @@ class JobService:
             raise ServiceError(
                 f"no job with id {job_id!r} (never submitted, or expired)", "not_found"
             ) from None
+        reported = job.pop("queue_position", None)
         if job["status"] == "waiting" and job["worker_id"]:
             beat = read_heartbeat(self.client, job["worker_id"])
-            job["queue_position"] = queue_position(beat, job["job_id"])
+            job["queue_position"] = queue_position(beat, job["job_id"]) or reported
         return job
 
     def history(self, owner: str, limit: int | None = None, listed_for: str = "") -> list[dict]:

@@ -76,6 +76,16 @@ class JobRecord:
     owner: str = ""  # the submitting tenant, a digest (api.security.Caller): only it sees it
     redeliveries: int = 0  # deliveries again after a lost worker (bounded; docs/design/delivery.md)
     denoised: int = 0  # denoises handed to post-processing: 1 when done, never more
+    # what it was promised (messages.ServiceLevel), set at creation
+    service_class: str = "batch"  # interactive | batch
+    priority: int = 0  # 0..9, higher goes first
+    deadline: float = 0.0  # epoch seconds by which its result should be stored (0: none)
+    late: bool = False  # accepted though admission control predicted it to finish too late
+    # the latest forecast (0: none yet): the API's at admission, then its worker's (JobEvent)
+    queue_position: int = 0  # 1 = next to join its worker's batch
+    predicted_start: float = 0.0  # epoch seconds of its predicted first step
+    predicted_finish: float = 0.0  # epoch seconds of the predicted end of its denoising
+    met_deadline: bool | None = None  # once done: stored at or before its deadline (with one)
 
     @classmethod
     def from_hash(cls, job_id: str, raw: Mapping[Any, Any]) -> JobRecord:
@@ -91,21 +101,36 @@ class JobRecord:
         return record
 
     def creation_fields(self) -> dict[str, str]:
-        """The hash fields of a new record (status ``queued``), as text."""
+        """The hash fields of a new record (status ``queued``), as text (a field without a value
+        yet, ``None``, is left out)."""
         now = self.created_at
         values = {
             name: value
             for name, value in asdict(self).items()
-            if name not in ("job_id", "reached_at", "timings")
+            if name not in ("job_id", "reached_at", "timings") and value is not None
         }
         values |= {"updated_at": now, f"queued{REACHED_SUFFIX}": now}
         return {name: _format(value) for name, value in values.items()}
 
     def as_dict(self) -> dict[str, Any]:
-        """The record as the API shows it: typed values, ``<status>_at`` flattened."""
+        """The record as the API shows it: typed values, ``<status>_at`` flattened; a field of
+        ``UNSET_JOB_FIELDS`` only once it has a value."""
         shown = asdict(self)
         reached = shown.pop("reached_at")
+        for name, unset in UNSET_JOB_FIELDS.items():
+            if shown[name] == unset:
+                del shown[name]
         return shown | {f"{status}{REACHED_SUFFIX}": at for status, at in reached.items()}
+
+
+# fields a record has only once something set them (their default means "none yet"): left out of
+# what the API shows until then
+UNSET_JOB_FIELDS: dict[str, object] = {
+    "queue_position": 0,
+    "predicted_start": 0.0,
+    "predicted_finish": 0.0,
+    "met_deadline": None,
+}
 
 
 # what the services keep in a record for themselves, never shown to a client: blob refs (the API
@@ -120,7 +145,7 @@ _STORED_TYPES: dict[str, type] = {
     name: type(value)
     for name, value in asdict(JobRecord(job_id="")).items()
     if name not in ("job_id", "timings", "reached_at")
-}
+} | {"met_deadline": bool}
 
 
 def _parse(kind: type, text: str) -> object:
@@ -141,14 +166,18 @@ def _format(value: object) -> str:
     return str(value)
 
 
+# a worker's forecast on its events (1.6): the record keeps the latest value given (0: none)
+FORECAST_FIELDS = ("queue_position", "predicted_start", "predicted_finish")
+
+
 def event_fields(event: JobEvent) -> dict[str, str]:
     """The hash fields an event sets on its job's record, as text. Never the ``preview``: the
     record stays small; previews live on the event stream only."""
     values: dict[str, object] = {"status": event.status, "updated_at": event.at}
     if event.num_steps:
         values |= {"step": event.step, "num_steps": event.num_steps}
-    for name in ("worker_id", "message", "result_ref", "thumbnail_ref"):
-        if getattr(event, name):
+    for name in ("worker_id", "message", "result_ref", "thumbnail_ref", *FORECAST_FIELDS):
+        if getattr(event, name):  # a forecast: the latest one given (0: none)
             values[name] = getattr(event, name)
     if event.adapter_steps:
         values["adapter_steps"] = json.dumps(event.adapter_steps)
@@ -161,7 +190,8 @@ def event_payload(event: JobEvent) -> dict[str, Any]:
     status and time always, other fields only when set. A failed or cancelled event's timings are
     the job's, added by ``jobstate`` when it records the event (``DERIVED_TIMINGS``)."""
     payload: dict[str, Any] = {"status": event.status, "at": event.at}
-    for name in ("step", "num_steps", "worker_id", "message", "result_ref", "thumbnail_ref"):
+    shown = ("step", "num_steps", "worker_id", "message", "result_ref", "thumbnail_ref")
+    for name in (*shown, *FORECAST_FIELDS):
         if getattr(event, name):
             payload[name] = getattr(event, name)
     if event.timings and event.status not in DERIVED_TIMINGS:

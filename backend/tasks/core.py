@@ -148,6 +148,7 @@ class CpuStages:
             timings=timings,
             prompt=job.prompt,
             adapters=job.adapters,
+            service=job.service,
         )
 
     def _baseline_request(
@@ -202,6 +203,7 @@ class CpuStages:
             timings={"pre_s": time.time() - started},
             prepare=True,
             adapters=job.adapters,
+            service=job.service,
         )
 
     def _publish_key_basis(self) -> None:
