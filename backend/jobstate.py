@@ -43,7 +43,12 @@ from redis import Redis
 from backend.config import MIN_JOB_RECORD_S
 from backend.metrics import job_latency_lua
 from backend.protocol import JobEvent, JobRecord, event_fields, event_payload, to_text
-from backend.protocol.keys import NAMESPACE, job_events_key, job_key
+from backend.protocol.keys import (
+    DEADLINE_STATS_KEY,
+    UNSTARTED_KEY,
+    job_events_key,
+    job_key,
+)
 from backend.protocol.records import (
     DERIVED_TIMINGS,
     REACHED_SUFFIX,
@@ -148,10 +153,6 @@ end
 # none): a job enters it when created (and again when ``requeue`` sends it back to ``waiting``) and
 # leaves it when it reaches ``running`` or a terminal status. The API's admission control counts
 # it (``DeadlineSettings.max_queue``) and reads the earliest deadlines for its forecast.
-UNSTARTED_KEY = f"{NAMESPACE}:jobs:unstarted"
-# Deadline attainment of done jobs: hash ``<service class>|<1 met, 0 missed>`` -> jobs
-# (``maskserve_jobs_deadline_total{class, met}`` on the API's /metrics)
-DEADLINE_STATS_KEY = f"{NAMESPACE}:stats:deadline"
 UNSTARTED_READ = 512  # the earliest deadlines ``unstarted`` reads (the forecast's unplaced jobs)
 # Leaving the unstarted set at ``running`` (or beyond); a job with a deadline that ends ``done``
 # records ``met_deadline`` (its result stored at or before its deadline) and is counted by class.

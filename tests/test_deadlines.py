@@ -212,6 +212,18 @@ def test_a_row_whose_own_slack_would_go_negative_is_not_parked():
         assert h.tick(3.0).parked == parked
 
 
+def test_a_row_the_worker_marks_unparkable_is_never_parked():
+    for parkable, parked in ((False, []), (True, ["v"])):
+        h = Harness(BatchScheduler(1, plan=make_plan(round_steps=3)))
+        h.s.add(make_row("v", steps=5, deadline=20.0))
+        h.s.add(make_row("x", steps=1, deadline=0.0, at=0.5))  # keeps the queue non-empty
+        for t in range(3):
+            h.tick(float(t))
+        h.s.running["v"].parkable = parkable  # e.g. it records its template's cache
+        h.s.add(make_row("w", steps=2, deadline=6.0, at=3.0))
+        assert h.tick(3.0).parked == parked
+
+
 def test_a_waiting_row_that_is_not_ready_never_causes_a_park():
     h = Harness(BatchScheduler(2, plan=make_plan(round_steps=3)))
     h.s.add(make_row("a", steps=20, deadline=1000.0))

@@ -19,10 +19,10 @@ from backend.api.service_levels import MAX_DEADLINE_S, mask_ratio_estimate, serv
 from backend.client import MaskServeClient, MaskServeError, add_submit_arguments, submit_cli
 from backend.config import load_settings
 from backend.config_deadlines import DeadlineSettings
-from backend.jobstate import UNSTARTED_KEY, JobStateStore
+from backend.jobstate import JobStateStore
 from backend.models.catalog import DEFAULT_MODEL
 from backend.protocol import JobEvent, RunningRow, ServiceLevel, WaitingRow, WorkerHeartbeat
-from backend.protocol.keys import JOB_PATTERN, heartbeat_key
+from backend.protocol.keys import JOB_PATTERN, UNSTARTED_KEY, heartbeat_key
 from tests.test_api import IMAGE, KEY, OTHER_KEY, pre_queue_jobs, submit
 
 LIFECYCLE = ("preprocessing", "waiting", "running", "postprocessing")

@@ -27,6 +27,14 @@ def job_id_of_key(key: str) -> str | None:
     return job_id if job_id != key and job_id and ":" not in job_id else None
 
 
+# Accepted jobs not running yet, over the deployment (a sorted set: job id by deadline, +inf for
+# none); admission control counts it and reads the earliest deadlines (``backend.jobstate``)
+UNSTARTED_KEY = f"{NAMESPACE}:jobs:unstarted"
+# Deadline attainment of done jobs: hash ``<service class>|<1 met, 0 missed>`` -> jobs
+# (``maskserve_jobs_deadline_total{class, met}`` on the API's /metrics)
+DEADLINE_STATS_KEY = f"{NAMESPACE}:stats:deadline"
+
+
 def job_events_key(job_id: str) -> str:
     """Stream of one job's events (capped), read by the API's event stream."""
     return f"{NAMESPACE}:job:{job_id}:events"

@@ -90,6 +90,9 @@ class Row:
     wait_s: float = 0.0
     waiting_since: float | None = None
     parked: bool = False  # parked at a step boundary and not resumed yet (``step`` is kept)
+    # False while the row may not leave the batch mid-way (the worker sets it for a row recording
+    # its template's cache: rows of that template wait for the recording)
+    parkable: bool = True
     parks: int = 0  # times this row was parked
 
     @property
@@ -273,6 +276,8 @@ class BatchScheduler:
         for candidate in self.running.values():
             if candidate.job_id in protected or candidate.job_id in out.admitted:
                 continue  # resumed since the last round, or joined in this schedule
+            if not candidate.parkable:
+                continue
             if dl.starved(candidate, now, plan):
                 continue  # a starved row is never parked again
             their_slack = dl.row_slack(candidate, now, step_s)

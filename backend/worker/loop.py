@@ -33,23 +33,26 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 import torch
 from safetensors.torch import save_file
 
 from backend.blobs import BlobStore, job_blob_name
-from backend.engine.cache_store import CacheCorruptError, CacheError, CacheKey
+from backend.engine.cache_store import CacheCorruptError, CacheKey
 from backend.engine.editor import EditParams, EditState, MaskAwareEngine
 from backend.engine.prepared import PreparedRequest
 from backend.engine.previews import JobPreview, Previews
 from backend.protocol import CancelJob, DenoisedJob, EditJob, JobEvent, PreparedJob
 from backend.worker.adapter_tiers import RowAdapters
-from backend.worker.admission import AdmissionRules, Candidate
+from backend.worker.admission import AdmissionRules
 from backend.worker.batching import BatchScheduler, Row
 from backend.worker.channels import Inbox, JobSink
+from backend.worker.deadlines import DeadlinePlan
+from backend.worker.forecasts import ForecastNotes
 from backend.worker.stats import WorkerStats
+from backend.worker.step_clock import StepClock
+from backend.worker.template_rows import JobCacheGate, TemplateCaches, TemplateRows
 
 log = logging.getLogger(__name__)
 
@@ -58,32 +61,6 @@ NOT_RECORDED = (
     "cache not recorded (no room on the cache disk, or a write failed): edits of this template "
     "compute without it"
 )
-
-
-class TemplateCaches(Protocol):
-    """The tiered activation cache as the worker uses it (``backend.cache``'s tiered cache)."""
-
-    def acquire(self, key: CacheKey): ...
-
-    def release(self, key: CacheKey) -> None: ...
-
-    def invalidate(self, key: CacheKey, error: Exception) -> None: ...
-
-    def prefetch(self, key: CacheKey) -> None: ...
-
-    def ready(self, key: CacheKey) -> bool: ...
-
-    def writer(
-        self,
-        key: CacheKey,
-        num_units: int,
-        halves: int,
-        dtype: torch.dtype,
-        num_steps: int,
-        latent_bytes: int,
-    ): ...
-
-    def commit(self, writer): ...
 
 
 class InlineStages(Protocol):
@@ -108,7 +85,7 @@ class _Job:
     preview: JobPreview | None = None  # set at admission when the worker makes previews
 
 
-class EngineWorker:
+class EngineWorker(TemplateRows):
     def __init__(
         self,
         engine: MaskAwareEngine,
@@ -123,6 +100,8 @@ class EngineWorker:
         stages: InlineStages | None = None,
         previews: Previews | None = None,
         adapters: RowAdapters | None = None,
+        plan: DeadlinePlan | None = None,
+        clock: StepClock | None = None,
     ):
         if mode == "inline" and stages is None:
             raise ValueError("inline batching runs pre/post-processing in the loop: pass `stages`")
@@ -130,11 +109,14 @@ class EngineWorker:
         self.worker_id, self.mode, self.caches, self.stages = worker_id, mode, caches, stages
         self.previews = previews  # live previews on running events (None: off)
         self.adapters = adapters  # LoRA tiers and late joins (None: jobs with adapters fail)
-        self.scheduler = BatchScheduler(max_batch, mode)
+        # fifo without a plan; with one, rows are ordered (and parked) by their deadlines
+        self.scheduler = BatchScheduler(max_batch, mode, plan)
+        self.clock = clock  # measured steps calibrate the plan's step time (None: nothing learns)
+        self.forecasts = ForecastNotes(self.scheduler, plan.step_time if plan else None)
         self.jobs: dict[str, _Job] = {}
         self.stats = WorkerStats()
         self.admission = AdmissionRules()  # which waiting row may join; templates recorded
-        self._gate = _JobCacheGate(self)
+        self._gate = JobCacheGate(self)
         self._held = False  # the last schedule held rows back and nothing ran
         self._cancel_before_arrival: set[str] = set()
 
@@ -153,11 +135,15 @@ class EngineWorker:
         out = self.scheduler.schedule(time.time(), self._ready)
         self._held = bool(out.held) and not self.scheduler.running
         self.stats.record_held(len(out.held))
+        self.stats.record_parking(len(out.parked), len(out.resumed))
         for job_id in out.cancelled:
             self._finish(job_id, "cancelled", "cancelled by the user")
         job_work_started = time.perf_counter()
+        for job_id in out.parked:
+            self._park(job_id)
         for job_id in out.admitted:
             self._admit(job_id)
+        self._tell_forecasts()
         job_work_s = time.perf_counter() - job_work_started
         stepped, forward_s = [], 0.0
         for group in out.groups:
@@ -171,15 +157,17 @@ class EngineWorker:
                     ran, seconds = self._step_group(part)
                     stepped += ran
                     forward_s += seconds
+        stepped_rows = [self.scheduler.running[j] for j in stepped if j in self.scheduler.running]
         retiring = self.scheduler.update_from_output(stepped)
         job_work_started = time.perf_counter()
         for row in retiring:
             self._retire(row)
         job_work_s += time.perf_counter() - job_work_started
         if stepped:
-            self.stats.record_step(
-                len(stepped), time.perf_counter() - started, forward_s, job_work_s
-            )
+            iteration_s = time.perf_counter() - started
+            self.stats.record_step(len(stepped), iteration_s, forward_s, job_work_s)
+            if self.clock is not None:
+                self.clock.observe(stepped_rows, iteration_s)
         return bool(stepped)
 
     def _inbox_wait_s(self, idle_poll_s: float) -> float:
@@ -243,6 +231,9 @@ class EngineWorker:
                 job.received_at,
                 template=prepared.cache_key.digest() if prepared.cache_key else "",
                 adapters=tuple(use.sha256 for use in message.adapters),
+                deadline=message.service.deadline,
+                priority=message.service.priority,
+                service_class=message.service.service_class,
             )
         )
         if self.caches is not None and params.use_cache and prepared.cache_key is not None:
@@ -257,40 +248,21 @@ class EngineWorker:
     def _ready(self, row: Row) -> bool:
         """May ``row`` join the batch now without stalling it (``AdmissionRules.admit``)?"""
         job = self.jobs.get(row.job_id)
-        return job is None or self.admission.admit(self._candidate(job), self._gate)
-
-    def _candidate(self, job: _Job) -> Candidate:
-        key = job.prepared.cache_key
-        reads_cache = self.caches is not None and key is not None and job.params.use_cache
-        return Candidate(
-            job.message.job_id,
-            key.digest() if reads_cache else "",
-            # a template cache is the base model's: a row with adapters never records one
-            records_on_miss=job.message.prepare
-            or (job.params.record_on_first_edit and not job.message.adapters),
-            prepare=job.message.prepare,
-        )
-
-    def _acquire_early(self, job: _Job) -> tuple:
-        """(handle, error) of the row's cache, acquired (pinned) as soon as the row is found ready:
-        a read started for a row behind it in the same schedule must not evict it. An error is
-        raised later by ``_admit``, where admission failures are handled."""
-        try:
-            return self._acquire(job), None
-        except Exception as exc:
-            return None, exc
-
-    def _take_cache(self, job: _Job):
-        """The row's cache handle: the one ``_ready`` acquired, else acquired now."""
-        if job.early_cache is None:
-            return self._acquire(job)
-        (cache, error), job.early_cache = job.early_cache, None
-        if error is not None:
-            raise error
-        return cache
+        if job is None or job.state is not None:
+            return True  # gone, or parked: a parked row kept its cache and adapters pinned
+        return self.admission.admit(self._candidate(job), self._gate)
 
     def _admit(self, job_id: str) -> None:
         job = self.jobs[job_id]
+        if job.state is not None:  # a parked row resumes from the step it left at
+            self._emit(
+                job_id,
+                "running",
+                step=job.state.step,
+                num_steps=job.message.num_steps,
+                message=f"resumed at step {job.state.step}",
+            )
+            return
         job.timings["wait_s"] = time.time() - job.received_at
         try:
             cache = self._take_cache(job)
@@ -311,6 +283,10 @@ class EngineWorker:
             self._finish(job_id, "failed", f"could not start: {exc}")
             return
         job.timings["admitted_at"] = time.time()
+        # a recording (or a prepare job) never leaves the batch mid-way: rows of its template wait
+        self.scheduler.running[job_id].parkable = (
+            job.state.writer is None and not job.message.prepare
+        )
         job.preview = self._start_preview(job)
         self._emit(job_id, "running", step=0, num_steps=job.message.num_steps)
 
@@ -334,64 +310,36 @@ class EngineWorker:
         message = job.message
         self.adapters.admit(message.job_id, message.adapters, message.num_steps, message.prepare)
 
-    def _drop_broken_cache(self, job: _Job, exc: CacheCorruptError) -> None:
-        log.warning(
-            "template cache %s of %s is unusable (%s): the row computes densely and the cache is "
-            "recorded again",
-            job.cache_key.digest(),
-            job.message.job_id,
-            exc,
+    # ----- deadlines ------------------------------------------------------------------------
+    def _park(self, job_id: str) -> None:
+        """The row left the batch at this step boundary for a tighter one: it keeps its state
+        (latents, scheduler position, generator) and its pins, and resumes from this step."""
+        step = self.jobs[job_id].state.step
+        self._emit(
+            job_id,
+            "running",
+            step=step,
+            num_steps=self.jobs[job_id].message.num_steps,
+            message=f"parked at step {step}: jobs with tighter deadlines run first",
         )
-        self.caches.invalidate(job.cache_key, exc)
-        self._release(job)
-        self.stats.cache_fallbacks += 1
 
-    def _acquire(self, job: _Job):
-        key = job.prepared.cache_key
-        if self.caches is None or key is None or not job.params.use_cache:
-            return None
-        cache = self.caches.acquire(key)
-        if cache is None:
-            return None
-        job.cache_key = key
-        if cache.num_units != self.engine.num_units:
-            log.warning(
-                "cache %s has %d units, model has %d: computing densely",
-                key.digest(),
-                cache.num_units,
-                self.engine.num_units,
+    def _tell_forecasts(self) -> None:
+        """This iteration's forecast; a waiting row whose forecast moved hears of it."""
+        now = time.time()
+        self.forecasts.update(now)
+        for job_id, forecast in self.forecasts.due(now):
+            job = self.jobs.get(job_id)
+            if job is None:
+                continue
+            self._emit(
+                job_id,
+                "waiting",
+                step=job.state.step if job.state is not None else 0,
+                num_steps=job.message.num_steps,
+                queue_position=forecast.position,
+                predicted_start=forecast.start,
+                predicted_finish=forecast.finish,
             )
-            self._release(job)
-            return None
-        return cache
-
-    def _should_record(self, job: _Job, forced: bool = False) -> bool:
-        """Record this row's template cache on its way (``AdmissionRules.should_record``)."""
-        return self.admission.should_record(self._candidate(job), forced)
-
-    def _start_recording(self, job: _Job) -> None:
-        key, state = job.prepared.cache_key, job.state
-        state.writer = self.caches.writer(
-            key,
-            self.engine.num_units,
-            state.req.halves,
-            self.engine.adapter.dtype,
-            num_steps=len(state.req.timesteps),
-            latent_bytes=state.latents.numel() * state.latents.element_size(),
-        )
-        if state.writer is not None:
-            self.admission.start_recording(key.digest())
-
-    def _drop_ended_recordings(self, job_ids: list[str]) -> None:
-        """Rows whose recording ended early (no room on the cache disk, or a write failed: the
-        writer already removed its partial and the cache logged it) go on as plain dense rows: the
-        same computation, nothing recorded, so they stop stepping apart from rows reading caches.
-        """
-        for job_id in job_ids:
-            job = self.jobs[job_id]
-            if job.state.writer is not None and job.state.writer.failed is not None:
-                job.state.writer = None
-                self.admission.end_recording(job.prepared.cache_key.digest())
 
     # ----- steps ----------------------------------------------------------------------------
     def _step_group(self, job_ids: list[str]) -> tuple[list[str], float]:
@@ -429,6 +377,7 @@ class EngineWorker:
                     step=state.step,
                     num_steps=len(state.req.timesteps),
                     preview=previews.get(job_id, ""),
+                    predicted_finish=self.forecasts.finish_of(job_id),
                 )
                 for job_id, state in zip(job_ids, states)
             ]
@@ -464,33 +413,6 @@ class EngineWorker:
         for job_id in broken:
             self.jobs[job_id].preview = None
         return made
-
-    def _restart_rows_on_broken_cache(self, job_ids: list[str], exc: Exception) -> bool:
-        """The rows reading the entry ``exc`` names start over densely at step 0 (see the module
-        docstring); False when ``exc`` is not a broken cache entry one of these rows reads."""
-        entry = getattr(exc, "entry_path", None) if isinstance(exc, CacheCorruptError) else None
-        broken = [
-            j
-            for j in job_ids
-            if entry is not None
-            and self.jobs[j].state.cache is not None
-            and Path(self.jobs[j].state.cache.path) == Path(entry)
-        ]
-        for job_id in broken:
-            job = self.jobs[job_id]
-            self._drop_broken_cache(job, exc)
-            job.state = self.engine.admit(job.prepared, None)
-            if self._should_record(job):
-                self._start_recording(job)
-            self.scheduler.restart(job_id)
-            self._emit(
-                job_id,
-                "running",
-                step=0,
-                num_steps=job.message.num_steps,
-                message="template cache unusable: recomputing without it from step 0",
-            )
-        return bool(broken)
 
     # ----- leaving --------------------------------------------------------------------------
     def _retire(self, row: Row) -> None:
@@ -532,20 +454,6 @@ class EngineWorker:
             self.sink.denoised(denoised)
         self.inbox.ack(job_id)
 
-    def _commit_recording(self, job: _Job) -> bool:
-        """Publish the row's recording; False when it was not kept (the cache says why)."""
-        state = job.state
-        self.admission.end_recording(job.prepared.cache_key.digest())
-        try:
-            state.writer.write_trajectory(
-                {"latents": torch.cat(state.recorded_latents + [state.latents])}
-            )
-            return self.caches.commit(state.writer) is not None
-        except (OSError, CacheError) as exc:  # the edit itself is fine; only the cache is lost
-            log.warning("recording the cache of %s failed: %s", job.message.job_id, exc)
-            state.writer.abort()
-            return False
-
     def _finish_prepare(self, job_id: str, message: str, timings: dict | None = None) -> None:
         job = self.jobs.pop(job_id, None)
         if job is not None:
@@ -558,6 +466,7 @@ class EngineWorker:
 
     def _release(self, job: _Job) -> dict[str, int]:
         """Unpin the row's cache and adapters; adapter id -> the step it joined at."""
+        self.forecasts.forget(job.message.job_id)
         if job.cache_key is not None:
             self.caches.release(job.cache_key)
             job.cache_key = None
@@ -582,18 +491,3 @@ class EngineWorker:
                 job_id=job_id, status=status, at=time.time(), worker_id=self.worker_id, **fields
             )
         )
-
-
-class _JobCacheGate:
-    """The worker's tiered cache as ``AdmissionRules`` asks it, per waiting job."""
-
-    def __init__(self, worker: EngineWorker):
-        self.worker = worker
-
-    def ready(self, row: Candidate) -> bool:
-        return self.worker.caches.ready(self.worker.jobs[row.job_id].prepared.cache_key)
-
-    def acquire(self, row: Candidate) -> bool:
-        job = self.worker.jobs[row.job_id]
-        cache, error = job.early_cache = self.worker._acquire_early(job)
-        return cache is None and error is None

@@ -31,6 +31,8 @@ from backend import protocol
 from backend.blobs import BlobStore
 from backend.cache import CacheMetrics, Tier, TieredActivationCache
 from backend.config import Settings
+from backend.costmodel.profiles import device_kind, load_profile
+from backend.dispatch.router import RoutingCostModel
 from backend.jobstate import JobStateStore
 from backend.metrics import make_registry, serve_metrics
 from backend.protocol import DenoisedJob, JobEvent, WorkerHeartbeat
@@ -41,9 +43,11 @@ from backend.tasks.celery_app import make_celery, submit_postprocess
 from backend.worker.adapter_book import AdapterBook
 from backend.worker.adapter_tiers import worker_adapters
 from backend.worker.baseline import BaselineWorker
+from backend.worker.deadlines import DeadlinePlan
 from backend.worker.loop import EngineWorker
 from backend.worker.redis_inbox import RedisInbox
 from backend.worker.stats import WorkerStats
+from backend.worker.step_clock import StepClock
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +261,24 @@ class Heartbeat:
         return thread
 
 
+def deadline_plan(settings: Settings) -> tuple[DeadlinePlan, StepClock]:
+    """How the worker orders its rows (``settings.deadlines``), on a step clock shaped by the
+    model's fitted cost profile when one ships for it (else it learns seconds per row)."""
+    model = None
+    try:
+        profile = load_profile(
+            settings.paths.profiles_dir,
+            settings.engine.model_id,
+            device_kind(settings.engine.device),
+            settings.engine.cache_mode,
+        )
+        model = RoutingCostModel.from_profile(profile).step_latency
+    except (OSError, ValueError) as exc:
+        log.info("no cost profile for the step clock (%s): it learns seconds per row", exc)
+    clock = StepClock(model)
+    return DeadlinePlan.from_settings(settings.deadlines, clock), clock
+
+
 def build_worker(
     settings: Settings, client: Redis, celery_app=None
 ) -> tuple[EngineWorker, TieredActivationCache]:
@@ -296,6 +318,7 @@ def build_worker(
         )
         return worker, caches
     inline = settings.worker.batching == "inline"
+    plan, clock = deadline_plan(settings)
     worker = EngineWorker(
         engine,
         blobs,
@@ -306,6 +329,8 @@ def build_worker(
         stages=CpuStages(settings, engine, jobstate) if inline else None,
         previews=worker_previews(settings, engine),  # fits its latent -> RGB map once
         adapters=worker_adapters(settings, engine),
+        plan=plan,
+        clock=clock,
         **common,
     )
     return worker, caches

@@ -29,7 +29,14 @@ def percentile(values, q: float) -> float:
 class WorkerStats:
     # the keys of ``snapshot`` that only grow: Prometheus counters (every other key is a gauge)
     COUNTERS: ClassVar[frozenset[str]] = frozenset(
-        {"steps", "jobs", "cache_fallbacks_total", "held_row_schedules_total"}
+        {
+            "steps",
+            "jobs",
+            "cache_fallbacks_total",
+            "held_row_schedules_total",
+            "parks_total",
+            "resumes_total",
+        }
     )
     window: int = 10_000
     steps: int = 0
@@ -45,6 +52,9 @@ class WorkerStats:
     # total of held_rows over every schedule: steady growth = RAM tier or disk too slow
     held_row_schedules: int = 0
     recent_overhead_s: deque = field(default_factory=deque)
+    # rows parked at a step boundary for tighter deadlines, and parked rows resumed
+    parks: int = 0
+    resumes: int = 0
 
     def record_step(
         self, num_rows: int, iteration_s: float, forward_s: float, job_work_s: float = 0.0
@@ -62,6 +72,10 @@ class WorkerStats:
     def record_held(self, num_rows: int) -> None:
         self.held_rows = num_rows
         self.held_row_schedules += num_rows
+
+    def record_parking(self, parked: int, resumed: int) -> None:
+        self.parks += parked
+        self.resumes += resumed
 
     def record_job(self, status: str) -> None:
         self.jobs_by_status[status] += 1
@@ -82,4 +96,6 @@ class WorkerStats:
             "cache_fallbacks_total": self.cache_fallbacks,
             "held_rows": self.held_rows,
             "held_row_schedules_total": self.held_row_schedules,
+            "parks_total": self.parks,
+            "resumes_total": self.resumes,
         }

@@ -1,0 +1,64 @@
+"""Forecast notes: which waiting rows are told their queue position and predicted start/finish."""
+
+from backend.worker.deadlines import RowForecast
+from backend.worker.forecasts import ForecastNotes
+
+
+class FakeScheduler:
+    def __init__(self):
+        self.answer: dict[str, RowForecast] = {}
+
+    def forecast(self, now):
+        return dict(self.answer)
+
+
+def notes():
+    scheduler = FakeScheduler()
+    return scheduler, ForecastNotes(scheduler, step_time=lambda rows: 1.0, min_move_s=2.0)
+
+
+def test_a_waiting_row_is_told_once_then_only_when_its_forecast_moves():
+    scheduler, n = notes()
+    scheduler.answer = {"run": RowForecast(0, 0.0, 5.0), "w": RowForecast(1, 5.0, 25.0)}
+    n.update(0.0)
+    assert n.due(0.0) == [("w", RowForecast(1, 5.0, 25.0))]  # running rows: on step events
+    n.update(1.0)
+    assert n.due(1.0) == []
+    scheduler.answer["w"] = RowForecast(1, 6.5, 26.5)  # moved 1.5 s: not enough
+    n.update(2.0)
+    assert n.due(2.0) == []
+    scheduler.answer["w"] = RowForecast(1, 9.0, 29.0)  # moved 4 s from what it was told
+    n.update(3.0)
+    assert n.due(3.0) == [("w", RowForecast(1, 9.0, 29.0))]
+    scheduler.answer["w"] = RowForecast(2, 9.0, 29.0)  # another row went ahead of it
+    n.update(4.0)
+    assert [job for job, _ in n.due(4.0)] == ["w"]
+
+
+def test_far_starts_move_relatively_before_they_are_told_again():
+    scheduler, n = notes()
+    scheduler.answer = {"w": RowForecast(5, 100.0, 120.0)}
+    n.update(0.0)
+    n.due(0.0)
+    scheduler.answer = {"w": RowForecast(5, 108.0, 128.0)}  # 8 s of 100 s left: under 10%
+    n.update(0.0)
+    assert n.due(0.0) == []
+    scheduler.answer = {"w": RowForecast(5, 113.0, 133.0)}  # 13 s of 113 s
+    n.update(0.0)
+    assert n.due(0.0) != []
+
+
+def test_finish_of_and_forget():
+    scheduler, n = notes()
+    scheduler.answer = {"run": RowForecast(0, 0.0, 7.5)}
+    n.update(0.0)
+    assert n.finish_of("run") == 7.5 and n.finish_of("gone") == 0.0
+    n.forget("run")
+    assert n.finish_of("run") == 0.0
+
+
+def test_without_a_step_clock_nothing_is_forecast():
+    scheduler = FakeScheduler()
+    scheduler.answer = {"w": RowForecast(1, 1.0, 2.0)}
+    n = ForecastNotes(scheduler, step_time=None)
+    assert n.update(0.0) == {} and n.due(0.0) == []
