@@ -262,3 +262,26 @@ def test_the_command_writes_the_report(tmp_path, capsys):
     assert code == 0 and out.exists() and out.with_suffix(".png").exists()
     printed = capsys.readouterr().out
     assert "bursty, loads 0.8-1.0, slack vs fifo" in printed and "wrote" in printed
+
+
+def test_several_seeds_are_averaged_and_each_kept(tmp_path, capsys):
+    from backend.cli import main
+
+    out = tmp_path / "dl.json"
+    args = ["bench", "route-deadlines", "--profiles-dir", str(PROFILES), "--duration", "15"]
+    args += ["--workers", "2", "--max-batch", "2", "--steps", "4", "--templates", "6"]
+    args += ["--loads", "0.8,1.0", "--traces", "poisson", "--interactive-target", "4"]
+    assert main([*args, "--seeds", "0,1", "--json", str(out)]) == 0
+    mean = json.loads(out.read_text())
+    seeds = [json.loads((tmp_path / f"dl-seed{s}.json").read_text()) for s in (0, 1)]
+    assert mean["seeds"] == [0, 1] and set(mean["targets_per_seed"]) == {"0", "1"}
+    for i, r in enumerate(mean["results"]):
+        one, two = seeds[0]["results"][i], seeds[1]["results"][i]
+        for cls in ("interactive", "batch"):
+            assert r["classes"][cls]["attainment"] == pytest.approx(
+                (one["classes"][cls]["attainment"] + two["classes"][cls]["attainment"]) / 2
+            )
+        assert r["max_batch_wait_s"] == max(one["max_batch_wait_s"], two["max_batch_wait_s"])
+        assert r["starved_jobs"] == one["starved_jobs"] + two["starved_jobs"]
+        assert r["scheduler"] == one["scheduler"] and r["load"] == one["load"]
+    assert "the mean over seeds [0, 1]" in capsys.readouterr().out

@@ -25,7 +25,9 @@ Loads are fractions of the cluster's capacity as the route bench measures it
 * ``slack``: the full scheduler: rounds of ``round_steps``, parking within the bounds.
 
 Routing is ``mask_aware`` with deadlines on (``backend.dispatch.deadline_cost``) for every arm;
-admission control (``shed``) applies the API's rule to every arm alike.
+an arm named with the suffix ``-blind`` (``slack-blind``) routes without them (the router's choice
+before deadlines), to measure what deadline routing adds. Admission control (``shed``) applies
+the API's rule to every arm alike.
 
 Latency = arrival -> last denoising step (pre/post-processing are outside the simulation and the
 same for every arm). Statistics count the jobs that arrive after the warm-up
@@ -63,6 +65,7 @@ from backend.dispatch.router import Router
 from backend.worker.stats import percentile
 
 TRACES = ("poisson", "bursty")
+BLIND = "-blind"  # an arm's suffix: its router is not shown the deadlines (the ablation)
 CLASSES = ("interactive", "batch")
 TARGET_LOADS = (0.8, 1.0)  # the issue's targets hold at loads in this range
 _D = DeadlineSettings()
@@ -230,9 +233,12 @@ def measure(
 def run_deadline_bench(cfg: DeadlineBenchConfig, progress=None) -> dict:
     """Every arm on the identical traces per (process, load): a JSON-ready report
     ``{"config", "capacity_rps", "results": [...], "comparison", "targets"}``."""
-    unknown = set(cfg.schedulers) - set(ARMS)
+    unknown = {a for a in cfg.schedulers if a.removesuffix(BLIND) not in ARMS}
     if unknown:
-        raise ValueError(f"unknown schedulers {sorted(unknown)}; expected some of {ARMS}")
+        raise ValueError(
+            f"unknown schedulers {sorted(unknown)}; expected some of {ARMS}, each optionally "
+            f"with {BLIND} (routing not shown the deadlines)"
+        )
     route = cfg.route()
     truth, routing = cost_model_for(route, "exact"), cost_model_for(route)
     rng = np.random.default_rng([cfg.seed, 99])  # the route bench's prerecorded templates
@@ -250,10 +256,20 @@ def run_deadline_bench(cfg: DeadlineBenchConfig, progress=None) -> dict:
             trace = deadline_trace(cfg, kind, rps, cfg.seed)
             services = services_of(cfg, trace)
             for arm in cfg.schedulers:
-                plan = StepPlan(arm, cfg.round_steps, cfg.max_wait_s, cfg.max_parks_per_round)
+                scheduler = arm.removesuffix(BLIND)
+                plan = StepPlan(scheduler, cfg.round_steps, cfg.max_wait_s, cfg.max_parks_per_round)
                 router = Router("mask_aware", {(cfg.model_id, cfg.device): routing})
                 sim = DeadlineClusterSimulation(
-                    route, truth, router, trace, prerecorded, services, plan, routing, shed
+                    route,
+                    truth,
+                    router,
+                    trace,
+                    prerecorded,
+                    services,
+                    plan,
+                    routing,
+                    shed,
+                    blind=arm != scheduler,
                 )
                 sim.run()
                 row = {"trace": kind, "load": load, "scheduler": arm, "rps": rps}
@@ -278,6 +294,39 @@ def run_deadline_bench(cfg: DeadlineBenchConfig, progress=None) -> dict:
     report["comparison"] = comparison(report)
     report["targets"] = targets(report, cfg.max_wait_s)
     return report
+
+
+def summarize_seeds(reports: list[dict]) -> dict:
+    """Several seeds' reports (same arms, processes and loads) as one: every figure of a run the
+    mean over seeds, except the longest waits (``max_*``: the max) and the starved jobs (the sum);
+    then ``comparison`` and ``targets`` of those means, and ``targets_per_seed``."""
+    if not reports:
+        raise ValueError("no reports to summarize")
+    keys = [[(r["trace"], r["load"], r["scheduler"]) for r in rep["results"]] for rep in reports]
+    if any(k != keys[0] for k in keys):
+        raise ValueError("reports to summarize must cover the same processes, loads and arms")
+
+    def merge(values: list, key: str = ""):
+        first = values[0]
+        if isinstance(first, dict):
+            return {k: merge([v[k] for v in values], k) for k in first}
+        if isinstance(first, bool) or not isinstance(first, int | float):
+            return first
+        if key.startswith("max_"):
+            return max(values)
+        return sum(values) if key == "starved_jobs" else float(np.mean(values))
+
+    summary = {
+        "config": reports[0]["config"],
+        "seeds": [rep["config"]["seed"] for rep in reports],
+        "capacity_rps": float(np.mean([rep["capacity_rps"] for rep in reports])),
+        "capacity_bound_rps": reports[0]["capacity_bound_rps"],
+        "results": [merge(list(runs)) for runs in zip(*(rep["results"] for rep in reports))],
+        "targets_per_seed": {str(rep["config"]["seed"]): rep["targets"] for rep in reports},
+    }
+    summary["comparison"] = comparison(summary)
+    summary["targets"] = targets(summary, reports[0]["config"]["max_wait_s"])
+    return summary
 
 
 def comparison(report: dict) -> list[dict]:
@@ -346,7 +395,7 @@ def table(report: dict) -> str:
     arms = list(dict.fromkeys(r["scheduler"] for r in report["results"]))
     by = {(r["trace"], r["load"], r["scheduler"]): r for r in report["results"]}
     cmp = {(c["trace"], c["load"], c["scheduler"]): c for c in report["comparison"]}
-    last = arms[-1]
+    last = "slack" if "slack" in arms else arms[-1]
     vs = f"{last} vs fifo" if last != "fifo" and "fifo" in arms else ""
     names = " / ".join(arms)
     head = [
@@ -440,7 +489,8 @@ def write_outputs(report: dict, json_path: Path) -> Path:
         f"{c['model_id']}: {c['num_workers']} workers x batch {c['max_batch']}, "
         f"{c['interactive_share']:.0%} interactive (target {c['interactive_target_s']:g} s), "
         f"batch target {c['batch_target_s']:g} s; "
-        f"bursts {c['burst_factor']:g}x the mean rate for {c['burst_s']:g} s",
+        f"bursts {c['burst_factor']:g}x the mean rate for {c['burst_s']:g} s"
+        + (f"; mean of seeds {report['seeds']}" if "seeds" in report else ""),
         fontsize=10,
     )
     fig.tight_layout()

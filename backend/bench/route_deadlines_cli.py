@@ -4,6 +4,7 @@ imported only when the command runs, so `maskserve --help` stays light)."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from backend.config import Settings
@@ -20,9 +21,12 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def cmd_bench_route_deadlines(args, settings: Settings) -> int:
+    from dataclasses import replace
+
     from backend.bench.route_deadlines import (
         DeadlineBenchConfig,
         run_deadline_bench,
+        summarize_seeds,
         table,
         write_outputs,
     )
@@ -58,9 +62,25 @@ def cmd_bench_route_deadlines(args, settings: Settings) -> int:
         late_factor=d.late_factor,
         max_queue=d.max_queue,
     )
-    report = run_deadline_bench(cfg, progress=print)
-    plot = write_outputs(report, Path(args.json))
-    print(f"capacity {report['capacity_rps']:.2f} req/s ({cfg.num_workers} workers)")
+    seeds = [int(x) for x in args.seeds.split(",") if x] if args.seeds else [args.seed]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds repeats a seed: {args.seeds!r}")
+    json_path, reports = Path(args.json), []
+    for seed in seeds:
+        one = replace(cfg, seed=seed)
+        reports.append(
+            run_deadline_bench(one, progress=lambda line, s=seed: print(f"seed {s}: {line}"))
+        )
+        if len(seeds) > 1:
+            path = json_path.with_name(f"{json_path.stem}-seed{seed}.json")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(reports[-1], indent=1))
+    report = reports[0] if len(seeds) == 1 else summarize_seeds(reports)
+    plot = write_outputs(report, json_path)
+    print(
+        f"capacity {report['capacity_rps']:.2f} req/s ({cfg.num_workers} workers)"
+        + (f"; the mean over seeds {seeds}" if len(seeds) > 1 else "")
+    )
     print(table(report))
     for kind, t in report["targets"].items():
         print(
@@ -110,6 +130,11 @@ def add_route_deadlines_parser(bench_sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--no-shed", action="store_true", help="no admission control (no 429s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seeds",
+        default="",
+        help="comma list: one run per seed (its JSON beside --json), --json and its plot the mean",
+    )
     p.add_argument("--json", default=DEFAULT_JSON)
     p.set_defaults(func=cmd_bench_route_deadlines)
     return p

@@ -23,10 +23,10 @@ batch with J in it (a row without a deadline has infinite slack):
   the round's phase, so the next one is expected half a round away. With
   ``max_parks_per_round`` 0 nothing is parked: ``edf``.
 
-So under ``slack`` a tight job is not charged for the rows with more slack ahead of it in W's
-queue, and the running rows it displaces (``parked``: 1 when J takes a slot beyond the free ones)
-no longer run beside it. Not modelled: the starvation bound (heartbeats carry no waiting times),
-rows that arrive after J, and pre/post-processing after the last step.
+So under ``edf`` and ``slack`` a tight job is not charged for the rows with more slack queued
+ahead of it, and under ``slack`` the running row it displaces when it would otherwise be late
+(``parked``: 1) no longer runs beside it. Not modelled: the starvation bound (heartbeats carry no
+waiting times), rows that arrive after J, and pre/post-processing after the last step.
 
 The choice (``choose_by_deadline``) for a job with a deadline: among the workers where its
 predicted finish (now + wait + run + residency + adapters) is by its deadline, the least
@@ -159,32 +159,36 @@ def replay(
     under fifo this is the router's replay from before deadlines, operation for operation."""
     if row.parks and slack is not None and step_s > 0:
         return _replay_parking(steps, num_running, order, n, cap, row, slack, step_s)
-    heap = [(float(steps[i]), i) for i in range(num_running)]  # running rows keep their slots
+    heap = [(steps[i], i) for i in range(num_running)]  # running rows keep their slots
     heapq.heapify(heap)
-    spans = {i: (0.0, float(steps[i])) for i in range(num_running)}  # row -> its slot's span
     first = list(range(num_running))  # rows that hold a slot from the next step
-    admit, ahead = 0.0, 0
-    before: list[int] = []  # the rows in slots when J takes one, in heap order
+    admit, ahead, placed = 0, num_running, False
+    co_runners: list[tuple[float, int]] = []
+    after: list[tuple[int, int, int]] = []  # rows placed after J: (start, end, row)
     for i in order:
-        start = 0.0 if len(heap) < cap else heap[0][0]
         if i == JOB:
-            admit, ahead = start, len(spans)
-            before = [k for f, k in heap if f > start]
-        if len(heap) >= cap:
-            heapq.heappop(heap)
-        elif start == 0.0 and i != JOB:
+            admit = heap[0][0] if len(heap) >= cap else 0
+            # the rows in slots when J takes one: each overlaps J until it ends (or J does)
+            co_runners = [(min(f - admit, n), k) for f, k in heap if f > admit]
+            if len(heap) >= cap:
+                heapq.heappop(heap)
+            heapq.heappush(heap, (admit + n, JOB))
+            placed = True
+            continue
+        s = steps[i]
+        if len(heap) < cap:
+            start = 0
+            heapq.heappush(heap, (s, i))
             first.append(i)
-        end = start + (n if i == JOB else steps[i])
-        heapq.heappush(heap, (end, i))
-        if i != JOB:
-            spans[i] = (start, end)
-    end, seen = admit + n, set(before)
-    co_runners = [
-        (min(e, end) - max(s0, admit), k)
-        for k, (s0, e) in [(k, spans[k]) for k in before]
-        + [(k, v) for k, v in spans.items() if k not in seen and v[0] >= admit]
-        if min(e, end) > max(s0, admit)
-    ]
+        else:
+            start = heapq.heappop(heap)[0]
+            heapq.heappush(heap, (start + s, i))
+        if placed:
+            after.append((start, start + s, i))
+        else:
+            ahead += 1
+    end = admit + n  # a row placed after J starts no sooner than J
+    co_runners += [(min(e, end) - s0, k) for s0, e, k in after if min(e, end) > s0]
     return Replay(admit, tuple(first), tuple(co_runners), ahead, 0)
 
 
