@@ -95,30 +95,31 @@ def test_deadline_traces_offer_the_rate_and_bursts_cluster_arrivals_at_the_same_
 
 
 # ----- the simulated workers --------------------------------------------------------------------
-def one_worker(scheduler: str):
+def one_worker(scheduler: str, records: bool = False):
     """One worker, one slot, 20 steps a job: a batch job runs from t=0; an interactive job arrives
-    5.5 steps in, with 6 steps of slack (it must start by step 10 and a half)."""
+    5.5 steps in, with 6 steps of slack (it must start by step 10 and a half). ``records``: the
+    batch job's template is in no tier (it records it), the interactive job's another one."""
     route = RouteBenchConfig(
         profiles_dir=str(PROFILES),
         num_workers=1,
         max_batch=1,
         steps=20,
-        num_templates=1,
-        ram_templates=1,
+        num_templates=2,
+        ram_templates=2,
         prerecorded=1.0,
         noise_cv=0.0,
         disk_read_s_per_byte=0.0,
     )
     truth, routing = cost_model_for(route, "exact"), cost_model_for(route)
     t = truth.step_latency([(0.1, "tpl0", True)])
-    trace = [TraceRequest(0, 0.0, 0, 0.1, 1), TraceRequest(1, 5.5 * t, 0, 0.1, 2)]
+    trace = [TraceRequest(0, 0.0, 0, 0.1, 1), TraceRequest(1, 5.5 * t, int(records), 0.1, 2)]
     services = [Service("batch", 600.0), Service("interactive", trace[1].arrival_s + 26 * t)]
     sim = DeadlineClusterSimulation(
         route,
         truth,
         Router("mask_aware", {(route.model_id, route.device): routing}),
         trace,
-        {"tpl0"},
+        {"tpl1"} if records else {"tpl0"},
         services,
         StepPlan(scheduler, round_steps=5),
         routing,
@@ -149,6 +150,12 @@ def test_without_parking_the_tight_job_waits_for_the_slot_and_is_late(scheduler)
     assert sim.done_at[1] > services[1].deadline
     assert sim.scheduler_counts()["parks"] == 0 and sim.finished[0].parks == 0
     assert 1 in sim.accepted_late  # predicted late, and accepted (interactive is not shed)
+
+
+def test_a_row_recording_its_template_is_never_parked():
+    sim, _, services = one_worker("slack", records=True)
+    assert sim.finished[0].records and sim.scheduler_counts()["parks"] == 0
+    assert sim.done_at[1] > sim.done_at[0] and sim.done_at[1] > services[1].deadline
 
 
 def test_the_shed_rule_is_the_apis():

@@ -217,6 +217,19 @@ def test_the_slack_replay_parks_only_for_rows_that_would_be_late_within_the_chur
     assert loose.admit == 22 and loose.parked == 1
 
 
+def test_a_running_row_recording_its_template_is_not_counted_as_parkable(cm):
+    """The worker never parks a recording (its template's other rows wait for it): a tight job
+    on a batch of recordings waits for a slot; with one cached row among them, it parks that one."""
+    loose = NOW + 3600
+    recordings = rows([(0.1, 20, f"new{i}") for i in range(8)], "r", loose)  # in no tier: dense
+    tight = job(NOW + 10)
+    est = cm.estimate(tight, worker("w", recordings, ram={"t0"}, order=SLACK))
+    assert est["parked"] == 0 and est["admit_step"] == 20
+    one_cached = recordings[:7] + rows([(0.1, 20, "a")], "c", loose)
+    est = cm.estimate(tight, worker("w", one_cached, ram={"a", "t0"}, order=SLACK))
+    assert est["parked"] == 1 and est["admit_step"] == SLACK.round_steps // 2
+
+
 # ----- no deadlines: as before ------------------------------------------------------------------
 def test_without_deadlines_every_scheduler_gives_the_old_estimates_and_choices(cm):
     rng = random.Random(7)

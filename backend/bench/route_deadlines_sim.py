@@ -7,10 +7,11 @@ Each simulated worker runs the serving worker's own scheduler with the arm's ste
 ``round_steps`` steps, with its starvation bound (``max_wait_s``) and churn bound
 (``max_parks_per_round``). Its step-time prediction is the worker's own: the routing cost model's
 latency of the rows (the fitted lines; a recording row dense, every other one cached), while a step
-takes the exact plan's latency (``route_sim``). A parked row leaves the batch at a step boundary and
-keeps its step; as the worker does, it releases its cache pin, and when resumed it acquires its
-cache again (waiting, like any row, while its entry is read back into RAM) and runs its remaining
-steps. A parked recording row keeps its recording (it needs no cache).
+takes the exact plan's latency (``route_sim``). As in the engine worker (``backend.worker.loop``),
+a parked row leaves the batch at a step boundary keeping its step and its cache pin, resumes as
+soon as it is ranked into the batch again (nothing to read back) and runs its remaining steps; a
+row recording its template's cache is never parked (``Row.parkable``: the template's other rows
+wait for that recording).
 
 Admission control (``ShedRule``), the API's formula: a job of a shed class is refused when its
 predicted latency (the router's predicted finish on the worker it chose) exceeds ``late_factor`` x
@@ -27,7 +28,6 @@ from typing import TYPE_CHECKING
 
 from backend.bench.route_sim import ClusterSimulation, SimJob, SimWorker
 from backend.dispatch.router import AdapterNeed, Decision, JobRequest, RoutingCostModel, RowOrder
-from backend.worker.admission import Candidate
 from backend.worker.batching import BatchScheduler, Row, SchedulerOutput
 from backend.worker.deadlines import DeadlinePlan
 
@@ -81,8 +81,8 @@ class ShedRule:
 
 
 class DeadlineSimWorker(SimWorker):
-    """A ``SimWorker`` whose scheduler may park rows: parked rows release their cache pin and
-    acquire it again when they resume (module docstring)."""
+    """A ``SimWorker`` whose scheduler may park rows (module docstring): a parked row keeps its
+    cache pinned; a recording row may not be parked."""
 
     def use_plan(self, plan: StepPlan, model: RoutingCostModel) -> None:
         """Schedule with ``plan`` (fifo: no plan, as today), predicting steps with ``model``."""
@@ -108,26 +108,15 @@ class DeadlineSimWorker(SimWorker):
         )
 
     def _ready(self, row: Row) -> bool:
-        if not row.parked:
-            return super()._ready(row)
-        job = self.jobs[row.job_id]
-        if job.records or not job.cached:  # it computes densely: no cache to acquire
-            return True
-        candidate = Candidate(row.job_id, row.template)
-        if not self.caches.ready(candidate):
-            return False
-        job.cached = not self.caches.acquire(candidate)
-        return True
+        return row.parked or super()._ready(row)  # a parked row kept its cache pinned
 
     def _scheduled(self, out: SchedulerOutput, now: float) -> None:
-        for job_id in out.parked:
-            job = self.jobs[job_id]
-            if job.cached and not job.records:
-                self.caches.release(job.template)
         resumed = set(out.resumed)
         for job_id in out.admitted:
             if job_id not in resumed:  # a resumed row was admitted (and counted) before
-                self._admit(self.jobs[job_id], now)
+                job = self.jobs[job_id]
+                self._admit(job, now)
+                self.scheduler.running[job_id].parkable = not job.records
 
 
 class DeadlineClusterSimulation(ClusterSimulation):

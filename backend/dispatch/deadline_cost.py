@@ -17,7 +17,8 @@ batch with J in it (a row without a deadline has infinite slack):
   only when waiting for the first slot to free would make it late, at the first round boundary at
   which its slack (shrinking while it waits) is under ``URGENT_ROUNDS`` rounds and the round has
   parks left (``max_parks_per_round``), if that comes sooner than the free slot. The running row
-  parked is the last ranked one with more slack that stays on time after sitting out a round; it
+  parked is the last ranked one with more slack that stays on time after sitting out a round and
+  is not recording its template's cache (the worker never parks a recording); it
   resumes its remaining steps when its turn in the order comes and a slot frees. Round boundaries
   are at ``round_steps // 2 + m * round_steps`` steps (m = 0, 1, ...): the router does not know
   the round's phase, so the next one is expected half a round away. With
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -152,13 +153,15 @@ def replay(
     row: RowOrder,
     slack: Mapping[int, float] | None = None,
     step_s: float = 0.0,
+    unparkable: Collection[int] = (),
 ) -> Replay:
     """Replay W's slots (module docstring): ``steps`` the remaining steps of the running rows then
     the waiting rows, ``order`` and ``slack`` what ``row_order`` gives, ``n`` J's steps, ``cap``
-    W's max batch, ``step_s`` its step time. Each row in turn takes the slot that frees first;
-    under fifo this is the router's replay from before deadlines, operation for operation."""
+    W's max batch, ``step_s`` its step time, ``unparkable`` the running rows W never parks (those
+    recording their template's cache). Each row in turn takes the slot that frees first; under
+    fifo this is the router's replay from before deadlines, operation for operation."""
     if row.parks and slack is not None and step_s > 0:
-        return _replay_parking(steps, num_running, order, n, cap, row, slack, step_s)
+        return _replay_parking(steps, num_running, order, n, cap, row, slack, step_s, unparkable)
     heap = [(steps[i], i) for i in range(num_running)]  # running rows keep their slots
     heapq.heapify(heap)
     first = list(range(num_running))  # rows that hold a slot from the next step
@@ -201,6 +204,7 @@ def _replay_parking(
     row: RowOrder,
     slack: Mapping[int, float],
     step_s: float,
+    unparkable: Collection[int] = (),
 ) -> Replay:
     """The slack scheduler's replay (module docstring): every row in ``order``, running ones
     included. A running row keeps its slot unless a row ranked before it displaces it; it is then
@@ -209,7 +213,7 @@ def _replay_parking(
     (``backend.worker.batching``): when waiting for the first slot to free would make it late, at
     the first round boundary at which its slack is under ``URGENT_ROUNDS`` rounds and the round
     has parks left, if that is sooner; the running row parked is the last ranked one that has
-    more slack and stays on time after sitting out a round."""
+    more slack, stays on time after sitting out a round and is not ``unparkable``."""
     rank = {i: pos for pos, i in enumerate(order)}
     round_s = row.round_steps * step_s
     slots: list[tuple[float, int | None]] = [(float(steps[i]), i) for i in range(num_running)]
@@ -219,6 +223,7 @@ def _replay_parking(
     }
     left = list(steps)  # steps each row has left to run
     holding = set(range(num_running))  # running rows still in their slot, not yet reached
+    parkable = holding - set(unparkable)
     used: dict[int, int] = {}  # round (0: the next) -> parks it made
     admit, ahead, parked = 0.0, 0, 0
     for pos, i in enumerate(order):
@@ -244,7 +249,7 @@ def _replay_parking(
             victims = [
                 j
                 for j, (_, h) in enumerate(slots)
-                if h in holding and slack[h] - round_s >= 0 and slack[h] > then
+                if h in holding and h in parkable and slack[h] - round_s >= 0 and slack[h] > then
             ]
             if boundary < start and victims:
                 k = max(victims, key=lambda j: rank[slots[j][1]])  # type: ignore[index]
