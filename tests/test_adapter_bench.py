@@ -5,6 +5,7 @@ asserted)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -117,3 +118,20 @@ def test_the_bench_runs_every_arm_end_to_end(tmp_path, models_dir, monkeypatch):
     assert ours["rows_with_adapters"] >= 1 and sum(ours["hits"].values()) >= 1
     assert report["catalog"]["adapters"] == 4 and "latency_x" in report["headline"]
     assert out.with_suffix(".png").exists()
+    assert not out.with_suffix(".partial.json").exists()  # kept only while the runs go on
+    baseline = next(r for r in report["results"] if r["arm"] == "baseline")
+    if baseline["phases"]:  # the baseline's requests with adapters: time split per phase
+        assert baseline["phases"]["pipeline_s"] > 0 and baseline["phases"]["adapter_load_s"] > 0
+
+
+def test_partial_results_are_written_after_each_run(tmp_path, capsys):
+    from backend.bench.adapter_bench import ArmResult
+    from backend.bench.adapter_report import write_partial
+
+    path = tmp_path / "adapters.partial.json"
+    first = ArmResult("baseline", "poisson", 0.5, 4, 2.0, 3.0, 0.4, 1.0)
+    write_partial({"model_id": "m"}, [first], path)
+    write_partial({"model_id": "m"}, [first, replace(first, arm="maskserve")], path)
+    saved = json.loads(path.read_text())
+    assert [r["arm"] for r in saved["results"]] == ["baseline", "maskserve"]
+    assert "maskserve: mean 2.00 s" in capsys.readouterr().out

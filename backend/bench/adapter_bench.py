@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -299,8 +300,15 @@ def _traces(cfg: AdapterBenchConfig) -> list[tuple[str, float, list[TraceRequest
     return [(name, rps, trace[: cfg.max_requests]) for name, rps, trace in made]
 
 
-def run_adapter_bench(cfg: AdapterBenchConfig, settings: Settings, work: Path) -> dict:
-    """Every arm on every trace; returns the config, the catalogue's facts and the results."""
+def run_adapter_bench(
+    cfg: AdapterBenchConfig,
+    settings: Settings,
+    work: Path,
+    on_result: Callable[[list[ArmResult]], None] | None = None,
+) -> dict:
+    """Every arm on every trace; returns the config, the catalogue's facts and the results.
+    ``on_result`` is called with the results so far after each run (a long run that is stopped
+    keeps what it measured)."""
     torch.set_num_threads(2)
     bench = _Bench(cfg, settings, work)
     results = []
@@ -313,6 +321,8 @@ def run_adapter_bench(cfg: AdapterBenchConfig, settings: Settings, work: Path) -
             if arm == "base-model":
                 arm_jobs = {i: replace(job, adapters=[]) for i, job in jobs.items()}
             results.append(_Arm(bench, arm, name, rps).run(trace, arm_jobs))
+            if on_result is not None:
+                on_result(results)
     ranks = [entry.rank for entry in bench.catalog]
     return {
         "catalog": {

@@ -44,7 +44,7 @@ def add_adapters_parser(bench_sub) -> None:
 
 def cmd_bench_adapters(args, settings: Settings) -> int:
     from backend.bench.adapter_bench import AdapterBenchConfig, run_adapter_bench
-    from backend.bench.adapter_report import summary_text, write_outputs
+    from backend.bench.adapter_report import summary_text, write_outputs, write_partial
 
     arms = tuple(a for a in args.arms.split(",") if a)
     unknown = sorted(set(arms) - set(ARM_NAMES))
@@ -79,7 +79,14 @@ def cmd_bench_adapters(args, settings: Settings) -> int:
         paths = settings.paths.model_copy(
             update={"data_dir": work, "cache_dir": work / "template_cache"}
         )
-        run = run_adapter_bench(cfg, settings.model_copy(update={"paths": paths}), work)
+        partial = Path(args.json).with_suffix(".partial.json")
+        run = run_adapter_bench(
+            cfg,
+            settings.model_copy(update={"paths": paths}),
+            work,
+            on_result=lambda results: write_partial(asdict(cfg), results, partial),
+        )
+        partial.unlink(missing_ok=True)
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)

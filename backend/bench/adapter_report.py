@@ -13,6 +13,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from tqdm import tqdm
+
 from backend.bench.adapter_bench import ArmResult
 
 TARGETS = {"latency_x": 7.8, "mixed_throughput_share": 0.85, "blocked_share": 0.05}
@@ -114,6 +116,18 @@ def summary_text(report: dict) -> str:
         if key in head:
             lines.append(f"{key}: {head[key]:.3f}")
     return "\n".join(lines)
+
+
+def write_partial(config: dict, results: list[ArmResult], path: Path) -> None:
+    """The runs finished so far (``<json>.partial.json``, removed when the whole bench ends), and
+    the last one's line on the terminal."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"config": config, "results": [asdict(r) for r in results]}))
+    last = results[-1]
+    tqdm.write(
+        f"{last.trace} {last.rps}/s {last.arm}: mean {last.avg_latency_s:.2f} s, P95 "
+        f"{last.p95_latency_s:.2f} s, {last.throughput_rps:.3f} edits/s"
+    )
 
 
 def write_outputs(config: dict, run: dict, json_path: Path) -> dict:
