@@ -40,6 +40,7 @@ from backend.protocol import MaskOps
 from backend.training.scenes import make_scene
 from studio import masks as studio_masks
 from studio.adapter_actions import StudioAdapters
+from studio.deadlines import STUDIO_CLASS, forecast_parts, outcome
 from studio.errors import StudioError, service_call
 from templates_store.store import (
     MAX_NAME_CHARS,
@@ -92,6 +93,10 @@ class EditForm:
     crop_padding_px: int = 32
     # LoRA adapters with their scales (none: the base model); an erase runs no model and drops them
     adapters: tuple[AdapterChoice, ...] = ()
+    # its service level (every studio edit is ``interactive``): 0..9, higher goes first; seconds
+    # from submission to its result (None: the interactive class's target)
+    priority: int = 0
+    deadline_s: float | None = None
 
     @property
     def mask_ops(self) -> MaskOps:
@@ -106,7 +111,9 @@ class EditForm:
 
 @dataclass(frozen=True)
 class Progress:
-    """One moment of a job as the studio shows it."""
+    """One moment of a job as the studio shows it. ``message``: what is happening now (the job
+    record's: a running row "parked at step k: ..." then "resumed at step k", a waiting job's
+    note, a failure); the forecast and deadline fields are the record's (``studio.deadlines``)."""
 
     job_id: str
     status: str
@@ -115,20 +122,43 @@ class Progress:
     queue_position: int | None = None
     message: str = ""
     preview: str = ""  # the latest live preview while denoising (a PNG data URL), else ""
+    predicted_start: float = 0.0  # epoch seconds (0: no forecast yet)
+    predicted_finish: float = 0.0
+    late: bool = False  # accepted though predicted to finish past its deadline
+    deadline: float = 0.0
+    met_deadline: bool | None = None  # once done
+    done_at: float = 0.0
 
     @property
     def finished(self) -> bool:
         return self.status in TERMINAL
 
-    def describe(self) -> str:
+    def describe(self, now: float | None = None) -> str:
+        """One line: the stage, the step, the queue position, what is happening, the forecast
+        relative to ``now`` (default: the current time), late or on time."""
+        now = time.time() if now is None else now
         parts = [STAGES.get(self.status, self.status)]
         if self.status == "running" and self.num_steps:
             parts.append(f"step {self.step}/{self.num_steps}")
         if self.queue_position:
             parts.append(f"position {self.queue_position} in the worker's queue")
-        if self.message and self.status in ("failed", "cancelled"):
+        if self.message and self.status != "done":
             parts.append(self.message)
-        return " · ".join(parts)
+        if self.status == "done":
+            parts.append(outcome(self.met_deadline, self.deadline, self.done_at))
+        elif not self.finished:
+            parts += forecast_parts(
+                self.status, self.predicted_start, self.predicted_finish, self.late, now
+            )
+        return " · ".join(part for part in parts if part)
+
+
+class SubmittedJobs(list):
+    """The jobs of one Generate that were queued; ``refused``: why the rest were not (the service
+    took the first variations and then refused one: admission control, the owner's bound), else
+    ""."""
+
+    refused: str = ""
 
 
 def _sample_name(number: int, caption: str) -> str:
@@ -322,10 +352,12 @@ class StudioActions:
 
     def submit_variations(
         self, user: str, template_id: str, editor_value, form: EditForm, count: int
-    ) -> list[SubmittedJob]:
+    ) -> SubmittedJobs:
         """``count`` (1..MAX_VARIATIONS) edits of one mask and prompt with consecutive seeds: the
         form's seed (or a random one), then the next ones. They are queued together, so a worker
-        takes them in as rows of one running batch that share the template's cache read."""
+        takes them in as rows of one running batch that share the template's cache read. When the
+        service refuses one after taking the first ones (busy), those stay queued and are
+        returned, with the reason in ``refused``; refusing the first raises ``StudioError``."""
         if isinstance(count, bool) or not isinstance(count, int):
             raise StudioError(f"variations must be a whole number from 1 to {MAX_VARIATIONS}")
         if not 1 <= count <= MAX_VARIATIONS:
@@ -333,16 +365,24 @@ class StudioActions:
         started = time.perf_counter()
         request = self._edit_request(user, template_id, editor_value, form)
         first = secrets.randbelow(MAX_SEED + 1) if form.seed is None else form.seed
-        submitted = []
+        submitted = SubmittedJobs()
         for offset in range(count):
             seed = (first + offset) % (MAX_SEED + 1)
-            job = service_call(self.service.submit, dataclasses.replace(request, seed=seed))
+            try:
+                job = service_call(self.service.submit, dataclasses.replace(request, seed=seed))
+            except StudioError as exc:
+                if not submitted:
+                    raise
+                # the same request with another seed: only the service's capacity refuses it
+                submitted.refused = str(exc)
+                log.info("studio: variation %d of %d refused: %s", offset + 1, count, exc)
+                break
             self.on_submitted(job.model_id)
             submitted.append(job)
         # what the studio itself adds before the first job exists (mask, blobs, queueing)
         log.info(
             "studio queued %d %s job(s) in %.3f s: %s",
-            count,
+            len(submitted),
             form.mode,
             time.perf_counter() - started,
             ", ".join(job.job_id for job in submitted),
@@ -372,6 +412,9 @@ class StudioActions:
             inpaint_area=form.inpaint_area,
             crop_padding_px=int(form.crop_padding_px),
             adapters=form.adapters if form.mode != "erase" else (),
+            service_class=STUDIO_CLASS,
+            deadline_s=form.deadline_s,
+            priority=form.priority,
             owner=self.owner,
             listed_for=studio_user(user),
         )
@@ -388,6 +431,12 @@ class StudioActions:
             num_steps=int(job.get("num_steps", 0)),
             queue_position=job.get("queue_position"),
             message=job.get("message", ""),
+            predicted_start=float(job.get("predicted_start", 0.0)),
+            predicted_finish=float(job.get("predicted_finish", 0.0)),
+            late=bool(job.get("late")),
+            deadline=float(job.get("deadline", 0.0)),
+            met_deadline=job.get("met_deadline"),
+            done_at=float(job.get("done_at", 0.0)),
         )
 
     def follow(self, job_id: str, timeout_s: float = 3600.0) -> Iterator[Progress]:
@@ -396,10 +445,14 @@ class StudioActions:
         for progress in self.follow_all([job_id], timeout_s):
             yield progress[0]
 
-    def follow_all(self, job_ids: Sequence[str], timeout_s: float = 3600.0) -> Iterator[list]:
+    def follow_all(
+        self, job_ids: Sequence[str], timeout_s: float = 3600.0, every_slice: bool = False
+    ) -> Iterator[list]:
         """The progress of every job (in order) each time one changes, ending when all are
         finished. Waits on the event stream of the first unfinished job: variations run in one
-        batch, so their events come together."""
+        batch, so their events come together. ``every_slice``: also after each wait that brought
+        no change (at most every FOLLOW_SLICE_MS), so a forecast shown relative to the current
+        time ("finish in ~4 s") counts down."""
         deadline = time.monotonic() + timeout_s
         cursors = dict.fromkeys(job_ids, "0")
         previews = dict.fromkeys(job_ids, "")
@@ -422,7 +475,7 @@ class StudioActions:
                 dataclasses.replace(self.progress(job_id), preview=previews[job_id])
                 for job_id in job_ids
             ]
-            if latest != current:
+            if latest != current or every_slice:
                 current = latest
                 yield current
 

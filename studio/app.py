@@ -1,8 +1,9 @@
 """The studio's page: a Gradio ``Blocks`` over ``StudioActions`` (layout and wiring only).
 
 Four tabs: **Editor** (pick a template, paint the mask, prompt and parameters, LoRA adapters with a
-scale each, submit, watch the steps, cancel, before/after, download, save as template: the part
-after Generate is ``studio.results_view``), **Gallery** (upload several templates, name and tags,
+scale each, an interactive edit's priority and deadline under More settings, submit, watch the
+steps and the forecast, cancel, before/after, download, save as template: the part after Generate
+is ``studio.results_view``), **Gallery** (upload several templates, name and tags,
 search, cache status per model and prepare, delete with a confirmation), **History** (the signed-in
 user's jobs; selecting one recalls its parameters into the editor) and **Adapters** (register,
 list and delete LoRA adapters: ``studio.adapters_tab``, with the editor's picker).
@@ -17,6 +18,7 @@ import html
 
 import gradio as gr
 
+from backend.config_deadlines import MAX_PRIORITY
 from studio.actions import MAX_VARIATIONS, EditForm, StudioActions, StudioError
 from studio.adapters_tab import AdaptersTab
 from studio.components import (
@@ -206,6 +208,7 @@ class StudioPage(GalleryTab, HistoryTab, ResultsView, AdaptersTab):
                 ui["crop_padding"] = gr.Slider(
                     0, 256, value=32, step=8, label="Padding around the mask (px)"
                 )
+            self._service_level_fields(ui)
         with gr.Row():
             ui["submit"] = gr.Button("Generate", variant="primary", elem_id="ms-submit")
             ui["erase"] = gr.Button("Erase (instant, no model)", elem_id="ms-erase", min_width=120)
@@ -236,6 +239,27 @@ class StudioPage(GalleryTab, HistoryTab, ResultsView, AdaptersTab):
                 label="Save the result as a template named", placeholder="(optional)", scale=2
             )
             ui["save"] = gr.Button("Save as template", scale=1, elem_id="ms-save")
+
+    def _service_level_fields(self, ui: dict) -> None:
+        """Priority and deadline of the edit (an interactive one: someone is watching it)."""
+        target = self.actions.service.settings.deadlines.interactive_target_s
+        with gr.Row():
+            ui["priority"] = gr.Slider(
+                0,
+                MAX_PRIORITY,
+                value=0,
+                step=1,
+                label=f"Priority (0-{MAX_PRIORITY}, higher goes first)",
+                elem_id="ms-priority",
+            )
+            # 0 (what an emptied number field sends too): the class's target
+            ui["deadline"] = gr.Number(
+                label=f"Deadline (s; 0: the interactive target, {target:g} s)",
+                value=0,
+                minimum=0,
+                precision=1,
+                elem_id="ms-deadline",
+            )
 
     @staticmethod
     def _form_inputs(ui: dict) -> list:

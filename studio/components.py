@@ -33,6 +33,8 @@ FORM_FIELDS = (
     "min_area",
     "masked_only",
     "crop_padding",
+    "priority",
+    "deadline",
 )
 HISTORY_HEADERS = [
     "submitted",
@@ -43,6 +45,8 @@ HISTORY_HEADERS = [
     "model",
     "adapters",
     "total s",
+    "class",
+    "deadline",
     "job",
 ]
 # Gradio narrows a gallery's grid to its item count (one template fills the whole width): keep the

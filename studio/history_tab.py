@@ -1,5 +1,6 @@
 """The studio's History tab: the signed-in user's jobs (with their adapters and the step each
-joined at); selecting one recalls it into the editor, its adapters into the picker.
+joined at, their service class and whether they met their deadline); selecting one recalls it into
+the editor (its priority and a deadline it asked for too), its adapters into the picker.
 
 A mixin of ``StudioPage``: it uses the page's ``actions`` and the editor's components it is given.
 """
@@ -13,6 +14,7 @@ import gradio as gr
 
 from studio.actions import EditForm, StudioActions, StudioError
 from studio.components import FORM_FIELDS, HISTORY_HEADERS, unchanged, user_of
+from studio.deadlines import job_outcome, requested_deadline_s
 
 # what a recall sets besides the form's fields and the adapter picker (``_recall``'s values)
 RECALL_EXTRAS = 7
@@ -38,6 +40,8 @@ class HistoryTab:
                     job.get("model_id", ""),
                     self.actions.adapters.describe(job),
                     "" if total is None else f"{total:.1f}",
+                    job.get("service_class", ""),
+                    job_outcome(job),
                     job["job_id"],
                 ]
             )
@@ -112,6 +116,7 @@ class HistoryTab:
             min_area_px=int(ops.get("min_area_px", 0)),
         )
         models = self.actions.models()
+        targets = self.actions.service.settings.deadlines
         model = job.get("model_id")
         adapters = self._recalled_adapters(job) if model in models else None
         if model not in models:
@@ -150,6 +155,8 @@ class HistoryTab:
             form.min_area_px,
             job.get("inpaint_area") == "masked",
             job.get("crop_padding_px", 32),
+            job.get("priority", 0),
+            requested_deadline_s(job, targets.target_s(job.get("service_class") or "batch")),
             overlay,
             ratio_line,
             gr.update(

@@ -14,6 +14,7 @@ import gradio as gr
 
 from studio.actions import EditForm, StudioActions, StudioError
 from studio.components import FORM_FIELDS, NOTHING_PAINTED, handler, progress_html, user_of
+from studio.deadlines import service_line
 
 
 class ResultsView:
@@ -37,10 +38,13 @@ class ResultsView:
         min_area=0,
         masked_only=False,
         crop_padding=32,
+        priority=0,
+        deadline=0,
         mode="generate",
         adapters=(),
     ) -> EditForm:
-        """The form of the editor's fields (``FORM_FIELDS``' values, in order)."""
+        """The form of the editor's fields (``FORM_FIELDS``' values, in order). ``deadline``:
+        seconds; 0 (or empty) for the interactive class's target."""
         return EditForm(
             prompt=prompt or "",
             negative_prompt=negative or "",
@@ -59,6 +63,8 @@ class ResultsView:
             inpaint_area="masked" if masked_only else "whole",
             crop_padding_px=int(crop_padding or 0),
             adapters=tuple(adapters),
+            priority=int(priority or 0),
+            deadline_s=float(deadline) if deadline else None,
         )
 
     @staticmethod
@@ -106,13 +112,21 @@ class ResultsView:
             gr.Warning(str(exc))
             yield (gr.skip(), gr.skip(), gr.skip(), *idle, gr.skip())
             return
+        if jobs.refused:
+            gr.Warning(f"Only {len(jobs)} of {count} variations were queued. {jobs.refused}")
         job_ids = [job.job_id for job in jobs]
         hidden = gr.update(visible=False)
         # the first update clears the last edit's result; later ones only move the progress
         cleared = (None, "", hidden, hidden, hidden, None, hidden)
         final: list = []
-        for final in self.actions.follow_all(job_ids):
-            yield (job_ids[0], job_ids, progress_html(final), *cleared)
+        shown = None
+        # every slice: the forecast ("finish in ~4 s") counts down between the jobs' events
+        for final in self.actions.follow_all(job_ids, every_slice=True):
+            status = progress_html(final)
+            if status == shown:
+                continue
+            shown = status
+            yield (job_ids[0], job_ids, status, *cleared)
             cleared = (*idle, gr.skip())
         done = [p.job_id for p in final if p.status == "done"]
         if not done:
@@ -152,7 +166,9 @@ class ResultsView:
         adapters = self.actions.adapters.describe(job)
         if adapters:
             done += f" · adapters: {html.escape(adapters)}"
-        info = f"{done} · job `{job_id}`<br><span class='ms-muted'>{stages}</span>"
+        level = html.escape(service_line(job))
+        muted = " · ".join(part for part in (level, stages) if part)
+        info = f"{done} · job `{job_id}`<br><span class='ms-muted'>{muted}</span>"
         shown = gr.update(visible=True)
         return (
             (original, result),

@@ -188,6 +188,8 @@ def test_submit_sends_the_painted_alpha_as_the_mask_and_records_the_users_histor
         job.template_id == record.id and job.prompt == "a red door" and job.seed == submitted.seed
     )
     assert (job.mask_ops.grow_px, job.mask_ops.feather_px) == (3, 2.0)
+    # someone is watching it: the studio's edits are interactive, at the default priority
+    assert (job.service.service_class, job.service.priority) == ("interactive", 0)
     mask = np.asarray(Image.open(actions.service.blobs.path(job.mask_ref)))
     expected = np.zeros((H, W), dtype=bool)
     expected[10:40, 20:50] = True

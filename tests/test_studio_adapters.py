@@ -116,6 +116,8 @@ def form_values(form: EditForm) -> list:
         "min_area": form.min_area_px,
         "masked_only": form.inpaint_area == "masked",
         "crop_padding": form.crop_padding_px,
+        "priority": form.priority,
+        "deadline": form.deadline_s or 0,
     }
     return [values[name] for name in FORM_FIELDS]
 

@@ -186,6 +186,9 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(
     job = JobStateStore(redis_client).get(job_id)
     result = Image.open(tmp_path / "data" / "blobs" / job["result_ref"]).convert("RGB")
     assert job["status"] == "done" and job["template_id"] and job["owner"] == STUDIO_OWNER, job
+    # submitted as an interactive edit; the summary says whether it met its deadline
+    assert job["service_class"] == "interactive" and "met_deadline" in job, job
+    assert re.search(r"interactive · (on time|[\d.]+ s late)", info), info
     # where the wait between Generate and "Done." goes (a record for reading, not a bound)
     latency = {
         "click_to_job_created_s": job["created_at"] - clicked,
