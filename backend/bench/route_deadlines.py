@@ -310,7 +310,7 @@ def summarize_seeds(reports: list[dict]) -> dict:
         first = values[0]
         if isinstance(first, dict):
             return {k: merge([v[k] for v in values], k) for k in first}
-        if isinstance(first, bool) or not isinstance(first, int | float):
+        if isinstance(first, bool) or not isinstance(first, int | float) or key == "load":
             return first
         if key.startswith("max_"):
             return max(values)
