@@ -15,7 +15,7 @@ and ``rel_move`` of the time left until it; a job that left is forgotten (``forg
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from backend.worker.deadlines import RowForecast
 
@@ -30,7 +30,7 @@ class ForecastNotes:
     def __init__(
         self,
         scheduler: Forecaster,
-        step_time: Callable[[Sequence], float] | None,
+        step_time: Callable[[Sequence[Any]], float] | None,
         min_move_s: float = 2.0,
         rel_move: float = 0.1,
     ):
