@@ -1,5 +1,5 @@
-"""`maskserve bench ...`: the benchmark commands (engine, demo, worker, route, route-deadlines,
-soak, crop, serve, adapter-quality) and their arguments.
+"""`maskserve bench ...`: the benchmark commands (engine, demo, worker, worker-deadlines, route,
+route-deadlines, soak, crop, serve, adapter-quality) and their arguments.
 
 Each command imports its benchmark module only when it runs, so `maskserve --help` stays light.
 """
@@ -15,6 +15,8 @@ from backend.bench.adapter_quality_cli import add_adapter_quality_parser  # ligh
 from backend.bench.crop_bench import add_crop_parser  # light: numpy only
 from backend.bench.route_deadlines_cli import add_route_deadlines_parser  # light: argparse only
 from backend.bench.serve_cli import add_serve_parser  # light: argparse only
+from backend.bench.serve_deadlines import add_serve_deadlines_parser  # light: the stack lazily
+from backend.bench.worker_deadlines_cli import add_worker_deadlines_parser  # light: argparse only
 from backend.config import Settings
 from backend.dispatch.router import POLICIES as ROUTING_POLICIES
 from backend.models.catalog import DEFAULT_MODEL
@@ -277,6 +279,7 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     worker_bench.add_argument("--seed", type=int, default=0)
     worker_bench.add_argument("--json", required=True)
     worker_bench.set_defaults(func=cmd_bench_worker)
+    add_worker_deadlines_parser(bench_sub)
 
     route = bench_sub.add_parser(
         "route",
@@ -363,6 +366,7 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     add_soak_parser(bench_sub)
     add_crop_parser(bench_sub)
     add_serve_parser(bench_sub)
+    add_serve_deadlines_parser(bench_sub)
     add_adapter_quality_parser(bench_sub)
     add_adapters_parser(bench_sub)
 

@@ -155,6 +155,18 @@ def prepare_inputs(
     return BenchInputs(template_refs, mask_refs, sum(entry_bytes) / len(entry_bytes))
 
 
+def template_caches(
+    engine, settings: Settings, inputs: BenchInputs, ram_templates: int
+) -> TieredActivationCache:
+    """A fresh tiered cache (cold RAM tier) holding ``ram_templates`` of the trace's entries in
+    RAM; the disk tier holds every recorded entry."""
+    # slack over the mean entry (every file, trajectory included)
+    entry_bytes = inputs.mean_entry_bytes * 1.05
+    return TieredActivationCache(
+        engine.cache_root, int(ram_templates * entry_bytes), 1 << 40, policy=settings.cache.policy
+    )
+
+
 def edit_job(
     cfg: BenchConfig, request: TraceRequest, inputs: BenchInputs, mode: str, guidance: float
 ) -> EditJob:
@@ -186,14 +198,7 @@ class _Run:
         self.lock = threading.Lock()
         self.inbox = LocalInbox()
         self.sink = LocalSink(on_denoised=None if mode == "inline" else self._post)
-        # slack over the mean entry (every file, trajectory included)
-        entry_bytes = inputs.mean_entry_bytes * 1.05
-        self.caches = TieredActivationCache(
-            engine.cache_root,
-            int(ram_templates * entry_bytes),
-            1 << 40,
-            policy=settings.cache.policy,
-        )
+        self.caches = template_caches(engine, settings, inputs, ram_templates)
         stages = None
         if mode == "inline":
             from backend.tasks.core import CpuStages

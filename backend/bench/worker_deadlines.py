@@ -1,0 +1,560 @@
+"""`maskserve bench worker-deadlines`: the worker bench's deadline mode. One real engine worker runs
+real denoising steps under mixed service classes; its step schedulers (``fifo``, ``edf``,
+``slack``) side by side on the same traces.
+
+Workload: the route deadline bench's (``route_deadlines.deadline_trace`` and ``services_of``):
+``interactive_share`` of the requests (default 30%) are ``interactive`` with a tight target, the
+rest ``batch`` with a loose one; a request's deadline is its arrival plus its class's target. Two
+arrival processes per load: ``poisson``, and ``bursty`` (the two-state MMPP: bursts at
+``burst_factor`` x the mean rate, mostly batch jobs with interactive ones arriving inside them),
+both conditioned on their count. Templates (Zipf), masks (Beta) and seeds as ``bench worker``
+(``worker_bench.prepare_inputs``: every template's cache recorded on disk before the runs; each
+run's RAM tier starts cold and holds ``ram_templates`` of them).
+
+Calibration, on a fresh ``fifo`` worker before the traces: the single-job service time (the median
+of ``probe_jobs`` jobs served one at a time on an idle worker, after one warm-up job) and the
+capacity (``saturation_jobs`` jobs arriving at once: jobs / makespan, the saturation throughput
+the route bench measures). Loads are fractions of that capacity. Targets default to multiples of
+the single-job service time (``interactive_x``, ``batch_x``; the starvation bound ``max_wait_x``):
+``Settings.deadlines``' defaults (30 s, 600 s, 300 s) are sized for real models, not for a tiny
+model stepping in milliseconds, so the defaults keep their ratios (1 : 20 : 10) with the
+interactive target at 5 single-job times. The calibration's step clock seeds each arm's clock.
+
+Each arm is a fresh ``EngineWorker`` (continuous batching) with ``plan=DeadlinePlan(scheduler)``
+and its own ``StepClock`` (``worker.service.deadline_plan``: the model's fitted cost profile,
+calibrated by the measured steps). Pre-processing runs before a trace's runs, in this process and
+not timed (every arm replays the same prepared requests); a job reaches the worker's inbox at its
+arrival time carrying its service level. A job's end is when the worker handed its final latents
+on (written to a file, the job sent on to post-processing), which is not run: it is the same for
+every arm and outside the worker's scheduling. There is no admission control here (the API's):
+every job is accepted, so the 429 rates are 0.
+
+Statistics: ``route_deadlines.measure`` on the measured outcome (every job counted, no warm-up):
+per class SLO attainment, P50/P95 latency, throughput (completions inside the arrivals' window per
+second); parks and resumes per job, the longest wait (queued plus parked) of any batch job, the
+jobs waiting past the starvation bound; then ``comparison`` and ``targets`` against ``fifo``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from backend.bench.route_deadlines import (
+    CLASSES,
+    TRACES,
+    DeadlineBenchConfig,
+    comparison,
+    deadline_trace,
+    measure,
+    services_of,
+    targets,
+)
+from backend.bench.route_deadlines_sim import ARMS
+from backend.bench.trace import counted_trace
+from backend.bench.worker_bench import (
+    BenchConfig,
+    BenchInputs,
+    edit_job,
+    prepare_inputs,
+    template_caches,
+)
+from backend.blobs import BlobStore
+from backend.config import Settings
+from backend.engine.factory import build_engine
+from backend.protocol import PreparedJob, ServiceLevel
+from backend.worker.batching import Row
+from backend.worker.channels import LocalInbox, LocalSink
+from backend.worker.loop import EngineWorker
+from backend.worker.step_clock import StepClock
+
+
+@dataclass
+class WorkerDeadlineConfig:
+    model_id: str = "tiny-sd2-inpaint"
+    size: int = 128
+    steps: int = 20
+    max_batch: int = 8
+    num_templates: int = 8
+    ram_templates: int = 8  # RAM tier budget, in templates
+    mask_mean: float = 0.11
+    duration_s: float = 40.0  # seconds of arrivals per run
+    seed: int = 0
+    schedulers: tuple[str, ...] = ARMS
+    traces: tuple[str, ...] = TRACES
+    loads: tuple[float, ...] = (0.8, 1.0)
+    interactive_share: float = 0.3
+    # targets and the starvation bound, as multiples of the single-job service time (the ratios
+    # of ``Settings.deadlines``' 30 s, 600 s, 300 s) ...
+    interactive_x: float = 5.0
+    batch_x: float = 100.0
+    max_wait_x: float = 50.0
+    # ... or in seconds (> 0 wins)
+    interactive_target_s: float = 0.0
+    batch_target_s: float = 0.0
+    max_wait_s: float = 0.0
+    # bursts (``bursty``), as ``route_deadlines``
+    burst_factor: float = 10.0
+    burst_share: float = 0.05
+    burst_s: float = 1.0
+    # the step scheduler (``Settings.deadlines``)
+    round_steps: int = 5
+    max_parks_per_round: int = 2
+    # calibration
+    capacity_rps: float = 0.0  # > 0: loads are fractions of this rate (no saturation run)
+    probe_jobs: int = 5
+    saturation_jobs: int = 32
+    drain_timeout_s: float = 300.0  # a run fails when jobs are left this long after arrivals end
+
+    def __post_init__(self) -> None:
+        unknown = set(self.schedulers) - set(ARMS)
+        if unknown:
+            raise ValueError(f"unknown schedulers {sorted(unknown)}; expected some of {ARMS}")
+        if self.steps < 2:  # a row is seen in the scheduler between iterations (``_Worker``)
+            raise ValueError(f"the bench needs at least 2 steps per job, got {self.steps}")
+
+    def bench(self) -> BenchConfig:
+        """``bench worker``'s configuration of the same model, templates and masks."""
+        return BenchConfig(
+            model_id=self.model_id,
+            modes=("continuous",),
+            duration_s=self.duration_s,
+            num_templates=self.num_templates,
+            ram_templates=self.ram_templates,
+            mask_mean=self.mask_mean,
+            steps=self.steps,
+            size=self.size,
+            max_batch=self.max_batch,
+            seed=self.seed,
+        )
+
+    def workload(self, targets_s: dict[str, float]) -> DeadlineBenchConfig:
+        """The route deadline bench's workload (traces, classes, statistics) for this run:
+        ``targets_s`` holds ``interactive``, ``batch`` and ``max_wait`` in seconds."""
+        return DeadlineBenchConfig(
+            model_id=self.model_id,
+            duration_s=self.duration_s,
+            num_workers=1,
+            max_batch=self.max_batch,
+            steps=self.steps,
+            num_templates=self.num_templates,
+            mask_mean=self.mask_mean,
+            warmup_fraction=0.0,
+            seed=self.seed,
+            schedulers=self.schedulers,
+            traces=self.traces,
+            loads=self.loads,
+            interactive_share=self.interactive_share,
+            interactive_target_s=targets_s["interactive"],
+            batch_target_s=targets_s["batch"],
+            burst_factor=self.burst_factor,
+            burst_share=self.burst_share,
+            burst_s=self.burst_s,
+            round_steps=self.round_steps,
+            max_wait_s=targets_s["max_wait"],
+            max_parks_per_round=self.max_parks_per_round,
+            shed=False,
+        )
+
+    def targets_s(self, service_s: float) -> dict[str, float]:
+        """Targets and the starvation bound in seconds, given the single-job service time."""
+        return {
+            "interactive": self.interactive_target_s or self.interactive_x * service_s,
+            "batch": self.batch_target_s or self.batch_x * service_s,
+            "max_wait": self.max_wait_s or self.max_wait_x * service_s,
+        }
+
+
+@dataclass(frozen=True)
+class Calibration:
+    service_s: float  # one job alone on an idle worker: arrival -> latents handed on
+    capacity_rps: float  # jobs per second of the saturated worker
+    clock_scale: float  # the step clock after the calibration (each arm's clock starts there)
+    clock_row_s: float
+
+
+@dataclass
+class Outcome:
+    """A run as ``route_deadlines.measure`` reads a simulation: request index -> seconds after the
+    start when handed on, and -> its scheduler row (waits, parks, class); parks and resumes."""
+
+    done_at: dict[int, float]
+    finished: dict[int, Row]
+    parks: int
+    resumes: int
+    refused: dict = field(default_factory=dict)  # no admission control in this bench
+    accepted_late: set = field(default_factory=set)
+    decisions: list = field(default_factory=list)
+
+    def scheduler_counts(self) -> dict[str, int]:
+        return {"parks": self.parks, "resumes": self.resumes}
+
+
+# ----- one worker ---------------------------------------------------------------------------------
+class _Worker:
+    """A fresh engine worker fed by an in-process inbox; records when each job was handed on and
+    keeps each job's scheduler row (its waits and parks stay readable after it leaves)."""
+
+    def __init__(self, engine, blobs, caches, plan, clock: StepClock, max_batch: int, name: str):
+        self.blobs, self.caches = blobs, caches
+        self.done: dict[str, float] = {}
+        self.rows: dict[str, Row] = {}
+        self.inbox = LocalInbox()
+        self.sink = LocalSink(on_denoised=self._handed_on)
+        self.worker = EngineWorker(
+            engine,
+            blobs,
+            self.inbox,
+            self.sink,
+            worker_id=f"bench-{name}",
+            max_batch=max_batch,
+            caches=caches,
+            plan=plan,
+            clock=clock,
+        )
+
+    def _handed_on(self, denoised) -> None:
+        self.done[denoised.job_id] = time.time()
+
+    def close(self) -> None:
+        """Its RAM tier and prefetch threads go (they must not weigh on the next run), and the
+        final latents it wrote."""
+        self.caches.close()
+        for job in self.sink.denoised_jobs:
+            self.blobs.delete(job.latents_ref)
+
+    def serve(self, jobs: list[tuple[float, PreparedJob]], timeout_s: float) -> dict[str, float]:
+        """Each job into the inbox at its epoch (a thread); the worker steps until every one is
+        handed on. Job id -> epoch handed on."""
+
+        def arrive() -> None:
+            for at, job in jobs:
+                time.sleep(max(0.0, at - time.time()))
+                self.inbox.put(job)
+
+        ids = [job.job_id for _, job in jobs]
+        give_up = jobs[-1][0] + timeout_s
+        threading.Thread(target=arrive, daemon=True).start()
+        seen = -1
+        scheduler = self.worker.scheduler
+        while True:
+            if len(self.done) != seen:
+                seen = len(self.done)
+                if all(j in self.done for j in ids):
+                    return {j: self.done[j] for j in ids}
+            lost = sum(self.worker.stats.jobs_by_status[s] for s in ("failed", "cancelled"))
+            if lost or time.time() > give_up:
+                failed = [e for e in self.sink.events if e.status in ("failed", "cancelled")]
+                raise RuntimeError(
+                    f"{sum(j not in self.done for j in ids)} jobs not handed on "
+                    f"({lost} failed or cancelled: {[e.message for e in failed][:3]})"
+                )
+            self.worker.iterate(idle_poll_s=0.002)
+            for rows in (scheduler.waiting, scheduler.running):
+                for job_id, row in rows.items():
+                    self.rows.setdefault(job_id, row)
+
+
+def _plan(settings: Settings, cfg: WorkerDeadlineConfig, scheduler: str, max_wait_s: float):
+    """``worker.service.deadline_plan`` for ``scheduler`` and this bench's model and bounds."""
+    from backend.worker.service import deadline_plan  # the serving worker's (imports redis)
+
+    deadlines = settings.deadlines.model_copy(
+        update={
+            "scheduler": scheduler,
+            "round_steps": cfg.round_steps,
+            "max_wait_s": max_wait_s,
+            "max_parks_per_round": cfg.max_parks_per_round,
+        }
+    )
+    engine = settings.engine.model_copy(update={"model_id": cfg.model_id})
+    return deadline_plan(settings.model_copy(update={"deadlines": deadlines, "engine": engine}))
+
+
+@dataclass
+class _Bench:
+    """What every run shares: the model, the blob store, pre-processing; once calibrated, the
+    targets and the workload; the current trace's inputs."""
+
+    cfg: WorkerDeadlineConfig
+    settings: Settings
+    engine: object
+    blobs: BlobStore
+    stages: object
+    inputs: BenchInputs | None = None
+    calibration: Calibration | None = None
+    targets_s: dict = field(default_factory=dict)
+    workload: DeadlineBenchConfig | None = None
+
+    def prepare(self, trace: list, prefix: str) -> list[PreparedJob]:
+        """Template and mask files for ``trace`` and each request pre-processed (not timed)."""
+        bench = self.cfg.bench()
+        self.inputs = prepare_inputs(bench, self.settings, self.engine, trace, self.blobs)
+        guidance = self.engine.spec.default_guidance
+        return [
+            self.stages.preprocess(edit_job(bench, r, self.inputs, prefix, guidance)) for r in trace
+        ]
+
+    def worker(self, scheduler: str, max_wait_s: float, name: str) -> tuple[_Worker, StepClock]:
+        """A fresh worker with ``scheduler``'s plan, its clock and a cold RAM tier."""
+        plan, clock = _plan(self.settings, self.cfg, scheduler, max_wait_s)
+        caches = template_caches(self.engine, self.settings, self.inputs, self.cfg.ram_templates)
+        worker = _Worker(self.engine, self.blobs, caches, plan, clock, self.cfg.max_batch, name)
+        return worker, clock
+
+
+def _discard(blobs: BlobStore, prepared: list[PreparedJob]) -> None:
+    """The pre-processed requests' files (post-processing deletes them in the service)."""
+    for job in prepared:
+        blobs.delete(job.prepared_ref)
+        if job.paste is not None:
+            blobs.delete(job.paste.mask_ref)
+
+
+def calibrate(bench: _Bench) -> Calibration:
+    """Single-job service time and capacity on a fresh ``fifo`` worker (module docstring)."""
+    cfg = bench.cfg
+    n = 1 + cfg.probe_jobs + (0 if cfg.capacity_rps > 0 else cfg.saturation_jobs)
+    trace = counted_trace(1.0, float(n), cfg.num_templates, cfg.mask_mean, seed=cfg.seed + 1)
+    prepared = bench.prepare(trace, "calibration")
+    worker, clock = bench.worker("fifo", 1e9, "calibration")
+    try:
+        alone = []
+        for job in prepared[: 1 + cfg.probe_jobs]:  # the first warms up
+            at = time.time()
+            alone.append(worker.serve([(at, job)], cfg.drain_timeout_s)[job.job_id] - at)
+        capacity = cfg.capacity_rps
+        if capacity <= 0:
+            at = time.time()
+            burst = [(at, job) for job in prepared[1 + cfg.probe_jobs :]]
+            done = worker.serve(burst, cfg.drain_timeout_s)
+            capacity = len(burst) / (max(done.values()) - at)
+    finally:
+        worker.close()
+        _discard(bench.blobs, prepared)
+    return Calibration(statistics.median(alone[1:]), capacity, clock.scale, clock.row_s)
+
+
+def serve_trace(bench: _Bench, arm: str, trace: list, services: list, prepared: list) -> dict:
+    """One arm on one trace: a fresh worker, every job at its arrival; ``measure``'s statistics
+    plus the worker's step figures."""
+    cal = bench.calibration
+    worker, clock = bench.worker(arm, bench.targets_s["max_wait"], arm)
+    clock.scale, clock.row_s = cal.clock_scale, cal.clock_row_s
+    load_avg = os.getloadavg()[0]
+    start = time.time() + 0.05
+    jobs, index = [], {}
+    for request, service, job in zip(trace, services, prepared):
+        job_id = f"{arm}-{job.job_id}"
+        index[job_id] = request.index
+        level = ServiceLevel(service.service_class, start + service.deadline)
+        at = start + request.arrival_s
+        jobs.append((at, replace(job, job_id=job_id, service=level, submitted_at=at)))
+    try:
+        done = worker.serve(jobs, bench.cfg.drain_timeout_s)
+    finally:
+        worker.close()
+    stats = worker.worker.stats
+    outcome = Outcome(
+        done_at={index[j]: at - start for j, at in done.items()},
+        finished={index[j]: worker.rows[j] for j in done},
+        parks=stats.parks,
+        resumes=stats.resumes,
+    )
+    row = measure(bench.workload, outcome, trace, services)
+    row.pop("decision_p50_ms")  # no routing decisions here
+    snapshot = stats.snapshot()
+    return row | {
+        "makespan_s": max(done.values()) - start,
+        "mean_step_ms": snapshot["mean_step_s"] * 1e3,
+        "mean_batch_rows": snapshot["mean_batch_rows"],
+        "clock_scale_end": clock.scale,
+        "load_avg_1m": load_avg,  # this machine's load when the run began (other work shows)
+    }
+
+
+def run_worker_deadline_bench(
+    cfg: WorkerDeadlineConfig, settings: Settings, progress=print
+) -> dict:
+    """Calibration, then every arm on the identical traces per (process, load): a JSON-ready report
+    ``{"config", "device", "calibration", "targets_s", "capacity_rps", "results", "comparison",
+    "targets"}``."""
+    from backend.bench.soak import machine
+    from backend.tasks.core import CpuStages
+
+    torch.set_num_threads(1)  # the worker's thread, as ``bench worker``; the other core is left
+    engine = build_engine(settings, cfg.model_id)
+    blobs = BlobStore(settings.paths.data_dir / "blobs")
+    bench = _Bench(cfg, settings, engine, blobs, CpuStages(settings, engine, blobs=blobs))
+    bench.calibration = cal = calibrate(bench)
+    bench.targets_s = targets_s = cfg.targets_s(cal.service_s)
+    bench.workload = workload = cfg.workload(targets_s)
+    progress(
+        f"single job {cal.service_s * 1e3:.0f} ms, capacity {cal.capacity_rps:.2f} req/s; "
+        f"targets: interactive {targets_s['interactive']:.2f} s, batch "
+        f"{targets_s['batch']:.1f} s, starvation bound {targets_s['max_wait']:.1f} s"
+    )
+    results = []
+    for kind in cfg.traces:
+        for load in cfg.loads:
+            rps = load * cal.capacity_rps
+            trace = deadline_trace(workload, kind, rps, cfg.seed)
+            services = services_of(workload, trace)
+            prepared = bench.prepare(trace, f"{kind}-{load:g}")
+            arrivals = np.array([r.arrival_s for r in trace])
+            peak = np.histogram(arrivals, bins=np.arange(0.0, cfg.duration_s + 1.0))[0].max()
+            try:
+                for arm in cfg.schedulers:
+                    row = {"trace": kind, "load": load, "scheduler": arm, "rps": rps}
+                    row |= {"offered_rps": len(trace) / cfg.duration_s, "num_jobs": len(trace)}
+                    row["peak_1s_arrivals"] = int(peak)
+                    results.append(row | serve_trace(bench, arm, trace, services, prepared))
+                    progress(_line(results[-1]))
+            finally:
+                _discard(blobs, prepared)
+    report = {
+        "config": asdict(cfg),
+        "device": f"{machine()}; the worker on {settings.engine.device}, 1 torch thread",
+        "calibration": asdict(cal),
+        "targets_s": targets_s,
+        "capacity_rps": cal.capacity_rps,
+        "results": results,
+    }
+    report["comparison"] = comparison(report)
+    report["targets"] = targets(report, targets_s["max_wait"])
+    return report
+
+
+def _line(r: dict) -> str:
+    c = r["classes"]
+    return (
+        f"{r['trace']} load {r['load']:g} ({r['rps']:.2f} req/s, {r['num_jobs']} jobs) "
+        f"{r['scheduler']}: attainment interactive {c['interactive']['attainment']:.1%} batch "
+        f"{c['batch']['attainment']:.1%}, P95 {c['interactive']['p95_latency_s']:.2f} / "
+        f"{c['batch']['p95_latency_s']:.2f} s, parks/job {r['parks_per_job']:.3f}, "
+        f"longest batch wait {r['max_batch_wait_s']:.2f} s"
+    )
+
+
+# ----- report -------------------------------------------------------------------------------------
+def table(report: dict) -> str:
+    """One Markdown row per (process, load, scheduler); "pts" = attainment minus fifo's, in
+    points."""
+    cmp = {(c["trace"], c["load"], c["scheduler"]): c for c in report["comparison"]}
+    head = [
+        "trace",
+        "load",
+        "scheduler",
+        "interactive SLO",
+        "vs fifo (pts)",
+        "batch SLO",
+        "vs fifo (pts)",
+        "interactive P95 s",
+        "batch P95 s",
+        "throughput req/s",
+        "batch throughput vs fifo",
+        "parks/job",
+        "resumes/job",
+        "longest batch wait s",
+        "starved",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in report["results"]:
+        c, vs = r["classes"], cmp.get((r["trace"], r["load"], r["scheduler"]))
+        cells = [
+            r["trace"],
+            f"{r['load']:g}",
+            r["scheduler"],
+            f"{c['interactive']['attainment']:.1%}",
+            f"{vs['interactive_points']:+.1f}" if vs else "",
+            f"{c['batch']['attainment']:.1%}",
+            f"{vs['batch_points']:+.1f}" if vs else "",
+            f"{c['interactive']['p95_latency_s']:.2f}",
+            f"{c['batch']['p95_latency_s']:.2f}",
+            f"{r['throughput_rps']:.2f}",
+            f"x{vs['batch_throughput_ratio']:.3f}" if vs else "",
+            f"{r['parks_per_job']:.3f}",
+            f"{r['resumes_per_job']:.3f}",
+            f"{r['max_batch_wait_s']:.2f}",
+            str(r["starved_jobs"]),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def target_lines(report: dict) -> list[str]:
+    """The issue's targets (``route_deadlines.targets``: slack vs fifo at loads 0.8-1.0)."""
+    out = []
+    for kind, t in report["targets"].items():
+        met = {k: "met" if t[k] else "NOT met" for k in t if isinstance(t[k], bool)}
+        out.append(
+            f"{kind}: interactive attainment {t['interactive_points_min']:+.1f} points at worst "
+            f"(>= 30: {met['interactive_30_points']}); batch throughput "
+            f"x{t['batch_throughput_ratio_min']:.3f} at worst (>= 0.95: "
+            f"{met['batch_throughput_within_5pct']}); longest wait {t['max_wait_s']:.2f} s, "
+            f"{t['starved_jobs']} starved ({met['no_job_starved']})"
+        )
+    return out
+
+
+def write_outputs(report: dict, json_path: Path) -> Path:
+    """The report as JSON and a plot beside it (.png): per process, each class's SLO attainment
+    and the interactive P95 against its target, per load and scheduler."""
+    json_path = Path(json_path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    kinds = list(dict.fromkeys(r["trace"] for r in results))
+    arms = list(dict.fromkeys(r["scheduler"] for r in results))
+    loads = sorted({r["load"] for r in results})
+    panels = [(f"{cls} SLO attainment (%)", cls) for cls in CLASSES]
+    panels.append(("interactive P95 latency (s)", "p95"))
+    fig, axes = plt.subplots(len(kinds), 3, figsize=(12, 3.4 * len(kinds)), squeeze=False)
+    width = 0.8 / len(arms)
+    by = {(r["trace"], r["load"], r["scheduler"]): r for r in results}
+    for row, kind in enumerate(kinds):
+        for col, (label, what) in enumerate(panels):
+            ax = axes[row][col]
+            for i, arm in enumerate(arms):
+                runs = [by[(kind, load, arm)] for load in loads]
+                values = [
+                    r["classes"]["interactive"]["p95_latency_s"]
+                    if what == "p95"
+                    else 100 * r["classes"][what]["attainment"]
+                    for r in runs
+                ]
+                x = np.arange(len(loads)) + (i - (len(arms) - 1) / 2) * width
+                ax.bar(x, values, width, label=arm)
+            if what == "p95":
+                ax.axhline(report["targets_s"]["interactive"], color="k", ls="--", label="target")
+            else:
+                ax.set_ylim(0, 105)
+            ax.set_xticks(np.arange(len(loads)), [f"load {x:g}" for x in loads])
+            ax.set_title(f"{kind}: {label}", fontsize=9)
+            ax.grid(axis="y", alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    c, t = report["config"], report["targets_s"]
+    fig.suptitle(
+        f"{c['model_id']} {c['size']} px, one worker x batch {c['max_batch']}, capacity "
+        f"{report['capacity_rps']:.1f} req/s; targets interactive {t['interactive']:.2f} s, "
+        f"batch {t['batch']:.0f} s\n{report['device']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    plot = json_path.with_suffix(".png")
+    fig.savefig(plot, dpi=110)
+    plt.close(fig)
+    return plot
