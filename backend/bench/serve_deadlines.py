@@ -53,6 +53,7 @@ WORKER_METRICS = {
     "maskserve_worker_mean_overhead_s": "mean_overhead_s",
     "maskserve_worker_mean_batch_rows": "mean_batch_rows",
 }
+METRICS_SETTLE_S = 2.5  # > 2 x worker.service.HEARTBEAT_EVERY_S: its /metrics are that stale
 STAGES = ("queue_s", "pre_s", "wait_s", "denoise_s", "post_s")  # a job's timings, total_s apart
 
 
@@ -419,9 +420,11 @@ def _drive(run: ArmRun, cfg, serve_cfg, client, target, bank, plan, progress) ->
 
 
 def _worker_counters(target) -> dict[str, float]:
-    """``worker_totals`` summed over the stack's engine workers' ``/metrics``."""
+    """``worker_totals`` summed over the stack's engine workers' ``/metrics``, once they show the
+    steps run so far (a worker serves the stats of its latest heartbeat, rebuilt every second)."""
     import httpx
 
+    time.sleep(METRICS_SETTLE_S)
     totals: dict[str, float] = {}
     for name, url in target.stack.metrics_urls().items():
         if name.startswith("worker"):
@@ -473,7 +476,7 @@ def summary_text(report: dict) -> str:
             margins = f"{_n(f.get('margin_min_s'))} / {_n(f.get('margin_mean_s'))}"
             lines.append(
                 f"{name:9s} {cls:11s} {f['jobs']:4d} {f['done']:4d} {f['refused_429']:3d} "
-                f"{f['met']:3d}/{f['jobs']:<3d} {_pct(f['attainment']):>6s} "
+                f"{f['met']:3d}/{f['jobs']:<3d} {_n(f['attainment'], '.0%'):>6s} "
                 f"{_n(f.get('mean_s')):>7s} {_n(f.get('p95_s')):>7s} {margins:>17s} "
                 f"{f['parked_jobs']:6d} {_n(f.get('makespan_s')):>10s} "
                 f"{_n(f.get('throughput_rps')):>6s}"
@@ -491,7 +494,7 @@ def summary_text(report: dict) -> str:
         if request["service_class"] == "interactive":
             cells = [
                 f"{name} {_n(rows[request['index']]['latency_s'])} s "
-                f"({_signed(rows[request['index']]['margin_s'])})"
+                f"({_n(rows[request['index']]['margin_s'], '+.2f')})"
                 for name, rows in by_arm.items()
             ]
             lines.append(
@@ -501,24 +504,17 @@ def summary_text(report: dict) -> str:
     for name, c in report["comparison"].items():
         lines.append(
             f"{name} vs fifo: interactive attainment "
-            f"{_signed(c['interactive_attainment_points'])} points, mean margin "
-            f"{_signed(c['interactive_margin_mean_gain_s'])} s; batch throughput "
+            f"{_n(c['interactive_attainment_points'], '+.2f')} points, mean margin "
+            f"{_n(c['interactive_margin_mean_gain_s'], '+.2f')} s; batch throughput "
             f"x{_n(c['batch_throughput_ratio'])}, makespan x{_n(c['batch_makespan_ratio'])}; "
             f"every job done x{_n(c['all_makespan_ratio'])} as late"
         )
     return "\n".join(lines)
 
 
-def _n(value) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def _signed(value) -> str:
-    return "-" if value is None else f"{value:+.2f}"
-
-
-def _pct(value) -> str:
-    return "-" if value is None else f"{value:.0%}"
+def _n(value, spec: str = ".2f") -> str:
+    """``value`` in ``spec``, or "-" for None."""
+    return "-" if value is None else format(value, spec)
 
 
 def plot(report: dict, path: Path) -> None:
@@ -536,7 +532,7 @@ def plot(report: dict, path: Path) -> None:
     for k, (name, arm) in enumerate(report["arms"].items()):
         rows = {r["index"]: r for r in arm["jobs"]}
         heights = [rows[j["index"]]["latency_s"] or 0.0 for j in jobs]
-        met = _pct(arm["summary"].get("interactive", {}).get("attainment"))
+        met = _n(arm["summary"].get("interactive", {}).get("attainment"), ".0%")
         offset = (k - (len(report["arms"]) - 1) / 2) * width
         axis.bar([i + offset for i in x], heights, width, label=f"{name}: {met} met")
     axis.hlines([j["deadline_s"] for j in jobs], [i - 0.45 for i in x], [i + 0.45 for i in x],
