@@ -120,9 +120,7 @@ def test_a_row_recording_its_templates_cache_is_never_parked(engine, tmp_path):
 
     blobs, inbox, sink = BlobStore(tmp_path / "blobs"), LocalInbox(), LocalSink()
     caches = TieredActivationCache(tmp_path / "cache", 1 << 30, 1 << 30)
-    worker = EngineWorker(
-        engine, blobs, inbox, sink, max_batch=1, caches=caches, plan=slack_plan()
-    )
+    worker = EngineWorker(engine, blobs, inbox, sink, max_batch=1, caches=caches, plan=slack_plan())
     params = make_params(engine, steps=STEPS, use_cache=True)
     first = make_prepared_job(engine, blobs, "records", make_template(3), MASK, 1, params)
     inbox.put(replace(first, service=ServiceLevel("batch", time.time() + 1000.0)))
