@@ -18,6 +18,15 @@ waits for a recording of its template by this worker to be committed. A row foun
 (pins) its entry at once (``_Job.early_cache``). With nothing else to run the loop polls its inbox
 every ``HELD_POLL_S`` while the reads land.
 
+Deadlines (``DeadlinePlan``, docs/design/deadlines.md): the scheduler orders rows by their jobs'
+service levels and may park a running row at a step boundary for a tighter one. A parked row
+keeps its engine state and its pins (cache entry, adapters), so it is ready again at once and
+resumes from the same step with the same latents; a row recording its template is never parked.
+Measured iterations calibrate the plan's ``StepClock``; the scheduler's forecast rides the step
+events (predicted finish) and reaches waiting rows when it moves (``ForecastNotes``). The
+template-cache half of the worker (acquire, record, start over on a broken entry) is
+``backend.worker.template_rows.TemplateRows``.
+
 A broken template cache never fails a job: an entry found missing or corrupt when acquired reads as
 a miss (``TieredActivationCache``); one whose file turns out missing or corrupt when the row is
 admitted or at a later step (a disk handle verifies each file on first read) is dropped from both
