@@ -31,7 +31,7 @@ class DeadlineSettings(Strict):
     """Target latency of a ``batch`` request, seconds."""
     shed_classes: tuple[ServiceClass, ...] = ("batch",)
     """Classes answered 429 (with ``Retry-After``) when admission control refuses them; a request
-    of any other class is accepted and marked late."""
+    of any other class is accepted and marked late. ``none``: no class is shed."""
     late_factor: float = Field(default=2.0, ge=1.0, le=100.0)
     """Admission refuses a job whose predicted latency exceeds this many times the time to its
     deadline."""
@@ -54,7 +54,8 @@ class DeadlineSettings(Strict):
     @field_validator("shed_classes", mode="before")
     @classmethod
     def _split(cls, value):
-        return comma_separated(value)
+        # an empty variable reads as unset (the default), so "none" is how to shed nothing
+        return () if isinstance(value, str) and value.strip() == "none" else comma_separated(value)
 
     def target_s(self, service_class: str) -> float:
         """The class's target latency."""
