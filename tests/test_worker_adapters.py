@@ -133,7 +133,7 @@ def test_an_adapter_still_loading_joins_later_without_blocking(engine, content, 
     worker.iterate()  # two steps without the adapter: its file is still being read
     assert worker.jobs["late"].state.step == 2 and worker.jobs["late"].state.adapters == ()
     loader.gate.set()
-    worker.adapters.tiers._futures[USE_A.sha256].result(30)
+    worker.adapters.tiers.wait_on_host(USE_A.sha256, 30)
     drain(worker)
     joined = done_job(sink, "late").adapter_steps["rec-a"]
     assert joined == 2
@@ -314,7 +314,7 @@ def test_host_to_device_copies_run_on_a_side_stream_on_cuda(models_dir, content,
     )
     sha = USE_A.sha256
     tiers.prefetch(sha)
-    tiers._futures[sha].result(30)
+    tiers.wait_on_host(sha, 30)
     assert tiers.take([sha]) == []  # the copy starts on the side stream
     tiers.wait(sha)
     assert sha in cuda_engine.adapters and tiers.book.pins[sha] == 1

@@ -120,9 +120,15 @@ class AdapterTiers:
             if copy is not None:
                 copy[1].synchronize()
                 continue
-            future = self._futures.get(sha)
-            if future is not None:
-                future.result()
+            self.wait_on_host(sha)
+
+    def wait_on_host(self, sha: str, timeout: float | None = None) -> None:
+        """Block until the disk -> host load of ``sha`` (started by ``prefetch`` or ``take``)
+        has ended, at most ``timeout`` seconds; raises what loading it raised. Returns at once
+        when no load of it was ever started."""
+        future = self._futures.get(sha)
+        if future is not None:
+            future.result(timeout)
 
     def unpin(self, shas) -> None:
         with self._lock:
