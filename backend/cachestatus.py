@@ -22,13 +22,13 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, replace
 
 from PIL import Image
 from redis import Redis
 
-from backend.cache.key import ModelKeyBasis, key_guidance, template_key
+from backend.cache.key import ModelKeyBasis, adapter_set, key_guidance, template_key
 from backend.config import EngineSettings
 from backend.imaging.uploads import fit_to_bucket, resolution_bucket
 from backend.jobstate import TERMINAL, JobNotFound, JobStateStore
@@ -56,6 +56,9 @@ class KeySettings:
     guidance: float
     template_seed: int
     mode: str
+    # the adapter set of a pinned cache (``backend.cache.key.adapter_set`` of (sha256, scale)
+    # pairs, as the worker keys it); "" for the base model's cache
+    adapters: str = ""
 
     @classmethod
     def of(
@@ -66,9 +69,11 @@ class KeySettings:
         resolution: int = 0,
         strength: float = 1.0,
         guidance: float | None = None,
+        adapters: Iterable[tuple[str, float]] = (),
     ) -> KeySettings:
         """The settings of a job on ``spec`` with these values (``None``/0: the model's
-        defaults), as ``backend.engine.factory.edit_params`` completes them."""
+        defaults), as ``backend.engine.factory.edit_params`` completes them; ``adapters``: the
+        (sha256, scale) pairs of a cache pinned to them."""
         return cls(
             model_id=spec.model_id,
             resolution=resolution or spec.default_resolution,
@@ -79,6 +84,7 @@ class KeySettings:
             ),
             template_seed=engine.template_seed,
             mode=engine.cache_mode,
+            adapters=adapter_set(adapters),
         )
 
     def signature(self) -> str:
@@ -124,7 +130,7 @@ def template_digest(
     size = resolution_bucket(
         template.width, template.height, settings.resolution, basis.size_multiple
     )
-    digest = template_key(
+    key = template_key(
         basis,
         fit_to_bucket(template, size),
         size,
@@ -133,7 +139,8 @@ def template_digest(
         guidance=settings.guidance,
         template_seed=settings.template_seed,
         mode=settings.mode,
-    ).digest()
+    )
+    digest = replace(key, adapters=settings.adapters).digest()
     with _memo_lock:
         _memo[memo_key] = digest
         while len(_memo) > MAX_MEMO:
