@@ -14,6 +14,7 @@ from typing import Literal, get_args
 
 from pydantic import Field, ValidationError, field_validator
 
+from backend.blobs.url import parse_blob_url
 from backend.config_base import Strict as _Strict
 from backend.config_base import comma_separated
 from backend.config_deadlines import DeadlineSettings
@@ -51,9 +52,25 @@ class PathSettings(_Strict):
     """The LoRA adapter registry (records and normalized adapters); unset:
     ``<data_dir>/adapters``. The API and every engine worker read it: share it like the data
     directory."""
+    blob_url: str = ""
+    """Where blobs (uploads, prepared requests, latents, results), the template gallery's files and
+    the adapter registry's files live. Unset: local directories under ``data_dir`` (one host, or a
+    shared file system). A path or ``file:///dir``: blobs in that directory. ``s3://bucket/prefix``:
+    all three in an S3-compatible object store (AWS S3, MinIO), so hosts share nothing but Redis
+    and the bucket; credentials from ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` (boto3)."""
+    s3_endpoint_url: str = ""
+    """Endpoint of the S3-compatible store (``http://minio:9000``); unset: AWS S3."""
+    s3_region: str = ""
+    """Region of the bucket; unset: boto3's default (``AWS_DEFAULT_REGION``)."""
     profiles_dir: Path = Path(__file__).resolve().parent.parent / "profiles"
     """Cost profiles (``maskserve profile``) read by the loading planner and the router; default:
     the ``profiles/`` directory shipped with the source."""
+
+    @field_validator("blob_url")
+    @classmethod
+    def _blob_url_is_known(cls, value: str) -> str:
+        parse_blob_url(value)
+        return value.strip()
 
     def resolved_models_dir(self) -> Path:
         return self.models_dir or self.data_dir / "models"
@@ -277,6 +294,9 @@ class ApiSettings(_Strict):
     max_queued_jobs: int = Field(default=32, ge=0)
     """Jobs of one key (or the studio) that may be unfinished at once (among its newest
     ``studio.history_limit`` jobs); a submission past it gets 429. 0: no bound."""
+    max_batch_items: int = Field(default=100, ge=1, le=10_000)
+    """Items (masks and/or prompts) one batch submission (``POST /v1/batches``) may hold; each
+    item is a job, so ``max_queued_jobs`` bounds a batch too."""
     login_failures_per_minute: int = Field(default=2, ge=0)
     """Failed studio logins a user name may have from one address a minute, once its burst is
     spent (then 429 until a try is back); 0 turns the throttle off."""
@@ -295,6 +315,9 @@ class ApiSettings(_Strict):
     REST."""
     sse_keepalive_s: float = Field(default=15.0, gt=0.0, le=300.0)
     """Seconds between comment lines on an idle event stream."""
+    openai_wait_s: float = Field(default=300.0, gt=0.0, le=3600.0)
+    """Seconds ``POST /v1/images/edits`` (the OpenAI-compatible route) waits for its edits; past it
+    the answer is an error naming the job ids, whose results stay available under ``/v1/jobs``."""
 
     @field_validator("api_keys", "models", "users", "cors_origins", mode="before")
     @classmethod

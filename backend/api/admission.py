@@ -189,9 +189,10 @@ class AdmissionGate:
         return level, verdict.forecast
 
 
-def check_owner_queue(client, history_index, owner: str, bound: int) -> None:
-    """``too_many`` when ``owner`` already has ``bound`` (``api.max_queued_jobs``) unfinished jobs
-    (counted among its newest ``history_limit`` jobs: the ones its history index holds)."""
+def check_owner_queue(client, history_index, owner: str, bound: int, adding: int = 1) -> None:
+    """``too_many`` when ``owner``'s unfinished jobs (counted among its newest ``history_limit``
+    jobs: the ones its history index holds) and the ``adding`` new ones would be more than
+    ``bound`` (``api.max_queued_jobs``)."""
     if not bound or not owner:
         return
     with client.pipeline(transaction=False) as pipe:
@@ -199,9 +200,10 @@ def check_owner_queue(client, history_index, owner: str, bound: int) -> None:
             pipe.hget(job_key(job_id), "status")
         statuses = [to_text(status) for status in pipe.execute() if status is not None]
     queued = sum(1 for status in statuses if status not in TERMINAL)
-    if queued >= bound:
+    if queued + adding > bound:
+        asked = f", and this batch adds {adding}" if adding > 1 else ""
         raise ServiceError(
-            f"{queued} of your jobs are queued or running, the bound is {bound}: wait for some "
-            "to finish (or cancel some) before submitting more",
+            f"{queued} of your jobs are queued or running{asked}, the bound is {bound}: wait for "
+            "some to finish (or cancel some) before submitting more",
             "too_many",
         )

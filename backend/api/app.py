@@ -22,29 +22,35 @@ from fastapi import Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis import Redis
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.adapters.service import AdapterService
 from backend.adapters.store import AdapterError, AdapterNotFound, AdapterStore
-from backend.api import routes_adapters, routes_jobs, routes_templates
+from backend.api import routes_adapters, routes_jobs, routes_openai, routes_templates
 from backend.api.admission import DeadlineCollector
+from backend.api.batches import BatchService
 from backend.api.middleware import (
     ApiMetrics,
     BodyLimitMiddleware,
     MetricsMiddleware,
     SecurityHeadersMiddleware,
 )
+from backend.api.openai_errors import OpenAIErrorMiddleware
 from backend.api.security import (
     API_KEY_HEADER,
     API_KEY_QUERY,
     Guard,
     accepts_query_key,
     api_key_header,
+    bearer_key,
+    presented_key,
 )
 from backend.api.service import JobService, ServiceError
 from backend.blobs import BlobError, BlobStore
+from backend.blobs.factory import open_objects
 from backend.config import Settings
 from backend.jobstate import JobStateStore
 from backend.metrics import JobLatencyCollector
@@ -164,10 +170,9 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
 
         celery_app = make_celery(settings)
     client = redis_client if redis_client is not None else _redis_client(settings)
-    data_dir = settings.paths.data_dir
-    blobs = BlobStore(data_dir / "blobs")
+    blobs = BlobStore(open_objects(settings, "blobs"))
     templates = TemplateStore(
-        data_dir / "templates",
+        open_objects(settings, "templates"),
         max_pixels=settings.celery.max_upload_pixels,
         max_bytes=int(settings.api.max_template_mb * MB),
     )
@@ -186,23 +191,32 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
     app.state.service = JobService(
         settings, client, celery_app, blobs, templates, jobstate, registry=metrics.registry
     )
+    app.state.batches = BatchService(app.state.service)  # many edits of one template in one call
     app.state.metrics = metrics
-    app.state.adapters = AdapterStore(settings.paths.resolved_adapters_dir())
+    app.state.adapters = AdapterStore(open_objects(settings, "adapters"))
     app.state.adapter_service = AdapterService(
         settings, client, celery_app, blobs, app.state.adapters, app.state.service._model
     )
     app.state.sse_limiter = anyio.CapacityLimiter(MAX_EVENT_STREAMS)
     guard = Guard(settings.api, client, on_limited=metrics.rate_limited.inc)
 
-    def require_api_key(request: Request, api_key: str | None = Security(api_key_header)) -> None:
+    def require_api_key(
+        request: Request,
+        api_key: str | None = Security(api_key_header),
+        bearer: HTTPAuthorizationCredentials | None = Security(bearer_key),
+    ) -> None:
         # the caller owns the jobs and templates it creates; only it sees them
         request.state.caller = guard.check(
-            request, api_key, request.query_params.get(API_KEY_QUERY), accepts_query_key(request)
+            request,
+            presented_key(api_key, bearer),
+            request.query_params.get(API_KEY_QUERY),
+            accepts_query_key(request),
         )
 
     # routers carry their full /v1/... prefix themselves: the route template then is the metrics
     # label
-    for router in (routes_templates.router, routes_adapters.router, routes_jobs.router):
+    routers = (routes_templates, routes_adapters, routes_jobs, routes_openai)
+    for router in (module.router for module in routers):
         app.include_router(router, dependencies=[Depends(require_api_key)])
     _ops_routes(app, client, metrics)
     _offline_docs(app)
@@ -218,6 +232,7 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
         # the adapter limit is checked exactly while staging; this bound leaves room for the form
         path_limits={"/v1/adapters": int(settings.adapters.max_mb * MB) + MB},
     )
+    app.add_middleware(OpenAIErrorMiddleware)  # outside the body limit: its 413 is reshaped too
     _add_cors(app, settings)
     app.add_middleware(SecurityHeadersMiddleware)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
@@ -257,7 +272,7 @@ def _add_cors(app: FastAPI, settings: Settings) -> None:
             CORSMiddleware,
             allow_origins=list(settings.api.cors_origins),
             allow_methods=["GET", "POST", "DELETE"],
-            allow_headers=[API_KEY_HEADER, "Content-Type", "Last-Event-ID"],
+            allow_headers=[API_KEY_HEADER, "Authorization", "Content-Type", "Last-Event-ID"],
             expose_headers=["Location", "Retry-After"],
             allow_credentials=False,
         )

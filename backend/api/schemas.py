@@ -140,6 +140,12 @@ class JobView(BaseModel):
         "(0: from the start; later when it was still loading, see docs/design/adapters.md)",
     )
     template_id: str = Field(description="The gallery template it edits; empty for an upload")
+    batch_id: str | None = Field(
+        None, description="The batch it is an item of (GET /v1/batches/{id}); absent for none"
+    )
+    batch_index: int | None = Field(
+        None, description="Its index among its batch's items (0 first); only with batch_id"
+    )
     width: int = Field(description="The image's width, pixels")
     height: int = Field(description="The image's height, pixels")
     status_url: str = Field(description=_STATUS_URL)

@@ -32,8 +32,6 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from kombu.exceptions import OperationalError as BrokerError
@@ -50,76 +48,37 @@ from backend.api.checks import (
     check_resolution,
     whole,
 )
-from backend.api.service_levels import level_fields, mask_ratio_estimate, service_level
-from backend.blobs import BlobStore
+from backend.api.service_levels import level_fields, service_level
+from backend.api.submission import (
+    BatchLink,
+    CheckedJob,
+    JobRequest,
+    SubmittedJob,
+    edit_job,
+    record_fields,
+)
+from backend.api.template_source import CheckedTemplate, TemplateSource
+from backend.blobs import BlobMissing, BlobStore
+from backend.blobs.factory import open_objects
 from backend.config import Settings
 from backend.history import HistoryIndex
-from backend.imaging.erase import require_erasable
-from backend.imaging.masks import MaskError, feather_support
-from backend.imaging.uploads import (
-    DEFAULT_CROP_PADDING_PX,
-    UploadError,
-    decode_image,
-    process_mask,
-)
 
 # the pre task's exact ranges
 from backend.jobstate import TERMINAL, JobNotFound, JobStateStore
 from backend.models import UnknownModelError, known_model_ids, resolve_model
 from backend.models.catalog import SHIPPED
-from backend.protocol import AdapterUse, CancelJob, EditJob, JobEvent, MaskOps
+from backend.protocol import AdapterUse, CancelJob, EditJob, JobEvent
 from backend.protocol.heartbeats import live_heartbeats, queue_position, read_heartbeat
 from backend.tasks.celery_app import submit_edit
 from backend.worker.redis_inbox import send_to_inbox
-from templates_store.store import TemplateNotFound, TemplateStore, upload_error_code
+from templates_store.store import TemplateStore
+
+__all__ = ["MAX_SEED", "JobRequest", "JobService", "ServiceError", "SubmittedJob"]
 
 _JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 _EVENT_ID = re.compile(r"^\d+(-\d+)?$")
 # statuses in which a job with a worker_id is that worker's to cancel
 ON_WORKER = ("waiting", "running")
-
-
-@dataclass(frozen=True)
-class JobRequest:
-    """One edit as a caller asks for it. Exactly one of ``template_id`` (a gallery template) and
-    ``image`` (the bytes of an uploaded image) is given. ``None`` means the model's default (and,
-    for the seed, a random one)."""
-
-    mask: bytes
-    prompt: str
-    template_id: str | None = None
-    image: bytes | None = None
-    negative_prompt: str = ""
-    model: str | None = None  # None: the deployment's default model (settings.engine.model_id)
-    steps: int | None = None
-    guidance: float | None = None
-    strength: float = 1.0
-    seed: int | None = None
-    mask_ops: MaskOps = field(default_factory=MaskOps)
-    resolution: int = 0  # 0: the model's default resolution bucket
-    # "generate", or "erase": filled from the surroundings in pre-processing (no model, no prompt)
-    mode: str = "generate"
-    # "whole", or "masked": a padded crop around the mask at the model's resolution, pasted back
-    inpaint_area: str = "whole"
-    crop_padding_px: int = DEFAULT_CROP_PADDING_PX
-    use_cache: bool = True
-    adapters: tuple[AdapterChoice, ...] = ()  # LoRA adapters, each with a scale
-    # its service level (``service_levels``): None = the class's default (REST: batch)
-    service_class: str | None = None
-    deadline_s: float | None = None  # seconds from submission; None: the class's target
-    priority: int = 0  # 0..9, higher goes first
-    # the tenant that owns it (``backend.api.security.Caller.owner``): only it can see the job
-    owner: str = ""
-    # whose history lists it (a studio user within the studio's tenant); empty: the owner's
-    listed_for: str = ""
-
-
-@dataclass(frozen=True)
-class SubmittedJob:
-    job_id: str
-    seed: int
-    model_id: str
-    steps: int
 
 
 class JobService:
@@ -135,7 +94,8 @@ class JobService:
     ):
         self.settings, self.client, self.celery_app = settings, redis_client, celery_app
         self.blobs, self.templates = blobs, templates
-        self.adapters = AdapterStore(settings.paths.resolved_adapters_dir())
+        self.sources = TemplateSource(settings, blobs, templates)
+        self.adapters = AdapterStore(open_objects(settings, "adapters"))
         self.jobstate = jobstate or JobStateStore(redis_client, settings.retention.job_record_s)
         self.admission = AdmissionGate(settings, redis_client, self.jobstate, registry)
         self.history_index = HistoryIndex(
@@ -144,7 +104,17 @@ class JobService:
 
     # ----- submit ---------------------------------------------------------------------------------
     def submit(self, request: JobRequest) -> SubmittedJob:
-        self._check_queued(request.owner)
+        self.check_queued(request.owner)
+        checked = self.check(request)
+        return self.create(checked, checked.template.store())
+
+    def check(
+        self, request: JobRequest, template: CheckedTemplate | None = None, now: float = 0.0
+    ) -> CheckedJob:
+        """Everything about one edit that can be checked here, admission control included;
+        nothing is stored. ``template``: checked already (a batch checks its one template once
+        for every item), else checked here from the request; ``now``: the submission time (0: now).
+        """
         spec = self._model(request.model or self.settings.engine.model_id)
         if request.mode != "erase":  # an erase is finished in pre-processing: it needs no worker
             self._check_served(spec.model_id)
@@ -154,7 +124,7 @@ class JobService:
         # a UI's number widget gives floats
         steps, seed = whole("steps", steps), whole("seed", seed)
         check_numbers(request, steps, guidance, seed)
-        now = time.time()
+        now = now or time.time()
         level = service_level(
             request.service_class,
             request.deadline_s,
@@ -163,64 +133,34 @@ class JobService:
             now,
         )
         adapters = self._adapter_uses(request, spec.model_id)
-        # everything is validated before any blob is written: a refused request stores nothing
-        store_template, image_size = self._template(request, request.owner)
-        ratio = self._check_mask(request, image_size)
+        if template is None:
+            template = self.sources.check(request.template_id, request.image, request.owner)
+        ratio = self.sources.mask_ratio(
+            request.mask, template.size, request.mask_ops, request.mode, request.inpaint_area
+        )
         cached = bool(request.use_cache and request.template_id)  # a gallery template's cache
         row = None if request.mode == "erase" else (ratio, NEW_JOB_TEMPLATE, cached)
         level, forecast = self.admission.admit(level, spec.model_id, steps, now, row)
-        template_ref = store_template()
+        return CheckedJob(
+            request, template, spec.model_id, steps, float(guidance), seed, now, level, forecast,
+            tuple(adapters),
+        )  # fmt: skip
+
+    def create(
+        self, checked: CheckedJob, template_ref: str, batch: BatchLink | None = None
+    ) -> SubmittedJob:
+        """Store a checked job (its mask, its record, its history entry) and queue it: a
+        ``SubmittedJob``. ``batch``: the batch it is an item of (routed with its siblings)."""
+        request = checked.request
         mask_ref = self.blobs.put_content("uploads", request.mask, ".mask")
         job_id = uuid.uuid4().hex
-        job = EditJob(
-            job_id=job_id,
-            model_id=spec.model_id,
-            template_ref=template_ref,
-            mask_ref=mask_ref,
-            prompt=request.prompt,
-            seed=seed,
-            steps=steps,
-            guidance=float(guidance),
-            negative_prompt=request.negative_prompt,
-            strength=float(request.strength),
-            use_cache=bool(request.use_cache),
-            mask_ops=request.mask_ops,
-            resolution=request.resolution,
-            submitted_at=now,
-            template_id=request.template_id or "",
-            mode=request.mode,
-            inpaint_area=request.inpaint_area,
-            crop_padding_px=request.crop_padding_px,
-            adapters=adapters,
-            service=level,
-        )
+        job = edit_job(checked, job_id, template_ref, mask_ref, batch)
         self.jobstate.create(
-            job_id,
-            model_id=spec.model_id,
-            prompt=request.prompt,
-            negative_prompt=request.negative_prompt,
-            seed=seed,
-            steps=steps,
-            guidance=float(guidance),
-            strength=float(request.strength),
-            resolution=request.resolution,
-            use_cache=bool(request.use_cache),
-            mask_ops=vars(request.mask_ops),
-            mode=request.mode,
-            inpaint_area=request.inpaint_area,
-            crop_padding_px=request.crop_padding_px,
-            adapters=[{"id": use.adapter_id, "scale": use.scale} for use in adapters],
-            template_id=request.template_id or "",
-            width=image_size[0],
-            height=image_size[1],
-            template_ref=template_ref,
-            mask_ref=mask_ref,
-            owner=request.owner,
-            **level_fields(level, forecast),
+            job_id, **record_fields(checked, template_ref, mask_ref, batch)
         )  # the refs keep these blobs from the janitor while the job runs
         self.history_index.add(request.listed_for or request.owner, job_id, job.submitted_at)
         self._queue(job)
-        return SubmittedJob(job_id=job_id, seed=seed, model_id=spec.model_id, steps=steps)
+        return SubmittedJob(job_id, checked.seed, checked.model_id, checked.steps)
 
     def _adapter_uses(self, request: JobRequest, model_id: str) -> list[AdapterUse]:
         if request.adapters and request.mode == "erase":
@@ -250,9 +190,9 @@ class JobService:
         steps = whole("steps", spec.default_steps if steps is None else steps)
         check_range("steps", steps, 1, MAX_STEPS)
         check_resolution(resolution)
-        record = self._owned_template(template_id, owner)
+        record = self.sources.owned(template_id, owner)
         uses = resolve_uses(adapters, self.adapters, owner, spec.model_id, self.settings.adapters)
-        self._check_queued(owner)
+        self.check_queued(owner)
         now = time.time()  # a recording is batch work: it reads no mask and computes densely
         level = service_level("batch", None, 0, self.settings.deadlines, now)
         level, forecast = self.admission.admit(
@@ -262,7 +202,7 @@ class JobService:
         job = EditJob(
             job_id=job_id,
             model_id=spec.model_id,
-            template_ref=self._template_blob(record),
+            template_ref=self.sources.blob(record),
             mask_ref="",
             prompt="",
             seed=0,
@@ -327,28 +267,19 @@ class JobService:
         guidance = spec.default_guidance if guidance is None else guidance
         query = JobRequest(mask=b"", prompt="", strength=strength, resolution=resolution)
         check_numbers(query, steps, guidance, 0)
-        record = self._owned_template(template_id, owner)
+        record = self.sources.owned(template_id, owner)
         settings = KeySettings.of(
             spec, self.settings.engine, steps, resolution, float(strength), float(guidance)
         )
 
         def load():
-            try:
-                data = self.templates.image_path(record.id, owner).read_bytes()
-            except (TemplateNotFound, FileNotFoundError):
-                raise ServiceError(str(TemplateNotFound(record.id)), "not_found") from None
-            return self._decode(data, "template")
+            return self.sources.decode(self.sources.image_bytes(record), "template")
 
         return cache_status(self.client, template_id, settings, record.sha256, load)
 
-    def _owned_template(self, template_id: str, owner: str):
-        try:
-            return self.templates.get(template_id, owner)
-        except TemplateNotFound as exc:
-            raise ServiceError(str(exc), "not_found") from None
-
-    def _check_queued(self, owner: str) -> None:
-        check_owner_queue(self.client, self.history_index, owner, self.settings.api.max_queued_jobs)
+    def check_queued(self, owner: str, adding: int = 1) -> None:
+        bound = self.settings.api.max_queued_jobs
+        check_owner_queue(self.client, self.history_index, owner, bound, adding)
 
     def _queue(self, job: EditJob) -> None:
         try:
@@ -406,60 +337,6 @@ class JobService:
             f"--model {model_id}), or list it in MASKSERVE_API_MODELS (with every model jobs may "
             "name) so that its jobs are accepted and wait for such a worker"
         )
-
-    def _template(
-        self, request: JobRequest, owner: str
-    ) -> tuple[Callable[[], str], tuple[int, int]]:
-        """(a function that stores the template image and returns its blob ref, its (width,
-        height)); nothing is stored until that function is called."""
-        if (request.template_id is None) == (request.image is None):
-            raise ServiceError(
-                "give exactly one of template_id (a gallery template) and image (an uploaded file)"
-            )
-        limit = self.settings.celery.max_upload_pixels
-        if request.template_id is not None:
-            record = self._owned_template(request.template_id, owner)
-            if record.width * record.height > limit:
-                raise ServiceError(
-                    f"template is {record.width}x{record.height}, over this deployment's limit of "
-                    f"{limit / 1e6:.1f} MP: upload a smaller template",
-                    "too_large",
-                )
-            return (lambda: self._template_blob(record)), (record.width, record.height)
-        image, data = self._decode(request.image, "image"), request.image
-        return (lambda: self.blobs.put_content("uploads", data, ".img")), image.size
-
-    def _template_blob(self, record) -> str:
-        """The template's PNG as an ``uploads`` blob, named by its content hash like ``put_content``
-        names it: copied once, shared by every job that edits this template."""
-        ref = self.blobs.ref("uploads", record.sha256[:32] + ".png")
-        try:
-            # reused by a new job: its retention starts again (backend.janitor)
-            self.blobs.touch(ref)
-        except FileNotFoundError:
-            try:
-                data = self.templates.image_path(record.id, record.owner).read_bytes()
-            except (TemplateNotFound, FileNotFoundError):
-                raise ServiceError(str(TemplateNotFound(record.id)), "not_found") from None
-            self.blobs.put_content("uploads", data, ".png")
-        return ref
-
-    def _check_mask(self, request: JobRequest, image_size: tuple[int, int]) -> float:
-        """Its mask ratio as far as it can be told here (``mask_ratio_estimate``)."""
-        mask = self._decode(request.mask, "mask")
-        try:  # the pre task's own mask steps: a mask that ends up empty is refused now, not later
-            processed = process_mask(mask, image_size, request.mask_ops)
-            if request.mode == "erase":
-                require_erasable(feather_support(processed, request.mask_ops.feather_px))
-        except MaskError as exc:
-            raise ServiceError(str(exc)) from None
-        return mask_ratio_estimate(processed, request.inpaint_area)
-
-    def _decode(self, data: bytes | None, what: str):
-        try:
-            return decode_image(data or b"", self.settings.celery.max_upload_pixels, what=what)
-        except UploadError as exc:
-            raise ServiceError(str(exc), upload_error_code(exc)) from None
 
     # ----- read -----------------------------------------------------------------------------------
     def get(self, job_id: str, owner: str) -> dict:
@@ -534,10 +411,12 @@ class JobService:
                 )
             raise ServiceError(f"no {what}: {detail}", "conflict")
         ref = job.get(field_name, "")
-        path = self.blobs.path(ref) if ref else None
-        if path is None or not path.exists():
-            raise ServiceError(self._gone_message(job, what), "gone")
-        return path
+        try:  # a local file to serve: the blob itself, or this host's copy of an object
+            if ref:
+                return self.blobs.local_path(ref)
+        except BlobMissing:
+            pass
+        raise ServiceError(self._gone_message(job, what), "gone")
 
     def _gone_message(self, job: dict, what: str) -> str:
         hours = self.settings.retention.results_hours

@@ -51,6 +51,17 @@ def history_key(owner: str) -> str:
     return f"{NAMESPACE}:history:{_digest(owner)}"
 
 
+def batch_key(batch_id: str) -> str:
+    """Hash of one batch's record (``backend.protocol.records.BatchRecord``): its owner and its
+    items' job ids in item order."""
+    return f"{NAMESPACE}:batch:{batch_id}"
+
+
+def batch_history_key(owner: str) -> str:
+    """Sorted set of one owner's batches by submission time (the owner's name is hashed)."""
+    return f"{NAMESPACE}:batches:{_digest(owner)}"
+
+
 # ----- routing and workers --------------------------------------------------------------------
 PREPARED_STREAM = f"{NAMESPACE}:prepared"  # pre-processed jobs awaiting routing to a worker
 DISPATCHER_GROUP = "dispatchers"  # the consumer group of every dispatcher on PREPARED_STREAM
@@ -95,6 +106,12 @@ def adapter_reply_key(request_id: str) -> str:
 
 # ----- templates, API, janitor ----------------------------------------------------------------
 JANITOR_LOCK_KEY = f"{NAMESPACE}:janitor:lock"
+
+
+def object_store_lock_key(area: str) -> str:
+    """Lock (redis-py's ``Lock``) over the gallery's or the adapter registry's record/content
+    bookkeeping when its files live in an object store (``backend.blobs.factory``)."""
+    return f"{NAMESPACE}:objects:{area}:lock"
 
 
 def template_cache_key(template_id: str) -> str:

@@ -27,7 +27,8 @@ SCHEMA_MAJOR = 1
 # 1.5: LoRA adapters on edit, prepared and denoised jobs; adapters resident in a heartbeat.
 # 1.6: service levels (class, deadline, priority) on edit and prepared jobs and heartbeat rows;
 # a waiting row's steps already run (parked); predicted start/finish and queue position on events
-SCHEMA_MINOR = 6
+# 1.7: the batch an edit or prepared job is an item of (its items are routed to one worker)
+SCHEMA_MINOR = 7
 PROTOCOL_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 
@@ -140,6 +141,8 @@ class EditJob:
     crop_padding_px: int = 32  # context kept around the mask when inpaint_area is "masked"
     adapters: list[AdapterUse] = field(default_factory=list)  # LoRA adapters, at most a few
     service: ServiceLevel = field(default_factory=ServiceLevel)  # 1.6
+    # the batch it is an item of (1.7; "" none): the dispatcher routes a batch's items together
+    batch_id: str = ""
 
 
 JOB_MODES = ("generate", "erase")
@@ -166,6 +169,7 @@ class PreparedJob:
     prompt: str = ""
     adapters: list[AdapterUse] = field(default_factory=list)
     service: ServiceLevel = field(default_factory=ServiceLevel)  # 1.6
+    batch_id: str = ""  # EditJob.batch_id (1.7)
 
 
 @dataclass(frozen=True)

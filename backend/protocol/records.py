@@ -86,6 +86,8 @@ class JobRecord:
     predicted_start: float = 0.0  # epoch seconds of its predicted first step
     predicted_finish: float = 0.0  # epoch seconds of the predicted end of its denoising
     met_deadline: bool | None = None  # once done: stored at or before its deadline (with one)
+    batch_id: str = ""  # the batch it is an item of (``keys.batch_key``; "" none)
+    batch_index: int = 0  # its index among the batch's items
 
     @classmethod
     def from_hash(cls, job_id: str, raw: Mapping[Any, Any]) -> JobRecord:
@@ -120,6 +122,8 @@ class JobRecord:
         for name, unset in UNSET_JOB_FIELDS.items():
             if shown[name] == unset:
                 del shown[name]
+        if "batch_id" not in shown:  # index 0 is an item's too: shown with its batch only
+            del shown["batch_index"]
         return shown | {f"{status}{REACHED_SUFFIX}": at for status, at in reached.items()}
 
 
@@ -130,6 +134,7 @@ UNSET_JOB_FIELDS: dict[str, object] = {
     "predicted_start": 0.0,
     "predicted_finish": 0.0,
     "met_deadline": None,
+    "batch_id": "",
 }
 
 
@@ -204,3 +209,36 @@ def event_payload(event: JobEvent) -> dict[str, Any]:
 # a live preview as the event stream carries it (no quote or escape: ``jobstate`` cuts it out of
 # the stored JSON text)
 PREVIEW_URL = re.compile(r"data:image/png;base64,[A-Za-z0-9+/]+={0,2}")
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """A batch as stored (``keys.batch_key``): written once at submission and never changed; how
+    far it got is its items' job records (``backend.api.batch_progress``)."""
+
+    batch_id: str
+    owner: str  # the submitting tenant's digest, like a job's: only it sees the batch
+    created_at: float
+    job_ids: tuple[str, ...]  # item i's job is job_ids[i]
+    template_id: str = ""  # the gallery template its items edit; "" for an upload
+    model_id: str = ""
+    listed_for: str = ""  # whose batch list shows it (a studio user); "" the owner's
+
+    def fields(self) -> dict[str, str]:
+        """The hash fields, as text."""
+        values = asdict(self) | {"job_ids": json.dumps(list(self.job_ids))}
+        return {name: _format(value) for name, value in values.items()}
+
+    @classmethod
+    def from_hash(cls, raw: Mapping[Any, Any]) -> BatchRecord:
+        """The record of a batch hash as Redis returns it; fields it does not know are ignored."""
+        values = {to_text(k): to_text(v) for k, v in raw.items()}
+        return cls(
+            batch_id=values["batch_id"],
+            owner=values.get("owner", ""),
+            created_at=float(values.get("created_at", 0.0)),
+            job_ids=tuple(json.loads(values.get("job_ids", "[]"))),
+            template_id=values.get("template_id", ""),
+            model_id=values.get("model_id", ""),
+            listed_for=values.get("listed_for", ""),
+        )

@@ -32,6 +32,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from backend.blobs import BlobStore, job_blob_name
+from backend.blobs.factory import open_blob_store
 from backend.cache.key import pinned_key
 from backend.config import Settings
 from backend.engine.editor import EditParams, MaskAwareEngine
@@ -72,7 +73,7 @@ class CpuStages:
         blobs: BlobStore | None = None,
     ):
         self.settings, self.engine, self.jobstate = settings, engine, jobstate
-        self.blobs = blobs or BlobStore(settings.paths.data_dir / "blobs")
+        self.blobs = blobs or open_blob_store(settings)
         self._publish_key_basis()
 
     # ----- pre ----------------------------------------------------------------------------------
@@ -121,8 +122,7 @@ class CpuStages:
                 params,
                 pixels=pixels,
             )
-        prepared_ref, path = self.blobs.new_path("prepared", job_blob_name("prepared", job.job_id))
-        prepared.save(path)
+        prepared_ref = self._save_prepared(job.job_id, prepared)
         self._publish_key_basis()
         mask_ref = self.blobs.put(
             "masks",
@@ -149,6 +149,7 @@ class CpuStages:
             prompt=job.prompt,
             adapters=job.adapters,
             service=job.service,
+            batch_id=job.batch_id,
         )
 
     def _baseline_request(
@@ -188,8 +189,7 @@ class CpuStages:
         if job.adapters:  # a cache pinned to the job's adapter set
             pairs = [(use.sha256, use.scale) for use in job.adapters]
             prepared.cache_key = pinned_key(prepared.cache_key, pairs)
-        prepared_ref, path = self.blobs.new_path("prepared", job_blob_name("prepared", job.job_id))
-        prepared.save(path)
+        prepared_ref = self._save_prepared(job.job_id, prepared)
         self._publish_key_basis()
         return PreparedJob(
             job_id=job.job_id,
@@ -205,6 +205,11 @@ class CpuStages:
             adapters=job.adapters,
             service=job.service,
         )
+
+    def _save_prepared(self, job_id: str, prepared: PreparedRequest) -> str:
+        with self.blobs.writing("prepared", job_blob_name("prepared", job_id)) as (ref, path):
+            prepared.save(path)
+        return ref
 
     def _publish_key_basis(self) -> None:
         """What this model contributes to cache keys, for the cache status (which builds a
@@ -243,11 +248,11 @@ class CpuStages:
             return None
         started = time.time()
         self._event(job.job_id, "postprocessing")
-        prepared = PreparedRequest.load(self.blobs.path(job.prepared_ref))
+        with self.blobs.reading(job.prepared_ref) as path:
+            prepared = PreparedRequest.load(path)
         params = EditParams.from_dict(prepared.params)
-        latents = load_file(str(self.blobs.path(job.latents_ref)))["latents"].to(
-            self.engine.adapter.device
-        )
+        with self.blobs.reading(job.latents_ref) as path:
+            latents = load_file(str(path))["latents"].to(self.engine.adapter.device)
         with torch.no_grad():
             generated = self.engine.decode(latents, params)
         template = decode_image(
@@ -334,7 +339,7 @@ def erase_job(
     result stored and the job marked done like a generated one (``store_result``). Needs no
     model. Raises UploadError/MaskError for a bad upload, like ``preprocess``."""
     started = time.time()
-    blobs = blobs or BlobStore(settings.paths.data_dir / "blobs")
+    blobs = blobs or open_blob_store(settings)
     if jobstate is not None:
         jobstate.record_event(JobEvent(job_id=job.job_id, status="preprocessing", at=started))
     limit = settings.celery.max_upload_pixels
