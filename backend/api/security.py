@@ -1,6 +1,7 @@
 """API keys, tenants and per-key rate limits for everything under ``/v1``.
 
-Auth: header ``X-API-Key``; 401 when it is missing, 403 when it is not one of
+Auth: header ``X-API-Key``, or ``Authorization: Bearer <key>`` (what OpenAI clients send; the
+``X-API-Key`` header wins when both are given); 401 when it is missing, 403 when it is not one of
 ``settings.api.api_keys``. The server keeps only the SHA-256 digest of each configured key (an entry
 may be given as ``sha256:<hex>`` so the raw key never needs to be in the environment); a presented
 key is hashed and its digest compared in constant time against every configured digest. With no
@@ -40,7 +41,7 @@ import time
 from dataclasses import dataclass
 
 from fastapi import HTTPException, Request
-from fastapi.security import APIKeyHeader, APIKeyQuery
+from fastapi.security import APIKeyHeader, APIKeyQuery, HTTPAuthorizationCredentials, HTTPBearer
 
 from backend.config import API_KEY_DIGEST_PREFIX, ApiSettings
 from backend.protocol.keys import rate_limit_key
@@ -50,6 +51,12 @@ API_KEY_QUERY = "api_key"
 api_key_header = APIKeyHeader(
     name=API_KEY_HEADER, auto_error=False, description="One of the keys in MASKSERVE_API_KEYS"
 )
+# the same keys as ``Authorization: Bearer <key>``: what the openai package (and most HTTP clients
+# of OpenAI-style APIs) sends
+bearer_key = HTTPBearer(
+    auto_error=False,
+    description=f"The same keys as {API_KEY_HEADER}, as Authorization: Bearer <key>",
+)
 # Declared by the routes that accept the key in the URL (``accepts_query_key``): the event stream.
 api_key_query = APIKeyQuery(
     name=API_KEY_QUERY,
@@ -58,8 +65,8 @@ api_key_query = APIKeyQuery(
     f"{API_KEY_HEADER} (the job event stream only; the header wins)",
 )
 _BOTH_WAYS = (
-    f"send it in the {API_KEY_HEADER} header (or, on GET /v1/jobs/{{job_id}}/events only, as the "
-    f"{API_KEY_QUERY} query parameter)"
+    f"send it in the {API_KEY_HEADER} header or as Authorization: Bearer <key> (or, on GET "
+    f"/v1/jobs/{{job_id}}/events only, as the {API_KEY_QUERY} query parameter)"
 )
 
 # KEYS[1] bucket hash. ARGV: capacity, refill per second, now (s), ttl (s), cost (0: only look).
@@ -164,6 +171,13 @@ def _login_digest(username: str, password: str) -> bytes:
     return hashlib.sha256(username.strip().encode() + b"\0" + password.encode()).digest()
 
 
+def presented_key(
+    header_key: str | None, bearer: HTTPAuthorizationCredentials | None
+) -> str | None:
+    """The key a request presents in a header: ``X-API-Key``, else ``Authorization: Bearer``."""
+    return header_key or (bearer.credentials if bearer is not None else None)
+
+
 def accepts_query_key(request: Request) -> bool:
     """Whether the matched route declared ``Security(api_key_query)`` (FastAPI puts the route in
     the scope before it runs the route's dependencies)."""
@@ -231,7 +245,10 @@ class Guard:
                 "no API keys are configured on this server: the operator must set "
                 "MASKSERVE_API_KEYS (or MASKSERVE_AUTH_DISABLED=1 for local use)",
             )
+        # presented_key: X-API-Key wins, else Authorization: Bearer
         source = f"the {API_KEY_HEADER} header"
+        if not request.headers.get(API_KEY_HEADER):
+            source = "the Authorization header"
         if not api_key and query_key:
             if not query_allowed:
                 raise HTTPException(

@@ -90,13 +90,16 @@ def _flatten_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def decode_image(data: bytes, max_pixels: int, what: str = "image") -> Image.Image:
+def decode_image(
+    data: bytes, max_pixels: int, what: str = "image", keep_mode: bool | None = None
+) -> Image.Image:
     """Decode an upload into a fully loaded, EXIF-oriented image.
 
-    ``what == "mask"``: the mask's own mode is kept (``load_mask`` reads alpha), except that a
-    palette image with transparency becomes RGBA and 16-bit grayscale becomes L. Anything else:
-    RGB, alpha composited over white. Raises UploadError for empty, corrupt, truncated, oversized
-    (``width * height > max_pixels``, checked before decoding) or non-allowed-format uploads.
+    ``keep_mode`` (default: ``what == "mask"``): the file's own mode is kept (``load_mask`` reads
+    alpha), except that a palette image with transparency becomes RGBA and 16-bit grayscale
+    becomes L. Otherwise: RGB, alpha composited over white. ``what`` names the file in errors.
+    Raises UploadError for empty, corrupt, truncated, oversized (``width * height >
+    max_pixels``, checked before decoding) or non-allowed-format uploads.
     """
     if not data:
         raise UploadError(f"{what} is empty (0 bytes): upload the {what} file again")
@@ -116,7 +119,7 @@ def decode_image(data: bytes, max_pixels: int, what: str = "image") -> Image.Ima
             f"({exc}): export it again as one of {_ALLOWED_TEXT}"
         ) from exc
     img = _to_8bit(img)
-    if what == "mask":
+    if keep_mode or (keep_mode is None and what == "mask"):
         if img.mode == "P" and "transparency" in img.info:
             img = img.convert("RGBA")
         return img
