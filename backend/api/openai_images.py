@@ -262,17 +262,18 @@ def parse_edit(pairs: list[tuple[str, str]], files: list[tuple[str, bytes]]) -> 
     )
 
 
-def seeds(base: int | None, n: int) -> list[int]:
-    """``n`` consecutive seeds from ``base`` (random when None), all within [0, MAX_SEED]."""
+def first_seed(base: int | None, n: int) -> int:
+    """The first of ``n`` consecutive seeds (random when ``base`` is None), the last within
+    MAX_SEED."""
     if base is None:
-        base = secrets.randbelow(MAX_SEED - n + 2)
+        return secrets.randbelow(MAX_SEED - n + 2)
     if not 0 <= base <= MAX_SEED - n + 1:
         raise OpenAIError(
             f"seed {base} is out of range for n={n}: the edits use seed..seed+n-1, so use 0.."
             f"{MAX_SEED - n + 1}",
             param="seed",
         )
-    return list(range(base, base + n))
+    return base
 
 
 # ----- images and masks ---------------------------------------------------------------------------

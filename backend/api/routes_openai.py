@@ -1,10 +1,11 @@
 """``POST /v1/images/edits``: OpenAI's image-edit API, so the tools that speak it use MaskServe.
 
-The call is checked and converted by ``openai_images`` (pure), its edits are submitted as ordinary
-jobs through the job service (``n`` of them: seeds ``seed..seed+n-1``, one template, one mask), and
-the answer waits for them: ``{created, data: [{url | b64_json}], size, output_format}``, in seed
-order. Errors are in OpenAI's shape (``openai_errors``; its middleware reshapes the errors that
-the shared parts of the API raise). Docs: docs/openai.md.
+The call is checked and converted by ``openai_images`` (pure); one edit is submitted as a job
+(``JobService``), ``n`` > 1 as a batch (``BatchService``: one template, one mask, seeds
+``seed..seed+n-1``, one cache read shared by all), and the answer waits for them: ``{created,
+data: [{url | b64_json}], size, output_format, job_ids}``, in seed order. Errors are in OpenAI's
+shape (``openai_errors``; its middleware reshapes the errors that the shared parts of the API
+raise). Docs: docs/openai.md.
 
 Invariants: nothing is stored before every field, the image and the mask are checked (the job
 service validates the rest before it stores anything); a job submitted is never lost: when the
@@ -18,7 +19,7 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import anyio
 from fastapi import APIRouter, Request
@@ -27,6 +28,7 @@ from pydantic import BaseModel
 from starlette.datastructures import UploadFile
 
 from backend.api.adapter_requests import FORM_HELP, parse_choices
+from backend.api.batches import BatchItem, BatchRequest, BatchService
 from backend.api.openai_errors import NO_RETRY, OPENAI_ERROR_RESPONSES, OpenAIError
 from backend.api.openai_images import (
     EXTRA_FIELDS,
@@ -36,10 +38,10 @@ from backend.api.openai_images import (
     EditCall,
     EditImages,
     edit_images,
+    first_seed,
     parse_edit,
-    seeds,
 )
-from backend.api.service import JobRequest, JobService, ServiceError
+from backend.api.service import JobRequest, JobService
 from backend.jobstate import TERMINAL
 from templates_store.store import TemplateNotFound
 
@@ -64,6 +66,8 @@ class ImagesResponse(BaseModel):
     output_format: str = "png"
     job_ids: list[str]
     """MaskServe's jobs, in the order of ``data`` (``GET /v1/jobs/{job_id}``)."""
+    batch_id: str | None = None
+    """With n > 1: the batch of those jobs (``GET /v1/batches/{batch_id}``)."""
     warnings: list[str] | None = None
     """What was not done as sent (several images: the first is edited)."""
 
@@ -118,11 +122,11 @@ async def _form(request: Request) -> tuple[list[tuple[str, str]], list[tuple[str
 
 @dataclass(frozen=True)
 class Plan:
-    """The jobs of one call: ``request`` is the first edit's (seed ``seeds[0]``); edit i is the
-    same with ``seeds[i]``. ``size``: the results' (width, height)."""
+    """The edits of one call: ``n`` of ``request`` (its seed the first edit's; edit i runs with
+    seed + i); ``size``: the results' (width, height)."""
 
     request: JobRequest
-    seeds: list[int]
+    n: int
     size: tuple[int, int]
 
 
@@ -146,7 +150,7 @@ def plan(service: JobService, call: EditCall, owner: str) -> Plan:
     template_size = None if template_id is None else _template_size(service, template_id, owner)
     images: EditImages = edit_images(call, service.settings.celery.max_upload_pixels, template_size)
     adapters = tuple(parse_choices(extras.pop("adapters", "")))
-    edit_seeds = seeds(extras.pop("seed", None), call.n)
+    seed = first_seed(extras.pop("seed", None), call.n)
     # what is left of the extras are JobRequest fields by the same names (steps, guidance, ...)
     request = JobRequest(
         mask=images.mask,
@@ -157,24 +161,20 @@ def plan(service: JobService, call: EditCall, owner: str) -> Plan:
         resolution=images.resolution,
         adapters=adapters,
         owner=owner,
-        seed=edit_seeds[0],
+        seed=seed,
         **extras,
     )
-    return Plan(request, edit_seeds, images.size)
+    return Plan(request, call.n, images.size)
 
 
-def submit(service: JobService, work: Plan) -> list[str]:
-    """Submit every edit of ``work``; when one is refused, the ones already accepted are cancelled
-    (so a refused call leaves no work running) and the refusal is raised."""
-    job_ids: list[str] = []
-    try:
-        for seed in work.seeds:
-            job_ids.append(service.submit(replace(work.request, seed=seed)).job_id)
-    except ServiceError:
-        for job_id in job_ids:
-            service.cancel(job_id, work.request.owner)
-        raise
-    return job_ids
+def submit(service: JobService, batches: BatchService, work: Plan) -> tuple[str | None, list[str]]:
+    """(batch id, job ids): one edit is a job; n edits are a batch of n items on one template with
+    the same mask and prompt (its seeds seed..seed+n-1), so they share the template's cache load
+    and run in one running batch where slots allow. A refused call stores nothing."""
+    if work.n == 1:
+        return None, [service.submit(work.request).job_id]
+    batch = batches.submit(BatchRequest(work.request, (BatchItem(),) * work.n))
+    return batch.batch_id, list(batch.job_ids)
 
 
 async def wait(service: JobService, job_ids: list[str], owner: str, timeout_s: float) -> list[dict]:
@@ -241,7 +241,9 @@ async def _edit(request: Request) -> JSONResponse:
     service, owner = _service(request), request.state.caller.owner
     call = parse_edit(*await _form(request))
     work = await anyio.to_thread.run_sync(plan, service, call, owner)
-    job_ids = await anyio.to_thread.run_sync(submit, service, work)
+    batch_id, job_ids = await anyio.to_thread.run_sync(
+        submit, service, request.app.state.batches, work
+    )
     model_id = work.request.model or service.settings.engine.model_id
     request.app.state.metrics.jobs_submitted.labels(model_id, "openai").inc(len(job_ids))
     # who asked (OpenAI's user / safety_identifier): recorded with the jobs it made
@@ -257,6 +259,7 @@ async def _edit(request: Request) -> JSONResponse:
         data=[ImageData(**item) for item in data],
         size=f"{work.size[0]}x{work.size[1]}",
         job_ids=job_ids,
+        batch_id=batch_id,
         warnings=list(call.warnings) or None,
     )
     return JSONResponse(body.model_dump(exclude_none=True))
