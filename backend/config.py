@@ -50,8 +50,8 @@ class PathSettings(_Strict):
     share it (one disk budget, one recency order)."""
     adapters_dir: Path | None = None
     """The LoRA adapter registry (records and normalized adapters); unset:
-    ``<data_dir>/adapters``. The API and every engine worker read it: share it like the data
-    directory."""
+    ``<data_dir>/adapters``. The API and every engine worker read it: on several hosts, set
+    ``blob_url`` to an object store (the registry then lives there) or share this directory."""
     blob_url: str = ""
     """Where blobs (uploads, prepared requests, latents, results), the template gallery's files and
     the adapter registry's files live. Unset: local directories under ``data_dir`` (one host, or a

@@ -5,11 +5,13 @@ Where it runs: a daemon thread of the API process (``start_janitor``, started by
 sweeping at start and then every ``settings.retention.sweep_every_s``. The API is the role every
 deployment runs that already holds both the blob store (it writes the uploads and serves the
 results, so it is also where an expired result is reported as 410) and Redis (the job records say
-which blobs are still in use). The dispatcher only moves messages and need not see the data
-directory; engine and CPU workers scale with load and should spend it on jobs. When several API
+which blobs are still in use). The dispatcher only moves messages and need not see the blob
+store; engine and CPU workers scale with load and should spend it on jobs. When several API
 processes share one Redis, a lock (``SET NX PX`` for most of a period) lets one of them sweep per
 period; deleting is idempotent, so two sweeps that overlap anyway are harmless. A sweep lists
 every blob and every job record: well under a second for tens of thousands of jobs, once per period.
+It works the same on a local directory and on an object store (``backend.blobs``): listing with
+modification times and ``delete_if_unchanged`` are the whole of what it needs.
 
 Races with jobs being submitted: the blobs are listed before the job records are read, and a blob
 is deleted only while its modification time is still the one listed. A job submitted during the
@@ -54,7 +56,7 @@ class SweepReport:
 
 
 def list_blobs(blobs: BlobStore) -> list[BlobFile]:
-    return [BlobFile(ref, stat.st_size, stat.st_mtime) for ref, _path, stat in blobs.files()]
+    return [BlobFile(blob.key, blob.size_bytes, blob.modified_at) for blob in blobs.files()]
 
 
 def job_records(client: Redis) -> list[JobRecord]:
@@ -107,14 +109,8 @@ class BlobJanitor:
         return report
 
     def _delete_unchanged(self, blob: BlobFile) -> bool:
-        path = self.blobs.path(blob.ref)
-        try:
-            if path.stat().st_mtime != blob.modified_at:
-                return False  # written or touched again since it was listed: in use
-            path.unlink()
-        except FileNotFoundError:
-            return False
-        return True
+        # False when written or touched again since it was listed (in use), or gone already
+        return self.blobs.delete_if_unchanged(blob.ref, blob.modified_at)
 
 
 def start_janitor(
@@ -148,7 +144,7 @@ def start_janitor(
                         sum(report.bytes_freed.values()),
                         report.seconds,
                     )
-            except Exception:  # Redis away, a disk error: the next period tries again
+            except Exception:  # Redis away, a disk or object store error: the next period retries
                 log.warning("blob janitor sweep failed", exc_info=True)
             if stop.wait(retention.sweep_every_s):
                 return

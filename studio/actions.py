@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import logging
 import secrets
 import time
@@ -32,6 +33,7 @@ from backend.adapters.service import AdapterService
 from backend.api.adapter_requests import AdapterChoice
 from backend.api.security import studio_user
 from backend.api.service import MAX_SEED, JobRequest, JobService, ServiceError, SubmittedJob
+from backend.blobs import BlobError
 from backend.imaging.masks import load_mask
 from backend.imaging.uploads import encode_image
 from backend.jobstate import TERMINAL
@@ -531,13 +533,13 @@ class StudioActions:
         """The mask a job was submitted with, as a painted canvas layer (the mask operations
         are recalled separately, so the layer is the mask as painted). StudioError when its
         file has expired."""
-        ref = job.get("mask_ref", "")
-        path = self.service.blobs.path(ref) if ref else None
-        if path is None or not path.exists():
+        try:  # an empty ref (a job without one) is a BlobError too
+            data = self.service.blobs.get(job.get("mask_ref") or "")
+        except BlobError:
             raise StudioError(
                 "the job's mask has expired (its parameters are recalled): paint the mask again"
-            )
-        with Image.open(path) as stored:
+            ) from None
+        with Image.open(io.BytesIO(data)) as stored:
             return studio_masks.mask_layer(load_mask(stored))
 
     def uploaded_mask_layer(self, template_id: str, image: Image.Image) -> Image.Image:
@@ -561,6 +563,7 @@ class StudioActions:
     def thumbnail_of(self, job: dict) -> Path | None:
         """The result thumbnail of a job as ``history`` lists it (None until it is done, or
         expired)."""
-        ref = job.get("thumbnail_ref", "")
-        path = self.service.blobs.path(ref) if ref else None
-        return path if path is not None and path.exists() else None
+        try:
+            return self.service.blobs.local_path(job.get("thumbnail_ref") or "")
+        except BlobError:
+            return None

@@ -1,6 +1,7 @@
 """The template gallery's storage: images users upload once and edit many times.
 
-Layout under ``root``::
+Layout in its object store (``backend.blobs``: the local directory ``<data_dir>/templates``, or
+``<prefix>/templates/`` in the bucket of ``paths.blob_url``, which every API host reads)::
 
     content/<sha256>.png   the template, decoded, EXIF-oriented, flattened to RGB, re-encoded as PNG
     thumbs/<sha256>.webp   its thumbnail
@@ -8,7 +9,7 @@ Layout under ``root``::
 
 Invariants:
 * ids are generated here (uuid4 hex) and validated before any path is built from one, so no id a
-  caller passes can name a file outside ``root``; names and tags are display strings, never paths;
+  caller passes can name a file outside the store; names and tags are display strings, never paths;
 * every record has an ``owner`` (a tenant, ``backend.api.security.Caller.owner``) and every read,
   listing and delete names one: another owner's record is ``TemplateNotFound`` word for word like
   an id that never existed, and never listed. A record without an owner (written before owners
@@ -17,11 +18,12 @@ Invariants:
   pixels, even by two owners) gives two records that share one content file, which is deleted with
   its last record. Only records are looked up by callers, never content, so sharing it shows no
   tenant anything of another's;
-* every file is written atomically (temp file + rename), and a record is written last, so a record
-  that can be read always has its image and thumbnail; a crash leaves at most an unreferenced
-  content file behind, never a record without one;
-* ``add`` and ``delete`` hold an inter-process lock around the record/content bookkeeping, so a
-  delete racing an upload of the same pixels cannot remove the file the new record points at.
+* every file is written atomically (temp file + rename, or one PUT), and a record is written last,
+  so a record that can be read always has its image and thumbnail; a crash leaves at most an
+  unreferenced content file behind, never a record without one;
+* ``add`` and ``delete`` hold the store's lock (a file lock; with an object store a Redis lock
+  every host shares) around the record/content bookkeeping, so a delete racing an upload of the
+  same pixels cannot remove the file the new record points at.
 
 The REST API and the Studio UI share this class; neither touches the files directly.
 """
@@ -41,7 +43,7 @@ from pathlib import Path
 
 from PIL import UnidentifiedImageError
 
-from backend.atomic import file_lock, write_atomic
+from backend.blobs import BlobMissing, LocalObjects, ObjectStore
 from backend.imaging.uploads import UploadError, decode_image, encode_image, thumbnail
 
 log = logging.getLogger(__name__)
@@ -159,26 +161,25 @@ def clean_tags(tags) -> tuple[str, ...]:
 
 
 class TemplateStore:
-    def __init__(self, root: Path, max_pixels: int, max_bytes: int):
-        self.root = Path(root)
+    def __init__(self, objects: ObjectStore | Path | str, max_pixels: int, max_bytes: int):
+        """``objects``: the gallery's object store (a path: a local directory)."""
+        self.objects = objects if isinstance(objects, ObjectStore) else LocalObjects(objects)
         self.max_pixels, self.max_bytes = int(max_pixels), int(max_bytes)
-        for sub in ("content", "thumbs", "records"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
 
-    # ----- paths ----------------------------------------------------------------------------------
-    def _record_path(self, template_id: str) -> Path:
+    # ----- keys -----------------------------------------------------------------------------------
+    @staticmethod
+    def _record_key(template_id: str) -> str:
         if not isinstance(template_id, str) or not _ID.match(template_id):
             raise TemplateNotFound(str(template_id)[:80])
-        return self.root / "records" / f"{template_id}.json"
+        return f"records/{template_id}.json"
 
-    def _content_path(self, sha256: str) -> Path:
-        return self.root / "content" / f"{sha256}.png"
+    @staticmethod
+    def _content_key(sha256: str) -> str:
+        return f"content/{sha256}.png"
 
-    def _thumb_path(self, sha256: str) -> Path:
-        return self.root / "thumbs" / f"{sha256}.webp"
-
-    def _locked(self):
-        return file_lock(self.root / ".lock")
+    @staticmethod
+    def _thumb_key(sha256: str) -> str:
+        return f"thumbs/{sha256}.webp"
 
     # ----- operations -----------------------------------------------------------------------------
     def add(
@@ -212,20 +213,19 @@ class TemplateStore:
             created_at=time.time(),
             owner=owner,
         )
-        with self._locked():
-            if not self._content_path(sha256).exists():
-                write_atomic(self._content_path(sha256), png)
-            if not self._thumb_path(sha256).exists():
-                write_atomic(self._thumb_path(sha256), thumb)
-            write_atomic(self._record_path(record.id), json.dumps(record.to_dict()).encode())
+        with self.objects.lock():
+            for key, data in ((self._content_key(sha256), png), (self._thumb_key(sha256), thumb)):
+                if not self.objects.exists(key):
+                    self.objects.put(key, data)
+            self.objects.put(self._record_key(record.id), json.dumps(record.to_dict()).encode())
         return record
 
     def get(self, template_id: str, owner: str) -> TemplateRecord:
         """``owner``'s template; TemplateNotFound when it does not exist or is another's."""
-        path = self._record_path(template_id)
+        key = self._record_key(template_id)
         try:
-            record = TemplateRecord.from_dict(json.loads(path.read_bytes()))
-        except FileNotFoundError:
+            record = TemplateRecord.from_dict(json.loads(self.objects.get(key)))
+        except BlobMissing:
             raise TemplateNotFound(template_id) from None
         # compare_digest: how long the check takes does not say how much of an owner matched
         if not owner or not hmac.compare_digest(record.owner, owner):
@@ -251,35 +251,38 @@ class TemplateStore:
     def _all_records(self) -> list[TemplateRecord]:
         """Every owner's records. Unreadable record files are skipped (and logged)."""
         records = []
-        for path in (self.root / "records").glob("*.json"):
+        for stored in self.objects.listing("records"):
+            if not stored.key.endswith(".json"):
+                continue
             try:
-                records.append(TemplateRecord.from_dict(json.loads(path.read_bytes())))
-            except FileNotFoundError:
+                records.append(TemplateRecord.from_dict(json.loads(self.objects.get(stored.key))))
+            except BlobMissing:
                 continue  # deleted while we listed
             except (ValueError, KeyError, TypeError) as exc:
-                log.warning("skipping unreadable template record %s: %s", path.name, exc)
+                log.warning("skipping unreadable template record %s: %s", stored.key, exc)
         return records
 
     def delete(self, template_id: str, owner: str) -> None:
         """Remove ``owner``'s record, and its content and thumbnail when no other record (of any
         owner) shares them."""
         record = self.get(template_id, owner)
-        with self._locked():
-            self._record_path(template_id).unlink(missing_ok=True)
+        with self.objects.lock():
+            self.objects.delete(self._record_key(template_id))
             if not any(other.sha256 == record.sha256 for other in self._all_records()):
-                self._content_path(record.sha256).unlink(missing_ok=True)
-                self._thumb_path(record.sha256).unlink(missing_ok=True)
+                self.objects.delete(self._content_key(record.sha256))
+                self.objects.delete(self._thumb_key(record.sha256))
 
     def image_path(self, template_id: str, owner: str) -> Path:
-        """The stored PNG of one of ``owner``'s templates."""
-        return self._existing(self._content_path(self.get(template_id, owner).sha256), template_id)
+        """A local file holding the stored PNG of one of ``owner``'s templates (with an object
+        store, this host's copy)."""
+        return self._local(self._content_key(self.get(template_id, owner).sha256), template_id)
 
     def thumbnail_path(self, template_id: str, owner: str) -> Path:
-        """The WebP thumbnail of one of ``owner``'s templates."""
-        return self._existing(self._thumb_path(self.get(template_id, owner).sha256), template_id)
+        """A local file holding the WebP thumbnail of one of ``owner``'s templates."""
+        return self._local(self._thumb_key(self.get(template_id, owner).sha256), template_id)
 
-    @staticmethod
-    def _existing(path: Path, template_id: str) -> Path:
-        if not path.exists():  # deleted between reading the record and here
-            raise TemplateNotFound(template_id)
-        return path
+    def _local(self, key: str, template_id: str) -> Path:
+        try:
+            return self.objects.local_path(key)
+        except BlobMissing:  # deleted between reading the record and here
+            raise TemplateNotFound(template_id) from None

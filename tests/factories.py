@@ -65,8 +65,8 @@ def make_prepared_job(
     from backend.protocol import PreparedJob
 
     prepared = engine.encode(template, mask, prompt, seed, params)
-    prepared_ref, path = blobs.new_path("prepared", f"{job_id}.safetensors")
-    prepared.save(path)
+    with blobs.writing("prepared", f"{job_id}.safetensors") as (prepared_ref, path):
+        prepared.save(path)
     buffer = io.BytesIO()
     template.save(buffer, format="PNG")
     template_ref = blobs.put("templates", f"{job_id}.png", buffer.getvalue())

@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from backend.adapters import store as store_module
 from backend.adapters.store import (
     AdapterError,
     AdapterFacts,
@@ -71,7 +70,7 @@ def test_tenancy_fails_closed(store, tmp_path):
         with pytest.raises(AdapterNotFound):
             store.delete(record.adapter_id, owner)
     # a record written without an owner belongs to nobody
-    path = store.root / "records" / f"{record.adapter_id}.json"
+    path = store.objects.root / "records" / f"{record.adapter_id}.json"
     path.write_text(json.dumps(record.to_dict() | {"owner": ""}))
     with pytest.raises(AdapterNotFound):
         store.get(record.adapter_id, "alice")
@@ -88,25 +87,25 @@ def test_the_same_content_is_stored_once_and_deleted_with_its_last_record(store,
     second = store.add(normalized(tmp_path), FACTS, "two", "bob")
     third = store.add(normalized(tmp_path, b"other bytes"), FACTS, "three", "alice")
     assert first.sha256 == second.sha256 != third.sha256
-    assert len(list((store.root / "content").iterdir())) == 2
+    assert len(list((store.objects.root / "content").iterdir())) == 2
     assert [r.name for r in store.list("alice")] == ["three", "one"]  # newest first
     store.delete(first.adapter_id, "alice")
     assert store.content_path(second).exists()  # bob's record still shares it
     store.delete(second.adapter_id, "bob")
-    assert not (store.root / "content" / f"{first.sha256}.safetensors").exists()
+    assert not (store.objects.root / "content" / f"{first.sha256}.safetensors").exists()
     with pytest.raises(AdapterNotFound):
         store.get(first.adapter_id, "alice")
     assert [r.name for r in store.list("alice")] == ["three"]
 
 
 def test_a_failed_record_write_leaves_no_record(store, tmp_path, monkeypatch):
-    def fail(path, data):
+    def fail(key, data):
         raise OSError("disk full")
 
-    monkeypatch.setattr(store_module, "write_atomic", fail)
+    monkeypatch.setattr(store.objects, "put", fail)  # the record is the one object put
     with pytest.raises(OSError):
         store.add(normalized(tmp_path), FACTS, "x", "alice")
-    assert list((store.root / "records").iterdir()) == []
+    assert list(store.objects.listing("records")) == []
     assert store.list("alice") == []
 
 
@@ -119,5 +118,5 @@ def test_bad_names_are_refused(store, tmp_path):
 
 def test_unreadable_records_are_skipped(store, tmp_path):
     record = store.add(normalized(tmp_path), FACTS, "ok", "alice")
-    (store.root / "records" / f"{'f' * 32}.json").write_text("{not json")
+    (store.objects.root / "records" / f"{'f' * 32}.json").write_text("{not json")
     assert [r.adapter_id for r in store.list("alice")] == [record.adapter_id]

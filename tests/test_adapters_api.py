@@ -86,13 +86,12 @@ def upload(client, data: bytes, **form):
 
 
 def nothing_stored(settings) -> bool:
-    adapters = settings.paths.resolved_adapters_dir()
-    uploads = settings.paths.data_dir / "blobs" / "uploads"
-    return (
-        not list((adapters / "records").iterdir())
-        and not list((adapters / "content").iterdir())
-        and (not uploads.exists() or not list(uploads.iterdir()))
+    folders = (
+        settings.paths.resolved_adapters_dir() / "records",
+        settings.paths.resolved_adapters_dir() / "content",
+        settings.paths.data_dir / "blobs" / "uploads",
     )
+    return not any(folder.exists() and list(folder.iterdir()) for folder in folders)
 
 
 def test_upload_list_inspect_delete(client, worker, settings, tmp_path):

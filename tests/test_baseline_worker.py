@@ -91,7 +91,7 @@ def run_until_idle(worker, limit=50):
 
 def final_latents(blobs, sink, job_id):
     (job,) = [j for j in sink.denoised_jobs if j.job_id == job_id]
-    return load_file(str(blobs.path(job.latents_ref)))["latents"]
+    return load_file(str(blobs.local_path(job.latents_ref)))["latents"]
 
 
 def put(engine, inbox, blobs, job_id, params, template_seed=7, box=(32, 40, 96, 80), seed=1):
@@ -229,12 +229,13 @@ def test_failures_stay_with_their_rows(sd2_engine, tmp_path):
     bad = make_prepared_job(
         sd2_engine, blobs, "bad", make_template(), rect_mask((0, 0, 64, 64)), 1, params
     )
-    prepared = PreparedRequest.load(blobs.path(bad.prepared_ref))
+    prepared = PreparedRequest.load(blobs.local_path(bad.prepared_ref))
     prepared.params = EditParams.from_dict({**prepared.params, "size": (124, 124)}).to_dict()
-    prepared.save(blobs.path(bad.prepared_ref))  # a size not a multiple of 8: diffusers raises
+    # a size not a multiple of 8: diffusers raises
+    prepared.save(blobs.local_path(bad.prepared_ref))
     inbox.put(bad)
     lost = put(sd2_engine, inbox, blobs, "lost", params)
-    blobs.path(lost.template_ref).unlink()
+    blobs.local_path(lost.template_ref).unlink()
     put(sd2_engine, inbox, blobs, "good", params, seed=4)
     run_until_idle(worker)
     failed = {e.job_id: e.message for e in sink.events if e.status == "failed"}
@@ -272,7 +273,7 @@ def test_pre_processed_crop_goes_through_the_call_and_is_pasted_back(sd2_engine,
     )
     prepared_job = stages.preprocess(job)
     assert prepared_job.prompt == "a green lamp"
-    prepared = PreparedRequest.load(blobs.path(prepared_job.prepared_ref))
+    prepared = PreparedRequest.load(blobs.local_path(prepared_job.prepared_ref))
     assert prepared.init_latents.numel() == 0 and not prepared.conditioning
     params = EditParams.from_dict(prepared.params)
     expected = run_ordinary(

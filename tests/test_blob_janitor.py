@@ -31,7 +31,7 @@ def aged(blobs: BlobStore, ref: str, hours: float, data: bytes = b"x" * 100) -> 
     kind, _, name = ref.partition("/")
     blobs.put(kind, name, data)
     then = time.time() - hours * HOUR
-    os.utime(blobs.path(ref), (then, then))
+    os.utime(blobs.local_path(ref), (then, then))
     return ref
 
 
@@ -91,7 +91,7 @@ def test_a_sweep_deletes_expired_blobs_only_and_counts_them(redis_client, blobs)
 
     report = BlobJanitor(redis_client, blobs, POLICY).sweep()
 
-    left = {ref for ref, _, _ in blobs.files()}
+    left = {blob.key for blob in blobs.files()}
     assert left == {
         "uploads/shared.img",
         "uploads/live.mask",
@@ -174,7 +174,7 @@ def test_expired_result_is_410_saying_when_it_expired_and_queued_uploads_are_kep
         uploads = {store.get(queued)["template_ref"], store.get(queued)["mask_ref"]}
         for ref in uploads:  # the queued job has waited two days: its uploads stay all the same
             then = time.time() - 48 * HOUR
-            os.utime(blobs.path(ref), (then, then))
+            os.utime(blobs.local_path(ref), (then, then))
         assert client.get(f"/v1/jobs/{finished}/result").status_code == 200
 
         report = BlobJanitor(redis_client, blobs, POLICY).sweep()
@@ -211,13 +211,13 @@ def test_a_gallery_template_reused_by_a_new_job_starts_its_retention_again(
         store.record_event(JobEvent(job_id=first, status="done", at=time.time() - 48 * HOUR))
         blobs = client.app.state.service.blobs
         then = time.time() - 48 * HOUR
-        os.utime(blobs.path(ref), (then, then))
+        os.utime(blobs.local_path(ref), (then, then))
         # the template copy
         assert BlobJanitor(redis_client, blobs, POLICY).sweep().deleted == {"uploads": 1}
         # copied again
         assert submit(client, files=files, template_id=template_id).status_code == 202
         assert blobs.exists(ref)
-        os.utime(blobs.path(ref), (then, then))
+        os.utime(blobs.local_path(ref), (then, then))
         # reused: touched
         assert submit(client, files=files, template_id=template_id).status_code == 202
-        assert time.time() - blobs.path(ref).stat().st_mtime < 60
+        assert time.time() - blobs.local_path(ref).stat().st_mtime < 60

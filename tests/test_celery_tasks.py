@@ -263,8 +263,9 @@ def test_a_task_that_raises_fails_its_job_instead_of_leaving_it_in_its_stage(sta
     settings, app, jobstate, client = stack
     blobs = BlobStore(settings.paths.data_dir / "blobs")
     job = edit_job(settings, "poison-pre", b"", b"")
-    blobs.path(job.template_ref).unlink()
-    blobs.path(job.template_ref).mkdir()  # reading it raises IsADirectoryError, every time
+    blobs.local_path(job.template_ref).unlink()
+    # reading it raises IsADirectoryError, every time
+    (blobs.objects.root / job.template_ref).mkdir()
     jobstate.create(job.job_id)
     submit_edit(app, job)
     wait_for(

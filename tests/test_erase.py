@@ -147,7 +147,7 @@ def test_the_engine_repaints_the_feathers_reach_so_its_tokens_cover_the_paste(st
     template, painted = red_square_on_blue(), box_mask(SQUARE)
     ops = MaskOps(feather_px=6.0)
     prepared = stages.preprocess(stored_job(stages, "reach", template, painted, mask_ops=ops))
-    request = PreparedRequest.load(stages.blobs.path(prepared.prepared_ref))
+    request = PreparedRequest.load(stages.blobs.local_path(prepared.prepared_ref))
     size_hw = tuple(EditParams.from_dict(request.params).size)
     bare = uploads.mask_to_bucket(painted, size_hw)
     reach = uploads.mask_to_bucket(masks.feather_support(painted, 6.0), size_hw)

@@ -80,7 +80,7 @@ def run_job(engine, models_dir, tmp_path, every: int | None, budget: float = 0.0
     assert [j.job_id for j in sink.denoised_jobs] == ["job-1"]
     from backend.engine.prepared import PreparedRequest
 
-    prepared = PreparedRequest.load(blobs.path(message.prepared_ref))
+    prepared = PreparedRequest.load(blobs.local_path(message.prepared_ref))
     running = [e for e in sink.events if e.status == "running"]
     return running, prepared, latent_map
 

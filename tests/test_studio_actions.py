@@ -190,7 +190,7 @@ def test_submit_sends_the_painted_alpha_as_the_mask_and_records_the_users_histor
     assert (job.mask_ops.grow_px, job.mask_ops.feather_px) == (3, 2.0)
     # someone is watching it: the studio's edits are interactive, at the default priority
     assert (job.service.service_class, job.service.priority) == ("interactive", 0)
-    mask = np.asarray(Image.open(actions.service.blobs.path(job.mask_ref)))
+    mask = np.asarray(Image.open(actions.service.blobs.local_path(job.mask_ref)))
     expected = np.zeros((H, W), dtype=bool)
     expected[10:40, 20:50] = True
     assert np.array_equal(mask == 255, expected)
@@ -345,7 +345,7 @@ def test_a_recalled_job_brings_back_the_mask_it_was_submitted_with(actions, tmp_
         studio_masks.painted_mask(again, (W, H)), studio_masks.painted_mask(painted, (W, H))
     )
     # once the mask's file has expired, the recall says so (and what to do)
-    actions.service.blobs.path(job["mask_ref"]).unlink()
+    actions.service.blobs.delete(job["mask_ref"])
     with pytest.raises(StudioError, match="mask has expired.*paint the mask again"):
         actions.job_mask_layer(actions.job(submitted.job_id))
 

@@ -86,15 +86,16 @@ def registered(app, model: str, name: str, owner: str = STUDIO_OWNER, seed: int 
     worker's ``ingest``, stored by the API), without a worker."""
     blobs = app.state.service.blobs
     request_id = uuid.uuid4().hex
-    upload_ref, staged = blobs.new_path("uploads", f"{request_id}.safetensors")
-    make_adapter_file(model, staged, seed=seed)
+    with blobs.writing("uploads", f"{request_id}.safetensors") as (upload_ref, staged):
+        make_adapter_file(model, staged, seed=seed)
     normalized_ref = blobs.ref("uploads", f"{request_id}.normalized.safetensors")
     reply = ingest(
         IngestAdapter(request_id, upload_ref, normalized_ref, model, 8, time.time() + 60), blobs
     )
     assert reply is not None and reply.ok, reply
     facts = AdapterFacts(reply.family, model, reply.source_layout, reply.ranks, reply.nbytes)
-    return app.state.adapters.add(blobs.path(normalized_ref), facts, name, owner)
+    with blobs.reading(normalized_ref) as normalized:
+        return app.state.adapters.add(normalized, facts, name, owner)
 
 
 def form_values(form: EditForm) -> list:

@@ -51,7 +51,7 @@ def test_add_stores_png_thumbnail_and_record(store):
     thumb = Image.open(store.thumbnail_path(record.id, OWNER))
     assert thumb.format == "WEBP" and max(thumb.size) <= 256
     assert store.get(record.id, OWNER) == record
-    assert not list(store.root.rglob(".tmp.*"))  # atomic writes leave no temp files
+    assert not list(store.objects.root.rglob(".tmp.*"))  # atomic writes leave no temp files
 
 
 def test_same_pixels_share_one_content_file_until_the_last_delete(store):
@@ -65,8 +65,8 @@ def test_same_pixels_share_one_content_file_until_the_last_delete(store):
     with pytest.raises(TemplateNotFound):
         store.get(first.id, OWNER)
     store.delete(second.id, OWNER)
-    assert not list((store.root / "content").iterdir()) and not list(
-        (store.root / "thumbs").iterdir()
+    assert not list((store.objects.root / "content").iterdir()) and not list(
+        (store.objects.root / "thumbs").iterdir()
     )
 
 
@@ -90,7 +90,7 @@ def test_list_searches_names_filters_tags_newest_first(store):
 
 def test_unreadable_record_is_skipped(store):
     record = store.add(encoded(sample_template(32, 32)), "ok", OWNER, [])
-    (store.root / "records" / ("f" * 32 + ".json")).write_text("{not json")
+    (store.objects.root / "records" / ("f" * 32 + ".json")).write_text("{not json")
     assert [r.id for r in store.list(OWNER)] == [record.id]
 
 
@@ -125,7 +125,7 @@ def test_bad_tags_are_refused(store, tags, message):
 def test_names_are_display_strings_never_paths(store):
     record = store.add(encoded(sample_template(32, 32)), "../../etc/passwd", OWNER, [])
     assert record.name == "../../etc/passwd"
-    assert {p.parent.name for p in store.root.rglob("*") if p.is_file()} <= {
+    assert {p.parent.name for p in store.objects.root.rglob("*") if p.is_file()} <= {
         "content",
         "thumbs",
         "records",
@@ -145,7 +145,7 @@ def test_image_problems_carry_a_code(store):
         store.add(encoded(Image.new("RGB", (600, 600))), "big", OWNER, [])
     assert err.value.code == "too_large"
     noise = np.random.default_rng(0).integers(0, 256, (1024, 1024, 3), dtype=np.uint8)
-    small_store = TemplateStore(store.root, max_pixels=4096 * 4096, max_bytes=100_000)
+    small_store = TemplateStore(store.objects.root, max_pixels=4096 * 4096, max_bytes=100_000)
     with pytest.raises(TemplateError, match="MiB") as err:
         small_store.add(encoded(Image.fromarray(noise)), "heavy", OWNER, [])
     assert err.value.code == "too_large"
@@ -166,7 +166,7 @@ def test_malformed_or_unknown_ids_are_not_found(store, bad_id):
 
 def test_record_json_round_trips(store):
     record = store.add(encoded(sample_template(40, 30)), "Ünïcödé name ✓", OWNER, ["é-tag"])
-    on_disk = json.loads((store.root / "records" / f"{record.id}.json").read_text())
+    on_disk = json.loads((store.objects.root / "records" / f"{record.id}.json").read_text())
     assert on_disk["tags"] == ["é-tag"] and store.get(record.id, OWNER) == record
 
 
@@ -188,7 +188,7 @@ def test_each_owner_sees_only_its_records_over_shared_content(store):
 
 def test_a_record_without_an_owner_is_nobodys(store):
     record = store.add(encoded(sample_template(32, 32)), "legacy", OWNER, [])
-    path = store.root / "records" / f"{record.id}.json"
+    path = store.objects.root / "records" / f"{record.id}.json"
     data = json.loads(path.read_text())
     del data["owner"]  # written before records had owners
     path.write_text(json.dumps(data))

@@ -72,7 +72,7 @@ def step_until_running(worker, job_id, limit=50):
 
 def final_latents(blobs, sink, job_id):
     (job,) = [j for j in sink.denoised_jobs if j.job_id == job_id]
-    return load_file(str(blobs.path(job.latents_ref)))["latents"]
+    return load_file(str(blobs.local_path(job.latents_ref)))["latents"]
 
 
 def test_batched_rows_at_different_steps_equal_one_at_a_time(engine, tmp_path):
@@ -217,7 +217,7 @@ def test_unreadable_prepared_request_fails_that_job_only(sd2_engine, tmp_path):
     bad = make_prepared_job(
         sd2_engine, blobs, "bad", make_template(), rect_mask((0, 0, 64, 64)), 1, params
     )
-    blobs.path(bad.prepared_ref).write_bytes(b"not a safetensors file")
+    blobs.local_path(bad.prepared_ref).write_bytes(b"not a safetensors file")
     inbox.put(bad)
     inbox.put(good)
     run_until_idle(worker)

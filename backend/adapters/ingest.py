@@ -16,7 +16,7 @@ from collections.abc import Callable
 from redis import Redis
 
 from backend.adapters.files import AdapterFileError, NormalizedMeta, read_for_model, save_normalized
-from backend.blobs import BlobError, BlobStore
+from backend.blobs import BlobError, BlobMissing, BlobStore
 from backend.models import UnknownModelError, resolve_model
 from backend.protocol.adapters import (
     AdapterIngested,
@@ -44,14 +44,16 @@ def ingest(
 
     try:
         family = resolve_model(message.model_id).family
-        upload = blobs.path(message.upload_ref)
-        if not upload.exists():
-            return refused("the staged upload is gone: upload the adapter again", "unavailable")
-        read = read_for_model(upload, message.model_id, max_rank=message.max_rank)
+        with blobs.reading(message.upload_ref) as upload:
+            read = read_for_model(upload, message.model_id, max_rank=message.max_rank)
         if now() > message.deadline:
             return None
         meta = NormalizedMeta(family, message.model_id, read.source_layout)
-        save_normalized(read.adapter, meta, blobs.path(message.normalized_ref))
+        kind, _, name = blobs.checked(message.normalized_ref).partition("/")
+        with blobs.writing(kind, name) as (_ref, path):
+            save_normalized(read.adapter, meta, path)
+    except BlobMissing:
+        return refused("the staged upload is gone: upload the adapter again", "unavailable")
     except AdapterFileError as exc:
         return refused(str(exc), exc.code)
     except (UnknownModelError, BlobError) as exc:

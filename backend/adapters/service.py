@@ -72,10 +72,12 @@ class AdapterService:
         self._model_of(model_id)
         name = adapter_name(name)
         request_id = uuid.uuid4().hex
-        upload_ref, staged = self.blobs.new_path("uploads", f"adapter-{request_id}.safetensors")
+        staged = f"adapter-{request_id}.safetensors"
+        upload_ref = self.blobs.ref("uploads", staged)
         normalized_ref = self.blobs.ref("uploads", f"adapter-{request_id}.normalized.safetensors")
         try:
-            self._stage(upload, staged)
+            with self.blobs.writing("uploads", staged) as (_ref, path):
+                self._stage(upload, path)  # stored when staged whole, nothing when refused
             reply = self._ingest(
                 IngestAdapter(
                     request_id=request_id,
@@ -91,7 +93,8 @@ class AdapterService:
             facts = AdapterFacts(
                 reply.family, reply.model_id, reply.source_layout, reply.ranks, reply.nbytes
             )
-            return self.store.add(self.blobs.path(normalized_ref), facts, name, owner)
+            with self.blobs.reading(normalized_ref) as normalized:
+                return self.store.add(normalized, facts, name, owner)
         finally:
             self.blobs.delete(upload_ref)
             self.blobs.delete(normalized_ref)

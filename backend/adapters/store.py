@@ -1,13 +1,14 @@
 """The adapter registry's storage: LoRA adapters users upload once and name in many edits.
 
-Layout under ``root``::
+Layout in its object store (``backend.blobs``: a local directory, ``paths.adapters_dir``, or
+``<prefix>/adapters/`` in the bucket of ``paths.blob_url``, which every host reads)::
 
     content/<sha256>.safetensors   the adapter in the normalized format (``backend.adapters.files``)
     records/<id>.json              one record per upload (``AdapterRecord``)
 
 Invariants (those of ``templates_store.store``, for adapters):
 * ids are generated here (uuid4 hex) and validated before any path is built from one, so no id a
-  caller passes can name a file outside ``root``; names are display strings, never paths;
+  caller passes can name a file outside the store; names are display strings, never paths;
 * every record has an ``owner`` (a tenant) and every read, listing and delete names one: another
   owner's record is ``AdapterNotFound`` word for word like an id that never existed, and never
   listed; a record without an owner belongs to nobody (fail closed);
@@ -16,7 +17,8 @@ Invariants (those of ``templates_store.store``, for adapters):
 * every file is written atomically, and a record is written last, so a record that can be read
   always has its content; a crash leaves at most an unreferenced content file, never a record
   without one;
-* ``add`` and ``delete`` hold an inter-process lock around the record/content bookkeeping.
+* ``add`` and ``delete`` hold the store's lock (a file lock; with an object store a Redis lock every
+  host shares) around the record/content bookkeeping.
 
 No torch here: the API imports this module; what a record says of an adapter (family, ranks, size)
 comes from the CPU worker that read the file (``AdapterFacts``).
@@ -36,7 +38,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from backend.atomic import atomic_path, file_lock, write_atomic
+from backend.blobs import BlobMissing, LocalObjects, ObjectStore
 from templates_store.store import TemplateError, clean_name
 
 log = logging.getLogger(__name__)
@@ -139,22 +141,20 @@ def _sha256(path: Path) -> str:
 
 
 class AdapterStore:
-    def __init__(self, root: Path):
-        self.root = Path(root)
-        for sub in ("content", "records"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+    def __init__(self, objects: ObjectStore | Path | str):
+        """``objects``: the store's object store (a path: a local directory)."""
+        self.objects = objects if isinstance(objects, ObjectStore) else LocalObjects(objects)
 
-    # ----- paths ----------------------------------------------------------------------------------
-    def _record_path(self, adapter_id: str) -> Path:
+    # ----- keys -----------------------------------------------------------------------------------
+    @staticmethod
+    def _record_key(adapter_id: str) -> str:
         if not isinstance(adapter_id, str) or not _ID.match(adapter_id):
             raise AdapterNotFound(str(adapter_id)[:80])
-        return self.root / "records" / f"{adapter_id}.json"
+        return f"records/{adapter_id}.json"
 
-    def _content_path(self, sha256: str) -> Path:
-        return self.root / "content" / f"{sha256}.safetensors"
-
-    def _locked(self):
-        return file_lock(self.root / ".lock")
+    @staticmethod
+    def _content_key(sha256: str) -> str:
+        return f"content/{sha256}.safetensors"
 
     # ----- operations -----------------------------------------------------------------------------
     def add(self, normalized: Path, facts: AdapterFacts, name: str, owner: str) -> AdapterRecord:
@@ -180,22 +180,22 @@ class AdapterStore:
             created_at=time.time(),
             source_layout=facts.source_layout,
         )
-        with self._locked():
-            content = self._content_path(sha256)
-            if not content.exists():
-                with atomic_path(content) as tmp:
+        with self.objects.lock():
+            content = self._content_key(sha256)
+            if not self.objects.exists(content):
+                with self.objects.writing(content) as tmp:
                     shutil.copyfile(normalized, tmp)
-            write_atomic(
-                self._record_path(record.adapter_id), json.dumps(record.to_dict()).encode()
+            self.objects.put(
+                self._record_key(record.adapter_id), json.dumps(record.to_dict()).encode()
             )
         return record
 
     def get(self, adapter_id: str, owner: str) -> AdapterRecord:
         """``owner``'s adapter; AdapterNotFound when it does not exist or is another's."""
-        path = self._record_path(adapter_id)
+        key = self._record_key(adapter_id)
         try:
-            record = AdapterRecord.from_dict(json.loads(path.read_bytes()))
-        except FileNotFoundError:
+            record = AdapterRecord.from_dict(json.loads(self.objects.get(key)))
+        except BlobMissing:
             raise AdapterNotFound(adapter_id) from None
         # compare_digest: how long the check takes does not say how much of an owner matched
         if not owner or not hmac.compare_digest(record.owner, owner):
@@ -211,37 +211,40 @@ class AdapterStore:
     def _all_records(self) -> list[AdapterRecord]:
         """Every owner's records. Unreadable record files are skipped (and logged)."""
         records = []
-        for path in (self.root / "records").glob("*.json"):
+        for stored in self.objects.listing("records"):
+            if not stored.key.endswith(".json"):
+                continue
             try:
-                records.append(AdapterRecord.from_dict(json.loads(path.read_bytes())))
-            except FileNotFoundError:
+                records.append(AdapterRecord.from_dict(json.loads(self.objects.get(stored.key))))
+            except BlobMissing:
                 continue  # deleted while we listed
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                log.warning("skipping unreadable adapter record %s: %s", path.name, exc)
+                log.warning("skipping unreadable adapter record %s: %s", stored.key, exc)
         return records
 
     def delete(self, adapter_id: str, owner: str) -> None:
         """Remove ``owner``'s record, and its content when no other record (of any owner)
         shares it."""
         record = self.get(adapter_id, owner)
-        with self._locked():
-            self._record_path(adapter_id).unlink(missing_ok=True)
+        with self.objects.lock():
+            self.objects.delete(self._record_key(adapter_id))
             if not any(other.sha256 == record.sha256 for other in self._all_records()):
-                self._content_path(record.sha256).unlink(missing_ok=True)
+                self.objects.delete(self._content_key(record.sha256))
 
     def content_of(self, sha256: str) -> Path:
-        """The normalized file of the content ``sha256`` names (engine workers load adapters by
-        content); AdapterNotFound when no such file is stored."""
+        """A local file holding the content ``sha256`` names (engine workers load adapters by
+        content; with an object store, a copy on this host's disk); AdapterNotFound when no such
+        content is stored."""
         if not isinstance(sha256, str) or not _SHA256.match(sha256):
             raise AdapterNotFound(str(sha256)[:80])
-        path = self._content_path(sha256)
-        if not path.exists():
-            raise AdapterNotFound(sha256)
-        return path
+        try:
+            return self.objects.local_path(self._content_key(sha256))
+        except BlobMissing:
+            raise AdapterNotFound(sha256) from None
 
     def content_path(self, record: AdapterRecord) -> Path:
         """The normalized file of a record; AdapterNotFound when it is gone (deleted since)."""
-        path = self._content_path(record.sha256)
-        if not path.exists():
-            raise AdapterNotFound(record.adapter_id)
-        return path
+        try:
+            return self.objects.local_path(self._content_key(record.sha256))
+        except BlobMissing:
+            raise AdapterNotFound(record.adapter_id) from None

@@ -29,7 +29,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.adapters.service import AdapterService
 from backend.adapters.store import AdapterError, AdapterNotFound, AdapterStore
-from backend.api import routes_adapters, routes_jobs, routes_openai, routes_templates
+from backend.api import (
+    routes_adapters,
+    routes_batches,
+    routes_jobs,
+    routes_openai,
+    routes_templates,
+)
 from backend.api.admission import DeadlineCollector
 from backend.api.batches import BatchService
 from backend.api.middleware import (
@@ -215,7 +221,7 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
 
     # routers carry their full /v1/... prefix themselves: the route template then is the metrics
     # label
-    routers = (routes_templates, routes_adapters, routes_jobs, routes_openai)
+    routers = (routes_templates, routes_adapters, routes_jobs, routes_batches, routes_openai)
     for router in (module.router for module in routers):
         app.include_router(router, dependencies=[Depends(require_api_key)])
     _ops_routes(app, client, metrics)

@@ -292,9 +292,9 @@ def make_celery(settings: Settings) -> Celery:
     def ingest_adapter(request_json: str) -> None:
         """An uploaded LoRA adapter: read, validate, normalize; the API waits for the answer."""
         from backend.adapters.ingest import run_ingest_task
-        from backend.blobs import BlobStore
+        from backend.blobs.factory import open_blob_store
 
-        run_ingest_task(state.client, BlobStore(settings.paths.data_dir / "blobs"), request_json)
+        run_ingest_task(state.client, open_blob_store(settings), request_json)
 
     return app
 

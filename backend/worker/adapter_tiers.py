@@ -229,9 +229,10 @@ class RowAdapters:
 def worker_adapters(settings, engine) -> RowAdapters:
     """An engine worker's adapter tiers over the adapter registry, as ``settings`` size them."""
     from backend.adapters.store import AdapterStore
+    from backend.blobs.factory import open_objects
 
     tiers = settings.adapters
-    store = AdapterStore(settings.paths.resolved_adapters_dir())
+    store = AdapterStore(open_objects(settings, "adapters"))
     book = AdapterBook(tiers.device_mb << 20, tiers.host_mb << 20, tiers.policy)
     return RowAdapters(
         AdapterTiers(engine.adapters, book, store_loader(store.content_of)), tiers.join_by

@@ -218,9 +218,8 @@ class EngineWorker(TemplateRows):
 
     def _enqueue(self, message: PreparedJob) -> None:
         try:
-            prepared = PreparedRequest.load(
-                self.blobs.path(message.prepared_ref), self.engine.adapter.device
-            )
+            with self.blobs.reading(message.prepared_ref) as path:
+                prepared = PreparedRequest.load(path, self.engine.adapter.device)
             params = EditParams.from_dict(prepared.params)
         except Exception as exc:
             self._emit(message.job_id, "failed", message=f"prepared request unreadable: {exc}")
@@ -439,8 +438,8 @@ class EngineWorker(TemplateRows):
         """The row's final latents (one row) to a file, the job to post-processing by reference
         (in the loop itself with ``inline`` batching); the job leaves this worker."""
         job_id = job.message.job_id
-        latents_ref, path = self.blobs.new_path("latents", job_blob_name("latents", job_id))
-        save_file({"latents": latents.detach().to("cpu").contiguous()}, str(path))
+        with self.blobs.writing("latents", job_blob_name("latents", job_id)) as (latents_ref, path):
+            save_file({"latents": latents.detach().to("cpu").contiguous()}, str(path))
         job.timings["denoise_s"] = time.time() - job.timings.pop("admitted_at")
         timings = {**job.message.timings, **job.timings}
         denoised = DenoisedJob(

@@ -28,7 +28,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from backend import protocol
-from backend.blobs import BlobStore
+from backend.blobs.factory import open_blob_store
 from backend.cache import CacheMetrics, Tier, TieredActivationCache
 from backend.config import Settings
 from backend.costmodel.profiles import device_kind, load_profile
@@ -295,7 +295,7 @@ def build_worker(
         disk_free_share=settings.cache.disk_free_share,
         pin_memory=settings.engine.device.startswith("cuda"),
     )
-    blobs = BlobStore(settings.paths.data_dir / "blobs")
+    blobs = open_blob_store(settings)
     jobstate = JobStateStore(client, settings.retention.job_record_s)
     celery_app = celery_app or make_celery(settings)
     outbox = Outbox()
