@@ -17,14 +17,11 @@ The number of requests sent is printed (``-s``) per operation and in total.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import schemathesis
-import uvicorn
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
@@ -39,8 +36,8 @@ from schemathesis.specs.openapi.checks import (
 from backend.api.app import create_app
 from backend.config import load_settings
 from backend.protocol import keys
-from backend.services.redis_server import free_port
 from tests.property_settings import examples
+from tests.served_app import serve
 
 pytestmark = pytest.mark.slow
 
@@ -81,21 +78,8 @@ def served(redis_url, redis_client, models_dir, tmp_path):
             "sse_keepalive_s": 0.2,
         },
     )
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", settings
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with serve(create_app(settings)) as base:
+        yield base, settings
 
 
 def stored(settings, redis_client) -> tuple[frozenset, ...]:

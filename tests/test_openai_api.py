@@ -5,8 +5,6 @@ runs out names the jobs, which are not submitted twice; Bearer keys work on ever
 
 from __future__ import annotations
 
-import io
-import threading
 import time
 from pathlib import Path
 
@@ -14,21 +12,15 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
 from PIL import Image
 
 from backend.api.app import create_app
 from backend.config import load_settings
 from backend.protocol.keys import job_key
-from backend.services.redis_server import free_port
+from tests.served_app import serve
+from tests.test_api import png
 
 KEY = "openai-key"
-
-
-def png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def holed(size=(64, 48), hole=(16, 12, 40, 30)) -> bytes:
@@ -61,21 +53,8 @@ def served(redis_url, tmp_path):
         },
         deadlines={"max_queue": 1},
     )
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", settings
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with serve(create_app(settings)) as base:
+        yield base, settings
 
 
 def client(base: str, key: str = KEY, retries: int = 2) -> openai.OpenAI:

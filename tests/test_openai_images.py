@@ -23,14 +23,9 @@ from backend.api.openai_images import (
     parse_size,
     resolution_for,
 )
+from tests.test_api import png
 
 MAX_PIXELS = 4096 * 4096
-
-
-def png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def rgba(size=(64, 48), hole=(16, 12, 40, 30)) -> Image.Image:

@@ -20,16 +20,10 @@ from PIL import Image
 
 from templates_store.samples import sample_template
 from tests.stack_factory import running_stack
-from tests.test_cpu_stages import BOX, HEIGHT, WIDTH, assert_edited_inside_only
+from tests.test_cpu_stages import BOX, HEIGHT, WIDTH, assert_edited_inside_only, png
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.model]
 KEY = "openai-e2e-key"
-
-
-def png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def transparent_box(image: Image.Image, box=BOX) -> Image.Image:

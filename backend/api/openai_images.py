@@ -22,6 +22,7 @@ import io
 import math
 import secrets
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -134,7 +135,7 @@ class EditCall:
     response_format: str = "b64_json"
     model: str | None = None
     user: str = ""
-    extras: dict = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
 
 
@@ -321,7 +322,7 @@ def edit_area(image: Image.Image, mask: Image.Image | None) -> np.ndarray:
             "(alpha 0) in a PNG mask of the image's size, or in the image itself",
             param=param,
         )
-    area = alpha == 0
+    area: np.ndarray = alpha == 0
     if not area.any():
         raise OpenAIError(
             f"the {param} has no fully transparent pixel (alpha 0), so there is nothing to edit: "
