@@ -28,7 +28,8 @@ from tests.test_api import KEY, make_settings, sse_events, submit
 # what the API adds to the record: its links
 API_FIELDS = {"status_url", "events_url", "result_url", "thumbnail_url"}
 # left out until the job has them: its place in a worker's queue, its forecast, met_deadline
-UNSET = set(UNSET_JOB_FIELDS)
+# fields a job leaves out until it has them (batch_index: shown with its batch_id only)
+UNSET = set(UNSET_JOB_FIELDS) | {"batch_index"}
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from templates_store.samples import sample_template
 from tests.test_api import IMAGE, KEY, MASK, OTHER_KEY, make_settings, png, submit
 
 # every path parameter a /v1 route may have, and how the contract makes a real one of the owner's
-OWNED_PARAMS = {"job_id", "template_id", "adapter_id"}
+OWNED_PARAMS = {"job_id", "template_id", "adapter_id", "batch_id"}
 _PARAM = re.compile(r"{(\w+)}")
 
 
@@ -50,7 +50,17 @@ def owned_objects(client, tmp_path) -> dict[str, str]:
     template_id = uploaded.json()["id"]
     mask = {"mask": ("m.png", MASK, "image/png")}
     job_id = submit(client, files=mask, template_id=template_id).json()["job_id"]
-    return {"job_id": job_id, "template_id": template_id, "adapter_id": _adapter(client, tmp_path)}
+    batch = client.post(
+        "/v1/batches",
+        data={"template_id": template_id, "prompt": "x"},
+        files={"masks": ("m.png", MASK, "image/png")},
+    )
+    return {
+        "job_id": job_id,
+        "template_id": template_id,
+        "adapter_id": _adapter(client, tmp_path),
+        "batch_id": batch.json()["batch_id"],
+    }
 
 
 def _adapter(client, tmp_path) -> str:
@@ -91,8 +101,10 @@ def test_another_key_gets_the_404_of_an_id_that_never_existed_on_every_owned_rou
             assert theirs.json()["error"] == expected, (method, path)  # the id is not confirmed
         # the owner still has everything (the cancel and delete above were refused, not applied);
         # finished, so its event stream ends
-        finished = JobEvent(job_id=ids["job_id"], status="done", at=1.0)
-        assert client.app.state.service.jobstate.record_event(finished)
+        batch = call(client, "GET", f"/v1/batches/{ids['batch_id']}", KEY).json()
+        for job_id in [ids["job_id"], *(item["job_id"] for item in batch["items"])]:
+            finished = JobEvent(job_id=job_id, status="done", at=1.0)
+            assert client.app.state.service.jobstate.record_event(finished)
         for method, template in routes:
             if method == "GET":
                 mine = call(client, method, template.format(**ids), KEY)
@@ -100,6 +112,7 @@ def test_another_key_gets_the_404_of_an_id_that_never_existed_on_every_owned_rou
         # and listings are per key
         assert call(client, "GET", "/v1/templates", OTHER_KEY).json()["templates"] == []
         assert call(client, "GET", "/v1/jobs", OTHER_KEY).json()["jobs"] == []
+        assert call(client, "GET", "/v1/batches", OTHER_KEY).json()["batches"] == []
         assert call(client, "GET", "/v1/adapters", OTHER_KEY).json()["adapters"] == []
         # a job cannot be submitted over another key's template either
         stolen = client.post(

@@ -121,6 +121,10 @@ class BatchTracker:
         self.items[index] = self.items[index].after(event)
         return self.items[index]
 
+    def index(self, job_id: str) -> int:
+        """The index of the item ``job_id`` is (``KeyError`` for no item of this batch)."""
+        return self._index[job_id]
+
     @property
     def finished(self) -> bool:
         return all(item.finished for item in self.items)

@@ -265,11 +265,11 @@ class BatchService:
         if not cursors:
             return []
         streams = {job_events_key(job_id): after for job_id, after in cursors.items()}
+        job_of = {job_events_key(job_id): job_id for job_id in cursors}
         reply = self.client.xread(streams, block=block_ms) or []
-        prefix = len(job_events_key(""))
         found = []
         for stream, entries in reply:
-            job_id = to_text(stream)[prefix:].removesuffix(":events")
+            job_id = job_of[to_text(stream)]
             for entry_id, fields in entries:
                 event = fields.get(b"event") or fields.get("event")
                 found.append((job_id, to_text(entry_id), json.loads(to_text(event))))

@@ -12,17 +12,16 @@ import time
 from collections.abc import AsyncIterator
 
 import anyio
-from fastapi import APIRouter, File, Form, Header, Query, Request, Security, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Header, Query, Request, Security, UploadFile
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
-from backend.api.adapter_requests import FORM_HELP, parse_choices
+from backend.api.edit_form import edit_form
 from backend.api.errors import ADMISSION_REFUSED, ERROR_RESPONSES
 from backend.api.schemas import JobAccepted, JobCancelled, JobList, JobView
 from backend.api.security import api_key_query
 from backend.api.service import JobRequest, JobService
-from backend.imaging.uploads import DEFAULT_CROP_PADDING_PX
 from backend.jobstate import TERMINAL
-from backend.protocol import INTERNAL_JOB_FIELDS, MaskOps
+from backend.protocol import INTERNAL_JOB_FIELDS
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
 SSE_RETRY_MS = 3000  # how long a browser's EventSource waits before it reconnects
@@ -78,83 +77,15 @@ def submit_job(
         None, description="A gallery template to edit (or upload image)"
     ),
     prompt: str = Form("", description="What to paint in the masked area"),
-    negative_prompt: str = Form(""),
-    model: str | None = Form(None, description="Model id (default: the server's model)"),
-    steps: int | None = Form(None, description="1..150 (default: the model's)"),
-    guidance: float | None = Form(None, description="0..50 (default: the model's)"),
-    strength: float = Form(1.0, description="(0, 1]"),
-    seed: int | None = Form(None, description="0..2^32-1; empty: random (returned)"),
-    threshold: int = Form(127, description="Mask pixels above this are repainted (0..254)"),
-    invert: bool = Form(False),
-    grow_px: int = Form(0, description="Grow (or, negative, shrink) the mask by this many pixels"),
-    feather_px: float = Form(0.0, description="Soften the paste-back edge (0..256 px)"),
-    fill_holes: bool = Form(
-        False, description="Fill what a closed painted outline encloses (lasso)"
-    ),
-    min_area_px: int = Form(
-        0, description="Drop painted specks smaller than this many pixels (0: keep all)"
-    ),
-    mode: str = Form(
-        "generate",
-        description="generate (the model paints the prompt) or erase (the painted area is "
-        "filled from its surroundings at once, no model, no prompt)",
-    ),
-    inpaint_area: str = Form(
-        "whole",
-        description="whole (the model edits the whole image) or masked (a padded crop around the "
-        "mask, edited at the model's resolution and pasted back: more detail for a small mask on "
-        "a large image)",
-    ),
-    crop_padding_px: int = Form(
-        DEFAULT_CROP_PADDING_PX,
-        description="Context around the mask in the masked-area crop, pixels (0..1024)",
-    ),
-    resolution: int = Form(0, description="Model resolution bucket side; 0: the model's default"),
-    use_cache: bool = Form(True, description="Reuse the template's cached activations"),
-    adapters: str = Form("", description=FORM_HELP),
-    service_class: str | None = Form(
-        None,
-        description="interactive (someone waits for it) or batch (default): each class has a "
-        "target latency, its default deadline; admission control answers 429 to a class that "
-        "sheds (batch by default) when the job would finish too late or the queue is full, and "
-        "accepts another class's job marked late",
-    ),
-    deadline_s: float | None = Form(
-        None,
-        description="Seconds from now by which the result should be stored, (0, 604800] "
-        "(default: the class's target)",
-    ),
-    priority: int = Form(0, description="0..9, higher goes first among jobs with a deadline"),
+    params: dict = Depends(edit_form),
 ) -> JSONResponse:
     job_request = JobRequest(
         mask=_read(mask) or b"",
         image=_read(image),
         template_id=template_id or None,
         prompt=prompt,
-        negative_prompt=negative_prompt,
-        model=model or None,
-        steps=steps,
-        guidance=guidance,
-        strength=strength,
-        seed=seed,
-        mask_ops=MaskOps(
-            threshold=threshold,
-            invert=invert,
-            grow_px=grow_px,
-            feather_px=feather_px,
-            fill_holes=fill_holes,
-            min_area_px=min_area_px,
-        ),
-        mode=mode,
-        inpaint_area=inpaint_area,
-        crop_padding_px=crop_padding_px,
-        resolution=resolution,
-        use_cache=use_cache,
-        adapters=tuple(parse_choices(adapters)),
-        service_class=service_class or None,
-        deadline_s=deadline_s,
-        priority=priority,
         owner=_owner(request),
+        **params,
     )
     submitted = _service(request).submit(job_request)
     request.app.state.metrics.jobs_submitted.labels(submitted.model_id, "rest").inc()

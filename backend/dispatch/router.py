@@ -66,7 +66,10 @@ Policies (``POLICIES``):
   candidate by worker id after the last one chosen for this model.
 
 Each policy is a strategy object (``backend.dispatch.policies.ROUTING_POLICIES``); the ``Router``
-picks the candidates and hands them to it.
+picks the candidates and hands them to it. Before it asks the policy, an item of a batch (a job
+with a ``batch_id``) goes to its batch's worker when that worker is a candidate
+(``backend.dispatch.groups``: one template cache load, one running batch); the decision's policy
+is then ``batch_affinity``.
 
 Candidates are live workers serving J's model with slack (len(R) + len(Q) < B + ``queue_depth``,
 default 0). When none has slack and ``allow_queueing`` (default True), a job waits in a worker's
@@ -110,6 +113,7 @@ from backend.dispatch.deadline_cost import (
     row_order,
 )
 from backend.dispatch.deadline_cost import RowOrder as RowOrder
+from backend.dispatch.groups import BatchAffinity
 from backend.dispatch.policies import ROUTING_POLICIES
 from backend.dispatch.views import Decision as Decision
 from backend.dispatch.views import JobRequest as JobRequest
@@ -124,6 +128,7 @@ POLICIES = tuple(ROUTING_POLICIES)  # names, as the CLI and settings spell them
 FALLBACK_POLICY = "fewest_requests"  # for a policy that needs a cost model a device lacks
 DEFAULT_DISK_READ_S_PER_BYTE = 1e-9  # 1 GB/s
 PLANNERS = ("greedy", "exact")
+AFFINITY = "batch_affinity"  # a decision's policy when a batch's item went to its batch's worker
 
 
 class RoutingCostModel:
@@ -490,6 +495,7 @@ class Router:
         self.cost_models = {(m, device_kind(d)): cm for (m, d), cm in (cost_models or {}).items()}
         self._strategy = ROUTING_POLICIES[policy]()
         self._fallback = ROUTING_POLICIES[FALLBACK_POLICY]()
+        self.affinity = BatchAffinity()  # a batch's items go to its worker (dispatch.groups)
 
     def cost_model(self, model_id: str, device: str) -> RoutingCostModel | None:
         return self.cost_models.get((model_id, device_kind(device)), self.default_cost_model)
@@ -513,6 +519,11 @@ class Router:
                 # the fewest rows is not the soonest start: a worker that orders by deadline
                 # lets J pass its looser rows (deadline_cost); J's finish decides among all
                 candidates, note = serving, "; all full, queued where it finishes in time"
+        home = self.affinity.home(job.batch_id, [w.worker_id for w in candidates], job.now)
+        if home is not None:  # the batch's earlier items are there: one cache load, one batch
+            self.affinity.routed(job.batch_id, home, job.now)
+            reason = f"{AFFINITY}: its batch's worker among {len(candidates)} candidate(s){note}"
+            return Decision(home, AFFINITY, reason, {home: 0.0})
         policy, strategy = self.policy, self._strategy
         if strategy.needs_cost_model:
             missing = sorted(
@@ -529,5 +540,6 @@ class Router:
                     f"{FALLBACK_POLICY}"
                 )
         choice = strategy.choose(job, candidates, self.cost_model)
+        self.affinity.routed(job.batch_id, choice.worker_id, job.now)
         reason = f"{choice.why} among {len(candidates)} candidate(s){note}"
         return Decision(choice.worker_id, policy, reason, choice.costs, choice.terms)

@@ -301,6 +301,7 @@ class Dispatcher:
             deadline=job.service.deadline,
             priority=job.service.priority,
             now=time.time(),  # deadlines are epoch seconds
+            batch_id=job.batch_id,
         )
         started = time.perf_counter()
         decision = self.router.choose(request, list(self._views.values()))

@@ -60,6 +60,7 @@ class JobRequest:
     deadline: float = 0.0  # by when its result is due (ServiceLevel.deadline; 0: none)
     priority: int = 0  # ServiceLevel.priority
     now: float = 0.0  # the time of the decision, on the deadlines' clock
+    batch_id: str = ""  # the batch it is an item of ("" none): routed with its siblings (groups)
 
 
 @dataclass(frozen=True)
