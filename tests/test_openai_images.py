@@ -1,5 +1,6 @@
 """The pure side of the OpenAI-compatible edits route: fields, sizes, models, seeds and OpenAI's
-mask convention (alpha 0 = edit) turned into MaskServe's (white = edit). No server, no Redis."""
+mask convention (alpha 0 = edit) turned into MaskServe's (white = edit); the OpenAI error shape and
+its middleware (on a bare in-process app). No server, no Redis."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import json
 import numpy as np
 import pytest
 from PIL import Image
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
 
 from backend.api.checks import MAX_SEED
-from backend.api.openai_errors import OpenAIError, reshape
+from backend.api.openai_errors import OpenAIError, OpenAIErrorMiddleware, reshape
 from backend.api.openai_images import (
     SIZES,
     EditCall,
@@ -236,3 +241,31 @@ def test_our_errors_are_reshaped_into_openais_with_their_status_mapped():
     assert reshape(500, b"Internal Server Error")[1]["error"]["type"] == "server_error"
     shaped = OpenAIError("bad", param="n").body()
     assert reshape(400, json.dumps(shaped).encode()) == (400, None)
+
+
+def test_the_middleware_answers_a_bug_under_its_prefix_as_a_500_and_leaves_other_paths_alone():
+    async def broken(_request):
+        raise RuntimeError("a bug")
+
+    async def ours(_request):
+        return JSONResponse({"error": "no such job"}, status_code=404)
+
+    app = Starlette(
+        routes=[
+            Route("/v1/images/edits", broken, methods=["POST"]),
+            Route("/v1/images/other", ours),
+            Route("/v1/jobs", ours),
+        ]
+    )
+    app.add_middleware(OpenAIErrorMiddleware)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        bug = client.post("/v1/images/edits")
+        assert bug.status_code == 500 and bug.json()["error"]["type"] == "server_error"
+        shaped = client.get("/v1/images/other").json()["error"]
+        assert shaped == {
+            "message": "no such job",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }
+        assert client.get("/v1/jobs").json() == {"error": "no such job"}
