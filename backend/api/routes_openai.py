@@ -109,14 +109,14 @@ async def _form(request: Request) -> tuple[list[tuple[str, str]], list[tuple[str
             "send the edit as multipart/form-data (image, mask, prompt, ...), as the openai "
             "client does"
         )
-    form = await request.form(max_files=MAX_FORM_FILES)
     pairs: list[tuple[str, str]] = []
     files: list[tuple[str, bytes]] = []
-    for name, value in form.multi_items():
-        if isinstance(value, UploadFile):
-            files.append((name, await value.read()))
-        else:
-            pairs.append((name, value))
+    async with request.form(max_files=MAX_FORM_FILES) as form:  # closes the spooled files
+        for name, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                files.append((name, await value.read()))
+            else:
+                pairs.append((name, value))
     return pairs, files
 
 
