@@ -4,6 +4,7 @@ model: the one way the end-to-end, studio-browser and log tests build theirs."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 from collections.abc import Iterator
@@ -24,10 +25,13 @@ def running_stack(
     models_dir,
     worker_ids: list[str],
     env: dict[str, str],
+    role_env: dict[str, dict[str, str]] | None = None,
 ) -> Iterator[tuple[Stack, str]]:
     """Start the CPU worker, the dispatcher, one engine worker per id and the API against
-    ``redis_url`` with ``env`` set (API keys, users, log level); yields the stack and the API's
-    base URL once ``/readyz`` answers, and stops every role after."""
+    ``redis_url`` with ``env`` set (API keys, users, log level) and ``role_env[role name]`` on top
+    for that role (``cpu-worker``, ``dispatcher``, ``worker-<index>``, ``api``: as if on its own
+    host); yields the stack and the API's base URL once ``/readyz`` answers, and stops every role
+    after."""
     make_engine("sd2-inpaint", models_dir, tmp_path / "warm")  # built once, before roles load it
     port = free_port()
     for name, value in {
@@ -44,7 +48,11 @@ def running_stack(
         Role(f"worker-{index}", ["worker", "--worker-id", worker_id])
         for index, worker_id in enumerate(worker_ids)
     ]
-    running = Stack(settings, [*CPU_ROLES, *workers, Role("api", ["api"])])
+    roles = [  # copies: CPU_ROLES' own stay as they are for the next stack
+        dataclasses.replace(role, env={**role.env, **(role_env or {}).get(role.name, {})})
+        for role in (*CPU_ROLES, *workers, Role("api", ["api"]))
+    ]
+    running = Stack(settings, roles)
     running.start()
     base = f"http://127.0.0.1:{port}"
     try:

@@ -132,6 +132,7 @@ def test_reading_and_local_paths_hold_the_bytes(objects):
     objects.put("prepared/p.safetensors", b"prepared request")
     with objects.reading("prepared/p.safetensors") as path:
         assert path.read_bytes() == b"prepared request"
+        assert path.name.endswith(".safetensors")  # loaders tell a format by its extension
     local = objects.local_path("prepared/p.safetensors")
     assert local.read_bytes() == b"prepared request"
     assert objects.local_path("prepared/p.safetensors") == local  # downloaded once

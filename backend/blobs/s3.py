@@ -135,16 +135,19 @@ class S3Objects(ObjectStore):
         self.delete(key)
         return True
 
-    def _temporary(self) -> Path:
+    def _temporary(self, key: str) -> Path:
+        """An empty file in this host's cache directory, named like ``key`` ends (readers such as
+        diffusers' LoRA loader tell a format by its extension)."""
         folder = self.cache_dir / "tmp"
         folder.mkdir(parents=True, exist_ok=True)
-        handle, name = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=folder)
+        suffix = "-" + check_key(key).rpartition("/")[2]
+        handle, name = tempfile.mkstemp(prefix=".", suffix=suffix, dir=folder)
         os.close(handle)
         return Path(name)
 
     @contextmanager
     def writing(self, key: str) -> Iterator[Path]:
-        full, tmp = self._key(key), self._temporary()
+        full, tmp = self._key(key), self._temporary(key)
         try:
             yield tmp
             self.client.upload_file(str(tmp), self.bucket, full)
@@ -153,7 +156,7 @@ class S3Objects(ObjectStore):
 
     @contextmanager
     def reading(self, key: str) -> Iterator[Path]:
-        tmp = self._temporary()
+        tmp = self._temporary(key)
         try:
             self._download(key, tmp)
             yield tmp
