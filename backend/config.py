@@ -260,11 +260,12 @@ API_KEY_DIGEST_PREFIX = "sha256:"  # an ``api_keys`` entry that is a key's SHA-2
 class ApiSettings(_Strict):
     """The REST API (``maskserve api``): where it listens, who may call it, how much they may send.
 
-    Auth is on by default: every ``/v1`` request needs an ``X-API-Key`` listed in ``api_keys``
-    (``MASKSERVE_API_KEYS``, comma-separated). With no keys configured the API answers 401 to every
-    ``/v1`` request (and logs why at start-up) unless ``auth_disabled`` is set explicitly
-    (``MASKSERVE_AUTH_DISABLED=1``, for a laptop). ``/healthz``, ``/readyz`` and ``/metrics`` are
-    open. Every key is a tenant: its jobs and templates are invisible to every other key (404).
+    Auth is on by default: every ``/v1`` request needs a key listed in ``api_keys``
+    (``MASKSERVE_API_KEYS``, comma-separated) in ``X-API-Key`` or ``Authorization: Bearer``. With
+    no keys configured the API answers 401 to every ``/v1`` request (and logs why at start-up)
+    unless ``auth_disabled`` is set explicitly (``MASKSERVE_AUTH_DISABLED=1``, for a laptop).
+    ``/healthz``, ``/readyz`` and ``/metrics`` are open. Every key is a tenant: its jobs and
+    templates are invisible to every other key (404).
     """
 
     host: str = "127.0.0.1"
@@ -272,10 +273,10 @@ class ApiSettings(_Strict):
     port: int = Field(default=8000, ge=1, le=65535)
     """Listen port (REST, studio, ``/metrics``)."""
     api_keys: tuple[str, ...] = Field(default=(), repr=False)
-    """Keys accepted in ``X-API-Key``, comma-separated: each a raw key or ``sha256:<64 hex>``, the
-    SHA-256 of a key (``printf %s KEY | sha256sum``), so the raw key need not be in the
-    environment. The server keeps only digests. None: every ``/v1`` call is refused unless
-    ``auth_disabled``."""
+    """Keys accepted in ``X-API-Key`` (or ``Authorization: Bearer``), comma-separated: each a raw
+    key or ``sha256:<64 hex>``, the SHA-256 of a key (``printf %s KEY | sha256sum``), so the raw
+    key need not be in the environment. The server keeps only digests. None: every ``/v1`` call is
+    refused unless ``auth_disabled``."""
     users: tuple[str, ...] = Field(default=(), repr=False)
     """Studio logins, ``name:password`` entries, comma-separated; checked by the same auth layer as
     the API keys."""
