@@ -72,6 +72,17 @@ def _form_value(value) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
+def _edit_fields(prompt: str, template_id: str | None, params: dict) -> dict:
+    """The form fields of an edit's prompt, template and parameters (None values left out)."""
+    adapters = params.pop("adapters", None)
+    data = {"prompt": prompt} | {k: _form_value(v) for k, v in params.items() if v is not None}
+    if adapters:
+        data["adapters"] = adapters_field(adapters)
+    if template_id is not None:
+        data["template_id"] = template_id
+    return data
+
+
 class MaskServeClient:
     def __init__(
         self,
@@ -172,12 +183,7 @@ class MaskServeClient:
         now; default: the class's target), priority (0..9, higher first) (None values are left
         out). Returns the 202 body: job_id, seed, status_url, events_url, result_url. A job
         refused by admission control raises ``MaskServeError`` 429 with ``retry_after``."""
-        adapters = params.pop("adapters", None)
-        data = {"prompt": prompt} | {k: _form_value(v) for k, v in params.items() if v is not None}
-        if adapters:
-            data["adapters"] = adapters_field(adapters)
-        if template_id is not None:
-            data["template_id"] = template_id
+        data = _edit_fields(prompt, template_id, params)
         files = {"mask": (_file_name(mask, "mask.png"), _file_bytes(mask))}
         if image is not None:
             files["image"] = (_file_name(image, "image.png"), _file_bytes(image))
@@ -185,6 +191,66 @@ class MaskServeClient:
 
     def get(self, job_id: str) -> dict:
         return self._call("GET", f"/v1/jobs/{job_id}").json()
+
+    # ----- batches --------------------------------------------------------------------------------
+    def submit_batch(
+        self,
+        masks=(),
+        prompts=(),
+        mask: str | Path | bytes | None = None,
+        prompt: str = "",
+        template_id: str | None = None,
+        image: str | Path | bytes | None = None,
+        **params,
+    ) -> dict:
+        """Submit one template with many ``masks`` (paths or bytes) and/or ``prompts``: one item
+        per mask, per prompt, or per (mask, prompt) pair (docs/api.md says how they pair); ``mask``
+        / ``prompt``: the one of items that have none. ``params`` as for ``submit`` (item i runs
+        with ``seed + i`` when a seed is given). Returns the 202 body: batch_id, items (index,
+        job_id, seed), status_url, events_url, results_url."""
+        data = _edit_fields(prompt, template_id, params) | {"prompts": list(prompts)}
+        files = [
+            ("masks", (_file_name(m, f"mask-{i}.png"), _file_bytes(m))) for i, m in enumerate(masks)
+        ]
+        if mask is not None:
+            files.append(("mask", (_file_name(mask, "mask.png"), _file_bytes(mask))))
+        if image is not None:
+            files.append(("image", (_file_name(image, "image.png"), _file_bytes(image))))
+        return self._call("POST", "/v1/batches", data=data, files=files).json()
+
+    def batch(self, batch_id: str) -> dict:
+        """The batch: status, total, finished, counts, progress, and every item's state."""
+        return self._call("GET", f"/v1/batches/{batch_id}").json()
+
+    def cancel_batch(self, batch_id: str) -> dict:
+        return self._call("DELETE", f"/v1/batches/{batch_id}").json()
+
+    def batch_zip(self, batch_id: str) -> bytes:
+        """Every finished result (``<index>.png``) and ``manifest.json``, as a zip."""
+        return self._call(
+            "GET", f"/v1/batches/{batch_id}/results.zip", timeout=UPLOAD_TIMEOUT_S
+        ).content
+
+    def wait_batch(
+        self, batch_id: str, timeout: float = 3600.0, on_event=None, poll_s: float = 1.0
+    ) -> dict:
+        """Block until every item finished; returns the batch (``batch``). Follows the batch's
+        event stream (``on_event(message)`` for each: ``type`` ``item`` or ``batch``), polling when
+        it cannot be read. TimeoutError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                path = f"/v1/batches/{batch_id}/events"
+                for message in self._stream(path, {}, max(1.0, deadline - time.monotonic())):
+                    if on_event is not None:
+                        on_event(message)
+            except httpx.TransportError:  # dropped, or read timeout: check, then go on
+                pass
+            state = self.batch(batch_id)
+            if state["finished"] == state["total"]:
+                return state
+            time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+        raise TimeoutError(f"batch {batch_id} did not finish within {timeout:.0f} s")
 
     def jobs(self, limit: int = 50) -> list[dict]:
         """This key's own jobs, newest first."""
@@ -201,12 +267,15 @@ class MaskServeClient:
     def events(self, job_id: str, after: str | None = None, timeout: float | None = None):
         """Yield the job's events (dicts, each with its ``id``) from its event stream until it ends,
         or until ``timeout`` seconds have passed (keep-alive comments do not extend it)."""
-        until = None if timeout is None else time.monotonic() + timeout
         headers = {"Last-Event-ID": after} if after else {}
+        yield from self._stream(f"/v1/jobs/{job_id}/events", headers, timeout)
+
+    def _stream(self, path: str, headers: dict, timeout: float | None):
+        """The server-sent messages of ``path`` (dicts, each with its ``id``) until the stream ends
+        or ``timeout`` seconds have passed."""
+        until = None if timeout is None else time.monotonic() + timeout
         read_timeout = httpx.Timeout(10.0, read=timeout)
-        with self.http.stream(
-            "GET", f"/v1/jobs/{job_id}/events", headers=headers, timeout=read_timeout
-        ) as response:
+        with self.http.stream("GET", path, headers=headers, timeout=read_timeout) as response:
             if response.status_code >= 400:
                 response.read()
                 self._call_error(response)
@@ -295,7 +364,23 @@ def add_submit_arguments(parser) -> None:
     source.add_argument("--image", help="image file to edit")
     source.add_argument("--template-id", dest="template_id", help="gallery template to edit")
     parser.add_argument(
-        "--mask", required=True, help="mask file: 255 = repaint, same size as the image"
+        "--mask",
+        default=None,
+        help="mask file: 255 = repaint, same size as the image (with --prompts: one mask for "
+        "every prompt)",
+    )
+    parser.add_argument(
+        "--masks",
+        default=None,
+        metavar="DIR",
+        help="a batch: every image file in DIR (sorted by name) is one item's mask",
+    )
+    parser.add_argument(
+        "--prompts",
+        default=None,
+        metavar="FILE",
+        help="a batch: one prompt per line; with --mask, one item per prompt; with --masks, "
+        "as many prompts as masks (paired in order) or one prompt",
     )
     parser.add_argument("--prompt", default="")
     parser.add_argument("--negative-prompt", dest="negative_prompt", default=None)
@@ -376,10 +461,16 @@ def add_submit_arguments(parser) -> None:
         "--no-wait", dest="wait", action="store_false", help="print the job id and return"
     )
     parser.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds to wait for the result"
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for the result (default 600; a batch: 3600)",
     )
     parser.add_argument(
-        "--out", default=None, help="where to write the result PNG (default: <job id>.png)"
+        "--out",
+        default=None,
+        help="where to write the result PNG (default: <job id>.png); a batch: the directory for "
+        "its results and manifest.json (default: batch-<batch id>)",
     )
 
 
@@ -397,11 +488,59 @@ def _settings_api_key(settings) -> str | None:
 
 
 def submit_cli(args, settings=None) -> int:
-    """`maskserve submit`: submit one edit, wait for it, write the result. Prints JSON lines (the
-    accepted job, then the final state). Exit status: 0 done (or submitted with --no-wait), 1
+    """`maskserve submit`: submit one edit, wait for it, write the result (with ``--masks`` /
+    ``--prompts``: a batch, ``backend.batch_cli``). Prints JSON lines (the accepted job, then the
+    final state). Exit status: 0 done (or submitted with --no-wait), 1
     failed, cancelled or timed out, 2 refused by the server or unreachable. ``settings`` (optional)
     supplies the URL and key when ``args`` leaves them out."""
     url, api_key = connection(args, settings)
+    params = _submit_params(args)
+    batch = bool(getattr(args, "masks", None) or getattr(args, "prompts", None))
+    if not batch and not getattr(args, "mask", None):
+        print("error: give --mask FILE, or --masks DIR and/or --prompts FILE", file=sys.stderr)
+        return 2
+    try:
+        with MaskServeClient(url, api_key) as client:
+            if batch:
+                from backend.batch_cli import run_batch
+
+                return run_batch(client, args, params)
+            job = client.submit(
+                args.mask,
+                getattr(args, "prompt", "") or "",
+                template_id=getattr(args, "template_id", None),
+                image=getattr(args, "image", None),
+                **params,
+            )
+            print(json.dumps(job), flush=True)
+            if not getattr(args, "wait", True):
+                return 0
+            final = client.wait(job["job_id"], timeout=getattr(args, "timeout", None) or 600.0)
+            report = {
+                k: final.get(k)
+                for k in ("job_id", "status", "seed", "message", "timings", "met_deadline")
+                if k in final
+            }
+            if final["status"] == "done":
+                out = Path(getattr(args, "out", None) or f"{job['job_id']}.png")
+                out.write_bytes(client.result_bytes(job["job_id"]))
+                report["out"] = str(out)
+            print(json.dumps(report), flush=True)
+            return 0 if final["status"] == "done" else 1
+    except MaskServeError as exc:
+        retry = f", retry after {exc.retry_after:g} s" if exc.retry_after is not None else ""
+        print(f"error: {exc.message} (HTTP {exc.status}{retry})", file=sys.stderr)
+        return 2
+    except TimeoutError as exc:  # before OSError, its base class
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (httpx.TransportError, OSError) as exc:
+        print(f"error: cannot reach {url} or read a file: {exc}", file=sys.stderr)
+        return 2
+
+
+def _submit_params(args) -> dict:
+    """The edit parameters of ``maskserve submit``'s arguments (None: the server's default)."""
     params = {
         name: getattr(args, name, None)
         for name in (
@@ -428,37 +567,4 @@ def submit_cli(args, settings=None) -> int:
     params["fill_holes"] = True if getattr(args, "fill_holes", False) else None
     params["use_cache"] = False if getattr(args, "no_cache", False) else None
     params["adapters"] = getattr(args, "adapters", None)
-    try:
-        with MaskServeClient(url, api_key) as client:
-            job = client.submit(
-                args.mask,
-                getattr(args, "prompt", "") or "",
-                template_id=getattr(args, "template_id", None),
-                image=getattr(args, "image", None),
-                **params,
-            )
-            print(json.dumps(job), flush=True)
-            if not getattr(args, "wait", True):
-                return 0
-            final = client.wait(job["job_id"], timeout=getattr(args, "timeout", 600.0) or 600.0)
-            report = {
-                k: final.get(k)
-                for k in ("job_id", "status", "seed", "message", "timings", "met_deadline")
-                if k in final
-            }
-            if final["status"] == "done":
-                out = Path(getattr(args, "out", None) or f"{job['job_id']}.png")
-                out.write_bytes(client.result_bytes(job["job_id"]))
-                report["out"] = str(out)
-            print(json.dumps(report), flush=True)
-            return 0 if final["status"] == "done" else 1
-    except MaskServeError as exc:
-        retry = f", retry after {exc.retry_after:g} s" if exc.retry_after is not None else ""
-        print(f"error: {exc.message} (HTTP {exc.status}{retry})", file=sys.stderr)
-        return 2
-    except TimeoutError as exc:  # before OSError, its base class
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except (httpx.TransportError, OSError) as exc:
-        print(f"error: cannot reach {url} or read a file: {exc}", file=sys.stderr)
-        return 2
+    return params

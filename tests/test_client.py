@@ -79,9 +79,10 @@ def api(redis_url, tmp_path):
         log.close()
 
 
-def fake_pipeline(settings, num_jobs: int = 1, fail: bool = False) -> threading.Thread:
+def fake_pipeline(settings, num_jobs: int = 1, fail=False) -> threading.Thread:
     """Stand-in for the CPU and engine workers: pops EditJobs off the pre queue, records progress
-    events, writes a result blob and records ``done`` (or ``failed``)."""
+    events, writes a result blob and records ``done`` (or ``failed``: every job when ``fail`` is
+    True, those it returns True for when it is a function of the job)."""
     client = Redis.from_url(settings.redis.url)
     store, blobs = JobStateStore(client), BlobStore(settings.paths.data_dir / "blobs")
 
@@ -105,7 +106,7 @@ def fake_pipeline(settings, num_jobs: int = 1, fail: bool = False) -> threading.
                         worker_id="worker-0",
                     )
                 )
-            if fail:
+            if fail is True or (callable(fail) and fail(job)):
                 store.record_event(
                     JobEvent(job_id=job.job_id, status="failed", at=time.time(), message="boom")
                 )
@@ -236,3 +237,56 @@ def test_submit_cli(api, tmp_path, capsys):
     assert submit_cli(_args(common + ["--api-key", KEY, "--no-wait"])) == 0
     assert submit_cli(_args(common + ["--api-key", KEY, "--steps", "500"])) == 2
     assert "steps 500" in capsys.readouterr().err
+
+
+def test_submit_cli_over_a_mask_folder_and_a_prompts_file(api, tmp_path, capsys):
+    base, settings = api
+    (tmp_path / "image.png").write_bytes(IMAGE)
+    masks = tmp_path / "masks"
+    masks.mkdir()
+    for name in ("b-sofa.png", "a-lamp.png", "c-rug.png"):
+        (masks / name).write_bytes(MASK)
+    (masks / "notes.txt").write_text("not a mask")
+    common = ["--url", base, "--api-key", KEY, "--image", str(tmp_path / "image.png")]
+    common += ["--steps", "2", "--seed", "5", "--timeout", "30"]
+    pipeline = fake_pipeline(settings, num_jobs=3, fail=lambda job: job.seed == 6)
+    out = tmp_path / "out"
+    code = submit_cli(_args([*common, "--masks", str(masks), "--prompt", "x", "--out", str(out)]))
+    pipeline.join(5)
+    captured = capsys.readouterr()
+    accepted, report = (json.loads(line) for line in captured.out.splitlines())
+    assert code == 1 and report["batch_id"] == accepted["batch_id"]  # one item failed
+    assert [(i["mask"], i["status"]) for i in report["items"]] == [
+        ("a-lamp.png", "done"),  # sorted by name; item i has seed 5 + i
+        ("b-sofa.png", "failed"),
+        ("c-rug.png", "done"),
+    ]
+    assert sorted(p.name for p in out.iterdir()) == ["0.png", "2.png", "manifest.json"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    failed = manifest["items"][1]
+    assert failed.pop("job_id") and failed == {
+        "index": 1,
+        "status": "failed",
+        "prompt": "x",
+        "seed": 6,
+        "message": "boom",
+    }
+    assert "100%" in captured.err  # the progress bar over the whole batch reached its end
+    # one mask and a prompts file: one item per prompt; counts that cannot pair are said first
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\n\na dog\n")
+    args = [*common, "--mask", str(masks / "a-lamp.png"), "--prompts", str(prompts), "--no-wait"]
+    assert submit_cli(_args(args)) == 0
+    assert (
+        len(
+            MaskServeClient(base, KEY).batch(json.loads(capsys.readouterr().out)["batch_id"])[
+                "items"
+            ]
+        )
+        == 2
+    )
+    prompts.write_text("one\ntwo\n")
+    assert submit_cli(_args([*common, "--masks", str(masks), "--prompts", str(prompts)])) == 2
+    assert "3 masks and 2 prompts" in capsys.readouterr().err
+    assert submit_cli(_args(common)) == 2
+    assert "--masks DIR" in capsys.readouterr().err
