@@ -1,5 +1,5 @@
 # MaskServe image: every role of the stack (`maskserve api | dispatcher | cpu-worker | worker`) runs
-# from it; docker-compose.yml starts one container per role on one shared data volume.
+# from it; docker-compose.yml starts one container per role, each with its own data volume.
 FROM python:3.11-slim
 
 # CPU wheels by default (the tiny default model, the CPU workers). The GPU worker's image is built

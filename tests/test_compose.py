@@ -1,7 +1,8 @@
 """docker-compose.yml and the Dockerfile, checked against the code they run (no Docker engine here):
 every command parses with the real `maskserve` argument parser, every MASKSERVE_* variable is one
-backend/config.py reads (and its value validates), Redis comes first, the data volume is shared,
-and the image pins torch exactly as the Makefile does."""
+backend/config.py reads (and its value validates), Redis and the object store come first, each role
+has its own volume (nothing shared but Redis and the bucket), and the image pins torch exactly as
+the Makefile does."""
 
 from __future__ import annotations
 
@@ -95,21 +96,32 @@ def test_every_variable_is_one_config_reads_and_its_value_validates(name):
 
 
 @pytest.mark.parametrize("name", sorted(MASKSERVE))
-def test_every_role_waits_for_a_healthy_redis_it_can_reach_and_shares_the_data_volume(name):
+def test_every_role_shares_only_redis_and_the_object_store_and_keeps_its_own_volume(name):
     service, env = MASKSERVE[name], container_env(MASKSERVE[name])
     assert urlparse(env["MASKSERVE_REDIS_URL"]).hostname in SERVICES
     assert (
         service["depends_on"]["redis"]["condition"] == "service_healthy"
         and SERVICES["redis"]["healthcheck"]
     )
-    mounts = dict(volume.split(":", 1) for volume in service["volumes"])
-    assert (
-        mounts.get("maskserve-data") == env["MASKSERVE_DATA_DIR"]
-        and "maskserve-data" in COMPOSE["volumes"]
-    )
+    settings = load_settings(env)
+    bucket = urlparse(settings.paths.blob_url)
+    assert bucket.scheme == "s3" and urlparse(settings.paths.s3_endpoint_url).hostname in SERVICES
+    assert env["AWS_ACCESS_KEY_ID"] and env["AWS_SECRET_ACCESS_KEY"]  # boto3 reads them
+    # the bucket exists before a role starts: the init service made it
+    init = service["depends_on"]["minio-init"]
+    assert init["condition"] == "service_completed_successfully"
+    assert f"store/{bucket.hostname}" in " ".join(SERVICES["minio-init"]["command"])
+    (mount,) = service["volumes"]
+    volume, _, path = mount.partition(":")
+    assert path.split()[0] == env["MASKSERVE_DATA_DIR"] and volume in COMPOSE["volumes"]
+    others = [v for other, s in MASKSERVE.items() if other != name for v in s["volumes"]]
+    assert all(not other.startswith(f"{volume}:") for other in others), "a shared volume"
 
 
-@pytest.mark.parametrize("name", sorted(SERVICES))
+ONE_SHOT = {"minio-init"}  # creates the bucket and exits; the roles wait for it
+
+
+@pytest.mark.parametrize("name", sorted(set(SERVICES) - ONE_SHOT))
 def test_every_service_is_restarted_when_it_exits_until_an_operator_stops_it(name):
     # the engine worker, dispatcher, API and Celery reconnect to a restarted Redis on their own;
     # a process that exits (a crash, an OOM kill) is Docker's to restart
