@@ -1,12 +1,13 @@
 """The studio's page: a Gradio ``Blocks`` over ``StudioActions`` (layout and wiring only).
 
-Four tabs: **Editor** (pick a template, paint the mask, prompt and parameters, LoRA adapters with a
+Five tabs: **Editor** (pick a template, paint the mask, prompt and parameters, LoRA adapters with a
 scale each, an interactive edit's priority and deadline under More settings, submit, watch the
 steps and the forecast, cancel, before/after, download, save as template: the part after Generate
 is ``studio.results_view``), **Gallery** (upload several templates, name and tags,
 search, cache status per model and prepare, delete with a confirmation), **History** (the signed-in
-user's jobs; selecting one recalls its parameters into the editor) and **Adapters** (register,
-list and delete LoRA adapters: ``studio.adapters_tab``, with the editor's picker).
+user's jobs; selecting one recalls its parameters into the editor), **Batches** (one template with
+many masks; each batch's progress overall and per item: ``studio.batches_tab``) and **Adapters**
+(register, list and delete LoRA adapters: ``studio.adapters_tab``, with the editor's picker).
 
 Every handler turns a ``StudioError`` into a ``gr.Warning`` toast (what to fix) and leaves the page
 as it was: a bad input never shows a stack trace.
@@ -21,6 +22,8 @@ import gradio as gr
 from backend.config_deadlines import MAX_PRIORITY
 from studio.actions import MAX_VARIATIONS, EditForm, StudioActions, StudioError
 from studio.adapters_tab import AdaptersTab
+from studio.batch_actions import StudioBatches
+from studio.batches_tab import BatchesTab
 from studio.components import (
     BRUSH,
     CANVAS_PLACEHOLDER,
@@ -34,11 +37,12 @@ from studio.history_tab import HistoryTab
 from studio.results_view import ResultsView
 
 
-class StudioPage(GalleryTab, HistoryTab, ResultsView, AdaptersTab):
-    """Builds the Blocks; ``actions`` does the work."""
+class StudioPage(GalleryTab, HistoryTab, BatchesTab, ResultsView, AdaptersTab):
+    """Builds the Blocks; ``actions`` (and, for batches, ``batches``) does the work."""
 
     def __init__(self, actions: StudioActions, title: str = "MaskServe Studio"):
         self.actions, self.title = actions, title
+        self.batches = StudioBatches(actions)
 
     # ----- the page -------------------------------------------------------------------------------
     def build(self) -> gr.Blocks:
@@ -60,6 +64,8 @@ class StudioPage(GalleryTab, HistoryTab, ResultsView, AdaptersTab):
                     self._history_tab(
                         history_tab, history_jobs, template_ids, current, tabs, editor
                     )
+                with gr.Tab("Batches", id="batches") as batches_tab:
+                    self._batches_tab(batches_tab)
                 with gr.Tab("Adapters", id="adapters") as adapters_tab:
                     adapters = self._adapters_tab(adapters_tab, editor)
             self._wire_results(editor, gallery, template_ids, current, job_id)
