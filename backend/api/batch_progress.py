@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from backend.protocol.records import TERMINAL
 
@@ -47,7 +48,7 @@ class ItemProgress:
             return min(1.0, max(0, self.step) / self.num_steps)
         return 0.0
 
-    def after(self, event: dict) -> ItemProgress:
+    def after(self, event: dict[str, Any]) -> ItemProgress:
         """This item after one of its job's events (a dict as the job's event stream carries it).
         A finished item stays as it is: a job's first terminal status is its last."""
         if self.finished:
@@ -64,7 +65,7 @@ class ItemProgress:
             message=event.get("message", self.message),
         )
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "index": self.index,
             "job_id": self.job_id,
@@ -90,7 +91,7 @@ def batch_status(statuses: Iterable[str]) -> str:
     return "failed" if "failed" in seen else "cancelled"
 
 
-def summary(items: Sequence[ItemProgress]) -> dict:
+def summary(items: Sequence[ItemProgress]) -> dict[str, Any]:
     """The batch as a whole: status, item counts by status, finished items and progress."""
     counts: dict[str, int] = {}
     for item in items:
@@ -113,7 +114,7 @@ class BatchTracker:
         self.items = list(items)
         self._index = {item.job_id: item.index for item in self.items}
 
-    def apply(self, job_id: str, event: dict) -> ItemProgress | None:
+    def apply(self, job_id: str, event: dict[str, Any]) -> ItemProgress | None:
         """The item ``event`` changed (None when ``job_id`` is no item of this batch)."""
         index = self._index.get(job_id)
         if index is None:
@@ -129,5 +130,5 @@ class BatchTracker:
     def finished(self) -> bool:
         return all(item.finished for item in self.items)
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return summary(self.items)

@@ -12,9 +12,11 @@ import json
 import tempfile
 import time
 from collections.abc import AsyncIterator
+from typing import Literal
 
 from fastapi import APIRouter, Depends, File, Form, Query, Request, Security, UploadFile
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
 
 from backend.api.batch_items import PairingError, pair_items
 from backend.api.batch_progress import FINISHED, BatchTracker
@@ -28,6 +30,29 @@ from backend.api.submission import JobRequest
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=ERROR_RESPONSES)
 ZIP_SPOOL_BYTES = 32 * 2**20  # a zip larger than this is spooled to a temporary file
+
+
+class BatchItemAccepted(BaseModel):
+    index: int = Field(description="The item's index (0 first)")
+    job_id: str
+    seed: int = Field(description="The seed it runs with (seed + index when a seed was given)")
+    status_url: str
+    events_url: str
+    result_url: str
+
+
+class BatchAccepted(BaseModel):
+    """A submitted batch: its id and every item's job at once; follow ``status_url`` or
+    ``events_url``."""
+
+    batch_id: str
+    status: Literal["queued"]
+    model: str = Field(description="The model its items run on")
+    steps: int
+    items: list[BatchItemAccepted]
+    status_url: str = Field(description="The batch (GET), or cancel it (DELETE)")
+    events_url: str = Field(description="Its server-sent events (GET)")
+    results_url: str = Field(description="Its finished results as a zip (GET)")
 
 
 def _batches(request: Request) -> BatchService:
@@ -76,7 +101,7 @@ def batch_items(
     summary="Submit a batch: one template, many masks and/or prompts (returns at once)",
     response_model=None,
     responses={
-        202: {"description": "Accepted: follow its status_url or events_url"},
+        202: {"model": BatchAccepted, "description": "Accepted: follow its status_url"},
         429: ADMISSION_REFUSED,
     },
 )
