@@ -153,11 +153,24 @@ def test_a_job_with_an_adapter_runs_end_to_end(stack, engine, tmp_path):  # noqa
     assert not rows.tiers.book.pins
 
 
-def test_a_template_cache_can_be_pinned_to_adapters(client, adapters, redis_client, settings):  # noqa: F811
+def test_a_template_cache_can_be_pinned_to_adapters(
+    client,  # noqa: F811
+    adapters,
+    redis_client,
+    settings,  # noqa: F811
+    engine,  # noqa: F811
+):
+    """A prepare job with adapters records a cache pinned to them; the cache status asked with
+    the same adapters follows that job and names the digest pre-processing gives it, apart from
+    the base cache's."""
+    from backend.jobstate import JobStateStore
+    from backend.tasks.core import CpuStages
+
     sd2, flux = adapters
+    pinned_set = with_adapters([(sd2["adapter_id"], 0.7)])
     template = client.post("/v1/templates", files={"file": ("room.png", IMAGE)}).json()
     url = f"/v1/templates/{template['id']}/prepare"
-    pinned = client.post(url, data={"adapters": with_adapters([(sd2["adapter_id"], 0.7)])})
+    pinned = client.post(url, data={"adapters": pinned_set})
     assert pinned.status_code == 202, pinned.text
     (job,) = pre_queue_jobs(redis_client, settings)
     assert job.prepare and job.adapters == [
@@ -166,6 +179,24 @@ def test_a_template_cache_can_be_pinned_to_adapters(client, adapters, redis_clie
     refused = client.post(url, data={"adapters": with_adapters([(flux["adapter_id"], 1.0)])})
     assert refused.status_code == 422 and "registered for tiny-flux-fill" in refused.text
     assert len(pre_queue_jobs(redis_client, settings)) == 1
+
+    status_url = f"/v1/templates/{template['id']}/cache"
+    pinned_status = client.get(pinned.json()["cache_url"]).json()
+    assert pinned_status["status"] == "preparing"
+    assert pinned_status["settings"]["adapters"] == [{"id": sd2["adapter_id"], "scale": 0.7}]
+    assert client.get(status_url).json()["status"] == "not prepared"  # the base cache
+    other_scale = with_adapters([(sd2["adapter_id"], 0.5)])
+    assert client.get(status_url, params={"adapters": other_scale}).json()["status"] == (
+        "not prepared"
+    )
+    wrong = client.get(status_url, params={"adapters": with_adapters([(flux["adapter_id"], 1)])})
+    assert wrong.status_code == 422 and "registered for tiny-flux-fill" in wrong.text
+
+    # pre-processing the prepare job publishes the key basis and gives the pinned digest
+    prepared = CpuStages(settings, engine, JobStateStore(redis_client)).preprocess(job)
+    digest = client.get(status_url, params={"adapters": pinned_set}).json()["digest"]
+    assert digest == prepared.cache_digest
+    assert digest != client.get(status_url).json()["digest"] != ""
 
 
 def test_the_client_and_cli_name_adapters(served, adapters, redis_client, settings, tmp_path):  # noqa: F811

@@ -102,3 +102,8 @@ def _use(
             f"this edit runs {model_id}: pick that model, or register the adapter for this one"
         )
     return AdapterUse(record.adapter_id, record.sha256, scale, record.nbytes)
+
+
+def adapter_fields(uses: Sequence[AdapterUse]) -> list[dict]:
+    """The adapters of a job (or a pinned cache) as its record and answers show them."""
+    return [{"id": use.adapter_id, "scale": use.scale} for use in uses]

@@ -118,6 +118,7 @@ def prepare_template(
         "cache_url": f"/v1/templates/{template_id}/cache?"
         + urlencode(
             {"model": submitted.model_id, "steps": submitted.steps, "resolution": resolution}
+            | ({"adapters": adapters} if adapters else {})
         ),
     }
     return JSONResponse(body, status_code=202, headers={"Location": body["status_url"]})
@@ -136,6 +137,11 @@ def template_cache(
         None, description="Guidance of the edit (default: the model's; with CFG it changes nothing)"
     ),
     resolution: int = Query(0, description="Resolution bucket side; 0: the model's default"),
+    adapters: str = Query(
+        "",
+        description="The cache pinned to these LoRA adapters (as prepare pinned it); empty: the "
+        "base model's cache. " + FORM_HELP,
+    ),
 ) -> dict:
     """Where the cache that an edit of this template with these settings reads is: ``not
     prepared``, ``preparing``, ``on disk`` or ``in RAM`` (``workers``: which). The cache follows the
@@ -148,4 +154,5 @@ def template_cache(
         strength=strength,
         guidance=guidance,
         resolution=resolution,
+        adapters=tuple(parse_choices(adapters)),
     )

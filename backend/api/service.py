@@ -37,7 +37,7 @@ from pathlib import Path
 from kombu.exceptions import OperationalError as BrokerError
 
 from backend.adapters.store import AdapterStore
-from backend.api.adapter_requests import AdapterChoice, resolve_uses
+from backend.api.adapter_requests import AdapterChoice, adapter_fields, resolve_uses
 from backend.api.admission import NEW_JOB_TEMPLATE, AdmissionGate, check_owner_queue
 from backend.api.checks import (
     MAX_SEED,
@@ -181,8 +181,8 @@ class JobService:
         """Queue a recording of a gallery template's activation cache for ``model`` (a job with no
         mask and no image result; it ends ``done`` with "cache recorded" or "already prepared").
         With ``adapters`` the cache is pinned to that adapter set: edits naming exactly those
-        adapters and scales read it instead of the base cache (the cache status follows base
-        caches only)."""
+        adapters and scales read it instead of the base cache (its status: ``cache_status``
+        with the same adapters)."""
         from backend.cachestatus import KeySettings, record_prepare_job
 
         spec = self._model(model or self.settings.engine.model_id)
@@ -224,17 +224,13 @@ class JobService:
             resolution=resolution,
             template_ref=job.template_ref,
             owner=owner,
-            adapters=[{"id": use.adapter_id, "scale": use.scale} for use in uses],
+            adapters=adapter_fields(uses),
             **level_fields(level, forecast),
         )
         self.history_index.add(owner, job_id, job.submitted_at)
-        if not uses:
-            record_prepare_job(
-                self.client,
-                template_id,
-                KeySettings.of(spec, self.settings.engine, steps, resolution),
-                job_id,
-            )
+        pairs = [(use.sha256, use.scale) for use in uses]
+        key_settings = KeySettings.of(spec, self.settings.engine, steps, resolution, adapters=pairs)
+        record_prepare_job(self.client, template_id, key_settings, job_id)
         self._queue(job)
         return SubmittedJob(job_id=job_id, seed=0, model_id=spec.model_id, steps=steps)
 
@@ -256,10 +252,12 @@ class JobService:
         strength: float = 1.0,
         guidance: float | None = None,
         resolution: int = 0,
+        adapters: tuple[AdapterChoice, ...] = (),
     ) -> dict:
         """Where the template's cache for an edit with these settings is (``None``/0: the
-        model's defaults, as an edit would use them): not prepared, preparing, on disk, in RAM.
-        The settings are checked as a job submission checks them."""
+        model's defaults, as an edit would use them): not prepared, preparing, on disk, in RAM;
+        with ``adapters``, the cache pinned to exactly that adapter set (``prepare_template``).
+        The settings and adapters are checked as a job submission checks them."""
         from backend.cachestatus import KeySettings, cache_status
 
         spec = self._model(model or self.settings.engine.model_id)
@@ -268,14 +266,19 @@ class JobService:
         query = JobRequest(mask=b"", prompt="", strength=strength, resolution=resolution)
         check_numbers(query, steps, guidance, 0)
         record = self.sources.owned(template_id, owner)
+        uses = resolve_uses(adapters, self.adapters, owner, spec.model_id, self.settings.adapters)
+        pairs = [(use.sha256, use.scale) for use in uses]
         settings = KeySettings.of(
-            spec, self.settings.engine, steps, resolution, float(strength), float(guidance)
+            spec, self.settings.engine, steps, resolution, float(strength), float(guidance), pairs
         )
 
         def load():
             return self.sources.decode(self.sources.image_bytes(record), "template")
 
-        return cache_status(self.client, template_id, settings, record.sha256, load)
+        status = cache_status(self.client, template_id, settings, record.sha256, load)
+        if uses:
+            status["settings"]["adapters"] = adapter_fields(uses)
+        return status
 
     def check_queued(self, owner: str, adding: int = 1) -> None:
         bound = self.settings.api.max_queued_jobs

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend.api.adapter_requests import AdapterChoice
+from backend.api.adapter_requests import AdapterChoice, adapter_fields
 from backend.api.service_levels import level_fields
 from backend.api.template_source import CheckedTemplate
 from backend.imaging.uploads import DEFAULT_CROP_PADDING_PX
@@ -134,7 +134,7 @@ def record_fields(
         mode=request.mode,
         inpaint_area=request.inpaint_area,
         crop_padding_px=request.crop_padding_px,
-        adapters=[{"id": use.adapter_id, "scale": use.scale} for use in checked.adapters],
+        adapters=adapter_fields(checked.adapters),
         template_id=request.template_id or "",
         width=width,
         height=height,
