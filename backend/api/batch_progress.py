@@ -1,8 +1,8 @@
 """How far a batch got, from its items' job states: pure bookkeeping over dataclasses (no Redis).
 
-An item is one job; its progress is 0 until it runs, ``step / num_steps`` while it denoises and 1
-once it finished (done, failed, cancelled) or its record expired. The batch's progress is the mean
-over its items; its status:
+An item is one job; its progress is 0 until it runs, ``step / num_steps`` while it denoises (at
+most 0.99: post-processing is still ahead) and 1 once it finished (done, failed, cancelled) or
+its record expired. The batch's progress is the mean over its items; its status:
 
 * ``queued`` while no item has started (every item ``queued``);
 * ``running`` while any item is unfinished and some item started or finished;
@@ -24,6 +24,7 @@ from backend.protocol.records import TERMINAL
 
 EXPIRED = "expired"  # an item whose job record is gone (retention): finished, result lost
 FINISHED = (*TERMINAL, EXPIRED)
+UNFINISHED_MAX = 0.99  # the most an unfinished item's progress shows
 BATCH_STATES = ("queued", "running", "done", "partial", "failed", "cancelled")
 
 
@@ -45,7 +46,8 @@ class ItemProgress:
         if self.finished:
             return 1.0
         if self.status == "running" and self.num_steps > 0:
-            return min(1.0, max(0, self.step) / self.num_steps)
+            # below 1 until it finished: post-processing is still ahead after the last step
+            return min(UNFINISHED_MAX, max(0, self.step) / self.num_steps)
         return 0.0
 
     def after(self, event: dict[str, Any]) -> ItemProgress:
