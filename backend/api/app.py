@@ -55,7 +55,7 @@ from backend.api.security import (
     presented_key,
 )
 from backend.api.service import JobService, ServiceError
-from backend.blobs import BlobError, BlobStore
+from backend.blobs import BlobError, BlobStore, BlobStoreUnavailable
 from backend.blobs.factory import open_objects
 from backend.config import Settings
 from backend.jobstate import JobStateStore
@@ -134,6 +134,11 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     for unavailable in REDIS_UNAVAILABLE:
         app.add_exception_handler(unavailable, redis_down)
+
+    @app.exception_handler(BlobStoreUnavailable)
+    async def blob_store_down(_request, exc: BlobStoreUnavailable):
+        log.warning("blob store unavailable: %s", exc)
+        return _error(503, f"the blob store is unavailable ({exc}): try again shortly")
 
 
 def _ops_routes(app: FastAPI, client: Redis, metrics: ApiMetrics) -> None:

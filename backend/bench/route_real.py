@@ -20,7 +20,7 @@ import numpy as np
 from PIL import Image
 
 from backend.bench.trace import poisson_trace
-from backend.blobs import BlobStore
+from backend.blobs.factory import open_blob_store
 from backend.config import Settings
 from backend.dispatch.router import POLICIES
 from backend.imaging.masks import synthetic_mask
@@ -118,7 +118,7 @@ def run_real_route_bench(cfg: RealRouteConfig, settings: Settings, progress=prin
 
     url, server = connect_or_start(settings.redis.url, settings.paths.data_dir)
     settings = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": url})})
-    client, blobs = Redis.from_url(url), BlobStore(settings.paths.data_dir / "blobs")
+    client, blobs = Redis.from_url(url), open_blob_store(settings)
     jobstate, app = JobStateStore(client), make_celery(settings)
     trace = poisson_trace(cfg.rps, cfg.duration_s, cfg.num_templates, cfg.mask_mean, seed=cfg.seed)
     refs = (

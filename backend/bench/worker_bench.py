@@ -30,6 +30,7 @@ from tqdm import tqdm
 from backend import protocol
 from backend.bench.trace import TraceRequest, poisson_trace
 from backend.blobs import BlobStore
+from backend.blobs.factory import open_blob_store
 from backend.cache import TieredActivationCache
 from backend.config import Settings
 from backend.engine.factory import CPU_STAGES, build_engine, edit_params
@@ -297,7 +298,7 @@ class _TimedStages:
 def run_worker_bench(cfg: BenchConfig, settings: Settings) -> list[ModeResult]:
     torch.set_num_threads(1)
     engine = build_engine(settings, cfg.model_id)
-    blobs = BlobStore(settings.paths.data_dir / "blobs")
+    blobs = open_blob_store(settings)
     trace = poisson_trace(
         cfg.rps,
         cfg.duration_s,

@@ -68,6 +68,7 @@ from backend.bench.worker_bench import (
     template_caches,
 )
 from backend.blobs import BlobStore
+from backend.blobs.factory import open_blob_store
 from backend.config import Settings
 from backend.engine.factory import build_engine
 from backend.protocol import PreparedJob, ServiceLevel
@@ -392,7 +393,7 @@ def run_worker_deadline_bench(
 
     torch.set_num_threads(1)  # the worker's thread, as ``bench worker``; the other core is left
     engine = build_engine(settings, cfg.model_id)
-    blobs = BlobStore(settings.paths.data_dir / "blobs")
+    blobs = open_blob_store(settings)
     bench = _Bench(cfg, settings, engine, blobs, CpuStages(settings, engine, blobs=blobs))
     bench.calibration = cal = calibrate(bench)
     bench.targets_s = targets_s = cfg.targets_s(cal.service_s)

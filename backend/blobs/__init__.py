@@ -5,7 +5,14 @@
 its settings (``paths.blob_url``). Design notes: docs/design/blobs.md.
 """
 
-from backend.blobs.objects import BlobError, BlobMissing, LocalObjects, ObjectStore, StoredObject
+from backend.blobs.objects import (
+    BlobError,
+    BlobMissing,
+    BlobStoreUnavailable,
+    LocalObjects,
+    ObjectStore,
+    StoredObject,
+)
 from backend.blobs.store import JOB_BLOB_NAMES, KINDS, BlobStore, job_blob_name, job_blob_refs
 
 __all__ = [
@@ -13,6 +20,7 @@ __all__ = [
     "KINDS",
     "BlobError",
     "BlobMissing",
+    "BlobStoreUnavailable",
     "BlobStore",
     "LocalObjects",
     "ObjectStore",

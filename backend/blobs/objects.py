@@ -16,7 +16,8 @@ Invariants, on both back ends:
 * an object's modification time is its last write or ``touch``; ``delete_if_unchanged`` deletes
   only while it is still the time a listing saw (the janitor's guard against a blob reused since);
 * reading a missing object raises ``BlobMissing`` (a ``FileNotFoundError`` and a ``BlobError``);
-  a malformed key raises ``BlobError`` before anything is touched.
+  a malformed key raises ``BlobError`` before anything is touched; a store that cannot answer
+  raises ``BlobStoreUnavailable`` (an object store; a local disk raises its ``OSError``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ class BlobError(ValueError):
 
 class BlobMissing(BlobError, FileNotFoundError):
     """The object is not stored (expired, deleted, or never written)."""
+
+
+class BlobStoreUnavailable(RuntimeError):
+    """The store did not answer as it should (unreachable, refused credentials, no such bucket):
+    the deployment's to fix, not the caller's; the request may be tried again."""
 
 
 @dataclass(frozen=True)

@@ -27,17 +27,20 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
-from botocore.exceptions import ClientError
+from boto3.exceptions import S3UploadFailedError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from backend.atomic import atomic_path
-from backend.blobs.objects import BlobMissing, ObjectStore, StoredObject, check_key
+from backend.blobs.objects import (
+    BlobMissing,
+    BlobStoreUnavailable,
+    ObjectStore,
+    StoredObject,
+    check_key,
+)
 
 LOCAL_COPIES_BYTES = 2 * 2**30  # this host's downloaded copies (served results, adapters) kept
 _MISSING = ("404", "NoSuchKey", "NotFound")
-
-
-def _missing(exc: ClientError) -> bool:
-    return str(exc.response.get("Error", {}).get("Code")) in _MISSING
 
 
 def _seconds(when) -> float:
@@ -66,29 +69,35 @@ class S3Objects(ObjectStore):
     def _key(self, key: str) -> str:
         return self.prefix + check_key(key)
 
-    def _gone(self, key: str) -> BlobMissing:
-        return BlobMissing(f"blob {key} does not exist (expired or never written)")
+    @contextmanager
+    def _answers(self, key: str) -> Iterator[None]:
+        """boto3's errors as the interface's: a missing object is BlobMissing, anything else
+        (unreachable, refused credentials, no such bucket) BlobStoreUnavailable."""
+        try:
+            yield
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code"))
+            if code in _MISSING:
+                raise BlobMissing(f"blob {key} does not exist (expired or never written)") from None
+            raise BlobStoreUnavailable(
+                f"the object store refused a request for {key} in {self!r}: {code}"
+            ) from exc
+        except (BotoCoreError, S3UploadFailedError) as exc:
+            raise BlobStoreUnavailable(f"the object store of {self!r} failed: {exc}") from exc
 
     def _head(self, key: str) -> dict:
-        try:
+        with self._answers(key):
             return self.client.head_object(Bucket=self.bucket, Key=self._key(key))
-        except ClientError as exc:
-            if _missing(exc):
-                raise self._gone(key) from None
-            raise
 
     def put(self, key: str, data: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+        with self._answers(key):
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
 
     def get(self, key: str) -> bytes:
-        try:
+        with self._answers(key):
             answer = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
-        except ClientError as exc:
-            if _missing(exc):
-                raise self._gone(key) from None
-            raise
-        with contextlib.closing(answer["Body"]) as body:
-            return body.read()
+            with contextlib.closing(answer["Body"]) as body:
+                return body.read()
 
     def exists(self, key: str) -> bool:
         try:
@@ -98,11 +107,12 @@ class S3Objects(ObjectStore):
         return True
 
     def delete(self, key: str) -> None:
-        self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+        with self._answers(key):
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
     def touch(self, key: str) -> None:
         full = self._key(key)
-        try:
+        with self._answers(key):
             self.client.copy_object(
                 Bucket=self.bucket,
                 Key=full,
@@ -110,20 +120,17 @@ class S3Objects(ObjectStore):
                 Metadata={"touched-at": f"{time.time():.6f}"},
                 MetadataDirective="REPLACE",  # a copy onto itself must change something
             )
-        except ClientError as exc:
-            if _missing(exc):
-                raise self._gone(key) from None
-            raise
 
     def listing(self, folder: str) -> Iterator[StoredObject]:
         start = self._key(folder) + "/"
         pages = self.client.get_paginator("list_objects_v2").paginate(
             Bucket=self.bucket, Prefix=start, Delimiter="/"
         )
-        for page in pages:
-            for item in page.get("Contents", ()):
-                key = item["Key"][len(self.prefix) :]
-                yield StoredObject(key, int(item["Size"]), _seconds(item["LastModified"]))
+        with self._answers(folder):
+            for page in pages:
+                for item in page.get("Contents", ()):
+                    key = item["Key"][len(self.prefix) :]
+                    yield StoredObject(key, int(item["Size"]), _seconds(item["LastModified"]))
 
     def delete_if_unchanged(self, key: str, modified_at: float) -> bool:
         try:
@@ -150,7 +157,8 @@ class S3Objects(ObjectStore):
         full, tmp = self._key(key), self._temporary(key)
         try:
             yield tmp
-            self.client.upload_file(str(tmp), self.bucket, full)
+            with self._answers(key):
+                self.client.upload_file(str(tmp), self.bucket, full)
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -164,12 +172,8 @@ class S3Objects(ObjectStore):
             tmp.unlink(missing_ok=True)
 
     def _download(self, key: str, target: Path) -> None:
-        try:
+        with self._answers(key):
             self.client.download_file(self.bucket, self._key(key), str(target))
-        except ClientError as exc:
-            if _missing(exc):
-                raise self._gone(key) from None
-            raise
 
     def local_path(self, key: str) -> Path:
         self._head(key)  # deleted (expired) objects are not served from an old copy

@@ -34,7 +34,7 @@ from celery.signals import worker_process_init
 from redis import Redis
 
 from backend import protocol
-from backend.blobs import BlobError
+from backend.blobs import BlobError, BlobStoreUnavailable
 from backend.config import Settings
 from backend.imaging.masks import MaskError
 from backend.imaging.uploads import UploadError
@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 
 PREPARED_MAXLEN = 100_000
 USER_ERRORS = (UploadError, MaskError, BlobError, ProtocolError, ValueError)
-TRANSIENT_ERRORS = (*REDIS_UNAVAILABLE, ConnectionError, TimeoutError)
+TRANSIENT_ERRORS = (*REDIS_UNAVAILABLE, ConnectionError, TimeoutError, BlobStoreUnavailable)
 MAX_RETRIES = 5  # of a task after a transient error (then its job fails)
 RETRY_BACKOFF_MAX_S = 30
 
