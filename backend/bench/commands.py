@@ -45,9 +45,42 @@ def cmd_bench_engine(args, settings: Settings) -> int:
             f"{r.model:18s} {r.mode:6s} m={r.mask_ratio:<5} ordinary {r.ordinary_s:7.3f}s  "
             f"mask-aware {r.maskaware_s:7.3f}s  speedup {r.speedup:5.2f}x "
             f"(ideal {r.ideal_speedup:5.2f}x)  ssim {r.ssim:.3f} psnr {r.psnr:.1f}"
+            + (
+                f"  peak GPU {r.ordinary_peak_gpu_bytes / 2**30:.2f} / "
+                f"{r.maskaware_peak_gpu_bytes / 2**30:.2f} GiB"
+                if r.maskaware_peak_gpu_bytes
+                else ""
+            )
         )
     print(f"wrote {args.json} and {plot}")
     return 0
+
+
+def cmd_bench_exactness(args, settings: Settings) -> int:
+    from backend.bench.exactness import CHECKED_DTYPES, run_exactness, write_records
+    from backend.engine.factory import DTYPES
+
+    dtypes = args.dtypes.split(",")
+    for dtype in dtypes:
+        if dtype not in CHECKED_DTYPES:
+            raise ValueError(f"--dtypes: {dtype!r} is none of {', '.join(CHECKED_DTYPES)}")
+    records = []
+    for dtype in dtypes:
+        records += run_exactness(
+            settings.paths.resolved_models_dir(),
+            settings.paths.resolved_cache_dir() / "exactness",
+            device=settings.engine.device,
+            dtype=DTYPES[dtype],
+        )
+    write_records(records, Path(args.json))
+    for r in records:
+        verdict = ("ok, " if r.within_tolerance else "OVER ") + f"bound {r.tolerance:.3g}"
+        print(
+            f"{r.model:18s} {r.dtype:8s} {r.check:18s} {r.mode:6s} max |diff| "
+            f"{r.max_abs_diff:.3g} (latents up to {r.reference_max_abs:.3g}) {verdict}"
+        )
+    print(f"wrote {args.json}")
+    return 0 if all(r.within_tolerance for r in records) else 1
 
 
 def cmd_bench_demo(args, settings: Settings) -> int:
@@ -234,6 +267,16 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
         "--device", default=None, help="cpu or cuda[:N] (default: MASKSERVE_DEVICE or cpu)"
     )
     engine.set_defaults(func=cmd_bench_engine)
+
+    exactness = bench_sub.add_parser(
+        "exactness", help="mask-aware vs ordinary latents of the tiny models on a device and dtype"
+    )
+    exactness.add_argument("--dtypes", default="float32,bfloat16")
+    exactness.add_argument("--json", required=True)
+    exactness.add_argument(
+        "--device", default=None, help="cpu or cuda[:N] (default: MASKSERVE_DEVICE or cpu)"
+    )
+    exactness.set_defaults(func=cmd_bench_exactness)
 
     demo = bench_sub.add_parser(
         "demo", help="does the model paint the prompt; mask-aware vs ordinary on held-out scenes"

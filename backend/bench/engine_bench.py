@@ -12,6 +12,7 @@ both.
 from __future__ import annotations
 
 import json
+import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -43,30 +44,49 @@ class EngineBenchRecord:
     steps: int
     resolution: int
     device: str
+    device_name: str  # the GPU's name on CUDA, else the processor's architecture
+    dtype: str
     ordinary_s: float
     maskaware_s: float
     speedup: float
     ideal_speedup: float
     cache_bytes: int
+    # peak GPU memory allocated during one edit (weights included; 0 off CUDA)
+    ordinary_peak_gpu_bytes: int
+    maskaware_peak_gpu_bytes: int
     ssim: float
     psnr: float
     ssim_masked: float
     psnr_masked: float
 
 
-def _interleaved(runs: dict, repeats: int, warm_up: bool) -> tuple[dict[str, float], dict]:
-    """Median seconds of each run, the runs taking turns so that machine noise hits all alike."""
+def _interleaved(
+    runs: dict, repeats: int, warm_up: bool, device: str
+) -> tuple[dict[str, float], dict, dict[str, int]]:
+    """Median seconds of each run, the runs taking turns so that machine noise hits all alike;
+    their outputs; and on CUDA the peak GPU bytes allocated during each run (0 elsewhere)."""
     if warm_up:
         for run in runs.values():
             run()  # allocator, thread pools, page cache; verifies the cache files' checksums once
+    cuda = device.startswith("cuda")
     times: dict[str, list[float]] = {name: [] for name in runs}
-    outputs = {}
+    outputs, peaks = {}, dict.fromkeys(runs, 0)
     for _ in range(repeats):
         for name, run in runs.items():
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
             started = time.perf_counter()
-            outputs[name] = run()
+            outputs[name] = run()  # returns a decoded image: the device work has finished
             times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(values) for name, values in times.items()}, outputs
+            if cuda:
+                peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated(device))
+    return {name: statistics.median(values) for name, values in times.items()}, outputs, peaks
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    return f"{platform.machine()} cpu"
 
 
 def _quality(image: Image.Image, reference: Image.Image, pixels: np.ndarray) -> dict[str, float]:
@@ -139,7 +159,7 @@ def run_engine_bench(
             runs[mode] = lambda p=params, c=cache, m=mask: engine.edit(
                 template, m, PROMPT, seed, p, cache=c
             )
-        seconds, outputs = _interleaved(runs, repeats, warm_up=not records)
+        seconds, outputs, peaks = _interleaved(runs, repeats, not records, device)
         reference = paste_back(outputs["ordinary"], template, pixels.astype(np.float32))
         if dense_flops is None:
             dense_flops = _step_flops(engine, template, mask, ordinary_params, None)
@@ -154,6 +174,8 @@ def run_engine_bench(
                     steps=steps,
                     resolution=size,
                     device=device,
+                    device_name=device_name(device),
+                    dtype=str(dtype).removeprefix("torch."),
                     ordinary_s=seconds["ordinary"],
                     maskaware_s=seconds[mode],
                     speedup=seconds["ordinary"] / seconds[mode],
@@ -162,6 +184,8 @@ def run_engine_bench(
                         engine, template, mask, params, cache if result.used_cache else None
                     ),
                     cache_bytes=cache.bytes_total,
+                    ordinary_peak_gpu_bytes=peaks["ordinary"],
+                    maskaware_peak_gpu_bytes=peaks[mode],
                     **_quality(result.image, reference, pixels),
                 )
             )
@@ -206,7 +230,8 @@ def write_outputs(records: list[EngineBenchRecord], json_path: Path) -> Path:
     ax.set_ylabel("speedup vs ordinary pipeline")
     ax.set_yscale("log")
     ax.legend(fontsize=7)
-    ax.set_title("MaskServe engine: mask-aware edit speedup")
+    machines = ", ".join(sorted({f"{r.device_name} {r.dtype}" for r in records}))
+    ax.set_title(f"MaskServe engine: mask-aware edit speedup ({machines})", fontsize=9)
     fig.tight_layout()
     plot_path = json_path.with_suffix(".png")
     fig.savefig(plot_path, dpi=120)

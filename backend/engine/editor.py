@@ -51,6 +51,7 @@ from backend.engine.families import (
     UnitLayout,
 )
 from backend.engine.feeder import MODE_TENSORS, BatchCacheFeeder, RowCacheRef
+from backend.engine.host import to_device
 from backend.engine.lora import ResidentAdapters, RowAdapters
 from backend.engine.prepared import PreparedRequest
 from backend.engine.stepping import batched_step, guide_all
@@ -319,7 +320,8 @@ class MaskAwareEngine:
             adapters=tuple(adapters),
         )
         if not dense:
-            state.cache, state.trajectory = cache, cache.trajectory("latents").to(req.init_latents)
+            trajectory = to_device(cache.trajectory("latents"), req.init_latents.device)
+            state.cache, state.trajectory = cache, trajectory.to(req.init_latents.dtype)
             state.latents = torch.where(state.fresh, req.init_latents, state.trajectory[0:1])
         elif prepared.template_latents is not None:
             state.latents = torch.where(state.fresh, req.init_latents, prepared.template_latents)
@@ -343,12 +345,9 @@ class MaskAwareEngine:
         )
 
     def _fresh(self, tokens: np.ndarray, req: RequestTensors) -> torch.Tensor:
-        fresh = torch.from_numpy(tokens).to(req.init_latents.device)
-        return (
-            fresh.reshape(1, 1, *tokens.shape)
-            if req.init_latents.dim() == 4
-            else fresh.reshape(1, -1, 1)
-        )
+        fresh = to_device(torch.from_numpy(tokens), req.init_latents.device)
+        shape = (1, 1, *tokens.shape) if req.init_latents.dim() == 4 else (1, -1, 1)
+        return fresh.reshape(shape)
 
     def _token_mask_fn(self, pixels: np.ndarray, margin: int):
         memo: dict[tuple[int, int], torch.Tensor] = {}

@@ -278,6 +278,11 @@ def _image_grid(img_ids: torch.Tensor, txt_ids: torch.Tensor, num_tokens: int) -
             "the mask-aware Flux forward takes 2-D img_ids and txt_ids (one row of ids per token; "
             "diffusers deprecated the 3-D form): drop the batch dimension"
         )
+    # A request passes the same ids at every step: checking them reads them back to the host (a
+    # wait for the GPU), so a checked tensor remembers its grid until it is written to.
+    checked = getattr(img_ids, "_maskserve_grid", None)
+    if checked is not None and checked[0] == img_ids._version and img_ids.shape[0] == num_tokens:
+        return checked[1]
     grid = (int(img_ids[:, 1].max()) + 1, int(img_ids[:, 2].max()) + 1)
     rows = torch.arange(grid[0], device=img_ids.device).repeat_interleave(grid[1])
     cols = torch.arange(grid[1], device=img_ids.device).repeat(grid[0])
@@ -288,6 +293,7 @@ def _image_grid(img_ids: torch.Tensor, txt_ids: torch.Tensor, num_tokens: int) -
             f"grid with one row per image token ({num_tokens}), as FluxFillPipeline builds them: "
             "the mask-aware forward maps token masks onto that grid. " + RUN_ORDINARY
         )
+    img_ids._maskserve_grid = (img_ids._version, grid)
     return grid
 
 

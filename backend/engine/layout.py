@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.engine.host import to_device_together
+
 
 @dataclass(frozen=True)
 class RowLayout:
@@ -74,18 +76,22 @@ def make_layout(row_masks: list[torch.Tensor], device: torch.device | str = "cpu
     for row, mask in enumerate(row_masks):
         if mask.numel() != num_tokens:
             raise ValueError("all rows of a layout must share one token grid")
-        idx = torch.nonzero(mask.reshape(-1).to(device), as_tuple=False).reshape(-1)
+        # on the host: a nonzero on the GPU would wait for the GPU (its result size is data)
+        idx = torch.nonzero(mask.reshape(-1).cpu(), as_tuple=False).reshape(-1)
         indices.append(idx)
         offsets.append(offsets[-1] + int(idx.numel()))
         flat.append(idx + row * num_tokens)
         rows.append(torch.full_like(idx, row))
     is_full = offsets[-1] == num_tokens * len(row_masks)
+    *indices, flat_index, row_of_token = to_device_together(
+        [*indices, torch.cat(flat), torch.cat(rows)], device
+    )
     return RowLayout(
         num_tokens,
         tuple(indices),
         tuple(offsets),
-        torch.cat(flat),
-        torch.cat(rows),
+        flat_index,
+        row_of_token,
         is_full,
         _runs(row_masks),
     )

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from backend.engine.host import to_device
+
 _EULER = "EulerDiscreteScheduler"
 _FLOW = "FlowMatchEulerDiscreteScheduler"
 
@@ -35,7 +37,7 @@ def guide_all(
         raise ValueError(f"guidance needs 1 or 2 halves per request, got {sorted(set(halves))}")
     pairs = prediction.view(len(halves), 2, *prediction.shape[1:])
     uncond, cond = pairs[:, 0], pairs[:, 1]
-    scale = torch.tensor(guidance, dtype=prediction.dtype, device=prediction.device)
+    scale = to_device(torch.tensor(guidance, dtype=prediction.dtype), prediction.device)
     return uncond + scale.view(-1, *[1] * (prediction.dim() - 1)) * (cond - uncond)
 
 
@@ -67,7 +69,8 @@ def _supported(schedulers: Sequence) -> str | None:
 
 def _sigmas(schedulers: Sequence, offset: int, like: torch.Tensor) -> torch.Tensor:
     values = torch.stack([s.sigmas[s.step_index + offset] for s in schedulers])
-    return values.to(device=like.device, dtype=torch.float32).view(-1, *[1] * (like.dim() - 1))
+    on_device = to_device(values.to(torch.float32), like.device)
+    return on_device.view(-1, *[1] * (like.dim() - 1))
 
 
 def batched_step(

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The GPU checks of shared/GPU.md that fit one short lease, in its order: CUDA exactness (step 1),
+# engine speed of the full-size UNet architectures (step 2) and their cost profiles (step 3).
+# Runs from the repository root on a CUDA machine whose python3 has torch; the project's other
+# dependencies come as wheels in .whl/ (docs/bench/gpu-h200.md lists them). Results land in
+# $RESULTS (default /tmp/gpu-results) and, packed after every step, in $OUT/results.tgz when OUT
+# is set, so a run cut short still returns what it finished.
+set -u
+RESULTS=${RESULTS:-/tmp/gpu-results}
+mkdir -p "$RESULTS/profiles"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:.
+else
+    export PYTHONPATH=.
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 MASKSERVE_DATA_DIR=${MASKSERVE_DATA_DIR:-/tmp/maskserve}
+MS="python3 -m backend.cli"
+
+pack() {
+    [ -n "${OUT:-}" ] && tar czf "$OUT/results.tgz" -C "$RESULTS" .
+}
+
+step() {  # step NAME SECONDS COMMAND...: one check, its log kept, results packed after it
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name ($(date -u +%T))"
+    local started=$SECONDS
+    timeout "$limit" "$@" >"$RESULTS/$name.log" 2>&1
+    echo "=== $name: exit $? after $((SECONDS - started)) s"
+    grep -vE "it/s\]|s/it\]|Warning|warn\(|^ *$" "$RESULTS/$name.log" | tail -n 40
+    pack
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+    nproc
+    free -g | head -2
+    df -h /tmp | tail -1
+} >"$RESULTS/device.txt" 2>&1
+cat "$RESULTS/device.txt"
+
+# 1. Correctness: the engine's exactness checks on cuda (float32 without TF32, bfloat16)
+step exactness 180 $MS bench exactness --device cuda --json "$RESULTS/exactness-cuda.json"
+# 2. Engine speed: arch-sd2-inpaint at 512 px, arch-sdxl-inpaint at 1024 px, bfloat16
+export MASKSERVE_DTYPE=bfloat16
+step engine-arch-sd2-inpaint 200 $MS bench engine --device cuda --model arch-sd2-inpaint \
+    --steps 20 --repeats 3 --json "$RESULTS/engine-arch-sd2-inpaint-cuda.json"
+# 3. Cost profiles (both modes), beside the engine run that reads the same model
+step profile-arch-sd2-inpaint 120 $MS profile --device cuda --model arch-sd2-inpaint \
+    --out-dir "$RESULTS/profiles"
+rm -rf "$MASKSERVE_DATA_DIR/template_cache" "$MASKSERVE_DATA_DIR/models/arch-sd2-inpaint"
+step engine-arch-sdxl-inpaint 300 $MS bench engine --device cuda --model arch-sdxl-inpaint \
+    --steps 10 --repeats 2 --json "$RESULTS/engine-arch-sdxl-inpaint-cuda.json"
+rm -rf "$MASKSERVE_DATA_DIR/template_cache"
+step profile-arch-sdxl-inpaint 150 $MS profile --device cuda --model arch-sdxl-inpaint \
+    --out-dir "$RESULTS/profiles"
+unset MASKSERVE_DTYPE
+# 1 (continued). The gpu-marked tests: pinned cache tiers, the side-stream feeder, adapters
+step pytest-gpu 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_engine_cuda.py \
+    tests/test_cache_store.py tests/test_profile_planner.py tests/test_worker_adapters.py
+echo "=== done ($(date -u +%T))"
