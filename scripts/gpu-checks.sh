@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks of shared/GPU.md that fit one short lease, in its order: CUDA exactness (step 1),
-# engine speed of the full-size UNet architectures (step 2) and their cost profiles (step 3).
+# The GPU checks of shared/GPU.md that fit short leases: CUDA exactness (step 1), engine speed of the
+# full-size architectures (step 2) and their cost profiles (step 3). `bash scripts/gpu-checks.sh
+# [CHECK ...]` runs the named checks (see the case below), or all of them in order.
 # Runs from the repository root on a CUDA machine whose python3 has torch; the project's other
 # dependencies come as wheels in .whl/ (docs/bench/gpu-h200.md lists them). Results land in
 # $RESULTS (default /tmp/gpu-results) and, packed after every step, in $OUT/results.tgz when OUT
@@ -42,23 +43,40 @@ step() {  # step NAME SECONDS COMMAND...: one check, its log kept, results packe
 } >"$RESULTS/device.txt" 2>&1
 cat "$RESULTS/device.txt"
 
-# 1. Correctness: the engine's exactness checks on cuda (float32 without TF32, bfloat16)
-step exactness 180 $MS bench exactness --device cuda --json "$RESULTS/exactness-cuda.json"
-# 2. Engine speed: arch-sd2-inpaint at 512 px, arch-sdxl-inpaint at 1024 px, bfloat16
-export MASKSERVE_DTYPE=bfloat16
-step engine-arch-sd2-inpaint 200 $MS bench engine --device cuda --model arch-sd2-inpaint \
-    --steps 20 --repeats 3 --json "$RESULTS/engine-arch-sd2-inpaint-cuda.json"
-# 3. Cost profiles (both modes), beside the engine run that reads the same model
-step profile-arch-sd2-inpaint 120 $MS profile --device cuda --model arch-sd2-inpaint \
-    --out-dir "$RESULTS/profiles"
-rm -rf "$MASKSERVE_DATA_DIR/template_cache" "$MASKSERVE_DATA_DIR/models/arch-sd2-inpaint"
-step engine-arch-sdxl-inpaint 300 $MS bench engine --device cuda --model arch-sdxl-inpaint \
-    --steps 10 --repeats 2 --json "$RESULTS/engine-arch-sdxl-inpaint-cuda.json"
-rm -rf "$MASKSERVE_DATA_DIR/template_cache"
-step profile-arch-sdxl-inpaint 150 $MS profile --device cuda --model arch-sdxl-inpaint \
-    --out-dir "$RESULTS/profiles"
-unset MASKSERVE_DTYPE
-# 1 (continued). The gpu-marked tests: pinned cache tiers, the side-stream feeder, adapters
-step pytest-gpu 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_engine_cuda.py \
-    tests/test_cache_store.py tests/test_profile_planner.py tests/test_worker_adapters.py
+# Each check by name; no names: all, in this order (shared/GPU.md's).
+CHECKS=("$@")
+[ ${#CHECKS[@]} -eq 0 ] && CHECKS=(exactness engine-sd2 profile-sd2 engine-sdxl profile-sdxl \
+    engine-flux pytest-gpu)
+export MASKSERVE_DTYPE=bfloat16  # the engine runs; exactness and pytest choose their own dtypes
+for check in "${CHECKS[@]}"; do
+    case $check in
+    exactness)  # 1. the engine's exactness checks on cuda (float32 without TF32, bfloat16)
+        step exactness 180 $MS bench exactness --device cuda --json "$RESULTS/exactness-cuda.json" ;;
+    engine-sd2)  # 2. engine speed: arch-sd2-inpaint at 512 px
+        step engine-arch-sd2-inpaint 200 $MS bench engine --device cuda --model arch-sd2-inpaint \
+            --steps 20 --repeats 3 --json "$RESULTS/engine-arch-sd2-inpaint-cuda.json" ;;
+    profile-sd2)  # 3. its cost profiles (both modes)
+        step profile-arch-sd2-inpaint 120 $MS profile --device cuda --model arch-sd2-inpaint \
+            --out-dir "$RESULTS/profiles" ;;
+    engine-sdxl)  # 2. arch-sdxl-inpaint at 1024 px; 10 steps: its two caches are 13 GB
+        step engine-arch-sdxl-inpaint 300 $MS bench engine --device cuda \
+            --model arch-sdxl-inpaint --steps 10 --repeats 2 \
+            --json "$RESULTS/engine-arch-sdxl-inpaint-cuda.json" ;;
+    profile-sdxl)
+        step profile-arch-sdxl-inpaint 150 $MS profile --device cuda \
+            --model arch-sdxl-inpaint --out-dir "$RESULTS/profiles" ;;
+    engine-flux)  # 2. arch-flux-fill at 1024 px, built in memory (68 GB as float32 files)
+        rm -rf "$MASKSERVE_DATA_DIR"/models/arch-*  # its caches need the disk
+        step engine-arch-flux-fill 540 $MS bench engine --device cuda --model arch-flux-fill \
+            --in-memory --steps 8 --repeats 2 --json "$RESULTS/engine-arch-flux-fill-cuda.json" ;;
+    pytest-gpu)  # 1. the gpu-marked tests: pinned tiers, side-stream feeder, adapters, exactness
+        step pytest-gpu 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
+            tests/test_engine_cuda.py tests/test_host_copies.py tests/test_cache_store.py \
+            tests/test_profile_planner.py tests/test_worker_adapters.py ;;
+    *)
+        echo "unknown check $check" >&2
+        exit 2 ;;
+    esac
+    rm -rf "$MASKSERVE_DATA_DIR/template_cache"  # the next check's caches need the disk
+done
 echo "=== done ($(date -u +%T))"

@@ -342,3 +342,15 @@ def test_tokenizers_are_deterministic_and_offline():
     )
     # all of ASCII
     assert t5.unk_token_id not in t5("A Photo of a CAT, 3 dogs & (one) bird?").input_ids
+
+
+def test_an_in_memory_build_has_the_saved_builds_weights_and_writes_nothing(models_dir, tmp_path):
+    saved = load_pipeline("tiny-flux-fill", models_dir, dtype=torch.bfloat16)
+    built = load_pipeline("tiny-flux-fill", tmp_path, dtype=torch.bfloat16, in_memory=True)
+    assert not any(tmp_path.iterdir())
+    for name in ("transformer", "vae", "text_encoder", "text_encoder_2"):
+        ours, theirs = getattr(built, name).state_dict(), getattr(saved, name).state_dict()
+        assert ours.keys() == theirs.keys()
+        assert all(
+            ours[k].dtype == torch.bfloat16 and torch.equal(ours[k], theirs[k]) for k in ours
+        )

@@ -38,6 +38,7 @@ def cmd_bench_engine(args, settings: Settings) -> int:
         resolution=args.size,
         device=settings.engine.device,
         dtype=DTYPES[settings.engine.dtype],
+        in_memory=args.in_memory,
     )
     plot = write_outputs(records, Path(args.json))
     for r in records:
@@ -265,6 +266,12 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     engine.add_argument("--json", required=True)
     engine.add_argument(
         "--device", default=None, help="cpu or cuda[:N] (default: MASKSERVE_DEVICE or cpu)"
+    )
+    engine.add_argument(
+        "--in-memory",
+        action="store_true",
+        help="build a built model (tiny, small, arch) without saving it (arch-flux-fill's float32 "
+        "files are 68 GB)",
     )
     engine.set_defaults(func=cmd_bench_engine)
 

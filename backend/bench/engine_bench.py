@@ -119,10 +119,11 @@ def run_engine_bench(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = 1,
+    in_memory: bool = False,
 ) -> list[EngineBenchRecord]:
     spec = resolve_model(model_id)
     size = resolution or spec.default_resolution
-    pipe = load_pipeline(model_id, models_dir, device=device, dtype=dtype)
+    pipe = load_pipeline(model_id, models_dir, device=device, dtype=dtype, in_memory=in_memory)
     engine = MaskAwareEngine(pipe, spec, cache_dir)
     template = sample_template(size, size, seed=7)
     records: list[EngineBenchRecord] = []

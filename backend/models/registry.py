@@ -147,8 +147,13 @@ def load_pipeline(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     components: Collection[str] | None = None,
+    in_memory: bool = False,
 ):
     """The diffusers pipeline of ``model_id`` on ``device``, loaded with ``from_pretrained``.
+
+    ``in_memory``: a built form (tiny, small, arch) is built and moved to ``device`` without
+    being saved (every part; ``components`` is ignored): the same weights as the saved build, for
+    models whose float32 files would not fit the disk (arch-flux-fill: 68 GB).
 
     ``components``: the names of the parts to load (e.g. ``{"unet", "scheduler"}``); every other
     part of the checkpoint is ``None`` on the pipeline and never read from disk. ``None`` loads
@@ -159,6 +164,12 @@ def load_pipeline(
     the built forms: its steps add no noise, so an edit is a function of its inputs and seed.
     """
     spec = resolve_model(model_id)
+    if in_memory and spec.form != "checkpoint":
+        from backend.models.builders import build_pipeline
+
+        pipe = build_pipeline(spec).to(device, dtype)  # float32 on the host, as materialize saves
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
     path = materialize(model_id, models_dir)
     loader = pipeline_class(spec.family)
     restore = quiet_libraries()
