@@ -115,6 +115,13 @@ def cmd_profile(args, settings: Settings) -> int:
             f"{profile.compute.intercept * 1e3:.3f} ms), "
             f"load R^2 {profile.load.r2:.4f} ({profile.load.slope * 1e9:.4f} s/GB) -> {path}"
         )
+        if profile.compute_is_flat:
+            print(
+                f"warning: {spec.model_id} {mode}: unit time does not follow FLOPs at {size} px "
+                "on this device (kernel launches or host overhead bound the units), so the "
+                "planner will find no time in skipping compute there",
+                file=sys.stderr,
+            )
     return 0
 
 

@@ -194,6 +194,7 @@ def test_build_profile_fits_both_lines():
         [(b, 1e-9 * b + 1e-5) for b in (1e5, 1e6, 1e7)],
     )
     assert profile.compute.slope == pytest.approx(2e-12) and profile.load.r2 == pytest.approx(1.0)
+    assert not profile.compute_is_flat
     assert profile.rest_seconds(4) == 0.0  # no step samples: the rest is unknown, 0
     with pytest.raises(ValueError, match="mode"):
         build_profile("m", "cpu", "sparse", UNITS, [], [])
@@ -220,3 +221,17 @@ def test_the_rest_of_a_step_is_fitted_per_row_and_read_as_0_from_older_profiles(
         CostProfile.from_json(
             json.dumps({**older, "step_rest": {"slope": "x", "intercept": 0, "r2": 1}})
         )
+
+
+@pytest.mark.parametrize(
+    "seconds",
+    [
+        lambda flops: 3e-3 + (1e-4 if flops in (4e9, 16e9) else 0.0),  # overhead, noise
+        lambda flops: 3e-3 - 1e-15 * flops,  # falls as the work grows
+    ],
+)
+def test_a_compute_line_that_does_not_follow_the_work_is_flat(seconds):
+    flops = [1e9, 4e9, 9e9, 16e9]
+    samples = [(f, seconds(f)) for f in flops]
+    profile = build_profile("m", "cuda", "kv", UNITS, samples, [(1e5, 1e-4), (1e6, 1e-3)])
+    assert profile.compute_is_flat

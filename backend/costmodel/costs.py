@@ -219,6 +219,9 @@ def batch_unit_costs(profile: CostProfile, rows: Sequence[RowWork]) -> list[Unit
     return out
 
 
+FLAT_R2 = 0.2  # below it, a compute line says more about overhead than about work
+
+
 @dataclass
 class CostProfile:
     """Fitted cost lines of one model on one device in one cache mode, with its unit shapes.
@@ -247,6 +250,13 @@ class CostProfile:
     @property
     def stack_ids(self) -> list[int]:
         return [u.stack_id for u in self.units]
+
+    @property
+    def compute_is_flat(self) -> bool:
+        """Unit time does not follow the work: it falls as FLOPs grow, or FLOPs explain less than
+        ``FLAT_R2`` of it. Then units are bound by kernel launches or host overhead at the
+        profiled size, and skipping compute saves no time there."""
+        return self.compute.slope <= 0 or self.compute.r2 < FLAT_R2
 
     def unit_costs(self, rows: Sequence[RowWork]) -> list[UnitCost]:
         return batch_unit_costs(self, rows)

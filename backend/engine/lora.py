@@ -146,8 +146,7 @@ class BatchLora:
     run is a slice of the input and of the output (views, no gather or scatter), and its delta is
     two matmuls added in place: ``y[run] += (scale * x[run] @ down.T) @ up.T``."""
 
-    def __init__(self, num_rows: int, slices: dict[int, list[_Slice]]):
-        self.num_rows = num_rows
+    def __init__(self, slices: dict[int, list[_Slice]]):
         self._slices = slices
         self._runs: dict[tuple[int, str], list[tuple[int, int, float]]] = {}
         self._segments: dict[tuple, Segments] = {}
@@ -176,7 +175,7 @@ class BatchLora:
             for name, pair in adapters[adapter_id].pairs.items():
                 module = targets[name]
                 slices.setdefault(id(module), []).append(_Slice(adapter_id, pair, tuple(row_scale)))
-        return cls(len(rows), slices)
+        return cls(slices)
 
     def touches(self, *modules: torch.nn.Module) -> bool:
         return any(id(m) in self._slices for m in modules)
