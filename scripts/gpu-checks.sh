@@ -46,7 +46,7 @@ cat "$RESULTS/device.txt"
 # Each check by name; no names: all, in this order (shared/GPU.md's).
 CHECKS=("$@")
 [ ${#CHECKS[@]} -eq 0 ] && CHECKS=(exactness engine-sd2 profile-sd2 engine-sdxl profile-sdxl \
-    engine-flux pytest-gpu)
+    engine-flux worker-sd2 pytest-gpu)
 export MASKSERVE_DTYPE=bfloat16  # the engine runs; exactness and pytest choose their own dtypes
 for check in "${CHECKS[@]}"; do
     case $check in
@@ -69,6 +69,13 @@ for check in "${CHECKS[@]}"; do
         rm -rf "$MASKSERVE_DATA_DIR"/models/arch-*  # its caches need the disk
         step engine-arch-flux-fill 540 $MS bench engine --device cuda --model arch-flux-fill \
             --in-memory --steps 8 --repeats 2 --json "$RESULTS/engine-arch-flux-fill-cuda.json" ;;
+    worker-sd2)  # 4. one worker under a Poisson trace: continuous, static and inline batching
+        (
+            export MASKSERVE_DEVICE=cuda  # the worker bench has no --device
+            step worker-arch-sd2-inpaint 420 $MS bench worker --model arch-sd2-inpaint --size 512 \
+                --steps 20 --templates 6 --ram-templates 6 --max-batch 8 --rps 4 --duration 30 \
+                --json "$RESULTS/worker-arch-sd2-inpaint-cuda.json"
+        ) ;;
     pytest-gpu)  # 1. the gpu-marked tests: pinned tiers, side-stream feeder, adapters, exactness
         step pytest-gpu 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
             tests/test_engine_cuda.py tests/test_host_copies.py tests/test_cache_store.py \
