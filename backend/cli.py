@@ -18,10 +18,10 @@ from backend.training.commands import add_train_parser
 log = logging.getLogger("maskserve")
 
 
-def _engine(settings: Settings, model_id: str | None = None):
+def _engine(settings: Settings, model_id: str | None = None, in_memory: bool = False):
     from backend.engine.factory import build_engine
 
-    engine = build_engine(settings, model_id)
+    engine = build_engine(settings, model_id, in_memory=in_memory)
     return engine, engine.spec
 
 
@@ -98,7 +98,7 @@ def cmd_profile(args, settings: Settings) -> int:
     from backend.costmodel.profiles import profile_path
     from backend.engine.profiler import measure_profile
 
-    engine, spec = _engine(settings, args.model)
+    engine, spec = _engine(settings, args.model, in_memory=args.in_memory)
     size = args.size or spec.default_resolution
     for mode in args.modes.split(","):
         profile = measure_profile(engine, mode, size, settings.engine.device, repeats=args.repeats)
@@ -279,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--size", type=int, default=None)
     profile.add_argument("--repeats", type=int, default=2)
     profile.add_argument("--out-dir", default=None, help="default: the settings' profiles_dir")
+    profile.add_argument(
+        "--in-memory", action="store_true", help="build a built model without saving it"
+    )
     profile.set_defaults(func=cmd_profile)
 
     worker = sub.add_parser("worker", help="run one engine worker (one per GPU) on its Redis inbox")

@@ -46,7 +46,7 @@ cat "$RESULTS/device.txt"
 # Each check by name; no names: all, in this order (shared/GPU.md's).
 CHECKS=("$@")
 [ ${#CHECKS[@]} -eq 0 ] && CHECKS=(exactness engine-sd2 profile-sd2 engine-sdxl profile-sdxl \
-    engine-flux worker-sd2 pytest-gpu)
+    engine-flux profile-flux worker-sd2 pytest-gpu)
 export MASKSERVE_DTYPE=bfloat16  # the engine runs; exactness and pytest choose their own dtypes
 for check in "${CHECKS[@]}"; do
     case $check in
@@ -76,6 +76,10 @@ for check in "${CHECKS[@]}"; do
                 --steps 20 --templates 6 --ram-templates 6 --max-batch 8 --rps 4 --duration 30 \
                 --json "$RESULTS/worker-arch-sd2-inpaint-cuda.json"
         ) ;;
+    profile-flux)  # 3. arch-flux-fill's cost profiles, built in memory again
+        rm -rf "$MASKSERVE_DATA_DIR"/models/arch-*
+        step profile-arch-flux-fill 420 $MS profile --device cuda --model arch-flux-fill \
+            --in-memory --out-dir "$RESULTS/profiles" ;;
     pytest-gpu)  # 1. the gpu-marked tests: pinned tiers, side-stream feeder, adapters, exactness
         step pytest-gpu 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
             tests/test_engine_cuda.py tests/test_host_copies.py tests/test_cache_store.py \

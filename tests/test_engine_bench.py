@@ -68,3 +68,13 @@ def test_exactness_refuses_an_unknown_dtype(tmp_path, capsys):
     assert main(["bench", "exactness", "--dtypes", "float8", "--json", str(tmp_path / "x")]) == 2
     assert "--dtypes: 'float8' is none of float32, bfloat16" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_profile_in_memory_writes_the_profile_and_no_model(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MASKSERVE_DATA_DIR", str(tmp_path / "data"))
+    out = tmp_path / "profiles"
+    argv = ["profile", "--model", "tiny-sd2-inpaint", "--size", "128", "--modes", "kv"]
+    assert main([*argv, "--repeats", "1", "--in-memory", "--out-dir", str(out)]) == 0
+    assert [p.name for p in out.iterdir()] == ["tiny-sd2-inpaint__cpu__kv.json"]
+    assert not (tmp_path / "data" / "models").exists()  # built in memory, never saved
+    assert "compute R^2" in capsys.readouterr().out

@@ -43,9 +43,11 @@ def build_engine(
     model_id: str | None = None,
     device: str | None = None,
     role: str = FULL,
+    in_memory: bool = False,
 ) -> MaskAwareEngine:
-    """Load the parts of the model that ``role`` runs (built offline on first use) and wrap them in
-    a mask-aware engine, with its planners when the role denoises."""
+    """Load the parts of the model that ``role`` runs (built offline on first use; with
+    ``in_memory`` a built form is built without saving, every part) and wrap them in a mask-aware
+    engine, with its planners when the role denoises."""
     if role not in ROLES:
         raise ValueError(f"unknown engine role {role!r}: use one of {', '.join(ROLES)}")
     spec = resolve_model(model_id or settings.engine.model_id)
@@ -56,6 +58,7 @@ def build_engine(
         device=device,
         dtype=DTYPES[settings.engine.dtype],
         components=ROLES[role],
+        in_memory=in_memory,
     )
     engine = MaskAwareEngine(pipe, spec, settings.paths.resolved_cache_dir())
     if role != CPU_STAGES:

@@ -167,7 +167,12 @@ def load_pipeline(
     if in_memory and spec.form != "checkpoint":
         from backend.models.builders import build_pipeline
 
-        pipe = build_pipeline(spec).to(device, dtype)  # float32 on the host, as materialize saves
+        restore = quiet_libraries()
+        try:  # float32 on the host, as materialize saves it, then moved (and cast) at once
+            pipe = build_pipeline(spec)
+            pipe = pipe.to(device) if dtype == torch.float32 else pipe.to(device, dtype)
+        finally:
+            restore()
         pipe.set_progress_bar_config(disable=True)
         return pipe
     path = materialize(model_id, models_dir)
