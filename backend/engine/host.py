@@ -5,7 +5,9 @@ waits until every kernel queued before it has run, the GPU's queue runs dry, and
 it start only as fast as Python launches them. In the middle of a denoising step that turns a
 compute-bound step into a launch-bound one. From pinned memory with ``non_blocking=True`` the copy
 is queued like a kernel instead; PyTorch's pinned-memory cache keeps the staging buffer alive until
-the copy has run, so the source may be dropped at once.
+the copy has run, so a pageable source may be dropped or changed at once. A source that is pinned
+already (a cache in the host-RAM tier) is copied from directly: it must not be written until the
+copy has run, and the engine never writes one.
 
 Invariant: the values arrive exactly as they are; only when the host learns of completion changes.
 """
