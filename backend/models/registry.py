@@ -165,17 +165,29 @@ def load_pipeline(
     """
     spec = resolve_model(model_id)
     if in_memory and spec.form != "checkpoint":
-        from backend.models.builders import build_pipeline
+        pipe = _built_in_memory(spec, device, dtype)
+    else:
+        pipe = _loaded(spec, models_dir, device, dtype, components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
-        restore = quiet_libraries()
-        try:  # float32 on the host, as materialize saves it, then moved (and cast) at once
-            pipe = build_pipeline(spec)
-            pipe = pipe.to(device) if dtype == torch.float32 else pipe.to(device, dtype)
-        finally:
-            restore()
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
-    path = materialize(model_id, models_dir)
+
+def _built_in_memory(spec: ModelSpec, device: str, dtype: torch.dtype):
+    """A built form, float32 on the host as ``materialize`` saves it, then moved (and cast) at
+    once."""
+    from backend.models.builders import build_pipeline
+
+    restore = quiet_libraries()
+    try:
+        pipe = build_pipeline(spec)
+        return pipe.to(device) if dtype == torch.float32 else pipe.to(device, dtype)
+    finally:
+        restore()
+
+
+def _loaded(spec: ModelSpec, models_dir: Path, device: str, dtype: torch.dtype, components):
+    """``spec``'s saved (or checkpoint) directory through ``from_pretrained``."""
+    path = materialize(spec.model_id, models_dir)
     loader = pipeline_class(spec.family)
     restore = quiet_libraries()
     try:
@@ -187,7 +199,7 @@ def load_pipeline(
             if spec.form == "checkpoint" and not Path(spec.source).exists()
             else ""
         )
-        raise UnknownModelError(f"cannot load {model_id!r} from {path}{hint}: {exc}") from exc
+        raise UnknownModelError(f"cannot load {spec.model_id!r} from {path}{hint}: {exc}") from exc
     finally:
         restore()
     if "vae" in left_out:
@@ -198,9 +210,7 @@ def load_pipeline(
         pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)
     if torch.device(device).type == "cpu":
         _own_memory(pipe)
-    pipe = pipe.to(device)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return pipe.to(device)
 
 
 def _left_out(loader, path: Path, components: Collection[str]) -> dict:
