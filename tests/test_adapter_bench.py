@@ -58,6 +58,24 @@ def test_headline_reads_the_reference_points():
     assert "blocked_share: 0.200 (target <= 0.05: missed)" in text
 
 
+def test_a_calibrated_capacity_sets_the_saturation_rate():
+    capacity = 0.15
+    results = [
+        result("baseline", 0.8 * capacity, 10.0, 0.11),
+        result("baseline", capacity, 30.0, 0.14),  # a finite trace at load 1 falls short of it
+        result("baseline", 1.2 * capacity, 90.0, 0.14),
+        result("maskserve", 0.8 * capacity, 2.0, 0.12),
+        result("maskserve", capacity, 3.0, 0.15),
+        result("maskserve", 1.2 * capacity, 4.0, 0.18),
+    ]
+    # measured throughputs alone would put saturation at 0.8 x capacity (0.14 < 0.15)
+    assert headline(results)["saturation_rps"] == pytest.approx(0.8 * capacity)
+    head = headline(results, baseline_capacity=capacity)
+    assert head["saturation_rps"] == capacity and head["latency_x"] == pytest.approx(10.0)
+    assert head["past_rps"] == pytest.approx(1.2 * capacity)
+    assert head["latency_x_past"] == pytest.approx(22.5)
+
+
 def test_headline_without_some_arms_says_only_what_it_can():
     head = headline([result("maskserve", 0.1, 1.0, 0.1, rows=4, blocked=0)])
     assert set(head) == {"load80_rps", "blocked_share"} and head["blocked_share"] == 0.0
@@ -78,7 +96,19 @@ def test_requests_carry_zero_to_three_distinct_adapters_popular_first():
     assert request_adapters(trace, catalog, 1.0, seed=1) == uses  # seeded
 
 
-@pytest.mark.parametrize("argv", [["--arms", "baseline,nope"], ["--rps", ""], ["--adapters", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--arms", "baseline,nope"],
+        ["--rps", ""],
+        ["--rps", "fast"],
+        ["--adapters", "0"],
+        ["--loads", "0.8,x"],
+        ["--loads", "0,1"],
+        ["--loads", "1", "--arms", "maskserve,base-model"],  # no baseline to calibrate
+        ["--loads", "1", "--calibration-requests", "0"],
+    ],
+)
 def test_bad_arguments_exit_2(argv, capsys):
     assert main(["bench", "adapters", *argv]) == 2
     assert "error:" in capsys.readouterr().err
@@ -102,7 +132,8 @@ def test_the_bench_runs_every_arm_end_to_end(tmp_path, models_dir, monkeypatch):
         [
             "bench", "adapters", "--model", "tiny-sd2-inpaint", "--size", "64", "--steps", "3",
             "--adapters", "4", "--templates", "2", "--rps", "2", "--burst-rps", "0",
-            "--duration-s", "3", "--max-requests", "4", "--json", str(out),
+            "--duration-s", "3", "--max-requests", "4", "--loads", "0.5",
+            "--calibration-requests", "2", "--json", str(out),
         ]
     )  # fmt: skip
     assert code == 0
@@ -117,6 +148,10 @@ def test_the_bench_runs_every_arm_end_to_end(tmp_path, models_dir, monkeypatch):
     ours = next(r for r in report["results"] if r["arm"] == "maskserve")
     assert ours["rows_with_adapters"] >= 1 and sum(ours["hits"].values()) >= 1
     assert report["catalog"]["adapters"] == 4 and "latency_x" in report["headline"]
+    # the rate is half the baseline's capacity measured on requests arriving at once
+    capacity = report["baseline_capacity_rps"]
+    assert capacity > 0 and report["results"][0]["rps"] == pytest.approx(0.5 * capacity)
+    assert report["headline"]["baseline_capacity_rps"] == capacity
     assert out.with_suffix(".png").exists()
     assert not out.with_suffix(".partial.json").exists()  # kept only while the runs go on
     baseline = next(r for r in report["results"] if r["arm"] == "baseline")

@@ -73,6 +73,9 @@ class AdapterBenchConfig:
     join_by: float = 0.2
     seed: int = 0
     arms: tuple[str, ...] = ARMS
+    # Poisson rates as fractions of the baseline's capacity, measured first (replaces ``rps``)
+    loads: tuple[float, ...] = ()
+    calibration_requests: int = 6  # served at once by the baseline to measure its capacity
 
 
 @dataclass
@@ -156,7 +159,8 @@ class _Arm:
     completion times."""
 
     def __init__(self, bench: _Bench, arm: str, trace_name: str, rps: float):
-        self.bench, self.arm, self.label = bench, arm, f"{arm}-{trace_name}-{rps}"
+        self.bench, self.arm, self.label = bench, arm, f"{arm}-{trace_name}-{rps:.4g}"
+        self.trace_name, self.rps = trace_name, rps
         cfg = bench.cfg
         self.arrival: dict[str, float] = {}
         self.done: dict[str, float] = {}
@@ -227,12 +231,11 @@ class _Arm:
         if not latencies:
             raise RuntimeError(f"every job of {self.label} failed: the log says why")
         span = max(self.done.values()) - min(self.arrival.values())
-        arm, trace, rps = self.label.rsplit("-", 2)
         stats = self.worker.stats.snapshot()
         result = ArmResult(
             arm=self.arm,
-            trace=trace,
-            rps=float(rps),
+            trace=self.trace_name,
+            rps=self.rps,
             num_jobs=count,
             avg_latency_s=float(np.mean(latencies)),
             p95_latency_s=percentile(latencies, 95),
@@ -311,6 +314,11 @@ def run_adapter_bench(
     keeps what it measured)."""
     torch.set_num_threads(2)
     bench = _Bench(cfg, settings, work)
+    capacity = None
+    if cfg.loads:
+        capacity = baseline_capacity(bench, settings)
+        cfg = replace(cfg, rps=tuple(load * capacity for load in cfg.loads))
+        tqdm.write(f"baseline capacity {capacity:.4f} requests/s: rates {cfg.rps}")
     results = []
     for name, rps, trace in _traces(cfg):
         inputs = prepare_inputs(cfg, settings, bench.engine, trace, bench.blobs)
@@ -325,6 +333,8 @@ def run_adapter_bench(
                 on_result(results)
     ranks = [entry.rank for entry in bench.catalog]
     return {
+        "baseline_capacity_rps": capacity,
+        "rps": list(cfg.rps),
         "catalog": {
             "adapters": len(bench.catalog),
             "ranks": {str(r): ranks.count(r) for r in sorted(set(ranks))},
@@ -332,6 +342,23 @@ def run_adapter_bench(
         },
         "results": results,
     }
+
+
+def baseline_capacity(bench: _Bench, settings: Settings) -> float:
+    """The baseline's capacity in requests/s: ``calibration_requests`` requests (adapters drawn as
+    in the traces) arriving at once, served one at a time after a warm-up request; requests over
+    the time from their arrival to the last result. "The baseline's saturation" is this rate."""
+    cfg = bench.cfg
+    count = cfg.calibration_requests
+    # a dense Poisson draw (about 100 x count requests) gives the templates, masks and seeds of
+    # the first count + 1; every arrival is moved to 0
+    drawn = poisson_trace(100.0, float(count), cfg.num_templates, cfg.mask_mean, seed=cfg.seed + 1)
+    trace = [replace(r, arrival_s=0.0) for r in drawn[: count + 1]]
+    inputs = prepare_inputs(cfg, settings, bench.engine, trace, bench.blobs)
+    uses = request_adapters(trace, bench.catalog, cfg.adapter_zipf, cfg.seed + 1)
+    jobs = _jobs(cfg, trace, inputs, bench, uses)
+    _Arm(bench, "baseline", "warmup", 0.0).run(trace[:1], jobs)
+    return _Arm(bench, "baseline", "calibration", 0.0).run(trace[1:], jobs).throughput_rps
 
 
 def _jobs(

@@ -28,6 +28,15 @@ def add_adapters_parser(bench_sub) -> None:
     bench.add_argument("--adapter-zipf", type=float, default=1.0, help="popularity exponent")
     bench.add_argument("--templates", type=int, default=8)
     bench.add_argument("--rps", default="0.1,0.2", help="Poisson mean rates, comma-separated")
+    bench.add_argument(
+        "--loads",
+        default="",
+        help="Poisson rates as fractions of the baseline's capacity, measured first on requests "
+        "arriving at once (replaces --rps; needs the baseline arm)",
+    )
+    bench.add_argument(
+        "--calibration-requests", type=int, default=6, help="requests the capacity is measured on"
+    )
     bench.add_argument("--burst-rps", type=float, default=0.1, help="bursty trace's rate (0: none)")
     bench.add_argument("--duration-s", type=float, default=120.0)
     bench.add_argument("--max-requests", type=int, default=60, help="per trace")
@@ -42,17 +51,33 @@ def add_adapters_parser(bench_sub) -> None:
     bench.set_defaults(func=cmd_bench_adapters)
 
 
+def _floats(text: str) -> tuple[float, ...] | None:
+    """Comma-separated numbers; None when one is not a number."""
+    try:
+        return comma_floats(text)
+    except ValueError:
+        return None
+
+
 def cmd_bench_adapters(args, settings: Settings) -> int:
     from backend.bench.adapter_bench import AdapterBenchConfig, run_adapter_bench
     from backend.bench.adapter_report import summary_text, write_outputs, write_partial
 
     arms = tuple(a for a in args.arms.split(",") if a)
     unknown = sorted(set(arms) - set(ARM_NAMES))
-    rates = comma_floats(args.rps)
+    rates, loads = _floats(args.rps), _floats(args.loads)
     if unknown or not arms or not rates or args.adapters < 1 or args.max_requests < 1:
         print(
             f"error: arms must be some of {', '.join(ARM_NAMES)} (unknown: {unknown}), --rps "
             "at least one rate, --adapters and --max-requests at least 1",
+            file=sys.stderr,
+        )
+        return 2
+    bad_loads = loads is None or any(load <= 0 for load in loads)
+    if bad_loads or loads and ("baseline" not in arms or args.calibration_requests < 1):
+        print(
+            "error: --loads are positive fractions of the baseline's measured capacity: keep "
+            "the baseline arm in --arms and --calibration-requests at least 1",
             file=sys.stderr,
         )
         return 2
@@ -73,6 +98,8 @@ def cmd_bench_adapters(args, settings: Settings) -> int:
         max_batch=args.max_batch,
         seed=args.seed,
         arms=arms,
+        loads=loads or (),
+        calibration_requests=args.calibration_requests,
     )
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="adapters-"))
     try:

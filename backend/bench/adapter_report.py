@@ -2,9 +2,9 @@
 targets, JSON and a PNG plot. Pure over the results (numbers in, numbers out), so it is tested on
 made-up results.
 
-Definitions: the baseline's capacity is its highest throughput over the Poisson runs; its
-saturation rate is the highest Poisson rate not above that capacity (the lowest rate when every
-rate is above it). "80% load" is the Poisson rate closest to 0.8 x MaskServe's capacity.
+Definitions: the baseline's capacity is the rate it measured on requests arriving at once before
+the runs (``--loads``), else its highest throughput over the Poisson runs; its saturation rate is
+the highest Poisson rate not above that capacity (the lowest rate when every rate is above it). "80% load" is the Poisson rate closest to 0.8 x MaskServe's capacity.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ def _by(results: list[ArmResult], arm: str, trace: str = "poisson") -> dict[floa
     return {r.rps: r for r in results if r.arm == arm and r.trace == trace}
 
 
-def headline(results: list[ArmResult]) -> dict:
-    """Ratios at the reference points (module docstring); absent arms give no entry."""
+def headline(results: list[ArmResult], baseline_capacity: float | None = None) -> dict:
+    """Ratios at the reference points (module docstring); absent arms give no entry.
+    ``baseline_capacity``: the baseline's measured capacity, when it was calibrated."""
     out: dict = {}
     baseline, ours = _by(results, "baseline"), _by(results, "maskserve")
     if baseline and ours:
-        capacity = max(r.throughput_rps for r in baseline.values())
+        capacity = baseline_capacity or max(r.throughput_rps for r in baseline.values())
         below = [rate for rate in baseline if rate <= capacity * 1.0001]
         rate = max(below) if below else min(baseline)
         if rate in ours:
@@ -106,6 +107,7 @@ def summary_text(report: dict) -> str:
                 f"{key}: {head[key]:.3f} (target {verb} {target}: {'met' if met else 'missed'})"
             )
     for key in (
+        "baseline_capacity_rps",
         "saturation_rps",
         "past_rps",
         "latency_x_past",
@@ -136,8 +138,9 @@ def write_outputs(config: dict, run: dict, json_path: Path) -> dict:
     report = {
         "config": config,
         "catalog": run["catalog"],
+        "baseline_capacity_rps": run.get("baseline_capacity_rps"),
         "results": [asdict(r) for r in results],
-        "headline": headline(results),
+        "headline": headline(results, run.get("baseline_capacity_rps")),
     }
     json_path = Path(json_path)
     json_path.parent.mkdir(parents=True, exist_ok=True)
