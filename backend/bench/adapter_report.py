@@ -4,7 +4,8 @@ made-up results.
 
 Definitions: the baseline's capacity is the rate it measured on requests arriving at once before
 the runs (``--loads``), else its highest throughput over the Poisson runs; its saturation rate is
-the highest Poisson rate not above that capacity (the lowest rate when every rate is above it). "80% load" is the Poisson rate closest to 0.8 x MaskServe's capacity.
+the highest Poisson rate not above that capacity (the lowest rate when every rate is above it).
+"80% load" is the Poisson rate closest to 0.8 x MaskServe's capacity.
 """
 
 from __future__ import annotations
