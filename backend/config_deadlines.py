@@ -50,6 +50,10 @@ class DeadlineSettings(Strict):
     parked again."""
     max_parks_per_round: int = Field(default=2, ge=0, le=64)
     """Rows one planning round may park (0: never park)."""
+    size_batches: bool = True
+    """``slack`` only: leave a slot free while filling it would lengthen the batch's steps so much
+    that a running row which goes first (tighter, or of higher priority) misses its deadline; the
+    waiting row joins when that row ends, or when it must join to be on time itself."""
 
     @field_validator("shed_classes", mode="before")
     @classmethod

@@ -33,6 +33,7 @@ ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "ROUND_STEPS": ("deadlines", "round_steps"),
     "MAX_WAIT_S": ("deadlines", "max_wait_s"),
     "MAX_PARKS_PER_ROUND": ("deadlines", "max_parks_per_round"),
+    "SIZE_BATCHES": ("deadlines", "size_batches"),
     "MODEL": ("engine", "model_id"),
     "DEVICE": ("engine", "device"),
     "DTYPE": ("engine", "dtype"),

@@ -40,12 +40,14 @@ def make_plan(
     max_wait_s: float = 300.0,
     max_parks: int = 2,
     step_time: Callable[[Sequence[Row]], float] = constant(1.0),
+    size_batches: bool = True,
 ) -> DeadlinePlan:
     return DeadlinePlan(
         scheduler=scheduler,
         round_steps=round_steps,
         max_wait_s=max_wait_s,
         max_parks_per_round=max_parks,
+        size_batches=size_batches,
         step_time=step_time,
     )
 
@@ -475,3 +477,88 @@ def test_a_burst_the_slack_scheduler_meets_interactive_deadlines_that_fifo_misse
     assert met["fifo"][0] == 0 and met["edf"][0] < 5 and met["slack"][0] == 5
     assert met["slack"][1] == met["fifo"][1] == 30  # no batch row pays with its deadline
     assert makespan["slack"] <= makespan["fifo"] * 1.05  # nor with throughput
+
+
+# ----- slack: batch sizing ---------------------------------------------------------------------
+# A step costs 1 s plus 1 s per row: a tight row alone (10 steps, due at 21) is on time with 1 s to
+# spare; with a second row beside it each step takes 3 s and it would end at 30.
+def sizing_scheduler(size_batches: bool = True, **plan) -> BatchScheduler:
+    s = BatchScheduler(
+        4, plan=make_plan(step_time=by_size(1.0, 1.0), size_batches=size_batches, **plan)
+    )
+    s.add(make_row("tight", steps=10, deadline=21.0))
+    assert s.schedule(0.0).admitted == ["tight"]
+    return s
+
+
+def test_a_loose_row_waits_while_joining_would_make_a_tighter_running_row_late():
+    s = sizing_scheduler()
+    s.add(make_row("loose", steps=10, deadline=1000.0))
+    now, deferred, joined, tight_ended = 0.0, 0, None, None
+    while s.running:
+        now += 1.0 + len(s.running)  # this step's time
+        if "tight" in [r.job_id for r in s.update_from_output(list(s.running))]:
+            tight_ended = now
+        out = s.schedule(now)
+        deferred += out.deferred == ["loose"]
+        joined = now if "loose" in out.admitted else joined
+    # alone for 9 steps (2 s each); at 18 one step is left, and 3 s beside "loose" still ends at 21
+    assert deferred == 8 and joined == pytest.approx(18.0)
+    assert tight_ended == pytest.approx(21.0)  # by its deadline
+
+
+def test_without_sizing_the_free_slot_is_filled_and_the_tight_row_is_late():
+    s = sizing_scheduler(size_batches=False)
+    s.add(make_row("loose", steps=10, deadline=1000.0))
+    out = s.schedule(0.0)
+    assert out.admitted == ["loose"] and out.deferred == []
+
+
+def test_a_cheaper_row_behind_a_deferred_one_takes_the_slot():
+    # the step time is the rows' mask ratios summed: the tight row (0.2) is on time at 0.2 s a
+    # step with 1 s to spare, not beside a 0.9 row (2.2 s), but beside a 0.05 row (0.25 s)
+    s = BatchScheduler(4, plan=make_plan(step_time=lambda rows: sum(r.mask_ratio for r in rows)))
+    s.add(Row("tight", 10, KEY, 0.2, 0.0, deadline=3.0))
+    s.schedule(0.0)
+    s.add(Row("big", 10, KEY, 0.9, 0.0, deadline=500.0))
+    s.add(Row("small", 10, KEY, 0.05, 1.0, deadline=1000.0))
+    out = s.schedule(0.0)
+    assert out.deferred == ["big"] and out.admitted == ["small"]
+
+
+@pytest.mark.parametrize(
+    "waiting",
+    [
+        make_row("urgent", steps=10, deadline=45.0),  # under 2 rounds (2 x 3 steps x 3 s) to spare
+        make_row("vip", steps=10, deadline=1000.0, priority=1),  # goes before the tight row
+        make_row("no-deadline", steps=10),  # infinite slack: waits for the tight row
+    ],
+    ids=lambda row: row.job_id,
+)
+def test_who_joins_beside_a_tight_row(waiting):
+    s = sizing_scheduler()
+    s.add(waiting)
+    out = s.schedule(0.0)
+    joins = waiting.job_id in ("urgent", "vip")
+    assert (out.admitted == [waiting.job_id]) is joins and (out.deferred == []) is joins
+
+
+def test_a_starved_row_joins_beside_a_tight_row():
+    s = sizing_scheduler(max_wait_s=5.0)
+    s.add(make_row("old", steps=10, deadline=1000.0, at=-6.0))  # has waited 6 s: past the bound
+    assert s.schedule(0.0).admitted == ["old"]
+
+
+def test_a_step_that_does_not_grow_with_rows_keeps_no_one_out():
+    # a launch-bound device: the batch's step time is the same for one row or four
+    s = BatchScheduler(4, plan=make_plan(step_time=constant(2.0)))
+    s.add(make_row("tight", steps=10, deadline=20.5))
+    s.schedule(0.0)
+    s.add(make_row("loose", steps=10, deadline=1000.0))
+    assert s.schedule(0.0).admitted == ["loose"]
+
+
+def test_edf_never_keeps_a_slot_free():
+    s = sizing_scheduler(scheduler="edf")
+    s.add(make_row("loose", steps=10, deadline=1000.0))
+    assert s.schedule(0.0).admitted == ["loose"]

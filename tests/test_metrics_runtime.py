@@ -87,6 +87,7 @@ def test_the_worker_and_cache_counts_that_only_grow_are_prometheus_counters():
     stats.record_step(2, 0.01, 0.009)
     stats.record_job("done")
     stats.record_held(1)
+    stats.record_deferred(2)
     registry = make_registry(
         {"maskserve_worker": stats.snapshot, "maskserve_cache": cache.snapshot},
         counters={
@@ -101,6 +102,7 @@ def test_the_worker_and_cache_counts_that_only_grow_are_prometheus_counters():
         "maskserve_worker_jobs",
         "maskserve_worker_cache_fallbacks",
         "maskserve_worker_held_row_schedules",
+        "maskserve_worker_deferred_row_schedules",
         "maskserve_cache_ram_hits",
         "maskserve_cache_ram_misses",
         "maskserve_cache_bytes_loaded",
@@ -113,9 +115,11 @@ def test_the_worker_and_cache_counts_that_only_grow_are_prometheus_counters():
         "maskserve_worker_p95_overhead_s",
         "maskserve_worker_max_batch_rows",
         "maskserve_worker_held_rows",
+        "maskserve_worker_deferred_rows",
         "maskserve_cache_ram_hit_rate",
     ):
         assert types[name] == "gauge", name
+    assert "maskserve_worker_deferred_rows 2.0" in text
     assert "maskserve_cache_ram_hits_total 3.0" in text
     assert 'maskserve_worker_jobs_total{key="done"} 1.0' in text
     # every int count of the cache is declared (a new counter cannot silently become a gauge)

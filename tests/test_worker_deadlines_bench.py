@@ -76,3 +76,15 @@ def test_every_scheduler_serves_the_same_trace_and_the_report_accounts_for_every
     # the intermediates (pre-processed requests, per-job masks, final latents) are gone
     left = {p.parent.name for p in (tmp_path / "blobs").rglob("*") if p.is_file()}
     assert not left & {"prepared", "latents"}
+
+
+def test_the_unsized_arm_is_the_slack_scheduler_filling_every_free_slot(tmp_path):
+    from backend.bench.worker_deadlines import _plan
+
+    settings = load_settings(env={}, paths={"data_dir": str(tmp_path)})
+    cfg = WorkerDeadlineConfig(schedulers=("fifo", "slack", "slack-nosize"))
+    sized, _ = _plan(settings, cfg, "slack", 10.0)
+    unsized, _ = _plan(settings, cfg, "slack-nosize", 10.0)
+    assert (sized.scheduler, sized.size_batches) == ("slack", True)
+    assert (unsized.scheduler, unsized.size_batches) == ("slack", False)
+    assert unsized.max_wait_s == 10.0 and unsized.round_steps == cfg.round_steps

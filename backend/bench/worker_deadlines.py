@@ -1,6 +1,7 @@
 """`maskserve bench worker-deadlines`: the worker bench's deadline mode. One real engine worker runs
 real denoising steps under mixed service classes; its step schedulers (``fifo``, ``edf``,
-``slack``) side by side on the same traces.
+``slack``, and ``slack-nosize``: ``slack`` without ``size_batches``, filling every free slot) side
+by side on the same traces.
 
 Workload: the route deadline bench's (``route_deadlines.deadline_trace`` and ``services_of``):
 ``interactive_share`` of the requests (default 30%) are ``interactive`` with a tight target, the
@@ -58,7 +59,7 @@ from backend.bench.route_deadlines import (
     services_of,
     targets,
 )
-from backend.bench.route_deadlines_sim import ARMS
+from backend.bench.route_deadlines_sim import ARMS as SCHEDULERS
 from backend.bench.trace import counted_trace
 from backend.bench.worker_bench import (
     BenchConfig,
@@ -77,6 +78,10 @@ from backend.worker.channels import LocalInbox, LocalSink
 from backend.worker.loop import EngineWorker
 from backend.worker.step_clock import StepClock
 
+# the step schedulers, and the slack scheduler without batch sizing (its ablation)
+UNSIZED = "slack-nosize"
+ARMS = (*SCHEDULERS, UNSIZED)
+
 
 @dataclass
 class WorkerDeadlineConfig:
@@ -89,7 +94,7 @@ class WorkerDeadlineConfig:
     mask_mean: float = 0.11
     duration_s: float = 40.0  # seconds of arrivals per run
     seed: int = 0
-    schedulers: tuple[str, ...] = ARMS
+    schedulers: tuple[str, ...] = SCHEDULERS
     traces: tuple[str, ...] = TRACES
     loads: tuple[float, ...] = (0.8, 1.0)
     interactive_share: float = 0.3
@@ -270,7 +275,8 @@ def _plan(settings: Settings, cfg: WorkerDeadlineConfig, scheduler: str, max_wai
 
     deadlines = settings.deadlines.model_copy(
         update={
-            "scheduler": scheduler,
+            "scheduler": "slack" if scheduler == UNSIZED else scheduler,
+            "size_batches": scheduler != UNSIZED,
             "round_steps": cfg.round_steps,
             "max_wait_s": max_wait_s,
             "max_parks_per_round": cfg.max_parks_per_round,

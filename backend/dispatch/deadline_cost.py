@@ -27,7 +27,8 @@ batch with J in it (a row without a deadline has infinite slack):
 So under ``edf`` and ``slack`` a tight job is not charged for the rows with more slack queued
 ahead of it, and under ``slack`` the running row it displaces when it would otherwise be late
 (``parked``: 1) no longer runs beside it. Not modelled: the starvation bound (heartbeats carry no
-waiting times), rows that arrive after J, and pre/post-processing after the last step.
+waiting times), the worker keeping a row out of a free slot to keep a tighter one on time
+(``size_batches``), rows that arrive after J, and pre/post-processing after the last step.
 
 The choice (``choose_by_deadline``) for a job with a deadline: among the workers where its
 predicted finish (now + wait + run + residency + adapters) is by its deadline, the least

@@ -25,7 +25,10 @@ baselines compared against):
 
 * ``edf``: waiting rows take free slots in ``precedence`` order (starved first, then priority,
   then least slack, then arrival: ``backend.costmodel.slack``); a running row keeps its slot;
-* ``slack`` (after TetriServe): as ``edf`` at every step; and every ``round_steps`` steps a
+* ``slack`` (after TetriServe): as ``edf`` at every step, and with ``size_batches`` a waiting row
+  is kept out of a free slot (``SchedulerOutput.deferred``) while joining would lengthen the
+  batch's steps so much that a running row which goes before it misses its deadline
+  (``deadlines.delays_a_tighter_row``); and every ``round_steps`` steps a
   planning round ranks running and waiting rows together, slack priced at the step time of the
   batch as it would be, and parks running rows that fall out of the first ``max_batch`` so that
   tighter waiting rows get their slots. A parked row leaves the batch at a step boundary
@@ -114,6 +117,9 @@ class SchedulerOutput:
     # rows in ``admitted`` that were parked: the worker re-acquires their cache and resumes their
     # state from their ``step`` (it does not build it again)
     resumed: list[str] = field(default_factory=list)
+    # waiting rows kept out although a slot was free (slack with ``size_batches``): joining would
+    # make a running row that goes before them late
+    deferred: list[str] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -223,8 +229,13 @@ class BatchScheduler:
             protected, self._resumed_since_round = self._resumed_since_round, set()
             parks_left = plan.max_parks_per_round
         queued_ahead = 0  # rows before this one left waiting for a slot to free by itself
+        sizing = self.policy == "slack" and plan.size_batches
         for row in dl.ordered(self.waiting.values(), now, step_s, plan):
             if len(self.running) < self.max_batch:
+                if sizing and dl.delays_a_tighter_row(plan, list(self.running.values()), row, now):
+                    out.deferred.append(row.job_id)
+                    queued_ahead += 1
+                    continue  # a later, cheaper row may still fit
                 if ready is not None and not ready(row):
                     out.held.append(row.job_id)
                     queued_ahead += 1

@@ -7,7 +7,10 @@ A ``DeadlinePlan`` picks one of three step schedulers (``Settings.deadlines.sche
 * ``edf``: waiting rows take free slots in ``precedence`` order (starved first, then priority, then
   least slack, then arrival); a running row keeps its slot;
 * ``slack`` (after TetriServe): as ``edf`` at every step, and every ``round_steps`` steps a planning
-  round may park running rows with slack to spare so that tighter waiting rows get their slots.
+  round may park running rows with slack to spare so that tighter waiting rows get their slots;
+  with ``size_batches``, a free slot stays empty while filling it would make a running row late
+  that goes before the waiting row (``delays_a_tighter_row``): a batch's step time grows with its
+  rows, and a tight row needs short steps more than the loose row needs to start now.
 
 Slack and precedence have one definition, ``backend.costmodel.slack``: this module only says which
 step time they use, that of the batch as it would be (``planned_step_s``), and how long a row has
@@ -23,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from backend.costmodel.slack import precedence, slack_s
+from backend.costmodel.slack import NO_DEADLINE, precedence, slack_s
 
 if TYPE_CHECKING:  # batching imports this module: the row type is only needed for annotations
     from backend.config_deadlines import DeadlineSettings
@@ -52,6 +55,7 @@ class DeadlinePlan:
     round_steps: int = 5
     max_wait_s: float = 300.0
     max_parks_per_round: int = 2
+    size_batches: bool = True
     step_time: StepTime
 
     def __post_init__(self) -> None:
@@ -74,6 +78,7 @@ class DeadlinePlan:
             round_steps=settings.round_steps,
             max_wait_s=settings.max_wait_s,
             max_parks_per_round=settings.max_parks_per_round,
+            size_batches=settings.size_batches,
             step_time=step_time,
         )
 
@@ -138,6 +143,30 @@ def planned_step_s(
     return plan.step_s(rows[:max_batch])
 
 
+def delays_a_tighter_row(plan: DeadlinePlan, running: Sequence[Row], row: Row, now: float) -> bool:
+    """Whether waiting ``row`` should stay out of the ``running`` batch although a slot is free:
+    adding it lengthens the batch's step so that a running row that precedes it and is on time
+    without it (slack >= 0 at the batch's step time now) would be late (slack < 0 at the step time
+    with ``row``). Never for a starved row, nor for a row that must join now to be on time itself
+    (under ``URGENT_ROUNDS`` rounds of slack left): it joins, and the order between the two is
+    the planning rounds' business. A row kept out waits at most until that row ends, or until its
+    own slack runs short, or until it starves."""
+    if not running or starved(row, now, plan):
+        return False
+    without, with_row = plan.step_s(running), plan.step_s([*running, row])
+    if not with_row > without:
+        return False  # a step that does not grow (a launch-bound device): nobody is delayed
+    if row_slack(row, now, with_row) < URGENT_ROUNDS * plan.round_steps * with_row:
+        return False
+    key = row_key(row, now, with_row, plan)
+    return any(
+        r.deadline != NO_DEADLINE
+        and row_slack(r, now, with_row) < 0 <= row_slack(r, now, without)
+        and row_key(r, now, with_row, plan) < key
+        for r in running
+    )
+
+
 def ordered(rows: Iterable[Row], now: float, step_s: float, plan: DeadlinePlan) -> list[Row]:
     """``rows`` in precedence order (stable: FIFO among equals)."""
     return sorted(rows, key=lambda r: row_key(r, now, step_s, plan))
@@ -157,7 +186,8 @@ def simulate(
     ends, so ``step_s`` is called once per change: at most once per row, plus one.
 
     Future parks are not simulated: a tight queued row may join sooner than forecast (by a park),
-    and the running row it displaces end later."""
+    and the running row it displaces end later; nor are rows kept out of free slots
+    (``delays_a_tighter_row``), which join later than forecast."""
     position = {row.job_id: i + 1 for i, row in enumerate(queue)}
     start = {row.job_id: now for row in running}
     finish: dict[str, float] = {}

@@ -144,6 +144,7 @@ class EngineWorker(TemplateRows):
         out = self.scheduler.schedule(time.time(), self._ready)
         self._held = bool(out.held) and not self.scheduler.running
         self.stats.record_held(len(out.held))
+        self.stats.record_deferred(len(out.deferred))
         self.stats.record_parking(len(out.parked), len(out.resumed))
         for job_id in out.cancelled:
             self._finish(job_id, "cancelled", "cancelled by the user")

@@ -34,6 +34,7 @@ class WorkerStats:
             "jobs",
             "cache_fallbacks_total",
             "held_row_schedules_total",
+            "deferred_row_schedules_total",
             "parks_total",
             "resumes_total",
         }
@@ -51,6 +52,10 @@ class WorkerStats:
     held_rows: int = 0
     # total of held_rows over every schedule: steady growth = RAM tier or disk too slow
     held_row_schedules: int = 0
+    # waiting rows the last schedule kept out of a free slot so that a tighter running row stays
+    # on time (slack scheduler, ``size_batches``), and their total over every schedule
+    deferred_rows: int = 0
+    deferred_row_schedules: int = 0
     recent_overhead_s: deque = field(default_factory=deque)
     # rows parked at a step boundary for tighter deadlines, and parked rows resumed
     parks: int = 0
@@ -72,6 +77,10 @@ class WorkerStats:
     def record_held(self, num_rows: int) -> None:
         self.held_rows = num_rows
         self.held_row_schedules += num_rows
+
+    def record_deferred(self, num_rows: int) -> None:
+        self.deferred_rows = num_rows
+        self.deferred_row_schedules += num_rows
 
     def record_parking(self, parked: int, resumed: int) -> None:
         self.parks += parked
@@ -96,6 +105,8 @@ class WorkerStats:
             "cache_fallbacks_total": self.cache_fallbacks,
             "held_rows": self.held_rows,
             "held_row_schedules_total": self.held_row_schedules,
+            "deferred_rows": self.deferred_rows,
+            "deferred_row_schedules_total": self.deferred_row_schedules,
             "parks_total": self.parks,
             "resumes_total": self.resumes,
         }
