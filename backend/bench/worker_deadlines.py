@@ -383,6 +383,8 @@ def serve_trace(bench: _Bench, arm: str, trace: list, services: list, prepared: 
         "makespan_s": max(done.values()) - start,
         "mean_step_ms": snapshot["mean_step_s"] * 1e3,
         "mean_batch_rows": snapshot["mean_batch_rows"],
+        # schedules at which a row was kept out of a free slot for a tighter one, per job
+        "deferrals_per_job": snapshot["deferred_row_schedules_total"] / max(1, len(trace)),
         "clock_scale_end": clock.scale,
         "load_avg_1m": load_avg,  # this machine's load when the run began (other work shows)
     }
