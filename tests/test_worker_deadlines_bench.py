@@ -58,6 +58,8 @@ def test_every_scheduler_serves_the_same_trace_and_the_report_accounts_for_every
                 assert 0.0 <= c["attainment"] <= 1.0 and c["shed_rate"] == 0.0
                 if c["completed"]:
                     assert 0 < c["p50_latency_s"] <= c["p95_latency_s"]
+                    # waiting (queued, parked) is part of a job's latency, never more than it
+                    assert 0 <= c["avg_wait_s"] < c["avg_latency_s"]
             # every parked row resumed (every job finished)
             assert r["parks_per_job"] >= 0 and r["resumes_per_job"] == r["parks_per_job"]
             assert r["max_batch_wait_s"] >= 0 and r["mean_step_ms"] > 0

@@ -190,6 +190,8 @@ def measure(
             for r in accepted
             if r.index in sim.done_at and sim.done_at[r.index] <= services[r.index].deadline + 1e-9
         ]
+        # queued plus parked: the rest of a job's latency is its steps (and per-job work)
+        waits = [sim.finished[r.index].wait_s for r in accepted if r.index in sim.finished]
         done_at = [sim.done_at[r.index] for r in reqs if r.index in sim.done_at]
         in_window = sum(1 for t in done_at if warm <= t < cfg.duration_s)
         span = max(done_at, default=0.0) - (trace[0].arrival_s if trace else 0.0)
@@ -201,6 +203,7 @@ def measure(
             "p50_latency_s": _pct(lat, 50),
             "p95_latency_s": _pct(lat, 95),
             "avg_latency_s": float(np.mean(lat)) if lat else 0.0,
+            "avg_wait_s": float(np.mean(waits)) if waits else 0.0,
             "throughput_rps": in_window / window if window > 0 else 0.0,
             # every job of the class over the whole run: first arrival -> its last completion
             "run_throughput_rps": len(done_at) / span if span > 0 else 0.0,
