@@ -151,6 +151,7 @@ def test_the_bench_runs_every_arm_end_to_end(tmp_path, models_dir, monkeypatch):
     # the rate is half the baseline's capacity measured on requests arriving at once
     capacity = report["baseline_capacity_rps"]
     assert capacity > 0 and report["results"][0]["rps"] == pytest.approx(0.5 * capacity)
+    assert report["config"]["rps"] == [pytest.approx(0.5 * capacity)]  # the rate run
     assert report["headline"]["baseline_capacity_rps"] == capacity
     assert out.with_suffix(".png").exists()
     assert not out.with_suffix(".partial.json").exists()  # kept only while the runs go on

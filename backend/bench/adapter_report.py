@@ -137,7 +137,8 @@ def write_outputs(config: dict, run: dict, json_path: Path) -> dict:
     """JSON (config, catalogue, every run, headline) and the PNG beside it; returns the report."""
     results = run["results"]
     report = {
-        "config": config,
+        # the Poisson rates run: --rps, or --loads x the baseline's measured capacity
+        "config": {**config, "rps": run.get("rps", config.get("rps"))},
         "catalog": run["catalog"],
         "baseline_capacity_rps": run.get("baseline_capacity_rps"),
         "results": [asdict(r) for r in results],
