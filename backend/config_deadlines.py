@@ -54,6 +54,10 @@ class DeadlineSettings(Strict):
     """``slack`` only: leave a slot free while filling it would lengthen the batch's steps so much
     that a running row which goes first (tighter, or of higher priority) misses its deadline; the
     waiting row joins when that row ends, or when it must join to be on time itself."""
+    shrink_batches: bool = True
+    """``slack`` only: at any step, when a running row is late at the batch's step time and would
+    be on time in a smaller batch, park rows with slack to spare (the loosest first, within
+    ``max_parks_per_round``) until it is; they rejoin as ``size_batches`` lets them."""
 
     @field_validator("shed_classes", mode="before")
     @classmethod

@@ -41,6 +41,7 @@ def make_plan(
     max_parks: int = 2,
     step_time: Callable[[Sequence[Row]], float] = constant(1.0),
     size_batches: bool = True,
+    shrink_batches: bool = True,
 ) -> DeadlinePlan:
     return DeadlinePlan(
         scheduler=scheduler,
@@ -48,6 +49,7 @@ def make_plan(
         max_wait_s=max_wait_s,
         max_parks_per_round=max_parks,
         size_batches=size_batches,
+        shrink_batches=shrink_batches,
         step_time=step_time,
     )
 
@@ -562,3 +564,96 @@ def test_edf_never_keeps_a_slot_free():
     s = sizing_scheduler(scheduler="edf")
     s.add(make_row("loose", steps=10, deadline=1000.0))
     assert s.schedule(0.0).admitted == ["loose"]
+
+
+# ----- slack: shrinking the batch for a late running row ---------------------------------------
+# A step costs 1 s plus 1 s per row. Two loose rows run; a tight row (10 steps, due at 31) joins:
+# beside both, steps of 4 s end it at 40; beside one, steps of 3 s end it at 30.
+def shrinking_scheduler(max_parks: int = 2, **plan) -> BatchScheduler:
+    s = BatchScheduler(4, plan=make_plan(step_time=by_size(1.0, 1.0), max_parks=max_parks, **plan))
+    s.add(make_row("loose", steps=10, deadline=2000.0))
+    s.add(make_row("loosest", steps=10, deadline=3000.0))
+    assert s.schedule(0.0).admitted == ["loose", "loosest"]
+    s.add(make_row("tight", steps=10, deadline=31.0))
+    return s
+
+
+def run_to_the_end(s: BatchScheduler, now: float) -> dict[str, float]:
+    """Step the batch at ``by_size(1, 1)``'s step times until every row ended; their end times."""
+    ended: dict[str, float] = {}
+    while s.running or s.waiting:
+        now += 1.0 + len(s.running)
+        ended.update((r.job_id, now) for r in s.update_from_output(list(s.running)))
+        s.schedule(now)
+    return ended
+
+
+def test_the_loosest_row_is_parked_so_a_late_running_row_is_on_time():
+    s = shrinking_scheduler()
+    out = s.schedule(0.0)
+    assert out.admitted == ["tight"] and out.parked == ["loosest"]
+    ended = run_to_the_end(s, 0.0)
+    assert ended["tight"] <= 31.0  # steps of 3 s beside "loose"; alone in the batch it would be 40
+    assert s.parks == s.resumes == 1 and ended["loosest"] <= 3000.0  # it resumed and ended in time
+
+
+def test_without_shrinking_the_tight_row_ends_late():
+    s = shrinking_scheduler(shrink_batches=False)
+    assert s.schedule(0.0).parked == []
+    assert run_to_the_end(s, 0.0)["tight"] == pytest.approx(40.0)
+
+
+@pytest.mark.parametrize("max_parks, parked", [(1, []), (2, ["loosest", "loose"])])
+def test_as_many_rows_are_parked_as_it_takes_within_the_round_budget(max_parks, parked):
+    s = shrinking_scheduler(max_parks=max_parks)
+    s.add(make_row("alone", steps=10, deadline=21.0))  # on time only alone: steps of 2 s
+    out = s.schedule(0.0)
+    # "alone" cannot be saved ("tight" may not sit out for it), so no park is spent on it; beside
+    # "alone", "tight" needs both loose rows out: with a budget of one, nobody is parked
+    assert out.parked == parked and s._parks_left == max_parks - len(parked)
+
+
+def test_no_row_is_parked_when_the_tight_row_cannot_be_saved():
+    s = shrinking_scheduler()
+    s.running["tight"] = s.waiting.pop("tight")  # already running, with a deadline out of reach
+    s.running["tight"].deadline = 19.0  # 10 steps alone take 20 s
+    s.running["tight"].waiting_since = None
+    assert s.schedule(0.0).parked == []
+
+
+@pytest.mark.parametrize(
+    "protect",
+    [
+        lambda row: setattr(row, "parkable", False),  # recording its template's cache
+        lambda row: setattr(row, "wait_s", 400.0),  # starved: never parked again
+        lambda row: setattr(row, "priority", 1),  # goes before the tight row
+        lambda row: setattr(row, "deadline", 60.0),  # would be late after sitting out
+    ],
+    ids=["recording", "starved", "priority", "short-slack"],
+)
+def test_a_row_that_may_not_be_parked_is_passed_over_for_the_next_loosest(protect):
+    s = shrinking_scheduler()
+    protect(s.running["loosest"])
+    assert s.schedule(0.0).parked == ["loose"]
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_a_row_resumed_since_the_last_round_is_not_parked_again(resumed):
+    s = shrinking_scheduler()
+    s.schedule(0.0)  # parks "loosest" for "tight"
+    if resumed:
+        s._resumed_since_round.add("loose")  # as if it had resumed in this round
+    s.add(make_row("tighter", steps=5, deadline=16.0))  # steps of 4 s beside two, 3 s beside one
+    out = s.schedule(0.0)
+    # joining, "tighter" makes "tight" late: "loose" is parked for it unless it just resumed; then
+    # "loosest" stays out, as it would make "tight" late again (without the park, "tight" is late
+    # anyway and "loosest" rejoins)
+    assert out.admitted[0] == "tighter"
+    assert (out.parked, out.deferred) == (([], []) if resumed else (["loose"], ["loosest"]))
+
+
+def test_a_step_that_does_not_grow_with_rows_parks_no_one():
+    s = BatchScheduler(4, plan=make_plan(step_time=constant(4.0)))
+    for row in (make_row("loose", deadline=2000.0), make_row("tight", deadline=31.0)):
+        s.add(row)
+    assert s.schedule(0.0).parked == []

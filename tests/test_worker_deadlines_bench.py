@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from backend.bench.route_deadlines import deadline_trace, services_of
 from backend.bench.worker_deadlines import (
     WorkerDeadlineConfig,
@@ -80,13 +82,15 @@ def test_every_scheduler_serves_the_same_trace_and_the_report_accounts_for_every
     assert not left & {"prepared", "latents"}
 
 
-def test_the_unsized_arm_is_the_slack_scheduler_filling_every_free_slot(tmp_path):
+@pytest.mark.parametrize(
+    "arm, sizing",
+    [("slack", (True, True)), ("slack-noshrink", (True, False)), ("slack-nosize", (False, False))],
+)
+def test_the_ablation_arms_are_the_slack_scheduler_without_batch_sizing(tmp_path, arm, sizing):
     from backend.bench.worker_deadlines import _plan
 
     settings = load_settings(env={}, paths={"data_dir": str(tmp_path)})
-    cfg = WorkerDeadlineConfig(schedulers=("fifo", "slack", "slack-nosize"))
-    sized, _ = _plan(settings, cfg, "slack", 10.0)
-    unsized, _ = _plan(settings, cfg, "slack-nosize", 10.0)
-    assert (sized.scheduler, sized.size_batches) == ("slack", True)
-    assert (unsized.scheduler, unsized.size_batches) == ("slack", False)
-    assert unsized.max_wait_s == 10.0 and unsized.round_steps == cfg.round_steps
+    cfg = WorkerDeadlineConfig(schedulers=("fifo", arm))
+    plan, _ = _plan(settings, cfg, arm, 10.0)
+    assert (plan.scheduler, plan.size_batches, plan.shrink_batches) == ("slack", *sizing)
+    assert plan.max_wait_s == 10.0 and plan.round_steps == cfg.round_steps

@@ -1,7 +1,8 @@
 """`maskserve bench worker-deadlines`: the worker bench's deadline mode. One real engine worker runs
 real denoising steps under mixed service classes; its step schedulers (``fifo``, ``edf``,
-``slack``, and ``slack-nosize``: ``slack`` without ``size_batches``, filling every free slot) side
-by side on the same traces.
+``slack``, and its ablations ``slack-noshrink``: without ``shrink_batches``, never parking rows to
+make a batch smaller, and ``slack-nosize``: without either, filling every free slot) side by side
+on the same traces.
 
 Workload: the route deadline bench's (``route_deadlines.deadline_trace`` and ``services_of``):
 ``interactive_share`` of the requests (default 30%) are ``interactive`` with a tight target, the
@@ -78,9 +79,10 @@ from backend.worker.channels import LocalInbox, LocalSink
 from backend.worker.loop import EngineWorker
 from backend.worker.step_clock import StepClock
 
-# the step schedulers, and the slack scheduler without batch sizing (its ablation)
-UNSIZED = "slack-nosize"
-ARMS = (*SCHEDULERS, UNSIZED)
+# the step schedulers, and the slack scheduler's ablations: batch sizing (``size_batches`` and
+# ``shrink_batches``) of each arm
+SIZING = {"slack": (True, True), "slack-noshrink": (True, False), "slack-nosize": (False, False)}
+ARMS = (*SCHEDULERS, *(arm for arm in SIZING if arm not in SCHEDULERS))
 
 
 @dataclass
@@ -273,10 +275,12 @@ def _plan(settings: Settings, cfg: WorkerDeadlineConfig, scheduler: str, max_wai
     """``worker.service.deadline_plan`` for ``scheduler`` and this bench's model and bounds."""
     from backend.worker.service import deadline_plan  # the serving worker's (imports redis)
 
+    size_batches, shrink_batches = SIZING.get(scheduler, (True, True))
     deadlines = settings.deadlines.model_copy(
         update={
-            "scheduler": "slack" if scheduler == UNSIZED else scheduler,
-            "size_batches": scheduler != UNSIZED,
+            "scheduler": "slack" if scheduler in SIZING else scheduler,
+            "size_batches": size_batches,
+            "shrink_batches": shrink_batches,
             "round_steps": cfg.round_steps,
             "max_wait_s": max_wait_s,
             "max_parks_per_round": cfg.max_parks_per_round,

@@ -35,6 +35,11 @@ baselines compared against):
   (``SchedulerOutput.parked``: the worker releases its cache pins and keeps its latents and
   scheduler state), keeps its ``step`` and waits in the queue; it resumes like any waiting row
   (``ready`` is asked again; ``SchedulerOutput.resumed``) and runs its remaining steps only.
+  With ``shrink_batches``, at any step, a running row that is late at the batch's step time and
+  would be on time in a smaller batch has rows with slack to spare parked for it, the loosest
+  first (``deadlines.rows_to_park_for``: only rows it precedes, that may be parked by the rules
+  below, and that keep two rounds of slack after sitting out its remaining steps); they wait
+  as kept-out rows until ``size_batches`` lets them back.
 
 A round parks a running row R for a waiting row W only when all of these hold: fewer than
 ``max_parks_per_round`` rows were parked in this round; W precedes R; W is ready (``ready(W)``
@@ -51,8 +56,9 @@ parked) / running / done; every running row is stepped exactly once per ``schedu
 into separate groups of the same step; the baseline worker runs its one group's steps inside one
 pipeline call, reporting each step with ``update_from_output``); a cancelled row never runs
 another step after the ``schedule`` that follows the cancel; a parked row keeps its ``step`` and
-ends after exactly ``num_steps`` steps in all; a planning round parks at most
-``max_parks_per_round`` rows; a row that has waited ``max_wait_s`` (queued and parked, summed)
+ends after exactly ``num_steps`` steps in all; at most ``max_parks_per_round`` rows are parked
+from one planning round to the next (the round's own parks and those that shrink the batch; as
+many before the first round); a row that has waited ``max_wait_s`` (queued and parked, summed)
 goes before every row that has not and is never parked again: it joins at the next free slot, or
 at the next round when a running row may be parked for it, so no row waits past ``max_wait_s`` and
 one round (or the steps left of the batch, when nothing may be parked) while it is ready.
@@ -143,6 +149,8 @@ class BatchScheduler:
         self._steps_since_round = 0
         self._resumed_since_round: set[str] = set()
         self._order: list[str] = []  # waiting rows in admission order at the last schedule
+        # parks left in this round (slack): planning rounds and shrinking share the churn bound
+        self._parks_left = plan.max_parks_per_round if plan else 0
         self.parks = self.resumes = self.rounds = 0  # totals, for the worker's metrics
 
     # ----- inputs -----------------------------------------------------------------------------
@@ -221,18 +229,20 @@ class BatchScheduler:
         )
         # a planning round every round_steps steps run (idle schedules do not count)
         planning = self.policy == "slack" and self._steps_since_round >= plan.round_steps
-        protected: set[str] = set()
-        parks_left = 0
+        protected = set(self._resumed_since_round)  # not parked before the next round
         if planning:
             self.rounds += 1
             self._steps_since_round = 0
-            protected, self._resumed_since_round = self._resumed_since_round, set()
-            parks_left = plan.max_parks_per_round
+            self._resumed_since_round = set()
+            self._parks_left = plan.max_parks_per_round
         queued_ahead = 0  # rows before this one left waiting for a slot to free by itself
         sizing = self.policy == "slack" and plan.size_batches
+        shrinking = self.policy == "slack" and plan.shrink_batches
+        batch = list(self.running.values())  # kept in step with admissions and parks below
+        batch_step_s = plan.step_s(batch) if sizing else 0.0
         for row in dl.ordered(self.waiting.values(), now, step_s, plan):
             if len(self.running) < self.max_batch:
-                if sizing and dl.delays_a_tighter_row(plan, list(self.running.values()), row, now):
+                if sizing and dl.delays_a_tighter_row(plan, batch, row, now, batch_step_s):
                     out.deferred.append(row.job_id)
                     queued_ahead += 1
                     continue  # a later, cheaper row may still fit
@@ -241,8 +251,12 @@ class BatchScheduler:
                     queued_ahead += 1
                     continue
                 self._admit(row, now, out)
+                if shrinking:  # before the next row is weighed against the batch
+                    self._shrink(now, out, protected)
+                batch = list(self.running.values())
+                batch_step_s = plan.step_s(batch) if sizing else 0.0
                 continue
-            if not planning or parks_left == 0:
+            if not planning or self._parks_left == 0:
                 break  # no slot, and none may be made by parking
             victim = self._victim(row, now, step_s, queued_ahead, protected, out)
             if victim is None:
@@ -253,9 +267,42 @@ class BatchScheduler:
                 queued_ahead += 1
                 continue
             self._park(victim, now, out)
-            parks_left -= 1
             self._admit(row, now, out)
+            batch = list(self.running.values())
+            batch_step_s = plan.step_s(batch) if sizing else 0.0
+        if shrinking:  # also when nothing joined: step times drift
+            self._shrink(now, out, protected)
         self._order = [r.job_id for r in dl.ordered(self.waiting.values(), now, step_s, plan)]
+
+    def _shrink(self, now: float, out: SchedulerOutput, protected: set[str]) -> None:
+        """Park rows with slack to spare, within this round's parks left, while a tighter running
+        row is late at the batch's step time and a smaller batch puts it on time
+        (``deadlines.rows_to_park_for``), the tightest row first. Rows protected by the churn
+        rules (resumed since the last round, admitted in this schedule, starved, recording) stay.
+        """
+        plan = self.plan
+        assert plan is not None
+
+        def may_park(row: Row) -> bool:
+            return (
+                row.parkable
+                and row.job_id not in protected
+                and row.job_id not in out.admitted
+                and not dl.starved(row, now, plan)
+            )
+
+        batch = list(self.running.values())
+        step_s = plan.step_s(batch)
+        for tight in dl.ordered(batch, now, step_s, plan):
+            if self._parks_left < 1:
+                return
+            if tight.job_id not in self.running or dl.row_slack(tight, now, step_s) >= 0:
+                continue  # parked for a tighter row already, or on time in this batch
+            running = list(self.running.values())
+            budget = self._parks_left
+            for victim in dl.rows_to_park_for(plan, running, tight, now, may_park, budget):
+                self._park(victim, now, out)
+            step_s = plan.step_s(list(self.running.values()))
 
     def _victim(
         self,
@@ -323,6 +370,7 @@ class BatchScheduler:
         self.waiting[row.job_id] = row
         out.parked.append(row.job_id)
         self.parks += 1
+        self._parks_left -= 1
 
     def _may_admit(self) -> bool:
         return self.mode not in ("static", "baseline") or not self.running

@@ -10,7 +10,10 @@ A ``DeadlinePlan`` picks one of three step schedulers (``Settings.deadlines.sche
   round may park running rows with slack to spare so that tighter waiting rows get their slots;
   with ``size_batches``, a free slot stays empty while filling it would make a running row late
   that goes before the waiting row (``delays_a_tighter_row``): a batch's step time grows with its
-  rows, and a tight row needs short steps more than the loose row needs to start now.
+  rows, and a tight row needs short steps more than the loose row needs to start now; with
+  ``shrink_batches``, at any step a running row late at the batch's step time may have rows with
+  slack to spare parked (``rows_to_park_for``) so that it is on time in the smaller batch. Both
+  park kinds share the churn bound, ``max_parks_per_round`` parks per round.
 
 Slack and precedence have one definition, ``backend.costmodel.slack``: this module only says which
 step time they use, that of the batch as it would be (``planned_step_s``), and how long a row has
@@ -56,6 +59,7 @@ class DeadlinePlan:
     max_wait_s: float = 300.0
     max_parks_per_round: int = 2
     size_batches: bool = True
+    shrink_batches: bool = True
     step_time: StepTime
 
     def __post_init__(self) -> None:
@@ -79,6 +83,7 @@ class DeadlinePlan:
             max_wait_s=settings.max_wait_s,
             max_parks_per_round=settings.max_parks_per_round,
             size_batches=settings.size_batches,
+            shrink_batches=settings.shrink_batches,
             step_time=step_time,
         )
 
@@ -143,17 +148,20 @@ def planned_step_s(
     return plan.step_s(rows[:max_batch])
 
 
-def delays_a_tighter_row(plan: DeadlinePlan, running: Sequence[Row], row: Row, now: float) -> bool:
+def delays_a_tighter_row(
+    plan: DeadlinePlan, running: Sequence[Row], row: Row, now: float, without: float
+) -> bool:
     """Whether waiting ``row`` should stay out of the ``running`` batch although a slot is free:
     adding it lengthens the batch's step so that a running row that precedes it and is on time
-    without it (slack >= 0 at the batch's step time now) would be late (slack < 0 at the step time
-    with ``row``). Never for a starved row, nor for a row that must join now to be on time itself
-    (under ``URGENT_ROUNDS`` rounds of slack left): it joins, and the order between the two is
-    the planning rounds' business. A row kept out waits at most until that row ends, or until its
-    own slack runs short, or until it starves."""
+    without it (slack >= 0 at ``without``, the step time of ``running``: the caller prices it once
+    per batch) would be late (slack < 0 at the step time with ``row``). Never for a starved row,
+    nor for a row that must join now to be on time itself (under ``URGENT_ROUNDS`` rounds of slack
+    left): it joins, and the order between the two is the planning rounds' business. A row kept
+    out waits at most until that row ends, or until its own slack runs short, or until it
+    starves."""
     if not running or starved(row, now, plan):
         return False
-    without, with_row = plan.step_s(running), plan.step_s([*running, row])
+    with_row = plan.step_s([*running, row])
     if not with_row > without:
         return False  # a step that does not grow (a launch-bound device): nobody is delayed
     if row_slack(row, now, with_row) < URGENT_ROUNDS * plan.round_steps * with_row:
@@ -165,6 +173,53 @@ def delays_a_tighter_row(plan: DeadlinePlan, running: Sequence[Row], row: Row, n
         and row_key(r, now, with_row, plan) < key
         for r in running
     )
+
+
+def rows_to_park_for(
+    plan: DeadlinePlan,
+    running: Sequence[Row],
+    tight: Row,
+    now: float,
+    may_park: Callable[[Row], bool],
+    budget: int,
+) -> list[Row]:
+    """The running rows to park now so that running row ``tight``, late at the step time of the
+    whole ``running`` batch, is on time in the smaller batch left; [] when it is on time already,
+    when no set of at most ``budget`` rows does it (a park that does not save the row only costs
+    throughput), or when steps do not grow with rows.
+
+    Candidates are the rows ``may_park`` allows (the scheduler's churn rules) that ``tight``
+    precedes, taken loosest first (last in precedence): each must still have ``URGENT_ROUNDS``
+    rounds of slack after sitting out ``tight``'s remaining steps, so that it does not rush back in
+    at once and is not made late itself; it rejoins when ``delays_a_tighter_row`` lets it."""
+    if budget < 1 or tight.deadline == NO_DEADLINE:
+        return []
+    step_now = plan.step_s(running)
+    if row_slack(tight, now, step_now) >= 0:
+        return []
+    key = row_key(tight, now, step_now, plan)
+    candidates = [r for r in running if r is not tight and may_park(r)]
+    loosest_first = sorted(
+        (r for r in candidates if row_key(r, now, step_now, plan) > key),
+        key=lambda r: row_key(r, now, step_now, plan),
+        reverse=True,
+    )
+    margin = URGENT_ROUNDS * plan.round_steps * step_now
+    kept, parked, kept_step = list(running), [], step_now
+    for victim in loosest_first:
+        rest = [r for r in kept if r is not victim]
+        rest_step = plan.step_s(rest)
+        if not rest_step < kept_step:
+            continue  # this row adds nothing to the step time: parking it saves no one
+        if row_slack(victim, now, step_now) - tight.remaining_steps * rest_step < margin:
+            continue
+        kept, kept_step = rest, rest_step
+        parked.append(victim)
+        if row_slack(tight, now, kept_step) >= 0:
+            return parked
+        if len(parked) == budget:
+            break
+    return []
 
 
 def ordered(rows: Iterable[Row], now: float, step_s: float, plan: DeadlinePlan) -> list[Row]:
