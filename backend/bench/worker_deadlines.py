@@ -185,8 +185,10 @@ class WorkerDeadlineConfig:
 class Calibration:
     service_s: float  # one job alone on an idle worker: arrival -> latents handed on
     capacity_rps: float  # jobs per second of the saturated worker
-    clock_scale: float  # the step clock after the calibration (each arm's clock starts there)
-    clock_row_s: float
+    # the step clock after the calibration (each arm's clock starts there): its scale and its
+    # shape per row count (JSON keys are strings)
+    clock_scale: float
+    clock_shape: dict[str, float]
 
 
 @dataclass
@@ -351,7 +353,8 @@ def calibrate(bench: _Bench) -> Calibration:
     finally:
         worker.close()
         _discard(bench.blobs, prepared)
-    return Calibration(statistics.median(alone[1:]), capacity, clock.scale, clock.row_s)
+    shape = {str(rows): factor for rows, factor in sorted(clock.shape.items())}
+    return Calibration(statistics.median(alone[1:]), capacity, clock.scale, shape)
 
 
 def serve_trace(bench: _Bench, arm: str, trace: list, services: list, prepared: list) -> dict:
@@ -359,7 +362,8 @@ def serve_trace(bench: _Bench, arm: str, trace: list, services: list, prepared: 
     plus the worker's step figures."""
     cal = bench.calibration
     worker, clock = bench.worker(arm, bench.targets_s["max_wait"], arm)
-    clock.scale, clock.row_s = cal.clock_scale, cal.clock_row_s
+    clock.scale = cal.clock_scale
+    clock.shape = {int(rows): factor for rows, factor in cal.clock_shape.items()}
     load_avg = os.getloadavg()[0]
     start = time.time() + 0.05
     jobs, index = [], {}
@@ -390,6 +394,7 @@ def serve_trace(bench: _Bench, arm: str, trace: list, services: list, prepared: 
         # schedules at which a row was kept out of a free slot for a tighter one, per job
         "deferrals_per_job": snapshot["deferred_row_schedules_total"] / max(1, len(trace)),
         "clock_scale_end": clock.scale,
+        "clock_shape_end": {str(rows): f for rows, f in sorted(clock.shape.items())},
         "load_avg_1m": load_avg,  # this machine's load when the run began (other work shows)
     }
 

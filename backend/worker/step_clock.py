@@ -3,14 +3,24 @@ worker's forecasts (pure: no torch, no clock).
 
 TetriServe's observation is that a step's time is predictable: it is a function of the batch.
 The fitted cost model (``maskserve profile``, the router's ``RoutingCostModel.step_latency``)
-gives its shape over mask ratios and cache reads; this worker's measured steps calibrate its scale
-(the profile was fitted at one resolution, on one machine): prediction = model(batch) x an
-exponentially weighted mean of measured / modelled. Without a cost model the clock predicts
-``rows x`` a weighted mean of the measured seconds per row.
+gives its shape over mask ratios and cache reads; without one, a step costs ``initial_row_s`` per
+row. This worker's measured steps calibrate it twice over (the profile was fitted at one
+resolution, on one machine, with its own thread count):
+
+* ``scale``: an exponentially weighted mean of measured / predicted over every step: how much
+  slower or faster this machine is now (it drifts);
+* ``shape[n]``: the same over the steps of ``n`` rows only, relative to ``scale``: how a step's
+  time grows with its rows here. Batch sizing and parking decide on what one row more or less
+  costs, and a profile fitted elsewhere can get that badly wrong (a fixed part that a machine
+  with one thread does not have). A row count never measured takes the shape of the nearest
+  counts measured (linear between two, the nearest's beyond them; 1 before any).
+
+prediction = model(batch) x ``scale`` x ``shape[rows]``.
 
 Invariants: predictions are > 0 and finite; before the first measurement the model's own figure
-is used (or ``initial_row_s`` per row); one measurement moves the scale by at most ``alpha`` of
-the way to what it saw.
+is used (or ``initial_row_s`` per row); one measurement moves ``scale`` by at most ``alpha`` of the
+way to what it saw, and the shape of its row count by at most ``SHAPE_RATE x alpha``: a slowdown
+seen on one row count moves mostly ``scale``, and so every count's prediction.
 """
 
 from __future__ import annotations
@@ -29,6 +39,9 @@ class StepRow(Protocol):
 
 # seconds of one step of a batch of (mask_ratio, template, reads_cache) rows
 StepModel = Callable[[Sequence[tuple[float, str, bool]]], float]
+# the shape learns this much slower than the scale: it is how this machine's steps grow with rows,
+# which changes little, where the scale follows the machine's speed, which drifts
+SHAPE_RATE = 0.25
 
 
 class StepClock:
@@ -37,29 +50,42 @@ class StepClock:
     ):
         if not 0.0 < alpha <= 1.0 or initial_row_s <= 0.0:
             raise ValueError("alpha must be in (0, 1] and initial_row_s > 0")
-        self.model, self.alpha = model, alpha
-        self.scale = 1.0  # measured / modelled, weighted towards recent steps
-        self.row_s = initial_row_s  # measured seconds per row (no model)
+        self.model, self.alpha, self.initial_row_s = model, alpha, initial_row_s
+        self.scale = 1.0  # measured / predicted, weighted towards recent steps
+        self.shape: dict[int, float] = {}  # rows -> measured / (modelled x scale), per row count
 
     def _modelled(self, rows: Sequence[StepRow]) -> float:
-        assert self.model is not None
+        if self.model is None:
+            return self.initial_row_s * len(rows)
         return self.model([(r.mask_ratio, r.template, bool(r.template)) for r in rows])
+
+    def shape_of(self, num_rows: int) -> float:
+        """The shape factor of a batch of ``num_rows`` rows (module docstring)."""
+        if num_rows in self.shape:
+            return self.shape[num_rows]
+        below = max((n for n in self.shape if n < num_rows), default=None)
+        above = min((n for n in self.shape if n > num_rows), default=None)
+        if below is None or above is None:
+            nearest = below if above is None else above
+            return 1.0 if nearest is None else self.shape[nearest]
+        weight = (num_rows - below) / (above - below)
+        return self.shape[below] + weight * (self.shape[above] - self.shape[below])
 
     def __call__(self, rows: Sequence[StepRow]) -> float:
         """Predicted seconds of one step of a batch of ``rows`` (0 rows: 0)."""
         if not rows:
             return 0.0
-        if self.model is None:
-            return self.row_s * len(rows)
-        return max(1e-6, self._modelled(rows) * self.scale)
+        return max(1e-6, self._modelled(rows) * self.scale * self.shape_of(len(rows)))
 
     def observe(self, rows: Sequence[StepRow], seconds: float) -> None:
         """A step of ``rows`` took ``seconds``: move the calibration towards it."""
         if not rows or not math.isfinite(seconds) or seconds <= 0.0:
             return
-        if self.model is None:
-            self.row_s += self.alpha * (seconds / len(rows) - self.row_s)
-            return
         modelled = self._modelled(rows)
-        if modelled > 0.0:
-            self.scale += self.alpha * (seconds / modelled - self.scale)
+        if not modelled > 0.0:
+            return
+        num_rows = len(rows)
+        shape = self.shape_of(num_rows)
+        self.scale += self.alpha * (seconds / (modelled * shape) - self.scale)
+        seen = seconds / (modelled * self.scale)
+        self.shape[num_rows] = shape + SHAPE_RATE * self.alpha * (seen - shape)
