@@ -32,8 +32,8 @@ baselines compared against):
   planning round ranks running and waiting rows together, slack priced at the step time of the
   batch as it would be, and parks running rows that fall out of the first ``max_batch`` so that
   tighter waiting rows get their slots. A parked row leaves the batch at a step boundary
-  (``SchedulerOutput.parked``: the worker releases its cache pins and keeps its latents and
-  scheduler state), keeps its ``step`` and waits in the queue; it resumes like any waiting row
+  (``SchedulerOutput.parked``: the worker keeps its latents, scheduler state and cache pins),
+  keeps its ``step`` and waits in the queue; it resumes like any waiting row
   (``ready`` is asked again; ``SchedulerOutput.resumed``) and runs its remaining steps only.
   With ``shrink_batches``, at any step, a running row that is late at the batch's step time and
   would be on time in a smaller batch has rows with slack to spare parked for it, the loosest
@@ -118,10 +118,10 @@ class SchedulerOutput:
     # waiting rows passed over: not ready, a slot was free (or a park would have made one)
     held: list[str] = field(default_factory=list)
     # running rows that left the batch at this step boundary (slack scheduler): the worker
-    # releases their cache pins and keeps their state; they never appear in ``groups``
+    # keeps their state and pins; they never appear in ``groups``
     parked: list[str] = field(default_factory=list)
-    # rows in ``admitted`` that were parked: the worker re-acquires their cache and resumes their
-    # state from their ``step`` (it does not build it again)
+    # rows in ``admitted`` that were parked: the worker resumes their kept state from their
+    # ``step`` (it does not build it again)
     resumed: list[str] = field(default_factory=list)
     # waiting rows kept out although a slot was free (slack with ``size_batches``): joining would
     # make a running row that goes before them late
@@ -178,10 +178,10 @@ class BatchScheduler:
     def schedule(self, now: float, ready: Callable[[Row], bool] | None = None) -> SchedulerOutput:
         """Retire cancelled rows, park rows at a planning round (slack), admit waiting rows (in
         the policy's order, skipping those ``ready`` rejects), and group the running rows into
-        this step's forward passes. The worker handles ``cancelled``, then ``parked`` (release
-        pins, keep state), then ``admitted`` (``resumed`` among them). ``ready`` of a row that
-        takes a parked row's slot is asked while the parked row still holds its pins (they are
-        released after this call): under RAM pressure that row waits for a later round."""
+        this step's forward passes. The worker handles ``cancelled``, then ``parked`` (state and
+        pins kept), then ``admitted`` (``resumed`` among them). A parked row keeps its pins while
+        it waits: under RAM pressure the row that takes its slot may find ``ready`` false and
+        wait for a later round."""
         out = SchedulerOutput()
         for job_id in sorted(self._cancel_requests):
             if self.waiting.pop(job_id, None) or self.running.pop(job_id, None):
