@@ -32,7 +32,7 @@ from studio.components import (
     NOTHING_PAINTED,
     handler,
 )
-from studio.gallery_tab import GalleryTab
+from studio.gallery_tab import GalleryTab, idle_hint
 from studio.history_tab import HistoryTab
 from studio.results_view import ResultsView
 
@@ -72,7 +72,13 @@ class StudioPage(GalleryTab, HistoryTab, BatchesTab, ResultsView, AdaptersTab):
             page.load(
                 self._refresh_all,
                 [editor["search"]],
-                [editor["gallery"], template_ids, gallery["gallery"], gallery["ids"]],
+                [
+                    editor["gallery"],
+                    template_ids,
+                    gallery["gallery"],
+                    gallery["ids"],
+                    gallery["details"],
+                ],
             )
             page.load(
                 self._models,
@@ -89,8 +95,12 @@ class StudioPage(GalleryTab, HistoryTab, BatchesTab, ResultsView, AdaptersTab):
         return page
 
     def _refresh_all(self, query: str = ""):
-        """Both galleries (the editor's filtered by its search box) and their index -> id lists."""
-        return (*self._gallery(query), *self._gallery())
+        """Both galleries (the editor's filtered by its search box), their index -> id lists and
+        the Gallery tab's idle details, from one listing in one event: the details then never
+        contradict the gallery, and a click that waits for them runs after the page's listing
+        (a separate load could land after the click's own answer and overwrite it)."""
+        all_items, all_ids = self._gallery()
+        return (*self._gallery(query), all_items, all_ids, idle_hint(bool(all_ids)))
 
     def _models(self):
         """Model choices (the editor's, the gallery's, the adapter upload's), and the first model's

@@ -20,6 +20,13 @@ EMPTY_HINT = (
     "The gallery is empty: upload images, or click **Add sample scenes** to start from generated "
     "scenes."
 )
+
+
+def idle_hint(has_templates: bool) -> str:
+    """What the details area says with no template selected."""
+    return SELECT_HINT if has_templates else EMPTY_HINT
+
+
 TRY_PROMPT = "held-out generated scenes: try a prompt like 'a small green star'"
 
 
@@ -42,7 +49,7 @@ class GalleryTab:
         and points to the samples button); a selected template's details stay (``gr.skip``)."""
         if selected:
             return gr.skip()
-        return SELECT_HINT if self.actions.gallery() else EMPTY_HINT
+        return idle_hint(bool(self.actions.gallery()))
 
     # ----- gallery --------------------------------------------------------------------------------
     def _gallery_tab(self, template_ids, current, tabs, editor) -> dict:
@@ -78,8 +85,8 @@ class GalleryTab:
                 )
                 ui["ids"] = gr.State([])
                 ui["selected"] = gr.State("")
-                # a callable value: worked out again on every page load
-                ui["details"] = gr.Markdown(self._idle_details, elem_id="ms-details")
+                # filled by the page's load (``_refresh_all``), with the galleries
+                ui["details"] = gr.Markdown("Loading the gallery…", elem_id="ms-details")
                 with gr.Row():
                     ui["model"] = gr.Dropdown(label="Model", choices=[], scale=2)
                     ui["cache"] = gr.Textbox(
