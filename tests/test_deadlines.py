@@ -652,8 +652,18 @@ def test_a_row_resumed_since_the_last_round_is_not_parked_again(resumed):
     assert (out.parked, out.deferred) == (([], []) if resumed else (["loose"], ["loosest"]))
 
 
-def test_a_step_that_does_not_grow_with_rows_parks_no_one():
-    s = BatchScheduler(4, plan=make_plan(step_time=constant(4.0)))
-    for row in (make_row("loose", deadline=2000.0), make_row("tight", deadline=31.0)):
-        s.add(row)
-    assert s.schedule(0.0).parked == []
+def test_a_row_that_adds_nothing_to_the_step_is_not_parked():
+    # a step costs 1 s plus 2 s per unit of masked area: "loosest" (nothing masked) adds nothing,
+    # "loose" and "tight" 1 s each; "tight" (10 steps, due at 25) ends at 30 beside both, at 20
+    # beside "loosest" alone: parking "loosest" would cost a park and save no time
+    def mask_sum(rows: Sequence[Row]) -> float:
+        return 1.0 + 2.0 * sum(row.mask_ratio for row in rows)
+
+    s = BatchScheduler(4, plan=make_plan(step_time=mask_sum))
+    s.add(Row("loose", 10, KEY, 0.5, deadline=2000.0))
+    s.add(Row("loosest", 10, KEY, 0.0, deadline=3000.0))
+    assert s.schedule(0.0).admitted == ["loose", "loosest"]
+    s.add(Row("tight", 10, KEY, 0.5, deadline=25.0))
+    out = s.schedule(0.0)
+    assert out.admitted == ["tight"] and out.parked == ["loose"]
+    assert set(s.running) == {"tight", "loosest"}

@@ -238,8 +238,8 @@ class BatchScheduler:
         queued_ahead = 0  # rows before this one left waiting for a slot to free by itself
         sizing = self.policy == "slack" and plan.size_batches
         shrinking = self.policy == "slack" and plan.shrink_batches
-        batch = list(self.running.values())  # kept in step with admissions and parks below
-        batch_step_s = plan.step_s(batch) if sizing else 0.0
+        # the running rows, kept in step with admissions and parks below, and their step time
+        batch, batch_step_s = self._priced_batch(sizing or shrinking)
         for row in dl.ordered(self.waiting.values(), now, step_s, plan):
             if len(self.running) < self.max_batch:
                 if sizing and dl.delays_a_tighter_row(plan, batch, row, now, batch_step_s):
@@ -251,10 +251,10 @@ class BatchScheduler:
                     queued_ahead += 1
                     continue
                 self._admit(row, now, out)
-                if shrinking:  # before the next row is weighed against the batch
-                    self._shrink(now, out, protected)
-                batch = list(self.running.values())
-                batch_step_s = plan.step_s(batch) if sizing else 0.0
+                batch, batch_step_s = self._priced_batch(sizing or shrinking)
+                # before the next row is weighed against the batch
+                if shrinking and self._shrink(now, out, protected, batch, batch_step_s):
+                    batch, batch_step_s = self._priced_batch(True)
                 continue
             if not planning or self._parks_left == 0:
                 break  # no slot, and none may be made by parking
@@ -268,41 +268,67 @@ class BatchScheduler:
                 continue
             self._park(victim, now, out)
             self._admit(row, now, out)
-            batch = list(self.running.values())
-            batch_step_s = plan.step_s(batch) if sizing else 0.0
+            batch, batch_step_s = self._priced_batch(sizing or shrinking)
         if shrinking:  # also when nothing joined: step times drift
-            self._shrink(now, out, protected)
+            self._shrink(now, out, protected, batch, batch_step_s)
         self._order = [r.job_id for r in dl.ordered(self.waiting.values(), now, step_s, plan)]
 
-    def _shrink(self, now: float, out: SchedulerOutput, protected: set[str]) -> None:
+    def _priced_batch(self, priced: bool) -> tuple[list[Row], float]:
+        """The running rows, and their predicted step time when ``priced`` (else 0.0)."""
+        batch = list(self.running.values())
+        assert self.plan is not None
+        return batch, (self.plan.step_s(batch) if priced else 0.0)
+
+    def _shrink(
+        self,
+        now: float,
+        out: SchedulerOutput,
+        protected: set[str],
+        batch: list[Row],
+        step_s: float,
+    ) -> bool:
         """Park rows with slack to spare, within this round's parks left, while a tighter running
         row is late at the batch's step time and a smaller batch puts it on time
-        (``deadlines.rows_to_park_for``), the tightest row first. Rows protected by the churn
-        rules (resumed since the last round, admitted in this schedule, starved, recording) stay.
-        """
+        (``deadlines.rows_to_park_for``), the tightest row first; True when a row was parked.
+        ``batch`` is the running rows and ``step_s`` their predicted step time. Only rows
+        ``_may_park`` allows leave."""
         plan = self.plan
         assert plan is not None
-
-        def may_park(row: Row) -> bool:
-            return (
-                row.parkable
-                and row.job_id not in protected
-                and row.job_id not in out.admitted
-                and not dl.starved(row, now, plan)
-            )
-
-        batch = list(self.running.values())
-        step_s = plan.step_s(batch)
+        if self._parks_left < 1 or all(dl.row_slack(r, now, step_s) >= 0 for r in batch):
+            return False  # the common case, one comparison per row: nobody is late
+        parked = False
         for tight in dl.ordered(batch, now, step_s, plan):
             if self._parks_left < 1:
-                return
+                break
             if tight.job_id not in self.running or dl.row_slack(tight, now, step_s) >= 0:
                 continue  # parked for a tighter row already, or on time in this batch
-            running = list(self.running.values())
-            budget = self._parks_left
-            for victim in dl.rows_to_park_for(plan, running, tight, now, may_park, budget):
+            victims = dl.rows_to_park_for(
+                plan,
+                list(self.running.values()),
+                tight,
+                now,
+                lambda row: self._may_park(row, now, protected, out),
+                self._parks_left,
+            )
+            for victim in victims:
                 self._park(victim, now, out)
-            step_s = plan.step_s(list(self.running.values()))
+            if victims:
+                parked = True
+                step_s = plan.step_s(list(self.running.values()))
+        return parked
+
+    def _may_park(self, row: Row, now: float, protected: set[str], out: SchedulerOutput) -> bool:
+        """The churn rules: a running row may leave the batch unless the worker marks it
+        unparkable (recording), it resumed since the last round (``protected``), it joined in
+        this schedule, or it is starved (a starved row is never parked again)."""
+        plan = self.plan
+        assert plan is not None
+        return (
+            row.parkable
+            and row.job_id not in protected
+            and row.job_id not in out.admitted
+            and not dl.starved(row, now, plan)
+        )
 
     def _victim(
         self,
@@ -332,12 +358,8 @@ class BatchScheduler:
         best: Row | None = None
         best_key = key
         for candidate in self.running.values():
-            if candidate.job_id in protected or candidate.job_id in out.admitted:
-                continue  # resumed since the last round, or joined in this schedule
-            if not candidate.parkable:
+            if not self._may_park(candidate, now, protected, out):
                 continue
-            if dl.starved(candidate, now, plan):
-                continue  # a starved row is never parked again
             their_slack = dl.row_slack(candidate, now, step_s)
             if their_slack - round_s < 0:
                 continue  # sitting out a round would make it late
