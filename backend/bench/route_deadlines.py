@@ -334,16 +334,18 @@ def summarize_seeds(reports: list[dict]) -> dict:
 
 def comparison(report: dict) -> list[dict]:
     """Per (process, load), each other arm against ``fifo``: interactive and batch attainment
-    (points), P95 per class (ratio), batch throughput (ratio)."""
-    by = {(r["trace"], r["load"], r["scheduler"]): r for r in report["results"]}
+    (points), P95 per class (ratio), batch throughput (ratio). Runs that carry a ``repeat``
+    (the worker bench's) are paired with fifo's run of the same repeat, and say which."""
+    by = {(r["trace"], r["load"], r["scheduler"], r.get("repeat")): r for r in report["results"]}
     out = []
-    for (kind, load, arm), r in by.items():
-        base = by.get((kind, load, "fifo"))
+    for (kind, load, arm, repeat), r in by.items():
+        base = by.get((kind, load, "fifo", repeat))
         if arm == "fifo" or base is None:
             continue
         c, b = r["classes"], base["classes"]
         out.append(
-            {
+            ({} if repeat is None else {"repeat": repeat})
+            | {
                 "trace": kind,
                 "load": load,
                 "scheduler": arm,
@@ -496,6 +498,13 @@ def write_outputs(report: dict, json_path: Path) -> Path:
         + (f"; mean of seeds {report['seeds']}" if "seeds" in report else ""),
         fontsize=10,
     )
+    return save_beside(fig, json_path)
+
+
+def save_beside(fig, json_path: Path) -> Path:
+    """``fig`` laid out, written as a PNG beside ``json_path`` (same name) and closed."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     plot = json_path.with_suffix(".png")
     fig.savefig(plot, dpi=110)

@@ -12,9 +12,9 @@ DEFAULT_JSON = "docs/bench/worker-deadlines.json"
 
 
 def cmd_bench_worker_deadlines(args, settings: Settings) -> int:
-    from backend.bench.worker_deadlines import (
-        WorkerDeadlineConfig,
-        run_worker_deadline_bench,
+    from backend.bench.worker_deadlines import WorkerDeadlineConfig, run_worker_deadline_bench
+    from backend.bench.worker_deadlines_report import (
+        mean_table,
         table,
         target_lines,
         write_outputs,
@@ -50,11 +50,13 @@ def cmd_bench_worker_deadlines(args, settings: Settings) -> int:
         round_steps=d.round_steps,
         max_parks_per_round=d.max_parks_per_round,
         capacity_rps=args.capacity_rps,
+        repeats=args.repeats,
     )
     report = run_worker_deadline_bench(cfg, settings)
     plot = write_outputs(report, Path(args.json))
     print(report["device"])
     print(table(report))
+    print(mean_table(report))
     for line in target_lines(report):
         print(line)
     print(f"wrote {args.json} and {plot}")
@@ -98,6 +100,13 @@ def add_worker_deadlines_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--burst-s", type=float, default=1.0, help="mean burst length (s)")
     p.add_argument(
         "--capacity-rps", type=float, default=0.0, help="loads as fractions of this rate"
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each (process, load), the arms' order rotated each time; figures against "
+        "fifo are paired within a repeat and averaged",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=DEFAULT_JSON)
