@@ -509,6 +509,30 @@ def test_a_loose_row_waits_while_joining_would_make_a_tighter_running_row_late()
     assert tight_ended == pytest.approx(21.0)  # by its deadline
 
 
+@pytest.mark.parametrize("size_batches", [True, False])
+def test_the_forecast_holds_back_a_row_that_sizing_keeps_out_as_the_run_does(size_batches):
+    # (shrinking, off without sizing here, parks rows: forecasts do not foresee parks)
+    s = sizing_scheduler(size_batches, shrink_batches=size_batches)
+    s.add(make_row("loose", steps=10, deadline=1000.0))
+    forecast = s.forecast(0.0)
+    now, started, ended = 0.0, {"tight": 0.0}, {}
+    while s.running or s.waiting:
+        out = s.schedule(now)
+        started |= {job_id: now for job_id in out.admitted}
+        now += 1.0 + len(s.running)  # this step's time
+        ended |= {r.job_id: now for r in s.update_from_output(list(s.running))}
+    # kept out, "loose" joins at 18 (one step of "tight" left) and ends at 21 + 9 x 2 = 39;
+    # without sizing it joins at once: 10 steps of 3 s end both at 30, "tight" late
+    expected = (
+        {"loose": (18.0, 39.0), "tight": (0.0, 21.0)}
+        if size_batches
+        else {"loose": (0.0, 30.0), "tight": (0.0, 30.0)}
+    )
+    for job_id, (start, end) in expected.items():
+        assert (started[job_id], ended[job_id]) == pytest.approx((start, end))
+        assert (forecast[job_id].start, forecast[job_id].finish) == pytest.approx((start, end))
+
+
 def test_without_sizing_the_free_slot_is_filled_and_the_tight_row_is_late():
     s = sizing_scheduler(size_batches=False)
     s.add(make_row("loose", steps=10, deadline=1000.0))

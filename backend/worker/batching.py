@@ -67,7 +67,7 @@ one round (or the steps left of the batch, when nothing may be parked) while it 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -442,7 +442,8 @@ class BatchScheduler:
     def forecast(self, now: float, step_time: StepTime | None = None) -> dict[str, RowForecast]:
         """Every row's ``RowForecast``: the running batch and the queue run forward on predicted
         step times (``step_time``, else the plan's), the queue joining in this scheduler's order
-        as slots free (``deadlines.simulate``). Pure; at most O(rows) step-time predictions."""
+        as slots free, rows that batch sizing keeps out of a free slot held back
+        (``deadlines.simulate``). Pure; O(rows) step-time predictions."""
         step_time = step_time or (self.plan.step_time if self.plan else None)
         if step_time is None:
             raise ValueError("forecast needs a step time: pass step_time or a DeadlinePlan")
@@ -459,6 +460,17 @@ class BatchScheduler:
             self.max_batch,
             lambda rows: max(0.0, float(time_of(rows))) if rows else 0.0,
             join_when_empty=self.mode not in ("continuous", "inline"),
+            keeps_out=self._keeps_out(),
+        )
+
+    def _keeps_out(self) -> Callable[[Sequence[Row], Row, float, float], bool] | None:
+        """The slack scheduler's batch sizing as ``deadlines.simulate`` asks it (None: no row is
+        ever kept out of a free slot)."""
+        plan = self.plan
+        if self.policy != "slack" or plan is None or not plan.size_batches:
+            return None
+        return lambda batch, row, now, without: dl.delays_a_tighter_row(
+            plan, batch, row, now, without
         )
 
     def live_state(self) -> dict[str, Any]:

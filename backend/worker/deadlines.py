@@ -26,7 +26,7 @@ last steps, by running the scheduler's own order forward on the predicted step t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from backend.costmodel.slack import NO_DEADLINE, precedence, slack_s
@@ -234,15 +234,21 @@ def simulate(
     max_batch: int,
     step_s: Callable[[Sequence[Row]], float],
     join_when_empty: bool = False,
+    keeps_out: Callable[[Sequence[Row], Row, float, float], bool] | None = None,
 ) -> dict[str, RowForecast]:
     """Run the batch forward on predicted step times: each running row ends after its remaining
     steps; queued rows, in ``queue``'s order, take slots as they free (``join_when_empty``: only
     once the whole batch has ended, as static batching does). The batch changes only when a row
-    ends, so ``step_s`` is called once per change: at most once per row, plus one.
+    ends or joins, so ``step_s`` is called once per change (and per step while a row is kept out).
+
+    ``keeps_out(batch, row, clock, batch_step_s)`` (the slack scheduler's batch sizing,
+    ``delays_a_tighter_row``): a queued row it holds back stays queued, in its place, while later
+    rows take the free slots; while one is held back the batch advances one step at a time and it
+    is asked again after each, as the scheduler does; an empty batch always takes the next row.
+    ``batch`` holds the running rows as they will be then (their steps advanced).
 
     Future parks are not simulated: a tight queued row may join sooner than forecast (by a park),
-    and the running row it displaces end later; nor are rows kept out of free slots
-    (``delays_a_tighter_row``), which join later than forecast."""
+    and the running rows it displaces (or that shrinking parks) end later."""
     position = {row.job_id: i + 1 for i, row in enumerate(queue)}
     start = {row.job_id: now for row in running}
     finish: dict[str, float] = {}
@@ -251,25 +257,42 @@ def simulate(
     pending = list(reversed(queue))  # pop() takes the next to join
     clock = now
 
-    def fill() -> None:
+    def fill() -> bool:
+        """Queued rows take the free slots; True when one was kept out of a free slot."""
         if join_when_empty and batch:
-            return
+            return False
+        kept: list[Row] = []
+        then: tuple[list[Row], float] | None = None  # priced when first asked, per batch
         while pending and len(batch) < max_batch:
             row = pending.pop()
+            if keeps_out is not None and batch:
+                then = then or as_then()
+                if keeps_out(then[0], row, clock, then[1]):
+                    kept.append(row)
+                    continue
             start[row.job_id] = clock
             left[row.job_id] = row.remaining_steps
             batch.append(row)
+            then = None
+        pending.extend(reversed(kept))  # back at the head of the queue, in order
+        return bool(kept)
 
-    fill()
+    def as_then() -> tuple[list[Row], float]:
+        """The batch with each row's steps advanced to ``clock``, and its step time."""
+        return [replace(r, step=r.num_steps - left[r.job_id]) for r in batch], step_s(batch)
+
+    held = fill()
     while batch:
         steps = max(0, min(left[row.job_id] for row in batch))
+        if held:  # asked again after every step, as the scheduler does
+            steps = min(steps, 1)
         clock += steps * max(0.0, step_s(batch))
         for row in batch:
             left[row.job_id] -= steps
             if left[row.job_id] <= 0:
                 finish[row.job_id] = clock
         batch = [row for row in batch if left[row.job_id] > 0]
-        fill()
+        held = fill()
     return {
         job_id: RowForecast(position.get(job_id, 0), start[job_id], finish[job_id])
         for job_id in start
