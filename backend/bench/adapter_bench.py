@@ -98,6 +98,8 @@ class ArmResult:
     # baseline: mean seconds per request with adapters spent loading, fusing, unfusing them and
     # denoising (the pipeline call alone)
     phases: dict = field(default_factory=dict)
+    # every arm: where a request's latency went, mean seconds (``latency_split``)
+    split: dict = field(default_factory=dict)
 
 
 def request_adapters(
@@ -141,6 +143,28 @@ def baseline_phases(denoised_jobs) -> dict[str, float]:
     return {**means, "pipeline_s": denoise - sum(means.values()), "requests": len(with_adapters)}
 
 
+def latency_split(
+    arrival: dict[str, float],
+    queued: dict[str, float],
+    denoised: dict[str, float],
+    done: dict[str, float],
+) -> dict[str, float]:
+    """Mean seconds per finished request, by stage (they sum to its latency): ``preprocess_s``,
+    arrival to the worker's inbox (pre-processing runs on the arrivals' one thread, so a request
+    also waits there for the ones before it); ``worker_s``, inbox to final latents handed on
+    (queued, and the denoising steps); ``postprocess_s``, decoding and writing the result (on the
+    worker loop's thread: a batch does not step meanwhile)."""
+    finished = [j for j in done if j in denoised and j in queued]
+    if not finished:
+        return {}
+    stages = {
+        "preprocess_s": [queued[j] - arrival[j] for j in finished],
+        "worker_s": [denoised[j] - queued[j] for j in finished],
+        "postprocess_s": [done[j] - denoised[j] for j in finished],
+    }
+    return {stage: float(np.mean(seconds)) for stage, seconds in stages.items()}
+
+
 class _Sink(LocalSink):
     """A local sink that also keeps the ids of jobs that ended without a result."""
 
@@ -163,6 +187,8 @@ class _Arm:
         self.trace_name, self.rps = trace_name, rps
         cfg = bench.cfg
         self.arrival: dict[str, float] = {}
+        self.queued: dict[str, float] = {}  # pre-processed, in the worker's inbox
+        self.denoised: dict[str, float] = {}  # final latents handed on by the worker
         self.done: dict[str, float] = {}
         self.lock = threading.Lock()
         self.inbox = LocalInbox()
@@ -198,8 +224,10 @@ class _Arm:
         )
 
     def _post(self, denoised) -> None:
+        handed_on = time.time()
         self.stages.postprocess(denoised)
         with self.lock:
+            self.denoised[denoised.job_id] = handed_on
             self.done[denoised.job_id] = time.time()
 
     def _arrive(self, trace: list[TraceRequest], jobs: dict[int, EditJob], start: float) -> None:
@@ -208,7 +236,10 @@ class _Arm:
             job = replace(jobs[request.index], job_id=f"{self.label}-{request.index}")
             with self.lock:
                 self.arrival[job.job_id] = time.time()
-            self.inbox.put(self.stages.preprocess(replace(job, submitted_at=time.time())))
+            prepared = self.stages.preprocess(replace(job, submitted_at=time.time()))
+            with self.lock:
+                self.queued[job.job_id] = time.time()
+            self.inbox.put(prepared)
 
     def run(self, trace: list[TraceRequest], jobs: dict[int, EditJob]) -> ArmResult:
         for sha in self.bench.engine.adapters.ids():  # every arm starts with nothing resident
@@ -243,6 +274,7 @@ class _Arm:
             mean_batch_rows=stats["mean_batch_rows"],
             failed=len(self.sink.failed),
         )
+        result.split = latency_split(self.arrival, self.queued, self.denoised, self.done)
         if self.arm == "baseline":
             result.phases = baseline_phases(self.sink.denoised_jobs)
         if self.rows is not None:

@@ -92,6 +92,14 @@ def summary_text(report: dict) -> str:
             + (f"  ({result.failed} failed)" if result.failed else "")
         )
     for r in report["results"]:
+        if r.get("split"):
+            split = r["split"]
+            lines.append(
+                f"{r['arm']} {r['trace']} {r['rps']:.4g}: mean per request, pre-processing "
+                f"{split['preprocess_s']:.2f} s + worker (queue, steps) {split['worker_s']:.2f} s "
+                f"+ post-processing {split['postprocess_s']:.2f} s"
+            )
+    for r in report["results"]:
         if r.get("phases"):
             p = r["phases"]
             lines.append(
