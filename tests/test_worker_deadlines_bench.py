@@ -140,3 +140,18 @@ def test_each_arm_is_compared_with_fifo_of_its_own_repeat_and_the_pairs_are_aver
     assert mean["repeats"] == 2 and mean["interactive_points"] == pytest.approx(30.0)
     assert mean["batch_throughput_ratio"] == pytest.approx((0.9 + 1.25) / 2)
     assert mean["interactive_points_lowest"] == pytest.approx(mean["interactive_points_highest"])
+
+
+def test_the_plot_takes_repeats_whose_mean_differs_from_equal_values_in_the_last_bit(tmp_path):
+    # 19 of 75 jobs on time in three runs (as measured once): the mean of the three equal
+    # percentages is below each of them in the last bit
+    runs = [_run(arm, repeat, 19 / 75, 1.0) for repeat in range(3) for arm in ("fifo", "slack")]
+    report = {
+        "results": runs,
+        "targets_s": {"interactive": 1.0, "batch": 20.0},
+        "config": {"model_id": "tiny-sd2-inpaint", "size": 128, "max_batch": 8},
+        "capacity_rps": 5.0,
+        "device": "cpu",
+    }
+    plot = write_outputs(report, tmp_path / "repeats.json")
+    assert plot.exists() and plot.stat().st_size > 0

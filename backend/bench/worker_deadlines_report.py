@@ -160,7 +160,9 @@ def write_outputs(report: dict, json_path: Path) -> Path:
             for i, arm in enumerate(arms):
                 values = [[_figure(r, what) for r in by[(kind, load, arm)]] for load in loads]
                 mean = np.array([np.mean(v) for v in values])
-                spread = [mean - [min(v) for v in values], [max(v) for v in values] - mean]
+                # clipped at 0: a mean of equal values may differ from them in the last bit
+                low = np.maximum(0.0, mean - [min(v) for v in values])
+                spread = [low, np.maximum(0.0, [max(v) for v in values] - mean)]
                 x = np.arange(len(loads)) + (i - (len(arms) - 1) / 2) * width
                 ax.bar(x, mean, width, label=arm, yerr=spread, capsize=2)
             if what == "p95":
