@@ -148,18 +148,27 @@ def latency_split(
     queued: dict[str, float],
     denoised: dict[str, float],
     done: dict[str, float],
+    worker_timings: dict[str, dict[str, float]],
 ) -> dict[str, float]:
     """Mean seconds per finished request, by stage (they sum to its latency): ``preprocess_s``,
     arrival to the worker's inbox (pre-processing runs on the arrivals' one thread, so a request
-    also waits there for the ones before it); ``worker_s``, inbox to final latents handed on
-    (queued, and the denoising steps); ``postprocess_s``, decoding and writing the result (on the
-    worker loop's thread: a batch does not step meanwhile)."""
-    finished = [j for j in done if j in denoised and j in queued]
+    also waits there for the ones before it); in the worker (``worker_timings``, the worker's
+    own ``wait_s`` and ``denoise_s`` per job): ``queue_s``, received to admitted (waiting for a
+    slot), ``admit_s``, the rest until its first step (the inbox, taking the template's cache,
+    starting its state and adapters), ``denoise_s``, first step to final latents handed on; then
+    ``postprocess_s``, decoding and writing the result (on the worker loop's thread: a batch does
+    not step meanwhile)."""
+    finished = [j for j in done if j in denoised and j in queued and j in worker_timings]
     if not finished:
         return {}
+    in_worker = {j: denoised[j] - queued[j] for j in finished}
+    wait = {j: worker_timings[j].get("wait_s", 0.0) for j in finished}
+    steps = {j: worker_timings[j].get("denoise_s", 0.0) for j in finished}
     stages = {
         "preprocess_s": [queued[j] - arrival[j] for j in finished],
-        "worker_s": [denoised[j] - queued[j] for j in finished],
+        "queue_s": [wait[j] for j in finished],
+        "admit_s": [in_worker[j] - wait[j] - steps[j] for j in finished],
+        "denoise_s": [steps[j] for j in finished],
         "postprocess_s": [done[j] - denoised[j] for j in finished],
     }
     return {stage: float(np.mean(seconds)) for stage, seconds in stages.items()}
@@ -274,7 +283,8 @@ class _Arm:
             mean_batch_rows=stats["mean_batch_rows"],
             failed=len(self.sink.failed),
         )
-        result.split = latency_split(self.arrival, self.queued, self.denoised, self.done)
+        timings = {d.job_id: d.timings for d in self.sink.denoised_jobs}
+        result.split = latency_split(self.arrival, self.queued, self.denoised, self.done, timings)
         if self.arm == "baseline":
             result.phases = baseline_phases(self.sink.denoised_jobs)
         if self.rows is not None:

@@ -96,8 +96,9 @@ def summary_text(report: dict) -> str:
             split = r["split"]
             lines.append(
                 f"{r['arm']} {r['trace']} {r['rps']:.4g}: mean per request, pre-processing "
-                f"{split['preprocess_s']:.2f} s + worker (queue, steps) {split['worker_s']:.2f} s "
-                f"+ post-processing {split['postprocess_s']:.2f} s"
+                f"{split['preprocess_s']:.2f} s + queue {split['queue_s']:.2f} s + admission "
+                f"{split['admit_s']:.2f} s + denoising {split['denoise_s']:.2f} s + "
+                f"post-processing {split['postprocess_s']:.2f} s"
             )
     for r in report["results"]:
         if r.get("phases"):
