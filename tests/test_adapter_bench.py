@@ -114,6 +114,12 @@ def test_bad_arguments_exit_2(argv, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+def test_a_trace_without_requests_exits_2_saying_what_to_raise(capsys):
+    argv = ["bench", "adapters", "--rps", "0.001", "--duration-s", "1", "--burst-rps", "0"]
+    assert main(argv) == 2
+    assert "has no request in 1 s: raise --duration-s" in capsys.readouterr().err
+
+
 def test_the_parser_registers_every_option():
     import argparse
 
@@ -132,7 +138,7 @@ def test_the_bench_runs_every_arm_end_to_end(tmp_path, models_dir, monkeypatch):
         [
             "bench", "adapters", "--model", "tiny-sd2-inpaint", "--size", "64", "--steps", "3",
             "--adapters", "4", "--templates", "2", "--rps", "2", "--burst-rps", "0",
-            "--duration-s", "3", "--max-requests", "4", "--loads", "0.5",
+            "--duration-s", "600", "--max-requests", "4", "--loads", "0.5",
             "--calibration-requests", "2", "--json", str(out),
         ]
     )  # fmt: skip

@@ -342,6 +342,12 @@ def _traces(cfg: AdapterBenchConfig) -> list[tuple[str, float, list[TraceRequest
             cfg.burst_rps, cfg.duration_s, cfg.num_templates, cfg.mask_mean, seed=cfg.seed
         )
         made.append(("bursty", cfg.burst_rps, bursty))
+    for name, rps, trace in made:
+        if not trace:
+            raise ValueError(
+                f"the {name} trace at {rps:.4g} requests/s has no request in {cfg.duration_s:g} "
+                "s: raise --duration-s (or the rate)"
+            )
     return [(name, rps, trace[: cfg.max_requests]) for name, rps, trace in made]
 
 
@@ -355,6 +361,8 @@ def run_adapter_bench(
     ``on_result`` is called with the results so far after each run (a long run that is stopped
     keeps what it measured)."""
     torch.set_num_threads(2)
+    if not cfg.loads:
+        _traces(cfg)  # a trace without requests fails before the model is built
     bench = _Bench(cfg, settings, work)
     capacity = None
     if cfg.loads:

@@ -114,6 +114,9 @@ def cmd_bench_adapters(args, settings: Settings) -> int:
             on_result=lambda results: write_partial(asdict(cfg), results, partial),
         )
         partial.unlink(missing_ok=True)
+    except ValueError as exc:  # a trace without requests, known only once the rates are set
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
