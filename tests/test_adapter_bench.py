@@ -155,10 +155,13 @@ def test_the_bench_runs_every_arm_end_to_end(tmp_path, models_dir, monkeypatch):
         split = r["split"]
         stages = {"preprocess_s", "queue_s", "admit_s", "denoise_s", "postprocess_s"}
         assert set(split) == stages and split["denoise_s"] > 0
-        assert min(split.values()) >= 0
+        assert min(split.values()) >= 0 and r["mean_step_s"] > 0
+        # the baseline runs the ordinary pipeline: it never reads a template cache
+        assert 0.0 <= r["cached_share"] <= 1.0 and (r["arm"] != "baseline" or not r["cached_share"])
         assert sum(split.values()) == pytest.approx(r["avg_latency_s"])
     ours = next(r for r in report["results"] if r["arm"] == "maskserve")
     assert ours["rows_with_adapters"] >= 1 and sum(ours["hits"].values()) >= 1
+    assert ours["cached_share"] > 0  # rows with adapters read the base model's template caches
     assert report["catalog"]["adapters"] == 4 and "latency_x" in report["headline"]
     # the rate is half the baseline's capacity measured on requests arriving at once
     capacity = report["baseline_capacity_rps"]

@@ -100,6 +100,8 @@ class ArmResult:
     phases: dict = field(default_factory=dict)
     # every arm: where a request's latency went, mean seconds (``latency_split``)
     split: dict = field(default_factory=dict)
+    cached_share: float = 0.0  # finished rows that denoised reading their template's cache
+    mean_step_s: float = 0.0  # the worker's mean step (forward pass of the batch)
 
 
 def request_adapters(
@@ -282,7 +284,11 @@ class _Arm:
             throughput_rps=len(latencies) / span,
             mean_batch_rows=stats["mean_batch_rows"],
             failed=len(self.sink.failed),
+            mean_step_s=stats["mean_step_s"],
         )
+        finished = self.sink.denoised_jobs
+        if finished:
+            result.cached_share = sum(d.used_cache for d in finished) / len(finished)
         timings = {d.job_id: d.timings for d in self.sink.denoised_jobs}
         result.split = latency_split(self.arrival, self.queued, self.denoised, self.done, timings)
         if self.arm == "baseline":

@@ -98,7 +98,8 @@ def summary_text(report: dict) -> str:
                 f"{r['arm']} {r['trace']} {r['rps']:.4g}: mean per request, pre-processing "
                 f"{split['preprocess_s']:.2f} s + queue {split['queue_s']:.2f} s + admission "
                 f"{split['admit_s']:.2f} s + denoising {split['denoise_s']:.2f} s + "
-                f"post-processing {split['postprocess_s']:.2f} s"
+                f"post-processing {split['postprocess_s']:.2f} s; steps of "
+                f"{r['mean_step_s']:.3f} s, {r['cached_share']:.0%} of rows read a template cache"
             )
     for r in report["results"]:
         if r.get("phases"):
