@@ -1,5 +1,6 @@
 """The deadline-aware step scheduler: fifo unchanged, edf order, slack rounds (parking, resuming,
-churn and starvation bounds), forecasts, and a burst on a fake clock (pure: no torch, no clock)."""
+churn and starvation bounds, batch sizing and shrinking) and a burst on a fake clock (pure: no
+torch, no clock). Forecasts: ``test_deadline_forecast.py``."""
 
 from __future__ import annotations
 
@@ -10,48 +11,15 @@ import pytest
 
 from backend.config_deadlines import DeadlineSettings
 from backend.worker.batching import BatchScheduler, Row, SchedulerOutput
-from backend.worker.deadlines import DeadlinePlan, RowForecast, planned_step_s
-
-KEY = "kv:128x128"
-
-
-def make_row(
-    job_id: str,
-    steps: int = 10,
-    deadline: float = 0.0,
-    priority: int = 0,
-    at: float = 0.0,
-    step: int = 0,
-) -> Row:
-    return Row(job_id, steps, KEY, 0.2, at, deadline=deadline, priority=priority, step=step)
-
-
-def constant(seconds: float) -> Callable[[Sequence[Row]], float]:
-    return lambda rows: seconds
-
-
-def by_size(base: float, per_row: float) -> Callable[[Sequence[Row]], float]:
-    return lambda rows: base + per_row * len(rows)
-
-
-def make_plan(
-    scheduler: str = "slack",
-    round_steps: int = 3,
-    max_wait_s: float = 300.0,
-    max_parks: int = 2,
-    step_time: Callable[[Sequence[Row]], float] = constant(1.0),
-    size_batches: bool = True,
-    shrink_batches: bool = True,
-) -> DeadlinePlan:
-    return DeadlinePlan(
-        scheduler=scheduler,
-        round_steps=round_steps,
-        max_wait_s=max_wait_s,
-        max_parks_per_round=max_parks,
-        size_batches=size_batches,
-        shrink_batches=shrink_batches,
-        step_time=step_time,
-    )
+from backend.worker.deadlines import DeadlinePlan, planned_step_s
+from tests.deadline_factory import (
+    KEY,
+    by_size,
+    constant,
+    make_plan,
+    make_row,
+    sizing_scheduler,
+)
 
 
 class Harness:
@@ -361,53 +329,6 @@ def test_live_state_reports_deadlines_priorities_and_parked_steps():
     )
 
 
-# ----- forecast --------------------------------------------------------------------------------
-def test_forecast_on_a_hand_computed_batch():
-    step_time = by_size(0.5, 0.5)  # 1 s for one row, 1.5 s for two
-    calls = []
-
-    def counted(rows):
-        calls.append(len(rows))
-        return step_time(rows)
-
-    for scheduler in ("fifo", "edf"):
-        s = BatchScheduler(2, plan=make_plan(scheduler, step_time=counted))
-        s.add(make_row("a", steps=2))
-        s.add(make_row("b", steps=4))
-        s.schedule(100.0)  # a and b run; nothing stepped yet
-        s.add(make_row("c", steps=3, at=100.0))
-        s.add(make_row("d", steps=1, deadline=104.0, at=100.5))
-        calls.clear()
-        f = s.forecast(100.0)
-        assert f["a"] == RowForecast(0, 100.0, 103.0)  # 2 steps of 1.5 s
-        assert f["b"] == RowForecast(0, 100.0, 106.0)
-        if scheduler == "fifo":
-            # c joins when a ends (103), d when b ends (106); then one step of two rows
-            assert f["c"] == RowForecast(1, 103.0, 107.5)
-            assert f["d"] == RowForecast(2, 106.0, 107.5)
-            assert len(calls) == 3
-        else:
-            # d is due first: it joins at 103 and ends at 104.5; c joins then, b ends at 106,
-            # and c runs its last step alone (1 s)
-            assert f["d"] == RowForecast(1, 103.0, 104.5)
-            assert f["c"] == RowForecast(2, 104.5, 108.0)
-            assert len(calls) <= 2 + 4
-    with pytest.raises(ValueError, match="step time"):
-        BatchScheduler(2).forecast(0.0)
-    assert BatchScheduler(2).forecast(0.0, constant(1.0)) == {}
-
-
-def test_forecast_of_a_parked_row_counts_its_remaining_steps_only():
-    s = BatchScheduler(1, plan=make_plan(round_steps=1))
-    s.add(make_row("a", steps=10, deadline=1000.0))
-    s.update_from_output(s.schedule(0.0).admitted)
-    s.add(make_row("t", steps=3, deadline=4.0, at=1.0))
-    assert s.schedule(1.0).parked == ["a"]
-    f = s.forecast(1.0)
-    assert f["t"] == RowForecast(0, 1.0, 4.0)
-    assert f["a"] == RowForecast(1, 4.0, 13.0)  # 9 steps left
-
-
 # ----- plan ------------------------------------------------------------------------------------
 def test_plan_from_settings_and_validation():
     settings = DeadlineSettings(scheduler="edf", round_steps=4, max_wait_s=60.0)
@@ -482,17 +403,6 @@ def test_a_burst_the_slack_scheduler_meets_interactive_deadlines_that_fifo_misse
 
 
 # ----- slack: batch sizing ---------------------------------------------------------------------
-# A step costs 1 s plus 1 s per row: a tight row alone (10 steps, due at 21) is on time with 1 s to
-# spare; with a second row beside it each step takes 3 s and it would end at 30.
-def sizing_scheduler(size_batches: bool = True, **plan) -> BatchScheduler:
-    s = BatchScheduler(
-        4, plan=make_plan(step_time=by_size(1.0, 1.0), size_batches=size_batches, **plan)
-    )
-    s.add(make_row("tight", steps=10, deadline=21.0))
-    assert s.schedule(0.0).admitted == ["tight"]
-    return s
-
-
 def test_a_loose_row_waits_while_joining_would_make_a_tighter_running_row_late():
     s = sizing_scheduler()
     s.add(make_row("loose", steps=10, deadline=1000.0))
@@ -507,30 +417,6 @@ def test_a_loose_row_waits_while_joining_would_make_a_tighter_running_row_late()
     # alone for 9 steps (2 s each); at 18 one step is left, and 3 s beside "loose" still ends at 21
     assert deferred == 8 and joined == pytest.approx(18.0)
     assert tight_ended == pytest.approx(21.0)  # by its deadline
-
-
-@pytest.mark.parametrize("size_batches", [True, False])
-def test_the_forecast_holds_back_a_row_that_sizing_keeps_out_as_the_run_does(size_batches):
-    # (shrinking, off without sizing here, parks rows: forecasts do not foresee parks)
-    s = sizing_scheduler(size_batches, shrink_batches=size_batches)
-    s.add(make_row("loose", steps=10, deadline=1000.0))
-    forecast = s.forecast(0.0)
-    now, started, ended = 0.0, {"tight": 0.0}, {}
-    while s.running or s.waiting:
-        out = s.schedule(now)
-        started |= {job_id: now for job_id in out.admitted}
-        now += 1.0 + len(s.running)  # this step's time
-        ended |= {r.job_id: now for r in s.update_from_output(list(s.running))}
-    # kept out, "loose" joins at 18 (one step of "tight" left) and ends at 21 + 9 x 2 = 39;
-    # without sizing it joins at once: 10 steps of 3 s end both at 30, "tight" late
-    expected = (
-        {"loose": (18.0, 39.0), "tight": (0.0, 21.0)}
-        if size_batches
-        else {"loose": (0.0, 30.0), "tight": (0.0, 30.0)}
-    )
-    for job_id, (start, end) in expected.items():
-        assert (started[job_id], ended[job_id]) == pytest.approx((start, end))
-        assert (forecast[job_id].start, forecast[job_id].finish) == pytest.approx((start, end))
 
 
 def test_without_sizing_the_free_slot_is_filled_and_the_tight_row_is_late():

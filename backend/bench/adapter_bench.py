@@ -367,16 +367,17 @@ def run_adapter_bench(
     ``on_result`` is called with the results so far after each run (a long run that is stopped
     keeps what it measured)."""
     torch.set_num_threads(2)
-    if not cfg.loads:
-        _traces(cfg)  # a trace without requests fails before the model is built
+    # given rates: a trace without requests fails before the model is built
+    traces = None if cfg.loads else _traces(cfg)
     bench = _Bench(cfg, settings, work)
     capacity = None
     if cfg.loads:
         capacity = baseline_capacity(bench, settings)
         cfg = replace(cfg, rps=tuple(load * capacity for load in cfg.loads))
         tqdm.write(f"baseline capacity {capacity:.4f} requests/s: rates {cfg.rps}")
+        traces = _traces(cfg)
     results = []
-    for name, rps, trace in _traces(cfg):
+    for name, rps, trace in traces or []:
         inputs = prepare_inputs(cfg, settings, bench.engine, trace, bench.blobs)
         uses = request_adapters(trace, bench.catalog, cfg.adapter_zipf, cfg.seed)
         jobs = _jobs(cfg, trace, inputs, bench, uses)

@@ -72,6 +72,26 @@ def device_hit_ratio(result: ArmResult) -> float:
     return result.hits.get("device", 0) / asked if asked else 0.0
 
 
+def _detail_lines(r: dict) -> list[str]:
+    """A run's optional lines: its stage split (MaskServe's arms), its adapter phases (baseline)."""
+    lines = []
+    if split := r.get("split"):
+        lines.append(
+            f"{r['arm']} {r['trace']} {r['rps']:.4g}: mean per request, pre-processing "
+            f"{split['preprocess_s']:.2f} s + queue {split['queue_s']:.2f} s + admission "
+            f"{split['admit_s']:.2f} s + denoising {split['denoise_s']:.2f} s + "
+            f"post-processing {split['postprocess_s']:.2f} s; steps of "
+            f"{r['mean_step_s']:.3f} s, {r['cached_share']:.0%} of rows read a template cache"
+        )
+    if p := r.get("phases"):
+        lines.append(
+            f"baseline {r['trace']} {r['rps']}: per request with adapters, load "
+            f"{p['adapter_load_s']:.3f} s + fuse {p['adapter_fuse_s']:.3f} s + unfuse "
+            f"{p['adapter_unfuse_s']:.3f} s around a {p['pipeline_s']:.3f} s pipeline call"
+        )
+    return lines
+
+
 def summary_text(report: dict) -> str:
     lines = [
         f"{'trace':8s} {'rps':>6s} {'arm':11s} {'mean s':>8s} {'P95 s':>8s} {'thru/s':>7s} "
@@ -92,23 +112,7 @@ def summary_text(report: dict) -> str:
             + (f"  ({result.failed} failed)" if result.failed else "")
         )
     for r in report["results"]:
-        if r.get("split"):
-            split = r["split"]
-            lines.append(
-                f"{r['arm']} {r['trace']} {r['rps']:.4g}: mean per request, pre-processing "
-                f"{split['preprocess_s']:.2f} s + queue {split['queue_s']:.2f} s + admission "
-                f"{split['admit_s']:.2f} s + denoising {split['denoise_s']:.2f} s + "
-                f"post-processing {split['postprocess_s']:.2f} s; steps of "
-                f"{r['mean_step_s']:.3f} s, {r['cached_share']:.0%} of rows read a template cache"
-            )
-    for r in report["results"]:
-        if r.get("phases"):
-            p = r["phases"]
-            lines.append(
-                f"baseline {r['trace']} {r['rps']}: per request with adapters, load "
-                f"{p['adapter_load_s']:.3f} s + fuse {p['adapter_fuse_s']:.3f} s + unfuse "
-                f"{p['adapter_unfuse_s']:.3f} s around a {p['pipeline_s']:.3f} s pipeline call"
-            )
+        lines.extend(_detail_lines(r))
     head = report["headline"]
     for key, target in TARGETS.items():
         if key in head:

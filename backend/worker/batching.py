@@ -66,8 +66,9 @@ one round (or the steps left of the batch, when nothing may be parked) while it 
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -463,15 +464,13 @@ class BatchScheduler:
             keeps_out=self._keeps_out(),
         )
 
-    def _keeps_out(self) -> Callable[[Sequence[Row], Row, float, float], bool] | None:
+    def _keeps_out(self) -> dl.KeepsOut | None:
         """The slack scheduler's batch sizing as ``deadlines.simulate`` asks it (None: no row is
         ever kept out of a free slot)."""
         plan = self.plan
         if self.policy != "slack" or plan is None or not plan.size_batches:
             return None
-        return lambda batch, row, now, without: dl.delays_a_tighter_row(
-            plan, batch, row, now, without
-        )
+        return functools.partial(dl.delays_a_tighter_row, plan)
 
     def live_state(self) -> dict[str, Any]:
         """Running batch and queue (in admission order), as the worker's heartbeat reports them."""

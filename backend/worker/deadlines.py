@@ -44,6 +44,8 @@ SCHEDULERS = ("fifo", "edf", "slack")
 URGENT_ROUNDS = 2
 
 StepTime = Callable[[Sequence["Row"]], float]
+# keeps_out(batch, row, now, batch_step_s): batch sizing's answer (``delays_a_tighter_row``)
+KeepsOut = Callable[[Sequence["Row"], "Row", float, float], bool]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,18 +236,23 @@ def simulate(
     max_batch: int,
     step_s: Callable[[Sequence[Row]], float],
     join_when_empty: bool = False,
-    keeps_out: Callable[[Sequence[Row], Row, float, float], bool] | None = None,
+    keeps_out: KeepsOut | None = None,
 ) -> dict[str, RowForecast]:
     """Run the batch forward on predicted step times: each running row ends after its remaining
     steps; queued rows, in ``queue``'s order, take slots as they free (``join_when_empty``: only
     once the whole batch has ended, as static batching does). The batch changes only when a row
-    ends or joins, so ``step_s`` is called once per change (and per step while a row is kept out).
+    ends or joins, so ``step_s`` is called once per change (and per question to ``keeps_out``).
 
     ``keeps_out(batch, row, clock, batch_step_s)`` (the slack scheduler's batch sizing,
     ``delays_a_tighter_row``): a queued row it holds back stays queued, in its place, while later
-    rows take the free slots; while one is held back the batch advances one step at a time and it
-    is asked again after each, as the scheduler does; an empty batch always takes the next row.
-    ``batch`` holds the running rows as they will be then (their steps advanced).
+    rows take the free slots; an empty batch always takes the next row. ``batch`` holds the
+    running rows as they will be then (their steps advanced). The scheduler asks again after every
+    step; the forecast skips to the first step at which some held row would be let in
+    (``first_let_in``), which gives the same answer because, while the batch is unchanged, a
+    held row's answer only turns one way: the running rows' slack beside it grows every step, its
+    own shrinks and its wait grows, each of which only lets it in sooner. So a forecast costs
+    O(held rows + log steps) step-time predictions per change of the batch, not one per row per
+    step.
 
     Future parks are not simulated: a tight queued row may join sooner than forecast (by a park),
     and the running rows it displaces (or that shrinking parks) end later."""
@@ -281,11 +288,34 @@ def simulate(
         """The batch with each row's steps advanced to ``clock``, and its step time."""
         return [replace(r, step=r.num_steps - left[r.job_id]) for r in batch], step_s(batch)
 
+    def first_let_in(limit: int, ask: KeepsOut) -> int:
+        """The first step (1..``limit``) after which ``fill`` lets a held row in; ``limit`` when
+        none is let in sooner. Each held row is asked once at the best step found so far and,
+        only when it is let in by then, searched by halving (its answer turns once: docstring)."""
+        batch_step = max(0.0, step_s(batch))
+
+        def kept(row: Row, steps: int) -> bool:
+            then = [replace(r, step=r.num_steps - left[r.job_id] + steps) for r in batch]
+            return ask(then, row, clock + steps * batch_step, batch_step)
+
+        best = limit
+        for row in reversed(pending):  # fill's order
+            if best <= 1:
+                break
+            if kept(row, best - 1):
+                continue
+            low, high = 1, best - 1  # let in after ``high`` steps, kept after ``low - 1``
+            while low < high:
+                mid = (low + high) // 2
+                low, high = (mid + 1, high) if kept(row, mid) else (low, mid)
+            best = high
+        return best
+
     held = fill()
     while batch:
         steps = max(0, min(left[row.job_id] for row in batch))
-        if held:  # asked again after every step, as the scheduler does
-            steps = min(steps, 1)
+        if held and keeps_out is not None and len(batch) < max_batch and steps > 1:
+            steps = first_let_in(steps, keeps_out)
         clock += steps * max(0.0, step_s(batch))
         for row in batch:
             left[row.job_id] -= steps

@@ -1,0 +1,123 @@
+"""Forecasts of the deadline scheduler (``BatchScheduler.forecast``, ``deadlines.simulate``):
+hand-computed batches, parked rows, and rows that batch sizing holds back, checked against the
+scheduler's own run on a fake clock (pure: no torch, no clock)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from backend.worker.batching import BatchScheduler, Row
+from backend.worker.deadlines import RowForecast
+from tests.deadline_factory import by_size, constant, make_plan, make_row, sizing_scheduler
+
+
+def run(
+    s: BatchScheduler, step_time: Callable[[Sequence[Row]], float], now: float = 0.0
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Runs ``s`` to its end, each step taking ``step_time`` of its batch: when each row started
+    (running rows: ``now``) and when its last step ended."""
+    started = {job_id: now for job_id in s.running}
+    ended: dict[str, float] = {}
+    while s.running or s.waiting:
+        out = s.schedule(now)
+        started |= {job_id: now for job_id in out.admitted}
+        now += step_time(list(s.running.values()))
+        ended |= {r.job_id: now for r in s.update_from_output(list(s.running))}
+    return started, ended
+
+
+# ----- forecast --------------------------------------------------------------------------------
+def test_forecast_on_a_hand_computed_batch():
+    step_time = by_size(0.5, 0.5)  # 1 s for one row, 1.5 s for two
+    calls = []
+
+    def counted(rows):
+        calls.append(len(rows))
+        return step_time(rows)
+
+    for scheduler in ("fifo", "edf"):
+        s = BatchScheduler(2, plan=make_plan(scheduler, step_time=counted))
+        s.add(make_row("a", steps=2))
+        s.add(make_row("b", steps=4))
+        s.schedule(100.0)  # a and b run; nothing stepped yet
+        s.add(make_row("c", steps=3, at=100.0))
+        s.add(make_row("d", steps=1, deadline=104.0, at=100.5))
+        calls.clear()
+        f = s.forecast(100.0)
+        assert f["a"] == RowForecast(0, 100.0, 103.0)  # 2 steps of 1.5 s
+        assert f["b"] == RowForecast(0, 100.0, 106.0)
+        if scheduler == "fifo":
+            # c joins when a ends (103), d when b ends (106); then one step of two rows
+            assert f["c"] == RowForecast(1, 103.0, 107.5)
+            assert f["d"] == RowForecast(2, 106.0, 107.5)
+            assert len(calls) == 3
+        else:
+            # d is due first: it joins at 103 and ends at 104.5; c joins then, b ends at 106,
+            # and c runs its last step alone (1 s)
+            assert f["d"] == RowForecast(1, 103.0, 104.5)
+            assert f["c"] == RowForecast(2, 104.5, 108.0)
+            assert len(calls) <= 2 + 4
+    with pytest.raises(ValueError, match="step time"):
+        BatchScheduler(2).forecast(0.0)
+    assert BatchScheduler(2).forecast(0.0, constant(1.0)) == {}
+
+
+def test_forecast_of_a_parked_row_counts_its_remaining_steps_only():
+    s = BatchScheduler(1, plan=make_plan(round_steps=1))
+    s.add(make_row("a", steps=10, deadline=1000.0))
+    s.update_from_output(s.schedule(0.0).admitted)
+    s.add(make_row("t", steps=3, deadline=4.0, at=1.0))
+    assert s.schedule(1.0).parked == ["a"]
+    f = s.forecast(1.0)
+    assert f["t"] == RowForecast(0, 1.0, 4.0)
+    assert f["a"] == RowForecast(1, 4.0, 13.0)  # 9 steps left
+
+
+@pytest.mark.parametrize("size_batches", [True, False])
+def test_the_forecast_holds_back_a_row_that_sizing_keeps_out_as_the_run_does(size_batches):
+    # (shrinking, off without sizing here, parks rows: forecasts do not foresee parks)
+    s = sizing_scheduler(size_batches, shrink_batches=size_batches)
+    s.add(make_row("loose", steps=10, deadline=1000.0))
+    forecast = s.forecast(0.0)
+    started, ended = run(s, by_size(1.0, 1.0))
+    # kept out, "loose" joins at 18 (one step of "tight" left) and ends at 21 + 9 x 2 = 39;
+    # without sizing it joins at once: 10 steps of 3 s end both at 30, "tight" late
+    expected = (
+        {"loose": (18.0, 39.0), "tight": (0.0, 21.0)}
+        if size_batches
+        else {"loose": (0.0, 30.0), "tight": (0.0, 30.0)}
+    )
+    for job_id, (start, end) in expected.items():
+        assert (started[job_id], ended[job_id]) == pytest.approx((start, end))
+        assert (forecast[job_id].start, forecast[job_id].finish) == pytest.approx((start, end))
+
+
+def test_the_forecast_of_many_held_rows_matches_the_run_and_skips_the_steps_between_joins():
+    # a step costs 1/8 s plus 1/16 s per row (exact in binary, so the forecast and the run add up
+    # alike). "tight" (50 steps, due at 11) is on time alone (9.375 s) but not beside a second row
+    # (12.5 s) until 24 of its steps are done: the loose rows are held back until then, the
+    # second until the first ends, the rest until "tight" ends (by its deadline)
+    step_time = by_size(0.125, 0.0625)
+    calls = []
+
+    def counted(rows):
+        calls.append(len(rows))
+        return step_time(rows)
+
+    s = BatchScheduler(8, plan=make_plan(step_time=counted, max_parks=0))
+    s.add(make_row("tight", steps=50, deadline=11.0))
+    s.schedule(0.0)
+    for i in range(12):
+        s.add(make_row(f"loose{i}", steps=20, deadline=1000.0 + i, at=0.01 * i))
+    calls.clear()
+    forecast = s.forecast(0.0)
+    asked = len(calls)
+    started, ended = run(s, step_time)
+    assert started["loose0"] == 24 * 0.1875  # held back while "tight" needs short steps
+    assert started["loose1"] == ended["loose0"] and started["loose2"] == ended["tight"] == 11.0
+    for job_id, f in forecast.items():
+        assert (f.start, f.finish) == pytest.approx((started[job_id], ended[job_id])), job_id
+    # one question per held row per step would be over 12 x 24 step-time predictions
+    assert asked < 12 * 24 / 2
