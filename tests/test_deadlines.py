@@ -455,6 +455,31 @@ def test_who_joins_beside_a_tight_row(waiting):
     assert (out.admitted == [waiting.job_id]) is joins and (out.deferred == []) is joins
 
 
+def test_a_row_that_would_be_late_beside_the_batch_stays_out_though_its_slack_is_short():
+    # "doomed" (10 steps, due at 25) would end at 30 beside "tight" (steps of 3 s), which it
+    # cannot displace: joining saves neither, so it waits although it must join now to be on time
+    s = sizing_scheduler()
+    s.add(make_row("doomed", steps=10, deadline=25.0))
+    assert s.schedule(0.0).deferred == ["doomed"]
+
+
+@pytest.mark.parametrize("deadline, kept_out", [(25.0, True), (19.0, False)])
+def test_a_late_running_row_is_not_made_later_while_it_can_still_be_on_time(deadline, kept_out):
+    # "tight" (10 steps) ends at 30 beside "loose" (steps of 3 s): late for 25, but on time alone
+    # (20 s), so a looser row stays out rather than stretch its steps to 4 s; past saving (due at
+    # 19, after 20 s even alone) it protects nothing and the slot is filled
+    s = BatchScheduler(
+        4, plan=make_plan(step_time=by_size(1.0, 1.0), shrink_batches=False, max_parks=0)
+    )
+    s.add(make_row("loose", steps=10, deadline=1000.0))
+    s.schedule(0.0)
+    s.add(make_row("tight", steps=10, deadline=deadline))
+    assert s.schedule(0.0).admitted == ["tight"]
+    s.add(make_row("looser", steps=10, deadline=2000.0))
+    out = s.schedule(0.0)
+    assert (out.deferred == ["looser"]) is kept_out and (out.admitted == ["looser"]) is not kept_out
+
+
 def test_a_starved_row_joins_beside_a_tight_row():
     s = sizing_scheduler(max_wait_s=5.0)
     s.add(make_row("old", steps=10, deadline=1000.0, at=-6.0))  # has waited 6 s: past the bound
@@ -556,10 +581,10 @@ def test_a_row_resumed_since_the_last_round_is_not_parked_again(resumed):
     s.add(make_row("tighter", steps=5, deadline=16.0))  # steps of 4 s beside two, 3 s beside one
     out = s.schedule(0.0)
     # joining, "tighter" makes "tight" late: "loose" is parked for it unless it just resumed; then
-    # "loosest" stays out, as it would make "tight" late again (without the park, "tight" is late
-    # anyway and "loosest" rejoins)
+    # "loosest" stays out, as it would make "tight" late again (without the park "tight" is late,
+    # but on time alone it can still be saved: "loosest" stays out rather than make it later)
     assert out.admitted[0] == "tighter"
-    assert (out.parked, out.deferred) == (([], []) if resumed else (["loose"], ["loosest"]))
+    assert (out.parked, out.deferred) == ([] if resumed else ["loose"], ["loosest"])
 
 
 def test_a_row_that_adds_nothing_to_the_step_is_not_parked():

@@ -5,11 +5,17 @@ test: no figure is compared with another)."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from backend.bench.route_deadlines import comparison, deadline_trace, services_of
-from backend.bench.worker_deadlines import WorkerDeadlineConfig, rotated, run_worker_deadline_bench
+from backend.bench.worker_deadlines import (
+    WorkerDeadlineConfig,
+    rotated,
+    rows_per_step,
+    run_worker_deadline_bench,
+)
 from backend.bench.worker_deadlines_report import (
     mean_comparison,
     mean_table,
@@ -66,6 +72,9 @@ def test_every_scheduler_serves_the_same_trace_and_the_report_accounts_for_every
             # every parked row resumed (every job finished)
             assert r["parks_per_job"] >= 0 and r["resumes_per_job"] == r["parks_per_job"]
             assert r["max_batch_wait_s"] >= 0 and r["mean_step_ms"] > 0
+            for cls, sizes in r["rows_per_step"].items():  # mean batch of its jobs: 1..max_batch
+                assert max(sizes.values()) >= 1 and classes.count(cls) > 0
+                assert all(v == 0.0 or 1.0 <= v <= cfg.max_batch for v in sizes.values())
             if arm != "slack":  # only the full scheduler parks rows, or keeps slots free
                 assert r["parks_per_job"] == 0 and r["deferrals_per_job"] == 0
     # every other arm against fifo, per process and load; the issue's targets per process
@@ -155,3 +164,18 @@ def test_the_plot_takes_repeats_whose_mean_differs_from_equal_values_in_the_last
     }
     plot = write_outputs(report, tmp_path / "repeats.json")
     assert plot.exists() and plot.stat().st_size > 0
+
+
+def test_rows_per_step_averages_each_job_then_the_jobs_that_met_or_missed():
+    services = [
+        SimpleNamespace(service_class="interactive", deadline=1.0),
+        SimpleNamespace(service_class="interactive", deadline=1.0),
+        SimpleNamespace(service_class="interactive", deadline=1.0),
+        SimpleNamespace(service_class="batch", deadline=10.0),
+    ]
+    sizes = {0: [1, 3], 1: [4, 4, 4, 4], 2: [6], 3: [2]}
+    done_at = {0: 0.5, 1: 1.5, 2: 2.0, 3: 9.0}
+    assert rows_per_step(sizes, done_at, services) == {
+        "batch": {"met": 2.0, "missed": 0.0},
+        "interactive": {"met": 2.0, "missed": 5.0},  # jobs 1 and 2: (4 + 6) / 2
+    }

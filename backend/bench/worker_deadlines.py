@@ -226,6 +226,15 @@ class _Worker:
         self.blobs, self.caches = blobs, caches
         self.done: dict[str, float] = {}
         self.rows: dict[str, Row] = {}
+        self.batch_sizes: dict[str, list[int]] = {}  # job id -> rows of each step it ran in
+        observe = clock.observe
+
+        def observed(rows, seconds: float) -> None:  # the worker reports every step it ran
+            for row in rows:
+                self.batch_sizes.setdefault(row.job_id, []).append(len(rows))
+            observe(rows, seconds)
+
+        clock.observe = observed  # type: ignore[method-assign]
         self.inbox = LocalInbox()
         self.sink = LocalSink(on_denoised=self._handed_on)
         self.worker = EngineWorker(
@@ -395,6 +404,8 @@ def serve_trace(bench: _Bench, arm: str, trace: list, services: list, prepared: 
     )
     row = measure(bench.workload, outcome, trace, services)
     row.pop("decision_p50_ms")  # no routing decisions here
+    sizes = {index[j]: worker.batch_sizes.get(j, []) for j in done}
+    row["rows_per_step"] = rows_per_step(sizes, outcome.done_at, services)
     snapshot = stats.snapshot()
     return row | {
         "makespan_s": max(done.values()) - start,
@@ -405,6 +416,23 @@ def serve_trace(bench: _Bench, arm: str, trace: list, services: list, prepared: 
         "clock_scale_end": clock.scale,
         "clock_shape_end": {str(rows): f for rows, f in sorted(clock.shape.items())},
         "load_avg_1m": load_avg,  # this machine's load when the run began (other work shows)
+    }
+
+
+def rows_per_step(
+    sizes: dict[int, list[int]], done_at: dict[int, float], services: list
+) -> dict[str, dict[str, float]]:
+    """Per class, the mean batch size of the steps its jobs ran, over the jobs that met their
+    deadline and over those that missed it (0 where there is none): what a late job ran beside."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for index, steps in sizes.items():
+        service = services[index]
+        met = done_at[index] <= service.deadline + 1e-9
+        cls = out.setdefault(service.service_class, {"met": [], "missed": []})
+        cls["met" if met else "missed"].append(statistics.fmean(steps) if steps else 0.0)
+    return {
+        cls: {k: statistics.fmean(v) if v else 0.0 for k, v in parts.items()}
+        for cls, parts in sorted(out.items())
     }
 
 
@@ -481,5 +509,7 @@ def _line(r: dict) -> str:
         f"{r['scheduler']}: attainment interactive {c['interactive']['attainment']:.1%} batch "
         f"{c['batch']['attainment']:.1%}, P95 {c['interactive']['p95_latency_s']:.2f} / "
         f"{c['batch']['p95_latency_s']:.2f} s, parks/job {r['parks_per_job']:.3f}, "
-        f"longest batch wait {r['max_batch_wait_s']:.2f} s"
+        f"longest batch wait {r['max_batch_wait_s']:.2f} s; interactive jobs ran beside "
+        f"{r['rows_per_step'].get('interactive', {}).get('met', 0.0):.1f} rows (met) / "
+        f"{r['rows_per_step'].get('interactive', {}).get('missed', 0.0):.1f} (missed)"
     )

@@ -66,7 +66,6 @@ one round (or the steps left of the batch, when nothing may be parked) while it 
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,6 +74,7 @@ from typing import Any
 from backend.protocol.messages import RunningRow, WaitingRow
 from backend.worker import deadlines as dl
 from backend.worker.deadlines import DeadlinePlan, RowForecast, StepTime
+from backend.worker.forecast_run import simulate
 
 MODES = ("continuous", "static", "inline", "baseline")
 
@@ -444,7 +444,7 @@ class BatchScheduler:
         """Every row's ``RowForecast``: the running batch and the queue run forward on predicted
         step times (``step_time``, else the plan's), the queue joining in this scheduler's order
         as slots free, rows that batch sizing keeps out of a free slot held back
-        (``deadlines.simulate``). Pure; O(rows) step-time predictions."""
+        (``forecast_run.simulate``). Pure; O(rows) step-time predictions."""
         step_time = step_time or (self.plan.step_time if self.plan else None)
         if step_time is None:
             raise ValueError("forecast needs a step time: pass step_time or a DeadlinePlan")
@@ -454,23 +454,17 @@ class BatchScheduler:
             step_s = dl.planned_step_s(self.plan, running, waiting, self.max_batch, now)
             waiting = dl.ordered(waiting, now, step_s, self.plan)
         time_of = step_time  # bound for the closure (mypy: not None)
-        return dl.simulate(
+        plan = self.plan
+        sizing = plan if self.policy == "slack" and plan is not None and plan.size_batches else None
+        return simulate(
             now,
             running,
             waiting,
             self.max_batch,
             lambda rows: max(0.0, float(time_of(rows))) if rows else 0.0,
             join_when_empty=self.mode not in ("continuous", "inline"),
-            keeps_out=self._keeps_out(),
+            sizing=sizing,
         )
-
-    def _keeps_out(self) -> dl.KeepsOut | None:
-        """The slack scheduler's batch sizing as ``deadlines.simulate`` asks it (None: no row is
-        ever kept out of a free slot)."""
-        plan = self.plan
-        if self.policy != "slack" or plan is None or not plan.size_batches:
-            return None
-        return functools.partial(dl.delays_a_tighter_row, plan)
 
     def live_state(self) -> dict[str, Any]:
         """Running batch and queue (in admission order), as the worker's heartbeat reports them."""

@@ -19,14 +19,15 @@ Slack and precedence have one definition, ``backend.costmodel.slack``: this modu
 step time they use, that of the batch as it would be (``planned_step_s``), and how long a row has
 waited (``waited_s``: queued or parked, summed over every wait).
 
-``forecast`` predicts, for every row of a worker, its queue position and the epochs of its next and
-last steps, by running the scheduler's own order forward on the predicted step times.
+``backend.worker.forecast_run`` predicts, for every row of a worker, its queue position and the
+epochs of its next and last steps, by running the scheduler's own order forward on the predicted
+step times.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from backend.costmodel.slack import NO_DEADLINE, precedence, slack_s
@@ -44,8 +45,6 @@ SCHEDULERS = ("fifo", "edf", "slack")
 URGENT_ROUNDS = 2
 
 StepTime = Callable[[Sequence["Row"]], float]
-# keeps_out(batch, row, now, batch_step_s): batch sizing's answer (``delays_a_tighter_row``)
-KeepsOut = Callable[[Sequence["Row"], "Row", float, float], bool]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,29 +149,82 @@ def planned_step_s(
     return plan.step_s(rows[:max_batch])
 
 
+def on_time_alone(row: Row, now: float, plan: DeadlinePlan) -> bool:
+    """Whether ``row`` can still meet its deadline: on time were it alone in the batch (the
+    shortest step there is; TetriServe's test for a request that is not yet "definitely late").
+    Turns one way: while the row runs beside others or waits, its slack alone only shrinks."""
+    return row_slack(row, now, plan.step_s([row])) >= 0
+
+
+def must_join_now(plan: DeadlinePlan, running: Sequence[Row], row: Row, now: float) -> bool:
+    """Whether waiting ``row`` has under ``URGENT_ROUNDS`` rounds of slack beside ``running``: it
+    must join now to be on time. Turns one way: a waiting row's slack only shrinks."""
+    return _short_of_slack(plan, row, now, plan.step_s([*running, row]))
+
+
+def _short_of_slack(plan: DeadlinePlan, row: Row, now: float, with_row: float) -> bool:
+    return row_slack(row, now, with_row) < URGENT_ROUNDS * plan.round_steps * with_row
+
+
+def sits_out_safely(
+    plan: DeadlinePlan, victim: Row, tight: Row, now: float, step_s: float, rest_step_s: float
+) -> bool:
+    """Whether running ``victim`` (slack at ``step_s``) keeps ``URGENT_ROUNDS`` rounds of slack
+    after sitting out ``tight``'s remaining steps (at ``rest_step_s``): parked, it neither rushes
+    back at once nor is made late."""
+    slack_after = row_slack(victim, now, step_s) - tight.remaining_steps * rest_step_s
+    return slack_after >= URGENT_ROUNDS * plan.round_steps * step_s
+
+
+def on_time_if_it_joins(plan: DeadlinePlan, running: Sequence[Row], row: Row, now: float) -> bool:
+    """Whether waiting ``row`` would be on time beside ``running`` once shrinking (when the plan
+    shrinks) parked for it the running rows it may: those it precedes that may leave the batch
+    (``parkable``, not starved) and sit out its steps safely. The round's park budget is not
+    counted: the answer is whether joining can work, not a plan of parks."""
+    step_s = plan.step_s([*running, row])
+    key = row_key(row, now, step_s, plan)
+
+    def stays(r: Row) -> bool:
+        return not (
+            plan.shrink_batches
+            and r.parkable
+            and not starved(r, now, plan)
+            and row_key(r, now, step_s, plan) > key
+            and sits_out_safely(plan, r, row, now, step_s, step_s)
+        )
+
+    return row_slack(row, now, plan.step_s([*(r for r in running if stays(r)), row])) >= 0
+
+
 def delays_a_tighter_row(
     plan: DeadlinePlan, running: Sequence[Row], row: Row, now: float, without: float
 ) -> bool:
     """Whether waiting ``row`` should stay out of the ``running`` batch although a slot is free:
-    adding it lengthens the batch's step so that a running row that precedes it and is on time
-    without it (slack >= 0 at ``without``, the step time of ``running``: the caller prices it once
-    per batch) would be late (slack < 0 at the step time with ``row``). Never for a starved row,
-    nor for a row that must join now to be on time itself (under ``URGENT_ROUNDS`` rounds of slack
-    left): it joins, and the order between the two is the planning rounds' business. A row kept
-    out waits at most until that row ends, or until its own slack runs short, or until it
-    starves."""
+    adding it lengthens the batch's step (from ``without``, the step time of ``running``: the
+    caller prices it once per batch) so that a running row that precedes it, and can still be on
+    time (``on_time_alone``), is late (slack < 0 at the step time with ``row``): on time now and
+    made late, or late already and made later when shrinking might still save it.
+
+    Never for a starved row, nor for a row that must join now to be on time itself
+    (``must_join_now``) and can be on time if it joins (``on_time_if_it_joins``: shrinking may
+    park rows for it): it joins, and the order between the two is the planning rounds' business.
+    A row that would be late beside the batch anyway stays out: its joining would cost the
+    running row its deadline and save neither (TetriServe counts rows on time). A row kept out
+    waits at most until that row ends or cannot be on time any more, or until its own slack runs
+    short while it can still be on time, or until it starves."""
     if not running or starved(row, now, plan):
         return False
     with_row = plan.step_s([*running, row])
     if not with_row > without:
         return False  # a step that does not grow (a launch-bound device): nobody is delayed
-    if row_slack(row, now, with_row) < URGENT_ROUNDS * plan.round_steps * with_row:
+    if _short_of_slack(plan, row, now, with_row) and on_time_if_it_joins(plan, running, row, now):
         return False
     key = row_key(row, now, with_row, plan)
     return any(
         r.deadline != NO_DEADLINE
-        and row_slack(r, now, with_row) < 0 <= row_slack(r, now, without)
+        and row_slack(r, now, with_row) < 0
         and row_key(r, now, with_row, plan) < key
+        and on_time_alone(r, now, plan)
         for r in running
     )
 
@@ -206,14 +258,13 @@ def rows_to_park_for(
         key=lambda r: row_key(r, now, step_now, plan),
         reverse=True,
     )
-    margin = URGENT_ROUNDS * plan.round_steps * step_now
     kept, parked, kept_step = list(running), [], step_now
     for victim in loosest_first:
         rest = [r for r in kept if r is not victim]
         rest_step = plan.step_s(rest)
         if not rest_step < kept_step:
             continue  # this row adds nothing to the step time: parking it saves no one
-        if row_slack(victim, now, step_now) - tight.remaining_steps * rest_step < margin:
+        if not sits_out_safely(plan, victim, tight, now, step_now, rest_step):
             continue
         kept, kept_step = rest, rest_step
         parked.append(victim)
@@ -227,103 +278,3 @@ def rows_to_park_for(
 def ordered(rows: Iterable[Row], now: float, step_s: float, plan: DeadlinePlan) -> list[Row]:
     """``rows`` in precedence order (stable: FIFO among equals)."""
     return sorted(rows, key=lambda r: row_key(r, now, step_s, plan))
-
-
-def simulate(
-    now: float,
-    running: Sequence[Row],
-    queue: Sequence[Row],
-    max_batch: int,
-    step_s: Callable[[Sequence[Row]], float],
-    join_when_empty: bool = False,
-    keeps_out: KeepsOut | None = None,
-) -> dict[str, RowForecast]:
-    """Run the batch forward on predicted step times: each running row ends after its remaining
-    steps; queued rows, in ``queue``'s order, take slots as they free (``join_when_empty``: only
-    once the whole batch has ended, as static batching does). The batch changes only when a row
-    ends or joins, so ``step_s`` is called once per change (and per question to ``keeps_out``).
-
-    ``keeps_out(batch, row, clock, batch_step_s)`` (the slack scheduler's batch sizing,
-    ``delays_a_tighter_row``): a queued row it holds back stays queued, in its place, while later
-    rows take the free slots; an empty batch always takes the next row. ``batch`` holds the
-    running rows as they will be then (their steps advanced). The scheduler asks again after every
-    step; the forecast skips to the first step at which some held row would be let in
-    (``first_let_in``), which gives the same answer because, while the batch is unchanged, a
-    held row's answer only turns one way: the running rows' slack beside it grows every step, its
-    own shrinks and its wait grows, each of which only lets it in sooner. So a forecast costs
-    O(held rows + log steps) step-time predictions per change of the batch, not one per row per
-    step.
-
-    Future parks are not simulated: a tight queued row may join sooner than forecast (by a park),
-    and the running rows it displaces (or that shrinking parks) end later."""
-    position = {row.job_id: i + 1 for i, row in enumerate(queue)}
-    start = {row.job_id: now for row in running}
-    finish: dict[str, float] = {}
-    left = {row.job_id: row.remaining_steps for row in running}  # steps left, per batch row
-    batch = list(running)
-    pending = list(reversed(queue))  # pop() takes the next to join
-    clock = now
-
-    def fill() -> bool:
-        """Queued rows take the free slots; True when one was kept out of a free slot."""
-        if join_when_empty and batch:
-            return False
-        kept: list[Row] = []
-        then: tuple[list[Row], float] | None = None  # priced when first asked, per batch
-        while pending and len(batch) < max_batch:
-            row = pending.pop()
-            if keeps_out is not None and batch:
-                then = then or as_then()
-                if keeps_out(then[0], row, clock, then[1]):
-                    kept.append(row)
-                    continue
-            start[row.job_id] = clock
-            left[row.job_id] = row.remaining_steps
-            batch.append(row)
-            then = None
-        pending.extend(reversed(kept))  # back at the head of the queue, in order
-        return bool(kept)
-
-    def as_then() -> tuple[list[Row], float]:
-        """The batch with each row's steps advanced to ``clock``, and its step time."""
-        return [replace(r, step=r.num_steps - left[r.job_id]) for r in batch], step_s(batch)
-
-    def first_let_in(limit: int, ask: KeepsOut) -> int:
-        """The first step (1..``limit``) after which ``fill`` lets a held row in; ``limit`` when
-        none is let in sooner. Each held row is asked once at the best step found so far and,
-        only when it is let in by then, searched by halving (its answer turns once: docstring)."""
-        batch_step = max(0.0, step_s(batch))
-
-        def kept(row: Row, steps: int) -> bool:
-            then = [replace(r, step=r.num_steps - left[r.job_id] + steps) for r in batch]
-            return ask(then, row, clock + steps * batch_step, batch_step)
-
-        best = limit
-        for row in reversed(pending):  # fill's order
-            if best <= 1:
-                break
-            if kept(row, best - 1):
-                continue
-            low, high = 1, best - 1  # let in after ``high`` steps, kept after ``low - 1``
-            while low < high:
-                mid = (low + high) // 2
-                low, high = (mid + 1, high) if kept(row, mid) else (low, mid)
-            best = high
-        return best
-
-    held = fill()
-    while batch:
-        steps = max(0, min(left[row.job_id] for row in batch))
-        if held and keeps_out is not None and len(batch) < max_batch and steps > 1:
-            steps = first_let_in(steps, keeps_out)
-        clock += steps * max(0.0, step_s(batch))
-        for row in batch:
-            left[row.job_id] -= steps
-            if left[row.job_id] <= 0:
-                finish[row.job_id] = clock
-        batch = [row for row in batch if left[row.job_id] > 0]
-        held = fill()
-    return {
-        job_id: RowForecast(position.get(job_id, 0), start[job_id], finish[job_id])
-        for job_id in start
-    }
