@@ -16,7 +16,9 @@ row's answer turns from kept to let in at most twice, and it finds the first suc
 * it is let in for good once no running row needs protecting from it (the running rows' slack
   beside it grows every step, their slack alone shrinks) or once it starves;
 * it is let in while its own slack has run short (``must_join_now``, which turns one way) and it
-  would still be on time beside the batch; past that it is kept again.
+  would still be on time beside the batch; past that it is kept again. (Whether it would be on
+  time beside the batch also depends on which running rows shrinking could park for it, which can
+  change as they advance; the forecast looks for one such window, the first.)
 
 So a forecast costs O(held rows x log steps) step-time predictions per change of the batch, not
 one per held row per step.
