@@ -29,6 +29,7 @@ the running rows it displaces (or that shrinking parks) end later.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -65,11 +66,8 @@ def simulate(
 
 def first_true(pred: Callable[[int], bool], low: int, high: int) -> int:
     """The least k in ``low..high`` with ``pred(k)``, for a ``pred`` false then true on that range
-    and true at ``high``."""
-    while low < high:
-        mid = (low + high) // 2
-        low, high = (low, mid) if pred(mid) else (mid + 1, high)
-    return high
+    and true at ``high`` (``bisect`` over the range, ``False < True``)."""
+    return low + bisect.bisect_left(range(low, high + 1), True, key=pred)
 
 
 class _Run:
