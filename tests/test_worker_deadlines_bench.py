@@ -42,6 +42,8 @@ def test_every_scheduler_serves_the_same_trace_and_the_report_accounts_for_every
         burst_share=0.1,
         burst_s=0.5,
         drain_timeout_s=120.0,
+        speed_band=1.3,
+        retries=1,
     )
     settings = load_settings(
         env={}, paths={"data_dir": str(tmp_path), "models_dir": str(models_dir)}
@@ -49,6 +51,10 @@ def test_every_scheduler_serves_the_same_trace_and_the_report_accounts_for_every
     report = run_worker_deadline_bench(cfg, settings, progress=lambda line: None)
 
     assert report["capacity_rps"] == 3.0 and report["calibration"]["service_s"] > 0
+    # the speed gauge's reference, over steps of every row count up to the batch
+    cal = report["calibration"]
+    assert set(cal["step_ratios"]) == {"1", "2"} and min(cal["step_ratios"].values()) > 0
+    assert min(cal["step_ratios"].values()) <= cal["step_ratio"] <= max(cal["step_ratios"].values())
     t = report["targets_s"]
     service = report["calibration"]["service_s"]
     assert (t["interactive"], t["batch"]) == (5.0 * service, 100.0 * service)
@@ -72,6 +78,12 @@ def test_every_scheduler_serves_the_same_trace_and_the_report_accounts_for_every
             # every parked row resumed (every job finished)
             assert r["parks_per_job"] >= 0 and r["resumes_per_job"] == r["parks_per_job"]
             assert r["max_batch_wait_s"] >= 0 and r["mean_step_ms"] > 0
+            # the machine's speed against the calibration; a run out of the band ran again once
+            attempts = r["attempt_slowdowns"]
+            assert r["slowdown"] in attempts and min(attempts) > 0 and len(attempts) in (1, 2)
+            assert r["in_band"] == (1 / 1.3 <= r["slowdown"] <= 1.3)
+            if len(attempts) == 2:
+                assert not 1 / 1.3 <= attempts[0] <= 1.3
             for cls, sizes in r["rows_per_step"].items():  # mean batch of its jobs: 1..max_batch
                 assert max(sizes.values()) >= 1 and classes.count(cls) > 0
                 assert all(v == 0.0 or 1.0 <= v <= cfg.max_batch for v in sizes.values())
@@ -111,6 +123,33 @@ def test_the_ablation_arms_are_the_slack_scheduler_without_batch_sizing(tmp_path
     plan, _ = _plan(settings, cfg, arm, 10.0)
     assert (plan.scheduler, plan.size_batches, plan.shrink_batches) == ("slack", *sizing)
     assert plan.max_wait_s == 10.0 and plan.round_steps == cfg.round_steps
+
+
+def _parsed(*argv: str):
+    import argparse
+
+    from backend.bench.worker_deadlines_cli import add_worker_deadlines_parser
+
+    parser = argparse.ArgumentParser()
+    add_worker_deadlines_parser(parser.add_subparsers())
+    return parser.parse_args(["worker-deadlines", *argv])
+
+
+def test_the_command_takes_rounds_churn_and_speed_band_else_the_deadline_settings(tmp_path):
+    from backend.bench.worker_deadlines_cli import config_of
+
+    settings = load_settings(
+        env={"MASKSERVE_ROUND_STEPS": "3", "MASKSERVE_MAX_PARKS_PER_ROUND": "1"},
+        paths={"data_dir": str(tmp_path)},
+    )
+    cfg = config_of(_parsed(), settings)
+    assert (cfg.round_steps, cfg.max_parks_per_round) == (3, 1)
+    assert (cfg.speed_band, cfg.retries) == (1.3, 2)
+    given = "--round-steps 4 --max-parks-per-round 0 --speed-band 0 --retries 5".split()
+    cfg = config_of(_parsed(*given), settings)
+    assert (cfg.round_steps, cfg.max_parks_per_round, cfg.speed_band, cfg.retries) == (4, 0, 0, 5)
+    with pytest.raises(ValueError, match="retries must be >= 0"):
+        config_of(_parsed("--retries", "-1"), settings)
 
 
 def test_each_repeat_rotates_the_arms_so_each_runs_first_once():

@@ -14,13 +14,15 @@ both conditioned on their count. Templates (Zipf), masks (Beta) and seeds as ``b
 run's RAM tier starts cold and holds ``ram_templates`` of them).
 
 Calibration, on a fresh ``fifo`` worker before the traces: the single-job service time (the median
-of ``probe_jobs`` jobs served one at a time on an idle worker, after one warm-up job) and the
-capacity (``saturation_jobs`` jobs arriving at once: jobs / makespan, the saturation throughput
-the route bench measures). Loads are fractions of that capacity. Targets default to multiples of
-the single-job service time (``interactive_x``, ``batch_x``; the starvation bound ``max_wait_x``):
-``Settings.deadlines``' defaults (30 s, 600 s, 300 s) are sized for real models, not for a tiny
-model stepping in milliseconds, so the defaults keep their ratios (1 : 20 : 10) with the
-interactive target at 5 single-job times. The calibration's step clock seeds each arm's clock.
+of ``probe_jobs`` jobs served one at a time on an idle worker, after one warm-up job), the speed
+gauge's reference (``speed_gauge``: a ladder of k jobs at once, k = 2..``max_batch``, so that steps
+of every row count are in it) and the capacity (``saturation_jobs`` jobs arriving at once:
+jobs / makespan, the saturation throughput the route bench measures). Loads are fractions of
+that capacity. Targets default to multiples of the single-job service time (``interactive_x``,
+``batch_x``; the starvation bound ``max_wait_x``): ``Settings.deadlines``' defaults (30 s, 600 s,
+300 s) are sized for real models, not for a tiny model stepping in milliseconds, so the defaults
+keep their ratios (1 : 20 : 10) with the interactive target at 5 single-job times. The
+calibration's step clock seeds each arm's clock.
 
 Each arm is a fresh ``EngineWorker`` (continuous batching) with ``plan=DeadlinePlan(scheduler)``
 and its own ``StepClock`` (``worker.service.deadline_plan``: the model's fitted cost profile,
@@ -35,6 +37,11 @@ Statistics: ``route_deadlines.measure`` on the measured outcome (every job count
 per class SLO attainment, P50/P95 latency, throughput (completions inside the arrivals' window per
 second); parks and resumes per job, the longest wait (queued plus parked) of any batch job, the
 jobs waiting past the starvation bound; then ``comparison`` and ``targets`` against ``fifo``.
+
+The machine's speed: each run's ``slowdown`` is the median over its steps of measured / modelled
+step time against the calibration's (``speed_gauge``); a run outside ``speed_band`` (say
+1.3: more than 1.3 x slower or faster) is run again, at most ``retries`` more times, and the
+report keeps the first attempt in the band (else the nearest), with every attempt's slowdown.
 
 Repeats (``repeats``): each (process, load) runs its arms that many times on the same trace, the
 order rotated by one arm each repeat (``rotated``). An arm is compared with fifo's run of the same
@@ -51,10 +58,12 @@ import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 
 import numpy as np
 import torch
 
+from backend.bench import speed_gauge
 from backend.bench.route_deadlines import (
     TRACES,
     DeadlineBenchConfig,
@@ -125,6 +134,11 @@ class WorkerDeadlineConfig:
     capacity_rps: float = 0.0  # > 0: loads are fractions of this rate (no saturation run)
     probe_jobs: int = 5
     saturation_jobs: int = 32
+    # the machine's speed (``speed_gauge``): a run whose median step ran more than ``speed_band``
+    # times slower or faster than at calibration is run again, up to ``retries`` times (<= 1: no
+    # band)
+    speed_band: float = 1.3
+    retries: int = 2
     drain_timeout_s: float = 300.0  # a run fails when jobs are left this long after arrivals end
     # each (process, load)'s arms run this many times, the order rotated by one each time
     repeats: int = 1
@@ -135,6 +149,8 @@ class WorkerDeadlineConfig:
             raise ValueError(f"unknown schedulers {sorted(unknown)}; expected some of {ARMS}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {self.repeats}")
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
         if self.steps < 2:  # a row is seen in the scheduler between iterations (``_Worker``)
             raise ValueError(f"the bench needs at least 2 steps per job, got {self.steps}")
 
@@ -198,6 +214,10 @@ class Calibration:
     # shape per row count (JSON keys are strings)
     clock_scale: float
     clock_shape: dict[str, float]
+    # the speed gauge's reference: the median measured / modelled step time (``speed_gauge``),
+    # and per row count the median over its steps (for the record; noisy, not the reference)
+    step_ratio: float = 0.0
+    step_ratios: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -227,11 +247,16 @@ class _Worker:
         self.done: dict[str, float] = {}
         self.rows: dict[str, Row] = {}
         self.batch_sizes: dict[str, list[int]] = {}  # job id -> rows of each step it ran in
+        # rows -> measured / modelled seconds of each step of that many rows (``speed_gauge``)
+        self.step_ratios: dict[int, list[float]] = {}
         observe = clock.observe
 
         def observed(rows, seconds: float) -> None:  # the worker reports every step it ran
             for row in rows:
                 self.batch_sizes.setdefault(row.job_id, []).append(len(rows))
+            modelled = clock.modelled(rows)
+            if modelled > 0:
+                self.step_ratios.setdefault(len(rows), []).append(seconds / modelled)
             observe(rows, seconds)
 
         clock.observe = observed  # type: ignore[method-assign]
@@ -351,9 +376,12 @@ def _discard(blobs: BlobStore, prepared: list[PreparedJob]) -> None:
 
 
 def calibrate(bench: _Bench) -> Calibration:
-    """Single-job service time and capacity on a fresh ``fifo`` worker (module docstring)."""
+    """Single-job service time, the speed gauge's reference and the capacity on a fresh ``fifo``
+    worker (module docstring). The reference's ladder: k jobs at once for k = 2..max_batch, so
+    that steps of every row count are measured (the probes give one row)."""
     cfg = bench.cfg
-    n = 1 + cfg.probe_jobs + (0 if cfg.capacity_rps > 0 else cfg.saturation_jobs)
+    ladder = list(range(2, cfg.max_batch + 1))
+    n = 1 + cfg.probe_jobs + sum(ladder) + (0 if cfg.capacity_rps > 0 else cfg.saturation_jobs)
     trace = counted_trace(1.0, float(n), cfg.num_templates, cfg.mask_mean, seed=cfg.seed + 1)
     prepared = bench.prepare(trace, "calibration")
     worker, clock = bench.worker("fifo", 1e9, "calibration")
@@ -362,17 +390,26 @@ def calibrate(bench: _Bench) -> Calibration:
         for job in prepared[: 1 + cfg.probe_jobs]:  # the first warms up
             at = time.time()
             alone.append(worker.serve([(at, job)], cfg.drain_timeout_s)[job.job_id] - at)
+        worker.step_ratios.clear()  # the warm-up's steps are no reference
+        alone.pop(0)
+        rest = prepared[1 + cfg.probe_jobs :]
+        for k in ladder:
+            at = time.time()
+            worker.serve([(at, job) for job in rest[:k]], cfg.drain_timeout_s)
+            rest = rest[k:]
         capacity = cfg.capacity_rps
         if capacity <= 0:
             at = time.time()
-            burst = [(at, job) for job in prepared[1 + cfg.probe_jobs :]]
-            done = worker.serve(burst, cfg.drain_timeout_s)
-            capacity = len(burst) / (max(done.values()) - at)
+            done = worker.serve([(at, job) for job in rest], cfg.drain_timeout_s)
+            capacity = len(rest) / (max(done.values()) - at)
     finally:
         worker.close()
         _discard(bench.blobs, prepared)
     shape = {str(rows): factor for rows, factor in sorted(clock.shape.items())}
-    return Calibration(statistics.median(alone[1:]), capacity, clock.scale, shape)
+    measured = worker.step_ratios
+    per_count = {str(rows): statistics.median(measured[rows]) for rows in sorted(measured)}
+    reference = speed_gauge.reference(measured)
+    return Calibration(statistics.median(alone), capacity, clock.scale, shape, reference, per_count)
 
 
 def serve_trace(bench: _Bench, arm: str, trace: list, services: list, prepared: list) -> dict:
@@ -406,10 +443,13 @@ def serve_trace(bench: _Bench, arm: str, trace: list, services: list, prepared: 
     row.pop("decision_p50_ms")  # no routing decisions here
     sizes = {index[j]: worker.batch_sizes.get(j, []) for j in done}
     row["rows_per_step"] = rows_per_step(sizes, outcome.done_at, services)
+    row["slowdown"] = speed_gauge.run_slowdown(cal.step_ratio, worker.step_ratios)
     snapshot = stats.snapshot()
     return row | {
         "makespan_s": max(done.values()) - start,
         "mean_step_ms": snapshot["mean_step_s"] * 1e3,
+        # of which scheduling, planning and forecasting (not the forward, not per-job work)
+        "mean_overhead_ms": snapshot["mean_overhead_s"] * 1e3,
         "mean_batch_rows": snapshot["mean_batch_rows"],
         # schedules at which a row was kept out of a free slot for a tighter one, per job
         "deferrals_per_job": snapshot["deferred_row_schedules_total"] / max(1, len(trace)),
@@ -472,7 +512,8 @@ def run_worker_deadline_bench(
                         row = {"trace": kind, "load": load, "scheduler": arm, "rps": rps}
                         row |= {"offered_rps": len(trace) / cfg.duration_s, "num_jobs": len(trace)}
                         row |= {"peak_1s_arrivals": int(peak), "repeat": repeat}
-                        results.append(row | serve_trace(bench, arm, trace, services, prepared))
+                        run = _run_arm(bench, arm, (trace, services, prepared), progress)
+                        results.append(row | run)
                         progress(_line(results[-1]))
             finally:
                 _discard(blobs, prepared)
@@ -493,6 +534,17 @@ def run_worker_deadline_bench(
     return report
 
 
+def _run_arm(bench: _Bench, arm: str, workload: tuple, progress) -> dict:
+    """One arm on one trace (``serve_trace``), run again while the machine ran out of the speed
+    band (``speed_gauge.in_band_run``)."""
+
+    def again(slowdown: float) -> None:
+        progress(f"{arm}: the machine ran x{slowdown:.2f} its calibrated step time; again")
+
+    run = partial(serve_trace, bench, arm, *workload)
+    return speed_gauge.in_band_run(run, bench.cfg.speed_band, bench.cfg.retries, again)
+
+
 def rotated(arms: tuple[str, ...], repeat: int) -> tuple[str, ...]:
     """``arms`` in the order of run ``repeat``: rotated left by ``repeat``, so that over repeats
     each arm runs early and late in a cell (the machine's speed drifts over minutes) and each
@@ -509,7 +561,8 @@ def _line(r: dict) -> str:
         f"{r['scheduler']}: attainment interactive {c['interactive']['attainment']:.1%} batch "
         f"{c['batch']['attainment']:.1%}, P95 {c['interactive']['p95_latency_s']:.2f} / "
         f"{c['batch']['p95_latency_s']:.2f} s, parks/job {r['parks_per_job']:.3f}, "
-        f"longest batch wait {r['max_batch_wait_s']:.2f} s; interactive jobs ran beside "
+        f"longest batch wait {r['max_batch_wait_s']:.2f} s, machine x{r['slowdown']:.2f}; "
+        f"interactive jobs ran beside "
         f"{r['rows_per_step'].get('interactive', {}).get('met', 0.0):.1f} rows (met) / "
         f"{r['rows_per_step'].get('interactive', {}).get('missed', 0.0):.1f} (missed)"
     )

@@ -11,20 +11,16 @@ from backend.config import Settings
 DEFAULT_JSON = "docs/bench/worker-deadlines.json"
 
 
-def cmd_bench_worker_deadlines(args, settings: Settings) -> int:
-    from backend.bench.worker_deadlines import WorkerDeadlineConfig, run_worker_deadline_bench
-    from backend.bench.worker_deadlines_report import (
-        mean_table,
-        table,
-        target_lines,
-        write_outputs,
-    )
+def config_of(args, settings: Settings):
+    """The bench's ``WorkerDeadlineConfig`` from the parsed arguments; rounds and the churn bound
+    not given come from ``settings.deadlines``."""
+    from backend.bench.worker_deadlines import WorkerDeadlineConfig
 
     def split(text: str, kind=str) -> tuple:
         return tuple(kind(x) for x in text.split(",") if x)
 
     d = settings.deadlines
-    cfg = WorkerDeadlineConfig(
+    return WorkerDeadlineConfig(
         model_id=args.model,
         size=args.size,
         steps=args.steps,
@@ -47,12 +43,27 @@ def cmd_bench_worker_deadlines(args, settings: Settings) -> int:
         burst_factor=args.burst_factor,
         burst_share=args.burst_share,
         burst_s=args.burst_s,
-        round_steps=d.round_steps,
-        max_parks_per_round=d.max_parks_per_round,
+        round_steps=args.round_steps or d.round_steps,
+        max_parks_per_round=(
+            d.max_parks_per_round if args.max_parks_per_round < 0 else args.max_parks_per_round
+        ),
         capacity_rps=args.capacity_rps,
         repeats=args.repeats,
+        speed_band=args.speed_band,
+        retries=args.retries,
     )
-    report = run_worker_deadline_bench(cfg, settings)
+
+
+def cmd_bench_worker_deadlines(args, settings: Settings) -> int:
+    from backend.bench.worker_deadlines import run_worker_deadline_bench
+    from backend.bench.worker_deadlines_report import (
+        mean_table,
+        table,
+        target_lines,
+        write_outputs,
+    )
+
+    report = run_worker_deadline_bench(config_of(args, settings), settings)
     plot = write_outputs(report, Path(args.json))
     print(report["device"])
     print(table(report))
@@ -64,7 +75,7 @@ def cmd_bench_worker_deadlines(args, settings: Settings) -> int:
 
 
 def add_worker_deadlines_parser(bench_sub) -> argparse.ArgumentParser:
-    """``bench worker-deadlines``: the step scheduler's rounds and churn bound come from
+    """``bench worker-deadlines``: the step scheduler's rounds and churn bound default to
     ``Settings.deadlines``; targets and the starvation bound default to multiples of the measured
     single-job service time."""
     p = bench_sub.add_parser(
@@ -108,6 +119,23 @@ def add_worker_deadlines_parser(bench_sub) -> argparse.ArgumentParser:
         help="runs of each (process, load), the arms' order rotated each time; figures against "
         "fifo are paired within a repeat and averaged",
     )
+    p.add_argument(
+        "--round-steps", type=int, default=0, help="steps per planning round (0: settings)"
+    )
+    p.add_argument(
+        "--max-parks-per-round",
+        type=int,
+        default=-1,
+        help="the churn bound: rows parked per round, for rounds and shrinking (-1: settings)",
+    )
+    p.add_argument(
+        "--speed-band",
+        type=float,
+        default=1.3,
+        help="run again a run whose median step ran more than this many times slower or faster "
+        "than at calibration (<= 1: never)",
+    )
+    p.add_argument("--retries", type=int, default=2, help="most reruns of a run out of the band")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=DEFAULT_JSON)
     p.set_defaults(func=cmd_bench_worker_deadlines)

@@ -64,6 +64,7 @@ def table(report: dict) -> str:
         "resumes/job",
         "longest batch wait s",
         "starved",
+        "machine slowdown (attempts)",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in report["results"]:
@@ -85,9 +86,18 @@ def table(report: dict) -> str:
             f"{r['resumes_per_job']:.3f}",
             f"{r['max_batch_wait_s']:.2f}",
             str(r["starved_jobs"]),
+            _slowdowns(r),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _slowdowns(run: dict) -> str:
+    """The kept run's slowdown against the calibration, then every attempt's in order; "out"
+    when no attempt came into the band."""
+    kept = f"x{run['slowdown']:.2f}" + ("" if run["in_band"] else " out")
+    attempts = run["attempt_slowdowns"]
+    return kept if len(attempts) == 1 else f"{kept} ({', '.join(f'x{a:.2f}' for a in attempts)})"
 
 
 def mean_table(report: dict) -> str:

@@ -54,7 +54,8 @@ class StepClock:
         self.scale = 1.0  # measured / predicted, weighted towards recent steps
         self.shape: dict[int, float] = {}  # rows -> measured / (modelled x scale), per row count
 
-    def _modelled(self, rows: Sequence[StepRow]) -> float:
+    def modelled(self, rows: Sequence[StepRow]) -> float:
+        """The cost model's seconds for a step of ``rows``, before this machine's calibration."""
         if self.model is None:
             return self.initial_row_s * len(rows)
         return self.model([(r.mask_ratio, r.template, bool(r.template)) for r in rows])
@@ -75,13 +76,13 @@ class StepClock:
         """Predicted seconds of one step of a batch of ``rows`` (0 rows: 0)."""
         if not rows:
             return 0.0
-        return max(1e-6, self._modelled(rows) * self.scale * self.shape_of(len(rows)))
+        return max(1e-6, self.modelled(rows) * self.scale * self.shape_of(len(rows)))
 
     def observe(self, rows: Sequence[StepRow], seconds: float) -> None:
         """A step of ``rows`` took ``seconds``: move the calibration towards it."""
         if not rows or not math.isfinite(seconds) or seconds <= 0.0:
             return
-        modelled = self._modelled(rows)
+        modelled = self.modelled(rows)
         if not modelled > 0.0:
             return
         num_rows = len(rows)
