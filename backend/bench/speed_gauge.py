@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 
 def _usable(ratios: Mapping[int, Sequence[float]]) -> list[float]:
@@ -68,8 +69,8 @@ def kept_attempt(slowdowns: Sequence[float], band: float) -> int:
 
 
 def in_band_run(
-    run: Callable[[], dict], band: float, retries: int, again: Callable[[float], None]
-) -> dict:
+    run: Callable[[], dict[str, Any]], band: float, retries: int, again: Callable[[float], None]
+) -> dict[str, Any]:
     """``run()`` (a dict with its ``slowdown``), run again while outside the band, at most
     ``retries`` more times (``again(slowdown)`` is told before each); the attempt
     ``kept_attempt`` names, with every attempt's slowdown in order (``attempt_slowdowns``) and
