@@ -100,6 +100,7 @@ def test_every_scheduler_serves_the_same_trace_and_the_report_accounts_for_every
         assert c["repeats"] == 1
         assert c["interactive_points"] == c["interactive_points_lowest"]
     assert report["targets"] == report["targets_worst_repeat"]
+    assert report["speed_adjusted"] == []  # two pairs per arm: too few for a line
     assert len(table(report).splitlines()) == 2 + 6 and len(target_lines(report)) == 4
     assert len(mean_table(report).splitlines()) == 2 + 4
 
@@ -218,3 +219,27 @@ def test_rows_per_step_averages_each_job_then_the_jobs_that_met_or_missed():
         "batch": {"met": 2.0, "missed": 0.0},
         "interactive": {"met": 2.0, "missed": 5.0},  # jobs 1 and 2: (4 + 6) / 2
     }
+
+
+def test_the_speed_adjusted_line_finds_the_points_at_equal_machine_speed():
+    import math
+
+    from backend.bench.worker_deadlines_report import speed_adjusted, speed_lines
+
+    # slack's points over fifo = 10 - 100 x log(its slowdown / fifo's), exactly, over 4 repeats
+    results = []
+    for repeat, (mine, fifo) in enumerate([(1.0, 1.2), (1.3, 1.0), (1.1, 1.1), (1.5, 1.2)]):
+        points = 10.0 - 100.0 * math.log(mine / fifo)
+        results.append(_run("fifo", repeat, 0.5, 1.0) | {"slowdown": fifo})
+        results.append(_run("slack", repeat, 0.5 + points / 100, 1.0) | {"slowdown": mine})
+    # edf ran at fifo's speed every time: no line can be drawn through one speed ratio
+    results += [_run("edf", r, 0.6, 1.0) | {"slowdown": f} for r, f in enumerate([1.2, 1.0])]
+    (line,) = speed_adjusted({"results": results})
+    assert line["scheduler"] == "slack" and line["pairs"] == 4
+    assert line["intercept"] == pytest.approx(10.0) and line["slope"] == pytest.approx(-100.0)
+    assert line["intercept_se"] == pytest.approx(0.0, abs=1e-6)
+    assert line["correlation"] == pytest.approx(-1.0)
+    # as run, slack's mean is off the intercept: its runs were slower than fifo's on the whole
+    assert line["mean_points"] < line["intercept"]
+    (text,) = speed_lines({"speed_adjusted": [line]})
+    assert "+10.0" in text and "4 pairs" in text

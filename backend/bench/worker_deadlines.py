@@ -82,7 +82,7 @@ from backend.bench.worker_bench import (
     prepare_inputs,
     template_caches,
 )
-from backend.bench.worker_deadlines_report import mean_comparison
+from backend.bench.worker_deadlines_report import mean_comparison, speed_adjusted
 from backend.blobs import BlobStore
 from backend.blobs.factory import open_blob_store
 from backend.config import Settings
@@ -531,6 +531,7 @@ def run_worker_deadline_bench(
     mean_report = {"comparison": report["comparison_mean"], "results": results}
     report["targets"] = targets(mean_report, targets_s["max_wait"])
     report["targets_worst_repeat"] = targets(report, targets_s["max_wait"])
+    report["speed_adjusted"] = speed_adjusted(report)
     return report
 
 

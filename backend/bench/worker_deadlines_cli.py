@@ -58,6 +58,7 @@ def cmd_bench_worker_deadlines(args, settings: Settings) -> int:
     from backend.bench.worker_deadlines import run_worker_deadline_bench
     from backend.bench.worker_deadlines_report import (
         mean_table,
+        speed_lines,
         table,
         target_lines,
         write_outputs,
@@ -68,7 +69,7 @@ def cmd_bench_worker_deadlines(args, settings: Settings) -> int:
     print(report["device"])
     print(table(report))
     print(mean_table(report))
-    for line in target_lines(report):
+    for line in [*target_lines(report), *speed_lines(report)]:
         print(line)
     print(f"wrote {args.json} and {plot}")
     return 0

@@ -43,6 +43,58 @@ def mean_comparison(comparison: list[dict]) -> list[dict]:
     return out
 
 
+def speed_adjusted(report: dict) -> list[dict]:
+    """Per scheduler other than fifo, over every (process, load, repeat) pair with fifo's run:
+    the least-squares line of the pair's interactive points on log(its slowdown / fifo's)
+    (``speed_gauge``): ``intercept`` estimates the points at equal machine speed, with its
+    standard error; ``slope`` the points per unit of log speed ratio; ``correlation``. Pooled over
+    the cells, so the intercept is a mean over them. Pairs fewer than 3, or all at one speed
+    ratio: no line (the scheduler is left out)."""
+    runs = {(r["trace"], r["load"], r["repeat"], r["scheduler"]): r for r in report["results"]}
+    out = []
+    for arm in dict.fromkeys(r["scheduler"] for r in report["results"]):
+        if arm == "fifo":
+            continue
+        xs, ys = [], []
+        for (kind, load, repeat, name), run in runs.items():
+            fifo = runs.get((kind, load, repeat, "fifo"))
+            if name != arm or fifo is None:
+                continue
+            xs.append(float(np.log(run["slowdown"] / fifo["slowdown"])))
+            points = run["classes"]["interactive"]["attainment"]
+            ys.append(100.0 * (points - fifo["classes"]["interactive"]["attainment"]))
+        x, y = np.array(xs), np.array(ys)
+        if len(x) < 3 or np.ptp(x) == 0:
+            continue
+        design = np.vstack([np.ones_like(x), x]).T
+        coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+        resid = y - design @ coef
+        cov = (resid @ resid) / (len(y) - 2) * np.linalg.inv(design.T @ design)
+        out.append(
+            {
+                "scheduler": arm,
+                "pairs": len(y),
+                "intercept": float(coef[0]),
+                "intercept_se": float(np.sqrt(cov[0, 0])),
+                "slope": float(coef[1]),
+                "correlation": float(np.corrcoef(x, y)[0, 1]) if np.ptp(y) > 0 else 0.0,
+                "mean_points": float(y.mean()),
+            }
+        )
+    return out
+
+
+def speed_lines(report: dict) -> list[str]:
+    """``speed_adjusted`` as one line per scheduler."""
+    return [
+        f"{a['scheduler']} vs fifo at equal machine speed: {a['intercept']:+.1f} +- "
+        f"{a['intercept_se']:.1f} interactive points (over {a['pairs']} pairs; mean as run "
+        f"{a['mean_points']:+.1f}; {a['slope']:+.0f} points per unit log speed ratio, "
+        f"correlation {a['correlation']:+.2f})"
+        for a in report.get("speed_adjusted", [])
+    ]
+
+
 def table(report: dict) -> str:
     """One Markdown row per run (process, load, repeat, scheduler, in the order run); "pts" =
     attainment minus fifo's in the same repeat, in points."""
