@@ -390,7 +390,8 @@ def calibrate(bench: _Bench) -> Calibration:
         for job in prepared[: 1 + cfg.probe_jobs]:  # the first warms up
             at = time.time()
             alone.append(worker.serve([(at, job)], cfg.drain_timeout_s)[job.job_id] - at)
-        worker.step_ratios.clear()  # the warm-up's steps are no reference
+            if len(alone) == 1:
+                worker.step_ratios.clear()  # the warm-up's steps are no reference
         alone.pop(0)
         rest = prepared[1 + cfg.probe_jobs :]
         for k in ladder:
