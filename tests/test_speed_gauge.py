@@ -1,5 +1,6 @@
-"""The worker deadline bench's speed gauge (pure): a step's time against the calibration's for
-its row count, a run's median, the band and the rerun of a run made out of it."""
+"""The worker deadline bench's speed gauge (pure): the calibration's median measured/modelled
+step time over every row count, a run's median against it, the band and the rerun of a run made
+out of it."""
 
 from __future__ import annotations
 

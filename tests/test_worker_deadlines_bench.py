@@ -232,8 +232,9 @@ def test_the_speed_adjusted_line_finds_the_points_at_equal_machine_speed():
         points = 10.0 - 100.0 * math.log(mine / fifo)
         results.append(_run("fifo", repeat, 0.5, 1.0) | {"slowdown": fifo})
         results.append(_run("slack", repeat, 0.5 + points / 100, 1.0) | {"slowdown": mine})
-    # edf ran at fifo's speed every time: no line can be drawn through one speed ratio
-    results += [_run("edf", r, 0.6, 1.0) | {"slowdown": f} for r, f in enumerate([1.2, 1.0])]
+    # edf ran at fifo's speed in every repeat: no line can be drawn through one speed ratio
+    fifo_speeds = [1.2, 1.0, 1.1, 1.2]
+    results += [_run("edf", r, 0.6, 1.0) | {"slowdown": f} for r, f in enumerate(fifo_speeds)]
     (line,) = speed_adjusted({"results": results})
     assert line["scheduler"] == "slack" and line["pairs"] == 4
     assert line["intercept"] == pytest.approx(10.0) and line["slope"] == pytest.approx(-100.0)

@@ -216,8 +216,8 @@ class Calibration:
     clock_shape: dict[str, float]
     # the speed gauge's reference: the median measured / modelled step time (``speed_gauge``),
     # and per row count the median over its steps (for the record; noisy, not the reference)
-    step_ratio: float = 0.0
-    step_ratios: dict[str, float] = field(default_factory=dict)
+    step_ratio: float
+    step_ratios: dict[str, float]
 
 
 @dataclass
