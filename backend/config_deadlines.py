@@ -58,6 +58,11 @@ class DeadlineSettings(Strict):
     """``slack`` only: at any step, when a running row is late at the batch's step time and would
     be on time in a smaller batch, park rows with slack to spare (the loosest first, within
     ``max_parks_per_round``) until it is; they rejoin as ``size_batches`` lets them."""
+    plan_quantile: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """``edf`` and ``slack``: plan on a step time this quantile of the recent steps' measured /
+    predicted would give (never shorter than the prediction), a margin for a machine whose speed
+    moves between seconds; 0: plan on the prediction (TetriServe's steady steps). Forecasts shown
+    to users keep the prediction."""
 
     @field_validator("shed_classes", mode="before")
     @classmethod

@@ -35,6 +35,7 @@ ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "MAX_PARKS_PER_ROUND": ("deadlines", "max_parks_per_round"),
     "SIZE_BATCHES": ("deadlines", "size_batches"),
     "SHRINK_BATCHES": ("deadlines", "shrink_batches"),
+    "PLAN_QUANTILE": ("deadlines", "plan_quantile"),
     "MODEL": ("engine", "model_id"),
     "DEVICE": ("engine", "device"),
     "DTYPE": ("engine", "dtype"),

@@ -92,3 +92,60 @@ def test_shapes_of_unmeasured_counts_start_at_one():
 def test_bad_parameters_are_refused(alpha, initial):
     with pytest.raises(ValueError, match="alpha"):
         StepClock(None, alpha, initial)
+
+
+def _noisy_steps(clock, rows, slow_share, slow_factor, count, base_s):
+    """``count`` steps of ``rows``: every step whose index falls in the slow share of a cycle of
+    ten runs ``slow_factor`` times longer (a machine whose speed moves between seconds)."""
+    for i in range(count):
+        clock.observe(rows, base_s * (slow_factor if i % 10 < slow_share * 10 else 1.0))
+
+
+def test_on_steady_steps_the_plan_takes_the_prediction_itself():
+    clock = StepClock(linear_model, plan_quantile=0.9)
+    rows = [R(0.5)]
+    for _ in range(400):  # the scale's first steps (1 -> 1.5) leave the 256-step window
+        clock.observe(rows, 0.9)
+    assert clock.margin == pytest.approx(1.0, abs=1e-6)
+    assert clock.planned(rows) == pytest.approx(clock(rows))
+
+
+def test_on_noisy_steps_the_plan_takes_the_quantile_the_noise_gives():
+    noisy = StepClock(linear_model, plan_quantile=0.9)
+    plain = StepClock(linear_model)  # plan_quantile 0: plan on the prediction
+    rows = [R(0.5)]
+    for clock in (noisy, plain):
+        _noisy_steps(clock, rows, slow_share=0.3, slow_factor=1.5, count=200, base_s=0.6)
+    # three steps in ten ran 1.5 x slower: the plan's headroom is well above 1, yet below 1.5 / 1
+    # (the scale has absorbed part of the slowdown, so the surprise of a slow step is under 1.5)
+    assert 1.15 < noisy.margin < 1.5
+    assert noisy.planned(rows) == pytest.approx(noisy(rows) * noisy.margin)
+    # forecasts keep the prediction: the two clocks predict alike, only the plan differs
+    assert noisy(rows) == pytest.approx(plain(rows))
+    assert plain.margin == 1.0 and plain.planned(rows) == plain(rows)
+
+
+def test_the_margin_waits_for_enough_steps_and_follows_only_the_recent_window():
+    clock = StepClock(linear_model, plan_quantile=0.9, window=40)
+    rows = [R(0.5)]
+    _noisy_steps(clock, rows, slow_share=0.5, slow_factor=2.0, count=19, base_s=0.6)
+    assert clock.margin == 1.0  # 19 steps: too few for a quantile
+    _noisy_steps(clock, rows, slow_share=0.5, slow_factor=2.0, count=21, base_s=0.6)
+    assert clock.margin > 1.2
+    for _ in range(40):  # the machine settles: the window forgets the noisy seconds
+        clock.observe(rows, 0.6)
+    assert clock.margin < 1.05
+
+
+def test_a_machine_faster_than_predicted_never_plans_on_less_than_the_prediction():
+    clock = StepClock(linear_model, plan_quantile=0.5)
+    rows = [R(0.5)]
+    for i in range(60):
+        clock.observe(rows, 0.6 * (0.5 if i % 2 else 1.0))
+    assert clock.margin >= 1.0
+
+
+@pytest.mark.parametrize("quantile, window", [(-0.1, 256), (1.0, 256), (0.9, 5)])
+def test_a_quantile_out_of_range_or_a_tiny_window_is_refused(quantile, window):
+    with pytest.raises(ValueError, match="plan_quantile"):
+        StepClock(linear_model, plan_quantile=quantile, window=window)

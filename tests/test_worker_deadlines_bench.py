@@ -113,17 +113,25 @@ def test_every_scheduler_serves_the_same_trace_and_the_report_accounts_for_every
 
 
 @pytest.mark.parametrize(
-    "arm, sizing",
-    [("slack", (True, True)), ("slack-noshrink", (True, False)), ("slack-nosize", (False, False))],
+    "arm, sizing, quantile",
+    [
+        ("slack", (True, True), 0.0),
+        ("slack-noshrink", (True, False), 0.0),
+        ("slack-nosize", (False, False), 0.0),
+        ("slack-margin", (True, True), 0.9),
+    ],
 )
-def test_the_ablation_arms_are_the_slack_scheduler_without_batch_sizing(tmp_path, arm, sizing):
+def test_the_ablation_arms_are_the_slack_scheduler_without_one_part(
+    tmp_path, arm, sizing, quantile
+):
     from backend.bench.worker_deadlines import _plan
 
     settings = load_settings(env={}, paths={"data_dir": str(tmp_path)})
     cfg = WorkerDeadlineConfig(schedulers=("fifo", arm))
-    plan, _ = _plan(settings, cfg, arm, 10.0)
+    plan, clock = _plan(settings, cfg, arm, 10.0)
     assert (plan.scheduler, plan.size_batches, plan.shrink_batches) == ("slack", *sizing)
     assert plan.max_wait_s == 10.0 and plan.round_steps == cfg.round_steps
+    assert clock.plan_quantile == quantile
 
 
 def _parsed(*argv: str):

@@ -7,8 +7,10 @@ from backend.worker.forecasts import ForecastNotes
 class FakeScheduler:
     def __init__(self):
         self.answer: dict[str, RowForecast] = {}
+        self.timed_by = None
 
-    def forecast(self, now):
+    def forecast(self, now, step_time=None):
+        self.timed_by = step_time
         return dict(self.answer)
 
 
@@ -62,3 +64,13 @@ def test_without_a_step_clock_nothing_is_forecast():
     scheduler.answer = {"w": RowForecast(1, 1.0, 2.0)}
     n = ForecastNotes(scheduler, step_time=None)
     assert n.update(0.0) == {} and n.due(0.0) == []
+
+
+def test_the_forecast_is_timed_by_the_notes_step_time_not_the_plans():
+    scheduler = FakeScheduler()
+
+    def prediction(rows):
+        return 1.0
+
+    ForecastNotes(scheduler, step_time=prediction).update(0.0)
+    assert scheduler.timed_by is prediction

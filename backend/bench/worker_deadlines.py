@@ -1,8 +1,9 @@
 """`maskserve bench worker-deadlines`: the worker bench's deadline mode. One real engine worker runs
 real denoising steps under mixed service classes; its step schedulers (``fifo``, ``edf``,
 ``slack``, and its ablations ``slack-noshrink``: without ``shrink_batches``, never parking rows to
-make a batch smaller, and ``slack-nosize``: without either, filling every free slot) side by side
-on the same traces.
+make a batch smaller, ``slack-nosize``: without either, filling every free slot, and
+``slack-margin``: planning on the step clock's 0.9 quantile of recent steps, ``StepClock.margin``)
+side by side on the same traces.
 
 Workload: the route deadline bench's (``route_deadlines.deadline_trace`` and ``services_of``):
 ``interactive_share`` of the requests (default 30%) are ``interactive`` with a tight target, the
@@ -93,10 +94,15 @@ from backend.worker.channels import LocalInbox, LocalSink
 from backend.worker.loop import EngineWorker
 from backend.worker.step_clock import StepClock
 
-# the step schedulers, and the slack scheduler's ablations: batch sizing (``size_batches`` and
-# ``shrink_batches``) of each arm
-SIZING = {"slack": (True, True), "slack-noshrink": (True, False), "slack-nosize": (False, False)}
-ARMS = (*SCHEDULERS, *(arm for arm in SIZING if arm not in SCHEDULERS))
+# the slack scheduler and its variants: the ``Settings.deadlines`` each arm changes (batch sizing or
+# shrinking off; the step clock's noise margin on)
+ABLATIONS: dict[str, dict[str, object]] = {
+    "slack": {},
+    "slack-noshrink": {"shrink_batches": False},
+    "slack-nosize": {"size_batches": False, "shrink_batches": False},
+    "slack-margin": {"plan_quantile": 0.9},
+}
+ARMS = (*SCHEDULERS, *(arm for arm in ABLATIONS if arm not in SCHEDULERS))
 
 
 @dataclass
@@ -249,6 +255,7 @@ class _Worker:
         self.batch_sizes: dict[str, list[int]] = {}  # job id -> rows of each step it ran in
         # rows -> measured / modelled seconds of each step of that many rows (``speed_gauge``)
         self.step_ratios: dict[int, list[float]] = {}
+        self.margins: list[float] = []  # the clock's planning margin after each step
         observe = clock.observe
 
         def observed(rows, seconds: float) -> None:  # the worker reports every step it ran
@@ -258,6 +265,7 @@ class _Worker:
             if modelled > 0:
                 self.step_ratios.setdefault(len(rows), []).append(seconds / modelled)
             observe(rows, seconds)
+            self.margins.append(clock.margin)
 
         clock.observe = observed  # type: ignore[method-assign]
         self.inbox = LocalInbox()
@@ -320,15 +328,13 @@ def _plan(settings: Settings, cfg: WorkerDeadlineConfig, scheduler: str, max_wai
     """``worker.service.deadline_plan`` for ``scheduler`` and this bench's model and bounds."""
     from backend.worker.service import deadline_plan  # the serving worker's (imports redis)
 
-    size_batches, shrink_batches = SIZING.get(scheduler, (True, True))
     deadlines = settings.deadlines.model_copy(
         update={
-            "scheduler": "slack" if scheduler in SIZING else scheduler,
-            "size_batches": size_batches,
-            "shrink_batches": shrink_batches,
+            "scheduler": "slack" if scheduler in ABLATIONS else scheduler,
             "round_steps": cfg.round_steps,
             "max_wait_s": max_wait_s,
             "max_parks_per_round": cfg.max_parks_per_round,
+            **ABLATIONS.get(scheduler, {}),
         }
     )
     engine = settings.engine.model_copy(update={"model_id": cfg.model_id})
@@ -456,6 +462,8 @@ def serve_trace(bench: _Bench, arm: str, trace: list, services: list, prepared: 
         "deferrals_per_job": snapshot["deferred_row_schedules_total"] / max(1, len(trace)),
         "clock_scale_end": clock.scale,
         "clock_shape_end": {str(rows): f for rows, f in sorted(clock.shape.items())},
+        # the step time the plan took over the prediction (``StepClock.margin``), over the steps
+        "mean_margin": float(np.mean(worker.margins)) if worker.margins else 1.0,
         "load_avg_1m": load_avg,  # this machine's load when the run began (other work shows)
     }
 

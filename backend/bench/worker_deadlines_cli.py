@@ -82,8 +82,8 @@ def add_worker_deadlines_parser(bench_sub) -> argparse.ArgumentParser:
     p = bench_sub.add_parser(
         "worker-deadlines",
         help="one real engine worker under deadlines: step schedulers (fifo, edf, slack, "
-        "slack-noshrink, slack-nosize) side by side on the same mixed-class Poisson and bursty "
-        "traces",
+        "slack-noshrink, slack-nosize, slack-margin) side by side on the same mixed-class "
+        "Poisson and bursty traces",
     )
     p.add_argument("--model", default="tiny-sd2-inpaint")
     p.add_argument("--size", type=int, default=128)

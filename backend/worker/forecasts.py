@@ -2,7 +2,8 @@
 (pure: no torch, no clock; ``now`` is an argument).
 
 Once per iteration the worker asks ``ForecastNotes.update(now)`` for the scheduler's forecast
-(``BatchScheduler.forecast``, run on the worker's step clock): running rows carry their predicted
+(``BatchScheduler.forecast``, timed by ``step_time``: the worker's step clock's prediction, not the
+margin its plan decides on): running rows carry their predicted
 finish on every step event; a waiting row gets a ``waiting`` event only when its forecast changed
 enough to matter to whoever watches it (``due``), so a long queue does not flood the job records
 with an event per row per step.
@@ -23,7 +24,9 @@ from backend.worker.deadlines import RowForecast
 class Forecaster(Protocol):
     """The scheduler as the notes read it (``backend.worker.batching.BatchScheduler``)."""
 
-    def forecast(self, now: float) -> dict[str, RowForecast]: ...
+    def forecast(
+        self, now: float, step_time: Callable[[Sequence[Any]], float] | None = None
+    ) -> dict[str, RowForecast]: ...
 
 
 class ForecastNotes:
@@ -34,14 +37,17 @@ class ForecastNotes:
         min_move_s: float = 2.0,
         rel_move: float = 0.1,
     ):
-        self.scheduler, self.enabled = scheduler, step_time is not None
+        self.scheduler, self.step_time = scheduler, step_time
         self.min_move_s, self.rel_move = min_move_s, rel_move
         self.latest: dict[str, RowForecast] = {}  # this iteration's, every row
         self._told: dict[str, RowForecast] = {}  # what each waiting row was last told
 
     def update(self, now: float) -> dict[str, RowForecast]:
         """This iteration's forecast of every row (empty without a step clock)."""
-        self.latest = self.scheduler.forecast(now) if self.enabled else {}
+        if self.step_time is None:
+            self.latest = {}
+        else:
+            self.latest = self.scheduler.forecast(now, self.step_time)
         return self.latest
 
     def due(self, now: float) -> list[tuple[str, RowForecast]]:

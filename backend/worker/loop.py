@@ -121,7 +121,9 @@ class EngineWorker(TemplateRows):
         # fifo without a plan; with one, rows are ordered (and parked) by their deadlines
         self.scheduler = BatchScheduler(max_batch, mode, plan)
         self.clock = clock  # measured steps calibrate the plan's step time (None: nothing learns)
-        self.forecasts = ForecastNotes(self.scheduler, plan.step_time if plan else None)
+        # users are told the expected finish: the clock's prediction, not the plan's margin
+        forecast_time = clock if clock is not None else (plan.step_time if plan else None)
+        self.forecasts = ForecastNotes(self.scheduler, forecast_time)
         self.jobs: dict[str, _Job] = {}
         self.stats = WorkerStats()
         self.admission = AdmissionRules()  # which waiting row may join; templates recorded

@@ -263,7 +263,9 @@ class Heartbeat:
 
 def deadline_plan(settings: Settings) -> tuple[DeadlinePlan, StepClock]:
     """How the worker orders its rows (``settings.deadlines``), on a step clock shaped by the
-    model's fitted cost profile when one ships for it (else it learns seconds per row)."""
+    model's fitted cost profile when one ships for it (else it learns seconds per row). The plan
+    decides on the clock's ``planned`` step time (with its noise margin); forecasts take the
+    clock's prediction itself."""
     model = None
     try:
         profile = load_profile(
@@ -275,8 +277,8 @@ def deadline_plan(settings: Settings) -> tuple[DeadlinePlan, StepClock]:
         model = RoutingCostModel.from_profile(profile).step_latency
     except (OSError, ValueError) as exc:
         log.info("no cost profile for the step clock (%s): it learns seconds per row", exc)
-    clock = StepClock(model)
-    return DeadlinePlan.from_settings(settings.deadlines, clock), clock
+    clock = StepClock(model, plan_quantile=settings.deadlines.plan_quantile)
+    return DeadlinePlan.from_settings(settings.deadlines, clock.planned), clock
 
 
 def build_worker(

@@ -17,15 +17,27 @@ resolution, on one machine, with its own thread count):
 
 prediction = model(batch) x ``scale`` x ``shape[rows]``.
 
+With ``plan_quantile`` q > 0 planning takes a step as long as it came out on most recent steps,
+not on average: ``planned`` is the prediction times ``margin``, the q quantile of measured /
+predicted over the last ``window`` steps (each step against the prediction made before it was
+measured), never below 1. TetriServe plans on the prediction alone (q = 0, the default) because
+its steps vary by under 1%, where the margin would stay 1 anyway. On a machine whose speed moves
+from one second to the next, a plan that a step 10% slower than average breaks misses half its
+deadlines, and the margin is the headroom the machine's own recent noise says it needs. The
+worker's forecasts keep the prediction itself (what a user is told is the expected finish, not a
+bound).
+
 Invariants: predictions are > 0 and finite; before the first measurement the model's own figure
 is used (or ``initial_row_s`` per row); one measurement moves ``scale`` by at most ``alpha`` of the
 way to what it saw, and the shape of its row count by at most ``SHAPE_RATE x alpha``: a slowdown
-seen on one row count moves mostly ``scale``, and so every count's prediction.
+seen on one row count moves mostly ``scale``, and so every count's prediction; ``margin`` is 1
+until ``MIN_SAMPLES`` steps were measured (and with ``plan_quantile`` 0) and >= 1 always.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -42,17 +54,30 @@ StepModel = Callable[[Sequence[tuple[float, str, bool]]], float]
 # the shape learns this much slower than the scale: it is how this machine's steps grow with rows,
 # which changes little, where the scale follows the machine's speed, which drifts
 SHAPE_RATE = 0.25
+# steps measured before the margin is taken from them: a quantile of a handful is noise itself
+MIN_SAMPLES = 20
 
 
 class StepClock:
     def __init__(
-        self, model: StepModel | None = None, alpha: float = 0.2, initial_row_s: float = 0.5
+        self,
+        model: StepModel | None = None,
+        alpha: float = 0.2,
+        initial_row_s: float = 0.5,
+        *,
+        plan_quantile: float = 0.0,
+        window: int = 256,
     ):
         if not 0.0 < alpha <= 1.0 or initial_row_s <= 0.0:
             raise ValueError("alpha must be in (0, 1] and initial_row_s > 0")
+        if not 0.0 <= plan_quantile < 1.0 or window < MIN_SAMPLES:
+            raise ValueError(f"plan_quantile must be in [0, 1) and window >= {MIN_SAMPLES}")
         self.model, self.alpha, self.initial_row_s = model, alpha, initial_row_s
+        self.plan_quantile = plan_quantile
         self.scale = 1.0  # measured / predicted, weighted towards recent steps
         self.shape: dict[int, float] = {}  # rows -> measured / (modelled x scale), per row count
+        self.margin = 1.0  # ``planned`` / prediction (module docstring)
+        self._surprises: deque[float] = deque(maxlen=window)  # measured / predicted, per step
 
     def modelled(self, rows: Sequence[StepRow]) -> float:
         """The cost model's seconds for a step of ``rows``, before this machine's calibration."""
@@ -76,7 +101,14 @@ class StepClock:
         """Predicted seconds of one step of a batch of ``rows`` (0 rows: 0)."""
         if not rows:
             return 0.0
-        return max(1e-6, self.modelled(rows) * self.scale * self.shape_of(len(rows)))
+        return self._predicted(self.modelled(rows), len(rows))
+
+    def _predicted(self, modelled: float, num_rows: int) -> float:
+        return max(1e-6, modelled * self.scale * self.shape_of(num_rows))
+
+    def planned(self, rows: Sequence[StepRow]) -> float:
+        """Seconds of one step of ``rows`` to plan on: the prediction times ``margin``."""
+        return self(rows) * self.margin
 
     def observe(self, rows: Sequence[StepRow], seconds: float) -> None:
         """A step of ``rows`` took ``seconds``: move the calibration towards it."""
@@ -87,6 +119,14 @@ class StepClock:
             return
         num_rows = len(rows)
         shape = self.shape_of(num_rows)
+        self._note_surprise(seconds / self._predicted(modelled, num_rows))
         self.scale += self.alpha * (seconds / (modelled * shape) - self.scale)
         seen = seconds / (modelled * self.scale)
         self.shape[num_rows] = shape + SHAPE_RATE * self.alpha * (seen - shape)
+
+    def _note_surprise(self, ratio: float) -> None:
+        """One step's measured / predicted; the margin follows the window's quantile."""
+        self._surprises.append(ratio)
+        if self.plan_quantile > 0.0 and len(self._surprises) >= MIN_SAMPLES:
+            ranked = sorted(self._surprises)
+            self.margin = max(1.0, ranked[int(self.plan_quantile * len(ranked))])
