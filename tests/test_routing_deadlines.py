@@ -230,6 +230,58 @@ def test_a_running_row_recording_its_template_is_not_counted_as_parkable(cm):
     assert est["parked"] == 1 and est["admit_step"] == SLACK.round_steps // 2
 
 
+# ----- batch sizing -----------------------------------------------------------------------------
+def sized_worker(cm, order, wid="w"):
+    """A worker whose one running row "t" (10 steps left) is on time alone but late beside J."""
+    alone = cm.step_latency([(0.1, "a", True)])
+    beside = cm.step_latency([(0.1, "a", True), (0.1, "t0", True)])
+    assert beside > alone
+    deadline = NOW + 10 * (alone + beside) / 2
+    return worker(wid, rows([(0.1, 10, "a")], "t", deadline=deadline), ram={"a", "t0"}, order=order)
+
+
+@pytest.mark.parametrize(
+    "order, held",
+    [
+        (SLACK, True),
+        (RowOrder("slack", max_parks_per_round=0), True),  # sizing without parking
+        (RowOrder("slack", size_batches=False), False),
+        (EDF, False),
+    ],
+    ids=["slack", "slack-noparks", "slack-nosize", "edf"],
+)
+def test_a_loose_job_waits_while_it_would_make_a_tighter_running_row_late(cm, order, held):
+    estimate = cm.estimate(job(NOW + 10_000), sized_worker(cm, order))
+    assert estimate["admit_step"] == (10.0 if held else 0.0)
+    assert (estimate["wait"] > 0) is held
+
+
+def test_a_job_that_must_join_now_or_goes_first_is_not_held(cm):
+    view = sized_worker(cm, SLACK)
+    tight = view.running[0].deadline
+    assert cm.estimate(job(NOW + 10_000, priority=1), view)["admit_step"] == 0.0  # goes first
+    urgent = job(tight + 1.0)  # its own slack is under two rounds: the worker lets it in
+    assert cm.estimate(urgent, view)["admit_step"] == 0.0
+
+
+def test_a_running_row_that_cannot_be_on_time_even_alone_holds_no_one(cm):
+    view = sized_worker(cm, SLACK)
+    lost = replace(view.running[0], deadline=NOW + 0.001)  # late even alone: nothing to protect
+    view = replace(view, running=(lost,))
+    assert cm.estimate(job(NOW + 10_000), view)["admit_step"] == 0.0
+
+
+def test_the_router_sends_a_loose_job_where_sizing_does_not_hold_it(cm):
+    held = sized_worker(cm, SLACK, "w0")
+    free = worker("w1", rows([(0.1, 10, "a")], "u", deadline=NOW + 10_000), ram={"a", "t0"})
+    free = replace(free, order=SLACK)
+    assert choose(cm, job(NOW + 10_000), [held, free]).worker_id == "w1"
+    # with sizing off both workers run J at once, beside one row each: the smaller id wins
+    no_sizing = RowOrder("slack", size_batches=False)
+    views = [replace(held, order=no_sizing), replace(free, order=no_sizing)]
+    assert choose(cm, job(NOW + 10_000), views).worker_id == "w0"
+
+
 # ----- no deadlines: as before ------------------------------------------------------------------
 def test_without_deadlines_every_scheduler_gives_the_old_estimates_and_choices(cm):
     rng = random.Random(7)

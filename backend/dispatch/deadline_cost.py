@@ -26,9 +26,20 @@ batch with J in it (a row without a deadline has infinite slack):
 
 So under ``edf`` and ``slack`` a tight job is not charged for the rows with more slack queued
 ahead of it, and under ``slack`` the running row it displaces when it would otherwise be late
-(``parked``: 1) no longer runs beside it. Not modelled: the starvation bound (heartbeats carry no
-waiting times), the worker keeping a row out of a free slot to keep a tighter one on time
-(``size_batches``), rows that arrive after J, and pre/post-processing after the last step.
+(``parked``: 1) no longer runs beside it.
+
+Batch sizing (``slack`` with ``size_batches``, ``sizing_hold``): W keeps J out of a free slot while
+a running row that goes before J, late in the batch with J in it (its slack at T < 0) and on time
+were it alone, would be made late; the replay then gives J no slot before the last such row ends
+(``not_before``), and the slot J will take is not lent to rows behind it meanwhile. J is not held
+when it must join now to be on time (under ``URGENT_ROUNDS`` rounds of slack): the worker then
+lets it in if it can be on time, which the router does not tell apart. The worker may let J in a
+little sooner (once the protected row has few enough steps left that J no longer makes it late);
+the router takes the row's end.
+
+Not modelled: the starvation bound (heartbeats carry no waiting times), the worker parking rows to
+shrink a batch for a late running row (``shrink_batches``), rows that arrive after J, and
+pre/post-processing after the last step.
 
 The choice (``choose_by_deadline``) for a job with a deadline: among the workers where its
 predicted finish (now + wait + run + residency + adapters) is by its deadline, the least
@@ -41,7 +52,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -65,6 +76,7 @@ class RowOrder:
     scheduler: str = "fifo"
     round_steps: int = 5
     max_parks_per_round: int = 2
+    size_batches: bool = True
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
@@ -75,6 +87,11 @@ class RowOrder:
     @property
     def parks(self) -> bool:
         return self.scheduler == "slack" and self.max_parks_per_round > 0
+
+    @property
+    def sizes(self) -> bool:
+        """W keeps a row out of a free slot to keep a tighter running row on time."""
+        return self.scheduler == "slack" and self.size_batches
 
 
 FIFO = RowOrder()
@@ -116,33 +133,43 @@ def row_order(
     slack[JOB] = own = slack_s(job.deadline, job.now, job.num_steps, step_s)
     if view.order.scheduler == "fifo":
         return [i for i, _ in rows] + [JOB], slack
-    keys = [
-        (
-            precedence(
-                starved=False,
-                waited_s=0.0,
-                priority=r.priority,
-                slack=slack[i],
-                enqueued_at=float(i),
-            ),
-            i,
-        )
-        for i, r in rows
-    ]
-    keys.append(
-        (
-            precedence(
-                starved=False,
-                waited_s=0.0,
-                priority=job.priority,
-                slack=own,
-                enqueued_at=math.inf,
-            ),
-            JOB,
-        )
-    )
+    keys = [(_rank(r.priority, slack[i], float(i)), i) for i, r in rows]
+    keys.append((_rank(job.priority, own, math.inf), JOB))
     keys.sort()
     return [i for _, i in keys], slack
+
+
+def _rank(priority: int, slack: float, enqueued_at: float) -> tuple[int, float, int, float, float]:
+    """A row's ``precedence`` as the router sees it: heartbeats carry no waits, so none starved;
+    a row's arrival is its index (J: after every row of W)."""
+    return precedence(
+        starved=False, waited_s=0.0, priority=priority, slack=slack, enqueued_at=enqueued_at
+    )
+
+
+def sizing_hold(
+    job: JobRequest, view: WorkerView, step_s: float, alone_s: Callable[[int], float]
+) -> int:
+    """Steps J is kept out of a free slot by W's batch sizing (module docstring); 0 when W does not
+    size batches or nothing holds J. ``step_s``: the step time of W's batch with J in it;
+    ``alone_s(i)``: that of running row i alone (asked only of rows late beside J)."""
+    if not view.order.sizes or step_s <= 0.0:
+        return 0
+    own = slack_s(job.deadline, job.now, job.num_steps, step_s)
+    if own < URGENT_ROUNDS * view.order.round_steps * step_s:
+        return 0  # it must join now to be on time: the worker lets it in
+    key = _rank(job.priority, own, math.inf)
+    return max(
+        (
+            max(0, r.remaining_steps)
+            for i, r in enumerate(view.running)
+            if r.deadline != NO_DEADLINE
+            and (late := slack_s(r.deadline, job.now, r.remaining_steps, step_s)) < 0
+            and _rank(r.priority, late, float(i)) < key
+            and slack_s(r.deadline, job.now, r.remaining_steps, alone_s(i)) >= 0
+        ),
+        default=0,
+    )
 
 
 def replay(
@@ -155,14 +182,19 @@ def replay(
     slack: Mapping[int, float] | None = None,
     step_s: float = 0.0,
     unparkable: Collection[int] = (),
+    not_before: int = 0,
 ) -> Replay:
     """Replay W's slots (module docstring): ``steps`` the remaining steps of the running rows then
     the waiting rows, ``order`` and ``slack`` what ``row_order`` gives, ``n`` J's steps, ``cap``
     W's max batch, ``step_s`` its step time, ``unparkable`` the running rows W never parks (those
-    recording their template's cache). Each row in turn takes the slot that frees first; under
-    fifo this is the router's replay from before deadlines, operation for operation."""
+    recording their template's cache), ``not_before`` the step before which J takes no slot
+    (``sizing_hold``). Each row in turn takes the slot that frees first; under fifo (and
+    ``not_before`` 0) this is the router's replay from before deadlines, operation for
+    operation."""
     if row.parks and slack is not None and step_s > 0:
-        return _replay_parking(steps, num_running, order, n, cap, row, slack, step_s, unparkable)
+        return _replay_parking(
+            steps, num_running, order, n, cap, row, slack, step_s, unparkable, not_before
+        )
     heap = [(steps[i], i) for i in range(num_running)]  # running rows keep their slots
     heapq.heapify(heap)
     first = list(range(num_running))  # rows that hold a slot from the next step
@@ -171,7 +203,7 @@ def replay(
     after: list[tuple[int, int, int]] = []  # rows placed after J: (start, end, row)
     for i in order:
         if i == JOB:
-            admit = heap[0][0] if len(heap) >= cap else 0
+            admit = max(not_before, heap[0][0] if len(heap) >= cap else 0)
             # the rows in slots when J takes one: each overlaps J until it ends (or J does)
             co_runners = [(min(f - admit, n), k) for f, k in heap if f > admit]
             if len(heap) >= cap:
@@ -206,6 +238,7 @@ def _replay_parking(
     slack: Mapping[int, float],
     step_s: float,
     unparkable: Collection[int] = (),
+    not_before: int = 0,
 ) -> Replay:
     """The slack scheduler's replay (module docstring): every row in ``order``, running ones
     included. A running row keeps its slot unless a row ranked before it displaces it; it is then
@@ -260,6 +293,8 @@ def _replay_parking(
                 left[victim] -= boundary
                 spans[victim] = [(0.0, float(boundary))]
                 start, used[m], parked = float(boundary), used.get(m, 0) + 1, parked + (i == JOB)
+        if i == JOB:
+            start = max(start, float(not_before))
         end = start + (n if i == JOB else left[i])
         slots[k] = (end, i)
         if i == JOB:
