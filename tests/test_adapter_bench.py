@@ -159,6 +159,10 @@ def test_the_bench_runs_every_arm_end_to_end(tmp_path, models_dir, monkeypatch):
         # the baseline runs the ordinary pipeline: it never reads a template cache
         assert 0.0 <= r["cached_share"] <= 1.0 and (r["arm"] != "baseline" or not r["cached_share"])
         assert sum(split.values()) == pytest.approx(r["avg_latency_s"])
+        # the mean step per batch size: the baseline serves one request at a time
+        sizes = [int(rows) for rows in r["step_s_by_rows"]]
+        assert sizes == sorted(sizes) and min(sizes) >= 1 and min(r["step_s_by_rows"].values()) > 0
+        assert r["arm"] != "baseline" or sizes == [1]
     ours = next(r for r in report["results"] if r["arm"] == "maskserve")
     assert ours["rows_with_adapters"] >= 1 and sum(ours["hits"].values()) >= 1
     assert ours["cached_share"] > 0  # rows with adapters read the base model's template caches

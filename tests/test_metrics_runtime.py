@@ -59,6 +59,19 @@ def test_counters_and_overhead():
     assert len(stats.recent_overhead_s) == 2  # bounded window
 
 
+def test_mean_step_by_batch_size():
+    stats = WorkerStats()
+    steps = [(2, 0.4), (1, 0.2), (2, 0.5), (4, 0.9), (1, 0.3)]
+    for rows, seconds in steps:
+        stats.record_step(rows, seconds, seconds)
+    by_rows = stats.mean_step_s_by_rows()
+    assert list(by_rows) == sorted({rows for rows, _ in steps})
+    for size, mean in by_rows.items():
+        own = [seconds for rows, seconds in steps if rows == size]
+        assert mean == pytest.approx(sum(own) / len(own))
+    assert WorkerStats().mean_step_s_by_rows() == {}
+
+
 def test_json_log_lines():
     record = logging.LogRecord(
         "maskserve.worker", logging.WARNING, __file__, 1, "cache %s lost", ("abc",), None

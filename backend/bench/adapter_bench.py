@@ -102,6 +102,8 @@ class ArmResult:
     split: dict = field(default_factory=dict)
     cached_share: float = 0.0  # finished rows that denoised reading their template's cache
     mean_step_s: float = 0.0  # the worker's mean step (forward pass of the batch)
+    # the worker's mean step per batch size ("rows": seconds; JSON keys are strings)
+    step_s_by_rows: dict[str, float] = field(default_factory=dict)
 
 
 def request_adapters(
@@ -285,6 +287,10 @@ class _Arm:
             mean_batch_rows=stats["mean_batch_rows"],
             failed=len(self.sink.failed),
             mean_step_s=stats["mean_step_s"],
+            step_s_by_rows={
+                str(rows): seconds
+                for rows, seconds in self.worker.stats.mean_step_s_by_rows().items()
+            },
         )
         finished = self.sink.denoised_jobs
         if finished:

@@ -83,6 +83,9 @@ def _detail_lines(r: dict) -> list[str]:
             f"post-processing {split['postprocess_s']:.2f} s; steps of "
             f"{r['mean_step_s']:.3f} s, {r['cached_share']:.0%} of rows read a template cache"
         )
+    if by_rows := r.get("step_s_by_rows"):
+        steps = ", ".join(f"{rows}: {seconds:.3f} s" for rows, seconds in by_rows.items())
+        lines.append(f"{r['arm']} {r['trace']} {r['rps']:.4g}: mean step by rows a step: {steps}")
     if p := r.get("phases"):
         lines.append(
             f"baseline {r['trace']} {r['rps']}: per request with adapters, load "

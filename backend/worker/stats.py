@@ -2,9 +2,10 @@
 size.
 
 Batching overhead of a step = the loop iteration's wall time minus the denoiser's forward time and
-minus per-job work (admitting a job: cache acquire and state set-up; retiring it: writing its final
-latents, handing it on): scheduling, building and splitting the batch, planning, per-row scheduler
-updates and events. Per-job work is reported on its own (``mean_job_work_s`` per step).
+minus per-job work (admitting a job: cache acquire and state set-up; parking it; retiring it:
+writing its final latents, handing it on; the users' forecast of every row): scheduling, building
+and splitting the batch, planning, per-row scheduler updates and events. Per-job work is reported
+on its own (``mean_job_work_s`` per step).
 Totals cover the whole life of the worker; percentiles cover the most recent ``window`` steps, so a
 long-running worker's memory stays bounded.
 """
@@ -60,6 +61,10 @@ class WorkerStats:
     # rows parked at a step boundary for tighter deadlines, and parked rows resumed
     parks: int = 0
     resumes: int = 0
+    # steps and their total seconds per batch size: how a step's time grows with its rows (on a
+    # CPU about linearly, so batching there buys little throughput)
+    steps_by_rows: Counter = field(default_factory=Counter)
+    step_s_by_rows: Counter = field(default_factory=Counter)
 
     def record_step(
         self, num_rows: int, iteration_s: float, forward_s: float, job_work_s: float = 0.0
@@ -70,9 +75,18 @@ class WorkerStats:
         self.job_work_s_total += job_work_s
         self.rows_total += num_rows
         self.max_rows = max(self.max_rows, num_rows)
+        self.steps_by_rows[num_rows] += 1
+        self.step_s_by_rows[num_rows] += iteration_s
         self.recent_overhead_s.append(max(0.0, iteration_s - forward_s - job_work_s))
         if len(self.recent_overhead_s) > self.window:
             self.recent_overhead_s.popleft()
+
+    def mean_step_s_by_rows(self) -> dict[int, float]:
+        """Mean step seconds per batch size, for every size that ran, in increasing size."""
+        return {
+            rows: self.step_s_by_rows[rows] / count
+            for rows, count in sorted(self.steps_by_rows.items())
+        }
 
     def record_held(self, num_rows: int) -> None:
         self.held_rows = num_rows
