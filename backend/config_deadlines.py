@@ -58,6 +58,11 @@ class DeadlineSettings(Strict):
     """``slack`` only: at any step, when a running row is late at the batch's step time and would
     be on time in a smaller batch, park rows with slack to spare (the loosest first, within
     ``max_parks_per_round``) until it is; they rejoin as ``size_batches`` lets them."""
+    forecast_refresh_s: float = Field(default=0.5, ge=0.0, le=60.0)
+    """How old a worker's forecast of its rows (queue position, predicted start and finish, shown
+    to users) may grow before the worker runs its queue forward again; 0: at every step. The
+    forecast's cost grows with the queue, and made at every step of a burst it lengthens the
+    steps themselves."""
     plan_quantile: float = Field(default=0.0, ge=0.0, lt=1.0)
     """``edf`` and ``slack``: plan on a step time this quantile of the recent steps' measured /
     predicted would give (never shorter than the prediction), a margin for a machine whose speed

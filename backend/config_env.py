@@ -36,6 +36,7 @@ ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "SIZE_BATCHES": ("deadlines", "size_batches"),
     "SHRINK_BATCHES": ("deadlines", "shrink_batches"),
     "PLAN_QUANTILE": ("deadlines", "plan_quantile"),
+    "FORECAST_REFRESH_S": ("deadlines", "forecast_refresh_s"),
     "MODEL": ("engine", "model_id"),
     "DEVICE": ("engine", "device"),
     "DTYPE": ("engine", "dtype"),

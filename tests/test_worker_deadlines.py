@@ -30,9 +30,18 @@ def engine(models_dir, tmp_path_factory):
     return make_engine("sd2-inpaint", models_dir, tmp_path_factory.mktemp("deadline-cache"))
 
 
-def make_worker(engine, tmp_path, plan=None, clock=None):
+def make_worker(engine, tmp_path, plan=None, clock=None, forecast_refresh_s=0.0):
     blobs, inbox, sink = BlobStore(tmp_path / "blobs"), LocalInbox(), LocalSink()
-    worker = EngineWorker(engine, blobs, inbox, sink, max_batch=1, plan=plan, clock=clock)
+    worker = EngineWorker(
+        engine,
+        blobs,
+        inbox,
+        sink,
+        max_batch=1,
+        plan=plan,
+        clock=clock,
+        forecast_refresh_s=forecast_refresh_s,
+    )
     return worker, inbox, sink, blobs
 
 
@@ -113,6 +122,33 @@ def test_events_carry_the_forecast(engine, tmp_path):
     assert all(e.predicted_finish > 0 for e in running)
     assert clock.scale != 1.0 and clock.shape  # measured steps calibrated the clock
     assert worker.stats.snapshot()["parks_total"] == 0
+
+
+@pytest.mark.parametrize("refresh_s", [0.0, 3600.0])
+def test_the_worker_runs_its_forecast_once_per_refresh_interval(engine, tmp_path, refresh_s):
+    clock = StepClock(None, initial_row_s=STEP_S)
+    worker, inbox, sink, blobs = make_worker(
+        engine, tmp_path, slack_plan(step_time=clock), clock, forecast_refresh_s=refresh_s
+    )
+    made_at = []
+    forecast = worker.scheduler.forecast
+
+    def counted(now, step_time=None):
+        made_at.append(now)
+        return forecast(now, step_time)
+
+    worker.scheduler.forecast = counted
+    inbox.put(job(engine, blobs, "first", 1, 1000.0))
+    inbox.put(job(engine, blobs, "second", 2, 1000.0))
+    iterations = 0
+    while not worker.scheduler.idle or not iterations:
+        worker.iterate()
+        iterations += 1
+    # every iteration, or once an hour: the first iteration's forecast serves the whole run
+    assert len(made_at) == (iterations if refresh_s == 0 else 1)
+    told = [e for e in sink.events if e.job_id == "second" and e.status == "waiting"]
+    assert told and told[-1].queue_position == 1  # the waiting row heard its forecast either way
+    assert {d.job_id for d in sink.denoised_jobs} == {"first", "second"}
 
 
 def test_a_row_recording_its_templates_cache_is_never_parked(engine, tmp_path):

@@ -113,25 +113,29 @@ def test_every_scheduler_serves_the_same_trace_and_the_report_accounts_for_every
 
 
 @pytest.mark.parametrize(
-    "arm, sizing, quantile",
+    "arm, sizing, quantile, refresh_s",
     [
-        ("slack", (True, True), 0.0),
-        ("slack-noshrink", (True, False), 0.0),
-        ("slack-nosize", (False, False), 0.0),
-        ("slack-margin", (True, True), 0.9),
+        ("slack", (True, True), 0.0, 0.5),
+        ("slack-noshrink", (True, False), 0.0, 0.5),
+        ("slack-nosize", (False, False), 0.0, 0.5),
+        ("slack-margin", (True, True), 0.9, 0.5),
+        ("slack-everystep", (True, True), 0.0, 0.0),
     ],
 )
 def test_the_ablation_arms_are_the_slack_scheduler_without_one_part(
-    tmp_path, arm, sizing, quantile
+    tmp_path, arm, sizing, quantile, refresh_s
 ):
-    from backend.bench.worker_deadlines import _plan
+    from backend.bench.worker_deadlines_arms import arm_deadlines, arm_plan
 
-    settings = load_settings(env={}, paths={"data_dir": str(tmp_path)})
+    settings = load_settings(
+        env={}, paths={"data_dir": str(tmp_path)}, deadlines={"forecast_refresh_s": 0.5}
+    )
     cfg = WorkerDeadlineConfig(schedulers=("fifo", arm))
-    plan, clock = _plan(settings, cfg, arm, 10.0)
+    plan, clock = arm_plan(settings, cfg, arm, 10.0)
     assert (plan.scheduler, plan.size_batches, plan.shrink_batches) == ("slack", *sizing)
     assert plan.max_wait_s == 10.0 and plan.round_steps == cfg.round_steps
     assert clock.plan_quantile == quantile
+    assert arm_deadlines(settings, cfg, arm, 10.0).forecast_refresh_s == refresh_s
 
 
 def _parsed(*argv: str):

@@ -1,5 +1,7 @@
 """Forecast notes: which waiting rows are told their queue position and predicted start/finish."""
 
+import pytest
+
 from backend.worker.deadlines import RowForecast
 from backend.worker.forecasts import ForecastNotes
 
@@ -74,3 +76,44 @@ def test_the_forecast_is_timed_by_the_notes_step_time_not_the_plans():
 
     ForecastNotes(scheduler, step_time=prediction).update(0.0)
     assert scheduler.timed_by is prediction
+
+
+class CountingScheduler(FakeScheduler):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forecast(self, now, step_time=None):
+        self.calls += 1
+        return super().forecast(now, step_time)
+
+
+def test_the_forecast_is_made_again_only_once_it_is_refresh_s_old():
+    scheduler = CountingScheduler()
+    n = ForecastNotes(scheduler, step_time=lambda rows: 1.0, refresh_s=0.5)
+    scheduler.answer = {"w": RowForecast(1, 5.0, 25.0)}
+    assert n.update(10.0) == {"w": RowForecast(1, 5.0, 25.0)}
+    scheduler.answer = {"w": RowForecast(1, 5.0, 25.0), "new": RowForecast(2, 25.0, 45.0)}
+    assert n.update(10.3) == {"w": RowForecast(1, 5.0, 25.0)}  # 0.3 s old: kept
+    assert scheduler.calls == 1 and n.finish_of("new") == 0.0
+    assert n.update(10.5) == scheduler.answer  # 0.5 s old: made again
+    assert scheduler.calls == 2
+    # a row that queued between two forecasts is told at the next one
+    assert [job for job, _ in n.due(10.5)] == ["w", "new"]
+
+
+def test_refresh_zero_forecasts_at_every_update_and_a_clock_going_back_refreshes():
+    scheduler = CountingScheduler()
+    every = ForecastNotes(scheduler, step_time=lambda rows: 1.0)
+    for now in (1.0, 1.0, 1.001):
+        every.update(now)
+    assert scheduler.calls == 3
+    lazy = ForecastNotes(scheduler, step_time=lambda rows: 1.0, refresh_s=10.0)
+    lazy.update(5.0)
+    lazy.update(4.0)  # the wall clock stepped back: the forecast's age is unknown
+    assert scheduler.calls == 5
+
+
+def test_a_negative_refresh_is_refused():
+    with pytest.raises(ValueError, match="refresh_s must be >= 0"):
+        ForecastNotes(FakeScheduler(), step_time=None, refresh_s=-1.0)

@@ -1,9 +1,7 @@
 """`maskserve bench worker-deadlines`: the worker bench's deadline mode. One real engine worker runs
 real denoising steps under mixed service classes; its step schedulers (``fifo``, ``edf``,
-``slack``, and its ablations ``slack-noshrink``: without ``shrink_batches``, never parking rows to
-make a batch smaller, ``slack-nosize``: without either, filling every free slot, and
-``slack-margin``: planning on the step clock's 0.9 quantile of recent steps, ``StepClock.margin``)
-side by side on the same traces.
+``slack``, and the ``slack`` variants of ``worker_deadlines_arms.ABLATIONS``) side by side on the
+same traces.
 
 Workload: the route deadline bench's (``route_deadlines.deadline_trace`` and ``services_of``):
 ``interactive_share`` of the requests (default 30%) are ``interactive`` with a tight target, the
@@ -74,7 +72,6 @@ from backend.bench.route_deadlines import (
     services_of,
     targets,
 )
-from backend.bench.route_deadlines_sim import ARMS as SCHEDULERS
 from backend.bench.trace import counted_trace
 from backend.bench.worker_bench import (
     BenchConfig,
@@ -83,6 +80,7 @@ from backend.bench.worker_bench import (
     prepare_inputs,
     template_caches,
 )
+from backend.bench.worker_deadlines_arms import ARMS, SCHEDULERS, arm_deadlines, arm_plan
 from backend.bench.worker_deadlines_report import mean_comparison, speed_adjusted
 from backend.blobs import BlobStore
 from backend.blobs.factory import open_blob_store
@@ -93,16 +91,6 @@ from backend.worker.batching import Row
 from backend.worker.channels import LocalInbox, LocalSink
 from backend.worker.loop import EngineWorker
 from backend.worker.step_clock import StepClock
-
-# the slack scheduler and its variants: the ``Settings.deadlines`` each arm changes (batch sizing or
-# shrinking off; the step clock's noise margin on)
-ABLATIONS: dict[str, dict[str, object]] = {
-    "slack": {},
-    "slack-noshrink": {"shrink_batches": False},
-    "slack-nosize": {"size_batches": False, "shrink_batches": False},
-    "slack-margin": {"plan_quantile": 0.9},
-}
-ARMS = (*SCHEDULERS, *(arm for arm in ABLATIONS if arm not in SCHEDULERS))
 
 
 @dataclass
@@ -248,7 +236,17 @@ class _Worker:
     """A fresh engine worker fed by an in-process inbox; records when each job was handed on and
     keeps each job's scheduler row (its waits and parks stay readable after it leaves)."""
 
-    def __init__(self, engine, blobs, caches, plan, clock: StepClock, max_batch: int, name: str):
+    def __init__(
+        self,
+        engine,
+        blobs,
+        caches,
+        plan,
+        clock: StepClock,
+        max_batch: int,
+        name: str,
+        forecast_refresh_s: float,
+    ):
         self.blobs, self.caches = blobs, caches
         self.done: dict[str, float] = {}
         self.rows: dict[str, Row] = {}
@@ -280,6 +278,7 @@ class _Worker:
             caches=caches,
             plan=plan,
             clock=clock,
+            forecast_refresh_s=forecast_refresh_s,
         )
 
     def _handed_on(self, denoised) -> None:
@@ -324,23 +323,6 @@ class _Worker:
                     self.rows.setdefault(job_id, row)
 
 
-def _plan(settings: Settings, cfg: WorkerDeadlineConfig, scheduler: str, max_wait_s: float):
-    """``worker.service.deadline_plan`` for ``scheduler`` and this bench's model and bounds."""
-    from backend.worker.service import deadline_plan  # the serving worker's (imports redis)
-
-    deadlines = settings.deadlines.model_copy(
-        update={
-            "scheduler": "slack" if scheduler in ABLATIONS else scheduler,
-            "round_steps": cfg.round_steps,
-            "max_wait_s": max_wait_s,
-            "max_parks_per_round": cfg.max_parks_per_round,
-            **ABLATIONS.get(scheduler, {}),
-        }
-    )
-    engine = settings.engine.model_copy(update={"model_id": cfg.model_id})
-    return deadline_plan(settings.model_copy(update={"deadlines": deadlines, "engine": engine}))
-
-
 @dataclass
 class _Bench:
     """What every run shares: the model, the blob store, pre-processing; once calibrated, the
@@ -367,9 +349,19 @@ class _Bench:
 
     def worker(self, scheduler: str, max_wait_s: float, name: str) -> tuple[_Worker, StepClock]:
         """A fresh worker with ``scheduler``'s plan, its clock and a cold RAM tier."""
-        plan, clock = _plan(self.settings, self.cfg, scheduler, max_wait_s)
+        plan, clock = arm_plan(self.settings, self.cfg, scheduler, max_wait_s)
         caches = template_caches(self.engine, self.settings, self.inputs, self.cfg.ram_templates)
-        worker = _Worker(self.engine, self.blobs, caches, plan, clock, self.cfg.max_batch, name)
+        deadlines = arm_deadlines(self.settings, self.cfg, scheduler, max_wait_s)
+        worker = _Worker(
+            self.engine,
+            self.blobs,
+            caches,
+            plan,
+            clock,
+            self.cfg.max_batch,
+            name,
+            deadlines.forecast_refresh_s,
+        )
         return worker, clock
 
 
@@ -455,8 +447,10 @@ def serve_trace(bench: _Bench, arm: str, trace: list, services: list, prepared: 
     return row | {
         "makespan_s": max(done.values()) - start,
         "mean_step_ms": snapshot["mean_step_s"] * 1e3,
-        # of which scheduling, planning and forecasting (not the forward, not per-job work)
+        # of which scheduling and planning (not the forward, not per-job work)
         "mean_overhead_ms": snapshot["mean_overhead_s"] * 1e3,
+        # of which per-job work: admitting, parking, retiring rows and forecasting
+        "mean_job_work_ms": snapshot["mean_job_work_s"] * 1e3,
         "mean_batch_rows": snapshot["mean_batch_rows"],
         # schedules at which a row was kept out of a free slot for a tighter one, per job
         "deferrals_per_job": snapshot["deferred_row_schedules_total"] / max(1, len(trace)),

@@ -81,9 +81,8 @@ def add_worker_deadlines_parser(bench_sub) -> argparse.ArgumentParser:
     single-job service time."""
     p = bench_sub.add_parser(
         "worker-deadlines",
-        help="one real engine worker under deadlines: step schedulers (fifo, edf, slack, "
-        "slack-noshrink, slack-nosize, slack-margin) side by side on the same mixed-class "
-        "Poisson and bursty traces",
+        help="one real engine worker under deadlines: step schedulers (fifo, edf, slack and "
+        "its variants) side by side on the same mixed-class Poisson and bursty traces",
     )
     p.add_argument("--model", default="tiny-sd2-inpaint")
     p.add_argument("--size", type=int, default=128)
@@ -93,7 +92,12 @@ def add_worker_deadlines_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--ram-templates", type=int, default=0, help="RAM tier budget (0: all)")
     p.add_argument("--mask-mean", type=float, default=0.11)
     p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
-    p.add_argument("--schedulers", default="fifo,edf,slack")
+    p.add_argument(
+        "--schedulers",
+        default="fifo,edf,slack",
+        help="fifo, edf, slack, or a slack variant: slack-noshrink, slack-nosize, slack-margin, "
+        "slack-everystep",
+    )
     p.add_argument("--traces", default="poisson,bursty")
     p.add_argument("--loads", default="0.8,1.0", help="fractions of the measured capacity")
     p.add_argument("--interactive-share", type=float, default=0.3)

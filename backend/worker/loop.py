@@ -111,6 +111,7 @@ class EngineWorker(TemplateRows):
         adapters: RowAdapters | None = None,
         plan: DeadlinePlan | None = None,
         clock: StepClock | None = None,
+        forecast_refresh_s: float = 0.0,
     ):
         if mode == "inline" and stages is None:
             raise ValueError("inline batching runs pre/post-processing in the loop: pass `stages`")
@@ -123,7 +124,7 @@ class EngineWorker(TemplateRows):
         self.clock = clock  # measured steps calibrate the plan's step time (None: nothing learns)
         # users are told the expected finish: the clock's prediction, not the plan's margin
         forecast_time = clock if clock is not None else (plan.step_time if plan else None)
-        self.forecasts = ForecastNotes(self.scheduler, forecast_time)
+        self.forecasts = ForecastNotes(self.scheduler, forecast_time, refresh_s=forecast_refresh_s)
         self.jobs: dict[str, _Job] = {}
         self.stats = WorkerStats()
         self.admission = AdmissionRules()  # which waiting row may join; templates recorded

@@ -333,6 +333,7 @@ def build_worker(
         adapters=worker_adapters(settings, engine),
         plan=plan,
         clock=clock,
+        forecast_refresh_s=settings.deadlines.forecast_refresh_s,
         **common,
     )
     return worker, caches
