@@ -131,11 +131,12 @@ def test_the_ablation_arms_are_the_slack_scheduler_without_one_part(
         env={}, paths={"data_dir": str(tmp_path)}, deadlines={"forecast_refresh_s": 0.5}
     )
     cfg = WorkerDeadlineConfig(schedulers=("fifo", arm))
-    plan, clock = arm_plan(settings, cfg, arm, 10.0)
+    deadlines = arm_deadlines(settings, cfg, arm, 10.0)
+    plan, clock = arm_plan(settings, cfg, deadlines)
     assert (plan.scheduler, plan.size_batches, plan.shrink_batches) == ("slack", *sizing)
     assert plan.max_wait_s == 10.0 and plan.round_steps == cfg.round_steps
     assert clock.plan_quantile == quantile
-    assert arm_deadlines(settings, cfg, arm, 10.0).forecast_refresh_s == refresh_s
+    assert deadlines.forecast_refresh_s == refresh_s
 
 
 def _parsed(*argv: str):

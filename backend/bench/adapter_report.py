@@ -85,7 +85,8 @@ def _detail_lines(r: dict) -> list[str]:
         )
     if by_rows := r.get("step_s_by_rows"):
         steps = ", ".join(f"{rows}: {seconds:.3f} s" for rows, seconds in by_rows.items())
-        lines.append(f"{r['arm']} {r['trace']} {r['rps']:.4g}: mean step by rows a step: {steps}")
+        label = f"{r['arm']} {r['trace']} {r['rps']:.4g}"
+        lines.append(f"{label}: mean step by batch size (rows: s): {steps}")
     if p := r.get("phases"):
         lines.append(
             f"baseline {r['trace']} {r['rps']}: per request with adapters, load "

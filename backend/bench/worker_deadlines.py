@@ -349,9 +349,9 @@ class _Bench:
 
     def worker(self, scheduler: str, max_wait_s: float, name: str) -> tuple[_Worker, StepClock]:
         """A fresh worker with ``scheduler``'s plan, its clock and a cold RAM tier."""
-        plan, clock = arm_plan(self.settings, self.cfg, scheduler, max_wait_s)
-        caches = template_caches(self.engine, self.settings, self.inputs, self.cfg.ram_templates)
         deadlines = arm_deadlines(self.settings, self.cfg, scheduler, max_wait_s)
+        plan, clock = arm_plan(self.settings, self.cfg, deadlines)
+        caches = template_caches(self.engine, self.settings, self.inputs, self.cfg.ram_templates)
         worker = _Worker(
             self.engine,
             self.blobs,

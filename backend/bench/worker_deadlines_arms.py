@@ -42,10 +42,10 @@ def arm_deadlines(
     )
 
 
-def arm_plan(settings: Settings, cfg: WorkerDeadlineConfig, scheduler: str, max_wait_s: float):
-    """``worker.service.deadline_plan`` for ``scheduler`` and this bench's model and bounds."""
+def arm_plan(settings: Settings, cfg: WorkerDeadlineConfig, deadlines: DeadlineSettings):
+    """``worker.service.deadline_plan`` for an arm's ``deadlines`` (``arm_deadlines``) and this
+    bench's model."""
     from backend.worker.service import deadline_plan  # the serving worker's (imports redis)
 
-    deadlines = arm_deadlines(settings, cfg, scheduler, max_wait_s)
     engine = settings.engine.model_copy(update={"model_id": cfg.model_id})
     return deadline_plan(settings.model_copy(update={"deadlines": deadlines, "engine": engine}))

@@ -4,12 +4,12 @@
 Every iteration the worker calls ``ForecastNotes.update(now)``; every ``refresh_s`` seconds that
 asks the scheduler for a new forecast (``BatchScheduler.forecast``, timed by ``step_time``: the
 worker's step clock's prediction, not the margin its plan decides on). The forecast runs the whole
-queue forward, and its cost grows with the queue (about 6 ms a call with 40 rows waiting on the
-slack scheduler, 14 ms with 100, on this project's 2-core CPU): asked at every step of a burst it
-would lengthen the very steps it forecasts, while a forecast a fraction of a second old tells a
-user as much. Running rows carry their predicted finish on every step event; a waiting row gets a
-``waiting`` event only when its forecast changed enough to matter to whoever watches it (``due``),
-so a long queue does not flood the job records with an event per row per step.
+queue forward, and its cost grows with the queue: asked at every step of a burst it lengthens
+the very steps it forecasts (docs/bench/worker-deadlines.md, "The forecast's cost in the loop"),
+while a forecast a fraction of a second old tells a user as much. Running rows carry their
+predicted finish on every step event; a waiting row gets a ``waiting`` event only when its
+forecast changed enough to matter to whoever watches it (``due``), so a long queue does not flood
+the job records with an event per row per step.
 
 Invariants: the forecast is at most ``refresh_s`` old (``refresh_s`` = 0: made at every update); a
 waiting row is told its forecast at least once (at the first forecast after it queued) and again
