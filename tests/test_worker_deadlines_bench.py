@@ -17,6 +17,7 @@ from backend.bench.worker_deadlines import (
     run_worker_deadline_bench,
 )
 from backend.bench.worker_deadlines_report import (
+    forecast_table,
     mean_comparison,
     mean_table,
     table,
@@ -45,8 +46,10 @@ def test_every_scheduler_serves_the_same_trace_and_the_report_accounts_for_every
         speed_band=1.3,
         retries=1,
     )
+    # a forecast at every step: a toy job ends well inside the default 0.5 s between forecasts
     settings = load_settings(
-        env={}, paths={"data_dir": str(tmp_path), "models_dir": str(models_dir)}
+        env={"MASKSERVE_FORECAST_REFRESH_S": "0"},
+        paths={"data_dir": str(tmp_path), "models_dir": str(models_dir)},
     )
     report = run_worker_deadline_bench(cfg, settings, progress=lambda line: None)
 
@@ -87,6 +90,15 @@ def test_every_scheduler_serves_the_same_trace_and_the_report_accounts_for_every
             for cls, sizes in r["rows_per_step"].items():  # mean batch of its jobs: 1..max_batch
                 assert max(sizes.values()) >= 1 and classes.count(cls) > 0
                 assert all(v == 0.0 or 1.0 <= v <= cfg.max_batch for v in sizes.values())
+            # the finish each job was told against its real one: every job heard one by its
+            # first step, the forecast being made at every step
+            assert set(r["forecast"]) == set(r["classes"])
+            for cls, by_horizon in r["forecast"].items():
+                assert set(by_horizon) == {"first", "start"}
+                for f in by_horizon.values():
+                    assert f["jobs"] == r["classes"][cls]["completed"]
+                    assert f["median_abs_s"] <= f["p90_abs_s"] and 0 <= f["late_share"] <= 1
+                    assert f["median_rel"] >= 0
             if arm != "slack":  # only the full scheduler parks rows, or keeps slots free
                 assert r["parks_per_job"] == 0 and r["deferrals_per_job"] == 0
     # every other arm against fifo, per process and load; the targets per process
@@ -103,6 +115,8 @@ def test_every_scheduler_serves_the_same_trace_and_the_report_accounts_for_every
     assert report["speed_adjusted"] == []  # two pairs per arm: too few for a line
     assert len(table(report).splitlines()) == 2 + 6 and len(target_lines(report)) == 4
     assert len(mean_table(report).splitlines()) == 2 + 4
+    told_rows = sum(len(r["forecast"]) for r in report["results"])
+    assert len(forecast_table(report).splitlines()) == 2 + told_rows
 
     plot = write_outputs(report, tmp_path / "worker-deadlines.json")
     assert json.loads((tmp_path / "worker-deadlines.json").read_text())["results"]

@@ -35,7 +35,8 @@ every job is accepted, so the 429 rates are 0.
 Statistics: ``route_deadlines.measure`` on the measured outcome (every job counted, no warm-up):
 per class SLO attainment, P50/P95 latency, throughput (completions inside the arrivals' window per
 second); parks and resumes per job, the longest wait (queued plus parked) of any batch job, the
-jobs waiting past the starvation bound; then ``comparison`` and ``targets`` against ``fifo``.
+jobs waiting past the starvation bound; how far the finish each job was told was from its real
+one (``forecast_accuracy``); then ``comparison`` and ``targets`` against ``fifo``.
 
 The machine's speed: each run's ``slowdown`` is the median over its steps of measured / modelled
 step time against the calibration's (``speed_gauge``); a run outside ``speed_band`` (say
@@ -63,6 +64,7 @@ import numpy as np
 import torch
 
 from backend.bench import speed_gauge
+from backend.bench.forecast_accuracy import forecast_errors, told_forecasts
 from backend.bench.route_deadlines import (
     TRACES,
     DeadlineBenchConfig,
@@ -443,6 +445,9 @@ def serve_trace(bench: _Bench, arm: str, trace: list, services: list, prepared: 
     sizes = {index[j]: worker.batch_sizes.get(j, []) for j in done}
     row["rows_per_step"] = rows_per_step(sizes, outcome.done_at, services)
     row["slowdown"] = speed_gauge.run_slowdown(cal.step_ratio, worker.step_ratios)
+    classes = {j: services[index[j]].service_class for j in done}
+    told = told_forecasts(worker.sink.events)
+    row["forecast"] = forecast_errors(told, done, classes)
     snapshot = stats.snapshot()
     return row | {
         "makespan_s": max(done.values()) - start,

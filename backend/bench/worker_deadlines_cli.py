@@ -57,6 +57,7 @@ def config_of(args, settings: Settings):
 def cmd_bench_worker_deadlines(args, settings: Settings) -> int:
     from backend.bench.worker_deadlines import run_worker_deadline_bench
     from backend.bench.worker_deadlines_report import (
+        forecast_table,
         mean_table,
         speed_lines,
         table,
@@ -69,6 +70,7 @@ def cmd_bench_worker_deadlines(args, settings: Settings) -> int:
     print(report["device"])
     print(table(report))
     print(mean_table(report))
+    print(forecast_table(report))
     for line in [*target_lines(report), *speed_lines(report)]:
         print(line)
     print(f"wrote {args.json} and {plot}")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from backend.bench.forecast_accuracy import HORIZONS
 from backend.bench.route_deadlines import CLASSES, save_beside
 
 # the paired figures of ``route_deadlines.comparison`` that ``mean_comparison`` averages
@@ -164,6 +165,33 @@ def mean_table(report: dict) -> str:
         cells += [f"{c[k]:+.1f}" for k in ("interactive_points_highest", "batch_points")]
         cells.append(f"x{c['batch_throughput_ratio']:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def forecast_table(report: dict) -> str:
+    """One Markdown row per (run, class): how far the finish each job was told was from its real
+    finish (``forecast_accuracy``), for the first forecast it heard and the one on its first
+    step: median absolute error (s and share of the time it had left), bias and share late."""
+    head = ["trace", "load", "repeat", "scheduler", "class", "jobs"]
+    for horizon in HORIZONS:
+        head += [f"{horizon}: median error s (of time left)", "bias s", "late"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in report["results"]:
+        for cls, by_horizon in r.get("forecast", {}).items():
+            cells = [r["trace"], f"{r['load']:g}", str(r["repeat"]), r["scheduler"], cls]
+            cells.append(str(max(f["jobs"] for f in by_horizon.values())))
+            for horizon in HORIZONS:
+                f = by_horizon.get(horizon)
+                cells += (
+                    [
+                        f"{f['median_abs_s']:.2f} ({f['median_rel']:.0%})",
+                        f"{f['bias_s']:+.2f}",
+                        f"{f['late_share']:.0%}",
+                    ]
+                    if f
+                    else ["", "", ""]
+                )
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
