@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from backend.bench.machine_drift import DriftSpec, SpeedDrift
 from backend.bench.route_bench import RouteBenchConfig, cost_model_for
 from backend.bench.route_deadlines import (
     DeadlineBenchConfig,
@@ -95,10 +96,11 @@ def test_deadline_traces_offer_the_rate_and_bursts_cluster_arrivals_at_the_same_
 
 
 # ----- the simulated workers --------------------------------------------------------------------
-def one_worker(scheduler: str, records: bool = False):
+def one_worker(scheduler: str, records: bool = False, clock: bool = False, drift=None):
     """One worker, one slot, 20 steps a job: a batch job runs from t=0; an interactive job arrives
     5.5 steps in, with 6 steps of slack (it must start by step 10 and a half). ``records``: the
-    batch job's template is in no tier (it records it), the interactive job's another one."""
+    batch job's template is in no tier (it records it), the interactive job's another one.
+    ``clock`` and ``drift``: the plan's step clock and the machine's drift."""
     route = RouteBenchConfig(
         profiles_dir=str(PROFILES),
         num_workers=1,
@@ -121,8 +123,9 @@ def one_worker(scheduler: str, records: bool = False):
         trace,
         {"tpl1"} if records else {"tpl0"},
         services,
-        StepPlan(scheduler, round_steps=5),
+        StepPlan(scheduler, round_steps=5, clock=clock),
         routing,
+        drift=drift,
     )
     sim.run()
     return sim, t, services
@@ -157,6 +160,24 @@ def test_a_row_recording_its_template_is_never_parked():
     sim, _, services = one_worker("slack", records=True)
     assert sim.finished[0].records and sim.scheduler_counts()["parks"] == 0
     assert sim.done_at[1] > sim.done_at[0] and sim.done_at[1] > services[1].deadline
+
+
+def test_a_drifting_machine_slows_every_step_by_its_factor_and_the_clock_learns_it():
+    steady = DriftSpec(cv=0.5, tau_s=1e12)  # one draw that holds for the whole run
+    factor = SpeedDrift(steady, [0, 0, 7]).factor(0.0)  # the worker's machine: seed, index, 7
+    assert abs(factor - 1.0) > 0.05  # the test needs a machine off the average
+    plain, t, _ = one_worker("slack", clock=True)
+    drifting, _, _ = one_worker("slack", clock=True, drift=steady)
+    # every step took ``factor`` times as long, so every job ended that much later
+    for index in (0, 1):
+        assert drifting.done_at[index] == pytest.approx(factor * plain.done_at[index], rel=1e-4)
+    # the worker's step clock learnt the machine's speed from its steps: its one-row calibration
+    # (speed x shape) is the factor off the undrifting machine's
+    plain_clock, drifting_clock = plain.workers[0].clock, drifting.workers[0].clock
+    calibration = [c.scale * c.shape_of(1) for c in (plain_clock, drifting_clock)]
+    assert calibration[1] == pytest.approx(factor * calibration[0], rel=0.02)
+    assert one_worker("slack")[0].workers[0].clock is None  # the fixed cost model's figure
+    assert one_worker("fifo", clock=True)[0].workers[0].clock is None  # fifo plans nothing
 
 
 def test_the_shed_rule_is_the_apis():

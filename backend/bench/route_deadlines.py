@@ -29,6 +29,10 @@ an arm named with the suffix ``-blind`` (``slack-blind``) routes without them (t
 before deadlines), to measure what deadline routing adds. Admission control (``shed``) applies
 the API's rule to every arm alike.
 
+A machine whose speed drifts (``drift_cv``, ``drift_tau_s``: each worker's own, ``machine_drift``)
+and workers that learn their step time on a step clock (``step_clock``) bring the simulation
+closer to the engine worker on a noisy CPU; both are off by default.
+
 Latency = arrival -> last denoising step (pre/post-processing are outside the simulation and the
 same for every arm). Statistics count the jobs that arrive after the warm-up
 (``warmup_fraction`` of the run; every job is simulated). Per class: SLO attainment (the share of
@@ -46,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
+from backend.bench.machine_drift import DriftSpec
 from backend.bench.route_bench import (
     RouteBenchConfig,
     capacity_rps,
@@ -89,6 +94,11 @@ class DeadlineBenchConfig:
     mask_mean: float = 0.11
     disk_read_s_per_byte: float = 1e-9
     noise_cv: float = 0.05
+    # each worker's machine drifts (``machine_drift``; cv 0: it does not); the capacity is
+    # measured without drift
+    drift_cv: float = 0.0
+    drift_tau_s: float = 5.0
+    step_clock: bool = False  # workers calibrate their step predictions as the engine worker does
     capacity_rps: float = 0.0  # > 0: loads are fractions of this rate (else measured)
     warmup_fraction: float = 0.25
     seed: int = 0
@@ -260,7 +270,13 @@ def run_deadline_bench(cfg: DeadlineBenchConfig, progress=None) -> dict:
             services = services_of(cfg, trace)
             for arm in cfg.schedulers:
                 scheduler = arm.removesuffix(BLIND)
-                plan = StepPlan(scheduler, cfg.round_steps, cfg.max_wait_s, cfg.max_parks_per_round)
+                plan = StepPlan(
+                    scheduler,
+                    cfg.round_steps,
+                    cfg.max_wait_s,
+                    cfg.max_parks_per_round,
+                    clock=cfg.step_clock,
+                )
                 router = Router("mask_aware", {(cfg.model_id, cfg.device): routing})
                 sim = DeadlineClusterSimulation(
                     route,
@@ -273,6 +289,7 @@ def run_deadline_bench(cfg: DeadlineBenchConfig, progress=None) -> dict:
                     routing,
                     shed,
                     blind=arm != scheduler,
+                    drift=DriftSpec(cfg.drift_cv, cfg.drift_tau_s),
                 )
                 sim.run()
                 row = {"trace": kind, "load": load, "scheduler": arm, "rps": rps}

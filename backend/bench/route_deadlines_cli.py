@@ -43,6 +43,9 @@ def cmd_bench_route_deadlines(args, settings: Settings) -> int:
         num_templates=args.templates,
         ram_templates=args.ram_templates,
         mask_mean=args.mask_mean,
+        drift_cv=args.drift_cv,
+        drift_tau_s=args.drift_tau,
+        step_clock=args.step_clock,
         capacity_rps=args.capacity_rps,
         seed=args.seed,
         schedulers=_names(args.schedulers),
@@ -129,6 +132,18 @@ def add_route_deadlines_parser(bench_sub) -> argparse.ArgumentParser:
         "--capacity-rps", type=float, default=0.0, help="loads as fractions of this rate"
     )
     p.add_argument("--no-shed", action="store_true", help="no admission control (no 429s)")
+    p.add_argument(
+        "--drift-cv",
+        type=float,
+        default=0.0,
+        help="each worker's machine speed drifts: cv of its slowdown (0: no drift)",
+    )
+    p.add_argument("--drift-tau", type=float, default=5.0, help="the drift's correlation time (s)")
+    p.add_argument(
+        "--step-clock",
+        action="store_true",
+        help="workers calibrate their step predictions on their steps, as the engine worker does",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--seeds",

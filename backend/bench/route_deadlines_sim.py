@@ -7,11 +7,13 @@ Each simulated worker runs the serving worker's own scheduler with the arm's ste
 ``round_steps`` steps, with its starvation bound (``max_wait_s``) and churn bound
 (``max_parks_per_round``). Its step-time prediction is the worker's own: the routing cost model's
 latency of the rows (the fitted lines; a recording row dense, every other one cached), while a step
-takes the exact plan's latency (``route_sim``). As in the engine worker (``backend.worker.loop``),
-a parked row leaves the batch at a step boundary keeping its step and its cache pin, resumes as
-soon as it is ranked into the batch again (nothing to read back) and runs its remaining steps; a
-row recording its template's cache is never parked (``Row.parkable``: the template's other rows
-wait for that recording).
+takes the exact plan's latency (``route_sim``). With ``StepPlan.clock`` that prediction is
+calibrated by a ``StepClock`` on every step the worker runs, as the engine worker's is; with a
+``DriftSpec``, each worker's steps are slowed by its own machine's drift (``machine_drift``). As
+in the engine worker (``backend.worker.loop``), a parked row leaves the batch at a step boundary
+keeping its step and its cache pin, resumes as soon as it is ranked into the batch again (nothing
+to read back) and runs its remaining steps; a row recording its template's cache is never parked
+(``Row.parkable``: the template's other rows wait for that recording).
 
 Admission control (``ShedRule``), the API's formula: a job of a shed class is refused when its
 predicted latency (the router's predicted finish on the worker it chose) exceeds ``late_factor`` x
@@ -26,10 +28,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from backend.bench.machine_drift import DriftSpec, SpeedDrift
 from backend.bench.route_sim import ClusterSimulation, SimJob, SimWorker
 from backend.dispatch.router import AdapterNeed, Decision, JobRequest, RoutingCostModel, RowOrder
 from backend.worker.batching import BatchScheduler, Row, SchedulerOutput
 from backend.worker.deadlines import DeadlinePlan
+from backend.worker.step_clock import StepClock
 
 if TYPE_CHECKING:
     from backend.bench.route_bench import RouteBenchConfig
@@ -54,6 +58,9 @@ class StepPlan:
     round_steps: int = 5
     max_wait_s: float = 300.0
     max_parks_per_round: int = 2
+    # predict steps on a ``StepClock`` that each simulated step calibrates, as the engine worker
+    # does (False: the cost model's figure, fixed)
+    clock: bool = False
 
     @property
     def order(self) -> RowOrder:
@@ -84,8 +91,12 @@ class DeadlineSimWorker(SimWorker):
     """A ``SimWorker`` whose scheduler may park rows (module docstring): a parked row keeps its
     cache pinned; a recording row may not be parked."""
 
+    clock: StepClock | None = None  # with ``StepPlan.clock``: learns from every step
+    stepping_s = 0.0  # the seconds of the step running now
+
     def use_plan(self, plan: StepPlan, model: RoutingCostModel) -> None:
-        """Schedule with ``plan`` (fifo: no plan, as today), predicting steps with ``model``."""
+        """Schedule with ``plan`` (fifo: no plan, as today), predicting steps with ``model``
+        (calibrated by a step clock with ``plan.clock``)."""
         self.order = plan.order
 
         def step_time(rows: Sequence[Row]) -> float:
@@ -94,6 +105,9 @@ class DeadlineSimWorker(SimWorker):
                 [(r.mask_ratio, r.template, not jobs[r.job_id].records) for r in rows]
             )
 
+        if plan.clock and plan.scheduler != "fifo":
+            self.clock = StepClock(model.step_latency)
+            step_time = self.clock.planned
         self.scheduler = BatchScheduler(
             self.cfg.max_batch,
             plan=None
@@ -109,6 +123,11 @@ class DeadlineSimWorker(SimWorker):
 
     def _ready(self, row: Row) -> bool:
         return row.parked or super()._ready(row)  # a parked row kept its cache pinned
+
+    def finish_step(self, now: float) -> list[SimJob]:
+        if self.clock is not None:  # the step's rows, before the finished ones leave
+            self.clock.observe(list(self.scheduler.running.values()), self.stepping_s)
+        return super().finish_step(now)
 
     def _scheduled(self, out: SchedulerOutput, now: float) -> None:
         resumed = set(out.resumed)
@@ -137,15 +156,31 @@ class DeadlineClusterSimulation(ClusterSimulation):
         model: RoutingCostModel,
         shed: ShedRule | None = None,
         blind: bool = False,
+        drift: DriftSpec | None = None,
     ):
         super().__init__(cfg, truth, router, trace, disk)
         self.services, self.shed_rule, self.blind = services, shed, blind
+        # each worker's own machine, drifting on its own (None: steps only get ``noise_cv``)
+        self.drifts = (
+            [SpeedDrift(drift, [cfg.seed, i, 7]) for i in range(cfg.num_workers)]
+            if drift is not None and drift.cv > 0
+            else None
+        )
         for worker in self.workers:
             assert isinstance(worker, DeadlineSimWorker)
             worker.use_plan(plan, model)
         self.refused: dict[int, str] = {}  # request index -> why ("queue" or "deadline")
         self.accepted_late: set[int] = set()  # accepted although predicted late
         self.predicted: dict[int, float] = {}  # request index -> the router's predicted finish
+
+    def step_seconds(self, worker: SimWorker, rows: list[tuple[float, str, bool]]) -> float:
+        """The step's seconds, slowed by the worker's machine's drift at the step's start."""
+        seconds = super().step_seconds(worker, rows)
+        if self.drifts is not None:  # the worker's caches settled at the step's start
+            seconds *= self.drifts[int(worker.worker_id[1:])].factor(worker.caches.now)
+        assert isinstance(worker, DeadlineSimWorker)
+        worker.stepping_s = seconds
+        return seconds
 
     def request_of(
         self, req, template: str, adapters: tuple[AdapterNeed, ...], now: float
