@@ -213,6 +213,7 @@ def test_the_deadline_bench_runs_every_scheduler_on_the_same_traces_and_writes_i
         assert r["classes"]["interactive"]["shed_rate"] == 0.0  # only batch is shed
         if r["scheduler"] != "slack":
             assert r["parks_per_job"] == 0.0
+        assert 1.0 <= r["mean_batch_rows"] <= cfg.max_batch  # every step ran a row or more
     assert any(sum(r["refused"].values()) for r in results)  # the queue bound of 6 bites
     assert {(c["trace"], c["load"], c["scheduler"]) for c in report["comparison"]} == {
         (k, load, a) for k in cfg.traces for load in cfg.loads for a in ("edf", "slack")

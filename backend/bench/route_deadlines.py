@@ -295,6 +295,8 @@ def run_deadline_bench(cfg: DeadlineBenchConfig, progress=None) -> dict:
                 row = {"trace": kind, "load": load, "scheduler": arm, "rps": rps}
                 row |= {"offered_rps": len(trace) / cfg.duration_s, "num_jobs": len(trace)}
                 results.append(row | measure(cfg, sim, trace, services))
+                # rows per step over every worker's steps (the worker bench's figure of the name)
+                results[-1]["mean_batch_rows"] = float(np.mean(sim.batch_rows or [0]))
                 if progress:
                     c = results[-1]["classes"]
                     progress(
