@@ -30,9 +30,9 @@ def drift_of(times_s: list[float], seconds: list[float], window_s: float = 0.5) 
     ``times_s`` (seconds from the start, ascending)."""
     if len(times_s) != len(seconds) or len(seconds) < 2:
         raise ValueError("need two or more samples, one time per sample")
-    edges = np.floor(np.asarray(times_s) / window_s).astype(int)
+    _, window_of = np.unique(np.floor(np.asarray(times_s) / window_s), return_inverse=True)
     values = np.asarray(seconds, dtype=float)
-    windows = np.array([values[edges == w].mean() for w in np.unique(edges)])
+    windows = np.bincount(window_of, weights=values) / np.bincount(window_of)
     logs = np.log(windows / windows.mean())
     lags = range(1, max(2, len(windows) // 3))
     correlation = {lag * window_s: _autocorrelation(logs, lag) for lag in lags}
