@@ -162,6 +162,18 @@ def test_sim_a_held_row_joins_at_the_first_step_end_after_its_read_without_stall
     assert sim.done_at[1] == pytest.approx(read + 2 * alone + 2 * pair + 2 * alone)
 
 
+def test_sim_a_measured_step_shape_prices_each_step_by_its_row_count():
+    cfg, model, make = _sim(disk=(0, 1), step_shape=(1.0, 1.5))
+    read = model.disk_read_s(cfg.steps)
+    alone = model.step_latency([(0.1, "tpl0", True)])
+    pair = model.step_latency([(0.1, "tpl0", True), (0.1, "tpl1", True)])
+    sim = make([_req(0, 0.0, 0), _req(1, read + 0.1 * alone, 1)])
+    sim.run()
+    # as without a shape (the test above), but the steps of two rows take 1.5 times the profile's
+    assert sim.done_at[0] == pytest.approx(read + 2 * alone + 2 * 1.5 * pair)
+    assert sim.done_at[1] == pytest.approx(read + 2 * alone + 2 * 1.5 * pair + 2 * alone)
+
+
 def test_sim_an_idle_worker_wakes_when_the_held_read_lands():
     cfg, model, make = _sim(disk=(1,))
     sim = make([_req(0, 1.0, 1)])

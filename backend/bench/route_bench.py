@@ -9,7 +9,8 @@ the ground truth of time:
   rows behind it take free slots, so no read stalls a batch), one recording per template and
   worker. A step takes the exact Algorithm-1 plan latency (``plan.solve_plan`` over
   ``costs.batch_unit_costs``) of the batch's rows, times a lognormal noise factor (``noise_cv``:
-  the fitted lines are not exact, and the router only sees the fit).
+  the fitted lines are not exact, and the router only sees the fit) and, with ``step_shape``, by
+  a measured machine's growth of a step with its rows (``backend.bench.step_shape``).
 * Templates: a shared disk tier (one host's cache directory) holds a random ``prerecorded``
   fraction of the templates at the start; every worker has an LRU RAM tier of ``ram_templates``
   entries (fewer than the trace uses). A read from disk takes ``disk_read_s_per_byte`` per byte of
@@ -89,6 +90,9 @@ class RouteBenchConfig:
     burst_factor: float = 2.0
     disk_read_s_per_byte: float = 1e-9
     noise_cv: float = 0.05
+    # a measured machine's steps (``step_shape``): factor i-1 multiplies the profile's latency of
+    # a step of i rows (the last one beyond); () = the profile's own growth with rows
+    step_shape: tuple[float, ...] = ()
     # > 0: loads are fractions of this rate instead of a measured capacity
     capacity_rps: float = 0.0
     # what-if: the profile's cache-load slope times this (a slower host -> device path)

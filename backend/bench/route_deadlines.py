@@ -31,7 +31,8 @@ the API's rule to every arm alike.
 
 A machine whose speed drifts (``drift_cv``, ``drift_tau_s``: each worker's own, ``machine_drift``)
 and workers that learn their step time on a step clock (``step_clock``) bring the simulation
-closer to the engine worker on a noisy CPU; both are off by default.
+closer to the engine worker on a noisy CPU, and so does a real worker's measured growth of a step
+with its rows (``step_shape``, ``backend.bench.step_shape``); all are off by default.
 
 Latency = arrival -> last denoising step (pre/post-processing are outside the simulation and the
 same for every arm). Statistics count the jobs that arrive after the warm-up
@@ -99,6 +100,8 @@ class DeadlineBenchConfig:
     drift_cv: float = 0.0
     drift_tau_s: float = 5.0
     step_clock: bool = False  # workers calibrate their step predictions as the engine worker does
+    # a measured worker's growth of a step with its rows (``step_shape``; () = the profile's)
+    step_shape: tuple[float, ...] = ()
     capacity_rps: float = 0.0  # > 0: loads are fractions of this rate (else measured)
     warmup_fraction: float = 0.25
     seed: int = 0
@@ -144,6 +147,7 @@ class DeadlineBenchConfig:
             burst_factor=1.0,
             disk_read_s_per_byte=self.disk_read_s_per_byte,
             noise_cv=self.noise_cv,
+            step_shape=self.step_shape,
             capacity_rps=self.capacity_rps,
             warmup_fraction=self.warmup_fraction,
             seed=self.seed,

@@ -30,6 +30,7 @@ def cmd_bench_route_deadlines(args, settings: Settings) -> int:
         table,
         write_outputs,
     )
+    from backend.bench.step_shape import load_shape
 
     d = settings.deadlines
     cfg = DeadlineBenchConfig(
@@ -46,6 +47,7 @@ def cmd_bench_route_deadlines(args, settings: Settings) -> int:
         drift_cv=args.drift_cv,
         drift_tau_s=args.drift_tau,
         step_clock=args.step_clock,
+        step_shape=load_shape(args.step_shape),
         capacity_rps=args.capacity_rps,
         seed=args.seed,
         schedulers=_names(args.schedulers),
@@ -143,6 +145,12 @@ def add_route_deadlines_parser(bench_sub) -> argparse.ArgumentParser:
         "--step-clock",
         action="store_true",
         help="workers calibrate their step predictions on their steps, as the engine worker does",
+    )
+    p.add_argument(
+        "--step-shape",
+        default="",
+        help="price steps with a measured worker's growth with rows: a `bench worker-deadlines` "
+        "JSON, or factors per row count (1,1.1,...; the last beyond)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

@@ -6,7 +6,8 @@ admission, one recording per template) and a ``CacheManager`` over its RAM tier,
 simulation cannot drift from the worker's rules. What the simulation supplies is time:
 
 * a step of a batch takes the routing cost model's latency of its rows (``truth``: the exact
-  Algorithm-1 plan), times a lognormal noise factor (``noise_cv``);
+  Algorithm-1 plan), times a lognormal noise factor (``noise_cv``) and the measured step shape's
+  factor of its row count (``cfg.step_shape``; none by default);
 * the disk tier is one directory shared by every worker (``SharedDisk``); a disk -> RAM read of an
   entry takes ``read_s``, one read at a time per worker (the tiered cache's one prefetch thread),
   in the order the manager plans them; a recording is committed to the shared disk when its row
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from backend.bench.step_shape import shape_factor
 from backend.cache.manager import CacheManager, LoadPlan, Residency, Tier
 from backend.dispatch.router import (
     AdapterNeed,
@@ -567,7 +569,7 @@ class ClusterSimulation:
         memo = self.latency_memo.get(worker.worker_id)
         if memo is None or memo[0] != key:  # most steps run the same batch as the one before
             memo = self.latency_memo[worker.worker_id] = (key, self.truth.step_latency(rows))
-        seconds = memo[1]
+        seconds = memo[1] * shape_factor(self.cfg.step_shape, len(rows))
         if self.cfg.noise_cv > 0:
             sigma = math.sqrt(math.log1p(self.cfg.noise_cv**2))
             rng = self.rngs[int(worker.worker_id[1:])]
