@@ -127,17 +127,18 @@ def test_every_scheduler_serves_the_same_trace_and_the_report_accounts_for_every
 
 
 @pytest.mark.parametrize(
-    "arm, sizing, quantile, refresh_s",
+    "arm, sizing, quantile, refresh_s, parks",
     [
-        ("slack", (True, True), 0.0, 0.5),
-        ("slack-noshrink", (True, False), 0.0, 0.5),
-        ("slack-nosize", (False, False), 0.0, 0.5),
-        ("slack-margin", (True, True), 0.9, 0.5),
-        ("slack-everystep", (True, True), 0.0, 0.0),
+        ("slack", (True, True), 0.0, 0.5, 2),
+        ("slack-noshrink", (True, False), 0.0, 0.5, 2),
+        ("slack-nosize", (False, False), 0.0, 0.5, 2),
+        ("slack-margin", (True, True), 0.9, 0.5, 2),
+        ("slack-everystep", (True, True), 0.0, 0.0, 2),
+        ("slack-parks8", (True, True), 0.0, 0.5, 8),
     ],
 )
 def test_the_ablation_arms_are_the_slack_scheduler_without_one_part(
-    tmp_path, arm, sizing, quantile, refresh_s
+    tmp_path, arm, sizing, quantile, refresh_s, parks
 ):
     from backend.bench.worker_deadlines_arms import arm_deadlines, arm_plan
 
@@ -151,6 +152,7 @@ def test_the_ablation_arms_are_the_slack_scheduler_without_one_part(
     assert plan.max_wait_s == 10.0 and plan.round_steps == cfg.round_steps
     assert clock.plan_quantile == quantile
     assert deadlines.forecast_refresh_s == refresh_s
+    assert plan.max_parks_per_round == parks  # the bench's churn bound, but for parks8
 
 
 def _parsed(*argv: str):
