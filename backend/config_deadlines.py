@@ -48,8 +48,11 @@ class DeadlineSettings(Strict):
     max_wait_s: float = Field(default=300.0, gt=0.0)
     """Starvation bound: a row that has waited (queued or parked) this long goes first and is never
     parked again."""
-    max_parks_per_round: int = Field(default=2, ge=0, le=64)
-    """Rows one planning round may park (0: never park)."""
+    max_parks_per_round: int = Field(default=8, ge=0, le=64)
+    """Rows one planning round may park (0: never park). 8, a whole default batch: where a step
+    grows steeply with its rows (a CPU), a tight row joining a full batch needs 4-5 rows parked to
+    be on time, and 2 a round left it in too large a batch for its first steps
+    (docs/design/deadlines.md, "Bounds")."""
     size_batches: bool = True
     """``slack`` only: leave a slot free while filling it would lengthen the batch's steps so much
     that a running row which goes first (tighter, or of higher priority) misses its deadline; the

@@ -129,11 +129,12 @@ def test_every_scheduler_serves_the_same_trace_and_the_report_accounts_for_every
 @pytest.mark.parametrize(
     "arm, sizing, quantile, refresh_s, parks",
     [
-        ("slack", (True, True), 0.0, 0.5, 2),
-        ("slack-noshrink", (True, False), 0.0, 0.5, 2),
-        ("slack-nosize", (False, False), 0.0, 0.5, 2),
-        ("slack-margin", (True, True), 0.9, 0.5, 2),
-        ("slack-everystep", (True, True), 0.0, 0.0, 2),
+        ("slack", (True, True), 0.0, 0.5, 5),
+        ("slack-noshrink", (True, False), 0.0, 0.5, 5),
+        ("slack-nosize", (False, False), 0.0, 0.5, 5),
+        ("slack-margin", (True, True), 0.9, 0.5, 5),
+        ("slack-everystep", (True, True), 0.0, 0.0, 5),
+        ("slack-parks2", (True, True), 0.0, 0.5, 2),
         ("slack-parks8", (True, True), 0.0, 0.5, 8),
     ],
 )
@@ -145,14 +146,14 @@ def test_the_ablation_arms_are_the_slack_scheduler_without_one_part(
     settings = load_settings(
         env={}, paths={"data_dir": str(tmp_path)}, deadlines={"forecast_refresh_s": 0.5}
     )
-    cfg = WorkerDeadlineConfig(schedulers=("fifo", arm))
+    cfg = WorkerDeadlineConfig(schedulers=("fifo", arm), max_parks_per_round=5)
     deadlines = arm_deadlines(settings, cfg, arm, 10.0)
     plan, clock = arm_plan(settings, cfg, deadlines)
     assert (plan.scheduler, plan.size_batches, plan.shrink_batches) == ("slack", *sizing)
     assert plan.max_wait_s == 10.0 and plan.round_steps == cfg.round_steps
     assert clock.plan_quantile == quantile
     assert deadlines.forecast_refresh_s == refresh_s
-    assert plan.max_parks_per_round == parks  # the bench's churn bound, but for parks8
+    assert plan.max_parks_per_round == parks  # the bench's churn bound (5), but for parks2/8
 
 
 def _parsed(*argv: str):

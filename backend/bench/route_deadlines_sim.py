@@ -57,7 +57,7 @@ class StepPlan:
     scheduler: str = "slack"
     round_steps: int = 5
     max_wait_s: float = 300.0
-    max_parks_per_round: int = 2
+    max_parks_per_round: int = 8
     # predict steps on a ``StepClock`` that each simulated step calibrates, as the engine worker
     # does (False: the cost model's figure, fixed)
     clock: bool = False

@@ -125,7 +125,7 @@ class WorkerDeadlineConfig:
     burst_s: float = 1.0
     # the step scheduler (``Settings.deadlines``)
     round_steps: int = 5
-    max_parks_per_round: int = 2
+    max_parks_per_round: int = 8
     # calibration
     capacity_rps: float = 0.0  # > 0: loads are fractions of this rate (no saturation run)
     probe_jobs: int = 5

@@ -16,14 +16,15 @@ if TYPE_CHECKING:  # the bench's module imports this one
 # the slack scheduler and its variants, by the ``Settings.deadlines`` each arm changes:
 # ``noshrink`` never parks rows to make a batch smaller; ``nosize`` also fills every free slot;
 # ``margin`` plans on the step clock's 0.9 quantile (``StepClock.margin``); ``everystep`` makes
-# the users' forecast at every step, not every ``forecast_refresh_s``; ``parks8`` may park 8 rows a
-# round (the churn bound; its default is 2), enough to shrink a full batch for a tight row at once
+# the users' forecast at every step, not every ``forecast_refresh_s``; ``parks2`` / ``parks8``
+# set the churn bound (rows parked per round) to 2 / 8, whatever the deployment's default
 ABLATIONS: dict[str, dict[str, object]] = {
     "slack": {},
     "slack-noshrink": {"shrink_batches": False},
     "slack-nosize": {"size_batches": False, "shrink_batches": False},
     "slack-margin": {"plan_quantile": 0.9},
     "slack-everystep": {"forecast_refresh_s": 0.0},
+    "slack-parks2": {"max_parks_per_round": 2},
     "slack-parks8": {"max_parks_per_round": 8},
 }
 ARMS = (*SCHEDULERS, *(arm for arm in ABLATIONS if arm not in SCHEDULERS))

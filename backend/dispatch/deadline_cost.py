@@ -75,7 +75,7 @@ class RowOrder:
 
     scheduler: str = "fifo"
     round_steps: int = 5
-    max_parks_per_round: int = 2
+    max_parks_per_round: int = 8
     size_batches: bool = True
 
     def __post_init__(self) -> None:

@@ -58,7 +58,7 @@ class DeadlinePlan:
     scheduler: str = "slack"
     round_steps: int = 5
     max_wait_s: float = 300.0
-    max_parks_per_round: int = 2
+    max_parks_per_round: int = 8
     size_batches: bool = True
     shrink_batches: bool = True
     step_time: StepTime
