@@ -143,6 +143,37 @@ def test_bad_soak_arguments_get_a_clear_error_and_status_2(capsys):
 @pytest.mark.slow
 @pytest.mark.redis
 @pytest.mark.model
+def test_a_role_s_tree_counts_its_children_but_not_a_redis_server_s_save_fork():
+    """A Redis BGSAVE child (titled ``redis-rdb-bgsave``) holds copies of the server's descriptors
+    for the length of a save: counted, one sample read as a leak of open files."""
+    import subprocess
+    import time
+
+    import psutil
+
+    from backend.bench.soak_sampler import process_tree
+
+    script = '(exec -a "redis-rdb-bgsave *:6399" sleep 30) & sleep 30 & wait'
+    root = subprocess.Popen(["bash", "-c", script])
+    try:
+        deadline = time.monotonic() + 10
+        while len(psutil.Process(root.pid).children()) < 2:  # both children started
+            assert time.monotonic() < deadline, "the children did not start"
+            time.sleep(0.01)
+        titles = sorted(p.cmdline()[0] for p in psutil.Process(root.pid).children())
+        assert titles == ["redis-rdb-bgsave *:6399", "sleep"]
+        rss, fds, processes = process_tree(root.pid)
+        assert processes == 2  # bash and the plain child; the save fork is left out
+        own = psutil.Process(root.pid)
+        plain = next(p for p in own.children() if p.cmdline()[0] == "sleep")
+        assert fds == own.num_fds() + plain.num_fds()
+    finally:
+        for child in psutil.Process(root.pid).children():
+            child.kill()
+        root.kill()
+        root.wait()
+
+
 def test_a_short_real_soak_samples_every_role_loses_no_job_and_judges_every_metric(
     models_dir, tmp_path, monkeypatch, capsys
 ):

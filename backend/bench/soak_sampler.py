@@ -4,7 +4,10 @@ Every reading is a flat ``{metric name: value}`` dict whose names are ``<group>/
 (the kinds are those of ``backend.bench.soak_verdict``):
 
 * ``role/<role>/rss_bytes`` and ``role/<role>/open_files``: summed over the role's process and
-  all its descendants (a Celery worker's pool children, a Redis the API would start);
+  all its descendants (a Celery worker's pool children, a Redis the API would start), except a
+  Redis server's persistence forks (``PERSISTENCE_FORKS``: a BGSAVE or AOF rewrite child lives
+  for the save, shares the server's memory copy-on-write and holds copies of its descriptors, so
+  counting it doubled both for one sample and read as a leak);
 * ``redis/...``: ``INFO`` ``used_memory`` and the key count; keys with a TTL (``volatile``: job
   records, their event streams, hand-off markers, rate buckets) are bounded by their TTL times the
   job rate, so they are reported as a count and a mean size per key (MEMORY USAGE of a random
@@ -29,14 +32,16 @@ from redis import Redis
 
 VOLATILE_SAMPLE = 64  # volatile keys whose MEMORY USAGE is read each period
 SCAN_COUNT = 1000
+# process titles a Redis server gives the children it forks to save (its argv[0] starts with one)
+PERSISTENCE_FORKS = ("redis-rdb-bgsave", "redis-aof-rewrite", "redis-rdb-to-slaves")
 
 
 def process_tree(pid: int) -> tuple[int, int, int]:
-    """``(rss bytes, open file descriptors, processes)`` of ``pid`` and its descendants; zeros
-    when ``pid`` is gone."""
+    """``(rss bytes, open file descriptors, processes)`` of ``pid`` and its descendants but Redis
+    persistence forks; zeros when ``pid`` is gone."""
     try:
         root = psutil.Process(pid)
-        members = [root, *root.children(recursive=True)]
+        members = [root, *(p for p in root.children(recursive=True) if not _persistence_fork(p))]
     except psutil.Error:
         return 0, 0, 0
     rss = fds = count = 0
@@ -49,6 +54,15 @@ def process_tree(pid: int) -> tuple[int, int, int]:
         except psutil.Error:  # exited meanwhile
             continue
     return rss, fds, count
+
+
+def _persistence_fork(process: psutil.Process) -> bool:
+    """Whether ``process`` is a Redis server's save child (by its title); False when it is gone."""
+    try:
+        command = process.cmdline()
+    except psutil.Error:
+        return False
+    return bool(command) and command[0].startswith(PERSISTENCE_FORKS)
 
 
 def sample_roles(pids: dict[str, int]) -> dict[str, float]:
