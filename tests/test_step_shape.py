@@ -64,6 +64,10 @@ def test_the_option_takes_a_report_or_factors_and_says_what_to_give(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="cannot read a JSON report"):
         load_shape(str(path))
+    for other in ([1, 2], {"results": [{"clock_shape_end": {"1": 0.0, "2": 1.0}}]}):
+        path.write_text(json.dumps(other))  # a list; a clock with a zero shape
+        with pytest.raises(ValueError, match="not a `bench worker-deadlines` report"):
+            load_shape(str(path))
 
 
 def test_the_command_refuses_a_bad_shape_with_a_message(tmp_path, capsys):

@@ -67,7 +67,7 @@ def measured_shape(report: dict[str, Any]) -> tuple[float, ...]:
         raise ValueError("no run's step clock knows a step of one row: the shape has no reference")
     shape = [1.0]
     for n in range(2, most + 1):
-        # a count no run learned takes the shape of the count below it (the clock's own rule)
+        # a count no run learned takes the factor of the count below it
         shape.append(statistics.median(per_count[n]) if n in per_count else shape[-1])
     return checked(shape)
 
@@ -83,7 +83,12 @@ def load_shape(spec: str) -> tuple[float, ...]:
             report = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise ValueError(f"--step-shape {spec}: cannot read a JSON report: {exc}") from exc
-        return measured_shape(report)
+        try:
+            return measured_shape(report)
+        except (AttributeError, KeyError, TypeError, ZeroDivisionError) as exc:
+            raise ValueError(
+                f"--step-shape {spec}: not a `bench worker-deadlines` report ({exc!r})"
+            ) from exc
     try:
         return checked(float(f) for f in spec.split(","))
     except ValueError as exc:
