@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from backend.config_base import Strict, comma_separated
+from backend.costmodel.slack import DEFAULT_MAX_PARKS_PER_ROUND
 
 SERVICE_CLASSES = ("interactive", "batch")
 ServiceClass = Literal["interactive", "batch"]
@@ -48,7 +49,7 @@ class DeadlineSettings(Strict):
     max_wait_s: float = Field(default=300.0, gt=0.0)
     """Starvation bound: a row that has waited (queued or parked) this long goes first and is never
     parked again."""
-    max_parks_per_round: int = Field(default=8, ge=0, le=64)
+    max_parks_per_round: int = Field(default=DEFAULT_MAX_PARKS_PER_ROUND, ge=0, le=64)
     """Rows one planning round may park (0: never park). 8, a whole default batch: where a step
     grows steeply with its rows (a CPU), a tight row joining a full batch needs 4-5 rows parked to
     be on time, and 2 a round left it in too large a batch for its first steps

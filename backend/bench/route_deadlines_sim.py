@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from backend.bench.machine_drift import DriftSpec, SpeedDrift
 from backend.bench.route_sim import ClusterSimulation, SimJob, SimWorker
+from backend.costmodel.slack import DEFAULT_MAX_PARKS_PER_ROUND
 from backend.dispatch.router import AdapterNeed, Decision, JobRequest, RoutingCostModel, RowOrder
 from backend.worker.batching import BatchScheduler, Row, SchedulerOutput
 from backend.worker.deadlines import DeadlinePlan
@@ -57,7 +58,7 @@ class StepPlan:
     scheduler: str = "slack"
     round_steps: int = 5
     max_wait_s: float = 300.0
-    max_parks_per_round: int = 8
+    max_parks_per_round: int = DEFAULT_MAX_PARKS_PER_ROUND
     # predict steps on a ``StepClock`` that each simulated step calibrates, as the engine worker
     # does (False: the cost model's figure, fixed)
     clock: bool = False

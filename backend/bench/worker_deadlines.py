@@ -87,6 +87,7 @@ from backend.bench.worker_deadlines_report import mean_comparison, speed_adjuste
 from backend.blobs import BlobStore
 from backend.blobs.factory import open_blob_store
 from backend.config import Settings
+from backend.costmodel.slack import DEFAULT_MAX_PARKS_PER_ROUND
 from backend.engine.factory import build_engine
 from backend.protocol import PreparedJob, ServiceLevel
 from backend.worker.batching import Row
@@ -125,7 +126,7 @@ class WorkerDeadlineConfig:
     burst_s: float = 1.0
     # the step scheduler (``Settings.deadlines``)
     round_steps: int = 5
-    max_parks_per_round: int = 8
+    max_parks_per_round: int = DEFAULT_MAX_PARKS_PER_ROUND
     # calibration
     capacity_rps: float = 0.0  # > 0: loads are fractions of this rate (no saturation run)
     probe_jobs: int = 5

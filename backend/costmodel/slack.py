@@ -14,6 +14,10 @@ from __future__ import annotations
 import math
 
 NO_DEADLINE = 0.0
+# the churn bound's default, rows a worker's planning round may park (``Settings.deadlines`` and
+# the pure plans that stand for it): a whole default batch, so that a tight row joining a full
+# batch on a device whose steps grow steeply with their rows can be put on time at once
+DEFAULT_MAX_PARKS_PER_ROUND = 8
 
 
 def slack_s(deadline: float, now: float, remaining_steps: int, step_s: float) -> float:

@@ -56,7 +56,12 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from backend.costmodel.slack import NO_DEADLINE, precedence, slack_s
+from backend.costmodel.slack import (
+    DEFAULT_MAX_PARKS_PER_ROUND,
+    NO_DEADLINE,
+    precedence,
+    slack_s,
+)
 
 if TYPE_CHECKING:
     from backend.dispatch.views import JobRequest, RowState, WorkerView
@@ -75,7 +80,7 @@ class RowOrder:
 
     scheduler: str = "fifo"
     round_steps: int = 5
-    max_parks_per_round: int = 8
+    max_parks_per_round: int = DEFAULT_MAX_PARKS_PER_ROUND
     size_batches: bool = True
 
     def __post_init__(self) -> None:

@@ -30,7 +30,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from backend.costmodel.slack import NO_DEADLINE, precedence, slack_s
+from backend.costmodel.slack import (
+    DEFAULT_MAX_PARKS_PER_ROUND,
+    NO_DEADLINE,
+    precedence,
+    slack_s,
+)
 
 if TYPE_CHECKING:  # batching imports this module: the row type is only needed for annotations
     from backend.config_deadlines import DeadlineSettings
@@ -58,7 +63,7 @@ class DeadlinePlan:
     scheduler: str = "slack"
     round_steps: int = 5
     max_wait_s: float = 300.0
-    max_parks_per_round: int = 8
+    max_parks_per_round: int = DEFAULT_MAX_PARKS_PER_ROUND
     size_batches: bool = True
     shrink_batches: bool = True
     step_time: StepTime
