@@ -5,6 +5,7 @@ simulated time)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -322,3 +323,36 @@ def test_several_seeds_are_averaged_and_each_kept(tmp_path, capsys):
         assert r["starved_jobs"] == one["starved_jobs"] + two["starved_jobs"]
         assert r["scheduler"] == one["scheduler"] and r["load"] == one["load"]
     assert "the mean over seeds [0, 1]" in capsys.readouterr().out
+
+
+def test_serving_interactive_jobs_alone_runs_the_same_interactive_jobs_and_judges_no_target():
+    cfg = toy(loads=(1.0,), traces=("bursty",), schedulers=("fifo", "slack"), shed=False)
+    both = run_deadline_bench(cfg)
+    alone = run_deadline_bench(replace(cfg, serve_classes=("interactive",)))
+    for mixed, solo in zip(both["results"], alone["results"]):
+        assert solo["classes"]["interactive"]["jobs"] == mixed["classes"]["interactive"]["jobs"]
+        assert solo["classes"]["batch"]["jobs"] == solo["classes"]["batch"]["completed"] == 0
+        assert solo["num_jobs"] < mixed["num_jobs"]
+    assert both["targets"] and alone["targets"] == {}
+
+
+@pytest.mark.parametrize("classes", [(), ("bulk",), ("interactive", "vip")])
+def test_unknown_classes_to_serve_are_refused(classes):
+    with pytest.raises(ValueError, match="classes to serve must be some of interactive, batch"):
+        run_deadline_bench(toy(serve_classes=classes))
+
+
+def test_the_command_says_a_run_of_one_class_judges_no_target(tmp_path, capsys):
+    from backend.cli import main
+
+    out = tmp_path / "alone.json"
+    args = ["bench", "route-deadlines", "--profiles-dir", str(PROFILES), "--duration", "15"]
+    args += ["--workers", "2", "--max-batch", "2", "--steps", "4", "--templates", "6"]
+    args += ["--loads", "1.0", "--traces", "bursty", "--interactive-target", "4"]
+    assert (
+        main([*args, "--serve-classes", "interactive", "--seeds", "0,1", "--json", str(out)]) == 0
+    )
+    printed = capsys.readouterr().out
+    assert "only interactive served: a reference, no target judged" in printed
+    assert "slack vs fifo: interactive attainment" not in printed
+    assert json.loads(out.read_text())["config"]["serve_classes"] == ["interactive"]

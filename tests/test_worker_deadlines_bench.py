@@ -27,25 +27,28 @@ from backend.bench.worker_deadlines_report import (
 from backend.config import load_settings
 
 
-def test_every_scheduler_serves_the_same_trace_and_the_report_accounts_for_every_job(
-    models_dir, tmp_path
-):
-    cfg = WorkerDeadlineConfig(
+def toy_config(**kw) -> WorkerDeadlineConfig:
+    """Two templates, 3 steps, batches of 2, 2 s of arrivals at a given capacity (no saturation
+    run)."""
+    base = dict(
         steps=3,
         max_batch=2,
         num_templates=2,
         ram_templates=2,
         duration_s=2.0,
         loads=(1.0,),
-        capacity_rps=3.0,  # no saturation run
         probe_jobs=1,
         burst_factor=4.0,
         burst_share=0.1,
         burst_s=0.5,
-        drain_timeout_s=120.0,
-        speed_band=1.3,
-        retries=1,
     )
+    return WorkerDeadlineConfig(**(base | kw))
+
+
+def test_every_scheduler_serves_the_same_trace_and_the_report_accounts_for_every_job(
+    models_dir, tmp_path
+):
+    cfg = toy_config(capacity_rps=3.0, drain_timeout_s=120.0, speed_band=1.3, retries=1)
     # a forecast at every step: a toy job ends well inside the default 0.5 s between forecasts
     settings = load_settings(
         env={"MASKSERVE_FORECAST_REFRESH_S": "0"},
@@ -126,6 +129,30 @@ def test_every_scheduler_serves_the_same_trace_and_the_report_accounts_for_every
     assert not left & {"prepared", "latents"}
 
 
+def test_serving_the_interactive_jobs_alone_runs_exactly_those_of_the_trace(models_dir, tmp_path):
+    cfg = toy_config(
+        schedulers=("fifo", "slack"),
+        traces=("bursty",),
+        serve_classes=("interactive",),
+        capacity_rps=4.0,
+        speed_band=0.0,
+    )
+    settings = load_settings(
+        env={}, paths={"data_dir": str(tmp_path), "models_dir": str(models_dir)}
+    )
+    report = run_worker_deadline_bench(cfg, settings, progress=lambda line: None)
+    workload = cfg.workload(report["targets_s"])
+    trace = deadline_trace(workload, "bursty", 4.0, cfg.seed)
+    interactive = sum(s.service_class == "interactive" for s in services_of(workload, trace))
+    assert 0 < interactive < len(trace)
+    for r in report["results"]:
+        assert r["num_jobs"] == r["completed"] == interactive
+        assert r["classes"]["interactive"]["completed"] == interactive
+        assert r["classes"]["batch"]["jobs"] == 0
+    assert report["targets"] == report["targets_worst_repeat"] == {}
+    assert target_lines(report) == []
+
+
 @pytest.mark.parametrize(
     "arm, sizing, quantile, refresh_s, parks",
     [
@@ -181,6 +208,11 @@ def test_the_command_takes_rounds_churn_and_speed_band_else_the_deadline_setting
     assert (cfg.round_steps, cfg.max_parks_per_round, cfg.speed_band, cfg.retries) == (4, 0, 0, 5)
     with pytest.raises(ValueError, match="retries must be >= 0"):
         config_of(_parsed("--retries", "-1"), settings)
+    assert config_of(_parsed(), settings).serve_classes == ("interactive", "batch")
+    alone = config_of(_parsed("--serve-classes", "interactive"), settings)
+    assert alone.serve_classes == ("interactive",)
+    with pytest.raises(ValueError, match="classes to serve must be some of interactive, batch"):
+        config_of(_parsed("--serve-classes", "interactive,bulk"), settings)
 
 
 def test_each_repeat_rotates_the_arms_so_each_runs_first_once():

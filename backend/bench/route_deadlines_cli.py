@@ -54,6 +54,7 @@ def cmd_bench_route_deadlines(args, settings: Settings) -> int:
         traces=_names(args.traces),
         loads=_floats(args.loads),
         interactive_share=args.interactive_share,
+        serve_classes=_names(args.serve_classes),
         interactive_target_s=args.interactive_target or d.interactive_target_s,
         batch_target_s=args.batch_target or d.batch_target_s,
         burst_factor=args.burst_factor,
@@ -97,8 +98,20 @@ def cmd_bench_route_deadlines(args, settings: Settings) -> int:
             f"longest wait {t['max_wait_s']:.0f} s, {t['starved_jobs']} starved "
             f"({'met' if t['no_job_starved'] else 'NOT met'})"
         )
+    if not report["targets"]:
+        print(f"only {args.serve_classes} served: a reference, no target judged")
     print(f"wrote {args.json} and {plot}")
     return 0
+
+
+def add_serve_classes(p: argparse.ArgumentParser) -> None:
+    """``--serve-classes``, shared by both deadline benches."""
+    p.add_argument(
+        "--serve-classes",
+        default="interactive,batch",
+        help="classes whose jobs arrive (interactive: the same interactive jobs with the "
+        "workers to themselves, a reference for how many this device serves on time at all)",
+    )
 
 
 def add_route_deadlines_parser(bench_sub) -> argparse.ArgumentParser:
@@ -123,6 +136,7 @@ def add_route_deadlines_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--ram-templates", type=int, default=8, help="per worker")
     p.add_argument("--mask-mean", type=float, default=0.11)
     p.add_argument("--interactive-share", type=float, default=0.3)
+    add_serve_classes(p)
     p.add_argument(
         "--interactive-target", type=float, default=0.0, help="seconds (0: deadlines settings)"
     )

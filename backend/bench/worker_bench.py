@@ -113,7 +113,7 @@ class BenchInputs:
     size of the templates' cache entries (the RAM budget is counted in them)."""
 
     template_refs: list[str]
-    mask_refs: list[str]
+    mask_refs: dict[int, str]  # request index -> its mask (a trace may skip indices)
     mean_entry_bytes: float
 
 
@@ -138,8 +138,8 @@ def prepare_inputs(
         )
     from PIL import Image
 
-    mask_refs = [
-        blobs.put(
+    mask_refs = {
+        r.index: blobs.put(
             "masks",
             f"bench-{r.index}.png",
             _png(
@@ -150,7 +150,7 @@ def prepare_inputs(
             ),
         )
         for r in trace
-    ]
+    }
     # The RAM budget is counted in the trace's own entries (the cache directory may hold entries of
     # other models and resolutions, which must not inflate it).
     return BenchInputs(template_refs, mask_refs, sum(entry_bytes) / len(entry_bytes))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from backend.bench.route_deadlines_cli import add_serve_classes
 from backend.config import Settings
 
 DEFAULT_JSON = "docs/bench/worker-deadlines.json"
@@ -34,6 +35,7 @@ def config_of(args, settings: Settings):
         traces=split(args.traces),
         loads=split(args.loads, float),
         interactive_share=args.interactive_share,
+        serve_classes=split(args.serve_classes),
         interactive_x=args.interactive_x,
         batch_x=args.batch_x,
         max_wait_x=args.max_wait_x,
@@ -73,6 +75,8 @@ def cmd_bench_worker_deadlines(args, settings: Settings) -> int:
     print(forecast_table(report))
     for line in [*target_lines(report), *speed_lines(report)]:
         print(line)
+    if not report["targets"]:
+        print(f"only {args.serve_classes} served: a reference, no target judged")
     print(f"wrote {args.json} and {plot}")
     return 0
 
@@ -103,6 +107,7 @@ def add_worker_deadlines_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--traces", default="poisson,bursty")
     p.add_argument("--loads", default="0.8,1.0", help="fractions of the measured capacity")
     p.add_argument("--interactive-share", type=float, default=0.3)
+    add_serve_classes(p)
     p.add_argument(
         "--interactive-x", type=float, default=5.0, help="target / single-job service time"
     )
