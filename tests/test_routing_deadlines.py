@@ -360,14 +360,6 @@ def test_views_carry_deadlines_priorities_and_the_steps_a_parked_row_has_left():
     assert view.order == SLACK and view_from_heartbeat(beat).order == FIFO
 
 
-def test_the_router_models_the_workers_urgency_rule():
-    from backend.dispatch import deadline_cost
-
-    worker_rules = pytest.importorskip("backend.worker.deadlines")
-    assert deadline_cost.URGENT_ROUNDS == worker_rules.URGENT_ROUNDS
-    assert deadline_cost.SCHEDULERS == worker_rules.SCHEDULERS
-
-
 def test_row_order_refuses_an_unknown_scheduler():
     with pytest.raises(ValueError, match="scheduler must be one of"):
         RowOrder("lifo")

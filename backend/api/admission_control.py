@@ -49,11 +49,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from backend.config_deadlines import SERVICE_CLASSES
-from backend.costmodel.slack import precedence, slack_s
+from backend.costmodel.slack import SCHEDULERS, precedence, slack_s
 
 DEFAULT_RETRY_S = 30  # Retry-After when the queue is over its bound and no worker can drain it
 MAX_RETRY_S = 3600
-SCHEDULERS = ("fifo", "edf", "slack")
 
 
 @dataclass(frozen=True)

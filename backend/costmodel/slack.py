@@ -18,6 +18,14 @@ NO_DEADLINE = 0.0
 # the pure plans that stand for it): a whole default batch, so that a tight row joining a full
 # batch on a device whose steps grow steeply with their rows can be put on time at once
 DEFAULT_MAX_PARKS_PER_ROUND = 8
+# the worker's step schedulers (``Settings.deadlines.scheduler``), as the router models them too
+SCHEDULERS = ("fifo", "edf", "slack")
+# A waiting row asks for a park only when fewer than this many rounds of slack are left: a row with
+# more can wait for a later round (or a slot that frees by itself) and still be on time. Without
+# this, least-slack-first parks running rows for fresh rows of the same deadline (a fresh row has
+# more steps left, hence less slack) and the batch thrashes; two rounds leave one round of margin
+# for step times that come out longer than predicted. The router's replay uses the same rule.
+URGENT_ROUNDS = 2
 
 
 def slack_s(deadline: float, now: float, remaining_steps: int, step_s: float) -> float:

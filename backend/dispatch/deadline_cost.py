@@ -59,6 +59,8 @@ from typing import TYPE_CHECKING
 from backend.costmodel.slack import (
     DEFAULT_MAX_PARKS_PER_ROUND,
     NO_DEADLINE,
+    SCHEDULERS,
+    URGENT_ROUNDS,
     precedence,
     slack_s,
 )
@@ -66,10 +68,6 @@ from backend.costmodel.slack import (
 if TYPE_CHECKING:
     from backend.dispatch.views import JobRequest, RowState, WorkerView
 
-SCHEDULERS = ("fifo", "edf", "slack")
-# the worker parks a running row for a waiting one only when the waiting row has fewer than this
-# many rounds of slack left (``backend.worker.deadlines.URGENT_ROUNDS``; a test keeps them equal)
-URGENT_ROUNDS = 2
 JOB = -1  # the job's index in an order of rows
 
 

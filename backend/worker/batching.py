@@ -71,6 +71,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.costmodel.slack import URGENT_ROUNDS
 from backend.protocol.messages import RunningRow, WaitingRow
 from backend.worker import deadlines as dl
 from backend.worker.deadlines import DeadlinePlan, RowForecast, StepTime
@@ -348,7 +349,7 @@ class BatchScheduler:
         slack = dl.row_slack(row, now, step_s)
         row_starved = dl.starved(row, now, plan)
         if not row_starved:
-            if not slack < dl.URGENT_ROUNDS * round_s:
+            if not slack < URGENT_ROUNDS * round_s:
                 return None  # it can wait for a later round and still be on time
             # the slots that free by themselves (rows ending), the earliest first; the rows left
             # waiting before this one take the first of them

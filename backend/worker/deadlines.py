@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING
 from backend.costmodel.slack import (
     DEFAULT_MAX_PARKS_PER_ROUND,
     NO_DEADLINE,
+    SCHEDULERS,
+    URGENT_ROUNDS,
     precedence,
     slack_s,
 )
@@ -40,14 +42,6 @@ from backend.costmodel.slack import (
 if TYPE_CHECKING:  # batching imports this module: the row type is only needed for annotations
     from backend.config_deadlines import DeadlineSettings
     from backend.worker.batching import Row
-
-SCHEDULERS = ("fifo", "edf", "slack")
-# A waiting row asks for a park only when fewer than this many rounds of slack are left: a row with
-# more can wait for a later round (or a slot that frees by itself) and still be on time. Without
-# this, least-slack-first parks running rows for fresh rows of the same deadline (a fresh row has
-# more steps left, hence less slack) and the batch thrashes; two rounds leave one round of margin
-# for step times that come out longer than predicted.
-URGENT_ROUNDS = 2
 
 StepTime = Callable[[Sequence["Row"]], float]
 
