@@ -72,7 +72,6 @@ from backend.bench.route_deadlines import (
     check_serve_classes,
     comparison,
     deadline_trace,
-    judged,
     measure,
     served,
     services_of,
@@ -548,9 +547,8 @@ def run_worker_deadline_bench(
     report["comparison_mean"] = mean_comparison(report["comparison"])
     # the targets on the figures averaged over repeats; and on the worst single repeat
     mean_report = {"comparison": report["comparison_mean"], "results": results}
-    judge = judged(cfg.serve_classes)
-    report["targets"] = targets(mean_report, targets_s["max_wait"]) if judge else {}
-    report["targets_worst_repeat"] = targets(report, targets_s["max_wait"]) if judge else {}
+    report["targets"] = targets(mean_report, targets_s["max_wait"], cfg.serve_classes)
+    report["targets_worst_repeat"] = targets(report, targets_s["max_wait"], cfg.serve_classes)
     report["speed_adjusted"] = speed_adjusted(report)
     return report
 
