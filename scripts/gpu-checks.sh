@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of shared/GPU.md that fit short leases: CUDA exactness (step 1), engine speed of the
-# full-size architectures (step 2) and their cost profiles (step 3). `bash scripts/gpu-checks.sh
+# full-size architectures (step 2), their cost profiles (step 3), one worker under load (step 4) and
+# the benches of the adapter and deadline targets (step 5). `bash scripts/gpu-checks.sh
 # [CHECK ...]` runs the named checks (see the case below), or all of them in order.
 # Runs from the repository root on a CUDA machine whose python3 has torch; the project's other
 # dependencies come as wheels in .whl/ (docs/bench/gpu-h200.md lists them). Results land in
@@ -46,7 +47,7 @@ cat "$RESULTS/device.txt"
 # Each check by name; no names: all, in this order (shared/GPU.md's).
 CHECKS=("$@")
 [ ${#CHECKS[@]} -eq 0 ] && CHECKS=(exactness engine-sd2 profile-sd2 engine-sdxl profile-sdxl \
-    engine-flux profile-flux worker-sd2 pytest-gpu)
+    engine-flux profile-flux worker-sd2 adapters-sd2 deadlines-sd2 pytest-gpu)
 export MASKSERVE_DTYPE=bfloat16  # the engine runs; exactness and pytest choose their own dtypes
 for check in "${CHECKS[@]}"; do
     case $check in
@@ -80,6 +81,22 @@ for check in "${CHECKS[@]}"; do
         rm -rf "$MASKSERVE_DATA_DIR"/models/arch-*
         step profile-arch-flux-fill 420 $MS profile --device cuda --model arch-flux-fill \
             --in-memory --out-dir "$RESULTS/profiles" ;;
+    adapters-sd2)  # 5. issue 19's bench: 200 adapters at 0.8 and 1.0 of the baseline's capacity
+        (
+            export MASKSERVE_DEVICE=cuda  # the adapters bench has no --device
+            step adapters-small-sd2-inpaint 480 $MS bench adapters --model small-sd2-inpaint \
+                --size 512 --steps 20 --adapters 200 --arms baseline,maskserve,base-model \
+                --loads 0.8,1.0 --burst-rps 0 --max-requests 40 --duration-s 300 \
+                --calibration-requests 8 --json "$RESULTS/adapters-small-sd2-inpaint-cuda.json"
+        ) ;;
+    deadlines-sd2)  # 5. issue 20's worker bench: FIFO and the slack scheduler on a real-size UNet
+        (
+            export MASKSERVE_DEVICE=cuda  # the worker bench has no --device
+            step worker-deadlines-arch-sd2-inpaint 540 $MS bench worker-deadlines \
+                --model arch-sd2-inpaint --size 512 --steps 20 --templates 4 --ram-templates 4 \
+                --duration 20 --schedulers fifo,slack --repeats 1 \
+                --json "$RESULTS/worker-deadlines-arch-sd2-inpaint-cuda.json"
+        ) ;;
     pytest-gpu)  # 1. the gpu-marked tests: pinned tiers, side-stream feeder, adapters, exactness
         step pytest-gpu 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
             tests/test_engine_cuda.py tests/test_host_copies.py tests/test_cache_store.py \
