@@ -334,6 +334,8 @@ def test_serving_interactive_jobs_alone_runs_the_same_interactive_jobs_and_judge
         assert solo["classes"]["batch"]["jobs"] == solo["classes"]["batch"]["completed"] == 0
         assert solo["num_jobs"] < mixed["num_jobs"]
     assert both["targets"] and alone["targets"] == {}
+    # the batch class's cells say it was not served, rather than a vacuous 100%
+    assert "| - / - |" in table(alone) and "| - / - |" not in table(both)
 
 
 @pytest.mark.parametrize("classes", [(), ("bulk",), ("interactive", "vip")])

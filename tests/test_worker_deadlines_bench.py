@@ -140,7 +140,8 @@ def test_serving_the_interactive_jobs_alone_runs_exactly_those_of_the_trace(mode
     settings = load_settings(
         env={}, paths={"data_dir": str(tmp_path), "models_dir": str(models_dir)}
     )
-    report = run_worker_deadline_bench(cfg, settings, progress=lambda line: None)
+    lines: list[str] = []
+    report = run_worker_deadline_bench(cfg, settings, progress=lines.append)
     workload = cfg.workload(report["targets_s"])
     trace = deadline_trace(workload, "bursty", 4.0, cfg.seed)
     interactive = sum(s.service_class == "interactive" for s in services_of(workload, trace))
@@ -151,6 +152,10 @@ def test_serving_the_interactive_jobs_alone_runs_exactly_those_of_the_trace(mode
         assert r["classes"]["batch"]["jobs"] == 0
     assert report["targets"] == report["targets_worst_repeat"] == {}
     assert target_lines(report) == []
+    # a class no job of which was served has no attainment to show (not a vacuous 100%)
+    runs = [line for line in lines if "attainment interactive" in line]
+    assert len(runs) == len(report["results"])
+    assert all("batch -," in line for line in runs)
 
 
 @pytest.mark.parametrize(

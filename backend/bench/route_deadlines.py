@@ -201,6 +201,12 @@ def served(serve_classes: tuple[str, ...], trace: list, services: list[Service])
     return [r for r in trace if services[r.index].service_class in serve_classes]
 
 
+def shown_attainment(stats: dict, spec: str = ".0%") -> str:
+    """A class's attainment as tables and progress lines show it: "-" for a class with no accepted
+    job (a run of other classes), whose attainment of 1.0 is vacuous."""
+    return format(stats["attainment"], spec) if stats["accepted"] else "-"
+
+
 def _pct(values: list[float], q: float) -> float:
     return float(percentile(values, q)) if values else 0.0
 
@@ -474,13 +480,13 @@ def table(report: dict) -> str:
 
             cells = [
                 f"{load:g}",
-                each("{:.0%}", lambda r: r["classes"]["interactive"]["attainment"]),
+                each("{}", lambda r: shown_attainment(r["classes"]["interactive"])),
             ]
             c = cmp.get((kind, load, last))
             if vs:
                 cells.append(f"{c['interactive_points']:+.0f}" if c else "")
             cells += [
-                each("{:.0%}", lambda r: r["classes"]["batch"]["attainment"]),
+                each("{}", lambda r: shown_attainment(r["classes"]["batch"])),
                 each("{:.1f}", lambda r: r["classes"]["interactive"]["p95_latency_s"]),
                 each("{:.1f}", lambda r: r["classes"]["batch"]["p95_latency_s"]),
             ]
@@ -521,7 +527,13 @@ def write_outputs(report: dict, json_path: Path) -> Path:
             ax = axes[row][col]
             for arm in arms:
                 rs = sorted(
-                    (r for r in report["results"] if r["trace"] == kind and r["scheduler"] == arm),
+                    (
+                        r
+                        for r in report["results"]
+                        if r["trace"] == kind
+                        and r["scheduler"] == arm
+                        and r["classes"][cls]["accepted"]  # a class not served has no curve
+                    ),
                     key=lambda r: r["load"],
                 )
                 ax.plot(

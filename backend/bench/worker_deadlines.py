@@ -75,6 +75,7 @@ from backend.bench.route_deadlines import (
     measure,
     served,
     services_of,
+    shown_attainment,
     targets,
 )
 from backend.bench.trace import counted_trace
@@ -577,8 +578,9 @@ def _line(r: dict) -> str:
     return (
         f"{r['trace']} load {r['load']:g} ({r['rps']:.2f} req/s, {r['num_jobs']} jobs) "
         f"repeat {r['repeat']} "
-        f"{r['scheduler']}: attainment interactive {c['interactive']['attainment']:.1%} batch "
-        f"{c['batch']['attainment']:.1%}, P95 {c['interactive']['p95_latency_s']:.2f} / "
+        f"{r['scheduler']}: attainment interactive {shown_attainment(c['interactive'], '.1%')} "
+        f"batch {shown_attainment(c['batch'], '.1%')}, "
+        f"P95 {c['interactive']['p95_latency_s']:.2f} / "
         f"{c['batch']['p95_latency_s']:.2f} s, parks/job {r['parks_per_job']:.3f}, "
         f"longest batch wait {r['max_batch_wait_s']:.2f} s, machine x{r['slowdown']:.2f}; "
         f"interactive jobs ran beside "
