@@ -97,3 +97,31 @@ def cache_key(n: int = 0, num_steps: int = 2, mode: str = "kv") -> CacheKey:
         template_seed=0,
         mode=mode,
     )
+
+
+def queued_tasks(client, queue: str) -> list:
+    """The first argument (a ``backend.protocol`` message, decoded) of each Celery task waiting in
+    CPU queue ``queue``, every level, in the order the CPU workers take them: the lowest level
+    first, the oldest first within a level (kombu pushes on the left and pops on the right)."""
+    from backend import protocol
+
+    return [protocol.decode(celery_args(task)[0]) for task in queued_raw(client, queue)]
+
+
+def queued_raw(client, queue: str) -> list[bytes]:
+    """The Celery task messages waiting in CPU queue ``queue`` as Redis holds them, in the order
+    of ``queued_tasks``."""
+    from backend.protocol.keys import cpu_queue_lists
+
+    return [
+        task for name in cpu_queue_lists(queue) for task in reversed(client.lrange(name, 0, -1))
+    ]
+
+
+def celery_args(raw: bytes) -> list:
+    """The positional arguments of a Celery task message as Redis holds it (JSON envelope, body
+    in base64)."""
+    import base64
+    import json
+
+    return json.loads(base64.b64decode(json.loads(raw)["body"]))[0]

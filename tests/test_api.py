@@ -3,7 +3,6 @@ broker's list in Redis; no Celery worker runs here)."""
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import re
@@ -25,6 +24,7 @@ from backend.protocol import CancelJob, EditJob, JobEvent
 from backend.protocol.keys import heartbeat_key, inbox_stream
 from backend.services.redis_server import free_port
 from templates_store.samples import sample_template
+from tests.factories import queued_tasks
 
 KEY = "test-key-1"
 OTHER_KEY = "test-key-2"
@@ -79,13 +79,8 @@ def submit(client, data=None, files=None, **fields):
 
 
 def pre_queue_jobs(redis_client, settings) -> list[EditJob]:
-    """The EditJobs on the Celery pre-processing queue (kombu's Redis list, JSON body in base64)."""
-    jobs = []
-    for raw in redis_client.lrange(settings.celery.pre_queue, 0, -1):
-        message = json.loads(raw)
-        args, _kwargs, _embed = json.loads(base64.b64decode(message["body"]))
-        jobs.append(protocol.decode(args[0]))
-    return jobs
+    """The EditJobs on the Celery pre-processing queue, every level, in the order they are taken."""
+    return queued_tasks(redis_client, settings.celery.pre_queue)
 
 
 def sse_events(text: str) -> list[dict]:
@@ -278,14 +273,14 @@ def test_bad_fields_are_4xx_saying_what_to_fix(
     response = submit(client, **fields)
     assert response.status_code == status, response.text
     assert message in response.json()["error"]
-    assert redis_client.llen(settings.celery.pre_queue) == 0  # nothing queued
+    assert pre_queue_jobs(redis_client, settings) == []  # nothing queued
 
 
 def test_the_shipped_demo_model_is_accepted_without_being_listed(client, redis_client, settings):
     assert not settings.api.models  # no allow-list: only built and shipped models are served
     response = submit(client, model="demo-sd2-inpaint")
     assert response.status_code == 202, response.text
-    assert redis_client.llen(settings.celery.pre_queue) == 1
+    assert len(pre_queue_jobs(redis_client, settings)) == 1
 
 
 def upload(name, data, mime="image/png"):

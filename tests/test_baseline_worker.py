@@ -35,6 +35,7 @@ from tests.factories import (
     make_params,
     make_prepared_job,
     make_template,
+    queued_tasks,
     rect_mask,
 )
 
@@ -327,9 +328,9 @@ def test_the_service_builds_a_baseline_worker_that_serves_its_inbox(
         send_to_inbox(redis_client, "w-base", job)
         for _ in range(200):
             worker.iterate(0.01)
-            if redis_client.llen(settings.celery.post_queue):
+            if queued_tasks(redis_client, settings.celery.post_queue):
                 break
-        assert redis_client.llen(settings.celery.post_queue) == 1
+        assert len(queued_tasks(redis_client, settings.celery.post_queue)) == 1
         assert worker.inbox.pending() == 0  # acked once handed on
         record = jobstate.get("svc-b")
         assert record["status"] == "running" and record["step"] == record["num_steps"]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 
 import pytest
 
@@ -16,8 +17,8 @@ from backend import protocol
 from backend.blobs import BlobStore
 from backend.config import load_settings
 from backend.jobstate import JobStateStore
-from backend.protocol import EditJob, JobEvent
-from backend.protocol.keys import CPU_LEASES_KEY, cpu_task_key
+from backend.protocol import EditJob, JobEvent, ServiceLevel
+from backend.protocol.keys import CPU_LEASES_KEY, CPU_TASK_LEVELS, cpu_task_key
 from backend.services.redis_server import free_port
 from backend.tasks.celery_app import (
     PREPARED_STREAM,
@@ -32,7 +33,7 @@ from backend.worker.channels import LocalInbox
 from backend.worker.loop import EngineWorker
 from backend.worker.service import RedisSink
 from templates_store.samples import sample_template
-from tests.factories import make_engine
+from tests.factories import make_engine, queued_tasks
 from tests.test_cpu_stages import HEIGHT, WIDTH, assert_edited_inside_only, painted_mask, png
 
 WAIT_S = 120  # the CPU worker loads its model on its first task
@@ -44,10 +45,10 @@ def engine(models_dir, tmp_path_factory):
     return make_engine("sd2-inpaint", models_dir, tmp_path_factory.mktemp("celery-cache"))
 
 
-@pytest.fixture
-def stack(redis_url, models_dir, tmp_path, engine):
-    """Settings, Celery app, job state and a running `maskserve cpu-worker` subprocess."""
-    env = {
+def cpu_env(redis_url, models_dir, tmp_path) -> dict:
+    """The environment of a `maskserve cpu-worker` of these tests (the tiny model, a free metrics
+    port)."""
+    return {
         **os.environ,
         "MASKSERVE_REDIS_URL": redis_url,
         "MASKSERVE_DATA_DIR": str(tmp_path),
@@ -55,20 +56,20 @@ def stack(redis_url, models_dir, tmp_path, engine):
         "MASKSERVE_MODEL": "tiny-sd2-inpaint",
         "MASKSERVE_CPU_METRICS_PORT": str(free_port()),
     }
-    settings = load_settings(env={k: v for k, v in env.items() if k.startswith("MASKSERVE_")})
-    log = open(tmp_path / "cpu-worker.log", "wb")
+
+
+@contextmanager
+def cpu_worker(env: dict, log_path):
+    """A running `maskserve cpu-worker` subprocess, its output in ``log_path``."""
+    log = open(log_path, "wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "backend.cli", "cpu-worker"],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    app = make_celery(settings)
-    from redis import Redis
-
-    client = Redis.from_url(redis_url)
     try:
-        yield settings, app, JobStateStore(client), client
+        yield process
     finally:
         process.terminate()
         try:
@@ -76,6 +77,25 @@ def stack(redis_url, models_dir, tmp_path, engine):
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
+
+
+def settings_of(env: dict):
+    return load_settings(env={k: v for k, v in env.items() if k.startswith("MASKSERVE_")})
+
+
+@pytest.fixture
+def stack(redis_url, models_dir, tmp_path, engine):
+    """Settings, Celery app, job state and a running `maskserve cpu-worker` subprocess."""
+    env = cpu_env(redis_url, models_dir, tmp_path)
+    settings = settings_of(env)
+    app = make_celery(settings)
+    from redis import Redis
+
+    client = Redis.from_url(redis_url)
+    try:
+        with cpu_worker(env, tmp_path / "cpu-worker.log"):
+            yield settings, app, JobStateStore(client), client
+    finally:
         client.close()
 
 
@@ -86,7 +106,9 @@ def submit(settings, app, jobstate, job_id, template_bytes, mask_bytes) -> EditJ
     return job
 
 
-def edit_job(settings, job_id, template_bytes, mask_bytes) -> EditJob:
+def edit_job(
+    settings, job_id, template_bytes, mask_bytes, service: ServiceLevel | None = None
+) -> EditJob:
     blobs = BlobStore(settings.paths.data_dir / "blobs")
     return EditJob(
         job_id=job_id,
@@ -99,6 +121,7 @@ def edit_job(settings, job_id, template_bytes, mask_bytes) -> EditJob:
         guidance=7.5,
         resolution=128,
         submitted_at=time.time(),
+        service=service or ServiceLevel(),
     )
 
 
@@ -161,6 +184,10 @@ def test_a_job_runs_pre_and_post_on_celery_around_the_worker(stack, engine, tmp_
     metrics = urllib.request.urlopen(url, timeout=5).read().decode()
     assert 'maskserve_cpu_tasks_total{key="preprocess.done"} 1.0' in metrics
     assert 'maskserve_cpu_tasks_total{key="postprocess.done"} 1.0' in metrics
+    # the tasks waiting at each level of each CPU queue: none now
+    for stage in ("pre", "post"):
+        for level in CPU_TASK_LEVELS:
+            assert f'maskserve_cpu_queued_tasks{{key="{stage}.{level}"}} 0.0' in metrics
 
 
 def test_a_redelivered_pre_task_hands_its_job_off_once(stack, tmp_path):
@@ -275,3 +302,35 @@ def test_a_task_that_raises_fails_its_job_instead_of_leaving_it_in_its_stage(sta
     )
     assert "IsADirectoryError" in jobstate.record(job.job_id).message
     assert not client.exists(cpu_task_key(job.job_id)) and handed_off(client) == []
+
+
+def test_queued_jobs_are_pre_processed_in_service_order_not_arrival_order(
+    redis_url, models_dir, tmp_path, engine
+):
+    """A burst of batch jobs queued ahead of an interactive one: the CPU worker, started once
+    all are queued, takes the interactive job (and a batch job of priority 9) first."""
+    env = cpu_env(redis_url, models_dir, tmp_path)
+    settings = settings_of(env)
+    app = make_celery(settings)
+    from redis import Redis
+
+    client = Redis.from_url(redis_url)
+    jobstate = JobStateStore(client)
+    template, mask = png(sample_template(WIDTH, HEIGHT, seed=12)), png(painted_mask())
+    levels = {f"bulk-{i}": ServiceLevel("batch") for i in range(4)}
+    levels |= {"studio": ServiceLevel("interactive"), "urgent": ServiceLevel("batch", priority=9)}
+    for job_id, level in levels.items():  # submitted in this order
+        jobstate.create(job_id)
+        submit_edit(app, edit_job(settings, job_id, template, mask, level))
+    served_order = ["urgent", "studio", "bulk-0", "bulk-1", "bulk-2", "bulk-3"]
+    queue = settings.celery.pre_queue
+    assert [job.job_id for job in queued_tasks(client, queue)] == served_order
+    queued = task_stats(client, {"pre": queue})["queued_tasks"]
+    assert {k: v for k, v in queued.items() if v} == {"pre.1": 1.0, "pre.8": 1.0, "pre.9": 4.0}
+    log_path = tmp_path / "cpu-worker.log"
+    with cpu_worker(env, log_path):  # one process: it takes one task at a time
+        wait_for(lambda: len(handed_off(client)) == len(levels), "every job handed off", log_path)
+    assert [p.job_id for p in handed_off(client)] == served_order
+    assert [p.service for p in handed_off(client)] == [levels[j] for j in served_order]
+    assert not any(task_stats(client, {"pre": queue})["queued_tasks"].values())
+    client.close()

@@ -6,8 +6,6 @@
 
 from __future__ import annotations
 
-import base64
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,11 +14,12 @@ import pytest
 from backend import protocol
 from backend.config import load_settings
 from backend.jobstate import JobStateStore
-from backend.protocol import CancelJob, DenoisedJob, JobEvent
+from backend.protocol import CancelJob, DenoisedJob, JobEvent, ServiceLevel
 from backend.tasks.celery_app import make_celery
 from backend.worker.channels import LocalInbox, LocalSink
 from backend.worker.redis_inbox import RedisInbox, send_to_inbox
 from backend.worker.service import RedisSink
+from tests.factories import queued_tasks
 
 
 def make_job_message(job_id: str) -> protocol.PreparedJob:
@@ -96,13 +95,6 @@ def local_sink(request) -> SinkDriver:
     return SinkDriver(sink, sink.statuses, lambda: list(sink.denoised_jobs))
 
 
-def _celery_args(raw: bytes) -> list:
-    """The positional arguments of a Celery task message as Redis holds it."""
-    envelope = json.loads(raw)
-    body = json.loads(base64.b64decode(envelope["body"]))
-    return body[0]
-
-
 def redis_sink(request) -> SinkDriver:
     client = request.getfixturevalue("redis_client")
     settings = load_settings(env={}, redis={"url": request.getfixturevalue("redis_url")})
@@ -113,8 +105,7 @@ def redis_sink(request) -> SinkDriver:
         return [event["status"] for _, event in jobstate.events(job_id)]
 
     def denoised() -> list[DenoisedJob]:
-        raw = client.lrange(settings.celery.post_queue, 0, -1)
-        return [protocol.decode(_celery_args(task)[0]) for task in reversed(raw)]
+        return queued_tasks(client, settings.celery.post_queue)
 
     for job_id in ("s1", "s2"):
         jobstate.create(job_id)
@@ -149,6 +140,33 @@ def test_a_finished_denoise_reaches_post_processing_unchanged(sink):
         used_cache=True,
         paste=protocol.PastePlan(mask_ref="uploads/m.png", crop_box=[0, 0, 8, 8]),
         timings={"denoise_s": 0.5},
+        service=ServiceLevel("interactive", deadline=12.5, priority=3),
     )
     sink.sink.denoised(job)
     assert sink.denoised() == [job]
+
+
+def test_post_processing_is_queued_in_service_order(redis_client, redis_url):
+    settings = load_settings(env={}, redis={"url": redis_url})
+    jobstate = JobStateStore(redis_client)
+    sink = RedisSink(jobstate, make_celery(settings), settings)
+    levels = {
+        "bulk": ServiceLevel("batch"),
+        "studio": ServiceLevel("interactive"),
+        "urgent": ServiceLevel("batch", priority=9),
+    }
+    for job_id, level in levels.items():  # denoised in this order
+        jobstate.create(job_id)
+        sink.denoised(
+            DenoisedJob(
+                job_id=job_id,
+                model_id="tiny-sd2-inpaint",
+                latents_ref=f"latents/{job_id}.safetensors",
+                prepared_ref=f"prepared/{job_id}.safetensors",
+                template_ref="uploads/t.png",
+                used_cache=False,
+                service=level,
+            )
+        )
+    queued = queued_tasks(redis_client, settings.celery.post_queue)
+    assert [job.job_id for job in queued] == ["urgent", "studio", "bulk"]

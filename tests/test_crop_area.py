@@ -45,7 +45,7 @@ from backend.worker.channels import LocalInbox
 from backend.worker.loop import EngineWorker
 from backend.worker.service import RedisSink
 from templates_store.samples import sample_template
-from tests.factories import make_engine
+from tests.factories import make_engine, queued_tasks
 from tests.test_api import KEY, make_settings, pre_queue_jobs, submit
 from tests.test_celery_tasks import engine, handed_off, stack, wait_for  # noqa: F401
 from tests.test_cpu_stages import assert_edited_inside_only, painted_mask, png, run_worker
@@ -373,7 +373,7 @@ def test_bad_fields_are_422_saying_what_to_fix(api, redis_client, fields, messag
     client, settings = api
     response = submit(client, **fields)
     assert response.status_code == 422 and message in response.json()["error"], response.text
-    assert redis_client.llen(settings.celery.pre_queue) == 0
+    assert queued_tasks(redis_client, settings.celery.pre_queue) == []
 
 
 def test_the_client_sends_the_fields(api, redis_client):

@@ -34,7 +34,7 @@ from backend.protocol import EditJob, MaskOps
 from backend.protocol.keys import PREPARED_STREAM
 from backend.services.redis_server import free_port
 from backend.tasks.core import CpuStages, erase_job
-from tests.factories import make_engine
+from tests.factories import make_engine, queued_tasks
 from tests.test_api import KEY, make_settings, pre_queue_jobs
 
 BLUE, RED = (30, 60, 200), (230, 20, 20)
@@ -203,7 +203,7 @@ def test_bad_mask_ops_and_modes_are_4xx_saying_what_to_fix(client, redis_client,
     response = post(test_client, mask_png(box_mask(SQUARE)), **fields)
     assert 400 <= response.status_code < 500, response.text
     assert message in response.json()["error"]
-    assert redis_client.llen(settings.celery.pre_queue) == 0  # nothing queued
+    assert queued_tasks(redis_client, settings.celery.pre_queue) == []  # nothing queued
 
 
 def test_an_erase_of_the_whole_image_is_refused_at_submission(client, redis_client):

@@ -4,12 +4,8 @@ redeliveries."""
 
 from __future__ import annotations
 
-import base64
-import json
-
 import pytest
 
-from backend import protocol
 from backend.blobs import BlobStore
 from backend.config import load_settings
 from backend.jobstate import JobStateStore
@@ -19,7 +15,14 @@ from backend.tasks.celery_app import make_celery
 from backend.worker.loop import EngineWorker
 from backend.worker.redis_inbox import RedisInbox, send_to_inbox
 from backend.worker.service import RedisSink
-from tests.factories import MASK, make_engine, make_params, make_prepared_job, make_template
+from tests.factories import (
+    MASK,
+    make_engine,
+    make_params,
+    make_prepared_job,
+    make_template,
+    queued_tasks,
+)
 
 MAX_REDELIVERIES = 2
 
@@ -53,9 +56,7 @@ def new_job(engine, env, job_id: str):
 def post_tasks(env) -> list[str]:
     """Job ids of the post-processing tasks queued in the broker."""
     settings, client, _jobstate, _blobs = env
-    raw = client.lrange(settings.celery.post_queue, 0, -1)
-    bodies = (json.loads(base64.b64decode(json.loads(task)["body"])) for task in raw)
-    return [protocol.decode(body[0][0]).job_id for body in bodies]
+    return [job.job_id for job in queued_tasks(client, settings.celery.post_queue)]
 
 
 def run_until_idle(worker: EngineWorker, limit: int = 50) -> None:

@@ -4,8 +4,6 @@ running task does nothing, and a job whose task is lost too often fails."""
 
 from __future__ import annotations
 
-import base64
-import json
 import time
 
 import pytest
@@ -14,9 +12,10 @@ from backend import protocol
 from backend.config import load_settings
 from backend.jobstate import JobStateStore
 from backend.protocol import DenoisedJob, JobEvent
-from backend.protocol.keys import CPU_LEASES_KEY, cpu_task_key
+from backend.protocol.keys import CPU_LEASES_KEY, cpu_queue_lists, cpu_task_key
 from backend.tasks.celery_app import cpu_leases, make_celery, resend_lapsed, submit_postprocess
 from backend.tasks.leases import CLAIMED, EXHAUSTED, HELD, lapse_verdict
+from tests.factories import queued_tasks
 
 LIMIT = 2
 
@@ -58,10 +57,7 @@ def denoised(job_id: str) -> DenoisedJob:
 
 def queued(settings, client, queue: str) -> list[str]:
     """Job ids of the tasks waiting in a broker queue."""
-    bodies = (
-        json.loads(base64.b64decode(json.loads(t)["body"])) for t in client.lrange(queue, 0, -1)
-    )
-    return [protocol.job_id_of(body[0][0]) for body in bodies]
+    return [job.job_id for job in queued_tasks(client, queue)]
 
 
 def lose(client, job_id: str) -> None:
@@ -88,7 +84,7 @@ def test_a_lost_post_task_is_re_enqueued_once_with_a_message(env):
     assert submit_postprocess(app, client, settings, denoised("lost"))
     assert not submit_postprocess(app, client, settings, denoised("lost"))  # denoised twice
     assert queued(settings, client, settings.celery.post_queue) == ["lost"]
-    client.delete(settings.celery.post_queue)  # the worker that took it dies with it
+    client.delete(*cpu_queue_lists(settings.celery.post_queue))  # taken by a worker that dies
     leases = cpu_leases(client, settings)
     assert leases.claim("lost", "post", protocol.encode(denoised("lost")), "t1", LIMIT) == CLAIMED
     jobstate.record_event(JobEvent(job_id="lost", status="postprocessing", at=time.time()))

@@ -133,7 +133,7 @@ def test_bad_service_fields_are_422_saying_what_to_fix_and_store_nothing(
     response = submit(client, **fields)
     assert response.status_code == 422, response.text
     assert message in response.json()["error"]
-    assert redis_client.llen(settings.celery.pre_queue) == 0
+    assert pre_queue_jobs(redis_client, settings) == []
     assert job_keys(redis_client) == [] and stored_blobs(settings) == []
     assert redis_client.zcard(UNSTARTED_KEY) == 0
 
@@ -184,7 +184,7 @@ def test_a_batch_job_far_past_its_deadline_is_429_with_retry_after_and_nothing_s
     assert body["predicted_latency_s"] > 2 * body["deadline_s"]
     for words in ("batch job refused (deadline bound)", "Retry in", "longer deadline_s"):
         assert words in body["error"], body["error"]
-    assert redis_client.llen(settings.celery.pre_queue) == 0
+    assert pre_queue_jobs(redis_client, settings) == []
     assert job_keys(redis_client) == [] and stored_blobs(settings) == []
     assert client.get("/v1/jobs").json() == {"jobs": []}
     assert metric(client, "maskserve_api_shed_total", **{"class": "batch", "reason": "deadline"})

@@ -24,6 +24,7 @@ from backend.dispatch.service import Dispatcher
 from backend.models.catalog import DEFAULT_MODEL
 from backend.protocol import JobEvent, PreparedJob
 from backend.tasks.celery_app import hand_off
+from tests.factories import queued_tasks
 from tests.test_api import IMAGE, KEY, make_settings, pre_queue_jobs, sse_events, submit
 from tests.test_dispatcher import beat, inbox_jobs
 
@@ -83,7 +84,7 @@ def test_an_unconfigured_model_no_live_worker_serves_is_refused_saying_what_is_s
         refused = submit(client, model=FLUX)
         assert refused.status_code == 422
         assert f"live workers serve {DEFAULT_MODEL}, {TINY_SD2}" in refused.json()["error"]
-        assert redis_client.llen(settings.celery.pre_queue) == 0  # nothing queued
+        assert queued_tasks(redis_client, settings.celery.pre_queue) == []  # nothing queued
         # an erase never reaches a worker: its model is not asked for
         assert submit(client, model=FLUX, mode="erase").status_code == 202
         # a model a live worker serves is accepted, configured or not; so is the default

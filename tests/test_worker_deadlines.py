@@ -93,6 +93,8 @@ def test_a_parked_row_resumes_from_its_step_with_bit_identical_latents(engine, t
     assert len(parked) == 1 and parked[0].split()[3].rstrip(":") == resumed[0].split()[-1]
     order = [j.job_id for j in sink.denoised_jobs]
     assert order == ["tight", "loose"]  # the tight row finished first
+    # each hands its service level on, so post-processing queues it in the same order
+    assert [j.service.service_class for j in sink.denoised_jobs] == ["interactive", "batch"]
     assert torch.equal(final_latents(blobs, sink, "loose"), reference)
     steps = [e.step for e in sink.events if e.job_id == "loose" and e.status == "running"]
     assert max(steps) == STEPS  # no step run twice, none skipped: it ended at its last step

@@ -20,7 +20,7 @@ from backend.services.redis_server import RedisServer
 from backend.tasks.celery_app import make_celery
 from backend.worker.redis_inbox import send_to_inbox
 from backend.worker.service import REDIS_DOWN, Heartbeat, Outbox, Serving, build_worker, connect
-from tests.factories import MASK, make_params, make_prepared_job, make_template
+from tests.factories import MASK, make_params, make_prepared_job, make_template, queued_raw
 
 RUNNING = threading.Event()  # never set: the worker is not asked to stop
 
@@ -104,7 +104,7 @@ def test_jobs_in_flight_finish_exactly_once_across_a_redis_restart(own_redis, mo
                 break
         else:
             raise AssertionError(f"{len(outbox)} writes still waiting after Redis came back")
-        queued = client.lrange(settings.celery.post_queue, 0, -1)
+        queued = queued_raw(client, settings.celery.post_queue)
         for job_id in job_ids:
             assert sum(job_id.encode() in task for task in queued) == 1, job_id  # exactly once
             record = jobstate.get(job_id)

@@ -17,7 +17,7 @@ from backend.protocol.keys import heartbeat_key
 from backend.tasks.celery_app import make_celery
 from backend.worker.redis_inbox import send_to_inbox
 from backend.worker.service import HEARTBEAT_TTL_S, Heartbeat, build_worker
-from tests.factories import MASK, make_params, make_prepared_job, make_template
+from tests.factories import MASK, make_params, make_prepared_job, make_template, queued_raw
 
 
 @pytest.fixture
@@ -71,7 +71,7 @@ def test_a_job_from_the_inbox_reports_progress_and_goes_to_post_processing(
     record = jobstate.get("svc-1")
     assert record["status"] == "running" and record["step"] == record["num_steps"] == params.steps
     assert record["worker_id"] == "w-test"
-    (task,) = redis_client.lrange(settings.celery.post_queue, 0, -1)  # the Celery message, JSON
+    (task,) = queued_raw(redis_client, settings.celery.post_queue)  # the Celery message, JSON
     assert b"maskserve.postprocess" in task and b"svc-1" in task
     assert worker.inbox.pending() == 0  # acked once handed on
 
@@ -98,7 +98,7 @@ def test_a_cancel_through_the_inbox_ends_the_job(service, redis_client, cpu_engi
     )
     drain(worker, jobstate, "svc-2")
     assert jobstate.status("svc-2") == "cancelled"
-    assert redis_client.llen(settings.celery.post_queue) == 0
+    assert len(queued_raw(redis_client, settings.celery.post_queue)) == 0
 
 
 def test_the_heartbeat_carries_live_state_under_a_short_ttl(service, redis_client):
@@ -161,10 +161,13 @@ def test_the_worker_process_serves_its_inbox_exports_metrics_and_stops_cleanly(
             ),
         )
         deadline = time.time() + 90
-        while redis_client.llen(settings.celery.post_queue) == 0 and time.time() < deadline:
+        while (
+            len(queued_raw(redis_client, settings.celery.post_queue)) == 0
+            and time.time() < deadline
+        ):
             assert process.poll() is None, (tmp_path / "worker.log").read_text()
             time.sleep(0.1)
-        assert redis_client.llen(settings.celery.post_queue) == 1, (
+        assert len(queued_raw(redis_client, settings.celery.post_queue)) == 1, (
             tmp_path / "worker.log"
         ).read_text()
         assert redis_client.exists(heartbeat_key("w-proc"))

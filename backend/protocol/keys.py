@@ -87,6 +87,27 @@ PRE_QUEUE = f"{NAMESPACE}.pre"
 POST_QUEUE = f"{NAMESPACE}.post"
 CPU_STATS_KEY = f"{NAMESPACE}:stats:cpu"  # task counts and seconds, shared by every CPU process
 CPU_LEASES_KEY = f"{NAMESPACE}:cpu:leases"  # sorted set: job id -> its CPU task's lease deadline
+# The CPU queues' priority levels (Celery's Redis transport keeps one list per level and serves the
+# lowest level first): edit jobs in the engine workers' order of precedence, coarsened to the levels
+# there are: higher ``priority`` first (two priorities a pair of levels), and within a pair the
+# interactive class before batch. A task sent without a level (an adapter upload's ingest, which
+# a user waits on) takes level 0, with interactive jobs of priority 8 and 9.
+CPU_TASK_LEVELS = tuple(range(10))
+
+
+def cpu_queue_lists(queue: str) -> list[str]:
+    """The Redis lists holding a CPU queue's waiting tasks, one per level of ``CPU_TASK_LEVELS``,
+    in the order they are served (the Celery Redis transport's layout: level 0 is the queue's own
+    name, level n the name, "\x06\x16" and n)."""
+    return [queue if level == 0 else f"{queue}\x06\x16{level}" for level in CPU_TASK_LEVELS]
+
+
+def cpu_task_level(service_class: str, priority: int) -> int:
+    """The CPU queue level (``CPU_TASK_LEVELS``) of a job's pre- or post-processing task: an
+    interactive job of priority 0 waits behind no batch job of priority 0 or 1, whatever came
+    first; priority 9 and 8 share the top pair of levels."""
+    pair = (9 - min(9, max(0, priority))) // 2  # 0 (priority 9, 8) .. 4 (priority 1, 0)
+    return 2 * pair + (0 if service_class == "interactive" else 1)
 
 
 def cpu_task_key(job_id: str) -> str:

@@ -28,7 +28,8 @@ SCHEMA_MAJOR = 1
 # 1.6: service levels (class, deadline, priority) on edit and prepared jobs and heartbeat rows;
 # a waiting row's steps already run (parked); predicted start/finish and queue position on events
 # 1.7: the batch an edit or prepared job is an item of (its items are routed to one worker)
-SCHEMA_MINOR = 7
+# 1.8: the service level on denoised jobs (post-processing is queued in service order)
+SCHEMA_MINOR = 8
 PROTOCOL_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 
@@ -188,6 +189,7 @@ class DenoisedJob:
     timings: dict[str, float] = field(default_factory=dict)
     # adapter id -> the denoising step at which it joined the row (0: from the start)
     adapter_steps: dict[str, int] = field(default_factory=dict)
+    service: ServiceLevel = field(default_factory=ServiceLevel)  # 1.8
 
 
 @dataclass(frozen=True)

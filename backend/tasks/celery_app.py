@@ -12,6 +12,8 @@ Configuration follows BRIEF section 3, and each value is there for a reason:
 * retries with backoff only for transient errors (Redis connection), at most ``MAX_RETRIES``; a
   bad upload fails its job at once with the message the user needs, and so does any other error
   (a job never hangs in a stage because its task raised);
+* tasks queued by service level (``CPU_TASK_LEVELS``, ``task_level``): an interactive job's
+  pre- and post-processing go before batch jobs' waiting tasks, as the engine workers order rows;
 * a lease per running task (``backend.tasks.leases``): a task lost with its worker is re-enqueued
   by the dispatcher's ``resend_lapsed`` within about ``celery.lease_s``, a duplicate of a running
   task does nothing, and a job whose task is lost more than ``dispatcher.max_redeliveries`` times
@@ -27,6 +29,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 
 from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
@@ -43,9 +46,12 @@ from backend.protocol import JobEvent, ProtocolError, to_text
 from backend.protocol.keys import (
     ADAPTER_INGEST_TASK,
     CPU_STATS_KEY,
+    CPU_TASK_LEVELS,
     POST_TASK,
     PRE_TASK,
     PREPARED_STREAM,
+    cpu_queue_lists,
+    cpu_task_level,
     handoff_key,
 )
 from backend.runtime import REDIS_UNAVAILABLE
@@ -78,14 +84,24 @@ def record_task(client: Redis, task: str, outcome: str, seconds: float) -> None:
         pipe.execute()
 
 
-def task_stats(client: Redis) -> dict:
-    """Snapshot for the metrics endpoint: ``tasks_total`` and ``task_seconds_total`` by key."""
+def task_stats(client: Redis, queues: Mapping[str, str] | None = None) -> dict:
+    """Snapshot for the metrics endpoint: ``tasks_total`` and ``task_seconds_total`` by key and,
+    for each of ``queues`` (stage -> queue name), ``queued_tasks`` by ``<stage>.<level>``: the
+    tasks waiting at each level of the queue."""
     raw = {to_text(k): float(v) for k, v in client.hgetall(CPU_STATS_KEY).items()}
+    queued = {}
+    for stage, queue in (queues or {}).items():
+        with client.pipeline(transaction=False) as pipe:
+            for name in cpu_queue_lists(queue):
+                pipe.llen(name)
+            lengths = pipe.execute()
+        queued |= {f"{stage}.{level}": float(n) for level, n in zip(CPU_TASK_LEVELS, lengths)}
     return {
         "tasks_total": {k: v for k, v in raw.items() if not k.endswith(".seconds")},
         "task_seconds_total": {
             k.removesuffix(".seconds"): v for k, v in raw.items() if k.endswith(".seconds")
         },
+        "queued_tasks": queued,
     }
 
 
@@ -189,7 +205,12 @@ def make_celery(settings: Settings) -> Celery:
         worker_prefetch_multiplier=1,
         task_soft_time_limit=settings.celery.task_soft_time_limit_s,
         task_time_limit=settings.celery.task_time_limit_s,
-        broker_transport_options={"visibility_timeout": settings.celery.visibility_timeout_s},
+        # one list per level of ``CPU_TASK_LEVELS``, the lowest served first: an interactive
+        # job's pre- and post-processing do not wait behind a burst of batch jobs' tasks
+        broker_transport_options={
+            "visibility_timeout": settings.celery.visibility_timeout_s,
+            "priority_steps": list(CPU_TASK_LEVELS),
+        },
         broker_connection_retry_on_startup=True,
         # Redis restarting: reconnect with backoff, forever (never exit: `up` or the platform
         # would have to restart the worker, and its running tasks with it)
@@ -300,8 +321,22 @@ def make_celery(settings: Settings) -> Celery:
 
 
 def submit_edit(app: Celery, job) -> None:
-    """Queue an ``EditJob`` for pre-processing."""
-    app.send_task(PRE_TASK, args=[protocol.encode(job)])
+    """Queue an ``EditJob`` for pre-processing, at its service level's place in the queue."""
+    app.send_task(PRE_TASK, args=[protocol.encode(job)], priority=task_level(job))
+
+
+def task_level(job) -> int:
+    """The CPU queue level of an ``EditJob``'s or ``DenoisedJob``'s task (``cpu_task_level``)."""
+    return cpu_task_level(job.service.service_class, job.service.priority)
+
+
+def _level_of(message: str) -> int:
+    """``task_level`` of a queued task's message; a message that no longer reads goes at the
+    batch class's level (its task fails it with the reason)."""
+    try:
+        return task_level(protocol.decode(message))
+    except (ProtocolError, AttributeError):
+        return cpu_task_level("batch", 0)
 
 
 def cpu_leases(client: Redis, settings: Settings) -> CpuLeases:
@@ -321,7 +356,9 @@ def submit_postprocess(
             job.job_id,
         )
         return False
-    app.send_task(POST_TASK, args=[text], queue=settings.celery.post_queue)
+    app.send_task(
+        POST_TASK, args=[text], queue=settings.celery.post_queue, priority=task_level(job)
+    )
     return True
 
 
@@ -356,7 +393,7 @@ def resend_lapsed(app: Celery, client: Redis, settings: Settings, jobstate) -> i
         )
         task = PRE_TASK if lapsed.stage == "pre" else POST_TASK
         queue = settings.celery.pre_queue if lapsed.stage == "pre" else settings.celery.post_queue
-        app.send_task(task, args=[lapsed.message], queue=queue)
+        app.send_task(task, args=[lapsed.message], queue=queue, priority=_level_of(lapsed.message))
         log.warning("%s of %s lost with its worker: re-enqueued", what, lapsed.job_id)
         resent += 1
     return resent
@@ -387,9 +424,10 @@ def run_cpu_worker(settings: Settings) -> int:
     """One Celery worker consuming both queues (``-Q``), ``concurrency`` processes."""
     app = make_celery(settings)
     client = Redis.from_url(settings.redis.url)
+    stage_queues = {"pre": settings.celery.pre_queue, "post": settings.celery.post_queue}
     serve_metrics(
         settings.celery.metrics_port,
-        make_registry({"maskserve_cpu": lambda: task_stats(client)}),
+        make_registry({"maskserve_cpu": lambda: task_stats(client, stage_queues)}),
         settings.metrics_host,
     )
     queues = f"{settings.celery.pre_queue},{settings.celery.post_queue}"

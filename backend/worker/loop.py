@@ -457,6 +457,7 @@ class EngineWorker(TemplateRows):
             submitted_at=job.message.submitted_at,
             timings=timings,
             adapter_steps=self._release(job),
+            service=job.message.service,
         )
         del self.jobs[job_id]
         self.stats.record_job("denoised")
