@@ -125,3 +125,20 @@ def celery_args(raw: bytes) -> list:
     import json
 
     return json.loads(base64.b64decode(json.loads(raw)["body"]))[0]
+
+
+def make_denoised_job(job_id: str, **fields):
+    """A ``DenoisedJob`` as an engine worker hands it on (refs named after the job)."""
+    from backend.protocol import DenoisedJob
+
+    return DenoisedJob(
+        **{
+            "job_id": job_id,
+            "model_id": "tiny-sd2-inpaint",
+            "latents_ref": f"latents/{job_id}.safetensors",
+            "prepared_ref": f"prepared/{job_id}.safetensors",
+            "template_ref": "uploads/t.png",
+            "used_cache": False,
+            **fields,
+        }
+    )

@@ -19,7 +19,7 @@ from backend.tasks.celery_app import make_celery
 from backend.worker.channels import LocalInbox, LocalSink
 from backend.worker.redis_inbox import RedisInbox, send_to_inbox
 from backend.worker.service import RedisSink
-from tests.factories import queued_tasks
+from tests.factories import make_denoised_job, queued_tasks
 
 
 def make_job_message(job_id: str) -> protocol.PreparedJob:
@@ -157,16 +157,6 @@ def test_post_processing_is_queued_in_service_order(redis_client, redis_url):
     }
     for job_id, level in levels.items():  # denoised in this order
         jobstate.create(job_id)
-        sink.denoised(
-            DenoisedJob(
-                job_id=job_id,
-                model_id="tiny-sd2-inpaint",
-                latents_ref=f"latents/{job_id}.safetensors",
-                prepared_ref=f"prepared/{job_id}.safetensors",
-                template_ref="uploads/t.png",
-                used_cache=False,
-                service=level,
-            )
-        )
+        sink.denoised(make_denoised_job(job_id, service=level))
     queued = queued_tasks(redis_client, settings.celery.post_queue)
     assert [job.job_id for job in queued] == ["urgent", "studio", "bulk"]

@@ -11,11 +11,11 @@ import pytest
 from backend import protocol
 from backend.config import load_settings
 from backend.jobstate import JobStateStore
-from backend.protocol import DenoisedJob, JobEvent
+from backend.protocol import JobEvent
 from backend.protocol.keys import CPU_LEASES_KEY, cpu_queue_lists, cpu_task_key
 from backend.tasks.celery_app import cpu_leases, make_celery, resend_lapsed, submit_postprocess
 from backend.tasks.leases import CLAIMED, EXHAUSTED, HELD, lapse_verdict
-from tests.factories import queued_tasks
+from tests.factories import make_denoised_job, queued_tasks
 
 LIMIT = 2
 
@@ -44,17 +44,6 @@ def env(redis_url, redis_client):
     return settings, redis_client, JobStateStore(redis_client), make_celery(settings)
 
 
-def denoised(job_id: str) -> DenoisedJob:
-    return DenoisedJob(
-        job_id=job_id,
-        model_id="tiny-sd2-inpaint",
-        latents_ref=f"latents/{job_id}.safetensors",
-        prepared_ref=f"prepared/{job_id}.safetensors",
-        template_ref="uploads/t.png",
-        used_cache=False,
-    )
-
-
 def queued(settings, client, queue: str) -> list[str]:
     """Job ids of the tasks waiting in a broker queue."""
     return [job.job_id for job in queued_tasks(client, queue)]
@@ -81,12 +70,17 @@ def test_a_lost_post_task_is_re_enqueued_once_with_a_message(env):
     settings, client, jobstate, app = env
     jobstate.create("lost")
     jobstate.record_event(JobEvent(job_id="lost", status="running", at=time.time()))
-    assert submit_postprocess(app, client, settings, denoised("lost"))
-    assert not submit_postprocess(app, client, settings, denoised("lost"))  # denoised twice
+    assert submit_postprocess(app, client, settings, make_denoised_job("lost"))
+    assert not submit_postprocess(
+        app, client, settings, make_denoised_job("lost")
+    )  # denoised twice
     assert queued(settings, client, settings.celery.post_queue) == ["lost"]
     client.delete(*cpu_queue_lists(settings.celery.post_queue))  # taken by a worker that dies
     leases = cpu_leases(client, settings)
-    assert leases.claim("lost", "post", protocol.encode(denoised("lost")), "t1", LIMIT) == CLAIMED
+    assert (
+        leases.claim("lost", "post", protocol.encode(make_denoised_job("lost")), "t1", LIMIT)
+        == CLAIMED
+    )
     jobstate.record_event(JobEvent(job_id="lost", status="postprocessing", at=time.time()))
     lose(client, "lost")
     assert resend_lapsed(app, client, settings, jobstate) == 1
@@ -105,9 +99,9 @@ def test_a_worker_the_job_was_taken_from_does_not_hand_it_off(env):
     settings, client, jobstate, app = env
     jobstate.create("moved")
     assert jobstate.assign("moved", "w1")  # re-dispatched from w0, cut off past its heartbeat
-    assert not submit_postprocess(app, client, settings, denoised("moved"), worker_id="w0")
+    assert not submit_postprocess(app, client, settings, make_denoised_job("moved"), worker_id="w0")
     assert jobstate.record("moved").denoised == 0 and not client.exists(cpu_task_key("moved"))
-    assert submit_postprocess(app, client, settings, denoised("moved"), worker_id="w1")
+    assert submit_postprocess(app, client, settings, make_denoised_job("moved"), worker_id="w1")
     assert jobstate.record("moved").denoised == 1
     assert queued(settings, client, settings.celery.post_queue) == ["moved"]
 
