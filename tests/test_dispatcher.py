@@ -12,7 +12,14 @@ from backend import protocol
 from backend.config import load_settings
 from backend.dispatch.service import Dispatcher
 from backend.jobstate import JobStateStore
-from backend.protocol import AdapterUse, CancelJob, JobEvent, PreparedJob, WorkerHeartbeat
+from backend.protocol import (
+    AdapterUse,
+    CancelJob,
+    JobEvent,
+    PreparedJob,
+    ServiceLevel,
+    WorkerHeartbeat,
+)
 from backend.protocol.keys import DISPATCHER_GROUP as GROUP
 from backend.protocol.keys import WORKERS_KEY, heartbeat_key, inbox_stream
 from backend.tasks.celery_app import PREPARED_STREAM, hand_off
@@ -204,6 +211,39 @@ def test_late_binding_holds_a_job_until_a_worker_has_slack(redis_url, redis_clie
     beat(client, "w1", running=rows[:7])  # a row finished: a free slot
     run(dispatcher)
     assert inbox_jobs(client, "w1") == ["held"] and not dispatcher.backlog
+
+
+def test_late_binding_gives_a_freed_slot_to_the_tight_job_before_bulk_jobs_held_ahead(
+    redis_url, redis_client
+):
+    settings = load_settings(
+        env={}, redis={"url": redis_url}, dispatcher={"check_every_s": 0.01, "late_binding": True}
+    )
+    client, jobstate = redis_client, JobStateStore(redis_client)
+    rows = [
+        protocol.RunningRow(job_id=f"r{i}", mask_ratio=0.1, remaining_steps=3, template="t1")
+        for i in range(8)
+    ]
+    beat(client, "w1", running=rows)  # every slot taken
+    now = time.time()
+    levels = {
+        "bulk-1": ServiceLevel("batch", now + 600.0),
+        "plain": ServiceLevel("batch"),  # no deadline: after every job that has one
+        "bulk-2": ServiceLevel("batch", now + 600.0),
+        "studio": ServiceLevel("interactive", now + 30.0),
+        "urgent": ServiceLevel("batch", now + 600.0, priority=9),
+    }
+    dispatcher = Dispatcher(settings, client, consumer="d")
+    for job_id, level in levels.items():  # arriving in this order, all held
+        submit(client, jobstate, replace(prepared(job_id), service=level))
+        run(dispatcher, times=1)
+    assert inbox_jobs(client, "w1") == [] and len(dispatcher.backlog) == len(levels)
+    beat(client, "w1", running=rows[:6])  # two slots free
+    run(dispatcher, times=1)
+    assert inbox_jobs(client, "w1") == ["urgent", "studio"]
+    beat(client, "w1", running=[])  # every slot free: the rest, in the same order
+    run(dispatcher, times=1)
+    assert inbox_jobs(client, "w1") == ["urgent", "studio", "bulk-1", "bulk-2", "plain"]
 
 
 def test_a_prepared_job_read_twice_goes_to_one_worker_once(env):

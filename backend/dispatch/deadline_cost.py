@@ -150,6 +150,18 @@ def _rank(priority: int, slack: float, enqueued_at: float) -> tuple[int, float, 
     )
 
 
+def placing_order(levels: Sequence[tuple[int, float]], now: float) -> list[int]:
+    """The order in which the dispatcher places jobs waiting for a worker, as indices into
+    ``levels`` ((priority, deadline) of each job, in arrival order): ``_rank`` with no steps
+    counted, so higher priority first, then the earliest deadline (a job without one last), then
+    arrival. A late-binding backlog thus gives a freed slot to a tight job before the bulk jobs
+    held ahead of it, as the workers would."""
+    return sorted(
+        range(len(levels)),
+        key=lambda i: _rank(levels[i][0], slack_s(levels[i][1], now, 0, 0.0), float(i)),
+    )
+
+
 def sizing_hold(
     job: JobRequest, view: WorkerView, step_s: float, alone_s: Callable[[int], float]
 ) -> int:

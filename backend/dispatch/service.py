@@ -15,11 +15,14 @@ Between two heartbeats the dispatcher adds the jobs it has just sent to a worker
 is not routed as if every worker were still idle.
 
 Late binding (``late_binding``): the router refuses a job while no worker has slack, and the job
-waits in the dispatcher's FIFO backlog (its stream entry still pending) until one has. A job no live
-worker's model serves waits there too, and its message (and event stream) says so, naming the models
-live workers serve: once, and again only when those change, not at every retry; when it is routed
-at last its message says to which worker. (The API refuses a job for a model no live worker serves
-that the deployment does not configure, so only a configured model's jobs wait here.)
+waits in the dispatcher's backlog (its stream entry still pending) until one has. Waiting jobs and
+those just read are placed in the workers' order (``deadline_cost.placing_order``: priority, then
+deadline, then arrival), so a freed slot goes to a tight job before bulk jobs held ahead of it.
+A job no live worker's model serves waits there too, and its message (and event stream) says so,
+naming the models live workers serve: once, and again only when those change, not at every
+retry; when it is routed at last its message says to which worker. (The API refuses a job for a
+model no live worker serves that the deployment does not configure, so only a configured model's
+jobs wait here.)
 
 Idempotent routing: a job's inbox entry and its ``worker_id`` are written in one transaction, so an
 entry read again (this dispatcher died before its ack, or a job handed off twice) whose job is
@@ -47,6 +50,7 @@ from redis.exceptions import ResponseError
 from backend import protocol
 from backend.config import Settings
 from backend.costmodel.profiles import device_kind, load_profile
+from backend.dispatch.deadline_cost import placing_order
 from backend.dispatch.router import (
     AdapterNeed,
     JobRequest,
@@ -166,11 +170,12 @@ class Dispatcher:
             self.recover_dead_workers()
             for entry_id, job in self._claim_orphans():
                 self._route(entry_id, job)
-        for _ in range(len(self.backlog)):
-            entry_id, job = self.backlog.popleft()
-            self._route(entry_id, job)
-        for entry_id, job in self._read(block_ms):  # also paces backlog retries
-            self._route(entry_id, job)
+        fresh = self._read(block_ms)  # blocks while nothing arrives: also paces backlog retries
+        waiting = [*self.backlog, *fresh]  # in arrival order
+        self.backlog.clear()
+        services = [(job.service.priority, job.service.deadline) for _, job in waiting]
+        for index in placing_order(services, time.time()):
+            self._route(*waiting[index])
 
     def refresh_workers(self) -> None:
         beats = live_heartbeats(self.client)
