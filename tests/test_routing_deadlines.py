@@ -11,7 +11,7 @@ import pytest
 
 from backend import protocol
 from backend.costmodel.costs import CostProfile
-from backend.dispatch.deadline_cost import RowOrder, replay
+from backend.dispatch.deadline_cost import RowOrder, placing_order, replay
 from backend.dispatch.router import (
     JobRequest,
     Router,
@@ -363,3 +363,17 @@ def test_views_carry_deadlines_priorities_and_the_steps_a_parked_row_has_left():
 def test_row_order_refuses_an_unknown_scheduler():
     with pytest.raises(ValueError, match="scheduler must be one of"):
         RowOrder("lifo")
+
+
+def test_held_jobs_are_placed_by_priority_then_deadline_then_arrival():
+    now = 1000.0
+    levels = [
+        (0, now + 600.0),  # 0: bulk
+        (0, 0.0),  # 1: no deadline
+        (0, now + 30.0),  # 2: tight
+        (0, now + 600.0),  # 3: bulk, later
+        (5, 0.0),  # 4: higher priority, no deadline
+        (0, now - 5.0),  # 5: past its deadline already
+    ]
+    assert placing_order(levels, now) == [4, 5, 2, 0, 3, 1]
+    assert placing_order([], now) == []
