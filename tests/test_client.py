@@ -5,7 +5,6 @@ events a CPU worker and an engine worker would, so no model runs here."""
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import subprocess
@@ -25,8 +24,10 @@ from backend.config import load_settings
 from backend.imaging.uploads import encode_image
 from backend.jobstate import JobStateStore
 from backend.protocol import JobEvent
+from backend.protocol.keys import cpu_queue_lists
 from backend.services.redis_server import free_port
 from templates_store.samples import sample_template
+from tests.factories import celery_args
 from tests.test_api import HEIGHT, IMAGE, MASK, WIDTH
 
 KEY = "client-test-key"
@@ -88,11 +89,11 @@ def fake_pipeline(settings, num_jobs: int = 1, fail=False) -> threading.Thread:
 
     def run():
         for _ in range(num_jobs):
-            popped = client.blpop([settings.celery.pre_queue], timeout=30)
+            # every level of the queue, taken as a CPU worker takes them
+            popped = client.brpop(cpu_queue_lists(settings.celery.pre_queue), timeout=30)
             if popped is None:
                 return
-            args, _, _ = json.loads(base64.b64decode(json.loads(popped[1])["body"]))
-            job = protocol.decode(args[0])
+            job = protocol.decode(celery_args(popped[1])[0])
             store.record_event(JobEvent(job_id=job.job_id, status="preprocessing", at=time.time()))
             for step in range(1, job.steps + 1):
                 time.sleep(0.05)

@@ -503,8 +503,8 @@ def run_worker_deadline_bench(
     from backend.bench.soak import machine
     from backend.tasks.core import CpuStages
 
+    engine = build_engine(settings, cfg.model_id)  # a model built here uses every core
     torch.set_num_threads(1)  # the worker's thread, as ``bench worker``; the other core is left
-    engine = build_engine(settings, cfg.model_id)
     blobs = open_blob_store(settings)
     bench = _Bench(cfg, settings, engine, blobs, CpuStages(settings, engine, blobs=blobs))
     bench.calibration = cal = calibrate(bench)

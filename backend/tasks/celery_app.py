@@ -335,7 +335,7 @@ def _level_of(message: str) -> int:
     batch class's level (its task fails it with the reason)."""
     try:
         return task_level(protocol.decode(message))
-    except (ProtocolError, AttributeError):
+    except (ValueError, AttributeError):  # ProtocolError and bad JSON are ValueErrors
         return cpu_task_level("batch", 0)
 
 
