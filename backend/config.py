@@ -195,6 +195,10 @@ class CelerySettings(_Strict):
     ``dispatcher.check_every_s``, instead of waiting for ``visibility_timeout_s``."""
     concurrency: int = Field(default=1, ge=1, le=32)
     """Worker processes of one ``maskserve cpu-worker``."""
+    service_order: bool = True
+    """Take waiting pre- and post-processing tasks by their job's service level (higher priority
+    first, then interactive before batch; ``protocol.keys.cpu_task_level``); false: first in,
+    first out."""
     device: str = "cpu"
     """Where text encoders and the VAE run: ``cpu`` or ``cuda[:N]``."""
     metrics_port: int = Field(default=0, ge=0, le=65535)

@@ -55,6 +55,7 @@ ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "CACHE_POLICY": ("cache", "policy"),
     "REDIS_URL": ("redis", "url"),
     "CELERY_CONCURRENCY": ("celery", "concurrency"),
+    "CPU_SERVICE_ORDER": ("celery", "service_order"),
     "CELERY_DEVICE": ("celery", "device"),
     "CPU_METRICS_PORT": ("celery", "metrics_port"),
     "API_HOST": ("api", "host"),

@@ -146,8 +146,15 @@ def test_a_finished_denoise_reaches_post_processing_unchanged(sink):
     assert sink.denoised() == [job]
 
 
-def test_post_processing_is_queued_in_service_order(redis_client, redis_url):
-    settings = load_settings(env={}, redis={"url": redis_url})
+@pytest.mark.parametrize(
+    "service_order, taken",
+    [(True, ["urgent", "studio", "bulk"]), (False, ["bulk", "studio", "urgent"])],
+    ids=["by-service", "first-in-first-out"],
+)
+def test_post_processing_is_queued_in_service_order(redis_client, redis_url, service_order, taken):
+    settings = load_settings(
+        env={}, redis={"url": redis_url}, celery={"service_order": service_order}
+    )
     jobstate = JobStateStore(redis_client)
     sink = RedisSink(jobstate, make_celery(settings), settings)
     levels = {
@@ -159,4 +166,4 @@ def test_post_processing_is_queued_in_service_order(redis_client, redis_url):
         jobstate.create(job_id)
         sink.denoised(make_denoised_job(job_id, service=level))
     queued = queued_tasks(redis_client, settings.celery.post_queue)
-    assert [job.job_id for job in queued] == ["urgent", "studio", "bulk"]
+    assert [job.job_id for job in queued] == taken

@@ -13,6 +13,7 @@ from backend.bench.serve_deadlines import (
     ArmRun,
     BurstConfig,
     LevelledClient,
+    arm_env,
     build_report,
     compare,
     count_parks,
@@ -53,11 +54,27 @@ def test_bad_arguments_exit_2_naming_what_to_fix(capsys):
     for argv, named in (
         (["--batch-jobs", "0"], "--batch-jobs"),
         (["--interactive-x", "0"], "--interactive-x"),
-        (["--schedulers", "fifo,lifo"], "--schedulers (lifo; use fifo, edf, slack)"),
+        (["--schedulers", "fifo,lifo"], "--schedulers (lifo; use fifo, edf, slack, fifo-cpu"),
+        (["--schedulers", "slack-cpu-fifo"], "--schedulers (slack-cpu-fifo; use"),
         (["--schedulers", ","], "--schedulers (none;"),
     ):
         assert main(["bench", "serve-deadlines", *argv]) == 2, argv
         assert named in capsys.readouterr().err
+
+
+def test_an_arm_is_a_step_scheduler_with_the_cpu_stages_in_service_or_arrival_order():
+    assert arm_env("slack") == {
+        "MASKSERVE_BATCHING": "continuous",
+        "MASKSERVE_STEP_SCHEDULER": "slack",
+    }
+    assert arm_env("edf-cpu-arrival") == {
+        "MASKSERVE_BATCHING": "continuous",
+        "MASKSERVE_CPU_SERVICE_ORDER": "false",
+        "MASKSERVE_STEP_SCHEDULER": "edf",
+    }
+    assert (
+        BurstConfig(schedulers=("slack", "slack-cpu-arrival")).schedulers[1] == "slack-cpu-arrival"
+    )
 
 
 def _record(index: int, status="done", latency=None, submitted=0.0, message="") -> ServeRecord:

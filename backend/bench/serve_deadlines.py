@@ -1,10 +1,12 @@
 """`maskserve bench serve-deadlines`: interactive edits inside a burst of batch jobs, on the real
 stack, under the worker's step schedulers side by side (issue 20's last measured item).
 
-Each scheduler (``MASKSERVE_STEP_SCHEDULER``: ``fifo``, ``edf``, ``slack``) gets a stack of its
-own, started fresh by ``bench serve``'s machinery (``serve.py``: ``Target`` with the scheduler's
-settings, a fresh data directory; templates uploaded and their caches prepared, warm-up jobs, then
-the single-job latency: the median of ``single`` jobs sent one at a time). Then the scenario,
+Each arm, a step scheduler (``MASKSERVE_STEP_SCHEDULER``: ``fifo``, ``edf``, ``slack``) with the
+CPU workers taking tasks by service level or, ``<scheduler>-cpu-arrival``, first in first out
+(``MASKSERVE_CPU_SERVICE_ORDER``), gets a stack of its own, started fresh by ``bench serve``'s
+machinery (``serve.py``: ``Target`` with the arm's settings, a fresh data directory; templates
+uploaded and their caches prepared, warm-up jobs, then the single-job latency: the median of
+``single`` jobs sent one at a time). Then the scenario,
 replayed through REST by ``serve_load.Replay``:
 
 * ``batch_jobs`` jobs of class ``batch`` submitted at once (the burst), each with a generous
@@ -35,12 +37,17 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from backend.bench.serve_deadlines_plot import plot, shown
 from backend.bench.serve_stats import ServeRecord
 from backend.bench.trace import TraceRequest
 from backend.config import Settings
 from backend.worker.stats import percentile
 
 SCHEDULERS = ("fifo", "edf", "slack")
+# an arm "<scheduler>-cpu-arrival": the CPU workers take tasks first in, first out
+# (``MASKSERVE_CPU_SERVICE_ORDER=false``), not by service level
+CPU_ARRIVAL = "-cpu-arrival"
+ARMS = (*SCHEDULERS, *(s + CPU_ARRIVAL for s in SCHEDULERS))
 CLASSES = ("interactive", "batch")
 BURST = "burst"  # the replay's trace name
 PARKED = "parked at step"  # how a parked row's event message begins (worker loop)
@@ -69,7 +76,7 @@ HELP = {
     "batch_deadline_s": "a batch job's deadline, s (generous: none should be refused)",
     "start_x": "the first interactive arrival after the burst, in single-job latencies",
     "every_x": "between interactive arrivals, in single-job latencies",
-    "schedulers": f"comma-separated, any of {', '.join(SCHEDULERS)}; the first sets the schedule",
+    "schedulers": f"comma-separated, any of {', '.join(ARMS)}; the first sets the schedule",
     "templates": "gallery templates the jobs edit (caches prepared before timing)",
     "mask_mean": "mean mask ratio (Beta draws)",
     "zipf": "template popularity exponent",
@@ -120,11 +127,9 @@ class BurstConfig:
             "--drain-s": self.drain_s > 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
-        unknown = sorted(set(self.schedulers) - set(SCHEDULERS))
+        unknown = sorted(set(self.schedulers) - set(ARMS))
         if unknown or not self.schedulers:
-            bad.append(
-                f"--schedulers ({', '.join(unknown) or 'none'}; use {', '.join(SCHEDULERS)})"
-            )
+            bad.append(f"--schedulers ({', '.join(unknown) or 'none'}; use {', '.join(ARMS)})")
         if bad:
             raise ValueError(f"bad bench serve-deadlines settings: {', '.join(bad)}")
 
@@ -344,8 +349,12 @@ class ArmRun:
     wall_s: float = 0.0
 
 
-def arm_env(scheduler: str) -> dict[str, str]:
-    return {"MASKSERVE_BATCHING": "continuous", "MASKSERVE_STEP_SCHEDULER": scheduler}
+def arm_env(arm: str) -> dict[str, str]:
+    """The stack settings of ``arm`` (``ARMS``)."""
+    env = {"MASKSERVE_BATCHING": "continuous"}
+    if arm.endswith(CPU_ARRIVAL):
+        env["MASKSERVE_CPU_SERVICE_ORDER"] = "false"
+    return env | {"MASKSERVE_STEP_SCHEDULER": arm.removesuffix(CPU_ARRIVAL)}
 
 
 def run_burst_bench(cfg: BurstConfig, settings: Settings, progress: bool = True) -> dict:
@@ -467,34 +476,35 @@ def build_report(cfg: BurstConfig, plan, runs: list[ArmRun], device: str, wall_s
 
 def summary_text(report: dict) -> str:
     """The printed table: per scheduler and class, then every interactive job side by side."""
+    width = max(9, *(len(name) for name in report["arms"]))  # arm names line up
     lines = [
-        "scheduler class        jobs done 429     met attain  mean s   P95 s  margin min/mean s "
-        "parked makespan s jobs/s"
+        f"{'scheduler':{width}s} class        jobs done 429     met attain  mean s   P95 s  "
+        "margin min/mean s parked makespan s jobs/s"
     ]
     for name, arm in report["arms"].items():
         for cls, f in arm["summary"].items():
-            margins = f"{_n(f.get('margin_min_s'))} / {_n(f.get('margin_mean_s'))}"
+            margins = f"{shown(f.get('margin_min_s'))} / {shown(f.get('margin_mean_s'))}"
             lines.append(
-                f"{name:9s} {cls:11s} {f['jobs']:4d} {f['done']:4d} {f['refused_429']:3d} "
-                f"{f['met']:3d}/{f['jobs']:<3d} {_n(f['attainment'], '.0%'):>6s} "
-                f"{_n(f.get('mean_s')):>7s} {_n(f.get('p95_s')):>7s} {margins:>17s} "
-                f"{f['parked_jobs']:6d} {_n(f.get('makespan_s')):>10s} "
-                f"{_n(f.get('throughput_rps')):>6s}"
+                f"{name:{width}s} {cls:11s} {f['jobs']:4d} {f['done']:4d} {f['refused_429']:3d} "
+                f"{f['met']:3d}/{f['jobs']:<3d} {shown(f['attainment'], '.0%'):>6s} "
+                f"{shown(f.get('mean_s')):>7s} {shown(f.get('p95_s')):>7s} {margins:>17s} "
+                f"{f['parked_jobs']:6d} {shown(f.get('makespan_s')):>10s} "
+                f"{shown(f.get('throughput_rps')):>6s}"
             )
         w = arm["worker"]
         lines.append(
-            f"{name:9s} single-job latency {_n(arm['single_s'])} s; the worker during the "
+            f"{name:{width}s} single-job latency {shown(arm['single_s'])} s; the worker during the "
             f"scenario: {w['parks']:g} parks, {w['resumes']:g} resumes, {w['steps']:g} steps of "
-            f"{_n(w['mean_batch_rows'])} rows, {_n(w['mean_step_s'])} s each (batching overhead "
-            f"{_n(w['mean_overhead_s'])} s)"
+            f"{shown(w['mean_batch_rows'])} rows, {shown(w['mean_step_s'])} s each "
+            f"(batching overhead {shown(w['mean_overhead_s'])} s)"
         )
     by_arm = {name: {r["index"]: r for r in arm["jobs"]} for name, arm in report["arms"].items()}
     lines.append("interactive jobs: arrival, deadline; latency per scheduler (margin: + early)")
     for request in report["schedule"]["requests"]:
         if request["service_class"] == "interactive":
             cells = [
-                f"{name} {_n(rows[request['index']]['latency_s'])} s "
-                f"({_n(rows[request['index']]['margin_s'], '+.2f')})"
+                f"{name} {shown(rows[request['index']]['latency_s'])} s "
+                f"({shown(rows[request['index']]['margin_s'], '+.2f')})"
                 for name, rows in by_arm.items()
             ]
             lines.append(
@@ -504,50 +514,12 @@ def summary_text(report: dict) -> str:
     for name, c in report["comparison"].items():
         lines.append(
             f"{name} vs fifo: interactive attainment "
-            f"{_n(c['interactive_attainment_points'], '+.2f')} points, mean margin "
-            f"{_n(c['interactive_margin_mean_gain_s'], '+.2f')} s; batch throughput "
-            f"x{_n(c['batch_throughput_ratio'])}, makespan x{_n(c['batch_makespan_ratio'])}; "
-            f"every job done x{_n(c['all_makespan_ratio'])} as late"
+            f"{shown(c['interactive_attainment_points'], '+.2f')} points, mean margin "
+            f"{shown(c['interactive_margin_mean_gain_s'], '+.2f')} s; batch throughput "
+            f"x{shown(c['batch_throughput_ratio'])}, makespan x{shown(c['batch_makespan_ratio'])}; "
+            f"every job done x{shown(c['all_makespan_ratio'])} as late"
         )
     return "\n".join(lines)
-
-
-def _n(value, spec: str = ".2f") -> str:
-    """``value`` in ``spec``, or "-" for None."""
-    return "-" if value is None else format(value, spec)
-
-
-def plot(report: dict, path: Path) -> None:
-    """Each interactive job's latency per scheduler against its deadline, by arrival."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cfg = report["config"]
-    fig, axis = plt.subplots(figsize=(9, 5))
-    jobs = [r for r in report["schedule"]["requests"] if r["service_class"] == "interactive"]
-    x = list(range(len(jobs)))
-    width = 0.8 / max(1, len(report["arms"]))
-    for k, (name, arm) in enumerate(report["arms"].items()):
-        rows = {r["index"]: r for r in arm["jobs"]}
-        heights = [rows[j["index"]]["latency_s"] or 0.0 for j in jobs]
-        met = _n(arm["summary"].get("interactive", {}).get("attainment"), ".0%")
-        offset = (k - (len(report["arms"]) - 1) / 2) * width
-        axis.bar([i + offset for i in x], heights, width, label=f"{name}: {met} met")
-    axis.hlines([j["deadline_s"] for j in jobs], [i - 0.45 for i in x], [i + 0.45 for i in x],
-                colors="black", linestyles="--", label="deadline")  # fmt: skip
-    axis.set_xticks(x, [f"#{j['index']}\n{j['arrival_s']:.1f} s" for j in jobs])
-    axis.set(xlabel="interactive job (arrival after the burst)", ylabel="latency (s, total_s)")
-    axis.legend(fontsize=8)
-    title = (
-        f"bench serve-deadlines: {cfg['batch_jobs']} batch jobs at once, "
-        f"{cfg['interactive_jobs']} interactive inside; {cfg['model_id']} {cfg['size']} px, "
-        f"{cfg['steps']} steps - {report['machine']}"
-    )
-    axis.set_title(title, fontsize=9)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
 
 
 # ----- the command -------------------------------------------------------------------------------

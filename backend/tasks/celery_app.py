@@ -211,6 +211,7 @@ def make_celery(settings: Settings) -> Celery:
             "visibility_timeout": settings.celery.visibility_timeout_s,
             "priority_steps": list(CPU_TASK_LEVELS),
         },
+        maskserve_service_order=settings.celery.service_order,  # read by ``task_level``
         broker_connection_retry_on_startup=True,
         # Redis restarting: reconnect with backoff, forever (never exit: `up` or the platform
         # would have to restart the worker, and its running tasks with it)
@@ -322,21 +323,24 @@ def make_celery(settings: Settings) -> Celery:
 
 def submit_edit(app: Celery, job) -> None:
     """Queue an ``EditJob`` for pre-processing, at its service level's place in the queue."""
-    app.send_task(PRE_TASK, args=[protocol.encode(job)], priority=task_level(job))
+    app.send_task(PRE_TASK, args=[protocol.encode(job)], priority=task_level(app, job))
 
 
-def task_level(job) -> int:
-    """The CPU queue level of an ``EditJob``'s or ``DenoisedJob``'s task (``cpu_task_level``)."""
+def task_level(app: Celery, job) -> int:
+    """The CPU queue level of an ``EditJob``'s or ``DenoisedJob``'s task (``cpu_task_level``);
+    0 for every task when the deployment takes them first in, first out."""
+    if not app.conf.maskserve_service_order:
+        return 0
     return cpu_task_level(job.service.service_class, job.service.priority)
 
 
-def _level_of(message: str) -> int:
+def _level_of(app: Celery, message: str) -> int:
     """``task_level`` of a queued task's message; a message that no longer reads goes at the
     batch class's level (its task fails it with the reason)."""
     try:
-        return task_level(protocol.decode(message))
+        return task_level(app, protocol.decode(message))
     except (ValueError, AttributeError):  # ProtocolError and bad JSON are ValueErrors
-        return cpu_task_level("batch", 0)
+        return cpu_task_level("batch", 0) if app.conf.maskserve_service_order else 0
 
 
 def cpu_leases(client: Redis, settings: Settings) -> CpuLeases:
@@ -357,7 +361,7 @@ def submit_postprocess(
         )
         return False
     app.send_task(
-        POST_TASK, args=[text], queue=settings.celery.post_queue, priority=task_level(job)
+        POST_TASK, args=[text], queue=settings.celery.post_queue, priority=task_level(app, job)
     )
     return True
 
@@ -393,7 +397,9 @@ def resend_lapsed(app: Celery, client: Redis, settings: Settings, jobstate) -> i
         )
         task = PRE_TASK if lapsed.stage == "pre" else POST_TASK
         queue = settings.celery.pre_queue if lapsed.stage == "pre" else settings.celery.post_queue
-        app.send_task(task, args=[lapsed.message], queue=queue, priority=_level_of(lapsed.message))
+        app.send_task(
+            task, args=[lapsed.message], queue=queue, priority=_level_of(app, lapsed.message)
+        )
         log.warning("%s of %s lost with its worker: re-enqueued", what, lapsed.job_id)
         resent += 1
     return resent
