@@ -192,15 +192,21 @@ def test_a_dead_workers_unfinished_jobs_are_redispatched_once(env):
     assert inbox_jobs(client, "alive") == ["mid-job"] and dispatcher.counts["redispatched"] == 1
 
 
-def test_late_binding_holds_a_job_until_a_worker_has_slack(redis_url, redis_client):
+@pytest.fixture
+def late_binding(redis_url, redis_client):
+    """Settings with late binding, the client, the job state and a full batch's running rows."""
     settings = load_settings(
         env={}, redis={"url": redis_url}, dispatcher={"check_every_s": 0.01, "late_binding": True}
     )
-    client, jobstate = redis_client, JobStateStore(redis_client)
     rows = [
         protocol.RunningRow(job_id=f"r{i}", mask_ratio=0.1, remaining_steps=3, template="t1")
         for i in range(8)
     ]
+    return settings, redis_client, JobStateStore(redis_client), rows
+
+
+def test_late_binding_holds_a_job_until_a_worker_has_slack(late_binding):
+    settings, client, jobstate, rows = late_binding
     beat(client, "w1", running=rows)  # max_batch 8, all 8 slots taken
     submit(client, jobstate, prepared("held"))
     dispatcher = Dispatcher(settings, client, consumer="d")
@@ -214,16 +220,9 @@ def test_late_binding_holds_a_job_until_a_worker_has_slack(redis_url, redis_clie
 
 
 def test_late_binding_gives_a_freed_slot_to_the_tight_job_before_bulk_jobs_held_ahead(
-    redis_url, redis_client
+    late_binding,
 ):
-    settings = load_settings(
-        env={}, redis={"url": redis_url}, dispatcher={"check_every_s": 0.01, "late_binding": True}
-    )
-    client, jobstate = redis_client, JobStateStore(redis_client)
-    rows = [
-        protocol.RunningRow(job_id=f"r{i}", mask_ratio=0.1, remaining_steps=3, template="t1")
-        for i in range(8)
-    ]
+    settings, client, jobstate, rows = late_binding
     beat(client, "w1", running=rows)  # every slot taken
     now = time.time()
     levels = {
