@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import base64
 import io
+import json
 
 import numpy as np
 from PIL import Image
 
+from backend import protocol
 from backend.engine.cache_store import CacheKey
 from backend.engine.editor import EditParams, MaskAwareEngine
 from backend.models import load_pipeline, resolve_model
+from backend.protocol import DenoisedJob
+from backend.protocol.keys import cpu_queue_lists
 from templates_store.samples import sample_template
 
 SIZE = 128
@@ -103,15 +108,12 @@ def queued_tasks(client, queue: str) -> list:
     """The first argument (a ``backend.protocol`` message, decoded) of each Celery task waiting in
     CPU queue ``queue``, every level, in the order the CPU workers take them: the lowest level
     first, the oldest first within a level (kombu pushes on the left and pops on the right)."""
-    from backend import protocol
-
     return [protocol.decode(celery_args(task)[0]) for task in queued_raw(client, queue)]
 
 
 def queued_raw(client, queue: str) -> list[bytes]:
     """The Celery task messages waiting in CPU queue ``queue`` as Redis holds them, in the order
     of ``queued_tasks``."""
-    from backend.protocol.keys import cpu_queue_lists
 
     return [
         task for name in cpu_queue_lists(queue) for task in reversed(client.lrange(name, 0, -1))
@@ -121,16 +123,11 @@ def queued_raw(client, queue: str) -> list[bytes]:
 def celery_args(raw: bytes) -> list:
     """The positional arguments of a Celery task message as Redis holds it (JSON envelope, body
     in base64)."""
-    import base64
-    import json
-
     return json.loads(base64.b64decode(json.loads(raw)["body"]))[0]
 
 
 def make_denoised_job(job_id: str, **fields):
     """A ``DenoisedJob`` as an engine worker hands it on (refs named after the job)."""
-    from backend.protocol import DenoisedJob
-
     return DenoisedJob(
         **{
             "job_id": job_id,

@@ -42,7 +42,7 @@ from backend.config import Settings
 from backend.imaging.masks import MaskError
 from backend.imaging.uploads import UploadError
 from backend.metrics import make_registry, serve_metrics
-from backend.protocol import JobEvent, ProtocolError, to_text
+from backend.protocol import JobEvent, ProtocolError, ServiceLevel, to_text
 from backend.protocol.keys import (
     ADAPTER_INGEST_TASK,
     CPU_STATS_KEY,
@@ -323,24 +323,25 @@ def make_celery(settings: Settings) -> Celery:
 
 def submit_edit(app: Celery, job) -> None:
     """Queue an ``EditJob`` for pre-processing, at its service level's place in the queue."""
-    app.send_task(PRE_TASK, args=[protocol.encode(job)], priority=task_level(app, job))
+    app.send_task(PRE_TASK, args=[protocol.encode(job)], priority=task_level(app, job.service))
 
 
-def task_level(app: Celery, job) -> int:
-    """The CPU queue level of an ``EditJob``'s or ``DenoisedJob``'s task (``cpu_task_level``);
-    0 for every task when the deployment takes them first in, first out."""
+def task_level(app: Celery, service: ServiceLevel) -> int:
+    """The CPU queue level of the task of a job with ``service`` (``cpu_task_level``); 0 for
+    every task when the deployment takes them first in, first out."""
     if not app.conf.maskserve_service_order:
         return 0
-    return cpu_task_level(job.service.service_class, job.service.priority)
+    return cpu_task_level(service.service_class, service.priority)
 
 
 def _level_of(app: Celery, message: str) -> int:
     """``task_level`` of a queued task's message; a message that no longer reads goes at the
-    batch class's level (its task fails it with the reason)."""
+    default (batch) level (its task fails it with the reason)."""
     try:
-        return task_level(app, protocol.decode(message))
+        service = protocol.decode(message).service
     except (ValueError, AttributeError):  # ProtocolError and bad JSON are ValueErrors
-        return cpu_task_level("batch", 0) if app.conf.maskserve_service_order else 0
+        service = ServiceLevel()
+    return task_level(app, service)
 
 
 def cpu_leases(client: Redis, settings: Settings) -> CpuLeases:
@@ -361,7 +362,10 @@ def submit_postprocess(
         )
         return False
     app.send_task(
-        POST_TASK, args=[text], queue=settings.celery.post_queue, priority=task_level(app, job)
+        POST_TASK,
+        args=[text],
+        queue=settings.celery.post_queue,
+        priority=task_level(app, job.service),
     )
     return True
 
