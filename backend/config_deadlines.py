@@ -73,6 +73,12 @@ class DeadlineSettings(Strict):
     moves between seconds; 0: plan on the prediction (TetriServe's steady steps). Forecasts shown
     to users keep the prediction."""
 
+    finish_tail: bool = True
+    """An engine worker measures how long its jobs take after their last step (post-processing and
+    the hops around it, read back from the job records) and plans each row to end that much
+    before its deadline (a high quantile of the recent tails); routing and admission add it to
+    a job's predicted finish. Off: rows are planned to end at their deadlines."""
+
     @field_validator("shed_classes", mode="before")
     @classmethod
     def _split(cls, value):

@@ -37,6 +37,7 @@ ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "SHRINK_BATCHES": ("deadlines", "shrink_batches"),
     "PLAN_QUANTILE": ("deadlines", "plan_quantile"),
     "FORECAST_REFRESH_S": ("deadlines", "forecast_refresh_s"),
+    "FINISH_TAIL": ("deadlines", "finish_tail"),
     "MODEL": ("engine", "model_id"),
     "DEVICE": ("engine", "device"),
     "DTYPE": ("engine", "dtype"),

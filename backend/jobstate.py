@@ -356,6 +356,21 @@ class JobStateStore:
         """The job's record as the API shows it (``JobRecord.as_dict``); raises ``JobNotFound``."""
         return self.record(job_id).as_dict()
 
+    def statuses(self, job_ids: list[str]) -> dict[str, tuple[str | None, float | None]]:
+        """Job id -> (status, when it was done) in one round trip: (None, None) for a job that is
+        gone, a None time for one not done."""
+        with self.client.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hmget(job_key(job_id), "status", "done" + REACHED_SUFFIX)
+            replies = pipe.execute()
+        return {
+            job_id: (
+                None if status is None else to_text(status),
+                None if done_at is None else float(to_text(done_at)),
+            )
+            for job_id, (status, done_at) in zip(job_ids, replies)
+        }
+
     def status(self, job_id: str) -> str | None:
         value = self.client.hget(job_key(job_id), "status")
         return None if value is None else to_text(value)

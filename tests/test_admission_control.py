@@ -99,6 +99,22 @@ def test_the_forecast_is_the_worker_where_it_finishes_first():
     assert predicted.worker_id == "b" and predicted.finish == pytest.approx(NOW + 20.0)
 
 
+def test_a_workers_finish_tail_is_part_of_the_job_and_of_how_it_ranks_there():
+    # idle: done after its 10 steps and the worker's tail
+    tailed = WorkerLoad("w0", 4, 0.5, finish_tail_s=0.3)
+    predicted = forecast(job(), NOW, [tailed])
+    assert predicted.start == NOW and predicted.finish == pytest.approx(NOW + 5.3)
+    # the tail decides between otherwise equal workers
+    assert forecast(job(), NOW, [tailed, WorkerLoad("w1", 4, 0.5)]).worker_id == "w1"
+    # the worker's rows carry deadlines its tail (2 s) before their jobs': a waiting row whose job
+    # is due after the new job's (31 s against 30 s) goes after it, as the worker will rank them
+    waiting = (Row(10, NOW + 31.0 - 2.0),)
+    ranked = forecast(job(deadline_s=30.0), NOW, [WorkerLoad("w0", 1, 1.0, waiting, 2.0)])
+    assert ranked.start == NOW and ranked.ahead == 0
+    unranked = forecast(job(deadline_s=30.0), NOW, [WorkerLoad("w0", 1, 1.0, waiting, 0.0)])
+    assert unranked.start == NOW + 10.0  # without the tail the job looks looser: the row first
+
+
 def test_unplaced_jobs_that_precede_it_take_the_first_free_slots_on_any_worker():
     idle = [WorkerLoad("a", 1, 1.0), WorkerLoad("b", 1, 1.0)]
     earlier = [Row(10, NOW + 15.0), Row(10, NOW + 15.0), Row(10, NOW + 15.0)]

@@ -96,6 +96,21 @@ def test_a_job_already_past_its_deadline_goes_where_it_finishes_first(cm):
     assert choose(cm, job(NOW - 60.0), [w0, w1]).worker_id == "w1"
 
 
+def test_a_workers_finish_tail_counts_against_the_deadline(cm):
+    """Two equal workers: J's last step ends in time on both, but on w0 its job is done that much
+    later (w0's post-processing takes longer): it goes to w1, and on w0 it is late by the
+    difference."""
+    idle = worker("w1", order=SLACK)
+    e = cm.estimate(job(), idle)
+    deadline = NOW + e["finish_s"] + 0.5
+    slow_tail = replace(idle, worker_id="w0", finish_tail_s=0.8)
+    d = choose(cm, job(deadline), [slow_tail, idle])
+    assert d.worker_id == "w1" and "meets its deadline on 1 of 2" in d.reason
+    assert d.terms["w0"]["late_s"] == pytest.approx(0.3)
+    shorter = replace(slow_tail, finish_tail_s=0.4)  # on time on both: the tie goes to w0
+    assert choose(cm, job(deadline), [shorter, idle]).worker_id == "w0"
+
+
 # ----- the rows ahead of a job ------------------------------------------------------------------
 def test_a_tight_job_is_not_charged_for_the_slack_rich_queue_ahead_of_it(cm):
     """A full batch (20 steps left) and 8 queued rows, all with an hour of slack: under FIFO J waits
@@ -352,8 +367,10 @@ def test_views_carry_deadlines_priorities_and_the_steps_a_parked_row_has_left():
         batching="continuous",
         running=[protocol.RunningRow("a", 0.1, 7, "t", deadline=50.0, priority=2)],
         waiting=[protocol.WaitingRow("b", 0.2, 20, "u", deadline=60.0, priority=1, step=8)],
+        finish_tail_s=0.25,
     )
     view = view_from_heartbeat(protocol.decode(protocol.encode(beat)), SLACK)
+    assert view.finish_tail_s == 0.25
     (run,), (wait,) = view.running, view.waiting
     assert (run.deadline, run.priority, run.remaining_steps) == (50.0, 2, 7)
     assert (wait.deadline, wait.priority, wait.step, wait.remaining_steps) == (60.0, 1, 8, 12)

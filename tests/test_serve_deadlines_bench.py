@@ -62,7 +62,7 @@ def test_bad_arguments_exit_2_naming_what_to_fix(capsys):
         assert named in capsys.readouterr().err
 
 
-def test_an_arm_is_a_step_scheduler_with_the_cpu_stages_in_service_or_arrival_order():
+def test_an_arm_is_a_step_scheduler_and_at_most_one_variant_of_the_stack():
     assert arm_env("slack") == {
         "MASKSERVE_BATCHING": "continuous",
         "MASKSERVE_STEP_SCHEDULER": "slack",
@@ -71,6 +71,11 @@ def test_an_arm_is_a_step_scheduler_with_the_cpu_stages_in_service_or_arrival_or
         "MASKSERVE_BATCHING": "continuous",
         "MASKSERVE_CPU_SERVICE_ORDER": "false",
         "MASKSERVE_STEP_SCHEDULER": "edf",
+    }
+    assert arm_env("slack-no-tail") == {
+        "MASKSERVE_BATCHING": "continuous",
+        "MASKSERVE_FINISH_TAIL": "false",
+        "MASKSERVE_STEP_SCHEDULER": "slack",
     }
     assert (
         BurstConfig(schedulers=("slack", "slack-cpu-arrival")).schedulers[1] == "slack-cpu-arrival"

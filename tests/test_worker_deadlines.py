@@ -14,6 +14,7 @@ from backend.blobs import BlobStore
 from backend.protocol import ServiceLevel
 from backend.worker.channels import LocalInbox, LocalSink
 from backend.worker.deadlines import DeadlinePlan
+from backend.worker.finish_tail import FinishTail
 from backend.worker.loop import EngineWorker
 from backend.worker.step_clock import StepClock
 from tests.factories import MASK, make_engine, make_params, make_prepared_job, make_template
@@ -30,7 +31,7 @@ def engine(models_dir, tmp_path_factory):
     return make_engine("sd2-inpaint", models_dir, tmp_path_factory.mktemp("deadline-cache"))
 
 
-def make_worker(engine, tmp_path, plan=None, clock=None, forecast_refresh_s=0.0):
+def make_worker(engine, tmp_path, plan=None, clock=None, forecast_refresh_s=0.0, tail=None):
     blobs, inbox, sink = BlobStore(tmp_path / "blobs"), LocalInbox(), LocalSink()
     worker = EngineWorker(
         engine,
@@ -41,6 +42,7 @@ def make_worker(engine, tmp_path, plan=None, clock=None, forecast_refresh_s=0.0)
         plan=plan,
         clock=clock,
         forecast_refresh_s=forecast_refresh_s,
+        finish_tail=tail,
     )
     return worker, inbox, sink, blobs
 
@@ -151,6 +153,32 @@ def test_the_worker_runs_its_forecast_once_per_refresh_interval(engine, tmp_path
     told = [e for e in sink.events if e.job_id == "second" and e.status == "waiting"]
     assert told and told[-1].queue_position == 1  # the waiting row heard its forecast either way
     assert {d.job_id for d in sink.denoised_jobs} == {"first", "second"}
+
+
+def measured_tail(seconds: float) -> FinishTail:
+    tail = FinishTail()
+    tail.handed_on("earlier", 0.0)
+    tail.resolve("earlier", seconds, ended=True)
+    return tail
+
+
+@pytest.mark.parametrize("tail_s", [None, 4.95])
+def test_a_row_is_planned_to_end_its_finish_tail_before_its_deadline(engine, tmp_path, tail_s):
+    """Due in 5 s, the tight row has seconds of slack at the deadline itself and waits for the
+    loose row; with a measured tail of 4.95 s it must end its steps now, and the loose row is
+    parked for it."""
+    tail = None if tail_s is None else measured_tail(tail_s)
+    worker, inbox, sink, blobs = make_worker(engine, tmp_path, slack_plan(), tail=tail)
+    inbox.put(job(engine, blobs, "loose", 11, 1000.0))
+    for _ in range(3):  # a planning round is due
+        worker.iterate()
+    inbox.put(job(engine, blobs, "tight", 12, 5.0, "interactive"))
+    drain(worker)
+    order = [j.job_id for j in sink.denoised_jobs]
+    assert order == (["loose", "tight"] if tail is None else ["tight", "loose"])
+    assert worker.stats.parks == (0 if tail is None else 1)
+    if tail is not None:  # and it went on measuring: both jobs were handed on
+        assert set(tail.unresolved(time.time())) == {"loose", "tight"}
 
 
 def test_a_row_recording_its_templates_cache_is_never_parked(engine, tmp_path):

@@ -4,6 +4,7 @@ denoises onto the Celery post-processing queue, heartbeat with live state and a 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -12,7 +13,7 @@ from backend.blobs import BlobStore
 from backend.config import load_settings
 from backend.engine.factory import CPU_STAGES, build_engine
 from backend.jobstate import JobStateStore
-from backend.protocol import CancelJob, WorkerHeartbeat
+from backend.protocol import CancelJob, ServiceLevel, WorkerHeartbeat
 from backend.protocol.keys import heartbeat_key
 from backend.tasks.celery_app import make_celery
 from backend.worker.redis_inbox import send_to_inbox
@@ -201,3 +202,64 @@ def test_the_heartbeat_stays_alive_while_the_loop_is_busy(service, redis_client)
         assert redis_client.exists(heartbeat_key("w-test"))
     finally:
         stop.set()
+
+
+def test_the_worker_learns_its_finish_tail_from_the_records_and_plans_rows_before_it(
+    service, redis_client, cpu_engine
+):
+    """A job handed on and then done (as post-processing records it) gives the worker its finish
+    tail: the heartbeat and metrics publish it, and the next row is planned that much before its
+    job's deadline."""
+    settings, worker, caches, jobstate = service
+    blobs = BlobStore(settings.paths.data_dir / "blobs")
+    params = make_params(worker.engine, size=(worker.engine.spec.default_resolution,) * 2)
+    template = make_template(size=params.size[0])
+    mask = MASK.resize(template.size)
+    handed_after = time.time()
+    first = make_prepared_job(cpu_engine, blobs, "tail-1", template, mask, seed=4, params=params)
+    jobstate.create("tail-1")
+    send_to_inbox(redis_client, "w-test", first)
+    drain(worker, jobstate, "tail-1")
+    handed_before = time.time()
+    done_at = handed_before + 0.5
+    for status in ("postprocessing", "done"):  # what the CPU worker records
+        jobstate.record_event(protocol.JobEvent(job_id="tail-1", status=status, at=done_at))
+    heartbeat = Heartbeat(redis_client, worker, caches, settings)
+    heartbeat.refresh(force=True)
+    beat = protocol.decode(redis_client.get(heartbeat_key("w-test")))
+    assert 0.5 <= beat.finish_tail_s <= done_at - handed_after
+    assert heartbeat.worker_stats["finish_tail_s"] == beat.finish_tail_s
+
+    deadline = time.time() + 100.0
+    second = make_prepared_job(cpu_engine, blobs, "tail-2", template, mask, seed=5, params=params)
+    second = replace(second, service=ServiceLevel("interactive", deadline, 0))
+    jobstate.create("tail-2")
+    send_to_inbox(redis_client, "w-test", second)
+    time.sleep(settings.deadlines.forecast_refresh_s)  # the next step runs a new forecast
+    worker.iterate(0.01)
+    (row,) = worker.scheduler.running.values()
+    assert row.deadline == pytest.approx(deadline - beat.finish_tail_s)
+    last_step_at = worker.forecasts.finish_of("tail-2")
+    assert last_step_at > 0  # the finish users are told includes the tail
+    assert jobstate.get("tail-2")["predicted_finish"] == pytest.approx(
+        last_step_at + beat.finish_tail_s
+    )
+
+
+def test_without_the_finish_tail_rows_are_planned_against_their_deadlines(
+    redis_url, redis_client, models_dir, tmp_path
+):
+    settings = load_settings(
+        env={"MASKSERVE_FINISH_TAIL": "false"},
+        paths={"data_dir": str(tmp_path), "models_dir": str(models_dir)},
+        redis={"url": redis_url},
+        worker={"worker_id": "w-untailed"},
+    )
+    worker, caches = build_worker(settings, redis_client, make_celery(settings))
+    try:
+        assert worker.finish_tail is None and worker.finish_reserve_s() == 0.0
+        Heartbeat(redis_client, worker, caches, settings).refresh(force=True)
+        beat = protocol.decode(redis_client.get(heartbeat_key("w-untailed")))
+        assert beat.finish_tail_s == 0.0
+    finally:
+        caches.close()

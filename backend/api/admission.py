@@ -131,7 +131,7 @@ def worker_load(beat: WorkerHeartbeat, step_s: float) -> WorkerLoad:
         Row(r.remaining_steps, r.deadline, r.priority, running=True) for r in beat.running
     )
     waiting = tuple(Row(max(0, r.num_steps - r.step), r.deadline, r.priority) for r in beat.waiting)
-    return WorkerLoad(beat.worker_id, beat.max_batch, step_s, running + waiting)
+    return WorkerLoad(beat.worker_id, beat.max_batch, step_s, running + waiting, beat.finish_tail_s)
 
 
 class AdmissionGate:

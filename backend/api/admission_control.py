@@ -21,10 +21,13 @@ On each worker the rows that go before it are replayed on its ``max_batch`` slot
 hold theirs for their remaining steps; the others take the first slot that frees, in precedence
 order, each for its steps); then the unplaced jobs that precede it take the first slot that
 frees on any worker. The job's predicted start on a worker is its first free slot, its finish that
-plus ``steps x step_s``; the forecast is the worker where it finishes first. Step times are taken
+plus ``steps x step_s`` plus the worker's finish tail (post-processing and the hops around it, as
+the worker measured them; its rows' deadlines are their jobs' less that tail, and the job is
+ranked among them so); the forecast is the worker where it finishes first. Step times are taken
 as constant over the wait (the batch as it would be with the job in it). Not modelled: the
 starvation bound (heartbeats do not say how long a row has waited), the time to the next planning
-round before a park, pre- and post-processing (seconds, against deadlines of tens of seconds).
+round before a park, pre-processing (tens of milliseconds on the shipped models, against
+deadlines of tens of seconds).
 
 Decision (``decide``), with ``late_factor`` L, ``max_queue`` Q:
 
@@ -46,10 +49,10 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from backend.config_deadlines import SERVICE_CLASSES
-from backend.costmodel.slack import SCHEDULERS, precedence, slack_s
+from backend.costmodel.slack import NO_DEADLINE, SCHEDULERS, precedence, slack_s
 
 DEFAULT_RETRY_S = 30  # Retry-After when the queue is over its bound and no worker can drain it
 MAX_RETRY_S = 3600
@@ -70,7 +73,8 @@ class WorkerLoad:
     worker_id: str
     max_batch: int
     step_s: float  # predicted seconds of one step of its batch with the new job in it (> 0)
-    rows: tuple[Row, ...] = ()
+    rows: tuple[Row, ...] = ()  # their deadlines less ``finish_tail_s``, as the worker plans them
+    finish_tail_s: float = 0.0  # seconds its jobs take from their last step to done
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ class Policy:
 class Forecast:
     worker_id: str  # where it would finish first
     start: float  # epoch seconds of its predicted first step
-    finish: float  # epoch seconds of the predicted end of its denoising
+    finish: float  # epoch seconds it is predicted done: its denoising's end plus the finish tail
     ahead: int  # rows (on that worker or unplaced) that go before it
 
 
@@ -150,7 +154,8 @@ def forecast(
     slots: dict[str, list[float]] = {}
     ahead: dict[str, int] = {}
     for w in usable:
-        before = [r for r in w.rows if _goes_before(r, mine, now, w.step_s, scheduler)]
+        planned = _planned_on(mine, w)  # ranked against its rows as the worker ranks them
+        before = [r for r in w.rows if _goes_before(r, planned, now, w.step_s, scheduler)]
         before.sort(key=lambda r: (not r.running, _precedence(r, now, w.step_s, 0.0)))
         free = [0.0] * w.max_batch
         for row in before:
@@ -164,17 +169,25 @@ def forecast(
         w = min(usable, key=lambda w: (slots[w.worker_id][0], w.worker_id))
         at = heapq.heappop(slots[w.worker_id])
         heapq.heappush(slots[w.worker_id], at + max(0, row.remaining_steps) * w.step_s)
-    best = min(
-        usable,
-        key=lambda w: (slots[w.worker_id][0] + mine.remaining_steps * w.step_s, w.worker_id),
-    )
-    start = slots[best.worker_id][0]
+
+    def done_s(w: WorkerLoad) -> float:
+        return slots[w.worker_id][0] + mine.remaining_steps * w.step_s + w.finish_tail_s
+
+    best = min(usable, key=lambda w: (done_s(w), w.worker_id))
     return Forecast(
         worker_id=best.worker_id,
-        start=now + start,
-        finish=now + start + mine.remaining_steps * best.step_s,
+        start=now + slots[best.worker_id][0],
+        finish=now + done_s(best),
         ahead=ahead[best.worker_id] + len(queued),
     )
+
+
+def _planned_on(job: Row, worker: WorkerLoad) -> Row:
+    """The new job's row as ``worker`` would plan it: its deadline less the worker's finish
+    tail."""
+    if job.deadline == NO_DEADLINE or worker.finish_tail_s <= 0:
+        return job
+    return replace(job, deadline=job.deadline - worker.finish_tail_s)
 
 
 def _clamp_retry(seconds: float) -> int:

@@ -44,10 +44,14 @@ from backend.config import Settings
 from backend.worker.stats import percentile
 
 SCHEDULERS = ("fifo", "edf", "slack")
-# an arm "<scheduler>-cpu-arrival": the CPU workers take tasks first in, first out
-# (``MASKSERVE_CPU_SERVICE_ORDER=false``), not by service level
-CPU_ARRIVAL = "-cpu-arrival"
-ARMS = (*SCHEDULERS, *(s + CPU_ARRIVAL for s in SCHEDULERS))
+# an arm is a scheduler, or a scheduler and one of these variants of the stack's settings
+VARIANTS = {
+    # the CPU workers take tasks first in, first out, not by service level
+    "-cpu-arrival": {"MASKSERVE_CPU_SERVICE_ORDER": "false"},
+    # the engine workers plan rows to end at their deadlines, not a finish tail before them
+    "-no-tail": {"MASKSERVE_FINISH_TAIL": "false"},
+}
+ARMS = (*SCHEDULERS, *(s + v for v in VARIANTS for s in SCHEDULERS))
 CLASSES = ("interactive", "batch")
 BURST = "burst"  # the replay's trace name
 PARKED = "parked at step"  # how a parked row's event message begins (worker loop)
@@ -351,10 +355,11 @@ class ArmRun:
 
 def arm_env(arm: str) -> dict[str, str]:
     """The stack settings of ``arm`` (``ARMS``)."""
-    env = {"MASKSERVE_BATCHING": "continuous"}
-    if arm.endswith(CPU_ARRIVAL):
-        env["MASKSERVE_CPU_SERVICE_ORDER"] = "false"
-    return env | {"MASKSERVE_STEP_SCHEDULER": arm.removesuffix(CPU_ARRIVAL)}
+    env = {"MASKSERVE_BATCHING": "continuous", "MASKSERVE_STEP_SCHEDULER": arm}
+    for suffix, settings in VARIANTS.items():
+        if arm.endswith(suffix):
+            env |= settings | {"MASKSERVE_STEP_SCHEDULER": arm.removesuffix(suffix)}
+    return env
 
 
 def run_burst_bench(cfg: BurstConfig, settings: Settings, progress: bool = True) -> dict:

@@ -76,7 +76,8 @@ default 0). When none has slack and ``allow_queueing`` (default True), a job wai
 queue rather than being rejected: the candidates become the least-loaded serving workers (fewest
 rows) and the policy chooses among them (mask_aware then also weighs their queues; for a job with
 a deadline every serving worker, since one that orders by deadline lets J pass looser rows, and
-``backend.dispatch.deadline_cost`` chooses: on time at least cost, else least late). Without it
+``backend.dispatch.deadline_cost`` chooses: on time at least cost, else least late; "on time" is
+J's last step by its deadline less W's finish tail, ``planned_on``). Without it
 (late binding, ``DispatcherSettings.late_binding``) the decision is None and the dispatcher holds
 the job (FIFO) until a worker has slack. Every tie goes to the smallest worker id, so a decision
 is a function of its inputs (and, for round_robin, of the last choice).
@@ -122,6 +123,7 @@ from backend.dispatch.views import RowState as RowState
 from backend.dispatch.views import WorkerView as WorkerView
 from backend.dispatch.views import adapter_residency as adapter_residency
 from backend.dispatch.views import default_rows_per_request as default_rows_per_request
+from backend.dispatch.views import planned_on
 from backend.dispatch.views import view_from_heartbeat as view_from_heartbeat
 from backend.dispatch.views import waiting_note as waiting_note
 
@@ -362,7 +364,9 @@ class RoutingCostModel:
     ) -> dict[str, float]:
         """Completion-time estimate of ``job`` on ``view`` (module docstring): wait, run, residency,
         total. ``memo``: a dict shared by the estimates of one job on several workers (T(J)
-        reuse)."""
+        reuse). The finish and lateness are of J's last step, against its deadline less W's
+        finish tail (``planned_on``)."""
+        job = planned_on(job, view)
         cached = {
             r.template
             for r in (*view.running, *view.waiting)

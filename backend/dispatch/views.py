@@ -6,8 +6,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from backend.costmodel.slack import NO_DEADLINE
 from backend.dispatch.adapter_cost import AdapterNeed, AdapterResidency
 from backend.dispatch.deadline_cost import RowOrder
 from backend.models.catalog import UnknownModelError, rows_per_request
@@ -39,6 +40,9 @@ class WorkerView:
     adapters_device: frozenset[str] = frozenset()  # sha256 of the adapters in W's device tier
     adapters_host: frozenset[str] = frozenset()  # ... and in its host-RAM tier
     order: RowOrder = RowOrder()  # how W gives its slots to its rows (its deadlines settings)
+    # seconds W's jobs take after their last step (its heartbeat's ``finish_tail_s``); the
+    # deadlines of W's rows are already that much earlier than their jobs'
+    finish_tail_s: float = 0.0
 
     @property
     def load(self) -> int:
@@ -113,7 +117,16 @@ def view_from_heartbeat(beat: WorkerHeartbeat, order: RowOrder = RowOrder()) -> 
         frozenset(beat.adapters_device),
         frozenset(beat.adapters_host),
         order,
+        beat.finish_tail_s,
     )
+
+
+def planned_on(job: JobRequest, view: WorkerView) -> JobRequest:
+    """``job`` as W would plan it: by when its last step must end there for the job to be done by
+    its deadline (the deadline less W's finish tail), like the rows W publishes."""
+    if job.deadline == NO_DEADLINE or view.finish_tail_s <= 0:
+        return job
+    return replace(job, deadline=job.deadline - view.finish_tail_s)
 
 
 def adapter_residency(view: WorkerView) -> AdapterResidency:

@@ -29,7 +29,8 @@ SCHEMA_MAJOR = 1
 # a waiting row's steps already run (parked); predicted start/finish and queue position on events
 # 1.7: the batch an edit or prepared job is an item of (its items are routed to one worker)
 # 1.8: the service level on denoised jobs (post-processing is queued in service order)
-SCHEMA_MINOR = 8
+# 1.9: a worker's finish tail on its heartbeat (routing and admission plan against it)
+SCHEMA_MINOR = 9
 PROTOCOL_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 
@@ -262,6 +263,9 @@ class WorkerHeartbeat:
     # sha256 of the LoRA adapters per tier of the worker (routing prefers where a job's are)
     adapters_device: list[str] = field(default_factory=list)
     adapters_host: list[str] = field(default_factory=list)
+    # seconds its jobs take from the last step to done (a high quantile of the measured tails):
+    # its rows' published deadlines are their jobs' less this, and a new job's should be
+    finish_tail_s: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)  # free-form counters for /metrics
 
 

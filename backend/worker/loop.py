@@ -23,8 +23,10 @@ service levels and may park a running row at a step boundary for a tighter one. 
 keeps its engine state and its pins (cache entry, adapters), so it is ready again at once and
 resumes from the same step with the same latents; a row recording its template is never parked.
 Measured iterations calibrate the plan's ``StepClock``; the scheduler's forecast rides the step
-events (predicted finish) and reaches waiting rows when it moves (``ForecastNotes``). The
-template-cache half of the worker (acquire, record, start over on a broken entry) is
+events (predicted finish) and reaches waiting rows when it moves (``ForecastNotes``). A row is
+planned against its job's deadline less the finish tail (``FinishTail``: hand-off to done, as
+the job records show it), and its predicted finish includes that tail. The template-cache half
+of the worker (acquire, record, start over on a broken entry) is
 ``backend.worker.template_rows.TemplateRows``.
 
 A broken template cache never fails a job: an entry found missing or corrupt when acquired reads as
@@ -48,6 +50,7 @@ import torch
 from safetensors.torch import save_file
 
 from backend.blobs import BlobStore, job_blob_name
+from backend.costmodel.slack import NO_DEADLINE
 from backend.engine.cache_store import CacheCorruptError, CacheKey
 from backend.engine.editor import EditParams, EditState, MaskAwareEngine
 from backend.engine.prepared import PreparedRequest
@@ -58,6 +61,7 @@ from backend.worker.admission import AdmissionRules
 from backend.worker.batching import BatchScheduler, Row
 from backend.worker.channels import Inbox, JobSink
 from backend.worker.deadlines import DeadlinePlan
+from backend.worker.finish_tail import FinishTail
 from backend.worker.forecasts import ForecastNotes
 from backend.worker.stats import WorkerStats
 from backend.worker.step_clock import StepClock
@@ -112,6 +116,7 @@ class EngineWorker(TemplateRows):
         plan: DeadlinePlan | None = None,
         clock: StepClock | None = None,
         forecast_refresh_s: float = 0.0,
+        finish_tail: FinishTail | None = None,
     ):
         if mode == "inline" and stages is None:
             raise ValueError("inline batching runs pre/post-processing in the loop: pass `stages`")
@@ -125,6 +130,9 @@ class EngineWorker(TemplateRows):
         # users are told the expected finish: the clock's prediction, not the plan's margin
         forecast_time = clock if clock is not None else (plan.step_time if plan else None)
         self.forecasts = ForecastNotes(self.scheduler, forecast_time, refresh_s=forecast_refresh_s)
+        # how long its jobs take after the hand-off, rows planned to end that much earlier (the
+        # service reads the tails from the job records; None: planned against the deadlines)
+        self.finish_tail = finish_tail
         self.jobs: dict[str, _Job] = {}
         self.stats = WorkerStats()
         self.admission = AdmissionRules()  # which waiting row may join; templates recorded
@@ -243,7 +251,7 @@ class EngineWorker(TemplateRows):
                 job.received_at,
                 template=prepared.cache_key.digest() if prepared.cache_key else "",
                 adapters=tuple(use.sha256 for use in message.adapters),
-                deadline=message.service.deadline,
+                deadline=self._planned_deadline(message.service.deadline),
                 priority=message.service.priority,
                 service_class=message.service.service_class,
             )
@@ -251,6 +259,20 @@ class EngineWorker(TemplateRows):
         if self.caches is not None and params.use_cache and prepared.cache_key is not None:
             self.caches.prefetch(prepared.cache_key)  # disk -> RAM while the job waits for a slot
         self._emit(message.job_id, "waiting", num_steps=message.num_steps)
+
+    def finish_reserve_s(self) -> float:
+        """Seconds a row's last step is planned before its job's deadline: the finish tail
+        measured so far (``FinishTail``; 0 without one)."""
+        return 0.0 if self.finish_tail is None else self.finish_tail.reserve_s()
+
+    def _planned_deadline(self, deadline: float) -> float:
+        """By when the row's last step must end for its job to be done by ``deadline``."""
+        return deadline if deadline == NO_DEADLINE else deadline - self.finish_reserve_s()
+
+    def _predicted_finish(self, last_step_at: float) -> float:
+        """When the job is predicted to be done, its last step predicted at ``last_step_at`` (0:
+        no forecast)."""
+        return last_step_at + self.finish_reserve_s() if last_step_at else 0.0
 
     def _group_key(self, job: _Job) -> str:
         """Rows of equal keys share one forward pass: the same cache mode and resolution."""
@@ -350,7 +372,7 @@ class EngineWorker(TemplateRows):
                 num_steps=job.message.num_steps,
                 queue_position=forecast.position,
                 predicted_start=forecast.start,
-                predicted_finish=forecast.finish,
+                predicted_finish=self._predicted_finish(forecast.finish),
             )
 
     # ----- steps ----------------------------------------------------------------------------
@@ -389,7 +411,7 @@ class EngineWorker(TemplateRows):
                     step=state.step,
                     num_steps=len(state.req.timesteps),
                     preview=previews.get(job_id, ""),
-                    predicted_finish=self.forecasts.finish_of(job_id),
+                    predicted_finish=self._predicted_finish(self.forecasts.finish_of(job_id)),
                 )
                 for job_id, state in zip(job_ids, states)
             ]
@@ -442,6 +464,8 @@ class EngineWorker(TemplateRows):
         """The row's final latents (one row) to a file, the job to post-processing by reference
         (in the loop itself with ``inline`` batching); the job leaves this worker."""
         job_id = job.message.job_id
+        if self.finish_tail is not None:  # the tail runs from the last step's end
+            self.finish_tail.handed_on(job_id, time.time())
         with self.blobs.writing("latents", job_blob_name("latents", job_id)) as (latents_ref, path):
             save_file({"latents": latents.detach().to("cpu").contiguous()}, str(path))
         job.timings["denoise_s"] = time.time() - job.timings.pop("admitted_at")

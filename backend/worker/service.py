@@ -37,6 +37,7 @@ from backend.jobstate import JobStateStore
 from backend.metrics import make_registry, serve_metrics
 from backend.protocol import DenoisedJob, JobEvent, WorkerHeartbeat
 from backend.protocol.keys import WORKERS_KEY, heartbeat_key
+from backend.protocol.records import TERMINAL
 from backend.runtime import REDIS_UNAVAILABLE, stop_event_on_signals
 from backend.services.supervisor import Backoff, Reconnect
 from backend.tasks.celery_app import make_celery, submit_postprocess
@@ -44,6 +45,7 @@ from backend.worker.adapter_book import AdapterBook
 from backend.worker.adapter_tiers import worker_adapters
 from backend.worker.baseline import BaselineWorker
 from backend.worker.deadlines import DeadlinePlan
+from backend.worker.finish_tail import FinishTail
 from backend.worker.loop import EngineWorker
 from backend.worker.redis_inbox import RedisInbox
 from backend.worker.stats import WorkerStats
@@ -194,6 +196,7 @@ class Heartbeat:
         self, client: Redis, worker: EngineWorker, caches: TieredActivationCache, settings: Settings
     ):
         self.client, self.worker, self.caches, self.settings = client, worker, caches, settings
+        self.jobstate = JobStateStore(client)
         self._built_at = 0.0
         self._encoded: str | None = None
         self._lock = threading.Lock()
@@ -203,8 +206,10 @@ class Heartbeat:
 
     def message(self) -> WorkerHeartbeat:
         live = self.worker.scheduler.live_state()
+        reserve_s = self.worker.finish_reserve_s()
+        tails = {} if self.worker.finish_tail is None else {"finish_tail_s": reserve_s}
         self.worker_stats, self.cache_stats = (
-            self.worker.stats.snapshot(),
+            self.worker.stats.snapshot() | tails,
             self.caches.metrics.snapshot(),
         )
         return WorkerHeartbeat(
@@ -220,8 +225,19 @@ class Heartbeat:
             resident_ram=self.caches.resident(Tier.RAM) if self.worker.caches else [],
             resident_disk=self.caches.resident(Tier.DISK) if self.worker.caches else [],
             **self._adapters(),
+            finish_tail_s=reserve_s,
             stats=self.worker_stats,
         )
+
+    def read_finish_tails(self) -> None:
+        """The records of the jobs this worker handed on and has not measured yet, in one round
+        trip: each done one gives its finish tail (``FinishTail``)."""
+        tail = self.worker.finish_tail
+        pending = [] if tail is None else tail.unresolved(time.time())
+        if not pending:
+            return
+        for job_id, (status, done_at) in self.jobstate.statuses(pending).items():
+            tail.resolve(job_id, done_at, ended=status is None or status in TERMINAL)
 
     def _adapters(self) -> dict[str, list[str]]:
         """The adapters on this worker's device and host tiers (routing prefers where a job's
@@ -238,6 +254,7 @@ class Heartbeat:
         now = time.monotonic()
         if force or now - self._built_at >= HEARTBEAT_EVERY_S:
             self._built_at = now
+            self.read_finish_tails()
             with self._lock:
                 self._encoded = protocol.encode(self.message())
             self.publish()
@@ -334,6 +351,7 @@ def build_worker(
         plan=plan,
         clock=clock,
         forecast_refresh_s=settings.deadlines.forecast_refresh_s,
+        finish_tail=FinishTail() if settings.deadlines.finish_tail else None,
         **common,
     )
     return worker, caches
