@@ -62,6 +62,10 @@ class DeadlineSettings(Strict):
     """``slack`` only: at any step, when a running row is late at the batch's step time and would
     be on time in a smaller batch, park rows with slack to spare (the loosest first, within
     ``max_parks_per_round``) until it is; they rejoin as ``size_batches`` lets them."""
+    urgent_parks: bool = True
+    """``slack`` only: a waiting row that would be late if it waited for the next planning round
+    may have a running row parked for it at once, by the rounds' rules and within
+    ``max_parks_per_round``; off, parks for waiting rows happen at the rounds only."""
     forecast_refresh_s: float = Field(default=0.5, ge=0.0, le=60.0)
     """How old a worker's forecast of its rows (queue position, predicted start and finish, shown
     to users) may grow before the worker runs its queue forward again; 0: at every step. The

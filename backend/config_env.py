@@ -35,6 +35,7 @@ ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "MAX_PARKS_PER_ROUND": ("deadlines", "max_parks_per_round"),
     "SIZE_BATCHES": ("deadlines", "size_batches"),
     "SHRINK_BATCHES": ("deadlines", "shrink_batches"),
+    "URGENT_PARKS": ("deadlines", "urgent_parks"),
     "PLAN_QUANTILE": ("deadlines", "plan_quantile"),
     "FORECAST_REFRESH_S": ("deadlines", "forecast_refresh_s"),
     "FINISH_TAIL": ("deadlines", "finish_tail"),

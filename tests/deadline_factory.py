@@ -37,6 +37,7 @@ def make_plan(
     step_time: Callable[[Sequence[Row]], float] = constant(1.0),
     size_batches: bool = True,
     shrink_batches: bool = True,
+    urgent_parks: bool = True,
 ) -> DeadlinePlan:
     return DeadlinePlan(
         scheduler=scheduler,
@@ -45,6 +46,7 @@ def make_plan(
         max_parks_per_round=max_parks,
         size_batches=size_batches,
         shrink_batches=shrink_batches,
+        urgent_parks=urgent_parks,
         step_time=step_time,
     )
 

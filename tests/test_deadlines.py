@@ -156,8 +156,32 @@ def test_a_slack_rich_row_is_parked_for_a_tight_one_at_a_round_boundary_only():
     assert h.s.rounds >= 2
 
 
-def test_a_resumed_row_is_not_parked_again_in_the_round_it_resumed():
-    h = Harness(BatchScheduler(1, plan=make_plan(round_steps=2)))
+@pytest.mark.parametrize("urgent_parks", [False, True])
+def test_a_row_that_cannot_wait_for_the_round_has_a_row_parked_for_it_at_once(urgent_parks):
+    """t arrives one step into a round of three with 1.5 s of slack: waiting the two steps to the
+    round (1 s each) would make it late, so it is urgent; with urgent parks b is parked for it at
+    once and t is on time, else b is parked at the round and t ends half a second late."""
+    h = Harness(BatchScheduler(2, plan=make_plan(round_steps=3, urgent_parks=urgent_parks)))
+    h.s.add(make_row("a", steps=20, deadline=1000.0))
+    h.s.add(make_row("b", steps=20, deadline=1000.0, at=0.5))
+    h.tick(0.0)
+    h.s.add(make_row("t", steps=4, deadline=6.5, at=1.0))  # slack 1.5 at t=1: under 2 steps
+    out = h.tick(1.0)
+    assert out.parked == (["b"] if urgent_parks else [])
+    if not urgent_parks:
+        assert h.tick(2.0).parked == []
+        out = h.tick(3.0)  # the round
+        assert out.parked == ["b"]
+    assert out.admitted == ["t"]
+    while not h.s.idle:
+        h.tick(float(len(h.outs)))
+    assert h.finished_at["t"] == (5.0 if urgent_parks else 7.0)
+    assert h.s.parks == h.s.resumes == 1
+
+
+@pytest.mark.parametrize("urgent_parks", [False, True])
+def test_a_resumed_row_is_not_parked_again_in_the_round_it_resumed(urgent_parks):
+    h = Harness(BatchScheduler(1, plan=make_plan(round_steps=2, urgent_parks=urgent_parks)))
     h.s.add(make_row("a", steps=30, deadline=1000.0))
     h.tick(0.0)
     h.tick(1.0)
@@ -168,9 +192,14 @@ def test_a_resumed_row_is_not_parked_again_in_the_round_it_resumed():
     h.s.add(make_row("t2", steps=1, deadline=6.0, at=4.0))
     out = h.tick(4.0)  # the next round: a resumed since the last one, so it keeps its slot
     assert out.parked == [] and list(h.s.waiting) == ["t2"]
-    h.tick(5.0)
-    out = h.tick(6.0)  # the round after: a may be parked again
-    assert out.parked == ["a"] and out.admitted == ["t2"]
+    # a may be parked again from that round on: t2 (slack 0 at t=5) would be late if it waited
+    # for the next round, so with urgent parks it takes a's slot at once
+    out = h.tick(5.0)
+    assert out.parked == (["a"] if urgent_parks else [])
+    if not urgent_parks:
+        out = h.tick(6.0)  # the round after
+        assert out.parked == ["a"]
+    assert out.admitted == ["t2"]
 
 
 def test_a_row_whose_own_slack_would_go_negative_is_not_parked():
@@ -219,22 +248,32 @@ def test_a_waiting_row_that_is_not_ready_never_causes_a_park():
     assert out.parked == ["b"] and out.admitted == ["t"]
 
 
+@pytest.mark.parametrize("urgent_parks", [False, True])
 @pytest.mark.parametrize("bound", [1, 3])
-def test_parks_per_round_stay_within_the_bound_under_many_tight_arrivals(bound):
-    h = Harness(BatchScheduler(4, plan=make_plan(round_steps=2, max_parks=bound)))
+def test_parks_per_round_stay_within_the_bound_under_many_tight_arrivals(bound, urgent_parks):
+    plan = make_plan(round_steps=2, max_parks=bound, urgent_parks=urgent_parks)
+    h = Harness(BatchScheduler(4, plan=plan))
     for i in range(4):
         h.s.add(make_row(f"batch{i}", steps=40, deadline=10_000.0, at=i * 0.1))
-    parks = []
+    parks, per_round = [], [0]  # parks per schedule; per round, from one round to the next
+    off_round_parks = 0
     for t in range(100):
         if t < 30 and t % 3 == 1:  # four tight rows at once, every third step
             for k in range(4):
                 h.s.add(make_row(f"tight{t}.{k}", steps=2, deadline=t + 4.0, at=float(t)))
         rounds = h.s.rounds
         out = h.tick(float(t))
-        assert not out.parked or h.s.rounds == rounds + 1  # parks happen at round boundaries only
+        if h.s.rounds > rounds:
+            per_round.append(0)
+        else:
+            off_round_parks += len(out.parked)
         parks.append(len(out.parked))
-    assert max(parks) == bound  # the bound binds: four rows wanted a slot at once
+        per_round[-1] += len(out.parked)
+    assert max(per_round) == bound  # the bound binds: four rows wanted a slot at once
     assert h.s.idle and h.s.parks == sum(parks) == h.s.resumes
+    # without urgent parks, parks happen at round boundaries only; with them, tight rows that
+    # arrived between rounds were let in before the next one
+    assert (off_round_parks > 0) == urgent_parks
 
 
 def test_a_batch_row_is_not_starved_by_tight_rows_arriving_at_every_step():

@@ -25,6 +25,7 @@ PROFILES = Path(__file__).resolve().parents[1] / "profiles"
 MODEL = "small-flux-fill"
 NOW = 1000.0
 SLACK, EDF, FIFO = RowOrder("slack"), RowOrder("edf"), RowOrder("fifo")
+ROUNDS_ONLY = RowOrder("slack", urgent_parks=False)  # parks for waiting rows at rounds only
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +116,8 @@ def test_a_workers_finish_tail_counts_against_the_deadline(cm):
 def test_a_tight_job_is_not_charged_for_the_slack_rich_queue_ahead_of_it(cm):
     """A full batch (20 steps left) and 8 queued rows, all with an hour of slack: under FIFO J waits
     for the queue (40 steps), under EDF only for the running batch (20), under the slack scheduler
-    for the next round boundary, displacing (parking) one running row."""
+    not at all: it would be late by the next round boundary, so a running row is parked for it at
+    once (at that boundary without urgent parks)."""
     loose = NOW + 3600
     running = rows([(0.1, 20, "a")] * 8, "r", loose)
     waiting = rows([(0.1, 20, "a")] * 8, "q", loose)
@@ -128,8 +130,11 @@ def test_a_tight_job_is_not_charged_for_the_slack_rich_queue_ahead_of_it(cm):
     }
     assert est["fifo"]["admit_step"] == 40 and est["fifo"]["ahead"] == 16
     assert est["edf"]["admit_step"] == 20 and est["edf"]["ahead"] == 8
-    assert est["slack"]["admit_step"] == SLACK.round_steps // 2 and est["slack"]["parked"] == 1
+    assert est["slack"]["admit_step"] == 0 and est["slack"]["parked"] == 1
     assert est["slack"]["ahead"] == 0
+    rounds_only = worker("w", running, waiting, ram={"a", "t0"}, order=ROUNDS_ONLY)
+    at_round = cm.estimate(tight, rounds_only)
+    assert at_round["admit_step"] == SLACK.round_steps // 2 and at_round["parked"] == 1
     assert est["slack"]["wait"] < est["edf"]["wait"] < est["fifo"]["wait"]
     assert est["slack"]["finish_s"] < est["edf"]["finish_s"] < est["fifo"]["finish_s"]
     # no parking allowed (churn bound 0): the slack scheduler is EDF
@@ -201,7 +206,7 @@ def test_the_slack_replay_parks_only_for_rows_that_would_be_late_within_the_chur
     """Queued rows (and J) ranked before running rows displace them at round boundaries, only when
     waiting for a free slot would make them late, at most ``max_parks_per_round`` a round; a parked
     row resumes its remaining steps when its turn comes and a slot frees."""
-    order = RowOrder("slack", round_steps=4, max_parks_per_round=2)
+    order = RowOrder("slack", round_steps=4, max_parks_per_round=2, urgent_parks=False)
     steps, ranked = [20, 20, 20, 5, 5, 5, 5], [3, 4, 5, 6, -1, 0, 1, 2]
     # 3 running rows (20 steps left, indexes 0-2, an hour of slack), 4 waiting (5 steps, 3-6) and J
     # (6 steps) already late (negative slack): they rank first; steps of 1 s, max batch 3
@@ -232,6 +237,22 @@ def test_the_slack_replay_parks_only_for_rows_that_would_be_late_within_the_chur
     assert loose.admit == 22 and loose.parked == 1
 
 
+def test_with_urgent_parks_a_row_late_by_the_next_boundary_is_let_in_at_once():
+    """As above, with urgent parks: rows 3 and 4 (late already) park rows 2 and 1 (ranked last) at
+    once, the parks left before the first boundary; row 5 parks row 0 at that boundary (step 2);
+    row 6 and J take the slots rows 3 and 4 free at 5, two steps sooner."""
+    order = RowOrder("slack", round_steps=4, max_parks_per_round=2, urgent_parks=True)
+    slack = {0: 3600.0, 1: 3600.0, 2: 3600.0, 3: -1.0, 4: -1.0, 5: -1.0, 6: -1.0, -1: -1.0}
+    r = replay([20, 20, 20, 5, 5, 5, 5], 3, [3, 4, 5, 6, -1, 0, 1, 2], 6, 3, order, slack, 1.0)
+    assert r.first == (0, 3, 4)  # rows 1 and 2 parked before any step, row 0 ran until 2
+    assert r.admit == 5 and r.parked == 0
+    tight = replay([10, 10, 10], 3, [-1, 0, 1, 2], 6, 3, order, slack, 1.0)
+    assert tight.admit == 0 and tight.parked == 1
+    # 3 s of slack: on time at the boundary (step 2), so parked for there, not at once
+    spare = replay([10, 10, 10], 3, [-1, 0, 1, 2], 6, 3, order, {**slack, -1: 3.0}, 1.0)
+    assert spare.admit == 2 and spare.parked == 1
+
+
 def test_a_running_row_recording_its_template_is_not_counted_as_parkable(cm):
     """The worker never parks a recording (its template's other rows wait for it): a tight job
     on a batch of recordings waits for a slot; with one cached row among them, it parks that one."""
@@ -242,7 +263,7 @@ def test_a_running_row_recording_its_template_is_not_counted_as_parkable(cm):
     assert est["parked"] == 0 and est["admit_step"] == 20
     one_cached = recordings[:7] + rows([(0.1, 20, "a")], "c", loose)
     est = cm.estimate(tight, worker("w", one_cached, ram={"a", "t0"}, order=SLACK))
-    assert est["parked"] == 1 and est["admit_step"] == SLACK.round_steps // 2
+    assert est["parked"] == 1 and est["admit_step"] == 0
 
 
 # ----- batch sizing -----------------------------------------------------------------------------

@@ -50,6 +50,8 @@ VARIANTS = {
     "-cpu-arrival": {"MASKSERVE_CPU_SERVICE_ORDER": "false"},
     # the engine workers plan rows to end at their deadlines, not a finish tail before them
     "-no-tail": {"MASKSERVE_FINISH_TAIL": "false"},
+    # the engine workers park rows for waiting ones at planning rounds only
+    "-no-urgent": {"MASKSERVE_URGENT_PARKS": "false"},
 }
 ARMS = (*SCHEDULERS, *(s + v for v in VARIANTS for s in SCHEDULERS))
 CLASSES = ("interactive", "batch")
@@ -63,7 +65,9 @@ WORKER_METRICS = {
     "maskserve_worker_mean_step_s": "mean_step_s",  # these three: means over the worker's life
     "maskserve_worker_mean_overhead_s": "mean_overhead_s",
     "maskserve_worker_mean_batch_rows": "mean_batch_rows",
+    "maskserve_worker_finish_tail_s": "finish_tail_s",  # a gauge: the reserve it plans with
 }
+GAUGES = ("finish_tail_s",)  # the largest over workers, the latest over time
 METRICS_SETTLE_S = 2.5  # > 2 x worker.service.HEARTBEAT_EVERY_S: its /metrics are that stale
 STAGES = ("queue_s", "pre_s", "wait_s", "denoise_s", "post_s")  # a job's timings, total_s apart
 
@@ -307,18 +311,22 @@ def worker_totals(values: dict[str, float]) -> dict[str, float]:
         "step_s": values.get("mean_step_s", 0.0) * steps,
         "overhead_s": values.get("mean_overhead_s", 0.0) * steps,
         "rows": values.get("mean_batch_rows", 0.0) * steps,
+        "finish_tail_s": values.get("finish_tail_s", 0.0),
     }
 
 
 def worker_during(before: dict[str, float], after: dict[str, float]) -> dict:
-    """What the workers did between two readings of ``worker_totals``: parks, resumes, steps, and
-    per step the mean time, batching overhead and rows."""
-    d = {key: value - before.get(key, 0.0) for key, value in after.items()}
+    """What the workers did between two readings of ``worker_totals``: parks, resumes, steps, per
+    step the mean time, batching overhead and rows, and the finish tail they planned with at the
+    end."""
+    d = {key: value - before.get(key, 0.0) for key, value in after.items() if key not in GAUGES}
     steps = d.get("steps", 0.0)
     means = {"mean_step_s": "step_s", "mean_overhead_s": "overhead_s", "mean_batch_rows": "rows"}
-    return {key: d.get(key, 0.0) for key in ("parks", "resumes", "steps")} | {
-        mean: d.get(total, 0.0) / steps if steps else None for mean, total in means.items()
-    }
+    return (
+        {key: d.get(key, 0.0) for key in ("parks", "resumes", "steps")}
+        | {mean: d.get(total, 0.0) / steps if steps else None for mean, total in means.items()}
+        | {gauge: after.get(gauge, 0.0) for gauge in GAUGES}
+    )
 
 
 # ----- the real stack ----------------------------------------------------------------------------
@@ -443,7 +451,10 @@ def _worker_counters(target) -> dict[str, float]:
     for name, url in target.stack.metrics_urls().items():
         if name.startswith("worker"):
             reading = worker_totals(metric_values(httpx.get(url, timeout=10).text))
-            totals = {key: totals.get(key, 0.0) + value for key, value in reading.items()}
+            totals = {
+                key: (max if key in GAUGES else sum)((totals.get(key, 0.0), value))
+                for key, value in reading.items()
+            }
     return totals
 
 
@@ -501,7 +512,8 @@ def summary_text(report: dict) -> str:
             f"{name:{width}s} single-job latency {shown(arm['single_s'])} s; the worker during the "
             f"scenario: {w['parks']:g} parks, {w['resumes']:g} resumes, {w['steps']:g} steps of "
             f"{shown(w['mean_batch_rows'])} rows, {shown(w['mean_step_s'])} s each "
-            f"(batching overhead {shown(w['mean_overhead_s'])} s)"
+            f"(batching overhead {shown(w['mean_overhead_s'])} s); finish tail "
+            f"{shown(w.get('finish_tail_s'), '.3f')} s"
         )
     by_arm = {name: {r["index"]: r for r in arm["jobs"]} for name, arm in report["arms"].items()}
     lines.append("interactive jobs: arrival, deadline; latency per scheduler (margin: + early)")

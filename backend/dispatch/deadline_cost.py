@@ -21,8 +21,9 @@ batch with J in it (a row without a deadline has infinite slack):
   is not recording its template's cache (the worker never parks a recording); it
   resumes its remaining steps when its turn in the order comes and a slot frees. Round boundaries
   are at ``round_steps // 2 + m * round_steps`` steps (m = 0, 1, ...): the router does not know
-  the round's phase, so the next one is expected half a round away. With
-  ``max_parks_per_round`` 0 nothing is parked: ``edf``.
+  the round's phase, so the next one is expected half a round away. With ``urgent_parks``, a
+  row that would be late at that boundary is let in at once instead, within the parks left
+  before it (taken as a whole round's). With ``max_parks_per_round`` 0 nothing is parked: ``edf``.
 
 So under ``edf`` and ``slack`` a tight job is not charged for the rows with more slack queued
 ahead of it, and under ``slack`` the running row it displaces when it would otherwise be late
@@ -80,6 +81,7 @@ class RowOrder:
     round_steps: int = 5
     max_parks_per_round: int = DEFAULT_MAX_PARKS_PER_ROUND
     size_batches: bool = True
+    urgent_parks: bool = True
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
@@ -98,6 +100,7 @@ class RowOrder:
 
 
 FIFO = RowOrder()
+BEFORE_ROUND = -1  # the replay's "round" of urgent parks, before the next boundary
 
 
 @dataclass(frozen=True)
@@ -273,7 +276,9 @@ def _replay_parking(
     left = list(steps)  # steps each row has left to run
     holding = set(range(num_running))  # running rows still in their slot, not yet reached
     parkable = holding - set(unparkable)
-    used: dict[int, int] = {}  # round (0: the next) -> parks it made
+    used: dict[
+        int, int
+    ] = {}  # round (0: the next; BEFORE_ROUND: before it, urgent) -> parks it made
     admit, ahead, parked = 0.0, 0, 0
     for pos, i in enumerate(order):
         if i in holding:  # its turn: it keeps its slot
@@ -291,9 +296,12 @@ def _replay_parking(
                     / row.round_steps
                 ),
             )
-            while used.get(m, 0) >= row.max_parks_per_round:
+            limit = row.max_parks_per_round
+            while used.get(m, 0) >= limit:
                 m += 1
             boundary = row.round_steps // 2 + m * row.round_steps
+            if row.urgent_parks and own < boundary * step_s and used.get(BEFORE_ROUND, 0) < limit:
+                m, boundary = BEFORE_ROUND, 0  # late by that round: the worker parks for it at once
             then = own - boundary * step_s  # its slack at that boundary (it waited meanwhile)
             victims = [
                 j
@@ -306,7 +314,7 @@ def _replay_parking(
                 assert victim is not None
                 holding.discard(victim)
                 left[victim] -= boundary
-                spans[victim] = [(0.0, float(boundary))]
+                spans[victim] = [(0.0, float(boundary))] if boundary else []  # ran until then
                 start, used[m], parked = float(boundary), used.get(m, 0) + 1, parked + (i == JOB)
         if i == JOB:
             start = max(start, float(not_before))
@@ -322,7 +330,7 @@ def _replay_parking(
         overlap = sum(max(0.0, min(e, end) - max(s0, admit)) for s0, e in intervals)
         if overlap > 0:
             co_runners.append((overlap, k))
-    first = tuple(sorted(k for k, iv in spans.items() if iv[0][0] == 0.0))
+    first = tuple(sorted(k for k, iv in spans.items() if iv and iv[0][0] == 0.0))
     return Replay(admit, first, tuple(co_runners), ahead, parked)
 
 

@@ -41,6 +41,10 @@ baselines compared against):
   below, and that keep two rounds of slack after sitting out its remaining steps); they wait
   as kept-out rows until ``size_batches`` lets them back.
 
+With ``urgent_parks``, a waiting row W that finds no free slot between rounds and would be late
+if it waited for the next round (its slack under the steps left to it, at the step time of the
+batch as it would be) may park a running row at once, by the rules a round parks by (below).
+
 A round parks a running row R for a waiting row W only when all of these hold: fewer than
 ``max_parks_per_round`` rows were parked in this round; W precedes R; W is ready (``ready(W)``
 is asked only once a row to park was found, and W then takes R's slot in the same schedule, so a
@@ -258,7 +262,7 @@ class BatchScheduler:
                 if shrinking and self._shrink(now, out, protected, batch, batch_step_s):
                     batch, batch_step_s = self._priced_batch(True)
                 continue
-            if not planning or self._parks_left == 0:
+            if self._parks_left == 0 or not (planning or self._urgent(row, now, step_s)):
                 break  # no slot, and none may be made by parking
             victim = self._victim(row, now, step_s, queued_ahead, protected, out)
             if victim is None:
@@ -274,6 +278,18 @@ class BatchScheduler:
         if shrinking:  # also when nothing joined: step times drift
             self._shrink(now, out, protected, batch, batch_step_s)
         self._order = [r.job_id for r in dl.ordered(self.waiting.values(), now, step_s, plan)]
+
+    def _urgent(self, row: Row, now: float, step_s: float) -> bool:
+        """Between rounds (``urgent_parks``): whether waiting ``row`` would be late if it waited
+        for the next planning round, so that a row may be parked for it now."""
+        plan = self.plan
+        assert plan is not None
+        steps_to_round = max(0, plan.round_steps - self._steps_since_round)
+        return (
+            self.policy == "slack"
+            and plan.urgent_parks
+            and dl.row_slack(row, now, step_s) < steps_to_round * step_s
+        )
 
     def _priced_batch(self, priced: bool) -> tuple[list[Row], float]:
         """The running rows, and their predicted step time when ``priced`` (else 0.0)."""

@@ -12,8 +12,10 @@ A ``DeadlinePlan`` picks one of three step schedulers (``Settings.deadlines.sche
   that goes before the waiting row (``delays_a_tighter_row``): a batch's step time grows with its
   rows, and a tight row needs short steps more than the loose row needs to start now; with
   ``shrink_batches``, at any step a running row late at the batch's step time may have rows with
-  slack to spare parked (``rows_to_park_for``) so that it is on time in the smaller batch. Both
-  park kinds share the churn bound, ``max_parks_per_round`` parks per round.
+  slack to spare parked (``rows_to_park_for``) so that it is on time in the smaller batch; with
+  ``urgent_parks``, a waiting row that would be late if it waited for the next planning round
+  may have a row parked for it at any step, by the round's rules. All park kinds share the churn
+  bound, ``max_parks_per_round`` parks per round.
 
 Slack and precedence have one definition, ``backend.costmodel.slack``: this module only says which
 step time they use, that of the batch as it would be (``planned_step_s``), and how long a row has
@@ -60,6 +62,7 @@ class DeadlinePlan:
     max_parks_per_round: int = DEFAULT_MAX_PARKS_PER_ROUND
     size_batches: bool = True
     shrink_batches: bool = True
+    urgent_parks: bool = True
     step_time: StepTime
 
     def __post_init__(self) -> None:
@@ -84,6 +87,7 @@ class DeadlinePlan:
             max_parks_per_round=settings.max_parks_per_round,
             size_batches=settings.size_batches,
             shrink_batches=settings.shrink_batches,
+            urgent_parks=settings.urgent_parks,
             step_time=step_time,
         )
 
