@@ -97,11 +97,18 @@ def test_deadline_traces_offer_the_rate_and_bursts_cluster_arrivals_at_the_same_
 
 
 # ----- the simulated workers --------------------------------------------------------------------
-def one_worker(scheduler: str, records: bool = False, clock: bool = False, drift=None):
+def one_worker(
+    scheduler: str,
+    records: bool = False,
+    clock: bool = False,
+    drift=None,
+    slack_steps: float = 6.0,
+    urgent_parks: bool = True,
+):
     """One worker, one slot, 20 steps a job: a batch job runs from t=0; an interactive job arrives
-    5.5 steps in, with 6 steps of slack (it must start by step 10 and a half). ``records``: the
-    batch job's template is in no tier (it records it), the interactive job's another one.
-    ``clock`` and ``drift``: the plan's step clock and the machine's drift."""
+    5.5 steps in, with ``slack_steps`` of slack (6: it must start by step 10 and a half).
+    ``records``: the batch job's template is in no tier (it records it), the interactive job's
+    another one. ``clock`` and ``drift``: the plan's step clock and the machine's drift."""
     route = RouteBenchConfig(
         profiles_dir=str(PROFILES),
         num_workers=1,
@@ -116,7 +123,8 @@ def one_worker(scheduler: str, records: bool = False, clock: bool = False, drift
     truth, routing = cost_model_for(route, "exact"), cost_model_for(route)
     t = truth.step_latency([(0.1, "tpl0", True)])
     trace = [TraceRequest(0, 0.0, 0, 0.1, 1), TraceRequest(1, 5.5 * t, int(records), 0.1, 2)]
-    services = [Service("batch", 600.0), Service("interactive", trace[1].arrival_s + 26 * t)]
+    due = trace[1].arrival_s + (20 + slack_steps) * t
+    services = [Service("batch", 600.0), Service("interactive", due)]
     sim = DeadlineClusterSimulation(
         route,
         truth,
@@ -124,7 +132,7 @@ def one_worker(scheduler: str, records: bool = False, clock: bool = False, drift
         trace,
         {"tpl1"} if records else {"tpl0"},
         services,
-        StepPlan(scheduler, round_steps=5, clock=clock),
+        StepPlan(scheduler, round_steps=5, clock=clock, urgent_parks=urgent_parks),
         routing,
         drift=drift,
     )
@@ -146,6 +154,18 @@ def test_the_slack_scheduler_parks_the_batch_row_for_the_tight_one_which_resumes
     counts = sim.scheduler_counts()
     assert counts["parks"] == counts["resumes"] == 1 and counts["rounds"] >= 7  # every 5 steps
     assert sim.predicted[1] <= services[1].deadline  # the router expected the park
+
+
+@pytest.mark.parametrize("urgent_parks", [True, False])
+def test_a_job_late_by_the_next_round_has_the_batch_row_parked_at_once(urgent_parks):
+    """Three steps of slack when it arrives (step 5.5): the round at step 10 is too late for it.
+    With urgent parks the batch row is parked at the next step boundary (6) and the tight job is
+    done by step 26; with parks at rounds only it starts at 10 and is late."""
+    sim, t, services = one_worker("slack", slack_steps=3.0, urgent_parks=urgent_parks)
+    start = 6 if urgent_parks else 10
+    assert sim.done_at[1] == pytest.approx((start + 20) * t, rel=0.02)
+    assert (sim.done_at[1] <= services[1].deadline) == urgent_parks
+    assert sim.finished[0].parks == 1 and sim.done_at[0] == pytest.approx(40 * t, rel=0.02)
 
 
 @pytest.mark.parametrize("scheduler", ["fifo", "edf"])

@@ -125,6 +125,7 @@ class DeadlineBenchConfig:
     round_steps: int = _D.round_steps
     max_wait_s: float = _D.max_wait_s
     max_parks_per_round: int = _D.max_parks_per_round
+    urgent_parks: bool = _D.urgent_parks
     shed: bool = True
     shed_classes: tuple[str, ...] = tuple(_D.shed_classes)
     late_factor: float = _D.late_factor
@@ -305,6 +306,7 @@ def run_deadline_bench(cfg: DeadlineBenchConfig, progress=None) -> dict:
                     cfg.round_steps,
                     cfg.max_wait_s,
                     cfg.max_parks_per_round,
+                    urgent_parks=cfg.urgent_parks,
                     clock=cfg.step_clock,
                 )
                 router = Router("mask_aware", {(cfg.model_id, cfg.device): routing})

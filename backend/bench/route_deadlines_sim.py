@@ -59,6 +59,7 @@ class StepPlan:
     round_steps: int = 5
     max_wait_s: float = 300.0
     max_parks_per_round: int = DEFAULT_MAX_PARKS_PER_ROUND
+    urgent_parks: bool = True  # parks for a row late by the next round at once (else at rounds)
     # predict steps on a ``StepClock`` that each simulated step calibrates, as the engine worker
     # does (False: the cost model's figure, fixed)
     clock: bool = False
@@ -66,7 +67,12 @@ class StepPlan:
     @property
     def order(self) -> RowOrder:
         """The same, as the router models it."""
-        return RowOrder(self.scheduler, self.round_steps, self.max_parks_per_round)
+        return RowOrder(
+            self.scheduler,
+            self.round_steps,
+            self.max_parks_per_round,
+            urgent_parks=self.urgent_parks,
+        )
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,7 @@ class DeadlineSimWorker(SimWorker):
                 round_steps=plan.round_steps,
                 max_wait_s=plan.max_wait_s,
                 max_parks_per_round=plan.max_parks_per_round,
+                urgent_parks=plan.urgent_parks,
                 step_time=step_time,
             ),
         )
