@@ -5,11 +5,13 @@ from __future__ import annotations
 import base64
 import io
 import json
+from contextlib import contextmanager
 
 import numpy as np
 from PIL import Image
 
 from backend import protocol
+from backend.config import Settings, load_settings
 from backend.engine.cache_store import CacheKey
 from backend.engine.editor import EditParams, MaskAwareEngine
 from backend.models import load_pipeline, resolve_model
@@ -139,3 +141,31 @@ def make_denoised_job(job_id: str, **fields):
             **fields,
         }
     )
+
+
+def worker_service_settings(
+    redis_url: str, models_dir, data_dir, worker_id: str, env: dict | None = None
+) -> Settings:
+    """Settings of an engine worker service on a test's Redis, with small cache budgets."""
+    return load_settings(
+        env=env or {},
+        paths={"data_dir": str(data_dir), "models_dir": str(models_dir)},
+        redis={"url": redis_url},
+        worker={"worker_id": worker_id},
+        cache={"ram_budget_mb": 64, "disk_budget_mb": 256},
+    )
+
+
+@contextmanager
+def built_worker(redis_url: str, redis_client, models_dir, data_dir, worker_id: str, env=None):
+    """(settings, worker, caches) of an engine worker service built as ``maskserve worker``
+    builds it (``worker_service_settings``); its caches are closed on leaving."""
+    from backend.tasks.celery_app import make_celery
+    from backend.worker.service import build_worker
+
+    settings = worker_service_settings(redis_url, models_dir, data_dir, worker_id, env)
+    worker, caches = build_worker(settings, redis_client, make_celery(settings))
+    try:
+        yield settings, worker, caches
+    finally:
+        caches.close()

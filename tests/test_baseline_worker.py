@@ -22,15 +22,15 @@ from backend.imaging.uploads import fit_to_bucket
 from backend.jobstate import JobStateStore
 from backend.protocol import CancelJob, EditJob, WorkerHeartbeat
 from backend.protocol.keys import heartbeat_key
-from backend.tasks.celery_app import make_celery
 from backend.tasks.core import CpuStages
 from backend.worker.baseline import NO_CACHE, BaselineWorker
 from backend.worker.channels import LocalInbox, LocalSink
 from backend.worker.redis_inbox import send_to_inbox
-from backend.worker.service import Heartbeat, build_worker
+from backend.worker.service import Heartbeat
 from tests.factories import (
     FAMILIES,
     MASK,
+    built_worker,
     make_engine,
     make_params,
     make_prepared_job,
@@ -307,15 +307,9 @@ def _png(image: Image.Image) -> bytes:
 def test_the_service_builds_a_baseline_worker_that_serves_its_inbox(
     redis_url, redis_client, models_dir, tmp_path
 ):
-    settings = load_settings(
-        env={"MASKSERVE_BATCHING": "baseline"},
-        paths={"data_dir": str(tmp_path), "models_dir": str(models_dir)},
-        redis={"url": redis_url},
-        worker={"worker_id": "w-base"},
-        cache={"ram_budget_mb": 64, "disk_budget_mb": 256},
-    )
-    worker, caches = build_worker(settings, redis_client, make_celery(settings))
-    try:
+    env = {"MASKSERVE_BATCHING": "baseline"}
+    with built_worker(redis_url, redis_client, models_dir, tmp_path, "w-base", env) as built:
+        settings, worker, caches = built
         assert isinstance(worker, BaselineWorker) and worker.caches is None
         params = make_params(worker.engine, size=(worker.engine.spec.default_resolution,) * 2)
         template = make_template(size=params.size[0])
@@ -338,5 +332,3 @@ def test_the_service_builds_a_baseline_worker_that_serves_its_inbox(
         beat = protocol.decode(redis_client.get(heartbeat_key("w-base")))
         assert isinstance(beat, WorkerHeartbeat) and beat.batching == "baseline"
         assert beat.resident_ram == beat.resident_disk == []
-    finally:
-        caches.close()

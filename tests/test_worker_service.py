@@ -15,24 +15,22 @@ from backend.engine.factory import CPU_STAGES, build_engine
 from backend.jobstate import JobStateStore
 from backend.protocol import CancelJob, ServiceLevel, WorkerHeartbeat
 from backend.protocol.keys import heartbeat_key
-from backend.tasks.celery_app import make_celery
 from backend.worker.redis_inbox import send_to_inbox
-from backend.worker.service import HEARTBEAT_TTL_S, Heartbeat, build_worker
-from tests.factories import MASK, make_params, make_prepared_job, make_template, queued_raw
+from backend.worker.service import HEARTBEAT_TTL_S, Heartbeat
+from tests.factories import (
+    MASK,
+    built_worker,
+    make_params,
+    make_prepared_job,
+    make_template,
+    queued_raw,
+)
 
 
 @pytest.fixture
 def service(redis_url, redis_client, models_dir, tmp_path):
-    settings = load_settings(
-        env={},
-        paths={"data_dir": str(tmp_path), "models_dir": str(models_dir)},
-        redis={"url": redis_url},
-        worker={"worker_id": "w-test"},
-        cache={"ram_budget_mb": 64, "disk_budget_mb": 256},
-    )
-    worker, caches = build_worker(settings, redis_client, make_celery(settings))
-    yield settings, worker, caches, JobStateStore(redis_client)
-    caches.close()
+    with built_worker(redis_url, redis_client, models_dir, tmp_path, "w-test") as built:
+        yield *built, JobStateStore(redis_client)
 
 
 @pytest.fixture(scope="module")
@@ -249,17 +247,10 @@ def test_the_worker_learns_its_finish_tail_from_the_records_and_plans_rows_befor
 def test_without_the_finish_tail_rows_are_planned_against_their_deadlines(
     redis_url, redis_client, models_dir, tmp_path
 ):
-    settings = load_settings(
-        env={"MASKSERVE_FINISH_TAIL": "false"},
-        paths={"data_dir": str(tmp_path), "models_dir": str(models_dir)},
-        redis={"url": redis_url},
-        worker={"worker_id": "w-untailed"},
-    )
-    worker, caches = build_worker(settings, redis_client, make_celery(settings))
-    try:
+    env = {"MASKSERVE_FINISH_TAIL": "false"}
+    with built_worker(redis_url, redis_client, models_dir, tmp_path, "w-untailed", env) as built:
+        settings, worker, caches = built
         assert worker.finish_tail is None and worker.finish_reserve_s() == 0.0
         Heartbeat(redis_client, worker, caches, settings).refresh(force=True)
         beat = protocol.decode(redis_client.get(heartbeat_key("w-untailed")))
         assert beat.finish_tail_s == 0.0
-    finally:
-        caches.close()
