@@ -62,11 +62,6 @@ class DeadlineSettings(Strict):
     """``slack`` only: at any step, when a running row is late at the batch's step time and would
     be on time in a smaller batch, park rows with slack to spare (the loosest first, within
     ``max_parks_per_round``) until it is; they rejoin as ``size_batches`` lets them."""
-    shrink_resumed: bool = True
-    """``slack`` only: shrinking may park a row that resumed since the last planning round (after
-    a tight row it was parked for ended), when a late running row needs the smaller batch; off, a
-    resumed row runs at least until the next round, and a tight row that arrives meanwhile runs
-    beside it."""
     urgent_parks: bool = True
     """``slack`` only: a waiting row that would be late if it waited for the next planning round
     may have a running row parked for it at once, by the rounds' rules and within

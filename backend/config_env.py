@@ -36,7 +36,6 @@ ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "SIZE_BATCHES": ("deadlines", "size_batches"),
     "SHRINK_BATCHES": ("deadlines", "shrink_batches"),
     "URGENT_PARKS": ("deadlines", "urgent_parks"),
-    "SHRINK_RESUMED": ("deadlines", "shrink_resumed"),
     "PLAN_QUANTILE": ("deadlines", "plan_quantile"),
     "FORECAST_REFRESH_S": ("deadlines", "forecast_refresh_s"),
     "FINISH_TAIL": ("deadlines", "finish_tail"),

@@ -60,7 +60,6 @@ class StepPlan:
     max_wait_s: float = 300.0
     max_parks_per_round: int = DEFAULT_MAX_PARKS_PER_ROUND
     urgent_parks: bool = True  # parks for a row late by the next round at once (else at rounds)
-    shrink_resumed: bool = True  # shrinking may park a row resumed since the last round
     # predict steps on a ``StepClock`` that each simulated step calibrates, as the engine worker
     # does (False: the cost model's figure, fixed)
     clock: bool = False
@@ -126,7 +125,6 @@ class DeadlineSimWorker(SimWorker):
                 max_wait_s=plan.max_wait_s,
                 max_parks_per_round=plan.max_parks_per_round,
                 urgent_parks=plan.urgent_parks,
-                shrink_resumed=plan.shrink_resumed,
                 step_time=step_time,
             ),
         )

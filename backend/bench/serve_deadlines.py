@@ -52,8 +52,6 @@ VARIANTS = {
     "-no-tail": {"MASKSERVE_FINISH_TAIL": "false"},
     # the engine workers park rows for waiting ones at planning rounds only
     "-no-urgent": {"MASKSERVE_URGENT_PARKS": "false"},
-    # shrinking leaves rows resumed since the last round in the batch until the next one
-    "-keep-resumed": {"MASKSERVE_SHRINK_RESUMED": "false"},
 }
 ARMS = (*SCHEDULERS, *(s + v for v in VARIANTS for s in SCHEDULERS))
 CLASSES = ("interactive", "batch")

@@ -315,9 +315,6 @@ class BatchScheduler:
         if self._parks_left < 1 or all(dl.row_slack(r, now, step_s) >= 0 for r in batch):
             return False  # the common case, one comparison per row: nobody is late
         parked = False
-        # a row resumed since the last round may leave again for a late row, unless the plan
-        # keeps it until the next round (``shrink_resumed`` off)
-        shielded = set() if plan.shrink_resumed else protected
         for tight in dl.ordered(batch, now, step_s, plan):
             if self._parks_left < 1:
                 break
@@ -328,7 +325,7 @@ class BatchScheduler:
                 list(self.running.values()),
                 tight,
                 now,
-                lambda row: self._may_park(row, now, shielded, out),
+                lambda row: self._may_park(row, now, protected, out),
                 self._parks_left,
             )
             for victim in victims:

@@ -15,8 +15,7 @@ A ``DeadlinePlan`` picks one of three step schedulers (``Settings.deadlines.sche
   slack to spare parked (``rows_to_park_for``) so that it is on time in the smaller batch; with
   ``urgent_parks``, a waiting row that would be late if it waited for the next planning round
   may have a row parked for it at any step, by the round's rules. All park kinds share the churn
-  bound, ``max_parks_per_round`` parks per round; a row resumed since the last round is parked
-  again before the next one only by shrinking (``shrink_resumed``).
+  bound, ``max_parks_per_round`` parks per round.
 
 Slack and precedence have one definition, ``backend.costmodel.slack``: this module only says which
 step time they use, that of the batch as it would be (``planned_step_s``), and how long a row has
@@ -64,7 +63,6 @@ class DeadlinePlan:
     size_batches: bool = True
     shrink_batches: bool = True
     urgent_parks: bool = True
-    shrink_resumed: bool = True
     step_time: StepTime
 
     def __post_init__(self) -> None:
@@ -90,7 +88,6 @@ class DeadlinePlan:
             size_batches=settings.size_batches,
             shrink_batches=settings.shrink_batches,
             urgent_parks=settings.urgent_parks,
-            shrink_resumed=settings.shrink_resumed,
             step_time=step_time,
         )
 
