@@ -276,9 +276,8 @@ def _replay_parking(
     left = list(steps)  # steps each row has left to run
     holding = set(range(num_running))  # running rows still in their slot, not yet reached
     parkable = holding - set(unparkable)
-    used: dict[
-        int, int
-    ] = {}  # round (0: the next; BEFORE_ROUND: before it, urgent) -> parks it made
+    # round (0: the next; BEFORE_ROUND: before it, urgent parks) -> parks it made
+    used: dict[int, int] = {}
     admit, ahead, parked = 0.0, 0, 0
     for pos, i in enumerate(order):
         if i in holding:  # its turn: it keeps its slot

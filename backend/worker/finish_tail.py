@@ -4,7 +4,7 @@ redis, no clock; times are arguments).
 
 A job's deadline covers the whole job, but the worker's steps end before that tail. A worker that
 plans a row's last step for its deadline makes it late by the tail, a few tens of milliseconds on
-the shipped models (docs/bench/serve-deadlines.md, "The finish tail"). So the worker measures the
+the shipped models (docs/bench/serve-deadlines.md, "A 1.0 s deadline"). So the worker measures the
 tail of the jobs it hands on, from their records (``handed_on``, then ``resolve`` with the time
 the record says the job was done), and plans each new row against its deadline less
 ``reserve_s``: a high quantile of the recent tails.
