@@ -52,6 +52,8 @@ VARIANTS = {
     "-no-tail": {"MASKSERVE_FINISH_TAIL": "false"},
     # the engine workers park rows for waiting ones at planning rounds only
     "-no-urgent": {"MASKSERVE_URGENT_PARKS": "false"},
+    # the engine workers plan on the 0.9 quantile of their recent steps' measured / predicted
+    "-margin": {"MASKSERVE_PLAN_QUANTILE": "0.9"},
 }
 ARMS = (*SCHEDULERS, *(s + v for v in VARIANTS for s in SCHEDULERS))
 CLASSES = ("interactive", "batch")
