@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from backend.config_deadlines import SERVICE_CLASSES
-from backend.costmodel.slack import NO_DEADLINE, SCHEDULERS, precedence, slack_s
+from backend.costmodel.slack import SCHEDULERS, last_step_by, precedence, slack_s
 
 DEFAULT_RETRY_S = 30  # Retry-After when the queue is over its bound and no worker can drain it
 MAX_RETRY_S = 3600
@@ -154,7 +154,8 @@ def forecast(
     slots: dict[str, list[float]] = {}
     ahead: dict[str, int] = {}
     for w in usable:
-        planned = _planned_on(mine, w)  # ranked against its rows as the worker ranks them
+        # ranked against its rows as the worker ranks them: by when its last step must end there
+        planned = replace(mine, deadline=last_step_by(mine.deadline, w.finish_tail_s))
         before = [r for r in w.rows if _goes_before(r, planned, now, w.step_s, scheduler)]
         before.sort(key=lambda r: (not r.running, _precedence(r, now, w.step_s, 0.0)))
         free = [0.0] * w.max_batch
@@ -180,14 +181,6 @@ def forecast(
         finish=now + done_s(best),
         ahead=ahead[best.worker_id] + len(queued),
     )
-
-
-def _planned_on(job: Row, worker: WorkerLoad) -> Row:
-    """The new job's row as ``worker`` would plan it: its deadline less the worker's finish
-    tail."""
-    if job.deadline == NO_DEADLINE or worker.finish_tail_s <= 0:
-        return job
-    return replace(job, deadline=job.deadline - worker.finish_tail_s)
 
 
 def _clamp_retry(seconds: float) -> int:

@@ -1,13 +1,13 @@
 """`maskserve bench serve-deadlines`: interactive edits inside a burst of batch jobs, on the real
 stack, under the worker's step schedulers side by side (issue 20's last measured item).
 
-Each arm, a step scheduler (``MASKSERVE_STEP_SCHEDULER``: ``fifo``, ``edf``, ``slack``) with the
-CPU workers taking tasks by service level or, ``<scheduler>-cpu-arrival``, first in first out
-(``MASKSERVE_CPU_SERVICE_ORDER``), gets a stack of its own, started fresh by ``bench serve``'s
-machinery (``serve.py``: ``Target`` with the arm's settings, a fresh data directory; templates
-uploaded and their caches prepared, warm-up jobs, then the single-job latency: the median of
-``single`` jobs sent one at a time). Then the scenario,
-replayed through REST by ``serve_load.Replay``:
+Each arm, a step scheduler (``MASKSERVE_STEP_SCHEDULER``: ``fifo``, ``edf``, ``slack``), alone
+or with one variant of the stack's settings (``VARIANTS``: ``<scheduler>-cpu-arrival``, the CPU
+workers first in first out; ``-no-tail``, ``-no-urgent``, ``-margin``), gets a stack of its
+own, started fresh by ``bench serve``'s machinery (``serve.py``: ``Target`` with the arm's
+settings, a fresh data directory; templates uploaded and their caches prepared, warm-up jobs,
+then the single-job latency: the median of ``single`` jobs sent one at a time). Then the
+scenario, replayed through REST by ``serve_load.Replay``:
 
 * ``batch_jobs`` jobs of class ``batch`` submitted at once (the burst), each with a generous
   deadline (``batch_deadline_s``);

@@ -4,6 +4,9 @@ scheduler, the router and the API's admission control (pure: no torch, no redis,
 * ``slack_s``: how long a row may still wait and meet its deadline, ``deadline - now -
   remaining_steps * step_s`` (``step_s``: the predicted time of one step of the batch it would run
   in). A job without a deadline (0) has infinite slack: it never displaces one that has one.
+* ``last_step_by``: by when a job's last denoising step must end for the job to be done by its
+  deadline, on a worker whose jobs take ``finish_tail_s`` after that step (the worker plans its
+  rows against it, and the router and admission control rank a new job so).
 * ``precedence``: the order in which rows claim a worker's slots, smaller first: rows past the
   starvation bound first (the longest waiting first), then higher priority, then least slack, then
   arrival order (FIFO among equals, so the order is total and stable).
@@ -34,6 +37,11 @@ def slack_s(deadline: float, now: float, remaining_steps: int, step_s: float) ->
     if deadline == NO_DEADLINE:
         return math.inf
     return deadline - now - max(0, remaining_steps) * step_s
+
+
+def last_step_by(deadline: float, finish_tail_s: float) -> float:
+    """``deadline`` less the worker's finish tail; no deadline stays none."""
+    return deadline if deadline == NO_DEADLINE else deadline - max(0.0, finish_tail_s)
 
 
 def precedence(

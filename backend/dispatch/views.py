@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from backend.costmodel.slack import NO_DEADLINE
+from backend.costmodel.slack import last_step_by
 from backend.dispatch.adapter_cost import AdapterNeed, AdapterResidency
 from backend.dispatch.deadline_cost import RowOrder
 from backend.models.catalog import UnknownModelError, rows_per_request
@@ -124,9 +124,7 @@ def view_from_heartbeat(beat: WorkerHeartbeat, order: RowOrder = RowOrder()) -> 
 def planned_on(job: JobRequest, view: WorkerView) -> JobRequest:
     """``job`` as W would plan it: by when its last step must end there for the job to be done by
     its deadline (the deadline less W's finish tail), like the rows W publishes."""
-    if job.deadline == NO_DEADLINE or view.finish_tail_s <= 0:
-        return job
-    return replace(job, deadline=job.deadline - view.finish_tail_s)
+    return replace(job, deadline=last_step_by(job.deadline, view.finish_tail_s))
 
 
 def adapter_residency(view: WorkerView) -> AdapterResidency:

@@ -30,6 +30,8 @@ class FinishTail:
     max_pending: int = 256
     _pending: dict[str, float] = field(default_factory=dict, init=False)  # job id -> handed on
     _tails: deque = field(default_factory=deque, init=False)  # seconds, the last ``window``
+    # ``reserve_s``, kept with the tails: it is read for every row at every step
+    _reserve_s: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -64,15 +66,14 @@ class FinishTail:
             self._tails.append(max(0.0, done_at - handed_at))
             if len(self._tails) > self.window:
                 self._tails.popleft()
+            ordered = sorted(self._tails)  # the quantile by nearest rank
+            self._reserve_s = ordered[max(0, math.ceil(self.quantile * len(ordered)) - 1)]
         elif ended:
             del self._pending[job_id]
 
     def reserve_s(self) -> float:
         """The ``quantile`` of the recent tails (nearest rank), 0.0 before the first."""
-        if not self._tails:
-            return 0.0
-        ordered = sorted(self._tails)
-        return ordered[max(0, math.ceil(self.quantile * len(ordered)) - 1)]
+        return self._reserve_s
 
     @property
     def measured(self) -> int:

@@ -50,7 +50,7 @@ import torch
 from safetensors.torch import save_file
 
 from backend.blobs import BlobStore, job_blob_name
-from backend.costmodel.slack import NO_DEADLINE
+from backend.costmodel.slack import last_step_by
 from backend.engine.cache_store import CacheCorruptError, CacheKey
 from backend.engine.editor import EditParams, EditState, MaskAwareEngine
 from backend.engine.prepared import PreparedRequest
@@ -251,7 +251,7 @@ class EngineWorker(TemplateRows):
                 job.received_at,
                 template=prepared.cache_key.digest() if prepared.cache_key else "",
                 adapters=tuple(use.sha256 for use in message.adapters),
-                deadline=self._planned_deadline(message.service.deadline),
+                deadline=last_step_by(message.service.deadline, self.finish_reserve_s()),
                 priority=message.service.priority,
                 service_class=message.service.service_class,
             )
@@ -264,10 +264,6 @@ class EngineWorker(TemplateRows):
         """Seconds a row's last step is planned before its job's deadline: the finish tail
         measured so far (``FinishTail``; 0 without one)."""
         return 0.0 if self.finish_tail is None else self.finish_tail.reserve_s()
-
-    def _planned_deadline(self, deadline: float) -> float:
-        """By when the row's last step must end for its job to be done by ``deadline``."""
-        return deadline if deadline == NO_DEADLINE else deadline - self.finish_reserve_s()
 
     def _predicted_finish(self, last_step_at: float) -> float:
         """When the job is predicted to be done, its last step predicted at ``last_step_at`` (0:
