@@ -57,6 +57,7 @@ def test_every_scheduler_serves_the_same_trace_and_the_report_accounts_for_every
     report = run_worker_deadline_bench(cfg, settings, progress=lambda line: None)
 
     assert report["capacity_rps"] == 3.0 and report["calibration"]["service_s"] > 0
+    assert report["device"].endswith("1 torch thread") and report["config"]["torch_threads"] == 1
     # the speed gauge's reference, over steps of every row count up to the batch
     cal = report["calibration"]
     assert set(cal["step_ratios"]) == {"1", "2"} and min(cal["step_ratios"].values()) > 0
@@ -213,6 +214,11 @@ def test_the_command_takes_rounds_churn_and_speed_band_else_the_deadline_setting
     assert (cfg.round_steps, cfg.max_parks_per_round, cfg.speed_band, cfg.retries) == (4, 0, 0, 5)
     with pytest.raises(ValueError, match="retries must be >= 0"):
         config_of(_parsed("--retries", "-1"), settings)
+    # the worker's torch threads: one unless told (the stack's worker takes every core)
+    assert config_of(_parsed(), settings).torch_threads == 1
+    assert config_of(_parsed("--threads", "2"), settings).torch_threads == 2
+    with pytest.raises(ValueError, match="torch_threads must be at least 1, got 0"):
+        config_of(_parsed("--threads", "0"), settings)
     assert config_of(_parsed(), settings).serve_classes == ("interactive", "batch")
     alone = config_of(_parsed("--serve-classes", "interactive"), settings)
     assert alone.serve_classes == ("interactive",)

@@ -145,8 +145,13 @@ class WorkerDeadlineConfig:
     drain_timeout_s: float = 300.0  # a run fails when jobs are left this long after arrivals end
     # each (process, load)'s arms run this many times, the order rotated by one each time
     repeats: int = 1
+    # the worker's torch threads: 1 leaves this 2-core machine's other core to the bench's
+    # feeder and sink; the stack's engine worker runs on every core (torch's default)
+    torch_threads: int = 1
 
     def __post_init__(self) -> None:
+        if self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be at least 1, got {self.torch_threads}")
         unknown = set(self.schedulers) - set(ARMS)
         if unknown:
             raise ValueError(f"unknown schedulers {sorted(unknown)}; expected some of {ARMS}")
@@ -504,7 +509,7 @@ def run_worker_deadline_bench(
     from backend.tasks.core import CpuStages
 
     engine = build_engine(settings, cfg.model_id)  # a model built here uses every core
-    torch.set_num_threads(1)  # the worker's thread, as ``bench worker``; the other core is left
+    torch.set_num_threads(cfg.torch_threads)
     blobs = open_blob_store(settings)
     bench = _Bench(cfg, settings, engine, blobs, CpuStages(settings, engine, blobs=blobs))
     bench.calibration = cal = calibrate(bench)
@@ -538,7 +543,8 @@ def run_worker_deadline_bench(
                 _discard(blobs, prepared)
     report = {
         "config": asdict(cfg),
-        "device": f"{machine()}; the worker on {settings.engine.device}, 1 torch thread",
+        "device": f"{machine()}; the worker on {settings.engine.device}, "
+        f"{cfg.torch_threads} torch thread{'s' if cfg.torch_threads > 1 else ''}",
         "calibration": asdict(cal),
         "targets_s": targets_s,
         "capacity_rps": cal.capacity_rps,

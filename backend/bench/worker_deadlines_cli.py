@@ -51,6 +51,7 @@ def config_of(args, settings: Settings):
         ),
         capacity_rps=args.capacity_rps,
         repeats=args.repeats,
+        torch_threads=args.threads,
         speed_band=args.speed_band,
         retries=args.retries,
     )
@@ -148,6 +149,9 @@ def add_worker_deadlines_parser(bench_sub) -> argparse.ArgumentParser:
         "than at calibration (<= 1: never)",
     )
     p.add_argument("--retries", type=int, default=2, help="most reruns of a run out of the band")
+    p.add_argument(
+        "--threads", type=int, default=1, help="the worker's torch threads (the stack: every core)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=DEFAULT_JSON)
     p.set_defaults(func=cmd_bench_worker_deadlines)

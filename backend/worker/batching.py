@@ -46,13 +46,19 @@ if it waited for the next round (its slack under the steps left to it, at the st
 batch as it would be) may park a running row at once, by the rules a round parks by (below).
 
 A round parks a running row R for a waiting row W only when all of these hold: fewer than
-``max_parks_per_round`` rows were parked in this round; W precedes R; W is ready (``ready(W)``
-is asked only once a row to park was found, and W then takes R's slot in the same schedule, so a
-row that is not ready never displaces anyone); W is starved, or W's slack is strictly less than
-R's and W needs the slot now (under ``URGENT_ROUNDS`` rounds of slack left, and no slot frees by
-itself in time); R is not starved, was not resumed since the last round, and stays on time after
-sitting out one round (its slack minus one round's time is >= 0). A row without a deadline has
-infinite slack: it never displaces anyone, and rows without deadlines keep FIFO among themselves.
+``max_parks_per_round`` rows were parked in this round; W is ready (``ready(W)`` is asked only
+once a row to park was found, and W then takes R's slot in the same schedule, so a row that is not
+ready never displaces anyone); R is not due, was not resumed since the last round and did not join
+in this schedule; and W is due, or W precedes R, W's slack is strictly less than R's, W needs the
+slot now (under ``URGENT_ROUNDS`` rounds of slack left, and no slot frees by itself in time) and R
+stays on time after sitting out one round (its slack minus one round's time is >= 0). A row
+without a deadline has infinite slack: it never displaces anyone until it is due, and rows without
+deadlines keep FIFO among themselves.
+
+The starvation bound: a row is due when it would have waited (queued and parked, summed) past
+``max_wait_s`` by the next planning round (``edf``: the next step). Due rows go first, in
+precedence order, take free slots first and may have a row parked for them at any step, whatever
+its slack (the bound goes before deadlines); a due row is never parked.
 
 Invariants: at most ``max_batch`` rows run; a row is in exactly one of waiting (queued or
 parked) / running / done; every running row is stepped exactly once per ``schedule`` ->
@@ -62,10 +68,9 @@ pipeline call, reporting each step with ``update_from_output``); a cancelled row
 another step after the ``schedule`` that follows the cancel; a parked row keeps its ``step`` and
 ends after exactly ``num_steps`` steps in all; at most ``max_parks_per_round`` rows are parked
 from one planning round to the next (the round's own parks and those that shrink the batch; as
-many before the first round); a row that has waited ``max_wait_s`` (queued and parked, summed)
-goes before every row that has not and is never parked again: it joins at the next free slot, or
-at the next round when a running row may be parked for it, so no row waits past ``max_wait_s`` and
-one round (or the steps left of the batch, when nothing may be parked) while it is ready.
+many before the first round); a ready row waits no longer than ``max_wait_s`` in all unless, when
+it comes due, the round's parks are spent, no running row may leave, or more rows are due than
+the batch has slots (slack; ``edf``, which never parks: unless no slot frees in time).
 """
 
 from __future__ import annotations
@@ -157,6 +162,9 @@ class BatchScheduler:
         self._order: list[str] = []  # waiting rows in admission order at the last schedule
         # parks left in this round (slack): planning rounds and shrinking share the churn bound
         self._parks_left = plan.max_parks_per_round if plan else 0
+        # set by each schedule (edf, slack): the time to the next planning round (slack; the next
+        # step, edf); a row that would pass the starvation bound within it is due (``_due``)
+        self._due_within_s = 0.0
         self.parks = self.resumes = self.rounds = 0  # totals, for the worker's metrics
 
     # ----- inputs -----------------------------------------------------------------------------
@@ -241,12 +249,13 @@ class BatchScheduler:
             self._steps_since_round = 0
             self._resumed_since_round = set()
             self._parks_left = plan.max_parks_per_round
+        self._due_within_s = self._steps_to_round() * step_s
         queued_ahead = 0  # rows before this one left waiting for a slot to free by itself
         sizing = self.policy == "slack" and plan.size_batches
         shrinking = self.policy == "slack" and plan.shrink_batches
         # the running rows, kept in step with admissions and parks below, and their step time
         batch, batch_step_s = self._priced_batch(sizing or shrinking)
-        for row in dl.ordered(self.waiting.values(), now, step_s, plan):
+        for row in self._queue(now, step_s):
             if len(self.running) < self.max_batch:
                 if sizing and dl.delays_a_tighter_row(plan, batch, row, now, batch_step_s):
                     out.deferred.append(row.job_id)
@@ -277,19 +286,40 @@ class BatchScheduler:
             batch, batch_step_s = self._priced_batch(sizing or shrinking)
         if shrinking:  # also when nothing joined: step times drift
             self._shrink(now, out, protected, batch, batch_step_s)
-        self._order = [r.job_id for r in dl.ordered(self.waiting.values(), now, step_s, plan)]
+        self._order = [r.job_id for r in self._queue(now, step_s)]
+
+    def _queue(self, now: float, step_s: float) -> list[Row]:
+        """The waiting rows in the order they take slots: due rows first (``_due``), then the rest,
+        each part in precedence order."""
+        assert self.plan is not None
+        queue = dl.ordered(self.waiting.values(), now, step_s, self.plan)
+        queue.sort(key=lambda r: not self._due(r, now))  # stable
+        return queue
 
     def _urgent(self, row: Row, now: float, step_s: float) -> bool:
-        """Between rounds (``urgent_parks``): whether waiting ``row`` would be late if it waited
-        for the next planning round, so that a row may be parked for it now."""
+        """Between rounds (slack): whether a row may be parked now for waiting ``row``: it is due
+        (it would pass the starvation bound before the next round), or (``urgent_parks``) it
+        would be late if it waited for the next round."""
         plan = self.plan
         assert plan is not None
-        steps_to_round = max(0, plan.round_steps - self._steps_since_round)
-        return (
-            self.policy == "slack"
-            and plan.urgent_parks
-            and dl.row_slack(row, now, step_s) < steps_to_round * step_s
+        if self.policy != "slack":
+            return False
+        return self._due(row, now) or (
+            plan.urgent_parks and dl.row_slack(row, now, step_s) < self._due_within_s
         )
+
+    def _steps_to_round(self) -> int:
+        """Steps until the next planning round (slack; at a round, a whole round); 1 for edf."""
+        assert self.plan is not None
+        if self.policy != "slack":
+            return 1
+        return max(1, self.plan.round_steps - self._steps_since_round)
+
+    def _due(self, row: Row, now: float) -> bool:
+        """Whether ``row`` would pass the starvation bound before this schedule's horizon (the
+        next round): it goes first, takes a slot now and is not parked."""
+        assert self.plan is not None
+        return dl.due(row, now, self.plan, self._due_within_s)
 
     def _priced_batch(self, priced: bool) -> tuple[list[Row], float]:
         """The running rows, and their predicted step time when ``priced`` (else 0.0)."""
@@ -338,14 +368,13 @@ class BatchScheduler:
     def _may_park(self, row: Row, now: float, protected: set[str], out: SchedulerOutput) -> bool:
         """The churn rules: a running row may leave the batch unless the worker marks it
         unparkable (recording), it resumed since the last round (``protected``), it joined in
-        this schedule, or it is starved (a starved row is never parked again)."""
-        plan = self.plan
-        assert plan is not None
+        this schedule, or it is due (``_due``: parked, it would pass the starvation bound before
+        the next round; a starved row is never parked again)."""
         return (
             row.parkable
             and row.job_id not in protected
             and row.job_id not in out.admitted
-            and not dl.starved(row, now, plan)
+            and not self._due(row, now)
         )
 
     def _victim(
@@ -363,8 +392,8 @@ class BatchScheduler:
         assert plan is not None
         round_s = plan.round_steps * step_s
         slack = dl.row_slack(row, now, step_s)
-        row_starved = dl.starved(row, now, plan)
-        if not row_starved:
+        row_due = self._due(row, now)
+        if not row_due:
             if not slack < URGENT_ROUNDS * round_s:
                 return None  # it can wait for a later round and still be on time
             # the slots that free by themselves (rows ending), the earliest first; the rows left
@@ -377,14 +406,15 @@ class BatchScheduler:
         best_key = key
         for candidate in self.running.values():
             if not self._may_park(candidate, now, protected, out):
-                continue
-            their_slack = dl.row_slack(candidate, now, step_s)
-            if their_slack - round_s < 0:
-                continue  # sitting out a round would make it late
-            if not row_starved and not slack < their_slack:
-                continue  # parks only for a tighter row
+                continue  # rows that may be parked are not due: a due row precedes them all
             their_key = dl.row_key(candidate, now, step_s, plan)
-            if their_key > best_key:  # after ``row``, and the last such so far
+            if not row_due:  # the starvation bound goes before deadlines, not the other way
+                their_slack = dl.row_slack(candidate, now, step_s)
+                if their_slack - round_s < 0:
+                    continue  # sitting out a round would make it late
+                if not slack < their_slack or not their_key > key:
+                    continue  # parks only a looser row it precedes
+            if best is None or their_key > best_key:  # the last in precedence so far
                 best, best_key = candidate, their_key
         return best
 

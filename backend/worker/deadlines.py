@@ -116,7 +116,13 @@ def waited_s(row: Row, now: float) -> float:
 
 def starved(row: Row, now: float, plan: DeadlinePlan) -> bool:
     """Past the starvation bound: the row goes first and is never parked again."""
-    return waited_s(row, now) > plan.max_wait_s
+    return due(row, now, plan, 0.0)
+
+
+def due(row: Row, now: float, plan: DeadlinePlan, within_s: float) -> bool:
+    """Whether ``row`` would be past the starvation bound if it waited ``within_s`` more seconds:
+    to keep the bound it must have a slot within them. Starved rows are due at any ``within_s``."""
+    return waited_s(row, now) + within_s > plan.max_wait_s
 
 
 def row_slack(row: Row, now: float, step_s: float) -> float:
