@@ -295,7 +295,8 @@ def test_a_batch_row_is_not_starved_by_tight_rows_arriving_at_every_step():
 
 def test_a_row_due_to_starve_takes_a_slot_at_the_last_round_before_the_bound_whatever_its_slack():
     # w has no deadline: it never displaces anyone, until it would wait past max_wait_s; rounds
-    # at t=3 and t=6: waiting for the second would take it past the bound at t=4
+    # at t=3 and t=6: waiting for the second would take it past the bound at t=4 (and with a
+    # step to spare, the steps between rounds would not do: at t=2, 2 s + 2 steps is no more)
     h = Harness(BatchScheduler(1, plan=make_plan(round_steps=3, max_wait_s=4.0)))
     h.s.add(make_row("long", steps=30, deadline=1000.0))
     h.s.add(make_row("w", steps=2, at=0.0))
@@ -311,14 +312,14 @@ def test_a_row_due_to_starve_takes_a_slot_at_the_last_round_before_the_bound_wha
 
 def test_the_starvation_bound_goes_before_a_deadline():
     # one slot, held for 20 steps by a tight row that is late if it sits out a step: the batch row
-    # behind it would wait 20 s; it takes the slot at the last step before its 4 s bound passes
+    # behind it would wait 20 s; it takes the slot with a step to spare before its 4 s bound
     h = Harness(BatchScheduler(1, plan=make_plan(round_steps=1, max_wait_s=4.0)))
     tight, bulk = make_row("tight", steps=20, deadline=21.0), make_row("bulk", steps=2, at=0.0)
     h.s.add(tight)
     h.s.add(bulk)
     parked_at = [t for t in range(30) if h.tick(float(t)).parked]
-    assert parked_at == [4] and bulk.wait_s == 4.0  # waited the bound, not past it
-    assert h.finished_at == {"bulk": 6.0, "tight": 22.0}  # late by the two steps it sat out
+    assert parked_at == [3] and bulk.wait_s == 3.0  # a step before the bound: 3 s + 2 steps > 4
+    assert h.finished_at == {"bulk": 5.0, "tight": 22.0}  # late by the two steps it sat out
     assert tight.parks == 1 and bulk.parks == 0
 
 
@@ -553,10 +554,15 @@ def test_a_late_running_row_is_not_made_later_while_it_can_still_be_on_time(dead
     assert (out.deferred == ["looser"]) is kept_out and (out.admitted == ["looser"]) is not kept_out
 
 
-def test_a_starved_row_joins_beside_a_tight_row():
-    s = sizing_scheduler(max_wait_s=5.0)
-    s.add(make_row("old", steps=10, deadline=1000.0, at=-6.0))  # has waited 6 s: past the bound
+@pytest.mark.parametrize("waited", [25.0, 12.0])
+def test_a_row_due_for_the_starvation_bound_joins_beside_a_tight_row(waited):
+    # waited 25 s: past the 20 s bound; 12 s: not yet, but it would be by the next round and a
+    # step (3 steps of 3 s)
+    s = sizing_scheduler(max_wait_s=20.0)
+    s.add(make_row("old", steps=10, deadline=1000.0, at=-waited))
     assert s.schedule(0.0).admitted == ["old"]
+    s.add(make_row("young", steps=10, deadline=1000.0))  # kept out: it can wait
+    assert s.schedule(0.0).deferred == ["young"]
 
 
 def test_a_step_that_does_not_grow_with_rows_keeps_no_one_out():

@@ -56,7 +56,8 @@ without a deadline has infinite slack: it never displaces anyone until it is due
 deadlines keep FIFO among themselves.
 
 The starvation bound: a row is due when it would have waited (queued and parked, summed) past
-``max_wait_s`` by the next planning round (``edf``: the next step). Due rows go first, in
+``max_wait_s`` by the next planning round (``edf``: the next step), with ``DUE_MARGIN_STEPS``
+predicted steps to spare. Due rows go first, in
 precedence order, take free slots first and may have a row parked for them at any step, whatever
 its slack (the bound goes before deadlines); a due row is never parked.
 
@@ -87,6 +88,8 @@ from backend.worker.deadlines import DeadlinePlan, RowForecast, StepTime
 from backend.worker.forecast_run import simulate
 
 MODES = ("continuous", "static", "inline", "baseline")
+# steps to spare when a row is due for the starvation bound: steps run longer than predicted
+DUE_MARGIN_STEPS = 1
 
 
 @dataclass
@@ -114,6 +117,9 @@ class Row:
     # its template's cache: rows of that template wait for the recording)
     parkable: bool = True
     parks: int = 0  # times this row was parked
+    # the row came due for the starvation bound (``BatchScheduler._due``): it goes first and is
+    # never parked again; it stays due
+    due: bool = False
 
     @property
     def remaining_steps(self) -> int:
@@ -162,8 +168,8 @@ class BatchScheduler:
         self._order: list[str] = []  # waiting rows in admission order at the last schedule
         # parks left in this round (slack): planning rounds and shrinking share the churn bound
         self._parks_left = plan.max_parks_per_round if plan else 0
-        # set by each schedule (edf, slack): the time to the next planning round (slack; the next
-        # step, edf); a row that would pass the starvation bound within it is due (``_due``)
+        # set by each schedule (edf, slack): a row that would pass the starvation bound within
+        # this many seconds is due (``_due``)
         self._due_within_s = 0.0
         self.parks = self.resumes = self.rounds = 0  # totals, for the worker's metrics
 
@@ -249,7 +255,7 @@ class BatchScheduler:
             self._steps_since_round = 0
             self._resumed_since_round = set()
             self._parks_left = plan.max_parks_per_round
-        self._due_within_s = self._steps_to_round() * step_s
+        self._due_within_s = (self._steps_to_round() + DUE_MARGIN_STEPS) * step_s
         queued_ahead = 0  # rows before this one left waiting for a slot to free by itself
         sizing = self.policy == "slack" and plan.size_batches
         shrinking = self.policy == "slack" and plan.shrink_batches
@@ -257,7 +263,11 @@ class BatchScheduler:
         batch, batch_step_s = self._priced_batch(sizing or shrinking)
         for row in self._queue(now, step_s):
             if len(self.running) < self.max_batch:
-                if sizing and dl.delays_a_tighter_row(plan, batch, row, now, batch_step_s):
+                if (
+                    sizing
+                    and not self._due(row, now)
+                    and dl.delays_a_tighter_row(plan, batch, row, now, batch_step_s)
+                ):
                     out.deferred.append(row.job_id)
                     queued_ahead += 1
                     continue  # a later, cheaper row may still fit
@@ -305,7 +315,7 @@ class BatchScheduler:
         if self.policy != "slack":
             return False
         return self._due(row, now) or (
-            plan.urgent_parks and dl.row_slack(row, now, step_s) < self._due_within_s
+            plan.urgent_parks and dl.row_slack(row, now, step_s) < self._steps_to_round() * step_s
         )
 
     def _steps_to_round(self) -> int:
@@ -316,10 +326,13 @@ class BatchScheduler:
         return max(1, self.plan.round_steps - self._steps_since_round)
 
     def _due(self, row: Row, now: float) -> bool:
-        """Whether ``row`` would pass the starvation bound before this schedule's horizon (the
-        next round): it goes first, takes a slot now and is not parked."""
+        """Whether ``row`` would pass the starvation bound before the next round (``edf``: the
+        next step), with ``DUE_MARGIN_STEPS`` to spare: it goes first, takes a slot now and is not
+        parked. Once due, always due (``Row.due``): a row let in to keep the bound runs to its
+        end."""
         assert self.plan is not None
-        return dl.due(row, now, self.plan, self._due_within_s)
+        row.due = row.due or dl.due(row, now, self.plan, self._due_within_s)
+        return row.due
 
     def _priced_batch(self, priced: bool) -> tuple[list[Row], float]:
         """The running rows, and their predicted step time when ``priced`` (else 0.0)."""
