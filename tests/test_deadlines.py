@@ -295,32 +295,55 @@ def test_a_batch_row_is_not_starved_by_tight_rows_arriving_at_every_step():
 
 def test_a_row_due_to_starve_takes_a_slot_at_the_last_round_before_the_bound_whatever_its_slack():
     # w has no deadline: it never displaces anyone, until it would wait past max_wait_s; rounds
-    # at t=3 and t=6: waiting for the second would take it past the bound at t=4 (and with a
-    # step to spare, the steps between rounds would not do: at t=2, 2 s + 2 steps is no more)
+    # at t=3 and t=6: waiting for the second would take it past the bound at t=5
     h = Harness(BatchScheduler(1, plan=make_plan(round_steps=3, max_wait_s=4.0)))
     h.s.add(make_row("long", steps=30, deadline=1000.0))
-    h.s.add(make_row("w", steps=2, at=0.0))
+    h.tick(0.0)
+    w = make_row("w", steps=2, at=1.0)
+    h.s.add(w)
     parked_at = None
-    for t in range(12):
+    for t in range(1, 12):
         out = h.tick(float(t))
         if out.parked:
             parked_at = t
             assert out.parked == ["long"] and out.admitted == ["w"]
-    assert parked_at == 3  # waited 3 s of its 4
+    assert parked_at == 3 and w.wait_s == 2.0  # at the round: 2 s + a round and a step > 4 s
     assert h.finished_at["w"] == 5.0 and h.s.running["long"].step == 12 - 2  # sat out two steps
 
 
 def test_the_starvation_bound_goes_before_a_deadline():
     # one slot, held for 20 steps by a tight row that is late if it sits out a step: the batch row
-    # behind it would wait 20 s; it takes the slot with a step to spare before its 4 s bound
+    # behind it would wait 19 s; it takes the slot with a step to spare before its 4 s bound
     h = Harness(BatchScheduler(1, plan=make_plan(round_steps=1, max_wait_s=4.0)))
-    tight, bulk = make_row("tight", steps=20, deadline=21.0), make_row("bulk", steps=2, at=0.0)
+    tight = make_row("tight", steps=20, deadline=21.0)
     h.s.add(tight)
+    h.tick(0.0)
+    bulk = make_row("bulk", steps=2, at=1.0)
     h.s.add(bulk)
-    parked_at = [t for t in range(30) if h.tick(float(t)).parked]
-    assert parked_at == [3] and bulk.wait_s == 3.0  # a step before the bound: 3 s + 2 steps > 4
-    assert h.finished_at == {"bulk": 5.0, "tight": 22.0}  # late by the two steps it sat out
+    parked_at = [t for t in range(1, 30) if h.tick(float(t)).parked]
+    assert parked_at == [4] and bulk.wait_s == 3.0  # a step before the bound: 3 s + 2 steps > 4
+    assert h.finished_at == {"bulk": 6.0, "tight": 22.0}  # late by the two steps it sat out
     assert tight.parks == 1 and bulk.parks == 0
+
+
+def test_a_burst_of_rows_comes_due_early_enough_for_the_last_of_them():
+    # six batch rows at once behind two slots held by tight rows: were each due only when its own
+    # wait ran short, all six would come due together and the last two would start 10 s late
+    h = Harness(BatchScheduler(2, plan=make_plan(round_steps=1, max_wait_s=20.0, max_parks=2)))
+    tight = [make_row(f"tight{k}", steps=40, deadline=41.0) for k in range(2)]
+    for row in tight:
+        h.s.add(row)
+    assert h.tick(0.0).admitted == ["tight0", "tight1"] and not any(r.due for r in tight)
+    burst = [make_row(f"b{k}", steps=5, at=1.0) for k in range(6)]
+    for row in burst:
+        h.s.add(row)
+    for t in range(1, 80):
+        h.tick(float(t))
+    assert set(h.finished_at) == {r.job_id for r in tight + burst}
+    waits = [row.wait_s for row in burst]
+    assert max(waits) <= 20.0  # every one of them kept the bound ...
+    assert min(waits) > 8.0  # ... none went long before it had to
+    assert max(row.wait_s for row in tight) <= 20.0  # nor did the rows parked for them
 
 
 def test_a_tight_row_of_lower_priority_never_parks_a_row_of_higher_priority():

@@ -76,6 +76,7 @@ the batch has slots (slack; ``edf``, which never parks: unless no slot frees in 
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -256,6 +257,7 @@ class BatchScheduler:
             self._resumed_since_round = set()
             self._parks_left = plan.max_parks_per_round
         self._due_within_s = (self._steps_to_round() + DUE_MARGIN_STEPS) * step_s
+        self._mark_due(now, step_s)
         queued_ahead = 0  # rows before this one left waiting for a slot to free by itself
         sizing = self.policy == "slack" and plan.size_batches
         shrinking = self.policy == "slack" and plan.shrink_batches
@@ -299,12 +301,12 @@ class BatchScheduler:
         self._order = [r.job_id for r in self._queue(now, step_s)]
 
     def _queue(self, now: float, step_s: float) -> list[Row]:
-        """The waiting rows in the order they take slots: due rows first (``_due``), then the rest,
-        each part in precedence order."""
+        """The waiting rows in the order they take slots: due rows first (``_due``), longest wait
+        first (the order ``_mark_due`` counts them in), then the rest in precedence order."""
         assert self.plan is not None
         queue = dl.ordered(self.waiting.values(), now, step_s, self.plan)
-        queue.sort(key=lambda r: not self._due(r, now))  # stable
-        return queue
+        due = sorted((r for r in queue if self._due(r, now)), key=lambda r: -dl.waited_s(r, now))
+        return due + [r for r in queue if not r.due]
 
     def _urgent(self, row: Row, now: float, step_s: float) -> bool:
         """Between rounds (slack): whether a row may be parked now for waiting ``row``: it is due
@@ -324,6 +326,22 @@ class BatchScheduler:
         if self.policy != "slack":
             return 1
         return max(1, self.plan.round_steps - self._steps_since_round)
+
+    def _mark_due(self, now: float, step_s: float) -> None:
+        """Mark the waiting rows that must take a slot now to keep the starvation bound, counting
+        the rows that come due before them. Taken longest wait first, each is placed in the slot
+        that frees first (slots held by due running rows free as their steps end, ``step_s``
+        each; the others are free now: due rows may park their rows) and is due when it would
+        pass the bound by the time it starts there and before the next round. A burst's rows come
+        due early enough for the last of them, instead of all at once with more rows than slots."""
+        assert self.plan is not None
+        busy_s = [r.remaining_steps * step_s for r in self.running.values() if r.due]
+        slots_free_at = busy_s + [0.0] * max(0, self.max_batch - len(busy_s))
+        heapq.heapify(slots_free_at)
+        for row in sorted(self.waiting.values(), key=lambda r: -dl.waited_s(r, now)):
+            start_s = heapq.heappop(slots_free_at)
+            row.due = row.due or dl.due(row, now, self.plan, self._due_within_s + start_s)
+            heapq.heappush(slots_free_at, start_s + row.remaining_steps * step_s)
 
     def _due(self, row: Row, now: float) -> bool:
         """Whether ``row`` would pass the starvation bound before the next round (``edf``: the
