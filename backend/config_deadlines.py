@@ -47,8 +47,8 @@ class DeadlineSettings(Strict):
     round_steps: int = Field(default=5, ge=1, le=100)
     """Steps per planning round of the ``slack`` scheduler (TetriServe found 5 the most robust)."""
     max_wait_s: float = Field(default=300.0, gt=0.0)
-    """Starvation bound: a row that has waited (queued or parked) this long goes first and is never
-    parked again."""
+    """Starvation bound: no row waits (queued and parked, summed) longer; a row that would, behind
+    the rows due before it, goes first and is never parked again."""
     max_parks_per_round: int = Field(default=DEFAULT_MAX_PARKS_PER_ROUND, ge=0, le=64)
     """Rows one planning round may park (0: never park). 8, a whole default batch: where a step
     grows steeply with its rows (a CPU), a tight row joining a full batch needs 4-5 rows parked to

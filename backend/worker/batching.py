@@ -56,10 +56,11 @@ without a deadline has infinite slack: it never displaces anyone until it is due
 deadlines keep FIFO among themselves.
 
 The starvation bound: a row is due when it would have waited (queued and parked, summed) past
-``max_wait_s`` by the next planning round (``edf``: the next step), with ``DUE_MARGIN_STEPS``
-predicted steps to spare. Due rows go first, in
-precedence order, take free slots first and may have a row parked for them at any step, whatever
-its slack (the bound goes before deadlines); a due row is never parked.
+``max_wait_s`` by the time a slot frees for it behind the due rows before it (``_mark_due``) and
+the next planning round (``edf``: the next step), with ``DUE_MARGIN_STEPS`` predicted steps to
+spare. Due rows go first, longest wait first, take free slots first and may have a row parked
+for them at any step, whatever its slack (the bound goes before deadlines); a due row is never
+parked.
 
 Invariants: at most ``max_batch`` rows run; a row is in exactly one of waiting (queued or
 parked) / running / done; every running row is stepped exactly once per ``schedule`` ->
@@ -70,8 +71,9 @@ another step after the ``schedule`` that follows the cancel; a parked row keeps 
 ends after exactly ``num_steps`` steps in all; at most ``max_parks_per_round`` rows are parked
 from one planning round to the next (the round's own parks and those that shrink the batch; as
 many before the first round); a ready row waits no longer than ``max_wait_s`` in all unless, when
-it comes due, the round's parks are spent, no running row may leave, or more rows are due than
-the batch has slots (slack; ``edf``, which never parks: unless no slot frees in time).
+it comes due, the round's parks are spent, no running row may leave, steps run longer than
+predicted, or the backlog is more than the batch can run inside the bound (slack; ``edf``, which
+never parks: unless no slot frees in time).
 """
 
 from __future__ import annotations
