@@ -75,6 +75,28 @@ def test_forecast_of_a_parked_row_counts_its_remaining_steps_only():
     assert f["a"] == RowForecast(1, 4.0, 13.0)  # 9 steps left
 
 
+def test_the_forecast_puts_a_row_due_for_the_starvation_bound_first_as_the_run_does():
+    # one slot, held by a row that may not leave (recording its template's cache): "old" is due
+    # (it would pass its 6 s bound before the slot frees) and goes before the tighter "fresh"
+    s = BatchScheduler(1, plan=make_plan(round_steps=1, max_wait_s=6.0))
+    recording = make_row("recording", steps=4)
+    recording.parkable = False
+    s.add(recording)
+    s.update_from_output(s.schedule(0.0).admitted)
+    s.add(make_row("old", steps=2, at=-4.0))  # no deadline, waited 5 s by the next step
+    s.add(make_row("fresh", steps=2, deadline=20.0, at=1.0))
+    assert s.schedule(1.0).admitted == [] and s.waiting["old"].due
+    forecast = s.forecast(1.0)
+    started, ended = run(s, constant(1.0), now=1.0)
+    assert (forecast["old"].position, forecast["fresh"].position) == (1, 2)
+    for job_id in ("old", "fresh"):
+        assert (forecast[job_id].start, forecast[job_id].finish) == (
+            started[job_id],
+            ended[job_id],
+        )
+    assert started["old"] == 4.0 < started["fresh"]
+
+
 @pytest.mark.parametrize("size_batches", [True, False])
 def test_the_forecast_holds_back_a_row_that_sizing_keeps_out_as_the_run_does(size_batches):
     # (shrinking, off without sizing here, parks rows: forecasts do not foresee parks)

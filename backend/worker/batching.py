@@ -152,6 +152,13 @@ class SchedulerOutput:
         return sum(len(g) for g in self.groups)
 
 
+def due_first(rows: list[Row], now: float) -> list[Row]:
+    """``rows`` (in precedence order) with the due ones (``Row.due``) first, longest wait first:
+    the order ``BatchScheduler._mark_due`` counts them in."""
+    due = sorted((r for r in rows if r.due), key=lambda r: -dl.waited_s(r, now))
+    return due + [r for r in rows if not r.due]
+
+
 class BatchScheduler:
     def __init__(self, max_batch: int, mode: str = "continuous", plan: DeadlinePlan | None = None):
         if mode not in MODES:
@@ -303,12 +310,11 @@ class BatchScheduler:
         self._order = [r.job_id for r in self._queue(now, step_s)]
 
     def _queue(self, now: float, step_s: float) -> list[Row]:
-        """The waiting rows in the order they take slots: due rows first (``_due``), longest wait
-        first (the order ``_mark_due`` counts them in), then the rest in precedence order."""
+        """The waiting rows in the order they take slots (``due_first`` of precedence order)."""
         assert self.plan is not None
-        queue = dl.ordered(self.waiting.values(), now, step_s, self.plan)
-        due = sorted((r for r in queue if self._due(r, now)), key=lambda r: -dl.waited_s(r, now))
-        return due + [r for r in queue if not r.due]
+        for row in self.waiting.values():
+            self._due(row, now)
+        return due_first(dl.ordered(self.waiting.values(), now, step_s, self.plan), now)
 
     def _urgent(self, row: Row, now: float, step_s: float) -> bool:
         """Between rounds (slack): whether a row may be parked now for waiting ``row``: it is due
@@ -532,7 +538,7 @@ class BatchScheduler:
         waiting = [r for r in self.waiting.values() if r.job_id not in self._cancel_requests]
         if self.policy != "fifo" and self.plan is not None:
             step_s = dl.planned_step_s(self.plan, running, waiting, self.max_batch, now)
-            waiting = dl.ordered(waiting, now, step_s, self.plan)
+            waiting = due_first(dl.ordered(waiting, now, step_s, self.plan), now)
         time_of = step_time  # bound for the closure (mypy: not None)
         plan = self.plan
         sizing = plan if self.policy == "slack" and plan is not None and plan.size_batches else None

@@ -24,7 +24,9 @@ So a forecast costs O(held rows x log steps) step-time predictions per change of
 one per held row per step.
 
 Future parks are not simulated: a tight queued row may join sooner than forecast (by a park), and
-the running rows it displaces (or that shrinking parks) end later.
+the running rows it displaces (or that shrinking parks) end later. Rows due for the starvation
+bound (``Row.due``) come first in the queue it is given and are never kept out; rows that will come
+due later are not foreseen.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class _Run:
         batch_step: float | None = None  # priced when first asked, per batch
         while self.pending and len(self.batch) < self.max_batch:
             row = self.pending.pop()
-            if self.sizing is not None and self.batch:
+            if self.sizing is not None and self.batch and not row.due:
                 batch_step = self.step_s(self.batch) if batch_step is None else batch_step
                 if delays_a_tighter_row(self.sizing, self.then(0), row, self.clock, batch_step):
                     kept.append(row)
