@@ -346,6 +346,19 @@ def test_a_burst_of_rows_comes_due_early_enough_for_the_last_of_them():
     assert max(row.wait_s for row in tight) <= 20.0  # nor did the rows parked for them
 
 
+def test_a_backlog_deeper_than_the_bound_is_served_first_come_first_served():
+    # ten rows of 10 steps on one slot: 100 s of work against a 20 s bound, which no order keeps
+    # for all; every row comes due (even a fresh tight one) and the longest wait goes first
+    s = BatchScheduler(1, plan=make_plan(round_steps=1, max_wait_s=20.0))
+    for k in range(10):
+        s.add(make_row(f"b{k}", steps=10, deadline=1000.0, at=float(k) / 10))
+    s.update_from_output(s.schedule(1.0).admitted)
+    s.add(make_row("tight", steps=10, deadline=15.0, at=1.0))
+    s.schedule(1.0)
+    assert all(row.due for row in s.waiting.values())
+    assert [r.job_id for r in s.queue_order()] == [*(f"b{k}" for k in range(1, 10)), "tight"]
+
+
 def test_a_tight_row_of_lower_priority_never_parks_a_row_of_higher_priority():
     h = Harness(BatchScheduler(1, plan=make_plan(round_steps=1)))
     h.s.add(make_row("vip", steps=10, deadline=1000.0, priority=3))

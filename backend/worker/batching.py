@@ -339,17 +339,23 @@ class BatchScheduler:
         """Mark the waiting rows that must take a slot now to keep the starvation bound, counting
         the rows that come due before them. Taken longest wait first, each is placed in the slot
         that frees first (slots held by due running rows free as their steps end, ``step_s``
-        each; the others are free now: due rows may park their rows) and is due when it would
-        pass the bound by the time it starts there and before the next round. A burst's rows come
-        due early enough for the last of them, instead of all at once with more rows than slots."""
+        each; the others are free now: due rows may park their rows); a row that would pass the
+        bound by the time it starts there and before the next round is due, and so is every row
+        that waited longer (the placement put them first). A burst's rows come due early enough
+        for the last of them, instead of all at once with more rows than slots."""
         assert self.plan is not None
         busy_s = [r.remaining_steps * step_s for r in self.running.values() if r.due]
         slots_free_at = busy_s + [0.0] * max(0, self.max_batch - len(busy_s))
         heapq.heapify(slots_free_at)
-        for row in sorted(self.waiting.values(), key=lambda r: -dl.waited_s(r, now)):
+        longest_first = sorted(self.waiting.values(), key=lambda r: -dl.waited_s(r, now))
+        last_due = -1
+        for i, row in enumerate(longest_first):
             start_s = heapq.heappop(slots_free_at)
-            row.due = row.due or dl.due(row, now, self.plan, self._due_within_s + start_s)
+            if dl.due(row, now, self.plan, self._due_within_s + start_s):
+                last_due = i
             heapq.heappush(slots_free_at, start_s + row.remaining_steps * step_s)
+        for row in longest_first[: last_due + 1]:
+            row.due = True
 
     def _due(self, row: Row, now: float) -> bool:
         """Whether ``row`` would pass the starvation bound before the next round (``edf``: the
