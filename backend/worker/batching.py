@@ -58,9 +58,9 @@ deadlines keep FIFO among themselves.
 The starvation bound: a row is due when it would have waited (queued and parked, summed) past
 ``max_wait_s`` by the time a slot frees for it behind the due rows before it (``_mark_due``) and
 the next planning round (``edf``: the next step), with ``DUE_MARGIN_STEPS`` predicted steps to
-spare, or when a row that waited less is due. Due rows go first, longest wait first, take free slots first and may have a row parked
-for them at any step, whatever its slack (the bound goes before deadlines); a due row is never
-parked.
+spare, or when a row that waited less is due. Due rows go first, longest wait first, take free
+slots first and may have a row parked for them at any step, whatever its slack (the bound goes
+before deadlines); a due row is never parked.
 
 Invariants: at most ``max_batch`` rows run; a row is in exactly one of waiting (queued or
 parked) / running / done; every running row is stepped exactly once per ``schedule`` ->
