@@ -120,8 +120,8 @@ class Row:
     # its template's cache: rows of that template wait for the recording)
     parkable: bool = True
     parks: int = 0  # times this row was parked
-    # the row came due for the starvation bound (``BatchScheduler._due``): it goes first and is
-    # never parked again; it stays due
+    # the row came due for the starvation bound (``BatchScheduler._mark_due``, ``_due``): it goes
+    # first and is never parked again; it stays due
     due: bool = False
 
     @property
@@ -310,10 +310,9 @@ class BatchScheduler:
         self._order = [r.job_id for r in self._queue(now, step_s)]
 
     def _queue(self, now: float, step_s: float) -> list[Row]:
-        """The waiting rows in the order they take slots (``due_first`` of precedence order)."""
+        """The waiting rows in the order they take slots (``due_first`` of precedence order; the
+        schedule marked them, ``_mark_due``)."""
         assert self.plan is not None
-        for row in self.waiting.values():
-            self._due(row, now)
         return due_first(dl.ordered(self.waiting.values(), now, step_s, self.plan), now)
 
     def _urgent(self, row: Row, now: float, step_s: float) -> bool:
