@@ -343,6 +343,14 @@ class BatchScheduler:
         that waited longer (the placement put them first). A burst's rows come due early enough
         for the last of them, instead of all at once with more rows than slots."""
         assert self.plan is not None
+        # no row starts later than after every step left here: when even the longest wait stays
+        # inside the bound by then (the usual case), nothing is due and no sort is needed
+        rows = (*self.running.values(), *self.waiting.values())
+        latest_s = self._due_within_s + step_s * sum(r.remaining_steps for r in rows)
+        if max((dl.waited_s(r, now) for r in self.waiting.values()), default=-latest_s) <= (
+            self.plan.max_wait_s - latest_s
+        ):
+            return
         busy_s = [r.remaining_steps * step_s for r in self.running.values() if r.due]
         slots_free_at = busy_s + [0.0] * max(0, self.max_batch - len(busy_s))
         heapq.heapify(slots_free_at)
