@@ -29,6 +29,7 @@ MIN_JOB_RECORD_S = 7 * 24 * 3600  # a finished job's record is kept at least a w
 
 CacheMode = Literal["kv", "hidden"]
 DTypeName = Literal["float32", "float16", "bfloat16"]
+AttentionBatching = Literal["auto", "grouped", "padded"]
 
 ENV_PREFIX = "MASKSERVE_"
 
@@ -103,6 +104,11 @@ class EngineSettings(_Strict):
     (the unit's output rows: half the bytes, K/V of unmasked tokens projected again)."""
     mask_margin_tokens: int = Field(default=0, ge=0, le=16)
     """Tokens grown around the painted area on every token grid; hides seams at the mask border."""
+    attention: AttentionBatching = "auto"
+    """How the rows of a batch share attention: ``grouped`` (one call per request and layer: no
+    query padded), ``padded`` (one call per layer for the whole batch, each request's queries
+    padded to the longest request's), ``auto`` (padded on CUDA, whose steps are bound by launching
+    operators; grouped on the CPU, which would compute the padding)."""
     dense_above_ratio: float = Field(default=0.75, gt=0.0, le=1.0)
     """Above this mask ratio caching stops paying off (and quality matters more): run dense."""
     record_on_first_edit: bool = True

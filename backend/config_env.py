@@ -44,6 +44,7 @@ ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "DTYPE": ("engine", "dtype"),
     "CACHE_MODE": ("engine", "cache_mode"),
     "MASK_MARGIN": ("engine", "mask_margin_tokens"),
+    "ATTENTION": ("engine", "attention"),
     "LOG_LEVEL": (None, "log_level"),
     "WORKER_ID": ("worker", "worker_id"),
     "MAX_BATCH": ("worker", "max_batch"),

@@ -46,8 +46,8 @@ cat "$RESULTS/device.txt"
 
 # Each check by name; no names: all, in this order (shared/GPU.md's).
 CHECKS=("$@")
-[ ${#CHECKS[@]} -eq 0 ] && CHECKS=(exactness engine-sd2 profile-sd2 engine-sdxl profile-sdxl \
-    engine-flux profile-flux worker-sd2 adapters-sd2 deadlines-sd2 pytest-gpu)
+[ ${#CHECKS[@]} -eq 0 ] && CHECKS=(exactness engine-sd2 batch-ops-sd2 profile-sd2 engine-sdxl \
+    profile-sdxl engine-flux profile-flux worker-sd2 adapters-sd2 deadlines-sd2 pytest-gpu)
 export MASKSERVE_DTYPE=bfloat16  # the engine runs; exactness and pytest choose their own dtypes
 for check in "${CHECKS[@]}"; do
     case $check in
@@ -56,6 +56,13 @@ for check in "${CHECKS[@]}"; do
     engine-sd2)  # 2. engine speed: arch-sd2-inpaint at 512 px
         step engine-arch-sd2-inpaint 200 $MS bench engine --device cuda --model arch-sd2-inpaint \
             --steps 20 --repeats 3 --json "$RESULTS/engine-arch-sd2-inpaint-cuda.json" ;;
+    batch-ops-sd2)  # 2. a step of 1-8 requests, attention grouped per request or padded
+        (
+            export MASKSERVE_DEVICE=cuda  # the batch-ops bench has no --device
+            step batch-ops-arch-sd2-inpaint 150 $MS bench batch-ops --model arch-sd2-inpaint \
+                --size 512 --steps 10 --requests 1,2,4,8 \
+                --json "$RESULTS/batch-ops-arch-sd2-inpaint-cuda.json"
+        ) ;;
     profile-sd2)  # 3. its cost profiles (both modes)
         step profile-arch-sd2-inpaint 120 $MS profile --device cuda --model arch-sd2-inpaint \
             --out-dir "$RESULTS/profiles" ;;

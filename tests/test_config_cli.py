@@ -20,10 +20,12 @@ def test_settings_from_env_and_overrides(tmp_path):
             "MASKSERVE_MODEL": "tiny-flux-fill",
             "MASKSERVE_CACHE_MODE": "hidden",
             "MASKSERVE_MASK_MARGIN": "2",
+            "MASKSERVE_ATTENTION": "padded",
         }
     )
     assert settings.engine.model_id == "tiny-flux-fill" and settings.engine.cache_mode == "hidden"
-    assert settings.engine.mask_margin_tokens == 2
+    assert settings.engine.mask_margin_tokens == 2 and settings.engine.attention == "padded"
+    assert load_settings({}).engine.attention == "auto"
     assert settings.paths.resolved_cache_dir() == tmp_path / "template_cache"
     overridden = load_settings({"MASKSERVE_DEVICE": "cpu"}, engine={"device": "cuda:1"})
     assert overridden.engine.device == "cuda:1"
@@ -58,6 +60,7 @@ def test_deadline_settings_from_env():
         ({"MASKSERVE_CACHE_MODE": "both"}, "cache_mode"),
         ({"MASKSERVE_DEVICE": "tpu"}, "device"),
         ({"MASKSERVE_MASK_MARGIN": "-1"}, "mask_margin_tokens"),
+        ({"MASKSERVE_ATTENTION": "dense"}, "attention"),
         ({"MASKSERVE_LOG_LEVEL": "LOUD"}, "log_level"),
     ],
 )

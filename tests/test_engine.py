@@ -114,28 +114,32 @@ def _png(image) -> bytes:
     return buffer.getvalue()
 
 
-def test_batched_rows_equal_one_at_a_time(engine):
-    """Rows with different templates, masks, seeds and steps in one forward match running each
-    alone."""
-    params = make_params(engine, mode="kv")
-    templates = [make_template(7), make_template(8)]
-    caches = [engine.prepare_template(t, params) for t in templates]
-    inputs = list(
-        zip(templates, [MASK, rect_mask((0, 0, 48, 128))], (PROMPT, "a cat"), (1, 2), caches)
-    )
+@pytest.mark.parametrize("attention", ("grouped", "padded"))
+@pytest.mark.parametrize("mode", MODES)
+def test_batched_rows_equal_one_at_a_time(engine, mode, attention, monkeypatch):
+    """Rows with different templates, masks (so different token counts), seeds and steps in one
+    forward match running each alone, with each request's attention apart or all padded into one
+    call; the third row reads no cache (it computes every token beside rows that read theirs)."""
+    monkeypatch.setattr(engine, "attention", attention)
+    params = make_params(engine, mode=mode)
+    templates = [make_template(7), make_template(8), make_template(9)]
+    caches = [engine.prepare_template(t, params) for t in templates[:2]] + [None]
+    masks = [MASK, rect_mask((0, 0, 48, 128)), rect_mask((96, 96, 128, 120))]
+    inputs = list(zip(templates, masks, (PROMPT, "a cat", "a dog"), (1, 2, 3), caches))
 
     def new_state(i):
         template, mask, prompt, seed, cache = inputs[i]
         return engine.start(template, mask, prompt, seed, params, cache=cache)
 
-    alone = [new_state(0), new_state(1)]
+    alone = [new_state(i) for i in range(3)]
     for state in alone:
         while not state.done:
-            engine.step([state], "kv")
-    batched = [new_state(0), new_state(1)]
-    engine.step([batched[0]], "kv")  # row 0 runs one step ahead of row 1 from here on
+            engine.step([state], mode)
+    batched = [new_state(i) for i in range(3)]
+    engine.step([batched[0]], mode)  # row 0 runs one step ahead of the others from here on
+    engine.step(batched[:2], mode)  # two rows that read their caches, then all three
     while not all(s.done for s in batched):
-        engine.step([s for s in batched if not s.done], "kv")
+        engine.step([s for s in batched if not s.done], mode)
     for solo, together in zip(alone, batched):
         assert (solo.latents - together.latents).abs().max().item() <= TOL
 
@@ -270,3 +274,35 @@ def test_installed_engine_keeps_one_copy_of_every_weight(engine):
     assert shared and all(
         q.untyped_storage().data_ptr() == v.untyped_storage().data_ptr() for q, v in shared
     )
+
+
+def test_padded_attention_runs_one_call_per_layer_for_the_whole_batch(engine, monkeypatch):
+    """Three requests with different masks: grouped attention calls once per request and layer,
+    padded once per layer (the operators a step launches do not grow with its requests)."""
+    from backend.engine import attention, flux
+
+    calls, original = [], attention.attend
+
+    def counted(query, key, value):
+        calls.append(query.shape[0])
+        return original(query, key, value)
+
+    params = make_params(engine, mode="kv")
+    templates = [make_template(7), make_template(8), make_template(9)]
+    caches = [engine.prepare_template(t, params) for t in templates]
+    masks = [MASK, rect_mask((0, 0, 48, 128)), rect_mask((96, 96, 128, 120))]
+    monkeypatch.setattr(attention, "attend", counted)
+    monkeypatch.setattr(flux, "attend", counted)
+    per_mode = {}
+    for choice in ("grouped", "padded"):
+        monkeypatch.setattr(engine, "attention", choice)
+        states = [
+            engine.start(t, m, PROMPT, 1, params, cache=c)
+            for t, m, c in zip(templates, masks, caches)
+        ]
+        calls.clear()
+        engine.step(states, "kv")
+        per_mode[choice] = list(calls)
+    assert len(per_mode["grouped"]) == 3 * len(per_mode["padded"]) > 0
+    # every padded call holds every row of the batch (the CFG halves of each request)
+    assert set(per_mode["padded"]) == {sum(s.req.halves for s in states)}

@@ -1,5 +1,5 @@
-"""`maskserve bench ...`: the benchmark commands (engine, demo, worker, worker-deadlines, route,
-route-deadlines, soak, crop, serve, adapter-quality) and their arguments.
+"""`maskserve bench ...`: the benchmark commands (engine, batch-ops, demo, worker,
+worker-deadlines, route, route-deadlines, soak, crop, serve, adapter-quality) and their arguments.
 
 Each command imports its benchmark module only when it runs, so `maskserve --help` stays light.
 """
@@ -82,6 +82,31 @@ def cmd_bench_exactness(args, settings: Settings) -> int:
         )
     print(f"wrote {args.json}")
     return 0 if all(r.within_tolerance for r in records) else 1
+
+
+def cmd_bench_batch_ops(args, settings: Settings) -> int:
+    from backend.bench.batch_ops import run_batch_ops, summary_lines, write_batch_ops
+    from backend.engine.factory import DTYPES
+
+    requests = [int(r) for r in args.requests.split(",")]
+    if not requests or min(requests) < 1:
+        raise ValueError(f"--requests: positive counts, got {args.requests!r}")
+    records = run_batch_ops(
+        args.model,
+        requests,
+        settings.paths.resolved_models_dir(),
+        settings.paths.resolved_cache_dir(),
+        size=args.size,
+        mode=args.mode,
+        steps=args.steps,
+        repeats=args.repeats,
+        device=settings.engine.device,
+        dtype=DTYPES[settings.engine.dtype],
+    )
+    plot = write_batch_ops(records, Path(args.json))
+    print("\n".join(summary_lines(records)))
+    print(f"wrote {args.json} and {plot}")
+    return 0
 
 
 def cmd_bench_demo(args, settings: Settings) -> int:
@@ -284,6 +309,18 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
         "--device", default=None, help="cpu or cuda[:N] (default: MASKSERVE_DEVICE or cpu)"
     )
     exactness.set_defaults(func=cmd_bench_exactness)
+
+    batch_ops = bench_sub.add_parser(
+        "batch-ops", help="one step's operators and time as its batch grows, attention forms"
+    )
+    batch_ops.add_argument("--model", default="tiny-sd2-inpaint")
+    batch_ops.add_argument("--size", type=int, default=None)
+    batch_ops.add_argument("--requests", default="1,2,4,8")
+    batch_ops.add_argument("--mode", choices=("kv", "hidden"), default="kv")
+    batch_ops.add_argument("--steps", type=int, default=20, help="of each edit (its cache's size)")
+    batch_ops.add_argument("--repeats", type=int, default=5)
+    batch_ops.add_argument("--json", required=True)
+    batch_ops.set_defaults(func=cmd_bench_batch_ops)
 
     demo = bench_sub.add_parser(
         "demo", help="does the model paint the prompt; mask-aware vs ordinary on held-out scenes"

@@ -107,6 +107,24 @@ def _step_flops(engine: MaskAwareEngine, template, mask, params, cache) -> int:
     return count.total
 
 
+def cache_params(spec, size: int, steps: int, mode: str) -> EditParams:
+    """An edit of ``spec`` that reads a template cache recorded beforehand (never on its way)."""
+    return EditParams(
+        steps=steps,
+        guidance=spec.default_guidance,
+        size=(size, size),
+        mode=mode,
+        record_on_first_edit=False,
+    )
+
+
+def hot_cache(engine: MaskAwareEngine, template, params: EditParams, device: str):
+    """``template``'s cache for ``params`` (recorded when missing), resident in the host-RAM tier
+    (pinned on CUDA), as a worker serves a hot template."""
+    on_disk = engine.lookup(template, params) or engine.prepare_template(template, params)
+    return MemoryTemplateCache.load(on_disk.path, pin_memory=device.startswith("cuda"))
+
+
 def run_engine_bench(
     model_id: str,
     mask_ratios: list[float],
@@ -129,19 +147,8 @@ def run_engine_bench(
     records: list[EngineBenchRecord] = []
     caches = {}
     for mode in modes:
-        params = EditParams(
-            steps=steps,
-            guidance=spec.default_guidance,
-            size=(size, size),
-            mode=mode,
-            record_on_first_edit=False,
-        )
-        on_disk = engine.lookup(template, params) or engine.prepare_template(template, params)
-        # A hot template, as the worker serves it: resident in the host-RAM tier (pinned on CUDA).
-        caches[mode] = (
-            params,
-            MemoryTemplateCache.load(on_disk.path, pin_memory=device.startswith("cuda")),
-        )
+        params = cache_params(spec, size, steps, mode)
+        caches[mode] = (params, hot_cache(engine, template, params, device))
     ordinary_params = EditParams(
         steps=steps, guidance=spec.default_guidance, size=(size, size), use_cache=False
     )

@@ -16,8 +16,23 @@ import torch.nn.functional as F
 
 from backend.engine.layout import RowLayout
 
+# How the rows of a batch share attention (``EngineSettings.attention``): see ``ragged_attention``
+ATTENTION_BATCHING = ("auto", "grouped", "padded")
+
 Group = tuple[int, int]
 KVForGroup = Callable[[Group], tuple[torch.Tensor, torch.Tensor]]
+
+
+def check_attention_batching(choice: str) -> str:
+    if choice not in ATTENTION_BATCHING:
+        raise ValueError(f"attention {choice!r} is not known: use {', '.join(ATTENTION_BATCHING)}")
+    return choice
+
+
+def pads_attention(choice: str, device: torch.device) -> bool:
+    """Whether a batch on ``device`` runs padded attention: ``auto`` pads on CUDA, whose steps are
+    bound by launching operators, not on the CPU, which would compute the padding."""
+    return choice == "padded" or (choice == "auto" and device.type == "cuda")
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -29,11 +44,18 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch
 
 
 def ragged_attention(
-    query: torch.Tensor, layout: RowLayout, kv_for_group: KVForGroup
+    query: torch.Tensor, layout: RowLayout, kv_for_group: KVForGroup, padded: bool = False
 ) -> torch.Tensor:
-    """Packed queries (total, H, d) -> packed outputs. Each group of rows that select the same
-    tokens runs as one batched call with keys/values ``kv_for_group(group)`` of shape
-    (g, m, H, d)."""
+    """Packed queries (total, H, d) -> packed outputs, with keys/values ``kv_for_group(rows)`` of
+    shape (g, m, H, d) for the rows ``range(*rows)`` (m the same for every row).
+
+    Grouped (the default): each group of rows that select the same tokens runs as one call, so no
+    query is computed twice or padded. ``padded``: every row in one call, each row's queries padded
+    to the longest row's (``padded_attention``): a fixed number of operators per layer whatever
+    the batch, for devices bound by launching operators rather than by their arithmetic."""
+    if padded and len(layout.groups) > 1:
+        key, value = kv_for_group((0, layout.num_rows))
+        return padded_attention(query, layout, key, value)
     outputs = []
     for group in layout.groups:
         q = layout.group_tokens(query, group)
@@ -44,6 +66,29 @@ def ragged_attention(
     if not outputs:
         return query.new_zeros(query.shape)
     return torch.cat(outputs, dim=0)
+
+
+def padded_attention(
+    query: torch.Tensor, layout: RowLayout, key: torch.Tensor, value: torch.Tensor
+) -> torch.Tensor:
+    """Packed queries (total, H, d) of every row against that row's keys/values (rows, m, H, d),
+    in one call (``pad_rows``; a padded query only reads keys, so it changes no real output)."""
+    return unpad_rows(attend(pad_rows(query, layout), key, value), layout)
+
+
+def pad_rows(packed: torch.Tensor, layout: RowLayout) -> torch.Tensor:
+    """Packed (total, ...) -> (rows, longest row, ...): each row's tokens first, then zeros."""
+    rows, width, per_token = layout.num_rows, layout.max_tokens, packed.shape[1:]
+    if layout.padded_index is None:  # every row is the longest: the packed tensor is the padded one
+        return packed.reshape(rows, width, *per_token)
+    padded = packed.new_zeros((rows * width, *per_token))
+    return padded.index_copy_(0, layout.padded_index, packed).reshape(rows, width, *per_token)
+
+
+def unpad_rows(padded: torch.Tensor, layout: RowLayout) -> torch.Tensor:
+    """(rows, longest row, ...) -> packed (total, ...): the padding dropped."""
+    flat = padded.reshape(-1, *padded.shape[2:])
+    return flat if layout.padded_index is None else flat.index_select(0, layout.padded_index)
 
 
 def replace_rows(base: torch.Tensor, indices: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:

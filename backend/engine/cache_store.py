@@ -24,7 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,7 +32,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from backend.cache.key import CacheKey
+from backend.cache.key import CacheKey, adapter_set
 
 log = logging.getLogger(__name__)
 
@@ -380,3 +380,21 @@ def lookup(root: Path, key: CacheKey) -> TemplateCache | None:
     if not (path / MANIFEST).exists():
         return None
     return TemplateCache.open(path, key)
+
+
+def check_recording(states: Sequence, reads_cache: bool) -> bool:
+    """Whether a row of a batch (``EditState``s) records its template's cache; ``ValueError`` when
+    it cannot: it applies adapters other than its cache's, or the batch also reads caches."""
+    for s in states:
+        if s.writer is not None and s.writer.key.adapters != adapter_set(s.adapters):
+            raise ValueError(
+                f"a row applies adapters {adapter_set(s.adapters) or 'none'} while recording "
+                f"a cache for {s.writer.key.adapters or 'none'}: record a pinned cache for them"
+            )
+    recording = any(s.writer is not None for s in states)
+    if recording and reads_cache and any(s.cache is not None for s in states):
+        # a cached unit computes only masked tokens, so it could not record a full K/V
+        raise ValueError(
+            "a batch cannot both record a template cache and read caches: step them apart"
+        )
+    return recording

@@ -56,6 +56,7 @@ class ForwardContext:
     device: torch.device | str = "cpu"
     unit_seconds: dict[int, float] | None = None  # filled by profiling runs: unit -> seconds
     lora: BatchLora | None = None  # the rows' adapters (None: every row runs the base model)
+    padded_attention: bool = False  # every row in one attention call (``ragged_attention``)
     _layouts: dict[tuple[int, int], RowLayout] = field(default_factory=dict)
 
     @property
@@ -99,6 +100,13 @@ class ForwardContext:
     ) -> torch.Tensor:
         """(rows, L, C): cached ``name`` of ``unit`` with each row's selected tokens replaced by
         ``fresh`` (packed in ``layout``). Rows that select every token read no cache."""
+        if len(layout.groups) > 1 and all(i.numel() < layout.num_tokens for i in layout.indices):
+            # every row reads the cache: all rows' tokens replaced by one index copy, not per group
+            cached = self.cached(unit, name, (0, layout.num_rows))
+            merged = layout.scatter_into(
+                cached.reshape(*cached.shape[:2], -1).to(fresh.dtype), fresh.flatten(1)
+            )
+            return merged.reshape(*cached.shape[:2], *fresh.shape[1:])
         return cat_once(
             [
                 self.merge_group(unit, name, layout, group, layout.group_tokens(fresh, group))
@@ -132,13 +140,39 @@ class ForwardContext:
         indices = layout.indices[group[0]]
         if indices.numel() == layout.num_tokens:
             return torch.cat([prefix, fresh], dim=1)
-        cached = self.cached(unit, name, group)
-        cached = cached.reshape(*cached.shape[:2], *fresh.shape[2:])
+        out = self._prefixed_cache(unit, name, group, fresh.shape[2:], prefix)
+        return out.index_copy_(1, indices + prefix.shape[1], fresh)
+
+    def merge_cached_after(
+        self, unit: int, name: str, layout: RowLayout, fresh: torch.Tensor, prefix: torch.Tensor
+    ) -> torch.Tensor:
+        """(rows, P + L, ...): ``merge_group_after`` for every row of ``layout`` at once, with
+        ``fresh`` packed (total, ...) and ``prefix`` (rows, P, ...)."""
+        if not all(i.numel() < layout.num_tokens for i in layout.indices):  # a row reads no cache
+            return cat_once(
+                [
+                    self.merge_group_after(
+                        unit, name, layout, g, layout.group_tokens(fresh, g), prefix[g[0] : g[1]]
+                    )
+                    for g in layout.groups
+                ]
+            )
+        rows, num_prefix = layout.num_rows, prefix.shape[1]
+        out = self._prefixed_cache(unit, name, (0, rows), fresh.shape[1:], prefix)
+        # token t of row r lies at r * (P + L) + P + t of the flattened rows
+        places = layout.flat_index + (layout.row_of_token + 1) * num_prefix
+        out.view(-1, *fresh.shape[1:]).index_copy_(0, places, fresh)
+        return out
+
+    def _prefixed_cache(self, unit, name, rows: tuple[int, int], per_token, prefix) -> torch.Tensor:
+        """(g, P + L, *per_token): ``prefix`` then the rows' cached ``name``, in one new buffer."""
+        cached = self.cached(unit, name, rows)
+        cached = cached.reshape(*cached.shape[:2], *per_token)
         num_prefix = prefix.shape[1]
-        out = fresh.new_empty((fresh.shape[0], num_prefix + cached.shape[1], *fresh.shape[2:]))
+        out = prefix.new_empty((cached.shape[0], num_prefix + cached.shape[1], *per_token))
         out[:, :num_prefix] = prefix
         out[:, num_prefix:] = cached
-        return out.index_copy_(1, indices + num_prefix, fresh)
+        return out
 
     def timed_unit(self, unit: int):
         """Context manager timing one unit when profiling (synchronising CUDA around it)."""

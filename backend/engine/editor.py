@@ -35,13 +35,13 @@ from PIL import Image
 from backend.cache.key import (
     CacheKey,
     ModelKeyBasis,
-    adapter_set,
     lookup_keys,
     pinned_key,
     template_key,
 )
 from backend.engine import cache_store
-from backend.engine.cache_store import CacheWriter, TemplateCache
+from backend.engine.attention import check_attention_batching, pads_attention
+from backend.engine.cache_store import CacheWriter, TemplateCache, check_recording
 from backend.engine.context import ForwardContext, active_context
 from backend.engine.families import (
     ADAPTERS,
@@ -126,11 +126,13 @@ class EditResult:
 
 
 class MaskAwareEngine:
-    def __init__(self, pipe, spec, cache_root: Path, planners: dict | None = None):
+    def __init__(
+        self, pipe, spec, cache_root: Path, planners: dict | None = None, attention: str = "auto"
+    ):
         self.pipe, self.spec, self.cache_root = pipe, spec, Path(cache_root)
+        self.attention = check_attention_batching(attention)
         self.adapter = ADAPTERS[spec.family](pipe, spec.max_sequence_length)
-        # mode -> callable(states, mode) -> use_cache per unit (profiler.make_planner); none: cache
-        # every unit
+        # mode -> planner(states, mode) -> use_cache per unit (profiler.make_planner); none: all
         self.planners = dict(planners or {})
         # without a denoiser (the CPU stages' engine) there are no units to hook
         self._units = self.adapter.install_hooks() if self.adapter.holds(DENOISER) else None
@@ -388,18 +390,7 @@ class MaskAwareEngine:
         use_cache = self.plan(states, mode)
         units = [u for u in range(self.num_units) if use_cache[u]]
         feeder = BatchCacheFeeder(refs, units, mode, rows[0].device) if units else None
-        recording = any(s.writer is not None for s in states)
-        for s in states:
-            if s.writer is not None and s.writer.key.adapters != adapter_set(s.adapters):
-                raise ValueError(
-                    f"a row applies adapters {adapter_set(s.adapters) or 'none'} while recording "
-                    f"a cache for {s.writer.key.adapters or 'none'}: record a pinned cache for them"
-                )
-        if recording and units and any(s.cache is not None for s in states):
-            # a cached unit computes only masked tokens, so it could not record a full K/V
-            raise ValueError(
-                "a batch cannot both record a template cache and read caches: step them apart"
-            )
+        recording = check_recording(states, bool(units))
         row_adapters = [s.adapters for s in states for _ in range(s.req.halves)]
         ctx = ForwardContext(
             masks,
@@ -410,6 +401,7 @@ class MaskAwareEngine:
             rows[0].device,
             unit_seconds=unit_seconds,
             lora=self.adapters.batch(row_adapters, rows[0].device),
+            padded_attention=pads_attention(self.attention, rows[0].device),
         )
         # Nothing to reuse, record, adapt or time: the model's own (fastest dense) forward does
         # the same math.

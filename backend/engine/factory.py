@@ -60,7 +60,9 @@ def build_engine(
         components=ROLES[role],
         in_memory=in_memory,
     )
-    engine = MaskAwareEngine(pipe, spec, settings.paths.resolved_cache_dir())
+    engine = MaskAwareEngine(
+        pipe, spec, settings.paths.resolved_cache_dir(), attention=settings.engine.attention
+    )
     if role != CPU_STAGES:
         engine.planners = load_planners(
             settings.paths.profiles_dir, spec.model_id, device, engine.num_units

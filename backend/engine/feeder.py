@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.engine.cache_store import TemplateCache
+from backend.engine.context import cat_once
 
 MODE_TENSORS = {"kv": ("k", "v", "delta"), "hidden": ("out", "delta")}
 
@@ -97,13 +98,12 @@ class BatchCacheFeeder:
         entries = self._row_group[rows[0] : rows[1]]
         if any(entry is None for entry in entries):
             raise KeyError(f"rows {rows} include a row with no template cache")
-        first_group, first_half = entries[0]
-        halves = [half for _, half in entries]
-        if all(g == first_group for g, _ in entries) and halves == list(
-            range(first_half, first_half + len(entries))
-        ):
-            # the usual case (the CFG halves of one request): a view, no copy
-            return self._group_tensor(first_group, unit, name)[
-                first_half : first_half + len(entries)
-            ]
-        return torch.stack([self._group_tensor(g, unit, name)[half] for g, half in entries])
+        # runs of consecutive halves of one group (the CFG halves of one request) are one slice
+        # each: one request is a view, a batch one concatenation of its requests' slices
+        runs: list[tuple[object, int, int]] = []
+        for group, half in entries:
+            if runs and runs[-1][0] == group and runs[-1][2] == half:
+                runs[-1] = (group, runs[-1][1], half + 1)
+            else:
+                runs.append((group, half, half + 1))
+        return cat_once([self._group_tensor(g, unit, name)[a:b] for g, a, b in runs])

@@ -37,7 +37,7 @@ from diffusers.models.transformers.transformer_flux import (
     FluxTransformerBlock,
 )
 
-from backend.engine.attention import attend, fuse_linears
+from backend.engine.attention import attend, fuse_linears, pad_rows, unpad_rows
 from backend.engine.context import ForwardContext, cat_once
 from backend.engine.layout import RowLayout
 from backend.engine.lora import feed_forward, linear, project
@@ -397,6 +397,11 @@ def _image_keys_for_groups(
     else:
 
         def group_kv(group, text_k, text_v):
+            if group == (0, layout_q.num_rows):  # every row at once (padded attention)
+                return (
+                    ctx.merge_cached_after(unit, "k", layout_q, key_q, text_k),
+                    ctx.merge_cached_after(unit, "v", layout_q, value_q, text_v),
+                )
             key = ctx.merge_group_after(
                 unit, "k", layout_q, group, layout_q.group_tokens(key_q, group), text_k
             )
@@ -414,11 +419,20 @@ def _image_keys_for_groups(
     )
 
 
-def _joint_attention(text_q, text_k, text_v, query, layout_q: RowLayout, group_kv):
-    """Per row group: [text ; masked image] queries over [text ; all image] keys. Returns text
-    outputs (rows, T, H*d) and packed image outputs (total, H*d). With ``text_q`` None only the
-    image tokens query (text outputs are None)."""
+def _joint_attention(text_q, text_k, text_v, query, layout_q: RowLayout, group_kv, padded):
+    """Per row group (or, ``padded``, every row in one call with its image queries padded to the
+    longest row's: ``ragged_attention``): [text ; masked image] queries over [text ; all image]
+    keys. Returns text outputs (rows, T, H*d) and packed image outputs (total, H*d). With
+    ``text_q`` None only the image tokens query (text outputs are None)."""
     num_text = 0 if text_q is None else text_q.shape[1]
+    if padded and len(layout_q.groups) > 1:
+        key, value = group_kv((0, layout_q.num_rows), text_k, text_v)
+        queries = pad_rows(query, layout_q)
+        if text_q is not None:
+            queries = torch.cat([text_q, queries], dim=1)
+        out = attend(queries, key, value)
+        image_out = unpad_rows(out[:, num_text:], layout_q).flatten(1)
+        return (None if text_q is None else out[:, :num_text].flatten(2)), image_out
     text_out, image_out = [], []
     for start, stop in layout_q.groups:
         key, value = group_kv((start, stop), text_k[start:stop], text_v[start:stop])
@@ -468,7 +482,9 @@ def _double_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared
         attn, key_q, value_q, layout_q, normed_full, from_cache, unit, shared
     )
     text_q, text_k, text_v = _text_qkv(attn, normed_text, shared.rope_text, True, lora)
-    text_attn, image_attn = _joint_attention(text_q, text_k, text_v, query, layout_q, group_kv)
+    text_attn, image_attn = _joint_attention(
+        text_q, text_k, text_v, query, layout_q, group_kv, shared.ctx.padded_attention
+    )
     image_out = linear(lora, attn.to_out[0], image_attn, layout_q)
     hidden = torch.addcmul(x_q, layout_q.expand_rows(gate_msa), image_out)
     normed = _modulate(block.norm2(hidden), layout_q, scale_mlp, shift_mlp)
@@ -521,7 +537,9 @@ def _single_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared
     text_q, text_k, text_v = _text_qkv(
         attn, normed_text, shared.rope_text, False, lora, projected=text_projected
     )
-    text_attn, image_attn = _joint_attention(text_q, text_k, text_v, query, layout_q, group_kv)
+    text_attn, image_attn = _joint_attention(
+        text_q, text_k, text_v, query, layout_q, group_kv, shared.ctx.padded_attention
+    )
     mlp = block.act_mlp(projected[3] if text_needed else image_projected[3])
     attn_rows = torch.cat([text_attn.reshape(split, -1), image_attn]) if text_needed else image_attn
     mixed = linear(lora, block.proj_out, torch.cat([attn_rows, mlp], dim=-1), rows)

@@ -27,6 +27,10 @@ class RowLayout:
     # Runs [start, stop) of consecutive rows selecting identical tokens (e.g. the CFG halves of one
     # request): ops that work per row can run once per run, batched.
     groups: tuple[tuple[int, int], ...] = ()
+    # Each packed token's place in a (num_rows * max_tokens, ...) tensor whose rows are padded to
+    # the longest row (``max_tokens``); None when every row has ``max_tokens`` tokens (the packed
+    # tensor is that tensor already).
+    padded_index: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -35,6 +39,11 @@ class RowLayout:
     @property
     def total(self) -> int:
         return self.offsets[-1]
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens of the longest row."""
+        return max(b - a for a, b in zip(self.offsets, self.offsets[1:]))
 
     def gather(self, full: torch.Tensor) -> torch.Tensor:
         """(num_rows, num_tokens, C) -> packed (total, C)."""
@@ -83,9 +92,16 @@ def make_layout(row_masks: list[torch.Tensor], device: torch.device | str = "cpu
         flat.append(idx + row * num_tokens)
         rows.append(torch.full_like(idx, row))
     is_full = offsets[-1] == num_tokens * len(row_masks)
-    *indices, flat_index, row_of_token = to_device_together(
-        [*indices, torch.cat(flat), torch.cat(rows)], device
+    counts = [int(idx.numel()) for idx in indices]
+    width = max(counts)
+    padded = (
+        [torch.cat([torch.arange(n) + row * width for row, n in enumerate(counts)])]
+        if min(counts) < width
+        else []
     )
+    moved = to_device_together([torch.cat(flat), torch.cat(rows), *padded, *indices], device)
+    flat_index, row_of_token, *padded = moved[: len(moved) - len(indices)]
+    indices = moved[len(moved) - len(indices) :]
     return RowLayout(
         num_tokens,
         tuple(indices),
@@ -94,6 +110,7 @@ def make_layout(row_masks: list[torch.Tensor], device: torch.device | str = "cpu
         row_of_token,
         is_full,
         _runs(row_masks),
+        padded[0] if padded else None,
     )
 
 

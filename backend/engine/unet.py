@@ -292,17 +292,14 @@ def _block_forward(
                 value_full[group[0] : group[1]], heads
             )
     else:
+        key_rows = _heads(ctx.merge_cached(kv_cache_unit, "k", layout_q, key_q), heads)
+        value_rows = _heads(ctx.merge_cached(kv_cache_unit, "v", layout_q, value_q), heads)
 
         def kv_for_group(group):
-            key = ctx.merge_group(
-                kv_cache_unit, "k", layout_q, group, layout_q.group_tokens(key_q, group)
-            )
-            value = ctx.merge_group(
-                kv_cache_unit, "v", layout_q, group, layout_q.group_tokens(value_q, group)
-            )
-            return _heads(key, heads), _heads(value, heads)
+            return key_rows[group[0] : group[1]], value_rows[group[0] : group[1]]
 
-    attn_out = ragged_attention(query, layout_q, kv_for_group).flatten(1)
+    padded = ctx.padded_attention
+    attn_out = ragged_attention(query, layout_q, kv_for_group, padded).flatten(1)
     hidden = linear(lora, attn1.to_out[0], attn_out, layout_q) + x_q
     if attn2 is not None:
         query2 = _heads(linear(lora, attn2.to_q, block.norm2(hidden), layout_q), attn2.heads)
@@ -310,7 +307,7 @@ def _block_forward(
             _heads(p, attn2.heads) for p in project(lora, text, (attn2.to_k, attn2.to_v), None)
         )
         cross = ragged_attention(
-            query2, layout_q, lambda g: (key2[g[0] : g[1]], value2[g[0] : g[1]])
+            query2, layout_q, lambda g: (key2[g[0] : g[1]], value2[g[0] : g[1]]), padded
         )
         hidden = linear(lora, attn2.to_out[0], cross.flatten(1), layout_q) + hidden
     return feed_forward(lora, block.ff, block.norm3(hidden), layout_q) + hidden

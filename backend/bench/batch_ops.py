@@ -1,0 +1,172 @@
+"""`maskserve bench batch-ops`: what one denoising step costs as its batch grows, with the rows'
+attention grouped per request or padded into one call per layer (``EngineSettings.attention``).
+
+For 1, 2, 4, 8 ... requests (each its own template, mask and seed, every row reading its
+template's cache from host RAM, as a worker serves hot templates) and each attention form, in
+one process: the aten operators one step dispatches (counted with ``torch.profiler``; a device
+bound by launching operators, as a GPU running these models is, spends its step launching
+them) and the step's median seconds (synchronised on CUDA). Masks are blobs with ratios drawn
+from Beta(2, 16) (mean 0.11, as the serving benchmarks' traces), so the requests' token counts
+differ and padding has work to add.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from tqdm import tqdm
+
+from backend.bench.engine_bench import cache_params, device_name, hot_cache
+from backend.engine.editor import EditState, MaskAwareEngine
+from backend.imaging.masks import synthetic_mask
+from backend.models import load_pipeline, resolve_model
+from templates_store.samples import sample_template
+
+FORMS = ("grouped", "padded")
+PROMPT = "a red leather armchair"
+
+
+@dataclass(frozen=True)
+class BatchOpsRecord:
+    model: str
+    resolution: int
+    mode: str
+    attention: str
+    requests: int
+    rows: int  # the requests' CFG halves
+    operators: int  # aten operators dispatched by one step
+    step_s: float  # median over the repeats
+    device: str
+    device_name: str
+    dtype: str
+
+
+def _count_operators(engine: MaskAwareEngine, states: list[EditState], mode: str) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        engine.step(states, mode)
+    return sum(1 for event in profile.events() if event.name.startswith("aten::"))
+
+
+def _step_seconds(engine, states, mode: str, repeats: int, device: str) -> float:
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        engine.step(states, mode)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
+def run_batch_ops(
+    model_id: str,
+    requests: list[int],
+    models_dir: Path,
+    cache_dir: Path,
+    size: int | None = None,
+    mode: str = "kv",
+    steps: int = 20,
+    repeats: int = 5,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> list[BatchOpsRecord]:
+    if steps < repeats + 2:  # a warm-up step, the counted one, then the timed ones
+        raise ValueError(f"--steps {steps} is too few to time {repeats} steps: use {repeats + 2}+")
+    spec = resolve_model(model_id)
+    size = size or spec.default_resolution
+    engine = MaskAwareEngine(load_pipeline(model_id, models_dir, device, dtype), spec, cache_dir)
+    params = cache_params(spec, size, steps, mode)
+    most = max(requests)
+    templates = [sample_template(size, size, seed=7 + i) for i in range(most)]
+    ratios = np.random.default_rng(0).beta(2, 16, most).clip(0.03, 0.6)
+    masks = [
+        Image.fromarray(
+            synthetic_mask(size, size, float(r), seed=11 + i, kind="blob").astype(np.uint8) * 255
+        )
+        for i, r in enumerate(ratios)
+    ]
+    caches = [
+        hot_cache(engine, template, params, device)
+        for template in tqdm(templates, desc="template caches", unit="template")
+    ]
+    records = []
+    for count in tqdm(requests, desc=f"bench batch-ops {model_id}", unit="batch"):
+        for form in FORMS:
+            engine.attention = form
+            states = [
+                engine.start(templates[i], masks[i], PROMPT, i, params, cache=caches[i])
+                for i in range(count)
+            ]
+            engine.step(states, mode)  # warm-up (layouts, allocator)
+            records.append(
+                BatchOpsRecord(
+                    model=model_id,
+                    resolution=size,
+                    mode=mode,
+                    attention=form,
+                    requests=count,
+                    rows=sum(s.req.halves for s in states),
+                    operators=_count_operators(engine, states, mode),
+                    step_s=_step_seconds(engine, states, mode, repeats, device),
+                    device=device,
+                    device_name=device_name(device),
+                    dtype=str(dtype).removeprefix("torch."),
+                )
+            )
+    return records
+
+
+def write_batch_ops(records: list[BatchOpsRecord], json_path: Path) -> Path:
+    """The records as JSON and a PNG beside them: operators and step time against requests."""
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps([asdict(r) for r in records], indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ops_ax, time_ax) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for form in FORMS:
+        mine = sorted((r for r in records if r.attention == form), key=lambda r: r.requests)
+        counts = [r.requests for r in mine]
+        ops_ax.plot(counts, [r.operators for r in mine], marker="o", label=form)
+        time_ax.plot(counts, [1e3 * r.step_s for r in mine], marker="o", label=form)
+    ops_ax.set_ylabel("aten operators per step")
+    time_ax.set_ylabel("step ms (median)")
+    for ax in (ops_ax, time_ax):
+        ax.set_xlabel("requests in the batch")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    first = records[0]
+    fig.suptitle(
+        f"{first.model} {first.resolution} px, {first.mode} cache: one step as the batch grows "
+        f"({first.device_name} {first.dtype})",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    plot_path = json_path.with_suffix(".png")
+    fig.savefig(plot_path, dpi=120)
+    plt.close(fig)
+    return plot_path
+
+
+def summary_lines(records: list[BatchOpsRecord]) -> list[str]:
+    """One line per batch size: both forms side by side, padded against grouped."""
+    by_key = {(r.requests, r.attention): r for r in records}
+    lines = []
+    for count in sorted({r.requests for r in records}):
+        grouped, padded = by_key[(count, "grouped")], by_key[(count, "padded")]
+        lines.append(
+            f"{count:3d} requests ({grouped.rows} rows): operators grouped {grouped.operators} "
+            f"padded {padded.operators} (x{grouped.operators / padded.operators:.2f} fewer); "
+            f"step grouped {1e3 * grouped.step_s:.1f} ms padded {1e3 * padded.step_s:.1f} ms "
+            f"(x{grouped.step_s / padded.step_s:.2f})"
+        )
+    return lines
