@@ -88,8 +88,12 @@ def _run_batch(engine, params, cache, row_adapters, masks):
     return [s.latents for s in states]
 
 
-def test_mixed_batch_equals_each_row_alone(setup):
+@pytest.mark.parametrize("attention", ("grouped", "padded"))
+def test_mixed_batch_equals_each_row_alone(setup, attention, monkeypatch):
+    """Rows with other adapters, masks and seeds in one forward match each row alone, with the
+    rows' attention grouped per request or padded into one call."""
     engine, _ = setup
+    monkeypatch.setattr(engine, "attention", attention)
     params = make_params(engine, mode="kv")
     cache = engine.prepare_template(make_template(), params)
     rows = [(), (("a0", 1.0),), (("a0", 0.4), ("a1", 1.5)), (("a1", -0.8),)]
