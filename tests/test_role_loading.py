@@ -137,3 +137,13 @@ def test_parts_left_out_are_never_read_from_disk(models_dir, tmp_path):
 def test_an_unknown_role_is_refused(models_dir, tmp_path):
     with pytest.raises(ValueError, match="unknown engine role 'gpu'"):
         build_engine(settings_for(tmp_path, models_dir, "sd2-inpaint"), role="gpu")
+
+
+def test_the_engine_batches_attention_as_the_settings_say(models_dir, tmp_path):
+    settings = load_settings(
+        env={"MASKSERVE_ATTENTION": "padded"},
+        paths={"data_dir": str(tmp_path), "models_dir": str(models_dir)},
+    )
+    assert build_engine(settings, role=CPU_STAGES).attention == "padded"
+    default = settings_for(tmp_path, models_dir, "sd2-inpaint")
+    assert build_engine(default, role=CPU_STAGES).attention == "auto"

@@ -100,7 +100,7 @@ class ForwardContext:
     ) -> torch.Tensor:
         """(rows, L, C): cached ``name`` of ``unit`` with each row's selected tokens replaced by
         ``fresh`` (packed in ``layout``). Rows that select every token read no cache."""
-        if len(layout.groups) > 1 and all(i.numel() < layout.num_tokens for i in layout.indices):
+        if len(layout.groups) > 1 and layout.every_row_partial:
             # every row reads the cache: all rows' tokens replaced by one index copy, not per group
             cached = self.cached(unit, name, (0, layout.num_rows))
             merged = layout.scatter_into(
@@ -148,7 +148,7 @@ class ForwardContext:
     ) -> torch.Tensor:
         """(rows, P + L, ...): ``merge_group_after`` for every row of ``layout`` at once, with
         ``fresh`` packed (total, ...) and ``prefix`` (rows, P, ...)."""
-        if not all(i.numel() < layout.num_tokens for i in layout.indices):  # a row reads no cache
+        if not layout.every_row_partial:  # a row that selects every token reads no cache
             return cat_once(
                 [
                     self.merge_group_after(

@@ -41,6 +41,11 @@ class RowLayout:
         return self.offsets[-1]
 
     @property
+    def every_row_partial(self) -> bool:
+        """Every row selects fewer than all tokens (so every row reads a cache, where one is)."""
+        return all(idx.numel() < self.num_tokens for idx in self.indices)
+
+    @property
     def max_tokens(self) -> int:
         """Tokens of the longest row."""
         return max(b - a for a, b in zip(self.offsets, self.offsets[1:]))
@@ -92,16 +97,11 @@ def make_layout(row_masks: list[torch.Tensor], device: torch.device | str = "cpu
         flat.append(idx + row * num_tokens)
         rows.append(torch.full_like(idx, row))
     is_full = offsets[-1] == num_tokens * len(row_masks)
-    counts = [int(idx.numel()) for idx in indices]
-    width = max(counts)
-    padded = (
-        [torch.cat([torch.arange(n) + row * width for row, n in enumerate(counts)])]
-        if min(counts) < width
-        else []
+    row_of_token = torch.cat(rows)
+    moved = to_device_together(
+        [*indices, torch.cat(flat), row_of_token, *_padded_places(offsets, row_of_token)], device
     )
-    moved = to_device_together([torch.cat(flat), torch.cat(rows), *padded, *indices], device)
-    flat_index, row_of_token, *padded = moved[: len(moved) - len(indices)]
-    indices = moved[len(moved) - len(indices) :]
+    indices, (flat_index, row_of_token, *padded) = moved[: len(indices)], moved[len(indices) :]
     return RowLayout(
         num_tokens,
         tuple(indices),
@@ -112,6 +112,17 @@ def make_layout(row_masks: list[torch.Tensor], device: torch.device | str = "cpu
         _runs(row_masks),
         padded[0] if padded else None,
     )
+
+
+def _padded_places(offsets: list[int], row_of_token: torch.Tensor) -> list[torch.Tensor]:
+    """``RowLayout.padded_index`` on the host (empty when every row has as many tokens): token j
+    of row r at r * longest + j, in a few operations whatever the number of rows."""
+    counts = [stop - start for start, stop in zip(offsets, offsets[1:])]
+    width = max(counts)
+    if min(counts) == width:
+        return []
+    starts = torch.tensor(offsets[:-1])
+    return [torch.arange(offsets[-1]) + row_of_token * width - starts[row_of_token]]
 
 
 def _runs(row_masks: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
