@@ -30,6 +30,7 @@ MIN_JOB_RECORD_S = 7 * 24 * 3600  # a finished job's record is kept at least a w
 CacheMode = Literal["kv", "hidden"]
 DTypeName = Literal["float32", "float16", "bfloat16"]
 AttentionBatching = Literal["auto", "grouped", "padded"]
+LoraBatching = Literal["grouped", "stacked"]
 
 ENV_PREFIX = "MASKSERVE_"
 
@@ -109,6 +110,12 @@ class EngineSettings(_Strict):
     query padded), ``padded`` (one call per layer for the whole batch, each request's queries
     padded to the longest request's), ``auto`` (padded on CUDA, whose steps are bound by launching
     operators; grouped on the CPU, which would compute the padding)."""
+    lora_batching: LoraBatching = "stacked"
+    """How a batch's LoRA adapters reach their rows in each adapted layer: ``stacked`` (the batch's
+    adapters stacked into one down and one up matrix: three operators per layer whatever the
+    batch, every token computing every adapter's ranks; as fast or faster on the CPU too in the
+    measurements) or ``grouped`` (two thin matmuls per adapter and run of its rows' tokens: each
+    token computes its own adapters' ranks only, the operators growing with the adapters)."""
     dense_above_ratio: float = Field(default=0.75, gt=0.0, le=1.0)
     """Above this mask ratio caching stops paying off (and quality matters more): run dense."""
     record_on_first_edit: bool = True

@@ -21,11 +21,14 @@ def test_settings_from_env_and_overrides(tmp_path):
             "MASKSERVE_CACHE_MODE": "hidden",
             "MASKSERVE_MASK_MARGIN": "2",
             "MASKSERVE_ATTENTION": "padded",
+            "MASKSERVE_LORA_BATCHING": "grouped",
         }
     )
     assert settings.engine.model_id == "tiny-flux-fill" and settings.engine.cache_mode == "hidden"
     assert settings.engine.mask_margin_tokens == 2 and settings.engine.attention == "padded"
+    assert settings.engine.lora_batching == "grouped"
     assert load_settings({}).engine.attention == "auto"
+    assert load_settings({}).engine.lora_batching == "stacked"
     assert settings.paths.resolved_cache_dir() == tmp_path / "template_cache"
     overridden = load_settings({"MASKSERVE_DEVICE": "cpu"}, engine={"device": "cuda:1"})
     assert overridden.engine.device == "cuda:1"
@@ -61,6 +64,7 @@ def test_deadline_settings_from_env():
         ({"MASKSERVE_DEVICE": "tpu"}, "device"),
         ({"MASKSERVE_MASK_MARGIN": "-1"}, "mask_margin_tokens"),
         ({"MASKSERVE_ATTENTION": "dense"}, "attention"),
+        ({"MASKSERVE_LORA_BATCHING": "merged"}, "lora_batching"),
         ({"MASKSERVE_LOG_LEVEL": "LOUD"}, "log_level"),
     ],
 )

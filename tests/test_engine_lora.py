@@ -53,8 +53,10 @@ def _reference_latents(setup, mask, seed, params, scales):
     )
 
 
-def test_edit_with_two_adapters_equals_diffusers_with_peft(setup):
+@pytest.mark.parametrize("lora_batching", ("grouped", "stacked"))
+def test_edit_with_two_adapters_equals_diffusers_with_peft(setup, lora_batching, monkeypatch):
     engine, _ = setup
+    monkeypatch.setattr(engine, "lora_batching", lora_batching)
     params = make_params(engine, use_cache=False)
     result = engine.edit(make_template(), full_mask(), PROMPT, 3, params, adapters=SCALES)
     reference = _reference_latents(setup, full_mask(), 3, params, SCALES)
@@ -88,12 +90,17 @@ def _run_batch(engine, params, cache, row_adapters, masks):
     return [s.latents for s in states]
 
 
-@pytest.mark.parametrize("attention", ("grouped", "padded"))
-def test_mixed_batch_equals_each_row_alone(setup, attention, monkeypatch):
+@pytest.mark.parametrize(
+    "attention, lora_batching",
+    (("grouped", "grouped"), ("padded", "grouped"), ("grouped", "stacked"), ("padded", "stacked")),
+)
+def test_mixed_batch_equals_each_row_alone(setup, attention, lora_batching, monkeypatch):
     """Rows with other adapters, masks and seeds in one forward match each row alone, with the
-    rows' attention grouped per request or padded into one call."""
+    rows' attention grouped per request or padded into one call, and their adapters' deltas
+    grouped per adapter or stacked into three operators a layer."""
     engine, _ = setup
     monkeypatch.setattr(engine, "attention", attention)
+    monkeypatch.setattr(engine, "lora_batching", lora_batching)
     params = make_params(engine, mode="kv")
     cache = engine.prepare_template(make_template(), params)
     rows = [(), (("a0", 1.0),), (("a0", 0.4), ("a1", 1.5)), (("a1", -0.8),)]
@@ -116,8 +123,11 @@ def test_mixed_batch_equals_each_row_alone(setup, attention, monkeypatch):
     assert (together[1] - together[0]).abs().max().item() > 100 * TOL
 
 
-def test_rows_without_adapters_are_untouched_by_their_neighbours(setup):
+@pytest.mark.parametrize("lora_batching", ("grouped", "stacked"))
+def test_rows_without_adapters_are_untouched_by_their_neighbours(setup, lora_batching, monkeypatch):
+    """Bit for bit: grouped never touches such a row's tokens, stacked adds exact zeros to them."""
     engine, _ = setup
+    monkeypatch.setattr(engine, "lora_batching", lora_batching)
     params = make_params(engine, mode="kv")
     cache = engine.prepare_template(make_template(), params)
     masks = [rect_mask((32, 40, 96, 80)), rect_mask((0, 0, 64, 64))]

@@ -139,11 +139,12 @@ def test_an_unknown_role_is_refused(models_dir, tmp_path):
         build_engine(settings_for(tmp_path, models_dir, "sd2-inpaint"), role="gpu")
 
 
-def test_the_engine_batches_attention_as_the_settings_say(models_dir, tmp_path):
+def test_the_engine_batches_attention_and_adapters_as_the_settings_say(models_dir, tmp_path):
     settings = load_settings(
-        env={"MASKSERVE_ATTENTION": "padded"},
+        env={"MASKSERVE_ATTENTION": "padded", "MASKSERVE_LORA_BATCHING": "grouped"},
         paths={"data_dir": str(tmp_path), "models_dir": str(models_dir)},
     )
-    assert build_engine(settings, role=CPU_STAGES).attention == "padded"
-    default = settings_for(tmp_path, models_dir, "sd2-inpaint")
-    assert build_engine(default, role=CPU_STAGES).attention == "auto"
+    engine = build_engine(settings, role=CPU_STAGES)
+    assert (engine.attention, engine.lora_batching) == ("padded", "grouped")
+    default = build_engine(settings_for(tmp_path, models_dir, "sd2-inpaint"), role=CPU_STAGES)
+    assert (default.attention, default.lora_batching) == ("auto", "stacked")

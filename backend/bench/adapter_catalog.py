@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from backend.adapters.files import NormalizedMeta, model_targets, read_for_model, save_normalized
 from backend.adapters.store import AdapterFacts, AdapterStore
+from backend.engine.lora import LoraAdapter, LoraPair
 from backend.models import resolve_model
 from backend.models.registry import pipeline_class
 
@@ -59,6 +60,33 @@ def _pairs(
     return state
 
 
+def attention_layers(model_id: str) -> dict[str, torch.nn.Linear]:
+    """The attention projections of ``model_id``'s denoiser adapters update here (meta tensors)."""
+    layers = {n: m for n, m in model_targets(model_id).items() if ATTENTION.fullmatch(n)}
+    if not layers:
+        raise ValueError(f"{model_id} has no attention projections adapters may update")
+    return layers
+
+
+def random_adapter(
+    layers: dict[str, torch.nn.Linear],
+    adapter_id: str,
+    rank: int,
+    seed: int,
+    strength: float = 0.05,
+) -> LoraAdapter:
+    """A catalogue adapter of ``rank`` on ``layers`` as the engine holds it (scale 1: alpha =
+    rank), without a file: for benches of the engine alone."""
+    state = _pairs(layers, rank, strength, seed)
+    return LoraAdapter(
+        adapter_id,
+        {
+            name: LoraPair(state[f"{name}.lora_A.weight"], state[f"{name}.lora_B.weight"], 1.0)
+            for name in layers
+        },
+    )
+
+
 def build_catalog(
     model_id: str,
     folder: Path,
@@ -73,9 +101,7 @@ def build_catalog(
     (owner ``OWNER``)."""
     spec = resolve_model(model_id)
     prefix = "transformer" if spec.family == "flux-fill" else "unet"
-    layers = {n: m for n, m in model_targets(model_id).items() if ATTENTION.fullmatch(n)}
-    if not layers:
-        raise ValueError(f"{model_id} has no attention projections adapters may update")
+    layers = attention_layers(model_id)
     rng = np.random.default_rng(seed)
     chosen_ranks = rng.choice(ranks, size=count, p=np.asarray(rank_shares) / sum(rank_shares))
     folder.mkdir(parents=True, exist_ok=True)

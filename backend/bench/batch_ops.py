@@ -1,13 +1,19 @@
-"""`maskserve bench batch-ops`: what one denoising step costs as its batch grows, with the rows'
-attention grouped per request or padded into one call per layer (``EngineSettings.attention``).
+"""`maskserve bench batch-ops`: what one denoising step costs as its batch grows, in the two forms
+of one engine setting side by side (``--compare``):
+
+* ``attention``: the rows' attention grouped per request or padded into one call per layer
+  (``EngineSettings.attention``);
+* ``lora``: each request carrying its own LoRA adapters (``--adapters`` each, ranks drawn as the
+  adapters bench's catalogue, on every attention projection), their deltas grouped per adapter or
+  stacked into three operators per layer (``EngineSettings.lora_batching``).
 
 For 1, 2, 4, 8 ... requests (each its own template, mask and seed, every row reading its
-template's cache from host RAM, as a worker serves hot templates) and each attention form, in
-one process: the aten operators one step dispatches (counted with ``torch.profiler``; a device
-bound by launching operators, as a GPU running these models is, spends its step launching
-them) and the step's median seconds (synchronised on CUDA). Masks are blobs with ratios drawn
-from Beta(2, 16) (mean 0.11, as the serving benchmarks' traces), so the requests' token counts
-differ and padding has work to add.
+template's cache from host RAM, as a worker serves hot templates) and each form, in one process:
+the aten operators one step dispatches (counted with ``torch.profiler``; a device bound by
+launching operators, as a GPU running these models is, spends its step launching them) and the
+step's median seconds (synchronised on CUDA). Masks are blobs with ratios drawn from Beta(2, 16)
+(mean 0.11, as the serving benchmarks' traces), so the requests' token counts differ and padding
+has work to add.
 """
 
 from __future__ import annotations
@@ -23,13 +29,23 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
+from backend.bench.adapter_catalog import (
+    DEFAULT_RANK_SHARES,
+    DEFAULT_RANKS,
+    attention_layers,
+    random_adapter,
+)
 from backend.bench.engine_bench import cache_params, device_name, hot_cache
 from backend.engine.editor import EditState, MaskAwareEngine
 from backend.imaging.masks import synthetic_mask
 from backend.models import load_pipeline, resolve_model
 from templates_store.samples import sample_template
 
-FORMS = ("grouped", "padded")
+# the engine setting each comparison varies, and its two forms
+COMPARED = {
+    "attention": ("attention", ("grouped", "padded")),
+    "lora": ("lora_batching", ("grouped", "stacked")),
+}
 PROMPT = "a red leather armchair"
 
 
@@ -46,6 +62,13 @@ class BatchOpsRecord:
     device: str
     device_name: str
     dtype: str
+    compare: str = "attention"  # the setting whose form this record ran (``COMPARED``)
+    lora_batching: str = "grouped"
+    adapters: int = 0  # per request
+
+    @property
+    def form(self) -> str:
+        return getattr(self, COMPARED[self.compare][0])
 
 
 def _count_operators(engine: MaskAwareEngine, states: list[EditState], mode: str) -> int:
@@ -65,6 +88,24 @@ def _step_seconds(engine, states, mode: str, repeats: int, device: str) -> float
     return statistics.median(seconds)
 
 
+def _request_adapters(engine: MaskAwareEngine, model_id: str, requests: int, per_request: int):
+    """Each request's own ``per_request`` adapters (resident on the engine), (id, scale) pairs."""
+    if per_request == 0:
+        return [()] * requests
+    layers = attention_layers(model_id)
+    rng = np.random.default_rng(0)
+    shares = np.asarray(DEFAULT_RANK_SHARES) / sum(DEFAULT_RANK_SHARES)
+    chosen = []
+    for request in range(requests):
+        pairs = []
+        for k in range(per_request):
+            adapter_id, rank = f"r{request}-{k}", int(rng.choice(DEFAULT_RANKS, p=shares))
+            engine.adapters.put(random_adapter(layers, adapter_id, rank, seed=request * 10 + k))
+            pairs.append((adapter_id, float(rng.uniform(0.6, 1.0))))
+        chosen.append(tuple(pairs))
+    return chosen
+
+
 def run_batch_ops(
     model_id: str,
     requests: list[int],
@@ -76,9 +117,18 @@ def run_batch_ops(
     repeats: int = 5,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    compare: str = "attention",
+    adapters: int | None = None,
 ) -> list[BatchOpsRecord]:
+    """``adapters`` per request: default 2 when comparing the LoRA forms, else 0."""
     if steps < repeats + 2:  # a warm-up step, the counted one, then the timed ones
         raise ValueError(f"--steps {steps} is too few to time {repeats} steps: use {repeats + 2}+")
+    if compare not in COMPARED:
+        raise ValueError(f"--compare must be one of {', '.join(COMPARED)}, got {compare!r}")
+    per_request = (2 if compare == "lora" else 0) if adapters is None else adapters
+    if compare == "lora" and per_request < 1:
+        raise ValueError("--compare lora needs --adapters 1 or more per request")
+    setting, forms = COMPARED[compare]
     spec = resolve_model(model_id)
     size = size or spec.default_resolution
     engine = MaskAwareEngine(load_pipeline(model_id, models_dir, device, dtype), spec, cache_dir)
@@ -96,21 +146,24 @@ def run_batch_ops(
         hot_cache(engine, template, params, device)
         for template in tqdm(templates, desc="template caches", unit="template")
     ]
+    chosen = _request_adapters(engine, model_id, most, per_request)
     records = []
     for count in tqdm(requests, desc=f"bench batch-ops {model_id}", unit="batch"):
-        for form in FORMS:
-            engine.attention = form
+        for form in forms:
+            setattr(engine, setting, form)
             states = [
-                engine.start(templates[i], masks[i], PROMPT, i, params, cache=caches[i])
+                engine.start(
+                    templates[i], masks[i], PROMPT, i, params, cache=caches[i], adapters=chosen[i]
+                )
                 for i in range(count)
             ]
-            engine.step(states, mode)  # warm-up (layouts, allocator)
+            engine.step(states, mode)  # warm-up (layouts, allocator, stacked weights)
             records.append(
                 BatchOpsRecord(
                     model=model_id,
                     resolution=size,
                     mode=mode,
-                    attention=form,
+                    attention=_attention_form(engine.attention, device),
                     requests=count,
                     rows=sum(s.req.halves for s in states),
                     operators=_count_operators(engine, states, mode),
@@ -118,9 +171,19 @@ def run_batch_ops(
                     device=device,
                     device_name=device_name(device),
                     dtype=str(dtype).removeprefix("torch."),
+                    compare=compare,
+                    lora_batching=engine.lora_batching,
+                    adapters=per_request,
                 )
             )
     return records
+
+
+def _attention_form(choice: str, device: str) -> str:
+    """The attention form an engine runs on ``device`` (``auto``: padded on CUDA)."""
+    if choice != "auto":
+        return choice
+    return "padded" if device.startswith("cuda") else "grouped"
 
 
 def write_batch_ops(records: list[BatchOpsRecord], json_path: Path) -> Path:
@@ -132,9 +195,11 @@ def write_batch_ops(records: list[BatchOpsRecord], json_path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    first = records[0]
+    setting, forms = COMPARED[first.compare]
     fig, (ops_ax, time_ax) = plt.subplots(1, 2, figsize=(9, 3.6))
-    for form in FORMS:
-        mine = sorted((r for r in records if r.attention == form), key=lambda r: r.requests)
+    for form in forms:
+        mine = sorted((r for r in records if r.form == form), key=lambda r: r.requests)
         counts = [r.requests for r in mine]
         ops_ax.plot(counts, [r.operators for r in mine], marker="o", label=form)
         time_ax.plot(counts, [1e3 * r.step_s for r in mine], marker="o", label=form)
@@ -144,10 +209,10 @@ def write_batch_ops(records: list[BatchOpsRecord], json_path: Path) -> Path:
         ax.set_xlabel("requests in the batch")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
-    first = records[0]
+    adapters = f", {first.adapters} adapters a request" if first.adapters else ""
     fig.suptitle(
-        f"{first.model} {first.resolution} px, {first.mode} cache: one step as the batch grows "
-        f"({first.device_name} {first.dtype})",
+        f"{first.model} {first.resolution} px, {first.mode} cache{adapters}: one step as the "
+        f"batch grows, {setting} forms ({first.device_name} {first.dtype})",
         fontsize=9,
     )
     fig.tight_layout()
@@ -158,15 +223,16 @@ def write_batch_ops(records: list[BatchOpsRecord], json_path: Path) -> Path:
 
 
 def summary_lines(records: list[BatchOpsRecord]) -> list[str]:
-    """One line per batch size: both forms side by side, padded against grouped."""
-    by_key = {(r.requests, r.attention): r for r in records}
+    """One line per batch size: both forms side by side, the second against grouped."""
+    other = COMPARED[records[0].compare][1][1]
+    by_key = {(r.requests, r.form): r for r in records}
     lines = []
     for count in sorted({r.requests for r in records}):
-        grouped, padded = by_key[(count, "grouped")], by_key[(count, "padded")]
+        grouped, second = by_key[(count, "grouped")], by_key[(count, other)]
         lines.append(
             f"{count:3d} requests ({grouped.rows} rows): operators grouped {grouped.operators} "
-            f"padded {padded.operators} (x{grouped.operators / padded.operators:.2f} fewer); "
-            f"step grouped {1e3 * grouped.step_s:.1f} ms padded {1e3 * padded.step_s:.1f} ms "
-            f"(x{grouped.step_s / padded.step_s:.2f})"
+            f"{other} {second.operators} (x{grouped.operators / second.operators:.2f} fewer); "
+            f"step grouped {1e3 * grouped.step_s:.1f} ms {other} {1e3 * second.step_s:.1f} ms "
+            f"(x{grouped.step_s / second.step_s:.2f})"
         )
     return lines

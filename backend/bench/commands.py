@@ -102,6 +102,8 @@ def cmd_bench_batch_ops(args, settings: Settings) -> int:
         repeats=args.repeats,
         device=settings.engine.device,
         dtype=DTYPES[settings.engine.dtype],
+        compare=args.compare,
+        adapters=args.adapters,
     )
     plot = write_batch_ops(records, Path(args.json))
     print("\n".join(summary_lines(records)))
@@ -311,7 +313,16 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     exactness.set_defaults(func=cmd_bench_exactness)
 
     batch_ops = bench_sub.add_parser(
-        "batch-ops", help="one step's operators and time as its batch grows, attention forms"
+        "batch-ops", help="one step's operators and time as its batch grows, in two engine forms"
+    )
+    batch_ops.add_argument(
+        "--compare",
+        choices=("attention", "lora"),
+        default="attention",
+        help="attention: grouped against padded; lora: adapters grouped against stacked",
+    )
+    batch_ops.add_argument(
+        "--adapters", type=int, default=None, help="per request (default: 2 with --compare lora)"
     )
     batch_ops.add_argument("--model", default="tiny-sd2-inpaint")
     batch_ops.add_argument("--size", type=int, default=None)

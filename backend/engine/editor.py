@@ -52,7 +52,7 @@ from backend.engine.families import (
 )
 from backend.engine.feeder import MODE_TENSORS, BatchCacheFeeder, RowCacheRef
 from backend.engine.host import to_device
-from backend.engine.lora import ResidentAdapters, RowAdapters
+from backend.engine.lora import ResidentAdapters, RowAdapters, check_lora_batching
 from backend.engine.prepared import PreparedRequest
 from backend.engine.stepping import batched_step, guide_all
 from backend.imaging.masks import (
@@ -127,10 +127,17 @@ class EditResult:
 
 class MaskAwareEngine:
     def __init__(
-        self, pipe, spec, cache_root: Path, planners: dict | None = None, attention: str = "auto"
+        self,
+        pipe,
+        spec,
+        cache_root: Path,
+        planners: dict | None = None,
+        attention: str = "auto",
+        lora_batching: str = "stacked",
     ):
         self.pipe, self.spec, self.cache_root = pipe, spec, Path(cache_root)
         self.attention = check_attention_batching(attention)
+        self.lora_batching = check_lora_batching(lora_batching)
         self.adapter = ADAPTERS[spec.family](pipe, spec.max_sequence_length)
         # mode -> planner(states, mode) -> use_cache per unit (profiler.make_planner); none: all
         self.planners = dict(planners or {})
@@ -400,7 +407,9 @@ class MaskAwareEngine:
             {} if recording else None,
             rows[0].device,
             unit_seconds=unit_seconds,
-            lora=self.adapters.batch(row_adapters, rows[0].device),
+            lora=self.adapters.batch(
+                row_adapters, rows[0].device, stacked=self.lora_batching == "stacked"
+            ),
             padded_attention=pads_attention(self.attention, rows[0].device),
         )
         # Nothing to reuse, record, adapt or time: the model's own (fastest dense) forward does

@@ -61,7 +61,11 @@ def build_engine(
         in_memory=in_memory,
     )
     engine = MaskAwareEngine(
-        pipe, spec, settings.paths.resolved_cache_dir(), attention=settings.engine.attention
+        pipe,
+        spec,
+        settings.paths.resolved_cache_dir(),
+        attention=settings.engine.attention,
+        lora_batching=settings.engine.lora_batching,
     )
     if role != CPU_STAGES:
         engine.planners = load_planners(

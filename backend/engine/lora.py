@@ -2,15 +2,26 @@
 
 Rows of one batch may carry different adapters (or none), each with its own scale. Every
 LoRA-targeted projection computes its base output once for all packed tokens (the fused matmul of
-``attention.fused_linear``) and then, per adapter present in the batch, adds that adapter's
-low-rank delta ``scale * (x @ down.T) @ up.T`` to the tokens of the rows carrying it: per run of
-consecutive tokens of such rows, two thin matmuls on views (no gather, no scatter, no merged
-weight per row).
+``attention.fused_linear``) and then adds each adapter's low-rank delta
+``scale * (x @ down.T) @ up.T`` to the tokens of the rows carrying it, in one of two forms
+(``EngineSettings.lora_batching``):
+
+* ``grouped``: per adapter, per run of consecutive tokens of rows carrying it, two thin matmuls on
+  views (no gather, no scatter, no merged weight per row). The work is each row's own ranks, the
+  operators grow with the adapters and runs of the batch.
+* ``stacked``: every adapter of the batch on a module stacked into one down and one up matrix
+  (``StackedWeights``, kept while the batch's adapter set holds), so a module's deltas are three
+  operators whatever the batch: ``y += ((x @ downs.T) * scales) @ ups``, ``scales`` (tokens,
+  ranks) holding each token's row scale on its row's adapters' columns and 0 elsewhere. Every
+  token computes every adapter's ranks: fewer operators for more arithmetic, the trade a GPU bound
+  by launching operators wants, and on the CPU measured as fast or faster up to 24 adapters in a
+  batch of 8 requests (docs/bench/batch-ops.md): the default.
 
 Invariants: a ``BatchLora`` is built for one forward and never outlives it; a row without adapters
-gets exactly the base output (its tokens are never touched); ``scale`` on a pair is the adapter's
-own ``alpha / rank`` (PEFT's ``scaling``), the per-row scale the request's, so a row's delta is
-``row_scale * pair.scale * up(down(x))`` as PEFT computes it after ``set_adapters(weights=...)``.
+gets exactly the base output (grouped: its tokens are never touched; stacked: it adds exact
+zeros); ``scale`` on a pair is the adapter's own ``alpha / rank`` (PEFT's ``scaling``), the
+per-row scale the request's, so a row's delta is ``row_scale * pair.scale * up(down(x))`` as PEFT
+computes it after ``set_adapters(weights=...)``.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import torch.nn.functional as F
 from diffusers.models.activations import GEGLU, GELU
 
 from backend.engine.attention import fused_linear
+from backend.engine.host import to_device
 from backend.engine.layout import RowLayout
 
 # Linear layers the mask-aware forwards route through ``BatchLora`` (module names inside the
@@ -44,6 +56,13 @@ TARGET_PATTERNS: dict[str, re.Pattern[str]] = {
 }
 
 RowAdapters = tuple[tuple[str, float], ...]  # one row's (adapter id, scale) pairs
+LORA_BATCHING = ("grouped", "stacked")
+
+
+def check_lora_batching(choice: str) -> str:
+    if choice not in LORA_BATCHING:
+        raise ValueError(f"lora batching {choice!r} is not known: use {', '.join(LORA_BATCHING)}")
+    return choice
 
 
 @dataclass(frozen=True)
@@ -138,18 +157,64 @@ class _Slice:
     row_scale: tuple[float, ...]
 
 
+@dataclass(frozen=True)
+class _Stack:
+    """The adapters of a batch on one module, stacked in slice order."""
+
+    down: torch.Tensor  # (ranks, in_features): each adapter's down times its pair's scale
+    up: torch.Tensor  # (ranks, out_features): each adapter's up, transposed
+    ranks: tuple[int, ...]  # each slice's rank: its block of columns
+
+
+class StackedWeights:
+    """The stacked form's weights (``_Stack`` per module and slice order), kept across forwards
+    while the batch's adapter set holds and dropped when it changes, so a set that lasts many
+    steps is stacked once. Holds at most one set: the device keeps the batch's adapters twice."""
+
+    def __init__(self) -> None:
+        self._adapter_set: frozenset[str] = frozenset()
+        self._stacks: dict[tuple[int, tuple[str, ...]], _Stack] = {}
+
+    def use(self, adapter_set: frozenset[str]) -> None:
+        """The next forwards' adapters: stacks of another set are dropped."""
+        if adapter_set != self._adapter_set:
+            self._adapter_set, self._stacks = adapter_set, {}
+
+    def clear(self) -> None:
+        self._adapter_set, self._stacks = frozenset(), {}
+
+    def stack(self, module: torch.nn.Module, slices: Sequence[_Slice]) -> _Stack:
+        key = (id(module), tuple(piece.key for piece in slices))
+        if key not in self._stacks:
+            self._stacks[key] = _Stack(
+                down=torch.cat([piece.pair.down * piece.pair.scale for piece in slices]),
+                up=torch.cat([piece.pair.up for piece in slices], dim=1).t().contiguous(),
+                ranks=tuple(piece.pair.rank for piece in slices),
+            )
+        return self._stacks[key]
+
+
 class BatchLora:
     """The per-row adapters of one batch, indexed by the module each pair updates.
 
     Rows of a batch lie in contiguous token spans of every projection input (a request's CFG
-    halves next to each other), so an adapter's tokens are a few runs of consecutive tokens: each
-    run is a slice of the input and of the output (views, no gather or scatter), and its delta is
-    two matmuls added in place: ``y[run] += (scale * x[run] @ down.T) @ up.T``."""
+    halves next to each other), so an adapter's tokens are a few runs of consecutive tokens.
+    Grouped (``stacked`` None), each run is a slice of the input and of the output (views, no
+    gather or scatter), and its delta is two matmuls added in place: ``y[run] += (scale * x[run] @
+    down.T) @ up.T``. Stacked, a module's adapters are one ``_Stack`` and each token's scales one
+    row of a (tokens, ranks) matrix, memoised per input layout and slice order."""
 
-    def __init__(self, slices: dict[int, list[_Slice]]):
-        self._slices = slices
+    def __init__(
+        self,
+        slices: dict[int, list[_Slice]],
+        device: torch.device | str,
+        stacked: StackedWeights | None = None,
+    ):
+        self._slices, self._device, self._stacked = slices, torch.device(device), stacked
         self._runs: dict[tuple[int, str], list[tuple[int, int, float]]] = {}
         self._segments: dict[tuple, Segments] = {}
+        self._token_rows: dict[int, torch.Tensor] = {}
+        self._token_scales: dict[tuple[int, tuple[str, ...]], torch.Tensor] = {}
 
     @classmethod
     def build(
@@ -158,9 +223,11 @@ class BatchLora:
         adapters: Mapping[str, LoraAdapter],
         rows: Sequence[RowAdapters],
         device: torch.device | str,
+        stacked: StackedWeights | None = None,
     ) -> BatchLora | None:
         """None when no row carries an adapter. ``adapters`` must hold every id the rows name,
-        already on ``device`` in the model's dtype."""
+        already on ``device`` in the model's dtype. With ``stacked`` the deltas run stacked, its
+        weights kept for this set of adapters."""
         scales: dict[str, list[float]] = {}
         for row, row_adapters in enumerate(rows):
             for adapter_id, scale in row_adapters:
@@ -171,11 +238,14 @@ class BatchLora:
         if not scales:
             return None
         slices: dict[int, list[_Slice]] = {}
-        for adapter_id, row_scale in scales.items():
+        # adapters in id order: the stacks of one set keep one slice order whatever the rows' order
+        for adapter_id, row_scale in sorted(scales.items()):
             for name, pair in adapters[adapter_id].pairs.items():
                 module = targets[name]
                 slices.setdefault(id(module), []).append(_Slice(adapter_id, pair, tuple(row_scale)))
-        return cls(slices)
+        if stacked is not None:
+            stacked.use(frozenset(scales))
+        return cls(slices, device, stacked)
 
     def touches(self, *modules: torch.nn.Module) -> bool:
         return any(id(m) in self._slices for m in modules)
@@ -192,11 +262,32 @@ class BatchLora:
         # a view of ``y`` where its layout allows (the caller's fresh projection output, or a
         # column block of the fused one: adding in place touches no other block), else a copy
         flat_y = y.reshape(-1, y.shape[-1])
+        if self._stacked is not None:
+            stack = self._stacked.stack(module, slices)
+            low = F.linear(flat_x, stack.down).mul_(self._scales_of(segments, slices, stack))
+            return flat_y.addmm_(low, stack.up).reshape(y.shape)
         for piece in slices:
             for start, stop, scale in self._runs_of(segments, piece):
                 low = F.linear(flat_x[start:stop], piece.pair.down).mul_(scale)
                 flat_y[start:stop].addmm_(low, piece.pair.up.t())
         return flat_y.reshape(y.shape)
+
+    def _scales_of(self, segments: Segments, slices: Sequence[_Slice], stack: _Stack):
+        """(tokens, ranks): each token's row scale on the columns of the adapters its row carries,
+        0 elsewhere; built on the host and moved in one copy, memoised per layout and slices."""
+        key = (id(segments), tuple(piece.key for piece in slices))
+        if key not in self._token_scales:
+            if id(segments) not in self._token_rows:
+                rows = torch.tensor([row for row, _, _ in segments.spans])
+                lengths = torch.tensor([stop - start for _, start, stop in segments.spans])
+                self._token_rows[id(segments)] = to_device(
+                    rows.repeat_interleave(lengths), self._device
+                )
+            per_row = torch.tensor([piece.row_scale for piece in slices]).t()  # (rows, slices)
+            columns = per_row.repeat_interleave(torch.tensor(stack.ranks), dim=1)
+            row_scales = to_device(columns.to(stack.down.dtype), self._device)
+            self._token_scales[key] = row_scales.index_select(0, self._token_rows[id(segments)])
+        return self._token_scales[key]
 
     def _segments_of(self, x: torch.Tensor, rows: TokenRows) -> Segments:
         if isinstance(rows, Segments):
@@ -304,6 +395,7 @@ class ResidentAdapters:
         self._denoiser, self._kind = denoiser, kind
         self._targets: dict[str, torch.nn.Linear] | None = None
         self._loaded: dict[str, LoraAdapter] = {}
+        self._stacked = StackedWeights()
 
     @property
     def targets(self) -> dict[str, torch.nn.Linear]:
@@ -323,12 +415,19 @@ class ResidentAdapters:
         check_adapter(adapter, self.targets)
         weight = next(iter(self.targets.values())).weight
         self._loaded[adapter.adapter_id] = adapter.to(weight.device, weight.dtype)
+        self._stacked.clear()  # an id put again may bring other weights
 
     def drop(self, adapter_id: str) -> None:
         self._loaded.pop(adapter_id, None)
+        self._stacked.clear()  # its weights may be in the stacks
 
-    def batch(self, rows: Sequence[RowAdapters], device: torch.device | str) -> BatchLora | None:
-        """The ``BatchLora`` of one forward (None when no row names an adapter)."""
+    def batch(
+        self, rows: Sequence[RowAdapters], device: torch.device | str, stacked: bool = False
+    ) -> BatchLora | None:
+        """The ``BatchLora`` of one forward (None when no row names an adapter); ``stacked``: in
+        the stacked form (module docstring)."""
         if not any(rows):
             return None
-        return BatchLora.build(self.targets, self._loaded, rows, device)
+        return BatchLora.build(
+            self.targets, self._loaded, rows, device, self._stacked if stacked else None
+        )
