@@ -46,8 +46,9 @@ cat "$RESULTS/device.txt"
 
 # Each check by name; no names: all, in this order (shared/GPU.md's).
 CHECKS=("$@")
-[ ${#CHECKS[@]} -eq 0 ] && CHECKS=(exactness engine-sd2 batch-ops-sd2 profile-sd2 engine-sdxl \
-    profile-sdxl engine-flux profile-flux worker-sd2 adapters-sd2 deadlines-sd2 pytest-gpu)
+[ ${#CHECKS[@]} -eq 0 ] && CHECKS=(exactness engine-sd2 batch-ops-sd2 batch-ops-lora-sd2 \
+    profile-sd2 engine-sdxl profile-sdxl engine-flux profile-flux worker-sd2 adapters-sd2 \
+    deadlines-sd2 pytest-gpu)
 export MASKSERVE_DTYPE=bfloat16  # the engine runs; exactness and pytest choose their own dtypes
 for check in "${CHECKS[@]}"; do
     case $check in
@@ -62,6 +63,13 @@ for check in "${CHECKS[@]}"; do
             step batch-ops-arch-sd2-inpaint 150 $MS bench batch-ops --model arch-sd2-inpaint \
                 --size 512 --steps 10 --requests 1,2,4,8 \
                 --json "$RESULTS/batch-ops-arch-sd2-inpaint-cuda.json"
+        ) ;;
+    batch-ops-lora-sd2)  # 2. a step of 1-8 requests with 2 adapters each, deltas grouped or stacked
+        (
+            export MASKSERVE_DEVICE=cuda
+            step batch-ops-lora-arch-sd2-inpaint 150 $MS bench batch-ops --compare lora \
+                --model arch-sd2-inpaint --size 512 --steps 10 --requests 1,2,4,8 \
+                --json "$RESULTS/batch-ops-lora-arch-sd2-inpaint-cuda.json"
         ) ;;
     profile-sd2)  # 3. its cost profiles (both modes)
         step profile-arch-sd2-inpaint 120 $MS profile --device cuda --model arch-sd2-inpaint \

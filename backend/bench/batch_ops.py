@@ -11,9 +11,10 @@ For 1, 2, 4, 8 ... requests (each its own template, mask and seed, every row rea
 template's cache from host RAM, as a worker serves hot templates) and each form, in one process:
 the aten operators one step dispatches (counted with ``torch.profiler``; a device bound by
 launching operators, as a GPU running these models is, spends its step launching them) and the
-step's median seconds (synchronised on CUDA). Masks are blobs with ratios drawn from Beta(2, 16)
-(mean 0.11, as the serving benchmarks' traces), so the requests' token counts differ and padding
-has work to add.
+step's median seconds (synchronised on CUDA; the two forms' steps interleaved, so that the
+machine's drift falls on both alike). Masks are blobs with ratios drawn from Beta(2, 16) (mean
+0.11, as the serving benchmarks' traces), so the requests' token counts differ and padding has
+work to add.
 """
 
 from __future__ import annotations
@@ -77,15 +78,20 @@ def _count_operators(engine: MaskAwareEngine, states: list[EditState], mode: str
     return sum(1 for event in profile.events() if event.name.startswith("aten::"))
 
 
-def _step_seconds(engine, states, mode: str, repeats: int, device: str) -> float:
-    seconds = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        engine.step(states, mode)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize(device)
-        seconds.append(time.perf_counter() - started)
-    return statistics.median(seconds)
+def _step_seconds(engine, setting: str, states_by_form: dict, mode: str, repeats: int, device: str):
+    """Median seconds of a step in each form, the forms' steps interleaved (ABBA...) so that the
+    machine's drift falls on both alike."""
+    seconds: dict[str, list[float]] = {form: [] for form in states_by_form}
+    forms = list(states_by_form)
+    for repeat in range(repeats):
+        for form in forms if repeat % 2 == 0 else forms[::-1]:
+            setattr(engine, setting, form)
+            started = time.perf_counter()
+            engine.step(states_by_form[form], mode)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize(device)
+            seconds[form].append(time.perf_counter() - started)
+    return {form: statistics.median(values) for form, values in seconds.items()}
 
 
 def _request_adapters(engine: MaskAwareEngine, model_id: str, requests: int, per_request: int):
@@ -149,15 +155,20 @@ def run_batch_ops(
     chosen = _request_adapters(engine, model_id, most, per_request)
     records = []
     for count in tqdm(requests, desc=f"bench batch-ops {model_id}", unit="batch"):
+        states_by_form, operators = {}, {}
         for form in forms:
             setattr(engine, setting, form)
-            states = [
+            states_by_form[form] = [
                 engine.start(
                     templates[i], masks[i], PROMPT, i, params, cache=caches[i], adapters=chosen[i]
                 )
                 for i in range(count)
             ]
-            engine.step(states, mode)  # warm-up (layouts, allocator, stacked weights)
+            engine.step(states_by_form[form], mode)  # warm-up (layouts, allocator, stacks)
+            operators[form] = _count_operators(engine, states_by_form[form], mode)
+        step_s = _step_seconds(engine, setting, states_by_form, mode, repeats, device)
+        for form in forms:
+            setattr(engine, setting, form)
             records.append(
                 BatchOpsRecord(
                     model=model_id,
@@ -165,9 +176,9 @@ def run_batch_ops(
                     mode=mode,
                     attention=_attention_form(engine.attention, device),
                     requests=count,
-                    rows=sum(s.req.halves for s in states),
-                    operators=_count_operators(engine, states, mode),
-                    step_s=_step_seconds(engine, states, mode, repeats, device),
+                    rows=sum(s.req.halves for s in states_by_form[form]),
+                    operators=operators[form],
+                    step_s=step_s[form],
                     device=device,
                     device_name=device_name(device),
                     dtype=str(dtype).removeprefix("torch."),

@@ -1,0 +1,58 @@
+"""``scripts/gpu-checks.sh`` against the CLI, on the CPU: a GPU lease is rare and short, so a
+renamed or dropped flag must fail here, not there. Every ``maskserve`` command the script runs
+parses, every check of its default list has a case (and every case is in the list), and the test
+files its pytest check names exist."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from backend.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = (ROOT / "scripts" / "gpu-checks.sh").read_text()
+LINES = SCRIPT.replace("\\\n", " ").splitlines()  # continued lines joined
+
+
+def _maskserve_commands() -> list[list[str]]:
+    return [
+        shlex.split(line.split("$MS ", 1)[1].split(";;")[0].replace("$RESULTS", "/tmp/results"))
+        for line in LINES
+        if "$MS " in line and not line.lstrip().startswith("MS=")
+    ]
+
+
+def _cases() -> set[str]:
+    return {m.group(1) for line in LINES if (m := re.fullmatch(r" {4}([a-z0-9-]+)\)(.*)", line))}
+
+
+def _default_checks() -> set[str]:
+    listed = re.search(r"CHECKS=\(([a-z0-9 -]+)\)", " ".join(LINES))
+    assert listed, "the script's default list of checks is missing"
+    return set(listed.group(1).split())
+
+
+COMMANDS = _maskserve_commands()
+
+
+def test_the_script_runs_a_command_per_check():
+    assert len(COMMANDS) >= len(_default_checks()) - 1  # pytest-gpu runs pytest, not maskserve
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=lambda argv: " ".join(argv[:2]))
+def test_every_maskserve_command_parses(argv):
+    args = build_parser().parse_args(argv)
+    assert callable(args.func)
+
+
+def test_every_default_check_has_a_case_and_every_case_is_listed():
+    assert _default_checks() == _cases()
+
+
+def test_the_test_files_of_its_pytest_check_exist():
+    named = set(re.findall(r"tests/[a-z_]+\.py", SCRIPT))
+    assert named and all((ROOT / path).is_file() for path in named)
