@@ -387,8 +387,8 @@ class AdapterSettings(_Strict):
     device_mb: int = Field(default=1024, ge=0)
     """Device tier of each engine worker: adapters kept in the model's dtype where it computes,
     MB (adapters rows run with are never evicted, whatever this says). With
-    ``engine.lora_batching=stacked`` the running batch's adapters are held once more, stacked,
-    beside this tier."""
+    ``engine.lora_batching=stacked`` the adapters of the last two batches' adapter sets are held
+    again, stacked, beside this tier."""
     host_mb: int = Field(default=4096, ge=0)
     """Host-RAM tier of each engine worker: adapters read from the registry, MB."""
     policy: EvictionPolicy = "lfu"

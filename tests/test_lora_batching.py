@@ -121,7 +121,7 @@ def test_operators_per_layer(stacked):
     assert (counts[0] == counts[1]) if stacked else (counts[0] < counts[1])
 
 
-def test_stacks_are_kept_while_the_adapter_set_holds():
+def test_stacks_are_kept_for_the_last_adapter_sets():
     layer, resident = _resident(*ADAPTERS)
     x = torch.randn(2, TOKENS, IN)
 
@@ -129,17 +129,26 @@ def test_stacks_are_kept_while_the_adapter_set_holds():
         lora = resident.batch(rows, "cpu", stacked=True)
         with torch.no_grad():
             lora.add(layer.proj, x, layer.proj(x), None)
-        return resident._stacked._stacks[(id(layer.proj), ("a", "b"))]
+        keys = tuple(sorted({adapter_id for row in rows for adapter_id, _ in row}))
+        return resident._stacked._sets[frozenset(keys)][(id(layer.proj), keys)]
 
     first = stack_after(((("a", 1.0),), (("b", 0.5),)))
     # the same set in another row order and at other scales: the same stacked weights
     assert stack_after(((("b", 2.0),), (("a", 0.1),))) is first
-    resident.batch(((("c", 1.0),),), "cpu", stacked=True)  # another set: the stacks go
-    assert not resident._stacked._stacks
+    # two sets alternating (two groups of rows stepped in turn): both kept
+    other = stack_after(((("c", 1.0),), ()))
+    assert stack_after(((("a", 1.0),), (("b", 0.5),))) is first
+    assert stack_after(((("c", 0.3),), ())) is other
+    # a third set: the one used longest ago goes
+    stack_after(((("a", 1.0),), (("c", 0.5),)))
+    assert frozenset(("a", "b")) not in resident._stacked._sets
     again = stack_after(((("a", 1.0),), (("b", 0.5),)))
     assert again is not first and torch.equal(again.down, first.down)
-    resident.drop("c")  # the stacks may hold a dropped adapter's weights: they go
-    assert not resident._stacked._stacks
+    # a dropped adapter's weights leave with the stacks that hold them, only those
+    resident.drop("c")
+    assert list(resident._stacked._sets) == [frozenset(("a", "b"))]
+    resident.put(_adapter("b", 4, 9))  # an id put again with other weights: its stacks go too
+    assert not resident._stacked._sets
 
 
 def test_lora_batching_choices():

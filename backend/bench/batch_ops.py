@@ -106,7 +106,8 @@ def _request_adapters(engine: MaskAwareEngine, model_id: str, requests: int, per
         pairs = []
         for k in range(per_request):
             adapter_id, rank = f"r{request}-{k}", int(rng.choice(DEFAULT_RANKS, p=shares))
-            engine.adapters.put(random_adapter(layers, adapter_id, rank, seed=request * 10 + k))
+            seed = request * per_request + k  # each adapter its own weights
+            engine.adapters.put(random_adapter(layers, adapter_id, rank, seed=seed))
             pairs.append((adapter_id, float(rng.uniform(0.6, 1.0))))
         chosen.append(tuple(pairs))
     return chosen

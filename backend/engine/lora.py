@@ -10,7 +10,7 @@ LoRA-targeted projection computes its base output once for all packed tokens (th
   views (no gather, no scatter, no merged weight per row). The work is each row's own ranks, the
   operators grow with the adapters and runs of the batch.
 * ``stacked``: every adapter of the batch on a module stacked into one down and one up matrix
-  (``StackedWeights``, kept while the batch's adapter set holds), so a module's deltas are three
+  (``StackedWeights``, kept per adapter set across forwards), so a module's deltas are three
   operators whatever the batch: ``y += ((x @ downs.T) * scales) @ ups``, ``scales`` (tokens,
   ranks) holding each token's row scale on its row's adapters' columns and 0 elsewhere. Every
   token computes every adapter's ranks: fewer operators for more arithmetic, the trade a GPU bound
@@ -27,6 +27,7 @@ computes it after ``set_adapters(weights=...)``.
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -167,31 +168,40 @@ class _Stack:
 
 
 class StackedWeights:
-    """The stacked form's weights (``_Stack`` per module and slice order), kept across forwards
-    while the batch's adapter set holds and dropped when it changes, so a set that lasts many
-    steps is stacked once. Holds at most one set: the device keeps the batch's adapters twice."""
+    """The stacked form's weights (``_Stack`` per module and slice order), kept per adapter set
+    across forwards, so a set that lasts many steps is stacked once. The ``KEEP_SETS`` sets used
+    last are kept (a worker stepping two groups of rows, two resolutions say, alternates two sets
+    every step), older ones dropped: the device holds the batch's adapters at most that many
+    times more."""
+
+    KEEP_SETS = 2
 
     def __init__(self) -> None:
-        self._adapter_set: frozenset[str] = frozenset()
-        self._stacks: dict[tuple[int, tuple[str, ...]], _Stack] = {}
+        self._sets: OrderedDict[frozenset[str], dict[tuple[int, tuple[str, ...]], _Stack]] = (
+            OrderedDict()
+        )
 
     def use(self, adapter_set: frozenset[str]) -> None:
-        """The next forwards' adapters: stacks of another set are dropped."""
-        if adapter_set != self._adapter_set:
-            self._adapter_set, self._stacks = adapter_set, {}
+        """The next forward's adapters: their stacks, made as its layers ask for them."""
+        self._sets[adapter_set] = self._sets.pop(adapter_set, {})
+        while len(self._sets) > self.KEEP_SETS:
+            self._sets.popitem(last=False)
 
-    def clear(self) -> None:
-        self._adapter_set, self._stacks = frozenset(), {}
+    def forget(self, adapter_id: str) -> None:
+        """Drop the stacks holding ``adapter_id``'s weights (dropped, or put again)."""
+        for adapter_set in [held for held in self._sets if adapter_id in held]:
+            del self._sets[adapter_set]
 
     def stack(self, module: torch.nn.Module, slices: Sequence[_Slice]) -> _Stack:
+        stacks = next(reversed(self._sets.values()))  # the set of the last ``use``
         key = (id(module), tuple(piece.key for piece in slices))
-        if key not in self._stacks:
-            self._stacks[key] = _Stack(
+        if key not in stacks:
+            stacks[key] = _Stack(
                 down=torch.cat([piece.pair.down * piece.pair.scale for piece in slices]),
                 up=torch.cat([piece.pair.up for piece in slices], dim=1).t().contiguous(),
                 ranks=tuple(piece.pair.rank for piece in slices),
             )
-        return self._stacks[key]
+        return stacks[key]
 
 
 class BatchLora:
@@ -415,11 +425,11 @@ class ResidentAdapters:
         check_adapter(adapter, self.targets)
         weight = next(iter(self.targets.values())).weight
         self._loaded[adapter.adapter_id] = adapter.to(weight.device, weight.dtype)
-        self._stacked.clear()  # an id put again may bring other weights
+        self._stacked.forget(adapter.adapter_id)  # an id put again may bring other weights
 
     def drop(self, adapter_id: str) -> None:
         self._loaded.pop(adapter_id, None)
-        self._stacked.clear()  # its weights may be in the stacks
+        self._stacked.forget(adapter_id)
 
     def batch(
         self, rows: Sequence[RowAdapters], device: torch.device | str, stacked: bool = False
