@@ -113,7 +113,7 @@ class EngineSettings(_Strict):
     lora_batching: LoraBatching = "stacked"
     """How a batch's LoRA adapters reach their rows in each adapted layer: ``stacked`` (the batch's
     adapters stacked into one down and one up matrix: three operators per layer whatever the
-    batch, every token computing every adapter's ranks; as fast or faster on the CPU too in the
+    batch, every token computing every adapter's ranks; within noise or faster on the CPU too in the
     measurements) or ``grouped`` (two thin matmuls per adapter and run of its rows' tokens: each
     token computes its own adapters' ranks only, the operators growing with the adapters)."""
     dense_above_ratio: float = Field(default=0.75, gt=0.0, le=1.0)

@@ -14,8 +14,8 @@ LoRA-targeted projection computes its base output once for all packed tokens (th
   operators whatever the batch: ``y += ((x @ downs.T) * scales) @ ups``, ``scales`` (tokens,
   ranks) holding each token's row scale on its row's adapters' columns and 0 elsewhere. Every
   token computes every adapter's ranks: fewer operators for more arithmetic, the trade a GPU bound
-  by launching operators wants, and on the CPU measured as fast or faster up to 24 adapters in a
-  batch of 8 requests (docs/bench/batch-ops.md): the default.
+  by launching operators wants, and on the CPU measured within noise or faster up to 24
+  adapters in a batch of 8 requests (docs/bench/batch-ops.md): the default.
 
 Invariants: a ``BatchLora`` is built for one forward and never outlives it; a row without adapters
 gets exactly the base output (grouped: its tokens are never touched; stacked: it adds exact
@@ -274,7 +274,8 @@ class BatchLora:
         flat_y = y.reshape(-1, y.shape[-1])
         if self._stacked is not None:
             stack = self._stacked.stack(module, slices)
-            low = F.linear(flat_x, stack.down).mul_(self._scales_of(segments, slices, stack))
+            scales = self._scales_of(segments, rows, slices, stack)
+            low = F.linear(flat_x, stack.down).mul_(scales)
             return flat_y.addmm_(low, stack.up).reshape(y.shape)
         for piece in slices:
             for start, stop, scale in self._runs_of(segments, piece):
@@ -282,22 +283,32 @@ class BatchLora:
                 flat_y[start:stop].addmm_(low, piece.pair.up.t())
         return flat_y.reshape(y.shape)
 
-    def _scales_of(self, segments: Segments, slices: Sequence[_Slice], stack: _Stack):
+    def _scales_of(
+        self, segments: Segments, rows: TokenRows, slices: Sequence[_Slice], stack: _Stack
+    ) -> torch.Tensor:
         """(tokens, ranks): each token's row scale on the columns of the adapters its row carries,
-        0 elsewhere; built on the host and moved in one copy, memoised per layout and slices."""
+        0 elsewhere; memoised per layout and slices. A packed layout's rows per token are its own
+        (on the device already); other inputs' are built from their spans once per forward."""
         key = (id(segments), tuple(piece.key for piece in slices))
         if key not in self._token_scales:
-            if id(segments) not in self._token_rows:
-                rows = torch.tensor([row for row, _, _ in segments.spans])
-                lengths = torch.tensor([stop - start for _, start, stop in segments.spans])
-                self._token_rows[id(segments)] = to_device(
-                    rows.repeat_interleave(lengths), self._device
-                )
             per_row = torch.tensor([piece.row_scale for piece in slices]).t()  # (rows, slices)
             columns = per_row.repeat_interleave(torch.tensor(stack.ranks), dim=1)
             row_scales = to_device(columns.to(stack.down.dtype), self._device)
-            self._token_scales[key] = row_scales.index_select(0, self._token_rows[id(segments)])
+            self._token_scales[key] = row_scales.index_select(
+                0, self._rows_per_token(segments, rows)
+            )
         return self._token_scales[key]
+
+    def _rows_per_token(self, segments: Segments, rows: TokenRows) -> torch.Tensor:
+        if isinstance(rows, RowLayout):
+            return rows.row_of_token
+        if id(segments) not in self._token_rows:
+            owners = torch.tensor([row for row, _, _ in segments.spans])
+            lengths = torch.tensor([stop - start for _, start, stop in segments.spans])
+            self._token_rows[id(segments)] = to_device(
+                owners.repeat_interleave(lengths), self._device
+            )
+        return self._token_rows[id(segments)]
 
     def _segments_of(self, x: torch.Tensor, rows: TokenRows) -> Segments:
         if isinstance(rows, Segments):
