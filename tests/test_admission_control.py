@@ -4,8 +4,10 @@ honest Retry-After. No Redis, no clock: every input is a value."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -65,12 +67,12 @@ def test_rows_with_a_later_deadline_do_not_delay_it_under_the_slack_scheduler():
 
 def test_under_fifo_every_row_goes_first_and_under_edf_every_running_row():
     relaxed = busy_worker(deadline_s=3600.0, rows=6)
-    fifo = forecast(job(deadline_s=20.0), NOW, [relaxed], scheduler="fifo")
-    edf = forecast(job(deadline_s=20.0), NOW, [relaxed], scheduler="edf")
+    fifo = forecast(job(deadline_s=20.0), NOW, [relaxed], policy=Policy(scheduler="fifo"))
+    edf = forecast(job(deadline_s=20.0), NOW, [relaxed], policy=Policy(scheduler="edf"))
     assert fifo.ahead == 6 and fifo.start == pytest.approx(NOW + 30.0)
     assert edf.ahead == 2 and edf.start == pytest.approx(NOW + 10.0)  # running rows keep slots
     with pytest.raises(ValueError, match="scheduler"):
-        forecast(job(), NOW, [relaxed], scheduler="lifo")
+        forecast(job(), NOW, [relaxed], policy=Policy(scheduler="lifo"))
 
 
 def test_a_higher_priority_row_goes_first_whatever_its_deadline():
@@ -129,6 +131,59 @@ def test_no_worker_or_no_step_time_means_no_forecast_and_no_refusal_on_predictio
     assert forecast(job(), NOW, [WorkerLoad("w1", 2, 0.0)]) is None
     verdict = decide(job(deadline_s=1.0, steps=150), NOW, [], [Row(150)] * 50, 0, POLICY)
     assert verdict.accept and not verdict.late and verdict.forecast is None
+
+
+# ----- the starvation bound ----------------------------------------------------------------------
+BOUNDED = Policy(scheduler="slack", round_steps=5, max_wait_s=60.0)
+
+
+def loose_queue(waited_s=0.0, due=False) -> WorkerLoad:
+    """One slot: a running row with 10 steps left and a waiting row of 10 steps, both due in an
+    hour; the waiting row has waited ``waited_s`` (the worker found it ``due`` or not)."""
+    rows = (Row(10, NOW + 3600.0, running=True), Row(10, NOW + 3600.0, due=due, waited_s=waited_s))
+    return WorkerLoad("w1", 1, 1.0, rows)
+
+
+@pytest.mark.parametrize("scheduler", ["slack", "edf"])
+def test_a_row_due_for_the_starvation_bound_goes_before_a_tighter_job(scheduler):
+    policy = replace(BOUNDED, scheduler=scheduler)
+    start = 0.0 if scheduler == "slack" else 10.0  # slack parks the loose running row for it
+    fresh = forecast(job(deadline_s=20.0), NOW, [loose_queue()], policy=policy)
+    assert fresh.start == pytest.approx(NOW + start)
+    # the worker reported the row due, or its wait passes the bound before the worker's next
+    # round (slack: 5 steps, edf: its next step; one to spare; 1 s a step): it goes first,
+    # whatever the job's slack
+    for queue in (loose_queue(due=True), loose_queue(waited_s=59.0)):
+        late = forecast(job(deadline_s=20.0), NOW, [queue], policy=policy)
+        assert late.start == pytest.approx(NOW + start + 10.0) and late.ahead == fresh.ahead + 1
+    within = forecast(job(deadline_s=20.0), NOW, [loose_queue(waited_s=53.0)], policy=policy)
+    assert within.start == fresh.start
+    # without a bound a long wait changes nothing
+    unbounded = replace(policy, max_wait_s=math.inf)
+    assert forecast(job(deadline_s=20.0), NOW, [loose_queue(1e6)], policy=unbounded) == fresh
+
+
+def test_the_rows_a_heartbeat_reports_wait_on_until_the_decision():
+    from backend.api.admission import worker_load
+    from backend.protocol import RunningRow, WaitingRow, WorkerHeartbeat
+
+    beat = WorkerHeartbeat(
+        "w1",
+        "tiny-sd2-inpaint",
+        "cpu",
+        at=NOW - 5.0,
+        max_batch=1,
+        batching="continuous",
+        running=[RunningRow("a", 0.1, 10, deadline=NOW + 3600.0, due=True)],
+        waiting=[WaitingRow("b", 0.1, 10, deadline=NOW + 3600.0, waited_s=50.0, step=4)],
+    )
+    running, waiting = worker_load(beat, 1.0, NOW).rows
+    assert running.running and running.due
+    assert waiting.waited_s == pytest.approx(55.0) and not waiting.due
+    assert waiting.remaining_steps == 6
+    # 55 s by now, within a round of the 60 s bound: it goes before a tight job
+    predicted = forecast(job(deadline_s=20.0), NOW, [worker_load(beat, 1.0, NOW)], policy=BOUNDED)
+    assert predicted.start == pytest.approx(NOW + 16.0)
 
 
 # ----- the deadline bound ------------------------------------------------------------------------

@@ -122,7 +122,7 @@ def test_slack_order_uses_the_step_time_of_the_batch_as_it_would_be():
         out = s.schedule(0.0)
         assert out.admitted == [first]
         assert len(calls) == 2  # a first guess, then the batch the order chooses
-        assert s.live_state()["waiting"][0].job_id == ({"x", "y"} - {first}).pop()
+        assert s.live_state(0.0)["waiting"][0].job_id == ({"x", "y"} - {first}).pop()
 
 
 def test_planned_step_s_prices_the_max_batch_rows_of_highest_precedence():
@@ -357,6 +357,13 @@ def test_a_backlog_deeper_than_the_bound_is_served_first_come_first_served():
     s.schedule(1.0)
     assert all(row.due for row in s.waiting.values())
     assert [r.job_id for r in s.queue_order()] == [*(f"b{k}" for k in range(1, 10)), "tight"]
+    # the heartbeat says so: routing and admission then rank these rows before any other
+    live = s.live_state(3.0)
+    assert live["running"][0].due and all(row.due for row in live["waiting"])
+    assert [round(row.waited_s, 6) for row in live["waiting"]] == [
+        *(round(3.0 - k / 10, 6) for k in range(1, 10)),
+        2.0,
+    ]
 
 
 def test_a_tight_row_of_lower_priority_never_parks_a_row_of_higher_priority():
@@ -406,7 +413,7 @@ def test_live_state_reports_deadlines_priorities_and_parked_steps():
     h.tick(0.0)
     h.s.add(make_row("t", steps=3, deadline=4.0, priority=2, at=1.0))
     h.tick(1.0)
-    live = h.s.live_state()
+    live = h.s.live_state(3.5)
     assert live["scheduler"] == "slack"
     (running,) = live["running"]
     assert (running.job_id, running.deadline, running.priority) == ("t", 4.0, 2)
@@ -417,6 +424,8 @@ def test_live_state_reports_deadlines_priorities_and_parked_steps():
         10,
         1000.0,
     )
+    # parked at 1.0: it has waited since (its first wait ended when it was admitted at 0.0)
+    assert waiting.waited_s == pytest.approx(2.5) and not waiting.due and not running.due
 
 
 # ----- plan ------------------------------------------------------------------------------------

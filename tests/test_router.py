@@ -474,5 +474,6 @@ def test_view_from_heartbeat_round_trip():
         (RowState("b", 0.05, 20, ""),),
         frozenset({"d1"}),
         frozenset({"d1", "d2"}),
+        seen_at=1.0,
     )
     assert (view.load, view.slack) == (2, 2)

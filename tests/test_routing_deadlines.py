@@ -266,6 +266,74 @@ def test_a_running_row_recording_its_template_is_not_counted_as_parkable(cm):
     assert est["parked"] == 1 and est["admit_step"] == 0
 
 
+# ----- the starvation bound ----------------------------------------------------------------------
+def bounded(max_wait_s=60.0, scheduler="slack") -> RowOrder:
+    return RowOrder(scheduler, max_wait_s=max_wait_s)
+
+
+def starving_queue(waited_s=0.0, due=False, seen_at=0.0, order=None):
+    """A full batch (20 steps left, an hour of slack) and 8 queued rows as loose, which have
+    waited ``waited_s`` (reported ``due`` or not) when W reported them at ``seen_at``."""
+    loose = NOW + 3600
+    running = rows([(0.1, 20, "a")] * 8, "r", loose)
+    waiting = tuple(
+        replace(r, waited_s=waited_s, due=due) for r in rows([(0.1, 20, "a")] * 8, "q", loose)
+    )
+    view = worker("w", running, waiting, ram={"a", "t0"}, order=order or bounded())
+    return replace(view, seen_at=seen_at)
+
+
+@pytest.mark.parametrize("scheduler, admit_unbounded", [("slack", 0), ("edf", 20)])
+def test_rows_due_for_the_bound_go_before_a_tight_job(cm, scheduler, admit_unbounded):
+    """A loose queue does not delay a tight job (previous tests) until its rows come due for the
+    starvation bound: then they take the slots first, whatever the job's slack."""
+    tight = job(NOW + 10)
+    fresh = cm.estimate(tight, starving_queue(order=bounded(scheduler=scheduler)))
+    assert fresh["admit_step"] == admit_unbounded and fresh["ahead"] <= 8
+    reported = cm.estimate(tight, starving_queue(due=True, order=bounded(scheduler=scheduler)))
+    assert reported["admit_step"] == 40 and reported["ahead"] >= 8  # the 8 due rows first
+    assert reported["finish_s"] > fresh["finish_s"]
+
+
+def test_a_row_comes_due_when_its_wait_passes_the_bound_by_the_workers_next_round(cm):
+    """W reported the rows' waits, not yet due; the router counts on from the report: 59 s waited
+    against a 60 s bound is due within the next round of steps, 40 s is not, and neither is 59 s
+    under a bound of 10 minutes."""
+    tight = job(NOW + 10)
+    assert cm.estimate(tight, starving_queue(waited_s=40.0))["admit_step"] == 0
+    assert cm.estimate(tight, starving_queue(waited_s=59.0))["admit_step"] == 40
+    roomy = starving_queue(waited_s=59.0, order=bounded(max_wait_s=600.0))
+    assert cm.estimate(tight, roomy)["admit_step"] == 0
+    # reported 45 s ago with 15 s waited: 60 s by now
+    later = starving_queue(waited_s=15.0, seen_at=NOW - 45.0)
+    assert cm.estimate(tight, later)["admit_step"] == 40
+
+
+def test_a_running_row_let_in_for_the_bound_is_never_parked(cm):
+    """The worker never parks a due row: a tight job on a batch of them waits for a slot; with one
+    row not due among them, that one is parked for it."""
+    loose = NOW + 3600
+    due_rows = tuple(replace(r, due=True) for r in rows([(0.1, 20, "a")] * 8, "r", loose))
+    tight = job(NOW + 10)
+    est = cm.estimate(tight, worker("w", due_rows, ram={"a", "t0"}, order=bounded()))
+    assert est["parked"] == 0 and est["admit_step"] == 20
+    one_not_due = due_rows[:7] + rows([(0.1, 20, "a")], "c", loose)
+    est = cm.estimate(tight, worker("w", one_not_due, ram={"a", "t0"}, order=bounded()))
+    assert est["parked"] == 1 and est["admit_step"] == 0
+
+
+def test_the_router_sends_a_tight_job_away_from_a_worker_whose_queue_is_due(cm):
+    tight = job(NOW + 10)
+    starving = replace(starving_queue(due=True), worker_id="w0")
+    calm = replace(starving_queue(), worker_id="w1")
+    assert choose(cm, tight, [starving, calm]).worker_id == "w1"
+
+
+def test_row_order_refuses_a_bound_that_is_not_positive():
+    with pytest.raises(ValueError, match="max_wait_s"):
+        RowOrder("slack", max_wait_s=0.0)
+
+
 # ----- batch sizing -----------------------------------------------------------------------------
 def sized_worker(cm, order, wid="w"):
     """A worker whose one running row "t" (10 steps left) is on time alone but late beside J."""
@@ -386,15 +454,20 @@ def test_views_carry_deadlines_priorities_and_the_steps_a_parked_row_has_left():
         at=1.0,
         max_batch=4,
         batching="continuous",
-        running=[protocol.RunningRow("a", 0.1, 7, "t", deadline=50.0, priority=2)],
-        waiting=[protocol.WaitingRow("b", 0.2, 20, "u", deadline=60.0, priority=1, step=8)],
+        running=[protocol.RunningRow("a", 0.1, 7, "t", deadline=50.0, priority=2, due=True)],
+        waiting=[
+            protocol.WaitingRow(
+                "b", 0.2, 20, "u", deadline=60.0, priority=1, step=8, waited_s=12.5, due=True
+            )
+        ],
         finish_tail_s=0.25,
     )
     view = view_from_heartbeat(protocol.decode(protocol.encode(beat)), SLACK)
-    assert view.finish_tail_s == 0.25
+    assert view.finish_tail_s == 0.25 and view.seen_at == 1.0
     (run,), (wait,) = view.running, view.waiting
-    assert (run.deadline, run.priority, run.remaining_steps) == (50.0, 2, 7)
+    assert (run.deadline, run.priority, run.remaining_steps, run.due) == (50.0, 2, 7, True)
     assert (wait.deadline, wait.priority, wait.step, wait.remaining_steps) == (60.0, 1, 8, 12)
+    assert wait.due and view.waited_s(wait, 3.0) == 14.5  # it waited on after the report
     assert view.order == SLACK and view_from_heartbeat(beat).order == FIFO
 
 

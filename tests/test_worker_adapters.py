@@ -4,6 +4,7 @@ ready step, blocking at the deadline, failures that leave the rest of the batch 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -176,7 +177,7 @@ def test_the_heartbeat_rows_name_their_adapters(engine, content, tmp_path):
     worker, inbox, sink, blobs = make_worker(engine, tmp_path, loader)
     submit(engine, worker, inbox, blobs, "hb", 3, [USE_B])
     worker.iterate()
-    live = worker.scheduler.live_state()
+    live = worker.scheduler.live_state(time.time())
     (row,) = live["running"] + live["waiting"]
     assert row.adapters == [USE_B.sha256]
     drain(worker)

@@ -126,11 +126,24 @@ class StepTimes:
         return float(measured) if isinstance(measured, int | float) else 0.0
 
 
-def worker_load(beat: WorkerHeartbeat, step_s: float) -> WorkerLoad:
+def worker_load(beat: WorkerHeartbeat, step_s: float, now: float) -> WorkerLoad:
+    """The worker's rows as admission control ranks them at ``now``: a waiting row goes on
+    waiting after the heartbeat reported it."""
+    since_beat = max(0.0, now - beat.at)
     running = tuple(
-        Row(r.remaining_steps, r.deadline, r.priority, running=True) for r in beat.running
+        Row(r.remaining_steps, r.deadline, r.priority, running=True, due=r.due)
+        for r in beat.running
     )
-    waiting = tuple(Row(max(0, r.num_steps - r.step), r.deadline, r.priority) for r in beat.waiting)
+    waiting = tuple(
+        Row(
+            max(0, r.num_steps - r.step),
+            r.deadline,
+            r.priority,
+            due=r.due,
+            waited_s=r.waited_s + since_beat,
+        )
+        for r in beat.waiting
+    )
     return WorkerLoad(beat.worker_id, beat.max_batch, step_s, running + waiting, beat.finish_tail_s)
 
 
@@ -153,7 +166,14 @@ class AdmissionGate:
         raises ``Overloaded`` when its class sheds and a bound refuses it. ``job``: its row for
         the step estimate; None for a job no worker runs (an erase: the queue bound only)."""
         d = self.settings.deadlines
-        policy = Policy(d.late_factor, d.max_queue, tuple(d.shed_classes), d.scheduler)
+        policy = Policy(
+            d.late_factor,
+            d.max_queue,
+            tuple(d.shed_classes),
+            d.scheduler,
+            d.round_steps,
+            d.max_wait_s,
+        )
         queued, unstarted = self.jobstate.unstarted()
         loads: list[WorkerLoad] = []
         listed: set[str] = set()
@@ -161,7 +181,7 @@ class AdmissionGate:
             for beat in live_heartbeats(self.client).values():
                 listed |= {r.job_id for r in beat.running} | {r.job_id for r in beat.waiting}
                 if beat.model_id == model_id:
-                    loads.append(worker_load(beat, self.steps.step_s(beat, job)))
+                    loads.append(worker_load(beat, self.steps.step_s(beat, job), now))
         unplaced = [
             Row(u.steps or steps, u.deadline, u.priority)
             for u in unstarted

@@ -24,10 +24,12 @@ frees on any worker. The job's predicted start on a worker is its first free slo
 plus ``steps x step_s`` plus the worker's finish tail (post-processing and the hops around it, as
 the worker measured them; its rows' deadlines are their jobs' less that tail, and the job is
 ranked among them so); the forecast is the worker where it finishes first. Step times are taken
-as constant over the wait (the batch as it would be with the job in it). Not modelled: the
-starvation bound (heartbeats do not say how long a row has waited), the time to the next planning
-round before a park, pre-processing (tens of milliseconds on the shipped models, against
-deadlines of tens of seconds).
+as constant over the wait (the batch as it would be with the job in it). The starvation bound
+(``edf``, ``slack``): a row the worker reported due, or whose wait passes ``max_wait_s`` within
+the worker's next round (``backend.costmodel.slack.comes_due``), goes before the job whatever its
+slack, and before the other rows, longest wait first. Not modelled: rows that come due later, the
+time to the next planning round before a park, pre-processing (tens of milliseconds on the shipped
+models, against deadlines of tens of seconds).
 
 Decision (``decide``), with ``late_factor`` L, ``max_queue`` Q:
 
@@ -52,7 +54,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from backend.config_deadlines import SERVICE_CLASSES
-from backend.costmodel.slack import SCHEDULERS, last_step_by, precedence, slack_s
+from backend.costmodel.slack import (
+    SCHEDULERS,
+    comes_due,
+    due_within_s,
+    last_step_by,
+    precedence,
+    slack_s,
+)
 
 DEFAULT_RETRY_S = 30  # Retry-After when the queue is over its bound and no worker can drain it
 MAX_RETRY_S = 3600
@@ -66,6 +75,10 @@ class Row:
     deadline: float = 0.0  # epoch seconds (0: none, infinite slack)
     priority: int = 0
     running: bool = False  # holds a slot of the running batch now
+    # the starvation bound's state from the heartbeat: the worker found it due; its wait (queued
+    # and parked) by the decision's ``now``
+    due: bool = False
+    waited_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +106,8 @@ class Policy:
     max_queue: int = 256
     shed_classes: tuple[str, ...] = ("batch",)
     scheduler: str = "slack"
+    round_steps: int = 5
+    max_wait_s: float = math.inf  # the starvation bound
 
 
 @dataclass(frozen=True)
@@ -114,22 +129,24 @@ class Verdict:
 
 
 def _precedence(
-    row: Row, now: float, step_s: float, enqueued_at: float
+    row: Row, now: float, step_s: float, enqueued_at: float, policy: Policy
 ) -> tuple[int, float, int, float, float]:
+    within_s = due_within_s(policy.scheduler, policy.round_steps, step_s)
+    due = comes_due(row.due, row.waited_s, within_s, policy.max_wait_s)
     return precedence(
-        starved=False,
-        waited_s=0.0,
+        starved=due,
+        waited_s=row.waited_s,
         priority=row.priority,
         slack=slack_s(row.deadline, now, row.remaining_steps, step_s),
         enqueued_at=enqueued_at,
     )
 
 
-def _goes_before(row: Row, job: Row, now: float, step_s: float, scheduler: str) -> bool:
-    if scheduler == "fifo" or (scheduler == "edf" and row.running):
+def _goes_before(row: Row, job: Row, now: float, step_s: float, policy: Policy) -> bool:
+    if policy.scheduler == "fifo" or (policy.scheduler == "edf" and row.running):
         return True
     # rows already there arrived first: they win ties
-    return _precedence(row, now, step_s, 0.0) < _precedence(job, now, step_s, now)
+    return _precedence(row, now, step_s, 0.0, policy) < _precedence(job, now, step_s, now, policy)
 
 
 def forecast(
@@ -137,12 +154,12 @@ def forecast(
     now: float,
     workers: Sequence[WorkerLoad],
     unplaced: Sequence[Row] = (),
-    scheduler: str = "slack",
+    policy: Policy = Policy(),
 ) -> Forecast | None:
-    """Where and when the job would run (module docstring); None without a worker with a step
-    time."""
-    if scheduler not in SCHEDULERS:
-        raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
+    """Where and when the job would run (module docstring), ordered by ``policy``'s scheduler
+    and bound; None without a worker with a step time."""
+    if policy.scheduler not in SCHEDULERS:
+        raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {policy.scheduler!r}")
     usable = sorted(
         (w for w in workers if w.step_s > 0 and math.isfinite(w.step_s) and w.max_batch > 0),
         key=lambda w: w.worker_id,
@@ -156,16 +173,16 @@ def forecast(
     for w in usable:
         # ranked against its rows as the worker ranks them: by when its last step must end there
         planned = replace(mine, deadline=last_step_by(mine.deadline, w.finish_tail_s))
-        before = [r for r in w.rows if _goes_before(r, planned, now, w.step_s, scheduler)]
-        before.sort(key=lambda r: (not r.running, _precedence(r, now, w.step_s, 0.0)))
+        before = [r for r in w.rows if _goes_before(r, planned, now, w.step_s, policy)]
+        before.sort(key=lambda r: (not r.running, _precedence(r, now, w.step_s, 0.0, policy)))
         free = [0.0] * w.max_batch
         for row in before:
             at = heapq.heappop(free)
             heapq.heappush(free, at + max(0, row.remaining_steps) * w.step_s)
         slots[w.worker_id], ahead[w.worker_id] = free, len(before)
     mean_step_s = sum(w.step_s for w in usable) / len(usable)
-    queued = [r for r in unplaced if _goes_before(r, mine, now, mean_step_s, scheduler)]
-    queued.sort(key=lambda r: _precedence(r, now, mean_step_s, 0.0))
+    queued = [r for r in unplaced if _goes_before(r, mine, now, mean_step_s, policy)]
+    queued.sort(key=lambda r: _precedence(r, now, mean_step_s, 0.0, policy))
     for row in queued:  # each to the slot that frees first, on any worker
         w = min(usable, key=lambda w: (slots[w.worker_id][0], w.worker_id))
         at = heapq.heappop(slots[w.worker_id])
@@ -209,7 +226,7 @@ def decide(
     policy: Policy,
 ) -> Verdict:
     """Admit, admit late, or refuse the job (module docstring)."""
-    predicted = forecast(job, now, workers, unplaced, policy.scheduler)
+    predicted = forecast(job, now, workers, unplaced, policy)
     shed = job.service_class in policy.shed_classes
     to_deadline = job.deadline - now
     if queued >= policy.max_queue:

@@ -232,6 +232,12 @@ def measure(
         # queued plus parked: the rest of a job's latency is its steps (and per-job work)
         waits = [sim.finished[r.index].wait_s for r in accepted if r.index in sim.finished]
         done_at = [sim.done_at[r.index] for r in reqs if r.index in sim.done_at]
+        # the router's predicted finish against the finish (> 0: later than predicted)
+        late_by = [
+            sim.done_at[r.index] - sim.predicted[r.index]
+            for r in accepted
+            if r.index in sim.done_at and r.index in sim.predicted
+        ]
         in_window = sum(1 for t in done_at if warm <= t < cfg.duration_s)
         span = max(done_at, default=0.0) - (trace[0].arrival_s if trace else 0.0)
         per_class[cls] = {
@@ -248,6 +254,8 @@ def measure(
             "run_throughput_rps": len(done_at) / span if span > 0 else 0.0,
             "shed_rate": (len(measured) - len(accepted)) / len(measured) if measured else 0.0,
             "accepted_late": sum(1 for r in accepted if r.index in sim.accepted_late),
+            "finish_vs_predicted_mean_s": float(np.mean(late_by)) if late_by else 0.0,
+            "finish_error_p95_s": _pct([abs(e) for e in late_by], 95),
         }
     done = list(sim.finished.values())
     batch_waits = [j.wait_s for j in done if j.service_class == "batch"]

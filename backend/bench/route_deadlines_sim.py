@@ -72,6 +72,7 @@ class StepPlan:
             self.round_steps,
             self.max_parks_per_round,
             urgent_parks=self.urgent_parks,
+            max_wait_s=self.max_wait_s,
         )
 
 

@@ -53,6 +53,7 @@ from backend.dispatch.router import (
 from backend.worker.adapter_book import AdapterBook, RowJoins, join_deadline
 from backend.worker.admission import AdmissionRules, Candidate
 from backend.worker.batching import BatchScheduler, Row, SchedulerOutput
+from backend.worker.deadlines import waited_s
 
 if TYPE_CHECKING:
     from backend.bench.route_bench import RouteBenchConfig
@@ -247,11 +248,12 @@ class SimWorker:
         self.busy = False  # a step is in flight
         self.wake_at: float | None = None  # a wake event is pending for a landing read
 
-    def view(self, cfg: RouteBenchConfig) -> WorkerView:
+    def view(self, cfg: RouteBenchConfig, now: float) -> WorkerView:
+        """The router's view of this worker at ``now`` (waits counted to then)."""
         book = self.adapters.book if self.adapters is not None else None
         shas = {j: tuple(a.sha256 for a in job.adapters) for j, job in self.jobs.items() if book}
 
-        def state(r: Row, step: int) -> RowState:
+        def state(r: Row, step: int, waited: float = 0.0) -> RowState:
             return RowState(
                 r.job_id,
                 r.mask_ratio,
@@ -261,6 +263,8 @@ class SimWorker:
                 r.deadline,
                 r.priority,
                 step,
+                waited,
+                r.due,
             )
 
         return WorkerView(
@@ -269,7 +273,7 @@ class SimWorker:
             cfg.device,
             cfg.max_batch,
             tuple(state(r, 0) for r in self.scheduler.running.values()),
-            tuple(state(r, r.step) for r in self.scheduler.waiting.values()),
+            tuple(state(r, r.step, waited_s(r, now)) for r in self.scheduler.waiting.values()),
             frozenset(self.caches.manager.resident(Tier.RAM)),
             self.caches.disk.view,
             frozenset(book.device.sizes) if book else frozenset(),
@@ -514,7 +518,7 @@ class ClusterSimulation:
 
     def dispatch(self, now: float, req) -> bool:
         """Route ``req`` now; False when the router has no candidate (late binding: all full)."""
-        views = [w.view(self.cfg) for w in self.workers]
+        views = [w.view(self.cfg, now) for w in self.workers]
         template = f"tpl{req.template}"
         adapters = self.adapters_of.get(req.index, ())
         job = self.request_of(req, template, () if self.adapter_blind else adapters, now)

@@ -29,6 +29,9 @@ SCHEDULERS = ("fifo", "edf", "slack")
 # more steps left, hence less slack) and the batch thrashes; two rounds leave one round of margin
 # for step times that come out longer than predicted. The router's replay uses the same rule.
 URGENT_ROUNDS = 2
+# steps to spare when a row is due for the starvation bound (steps run longer than predicted): the
+# worker marks rows due that far ahead, and the router's replay models it so
+DUE_MARGIN_STEPS = 1
 
 
 def slack_s(deadline: float, now: float, remaining_steps: int, step_s: float) -> float:
@@ -49,3 +52,17 @@ def precedence(
 ) -> tuple[int, float, int, float, float]:
     """Sort key of a row (module docstring); ``waited_s`` only orders starved rows."""
     return (0 if starved else 1, -waited_s if starved else 0.0, -priority, slack, enqueued_at)
+
+
+def due_within_s(scheduler: str, round_steps: int, step_s: float) -> float:
+    """How far ahead a worker finds a row due for the starvation bound, as a model of it (router,
+    admission) takes it: its next planning round (``edf``: its next step) and
+    ``DUE_MARGIN_STEPS`` more, at ``step_s`` a step."""
+    steps = round_steps if scheduler == "slack" else 1
+    return (steps + DUE_MARGIN_STEPS) * step_s
+
+
+def comes_due(reported_due: bool, waited_s: float, within_s: float, max_wait_s: float) -> bool:
+    """Whether a row a worker reported goes first for the starvation bound: the worker found it
+    due, or its wait (``waited_s`` by now) passes ``max_wait_s`` within ``within_s``."""
+    return reported_due or waited_s + within_s > max_wait_s

@@ -38,9 +38,14 @@ lets it in if it can be on time, which the router does not tell apart. The worke
 little sooner (once the protected row has few enough steps left that J no longer makes it late);
 the router takes the row's end.
 
-Not modelled: the starvation bound (heartbeats carry no waiting times), the worker parking rows to
-shrink a batch for a late running row (``shrink_batches``), rows that arrive after J, and
-pre/post-processing after the last step.
+The starvation bound (``max_wait_s``, edf and slack): a heartbeat reports each waiting row's wait
+so far and the rows the worker found due. A row due there, or whose wait (counted on to the
+decision) passes the bound within the worker's next round and ``DUE_MARGIN_STEPS`` steps, goes
+before every other row, longest wait first, as on the worker; a due running row is never parked.
+Rows that come due later, while J waits, are not modelled.
+
+Not modelled: the worker parking rows to shrink a batch for a late running row
+(``shrink_batches``), rows that arrive after J, and pre/post-processing after the last step.
 
 The choice (``choose_by_deadline``) for a job with a deadline: among the workers where its
 predicted finish (now + wait + run + residency + adapters) is by its deadline, the least
@@ -62,6 +67,8 @@ from backend.costmodel.slack import (
     NO_DEADLINE,
     SCHEDULERS,
     URGENT_ROUNDS,
+    comes_due,
+    due_within_s,
     precedence,
     slack_s,
 )
@@ -82,12 +89,15 @@ class RowOrder:
     max_parks_per_round: int = DEFAULT_MAX_PARKS_PER_ROUND
     size_batches: bool = True
     urgent_parks: bool = True
+    max_wait_s: float = math.inf  # the starvation bound (``deadlines.max_wait_s``)
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
         if self.round_steps < 1 or self.max_parks_per_round < 0:
             raise ValueError("round_steps must be >= 1 and max_parks_per_round >= 0")
+        if not self.max_wait_s > 0:
+            raise ValueError(f"max_wait_s must be > 0, got {self.max_wait_s}")
 
     @property
     def parks(self) -> bool:
@@ -139,17 +149,25 @@ def row_order(
     slack[JOB] = own = slack_s(job.deadline, job.now, job.num_steps, step_s)
     if view.order.scheduler == "fifo":
         return [i for i, _ in rows] + [JOB], slack
-    keys = [(_rank(r.priority, slack[i], float(i)), i) for i, r in rows]
+    by = view.order
+    within_s = due_within_s(by.scheduler, by.round_steps, step_s)
+    keys = []
+    for i, r in rows:
+        waited = view.waited_s(r, job.now)
+        due = comes_due(r.due, waited, within_s, by.max_wait_s)
+        keys.append((_rank(r.priority, slack[i], float(i), due, waited), i))
     keys.append((_rank(job.priority, own, math.inf), JOB))
     keys.sort()
     return [i for _, i in keys], slack
 
 
-def _rank(priority: int, slack: float, enqueued_at: float) -> tuple[int, float, int, float, float]:
-    """A row's ``precedence`` as the router sees it: heartbeats carry no waits, so none starved;
-    a row's arrival is its index (J: after every row of W)."""
+def _rank(
+    priority: int, slack: float, enqueued_at: float, due: bool = False, waited_s: float = 0.0
+) -> tuple[int, float, int, float, float]:
+    """A row's ``precedence`` as the router sees it: a row's arrival is its index (J: after every
+    row of W, and never due: it has not waited)."""
     return precedence(
-        starved=False, waited_s=0.0, priority=priority, slack=slack, enqueued_at=enqueued_at
+        starved=due, waited_s=waited_s, priority=priority, slack=slack, enqueued_at=enqueued_at
     )
 
 

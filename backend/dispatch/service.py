@@ -190,7 +190,12 @@ class Dispatcher:
                 self.router.cost_models[(beat.model_id, device_kind(beat.device))] = model
         dl = self.settings.deadlines  # the workers' step scheduler, as the router models it
         order = RowOrder(
-            dl.scheduler, dl.round_steps, dl.max_parks_per_round, dl.size_batches, dl.urgent_parks
+            dl.scheduler,
+            dl.round_steps,
+            dl.max_parks_per_round,
+            dl.size_batches,
+            dl.urgent_parks,
+            dl.max_wait_s,
         )
         self._views = {
             worker_id: view_from_heartbeat(beat, order) for worker_id, beat in beats.items()

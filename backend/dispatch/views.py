@@ -25,6 +25,10 @@ class RowState:
     deadline: float = 0.0  # the job's deadline (the deadlines' clock; 0: none)
     priority: int = 0
     step: int = 0  # steps already run (a waiting row > 0: parked at a step boundary)
+    # the starvation bound's state (``WaitingRow``): a waiting row's wait (queued and parked) as
+    # of the view's ``seen_at``; due: let in first and never parked
+    waited_s: float = 0.0
+    due: bool = False
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,14 @@ class WorkerView:
     # seconds W's jobs take after their last step (its heartbeat's ``finish_tail_s``); the
     # deadlines of W's rows are already that much earlier than their jobs'
     finish_tail_s: float = 0.0
+    # when W reported this state (its heartbeat's ``at``), on the deadlines' clock; waiting rows
+    # go on waiting after it (0: the state is as of any decision)
+    seen_at: float = 0.0
+
+    def waited_s(self, row: RowState, now: float) -> float:
+        """Seconds waiting ``row`` will have waited at ``now``: its wait when reported, and the
+        time since (it waits on: a heartbeat reports a row that runs as running)."""
+        return row.waited_s + (max(0.0, now - self.seen_at) if self.seen_at else 0.0)
 
     @property
     def load(self) -> int:
@@ -89,6 +101,7 @@ def view_from_heartbeat(beat: WorkerHeartbeat, order: RowOrder = RowOrder()) -> 
             tuple(row.adapters),
             row.deadline,
             row.priority,
+            due=row.due,
         )
         for row in beat.running
     )
@@ -102,6 +115,8 @@ def view_from_heartbeat(beat: WorkerHeartbeat, order: RowOrder = RowOrder()) -> 
             row.deadline,
             row.priority,
             row.step,
+            row.waited_s,
+            row.due,
         )
         for row in beat.waiting
     )
@@ -118,6 +133,7 @@ def view_from_heartbeat(beat: WorkerHeartbeat, order: RowOrder = RowOrder()) -> 
         frozenset(beat.adapters_host),
         order,
         beat.finish_tail_s,
+        beat.at,
     )
 
 

@@ -30,7 +30,9 @@ SCHEMA_MAJOR = 1
 # 1.7: the batch an edit or prepared job is an item of (its items are routed to one worker)
 # 1.8: the service level on denoised jobs (post-processing is queued in service order)
 # 1.9: a worker's finish tail on its heartbeat (routing and admission plan against it)
-SCHEMA_MINOR = 9
+# 1.10: heartbeat rows' starvation-bound state (a waiting row's wait, due rows), so routing and
+# admission see the rows the worker lets in first
+SCHEMA_MINOR = 10
 PROTOCOL_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 
@@ -95,6 +97,8 @@ class RunningRow:
     adapters: list[str] = field(default_factory=list)  # sha256 of each adapter the row applies
     deadline: float = 0.0  # the job's ServiceLevel (1.6), for routing by deadline
     priority: int = 0
+    # let in to keep the starvation bound: the worker never parks it (routing models the bound)
+    due: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,10 @@ class WaitingRow:
     deadline: float = 0.0  # the job's ServiceLevel (1.6), for routing by deadline
     priority: int = 0
     step: int = 0  # steps already run: a row parked at a step boundary resumes from here (1.6)
+    # seconds it has waited (queued and parked, summed) at the heartbeat's ``at``, and whether
+    # the worker found it due for the starvation bound: due rows take slots before any other
+    waited_s: float = 0.0
+    due: bool = False
 
 
 @dataclass(frozen=True)

@@ -84,15 +84,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend.costmodel.slack import URGENT_ROUNDS
-from backend.protocol.messages import RunningRow, WaitingRow
+from backend.costmodel.slack import DUE_MARGIN_STEPS, URGENT_ROUNDS
 from backend.worker import deadlines as dl
 from backend.worker.deadlines import DeadlinePlan, RowForecast, StepTime
 from backend.worker.forecast_run import simulate
+from backend.worker.live_rows import running_row, waiting_row
 
 MODES = ("continuous", "static", "inline", "baseline")
-# steps to spare when a row is due for the starvation bound: steps run longer than predicted
-DUE_MARGIN_STEPS = 1
 
 
 @dataclass
@@ -565,34 +563,13 @@ class BatchScheduler:
             sizing=sizing,
         )
 
-    def live_state(self) -> dict[str, Any]:
-        """Running batch and queue (in admission order), as the worker's heartbeat reports them."""
+    def live_state(self, now: float) -> dict[str, Any]:
+        """Running batch and queue (in admission order), as the worker's heartbeat at ``now``
+        reports them: with each waiting row's wait so far and the rows due for the starvation
+        bound."""
         return {
-            "running": [
-                RunningRow(
-                    r.job_id,
-                    r.mask_ratio,
-                    r.remaining_steps,
-                    r.template,
-                    list(r.adapters),
-                    deadline=r.deadline,
-                    priority=r.priority,
-                )
-                for r in list(self.running.values())
-            ],
-            "waiting": [
-                WaitingRow(
-                    r.job_id,
-                    r.mask_ratio,
-                    r.num_steps,
-                    r.template,
-                    list(r.adapters),
-                    deadline=r.deadline,
-                    priority=r.priority,
-                    step=r.step,
-                )
-                for r in self.queue_order()
-            ],
+            "running": [running_row(r) for r in list(self.running.values())],
+            "waiting": [waiting_row(r, now) for r in self.queue_order()],
             "max_batch": self.max_batch,
             "mode": self.mode,
             "scheduler": self.policy,

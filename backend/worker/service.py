@@ -205,7 +205,8 @@ class Heartbeat:
         self.adapter_stats: dict = {}
 
     def message(self) -> WorkerHeartbeat:
-        live = self.worker.scheduler.live_state()
+        at = time.time()
+        live = self.worker.scheduler.live_state(at)
         reserve_s = self.worker.finish_reserve_s()
         tails = {} if self.worker.finish_tail is None else {"finish_tail_s": reserve_s}
         self.worker_stats, self.cache_stats = (
@@ -216,7 +217,7 @@ class Heartbeat:
             worker_id=self.worker.worker_id,
             model_id=self.worker.engine.spec.model_id,
             device=self.settings.engine.device,
-            at=time.time(),
+            at=at,
             max_batch=live["max_batch"],
             batching=live["mode"],
             running=live["running"],
