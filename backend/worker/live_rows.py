@@ -4,7 +4,7 @@ starvation-bound state included (a waiting row's wait so far, the rows due)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from backend.protocol.messages import RunningRow, WaitingRow
 from backend.worker.deadlines import waited_s
@@ -13,17 +13,19 @@ if TYPE_CHECKING:
     from backend.worker.batching import Row
 
 
+def _shared(row: Row) -> dict[str, Any]:
+    """The fields both kinds of reported row carry."""
+    return {
+        "template": row.template,
+        "adapters": list(row.adapters),
+        "deadline": row.deadline,
+        "priority": row.priority,
+        "due": row.due,
+    }
+
+
 def running_row(row: Row) -> RunningRow:
-    return RunningRow(
-        row.job_id,
-        row.mask_ratio,
-        row.remaining_steps,
-        row.template,
-        list(row.adapters),
-        deadline=row.deadline,
-        priority=row.priority,
-        due=row.due,
-    )
+    return RunningRow(row.job_id, row.mask_ratio, row.remaining_steps, **_shared(row))
 
 
 def waiting_row(row: Row, now: float) -> WaitingRow:
@@ -32,11 +34,7 @@ def waiting_row(row: Row, now: float) -> WaitingRow:
         row.job_id,
         row.mask_ratio,
         row.num_steps,
-        row.template,
-        list(row.adapters),
-        deadline=row.deadline,
-        priority=row.priority,
         step=row.step,
         waited_s=waited_s(row, now),
-        due=row.due,
+        **_shared(row),
     )
