@@ -46,9 +46,9 @@ cat "$RESULTS/device.txt"
 
 # Each check by name; no names: all, in this order (shared/GPU.md's).
 CHECKS=("$@")
-[ ${#CHECKS[@]} -eq 0 ] && CHECKS=(exactness engine-sd2 batch-ops-sd2 batch-ops-lora-sd2 \
-    profile-sd2 engine-sdxl profile-sdxl engine-flux profile-flux worker-sd2 adapters-sd2 \
-    deadlines-sd2 pytest-gpu)
+[ ${#CHECKS[@]} -eq 0 ] && CHECKS=(exactness engine-sd2 step-trace-sd2 batch-ops-sd2 \
+    batch-ops-lora-sd2 profile-sd2 engine-sdxl step-trace-sdxl profile-sdxl engine-flux \
+    profile-flux worker-sd2 adapters-sd2 deadlines-sd2 pytest-gpu)
 export MASKSERVE_DTYPE=bfloat16  # the engine runs; exactness and pytest choose their own dtypes
 for check in "${CHECKS[@]}"; do
     case $check in
@@ -57,6 +57,20 @@ for check in "${CHECKS[@]}"; do
     engine-sd2)  # 2. engine speed: arch-sd2-inpaint at 512 px
         step engine-arch-sd2-inpaint 200 $MS bench engine --device cuda --model arch-sd2-inpaint \
             --steps 20 --repeats 3 --json "$RESULTS/engine-arch-sd2-inpaint-cuda.json" ;;
+    step-trace-sd2)  # 2. where a step's time goes: the dense step against the cached one
+        (
+            export MASKSERVE_DEVICE=cuda  # the step-trace bench has no --device
+            step step-trace-arch-sd2-inpaint 150 $MS bench step-trace --model arch-sd2-inpaint \
+                --size 512 --steps 10 --requests 1,8 --trace "$RESULTS/traces" \
+                --json "$RESULTS/step-trace-arch-sd2-inpaint-cuda.json"
+        ) ;;
+    step-trace-sdxl)  # 2. the same on arch-sdxl-inpaint at 1024 px (0.86 GiB of cache a step)
+        (
+            export MASKSERVE_DEVICE=cuda  # 2 templates x 6 steps: 10 GB of caches, disk and RAM
+            step step-trace-arch-sdxl-inpaint 240 $MS bench step-trace \
+                --model arch-sdxl-inpaint --size 1024 --steps 6 --repeats 3 --requests 1,2 \
+                --json "$RESULTS/step-trace-arch-sdxl-inpaint-cuda.json"
+        ) ;;
     batch-ops-sd2)  # 2. a step of 1-8 requests, attention grouped per request or padded
         (
             export MASKSERVE_DEVICE=cuda  # the batch-ops bench has no --device

@@ -37,7 +37,7 @@ from backend.bench.adapter_catalog import (
     random_adapter,
 )
 from backend.bench.engine_bench import cache_params, device_name, hot_cache
-from backend.engine.editor import EditState, MaskAwareEngine
+from backend.engine.editor import EditParams, EditState, MaskAwareEngine
 from backend.imaging.masks import synthetic_mask
 from backend.models import load_pipeline, resolve_model
 from templates_store.samples import sample_template
@@ -113,6 +113,39 @@ def _request_adapters(engine: MaskAwareEngine, model_id: str, requests: int, per
     return chosen
 
 
+def hot_batch(
+    model_id: str,
+    count: int,
+    models_dir: Path,
+    cache_dir: Path,
+    size: int | None,
+    mode: str,
+    steps: int,
+    device: str,
+    dtype: torch.dtype,
+) -> tuple[MaskAwareEngine, EditParams, list, list, list]:
+    """The engine, the edits' parameters and ``count`` requests' templates, masks (blobs, ratios
+    from Beta(2, 16): mean 0.11) and template caches resident in host RAM (recorded when
+    missing), as a worker serves hot templates."""
+    spec = resolve_model(model_id)
+    size = size or spec.default_resolution
+    engine = MaskAwareEngine(load_pipeline(model_id, models_dir, device, dtype), spec, cache_dir)
+    params = cache_params(spec, size, steps, mode)
+    templates = [sample_template(size, size, seed=7 + i) for i in range(count)]
+    ratios = np.random.default_rng(0).beta(2, 16, count).clip(0.03, 0.6)
+    masks = [
+        Image.fromarray(
+            synthetic_mask(size, size, float(r), seed=11 + i, kind="blob").astype(np.uint8) * 255
+        )
+        for i, r in enumerate(ratios)
+    ]
+    caches = [
+        hot_cache(engine, template, params, device)
+        for template in tqdm(templates, desc="template caches", unit="template")
+    ]
+    return engine, params, templates, masks, caches
+
+
 def run_batch_ops(
     model_id: str,
     requests: list[int],
@@ -136,23 +169,10 @@ def run_batch_ops(
     if compare == "lora" and per_request < 1:
         raise ValueError("--compare lora needs --adapters 1 or more per request")
     setting, forms = COMPARED[compare]
-    spec = resolve_model(model_id)
-    size = size or spec.default_resolution
-    engine = MaskAwareEngine(load_pipeline(model_id, models_dir, device, dtype), spec, cache_dir)
-    params = cache_params(spec, size, steps, mode)
-    most = max(requests)
-    templates = [sample_template(size, size, seed=7 + i) for i in range(most)]
-    ratios = np.random.default_rng(0).beta(2, 16, most).clip(0.03, 0.6)
-    masks = [
-        Image.fromarray(
-            synthetic_mask(size, size, float(r), seed=11 + i, kind="blob").astype(np.uint8) * 255
-        )
-        for i, r in enumerate(ratios)
-    ]
-    caches = [
-        hot_cache(engine, template, params, device)
-        for template in tqdm(templates, desc="template caches", unit="template")
-    ]
+    engine, params, templates, masks, caches = hot_batch(
+        model_id, max(requests), models_dir, cache_dir, size, mode, steps, device, dtype
+    )
+    most = len(templates)
     chosen = _request_adapters(engine, model_id, most, per_request)
     records = []
     for count in tqdm(requests, desc=f"bench batch-ops {model_id}", unit="batch"):
@@ -173,7 +193,7 @@ def run_batch_ops(
             records.append(
                 BatchOpsRecord(
                     model=model_id,
-                    resolution=size,
+                    resolution=params.size[0],
                     mode=mode,
                     attention=_attention_form(engine.attention, device),
                     requests=count,

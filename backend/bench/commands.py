@@ -84,16 +84,24 @@ def cmd_bench_exactness(args, settings: Settings) -> int:
     return 0 if all(r.within_tolerance for r in records) else 1
 
 
+def request_counts(text: str) -> list[int]:
+    """``--requests``: batch sizes, e.g. ``1,2,4,8``."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise ValueError(f"--requests: positive counts separated by commas, got {text!r}")
+    return counts
+
+
 def cmd_bench_batch_ops(args, settings: Settings) -> int:
     from backend.bench.batch_ops import run_batch_ops, summary_lines, write_batch_ops
     from backend.engine.factory import DTYPES
 
-    requests = [int(r) for r in args.requests.split(",")]
-    if not requests or min(requests) < 1:
-        raise ValueError(f"--requests: positive counts, got {args.requests!r}")
     records = run_batch_ops(
         args.model,
-        requests,
+        request_counts(args.requests),
         settings.paths.resolved_models_dir(),
         settings.paths.resolved_cache_dir(),
         size=args.size,
@@ -106,6 +114,29 @@ def cmd_bench_batch_ops(args, settings: Settings) -> int:
         adapters=args.adapters,
     )
     plot = write_batch_ops(records, Path(args.json))
+    print("\n".join(summary_lines(records)))
+    print(f"wrote {args.json} and {plot}")
+    return 0
+
+
+def cmd_bench_step_trace(args, settings: Settings) -> int:
+    from backend.bench.step_trace import run_step_trace, summary_lines, write_step_trace
+    from backend.engine.factory import DTYPES
+
+    records = run_step_trace(
+        args.model,
+        request_counts(args.requests),
+        settings.paths.resolved_models_dir(),
+        settings.paths.resolved_cache_dir(),
+        size=args.size,
+        mode=args.mode,
+        steps=args.steps,
+        repeats=args.repeats,
+        device=settings.engine.device,
+        dtype=DTYPES[settings.engine.dtype],
+        trace_dir=Path(args.trace) if args.trace else None,
+    )
+    plot = write_step_trace(records, Path(args.json))
     print("\n".join(summary_lines(records)))
     print(f"wrote {args.json} and {plot}")
     return 0
@@ -332,6 +363,20 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     batch_ops.add_argument("--repeats", type=int, default=5)
     batch_ops.add_argument("--json", required=True)
     batch_ops.set_defaults(func=cmd_bench_batch_ops)
+
+    step_trace = bench_sub.add_parser(
+        "step-trace",
+        help="where one step's time goes: the dense step against the cached one (device timeline)",
+    )
+    step_trace.add_argument("--model", default="tiny-sd2-inpaint")
+    step_trace.add_argument("--size", type=int, default=None)
+    step_trace.add_argument("--requests", default="1,8")
+    step_trace.add_argument("--mode", choices=("kv", "hidden"), default="kv")
+    step_trace.add_argument("--steps", type=int, default=20, help="of each edit (its cache's size)")
+    step_trace.add_argument("--repeats", type=int, default=5)
+    step_trace.add_argument("--trace", default=None, help="a directory for the Chrome traces")
+    step_trace.add_argument("--json", required=True)
+    step_trace.set_defaults(func=cmd_bench_step_trace)
 
     demo = bench_sub.add_parser(
         "demo", help="does the model paint the prompt; mask-aware vs ordinary on held-out scenes"
