@@ -55,7 +55,7 @@ def test_device_times_split_kernels_from_host_to_device_copies():
     assert times["busy_s"] == pytest.approx(0.005)
     assert times["idle_share"] == pytest.approx(0.5)
     # a CPU run: no device events, every device field 0
-    assert set(device_times(events[:2], wall_s=0.01).values()) == {0, 0.0}
+    assert all(value == 0 for value in device_times(events[:2], wall_s=0.01).values())
 
 
 def test_step_trace_runs_both_arms_at_each_batch_size(models_dir, tmp_path):
