@@ -135,3 +135,35 @@ def test_attention_batching_choices():
     assert not pads_attention("grouped", torch.device("cuda", 0))
     with pytest.raises(ValueError, match="use auto, grouped, padded"):
         check_attention_batching("dense")
+
+
+def test_a_layout_built_for_all_rows_at_once_matches_one_built_row_by_row():
+    """``make_layout`` works on all rows together: its indices, offsets, flat index, rows of the
+    packed tokens and runs of equal rows are what a row-by-row construction gives, with empty and
+    full rows and equal neighbours among them."""
+    generator = torch.Generator().manual_seed(3)
+    shared = torch.rand(40, generator=generator) < 0.3
+    masks = [
+        shared,
+        shared.clone(),  # equal to the row before: one run
+        torch.zeros(40, dtype=torch.bool),  # selects nothing
+        torch.ones(40, dtype=torch.bool),  # selects every token
+        torch.rand(40, generator=generator) < 0.5,
+        torch.rand(40, generator=generator) < 0.5,
+    ]
+    layout = make_layout(masks)
+    expected = [torch.nonzero(m).reshape(-1) for m in masks]
+    assert [idx.tolist() for idx in layout.indices] == [idx.tolist() for idx in expected]
+    counts = [len(idx) for idx in expected]
+    assert list(layout.offsets) == [sum(counts[:r]) for r in range(len(masks) + 1)]
+    assert layout.flat_index.tolist() == [
+        row * 40 + token for row, idx in enumerate(expected) for token in idx.tolist()
+    ]
+    assert layout.row_of_token.tolist() == [row for row, n in enumerate(counts) for _ in range(n)]
+    assert layout.groups == ((0, 2), (2, 3), (3, 4), (4, 5), (5, 6))
+    assert not layout.is_full and make_layout([torch.ones(40, dtype=torch.bool)] * 3).is_full
+    assert make_layout([shared]).groups == ((0, 1),)
+    with pytest.raises(ValueError, match="share one token grid"):
+        make_layout([shared, torch.ones(41, dtype=torch.bool)])
+    with pytest.raises(ValueError, match="at least one row"):
+        make_layout([])

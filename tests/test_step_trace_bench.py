@@ -77,6 +77,7 @@ def test_step_trace_runs_both_arms_at_each_batch_size(models_dir, tmp_path):
     ]
     assert all(r.step_s > 0 and r.operators > 0 and r.device == "cpu" for r in records)
     assert all(r.kernels == 0 and r.busy_s == 0.0 for r in records)  # no device on a CPU
+    assert {r.attention for r in records} == {"grouped"}  # auto, on a CPU
     # the dense step is the model's own forward: the cached one gathers and merges the cache
     dense, cached = records[0], records[1]
     assert dense.operators != cached.operators
@@ -106,4 +107,11 @@ def test_step_trace_refuses_bad_arguments(flags, message, tmp_path, capsys):
     argv = ["bench", "step-trace", *flags, "--json", str(tmp_path / "x.json")]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_step_trace_refuses_an_unknown_attention_form(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "step-trace", "--attention", "sparse", "--json", str(tmp_path / "x.json")])
+    assert exited.value.code == 2 and "invalid choice: 'sparse'" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()

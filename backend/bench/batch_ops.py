@@ -37,6 +37,7 @@ from backend.bench.adapter_catalog import (
     random_adapter,
 )
 from backend.bench.engine_bench import cache_params, device_name, hot_cache
+from backend.engine.attention import pads_attention
 from backend.engine.editor import EditParams, EditState, MaskAwareEngine
 from backend.imaging.masks import synthetic_mask
 from backend.models import load_pipeline, resolve_model
@@ -195,7 +196,7 @@ def run_batch_ops(
                     model=model_id,
                     resolution=params.size[0],
                     mode=mode,
-                    attention=_attention_form(engine.attention, device),
+                    attention=attention_form(engine.attention, device),
                     requests=count,
                     rows=sum(s.req.halves for s in states_by_form[form]),
                     operators=operators[form],
@@ -211,11 +212,10 @@ def run_batch_ops(
     return records
 
 
-def _attention_form(choice: str, device: str) -> str:
-    """The attention form an engine runs on ``device`` (``auto``: padded on CUDA)."""
-    if choice != "auto":
-        return choice
-    return "padded" if device.startswith("cuda") else "grouped"
+def attention_form(choice: str, device: str) -> str:
+    """The attention form an engine set to ``choice`` runs on ``device`` (``auto``: padded on
+    CUDA)."""
+    return "padded" if pads_attention(choice, torch.device(device)) else "grouped"
 
 
 def write_batch_ops(records: list[BatchOpsRecord], json_path: Path) -> Path:

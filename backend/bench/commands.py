@@ -135,6 +135,7 @@ def cmd_bench_step_trace(args, settings: Settings) -> int:
         device=settings.engine.device,
         dtype=DTYPES[settings.engine.dtype],
         trace_dir=Path(args.trace) if args.trace else None,
+        attention=args.attention,
     )
     plot = write_step_trace(records, Path(args.json))
     print("\n".join(summary_lines(records)))
@@ -372,6 +373,12 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     step_trace.add_argument("--size", type=int, default=None)
     step_trace.add_argument("--requests", default="1,8")
     step_trace.add_argument("--mode", choices=("kv", "hidden"), default="kv")
+    step_trace.add_argument(
+        "--attention",
+        choices=("auto", "grouped", "padded"),
+        default="auto",
+        help="the rows' attention in the cached step (auto: padded on CUDA, grouped on a CPU)",
+    )
     step_trace.add_argument("--steps", type=int, default=20, help="of each edit (its cache's size)")
     step_trace.add_argument("--repeats", type=int, default=5)
     step_trace.add_argument("--trace", default=None, help="a directory for the Chrome traces")

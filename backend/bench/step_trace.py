@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from backend.bench.batch_ops import PROMPT, hot_batch
+from backend.bench.batch_ops import PROMPT, attention_form, hot_batch
 from backend.bench.engine_bench import device_name
+from backend.engine.attention import check_attention_batching
 from backend.engine.editor import EditState, MaskAwareEngine
 
 ARMS = ("dense", "cached")
@@ -42,6 +43,7 @@ class StepTraceRecord:
     model: str
     resolution: int
     mode: str
+    attention: str  # the rows' attention: grouped per request or padded into one call
     requests: int
     rows: int  # the requests' CFG halves
     arm: str  # dense: the model's own step; cached: the mask-aware step reading the cache
@@ -128,14 +130,19 @@ def run_step_trace(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     trace_dir: Path | None = None,
+    attention: str = "auto",
 ) -> list[StepTraceRecord]:
+    """``attention``: the engine's form (``EngineSettings.attention``; auto: padded on CUDA,
+    grouped on a CPU)."""
     if not requests or min(requests) < 1:
         raise ValueError(f"--requests: positive counts, got {requests}")
     if steps < repeats + 2:  # a warm-up step, the profiled one, then the timed ones
         raise ValueError(f"--steps {steps} is too few to time {repeats} steps: use {repeats + 2}+")
+    check_attention_batching(attention)
     engine, params, templates, masks, caches = hot_batch(
         model_id, max(requests), models_dir, cache_dir, size, mode, steps, device, dtype
     )
+    engine.attention = attention
     records = []
     for count in tqdm(requests, desc=f"bench step-trace {model_id}", unit="batch"):
         states = {
@@ -170,6 +177,7 @@ def run_step_trace(
                     model=model_id,
                     resolution=params.size[0],
                     mode=mode,
+                    attention=attention_form(attention, device),
                     requests=count,
                     rows=sum(s.req.halves for s in states[arm]),
                     arm=arm,
@@ -217,8 +225,8 @@ def write_step_trace(records: list[StepTraceRecord], json_path: Path) -> Path:
     ax.set_xlabel("requests, arm")
     ax.tick_params(axis="x", labelsize=7, rotation=30)
     ax.set_title(
-        f"{first.model} {first.resolution} px, {first.mode} cache: one step, dense against "
-        f"cached ({first.device_name} {first.dtype})",
+        f"{first.model} {first.resolution} px, {first.mode} cache, {first.attention} attention: "
+        f"dense step against cached ({first.device_name} {first.dtype})",
         fontsize=9,
     )
     fig.tight_layout()

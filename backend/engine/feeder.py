@@ -106,4 +106,9 @@ class BatchCacheFeeder:
                 runs[-1] = (group, runs[-1][1], half + 1)
             else:
                 runs.append((group, half, half + 1))
-        return cat_once([self._group_tensor(g, unit, name)[a:b] for g, a, b in runs])
+        return cat_once([_rows(self._group_tensor(g, unit, name), a, b) for g, a, b in runs])
+
+
+def _rows(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``tensor[start:stop]``; the tensor itself when that is all of it (no slicing operator)."""
+    return tensor if start == 0 and stop == tensor.shape[0] else tensor[start:stop]

@@ -33,8 +33,8 @@ def to_device_together(
     """Host tensors of one dtype on ``device`` through ONE copy (small index tensors: one transfer
     rather than one each), returned as views of it in their own shapes."""
     target = torch.device(device)
-    if target.type != "cuda":
-        return [t.to(target) for t in tensors]
+    if target.type != "cuda":  # already there: no operator at all
+        return [t if t.device == target else t.to(target) for t in tensors]
     flat = to_device(torch.cat([t.reshape(-1) for t in tensors]), target)
     parts = flat.split([t.numel() for t in tensors])
     return [part.view(t.shape) for part, t in zip(parts, tensors)]

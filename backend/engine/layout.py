@@ -9,6 +9,7 @@ padded to the largest mask. Invariants: ``offsets[r + 1] - offsets[r] == len(ind
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -82,24 +83,25 @@ class RowLayout:
 
 
 def make_layout(row_masks: list[torch.Tensor], device: torch.device | str = "cpu") -> RowLayout:
-    """Layout from one flat bool mask (num_tokens,) per row; True = computed fresh."""
+    """Layout from one flat bool mask (num_tokens,) per row; True = computed fresh. Built on the
+    host for all rows at once (a few operations whatever the number of rows: on a GPU bound by
+    launching operators each is host time), moved to ``device`` in one copy."""
     if not row_masks:
         raise ValueError("a layout needs at least one row")
     num_tokens = int(row_masks[0].numel())
-    indices, offsets, flat, rows = [], [0], [], []
-    for row, mask in enumerate(row_masks):
-        if mask.numel() != num_tokens:
-            raise ValueError("all rows of a layout must share one token grid")
-        # on the host: a nonzero on the GPU would wait for the GPU (its result size is data)
-        idx = torch.nonzero(mask.reshape(-1).cpu(), as_tuple=False).reshape(-1)
-        indices.append(idx)
-        offsets.append(offsets[-1] + int(idx.numel()))
-        flat.append(idx + row * num_tokens)
-        rows.append(torch.full_like(idx, row))
-    is_full = offsets[-1] == num_tokens * len(row_masks)
-    row_of_token = torch.cat(rows)
+    if any(mask.numel() != num_tokens for mask in row_masks):
+        raise ValueError("all rows of a layout must share one token grid")
+    masks = torch.stack([mask if mask.dim() == 1 else mask.reshape(-1) for mask in row_masks])
+    if masks.device.type != "cpu":  # a nonzero on the GPU would wait for it (data-sized result)
+        masks = masks.cpu()
+    # (row, token) of every selected token, rows in order and tokens sorted within each row
+    row_of_token, tokens = torch.nonzero(masks).t().contiguous()
+    counts = masks.sum(dim=1).tolist()
+    offsets = [0, *itertools.accumulate(counts)]
+    indices = tokens.split(counts)
+    flat = row_of_token * num_tokens + tokens
     moved = to_device_together(
-        [*indices, torch.cat(flat), row_of_token, *_padded_places(offsets, row_of_token)], device
+        [*indices, flat, row_of_token, *_padded_places(offsets, row_of_token)], device
     )
     indices, (flat_index, row_of_token, *padded) = moved[: len(indices)], moved[len(indices) :]
     return RowLayout(
@@ -108,8 +110,8 @@ def make_layout(row_masks: list[torch.Tensor], device: torch.device | str = "cpu
         tuple(offsets),
         flat_index,
         row_of_token,
-        is_full,
-        _runs(row_masks),
+        offsets[-1] == num_tokens * len(row_masks),
+        _runs(masks),
         padded[0] if padded else None,
     )
 
@@ -125,15 +127,11 @@ def _padded_places(offsets: list[int], row_of_token: torch.Tensor) -> list[torch
     return [torch.arange(offsets[-1]) + row_of_token * width - starts[row_of_token]]
 
 
-def _runs(row_masks: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
-    runs, start = [], 0
-    for row in range(1, len(row_masks) + 1):
-        if row == len(row_masks) or not (
-            row_masks[row] is row_masks[start] or torch.equal(row_masks[row], row_masks[start])
-        ):
-            runs.append((start, row))
-            start = row
-    return tuple(runs)
+def _runs(masks: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """Runs [start, stop) of consecutive rows of ``masks`` (rows, num_tokens) that are equal."""
+    differs = (masks[1:] != masks[:-1]).any(dim=1).tolist() if len(masks) > 1 else []
+    starts = [0, *(row + 1 for row, changed in enumerate(differs) if changed)]
+    return tuple(zip(starts, [*starts[1:], len(masks)]))
 
 
 def full_layout(num_rows: int, num_tokens: int, device: torch.device | str = "cpu") -> RowLayout:
