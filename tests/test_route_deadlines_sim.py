@@ -233,6 +233,8 @@ def test_the_deadline_bench_runs_every_scheduler_on_the_same_traces_and_writes_i
             assert 0.0 <= c["attainment"] <= 1.0 and 0.0 <= c["shed_rate"] <= 1.0
             assert c["p50_latency_s"] <= c["p95_latency_s"]
             assert 0.0 <= c["avg_wait_s"] <= c["avg_latency_s"]  # waiting is part of latency
+            # the router predicted every accepted job's finish at placement: both figures exist
+            assert c["finish_vs_predicted_mean_s"] is not None and c["finish_error_p95_s"] >= 0.0
         assert r["classes"]["interactive"]["shed_rate"] == 0.0  # only batch is shed
         if r["scheduler"] != "slack":
             assert r["parks_per_job"] == 0.0

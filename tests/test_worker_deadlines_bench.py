@@ -78,6 +78,7 @@ def test_every_scheduler_serves_the_same_trace_and_the_report_accounts_for_every
             for cls, c in r["classes"].items():
                 assert c["jobs"] == c["accepted"] == c["completed"] == classes.count(cls)
                 assert 0.0 <= c["attainment"] <= 1.0 and c["shed_rate"] == 0.0
+                assert c["finish_vs_predicted_mean_s"] is None  # no router predicted them
                 if c["completed"]:
                     assert 0 < c["p50_latency_s"] <= c["p95_latency_s"]
                     # waiting (queued, parked) is part of a job's latency, never more than it

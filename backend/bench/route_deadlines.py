@@ -254,8 +254,9 @@ def measure(
             "run_throughput_rps": len(done_at) / span if span > 0 else 0.0,
             "shed_rate": (len(measured) - len(accepted)) / len(measured) if measured else 0.0,
             "accepted_late": sum(1 for r in accepted if r.index in sim.accepted_late),
-            "finish_vs_predicted_mean_s": float(np.mean(late_by)) if late_by else 0.0,
-            "finish_error_p95_s": _pct([abs(e) for e in late_by], 95),
+            # None where nothing was predicted (the worker bench has no router)
+            "finish_vs_predicted_mean_s": float(np.mean(late_by)) if late_by else None,
+            "finish_error_p95_s": _pct([abs(e) for e in late_by], 95) if late_by else None,
         }
     done = list(sim.finished.values())
     batch_waits = [j.wait_s for j in done if j.service_class == "batch"]

@@ -242,6 +242,7 @@ class Outcome:
     refused: dict = field(default_factory=dict)  # no admission control in this bench
     accepted_late: set = field(default_factory=set)
     decisions: list = field(default_factory=list)
+    predicted: dict = field(default_factory=dict)  # no router here: nothing predicted at placement
 
     def scheduler_counts(self) -> dict[str, int]:
         return {"parks": self.parks, "resumes": self.resumes}
