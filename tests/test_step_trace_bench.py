@@ -23,9 +23,12 @@ from backend.cli import main
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
 
-def event(name, start_us, end_us, device=CUDA):
+def event(name, start_us, end_us, device=CUDA, **extra):
     return SimpleNamespace(
-        name=name, device_type=device, time_range=SimpleNamespace(start=start_us, end=end_us)
+        name=name,
+        device_type=device,
+        time_range=SimpleNamespace(start=start_us, end=end_us),
+        **extra,
     )
 
 
@@ -46,6 +49,7 @@ def test_device_times_split_kernels_from_host_to_device_copies():
         event("Memcpy HtoD (Pinned -> Device)", 3_500, 6_000),  # 0.5 ms under compute
         event("Memcpy DtoD (Device -> Device)", 7_000, 8_000),  # not a load
         event("Memset (Device)", 8_000, 8_500),
+        event("Context Sync", 8_500, 9_500),  # the device waiting: not compute
     ]
     times = device_times(events, wall_s=0.010)
     assert times["kernels"] == 2
@@ -54,6 +58,16 @@ def test_device_times_split_kernels_from_host_to_device_copies():
     assert times["copy_hidden_s"] == pytest.approx(0.0005)
     assert times["busy_s"] == pytest.approx(0.005)
     assert times["idle_share"] == pytest.approx(0.5)
+    # where the profiler names each event's activity, that decides (a sync is not a kernel)
+    typed = [
+        event("some_kernel", 0, 2_000, activity_type="kernel"),
+        event("Stream Wait Event", 2_000, 9_000, activity_type="cuda_sync"),
+        event("Memcpy HtoD (Pinned -> Device)", 1_000, 4_000, activity_type="gpu_memcpy"),
+    ]
+    typed_times = device_times(typed, wall_s=0.010)
+    assert typed_times["kernels"] == 1 and typed_times["compute_s"] == pytest.approx(0.002)
+    assert typed_times["busy_s"] == pytest.approx(0.004)
+    assert typed_times["copy_hidden_s"] == pytest.approx(0.001)
     # a CPU run: no device events, every device field 0
     assert all(value == 0 for value in device_times(events[:2], wall_s=0.01).values())
 

@@ -76,20 +76,35 @@ def overlap_s(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]
     return max(0.0, union_s(a) + union_s(b) - union_s([*a, *b]))
 
 
+def _device_kind(event) -> str:
+    """What a device event is: ``kernel``, ``gpu_memcpy`` or something else (a memset, a
+    synchronisation, profiler overhead), from the profiler's activity type where it gives one,
+    else from the event's name."""
+    kind = getattr(event, "activity_type", None)
+    if kind:
+        return str(kind)
+    if event.name.startswith("Memcpy"):
+        return "gpu_memcpy"
+    if event.name.startswith("Memset") or "Sync" in event.name:
+        return "other"
+    return "kernel"
+
+
 def device_times(events: Iterable, wall_s: float) -> dict[str, float]:
     """The device fields of a record from a profile's events (each with ``name``,
-    ``device_type`` and ``time_range`` in microseconds): kernels are the device events other than
-    copies; only host -> device copies count as ``copy``."""
+    ``device_type``, ``time_range`` in microseconds and, where the profiler gives it,
+    ``activity_type``): kernels computing; host -> device copies as ``copy``; memsets,
+    synchronisations (device time spent waiting) and other copies in neither."""
     kernels, copies = [], []
     for event in events:
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
         span = (event.time_range.start / 1e6, event.time_range.end / 1e6)
-        if event.name.startswith("Memcpy") or event.name.startswith("Memset"):
-            if event.name.startswith(COPY_PREFIX):
-                copies.append(span)
-            continue
-        kernels.append(span)
+        kind = _device_kind(event)
+        if kind == "kernel":
+            kernels.append(span)
+        elif kind == "gpu_memcpy" and event.name.startswith(COPY_PREFIX):
+            copies.append(span)
     busy = union_s([*kernels, *copies])
     return {
         "kernels": len(kernels),
