@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from backend.bench.batch_ops import PROMPT, attention_form, hot_batch
 from backend.bench.engine_bench import device_name
+from backend.bench.route_deadlines import save_beside
 from backend.engine.attention import check_attention_batching
 from backend.engine.editor import EditState, MaskAwareEngine
 
@@ -244,11 +245,7 @@ def write_step_trace(records: list[StepTraceRecord], json_path: Path) -> Path:
         f"dense step against cached ({first.device_name} {first.dtype})",
         fontsize=9,
     )
-    fig.tight_layout()
-    plot_path = json_path.with_suffix(".png")
-    fig.savefig(plot_path, dpi=120)
-    plt.close(fig)
-    return plot_path
+    return save_beside(fig, json_path)
 
 
 def summary_lines(records: list[StepTraceRecord]) -> list[str]:
