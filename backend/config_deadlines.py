@@ -66,6 +66,12 @@ class DeadlineSettings(Strict):
     """``slack`` only: a waiting row that would be late if it waited for the next planning round
     may have a running row parked for it at once, by the rounds' rules and within
     ``max_parks_per_round``; off, parks for waiting rows happen at the rounds only."""
+    park_by_deadline: bool = True
+    """``slack`` only: a running row is parked only for a row due before it (a row without a
+    deadline is due last). Off, any row that goes before it and has less slack may park it: a
+    fresh row of the same class has more steps left, hence less slack, and in a burst the row
+    parked for it is pushed back by every later arrival (docs/design/deadlines.md, "Parks go by
+    deadline")."""
     forecast_refresh_s: float = Field(default=0.5, ge=0.0, le=60.0)
     """How old a worker's forecast of its rows (queue position, predicted start and finish, shown
     to users) may grow before the worker runs its queue forward again; 0: at every step. The

@@ -38,6 +38,7 @@ def make_plan(
     size_batches: bool = True,
     shrink_batches: bool = True,
     urgent_parks: bool = True,
+    park_by_deadline: bool = True,
 ) -> DeadlinePlan:
     return DeadlinePlan(
         scheduler=scheduler,
@@ -47,6 +48,7 @@ def make_plan(
         size_batches=size_batches,
         shrink_batches=shrink_batches,
         urgent_parks=urgent_parks,
+        park_by_deadline=park_by_deadline,
         step_time=step_time,
     )
 

@@ -37,6 +37,7 @@ from backend.bench.adapter_catalog import (
     random_adapter,
 )
 from backend.bench.engine_bench import cache_params, device_name, hot_cache
+from backend.bench.route_deadlines import save_beside
 from backend.engine.attention import pads_attention
 from backend.engine.editor import EditParams, EditState, MaskAwareEngine
 from backend.imaging.masks import synthetic_mask
@@ -247,11 +248,7 @@ def write_batch_ops(records: list[BatchOpsRecord], json_path: Path) -> Path:
         f"batch grows, {setting} forms ({first.device_name} {first.dtype})",
         fontsize=9,
     )
-    fig.tight_layout()
-    plot_path = json_path.with_suffix(".png")
-    fig.savefig(plot_path, dpi=120)
-    plt.close(fig)
-    return plot_path
+    return save_beside(fig, json_path)
 
 
 def summary_lines(records: list[BatchOpsRecord]) -> list[str]:

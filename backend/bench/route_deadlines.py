@@ -126,6 +126,7 @@ class DeadlineBenchConfig:
     max_wait_s: float = _D.max_wait_s
     max_parks_per_round: int = _D.max_parks_per_round
     urgent_parks: bool = _D.urgent_parks
+    park_by_deadline: bool = _D.park_by_deadline
     shed: bool = True
     shed_classes: tuple[str, ...] = tuple(_D.shed_classes)
     late_factor: float = _D.late_factor
@@ -316,6 +317,7 @@ def run_deadline_bench(cfg: DeadlineBenchConfig, progress=None) -> dict:
                     cfg.max_wait_s,
                     cfg.max_parks_per_round,
                     urgent_parks=cfg.urgent_parks,
+                    park_by_deadline=cfg.park_by_deadline,
                     clock=cfg.step_clock,
                 )
                 router = Router("mask_aware", {(cfg.model_id, cfg.device): routing})

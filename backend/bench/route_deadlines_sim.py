@@ -60,6 +60,7 @@ class StepPlan:
     max_wait_s: float = 300.0
     max_parks_per_round: int = DEFAULT_MAX_PARKS_PER_ROUND
     urgent_parks: bool = True  # parks for a row late by the next round at once (else at rounds)
+    park_by_deadline: bool = True  # a row is parked only for an earlier deadline
     # predict steps on a ``StepClock`` that each simulated step calibrates, as the engine worker
     # does (False: the cost model's figure, fixed)
     clock: bool = False
@@ -73,6 +74,7 @@ class StepPlan:
             self.max_parks_per_round,
             urgent_parks=self.urgent_parks,
             max_wait_s=self.max_wait_s,
+            park_by_deadline=self.park_by_deadline,
         )
 
 
@@ -126,6 +128,7 @@ class DeadlineSimWorker(SimWorker):
                 max_wait_s=plan.max_wait_s,
                 max_parks_per_round=plan.max_parks_per_round,
                 urgent_parks=plan.urgent_parks,
+                park_by_deadline=plan.park_by_deadline,
                 step_time=step_time,
             ),
         )

@@ -18,7 +18,8 @@ if TYPE_CHECKING:  # the bench's module imports this one
 # ``margin`` plans on the step clock's 0.9 quantile (``StepClock.margin``); ``everystep`` makes
 # the users' forecast at every step, not every ``forecast_refresh_s``; ``parks2`` / ``parks8``
 # set the churn bound (rows parked per round) to 2 / 8, whatever the deployment's default;
-# ``nourgent`` parks for waiting rows at planning rounds only
+# ``nourgent`` parks for waiting rows at planning rounds only; ``anypark`` parks a row for any row
+# that goes before it, whatever their deadlines (``park_by_deadline`` off)
 ABLATIONS: dict[str, dict[str, object]] = {
     "slack": {},
     "slack-noshrink": {"shrink_batches": False},
@@ -28,6 +29,7 @@ ABLATIONS: dict[str, dict[str, object]] = {
     "slack-parks2": {"max_parks_per_round": 2},
     "slack-parks8": {"max_parks_per_round": 8},
     "slack-nourgent": {"urgent_parks": False},
+    "slack-anypark": {"park_by_deadline": False},
 }
 ARMS = (*SCHEDULERS, *(arm for arm in ABLATIONS if arm not in SCHEDULERS))
 

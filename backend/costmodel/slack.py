@@ -10,6 +10,8 @@ scheduler, the router and the API's admission control (pure: no torch, no redis,
 * ``precedence``: the order in which rows claim a worker's slots, smaller first: rows past the
   starvation bound first (the longest waiting first), then higher priority, then least slack, then
   arrival order (FIFO among equals, so the order is total and stable).
+* ``parks_for``: whether a running row may give its slot up for a row that goes before it: only
+  for an earlier deadline.
 """
 
 from __future__ import annotations
@@ -52,6 +54,17 @@ def precedence(
 ) -> tuple[int, float, int, float, float]:
     """Sort key of a row (module docstring); ``waited_s`` only orders starved rows."""
     return (0 if starved else 1, -waited_s if starved else 0.0, -priority, slack, enqueued_at)
+
+
+def parks_for(victim_deadline: float, deadline: float) -> bool:
+    """Whether a running row due by ``victim_deadline`` may be parked for a row due by
+    ``deadline`` when parks go by deadline (``deadlines.park_by_deadline``): only for an earlier
+    one (a row without a deadline has the latest). Least slack alone would park a running row for
+    a fresh row of the same class and a later deadline (more steps left, so less slack); in a
+    burst every later arrival then pushes the parked row back, and it misses the deadline it was
+    on time for."""
+    later = math.inf if victim_deadline == NO_DEADLINE else victim_deadline
+    return later > (math.inf if deadline == NO_DEADLINE else deadline)
 
 
 def due_within_s(scheduler: str, round_steps: int, step_s: float) -> float:

@@ -69,6 +69,7 @@ from backend.costmodel.slack import (
     URGENT_ROUNDS,
     comes_due,
     due_within_s,
+    parks_for,
     precedence,
     slack_s,
 )
@@ -90,6 +91,7 @@ class RowOrder:
     size_batches: bool = True
     urgent_parks: bool = True
     max_wait_s: float = math.inf  # the starvation bound (``deadlines.max_wait_s``)
+    park_by_deadline: bool = True  # a row parked only for an earlier deadline (``parks_for``)
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
@@ -219,17 +221,20 @@ def replay(
     step_s: float = 0.0,
     unparkable: Collection[int] = (),
     not_before: int = 0,
+    deadlines: Mapping[int, float] | None = None,
 ) -> Replay:
     """Replay W's slots (module docstring): ``steps`` the remaining steps of the running rows then
     the waiting rows, ``order`` and ``slack`` what ``row_order`` gives, ``n`` J's steps, ``cap``
     W's max batch, ``step_s`` its step time, ``unparkable`` the running rows W never parks (those
     recording their template's cache), ``not_before`` the step before which J takes no slot
-    (``sizing_hold``). Each row in turn takes the slot that frees first; under fifo (and
-    ``not_before`` 0) this is the router's replay from before deadlines, operation for
-    operation."""
+    (``sizing_hold``), ``deadlines`` every row's and J's (with ``row.park_by_deadline`` a row is
+    parked only for an earlier one; None: parks by precedence alone). Each row in turn takes the
+    slot that frees first; under fifo (and ``not_before`` 0) this is the router's replay from before
+    deadlines, operation for operation.
+    """
     if row.parks and slack is not None and step_s > 0:
         return _replay_parking(
-            steps, num_running, order, n, cap, row, slack, step_s, unparkable, not_before
+            steps, num_running, order, n, cap, row, slack, step_s, unparkable, not_before, deadlines
         )
     heap = [(steps[i], i) for i in range(num_running)]  # running rows keep their slots
     heapq.heapify(heap)
@@ -275,6 +280,7 @@ def _replay_parking(
     step_s: float,
     unparkable: Collection[int] = (),
     not_before: int = 0,
+    deadlines: Mapping[int, float] | None = None,
 ) -> Replay:
     """The slack scheduler's replay (module docstring): every row in ``order``, running ones
     included. A running row keeps its slot unless a row ranked before it displaces it; it is then
@@ -283,7 +289,8 @@ def _replay_parking(
     (``backend.worker.batching``): when waiting for the first slot to free would make it late, at
     the first round boundary at which its slack is under ``URGENT_ROUNDS`` rounds and the round
     has parks left, if that is sooner; the running row parked is the last ranked one that has
-    more slack, stays on time after sitting out a round and is not ``unparkable``."""
+    more slack, stays on time after sitting out a round, is not ``unparkable`` and (with
+    ``deadlines`` and ``park_by_deadline``) is due after the row that parks it."""
     rank = {i: pos for pos, i in enumerate(order)}
     round_s = row.round_steps * step_s
     slots: list[tuple[float, int | None]] = [(float(steps[i]), i) for i in range(num_running)]
@@ -294,6 +301,11 @@ def _replay_parking(
     left = list(steps)  # steps each row has left to run
     holding = set(range(num_running))  # running rows still in their slot, not yet reached
     parkable = holding - set(unparkable)
+    by_deadline = deadlines is not None and row.park_by_deadline
+
+    def gives_way(victim: int, row_index: int) -> bool:
+        return not by_deadline or parks_for(deadlines[victim], deadlines[row_index])  # type: ignore[index]
+
     # round (0: the next; BEFORE_ROUND: before it, urgent parks) -> parks it made
     used: dict[int, int] = {}
     admit, ahead, parked = 0.0, 0, 0
@@ -323,7 +335,11 @@ def _replay_parking(
             victims = [
                 j
                 for j, (_, h) in enumerate(slots)
-                if h in holding and h in parkable and slack[h] - round_s >= 0 and slack[h] > then
+                if h in holding
+                and h in parkable
+                and slack[h] - round_s >= 0
+                and slack[h] > then
+                and gives_way(h, i)
             ]
             if boundary < start and victims:
                 k = max(victims, key=lambda j: rank[slots[j][1]])  # type: ignore[index]

@@ -396,7 +396,7 @@ class RoutingCostModel:
         job_template = job.template if job_cached else None
         cap, n = max(1, view.max_batch), max(1, job.num_steps)
         order = list(range(len(finish), len(toks))) + [JOB]  # fifo: J after every waiting row
-        by, slack, step_s, unparkable, hold = FIFO, None, 0.0, [], 0
+        by, slack, step_s, unparkable, hold, deadlines = FIFO, None, 0.0, [], 0, None
         if deadlines_matter(job, view):  # W orders its rows by deadline: by T with J in its batch
             step_s = self._latency(toks[:cap] + [job_tokens], tmpls[:cap] + [job_template])
             (order, slack), by = row_order(job, view, step_s), view.order
@@ -405,8 +405,12 @@ class RoutingCostModel:
                 i for i, r in enumerate(view.running) if (r.template and not tmpls[i]) or r.due
             ]
             hold = sizing_hold(job, view, step_s, lambda i: self._latency([toks[i]], [tmpls[i]]))
+            rows = (*view.running, *view.waiting)
+            deadlines = {JOB: job.deadline, **{i: r.deadline for i, r in enumerate(rows)}}
         steps = finish + [max(0, r.remaining_steps) for r in view.waiting]
-        slots = replay(steps, len(finish), order, n, cap, by, slack, step_s, unparkable, hold)
+        slots = replay(
+            steps, len(finish), order, n, cap, by, slack, step_s, unparkable, hold, deadlines
+        )
         admit, wait, t_first, first = slots.admit, 0.0, 0.0, slots.first
         if admit > 0 or recorder is not None:
             t_first = self._latency([toks[i] for i in first], [tmpls[i] for i in first])

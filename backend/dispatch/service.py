@@ -196,6 +196,7 @@ class Dispatcher:
             dl.size_batches,
             dl.urgent_parks,
             dl.max_wait_s,
+            dl.park_by_deadline,
         )
         self._views = {
             worker_id: view_from_heartbeat(beat, order) for worker_id, beat in beats.items()

@@ -50,8 +50,9 @@ A round parks a running row R for a waiting row W only when all of these hold: f
 once a row to park was found, and W then takes R's slot in the same schedule, so a row that is not
 ready never displaces anyone); R is not due, was not resumed since the last round and did not join
 in this schedule; and W is due, or W precedes R, W's slack is strictly less than R's, W needs the
-slot now (under ``URGENT_ROUNDS`` rounds of slack left, and no slot frees by itself in time) and R
-stays on time after sitting out one round (its slack minus one round's time is >= 0). A row
+slot now (under ``URGENT_ROUNDS`` rounds of slack left, and no slot frees by itself in time), R
+stays on time after sitting out one round (its slack minus one round's time is >= 0) and, with
+``park_by_deadline``, R is due after W (``deadlines.gives_way``). A row
 without a deadline has infinite slack: it never displaces anyone until it is due, and rows without
 deadlines keep FIFO among themselves.
 
@@ -464,6 +465,8 @@ class BatchScheduler:
                     continue  # sitting out a round would make it late
                 if not slack < their_slack or not their_key > key:
                     continue  # parks only a looser row it precedes
+                if not dl.gives_way(plan, candidate, row):
+                    continue  # due no later than the waiting row: it keeps its slot
             if best is None or their_key > best_key:  # the last in precedence so far
                 best, best_key = candidate, their_key
         return best

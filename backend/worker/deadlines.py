@@ -15,7 +15,8 @@ A ``DeadlinePlan`` picks one of three step schedulers (``Settings.deadlines.sche
   slack to spare parked (``rows_to_park_for``) so that it is on time in the smaller batch; with
   ``urgent_parks``, a waiting row that would be late if it waited for the next planning round
   may have a row parked for it at any step, by the round's rules. All park kinds share the churn
-  bound, ``max_parks_per_round`` parks per round.
+  bound, ``max_parks_per_round`` parks per round; with ``park_by_deadline`` a row is parked only
+  for a row due before it (``costmodel.slack.parks_for``).
 
 Slack and precedence have one definition, ``backend.costmodel.slack``: this module only says which
 step time they use, that of the batch as it would be (``planned_step_s``), and how long a row has
@@ -37,6 +38,7 @@ from backend.costmodel.slack import (
     NO_DEADLINE,
     SCHEDULERS,
     URGENT_ROUNDS,
+    parks_for,
     precedence,
     slack_s,
 )
@@ -63,6 +65,7 @@ class DeadlinePlan:
     size_batches: bool = True
     shrink_batches: bool = True
     urgent_parks: bool = True
+    park_by_deadline: bool = True
     step_time: StepTime
 
     def __post_init__(self) -> None:
@@ -88,6 +91,7 @@ class DeadlinePlan:
             size_batches=settings.size_batches,
             shrink_batches=settings.shrink_batches,
             urgent_parks=settings.urgent_parks,
+            park_by_deadline=settings.park_by_deadline,
             step_time=step_time,
         )
 
@@ -175,6 +179,12 @@ def _short_of_slack(plan: DeadlinePlan, row: Row, now: float, with_row: float) -
     return row_slack(row, now, with_row) < URGENT_ROUNDS * plan.round_steps * with_row
 
 
+def gives_way(plan: DeadlinePlan, victim: Row, row: Row) -> bool:
+    """Whether running ``victim`` may be parked for ``row`` as far as deadlines go: always when the
+    plan parks by precedence alone, else only for an earlier deadline (``parks_for``)."""
+    return not plan.park_by_deadline or parks_for(victim.deadline, row.deadline)
+
+
 def sits_out_safely(
     plan: DeadlinePlan, victim: Row, tight: Row, now: float, step_s: float, rest_step_s: float
 ) -> bool:
@@ -199,6 +209,7 @@ def on_time_if_it_joins(plan: DeadlinePlan, running: Sequence[Row], row: Row, no
             and r.parkable
             and not starved(r, now, plan)
             and row_key(r, now, step_s, plan) > key
+            and gives_way(plan, r, row)
             and sits_out_safely(plan, r, row, now, step_s, step_s)
         )
 
@@ -252,16 +263,19 @@ def rows_to_park_for(
     throughput), or when steps do not grow with rows.
 
     Candidates are the rows ``may_park`` allows (the scheduler's churn rules) that ``tight``
-    precedes, taken loosest first (last in precedence): each must still have ``URGENT_ROUNDS``
-    rounds of slack after sitting out ``tight``'s remaining steps, so that it does not rush back in
-    at once and is not made late itself; it rejoins when ``delays_a_tighter_row`` lets it."""
+    precedes and that give way to it (``gives_way``), taken loosest first (last in precedence): each
+    must still have ``URGENT_ROUNDS`` rounds of slack after sitting out ``tight``'s remaining steps,
+    so that it does not rush back in at once and is not made late itself; it rejoins when
+    ``delays_a_tighter_row`` lets it."""
     if budget < 1 or tight.deadline == NO_DEADLINE:
         return []
     step_now = plan.step_s(running)
     if row_slack(tight, now, step_now) >= 0:
         return []
     key = row_key(tight, now, step_now, plan)
-    candidates = [r for r in running if r is not tight and may_park(r)]
+    candidates = [
+        r for r in running if r is not tight and may_park(r) and gives_way(plan, r, tight)
+    ]
     loosest_first = sorted(
         (r for r in candidates if row_key(r, now, step_now, plan) > key),
         key=lambda r: row_key(r, now, step_now, plan),
