@@ -64,20 +64,25 @@ def test_a_running_row_still_gives_way_to_a_row_due_before_it():
     assert urgent_fresh_row(park_by_deadline=True, fresh_deadline=13.5) == ["early"]
 
 
-def test_shrinking_parks_only_rows_due_after_the_late_row():
-    """A step costs 1 s plus 1 s per row: running ``tight`` (10 steps, due at 31) ends at 40 in a
-    batch of three, at 30 in one of two. ``sooner`` (2 steps left) is due before it, ``loose``
-    after: by deadline only ``loose`` may be parked for it; by precedence alone the loosest row
-    goes first, and that is ``loose`` too."""
-    plan = make_plan(step_time=by_size(1.0, 1.0), max_parks=2)
-    tight = make_row("tight", steps=10, deadline=31.0)
-    loose = make_row("loose", steps=10, deadline=2000.0)
-    sooner = make_row("sooner", steps=2, deadline=30.0)  # due first, 2 steps left
-    running = [loose, sooner, tight]
-    parked = rows_to_park_for(plan, running, tight, 0.0, lambda r: True, 2)
-    assert [r.job_id for r in parked] == ["loose"]
-    anyway = make_plan(step_time=by_size(1.0, 1.0), max_parks=2, park_by_deadline=False)
-    assert rows_to_park_for(anyway, running, tight, 0.0, lambda r: True, 2) == [loose]
+@pytest.mark.parametrize(
+    "park_by_deadline, victim_deadline, parked",
+    [
+        (True, 190.0, []),  # due before "tight": it keeps its slot
+        (False, 190.0, ["victim"]),  # by precedence alone it sits out safely, so it is parked
+        (True, 250.0, ["victim"]),  # due after "tight": parked either way
+    ],
+)
+def test_shrinking_parks_only_rows_due_after_the_late_row(
+    park_by_deadline, victim_deadline, parked
+):
+    """A step costs 1 s plus 10 s per row: running ``tight`` (10 steps, due at 200) ends at 210
+    beside ``victim`` (1 step left), at 110 alone; ``victim`` keeps two rounds of slack after
+    sitting out tight's steps (190 - 21 - 110 >= 2 x 21), so only the deadlines decide."""
+    plan = make_plan(round_steps=1, step_time=by_size(1.0, 10.0), park_by_deadline=park_by_deadline)
+    tight = make_row("tight", steps=10, deadline=200.0)
+    victim = make_row("victim", steps=1, deadline=victim_deadline)
+    chosen = rows_to_park_for(plan, [victim, tight], tight, 0.0, lambda r: True, 2)
+    assert [r.job_id for r in chosen] == parked
 
 
 def test_a_burst_of_rows_with_one_target_ends_more_of_them_on_time_when_parks_go_by_deadline():

@@ -301,10 +301,11 @@ def _replay_parking(
     left = list(steps)  # steps each row has left to run
     holding = set(range(num_running))  # running rows still in their slot, not yet reached
     parkable = holding - set(unparkable)
-    by_deadline = deadlines is not None and row.park_by_deadline
 
     def gives_way(victim: int, row_index: int) -> bool:
-        return not by_deadline or parks_for(deadlines[victim], deadlines[row_index])  # type: ignore[index]
+        if deadlines is None or not row.park_by_deadline:
+            return True
+        return parks_for(deadlines[victim], deadlines[row_index])
 
     # round (0: the next; BEFORE_ROUND: before it, urgent parks) -> parks it made
     used: dict[int, int] = {}
