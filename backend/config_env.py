@@ -50,6 +50,7 @@ ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "LOG_LEVEL": (None, "log_level"),
     "WORKER_ID": ("worker", "worker_id"),
     "MAX_BATCH": ("worker", "max_batch"),
+    "JOIN_WHEN_IT_PAYS": ("worker", "join_when_it_pays"),
     "BATCHING": ("worker", "batching"),
     "WORKER_METRICS_PORT": ("worker", "metrics_port"),
     "PREVIEW_EVERY": ("worker", "preview_every"),

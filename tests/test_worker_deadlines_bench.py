@@ -182,10 +182,11 @@ def test_the_ablation_arms_are_the_slack_scheduler_without_one_part(
     )
     cfg = WorkerDeadlineConfig(schedulers=("fifo", arm), max_parks_per_round=5)
     deadlines = arm_deadlines(settings, cfg, arm, 10.0)
-    plan, clock = arm_plan(settings, cfg, deadlines)
+    plan, clock, join = arm_plan(settings, cfg, deadlines)
     assert (plan.scheduler, plan.size_batches, plan.shrink_batches) == ("slack", *sizing)
     assert plan.max_wait_s == 10.0 and plan.round_steps == cfg.round_steps
     assert clock.plan_quantile == quantile
+    assert join == clock.joining_pays  # the serving worker's rule (a profile ships for the model)
     assert deadlines.forecast_refresh_s == refresh_s
     assert plan.max_parks_per_round == parks  # the bench's churn bound (5), but for parks2/8
 

@@ -11,7 +11,10 @@ Arms (every one a real worker of this repository in this process, fed the same r
 * ``maskserve`` -- tiers with prefetch when a job is queued, asynchronous loading, late joining
   (join deadline ``join_by`` of the steps) and mixed-adapter batches;
 * ``base-model`` -- ``maskserve`` on the same trace with every request's adapters removed: the
-  throughput mixed-adapter batches are held against.
+  throughput mixed-adapter batches are held against;
+* ``always-join`` -- ``maskserve`` with rows joining the running batch while slots are free,
+  whether or not that pays (``worker.join_when_it_pays`` off): what the join rule is measured
+  against.
 
 Requests: Poisson and bursty (MMPP) arrivals, Zipf templates and Zipf adapters over the catalogue
 (``adapter_catalog``), 0-3 adapters per request, Beta mask ratios, own seeds. Pre-processing runs
@@ -49,7 +52,8 @@ from backend.worker.channels import LocalInbox, LocalSink
 from backend.worker.loop import EngineWorker, _Job
 from backend.worker.stats import percentile
 
-ARMS = ("baseline", "one-set", "maskserve", "base-model")
+ARMS = ("baseline", "one-set", "maskserve", "base-model", "always-join")
+DEFAULT_ARMS = ARMS[:-1]  # always-join only when asked for
 # adapters per request: 0..3 (Katz: over 95% of requests carry at least one, usually one or two)
 ADAPTER_COUNT_SHARES = (0.05, 0.5, 0.35, 0.1)
 
@@ -72,7 +76,7 @@ class AdapterBenchConfig:
     host_mb: int = 512
     join_by: float = 0.2
     seed: int = 0
-    arms: tuple[str, ...] = ARMS
+    arms: tuple[str, ...] = DEFAULT_ARMS
     # Poisson rates as fractions of the baseline's capacity, measured first (replaces ``rps``)
     loads: tuple[float, ...] = ()
     calibration_requests: int = 6  # served at once by the baseline to measure its capacity
@@ -226,6 +230,10 @@ class _Arm:
         self.rows = RowAdapters(tiers, 0.0 if one_set else cfg.join_by, prefetch=not one_set)
         self.caches = TieredActivationCache(bench.engine.cache_root, 1 << 34, 1 << 40)
         worker_class = OneSetWorker if one_set else EngineWorker
+        # the serving worker's step clock and join rule (``worker.service``; imports redis)
+        from backend.worker.service import join_rule, step_clock
+
+        clock = step_clock(bench.settings)
         self.worker = worker_class(
             bench.engine,
             bench.blobs,
@@ -233,6 +241,8 @@ class _Arm:
             self.sink,
             caches=self.caches,
             adapters=self.rows,
+            clock=clock,
+            join_rule=None if arm == "always-join" else join_rule(bench.settings, clock),
             **common,
         )
 
@@ -319,6 +329,8 @@ class _Bench:
 
     def __init__(self, cfg: AdapterBenchConfig, settings: Settings, work: Path):
         self.cfg = cfg
+        engine_settings = settings.engine.model_copy(update={"model_id": cfg.model_id})
+        self.settings = settings.model_copy(update={"engine": engine_settings})
         self.engine = build_engine(settings, cfg.model_id)
         # pre/post-processing hold their own copy of the text encoders and VAE (as CPU workers
         # do): they run beside the worker loop and must share no pipeline state with it

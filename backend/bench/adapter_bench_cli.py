@@ -11,7 +11,8 @@ from pathlib import Path
 from backend.bench.serve_cli import comma_floats
 from backend.config import Settings
 
-ARM_NAMES = ("baseline", "one-set", "maskserve", "base-model")
+ARM_NAMES = ("baseline", "one-set", "maskserve", "base-model", "always-join")
+DEFAULT_ARM_NAMES = ARM_NAMES[:-1]  # always-join only when asked for
 
 
 def add_adapters_parser(bench_sub) -> None:
@@ -45,7 +46,9 @@ def add_adapters_parser(bench_sub) -> None:
     bench.add_argument("--join-by", type=float, default=0.2, help="join deadline, share of steps")
     bench.add_argument("--max-batch", type=int, default=8)
     bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--arms", default=",".join(ARM_NAMES), help="any of " + ", ".join(ARM_NAMES))
+    bench.add_argument(
+        "--arms", default=",".join(DEFAULT_ARM_NAMES), help="any of " + ", ".join(ARM_NAMES)
+    )
     bench.add_argument("--work-dir", default="", help="keep the catalogue and caches here")
     bench.add_argument("--json", default="docs/bench/adapters.json")
     bench.set_defaults(func=cmd_bench_adapters)

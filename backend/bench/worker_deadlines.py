@@ -97,7 +97,7 @@ from backend.protocol import PreparedJob, ServiceLevel
 from backend.worker.batching import Row
 from backend.worker.channels import LocalInbox, LocalSink
 from backend.worker.loop import EngineWorker
-from backend.worker.step_clock import StepClock
+from backend.worker.step_clock import JoinRule, StepClock
 
 
 @dataclass
@@ -260,6 +260,7 @@ class _Worker:
         caches,
         plan,
         clock: StepClock,
+        join_rule: JoinRule | None,
         max_batch: int,
         name: str,
         forecast_refresh_s: float,
@@ -295,6 +296,7 @@ class _Worker:
             caches=caches,
             plan=plan,
             clock=clock,
+            join_rule=join_rule,
             forecast_refresh_s=forecast_refresh_s,
         )
 
@@ -367,7 +369,7 @@ class _Bench:
     def worker(self, scheduler: str, max_wait_s: float, name: str) -> tuple[_Worker, StepClock]:
         """A fresh worker with ``scheduler``'s plan, its clock and a cold RAM tier."""
         deadlines = arm_deadlines(self.settings, self.cfg, scheduler, max_wait_s)
-        plan, clock = arm_plan(self.settings, self.cfg, deadlines)
+        plan, clock, join_rule = arm_plan(self.settings, self.cfg, deadlines)
         caches = template_caches(self.engine, self.settings, self.inputs, self.cfg.ram_templates)
         worker = _Worker(
             self.engine,
@@ -375,6 +377,7 @@ class _Bench:
             caches,
             plan,
             clock,
+            join_rule,
             self.cfg.max_batch,
             name,
             deadlines.forecast_refresh_s,

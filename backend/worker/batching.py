@@ -12,6 +12,13 @@ ones. Modes:
   row's (the baseline worker runs the whole batch in one ordinary pipeline call, which shares size,
   steps, strength and guidance); rows of other keys keep their places for a later batch.
 
+Joining when it pays: with a ``join_rule`` (the worker's ``StepClock.joining_pays``), in
+``continuous`` and ``inline`` modes a waiting row takes a free slot beside running rows only when
+the rule says that lowers the rows' mean latency (``costmodel.batch_gain``); otherwise the slot
+counts as taken (``SchedulerOutput.not_paying``): FIFO stops there, the deadline schedulers treat
+the batch as full (the row may still park a running row by the rules below) and a due row joins
+anyway. An empty batch always takes the next row.
+
 Prefetch-gated admission: ``schedule(now, ready)`` admits a waiting row only when ``ready(row)``
 says so (the engine worker and the route simulation's workers both answer with
 ``backend.worker.admission.AdmissionRules``). A row that is not ready keeps its place at the head
@@ -57,11 +64,11 @@ without a deadline has infinite slack: it never displaces anyone until it is due
 deadlines keep FIFO among themselves.
 
 The starvation bound: a row is due when it would have waited (queued and parked, summed) past
-``max_wait_s`` by the time a slot frees for it behind the due rows before it (``_mark_due``) and
-the next planning round (``edf``: the next step), with ``DUE_MARGIN_STEPS`` predicted steps to
-spare, or when a row that waited less is due. Due rows go first, longest wait first, take free
-slots first and may have a row parked for them at any step, whatever its slack (the bound goes
-before deadlines); a due row is never parked.
+``max_wait_s`` by the time a slot frees for it behind the due rows before it
+(``deadlines.mark_due``) and the next planning round (``edf``: the next step), with
+``DUE_MARGIN_STEPS`` predicted steps to spare, or when a row that waited less is due. Due rows
+go first, longest wait first, take free slots first and may have a row parked for them at any
+step, whatever its slack (the bound goes before deadlines); a due row is never parked.
 
 Invariants: at most ``max_batch`` rows run; a row is in exactly one of waiting (queued or
 parked) / running / done; every running row is stepped exactly once per ``schedule`` ->
@@ -79,7 +86,6 @@ never parks: unless no slot frees in time).
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,6 +96,7 @@ from backend.worker import deadlines as dl
 from backend.worker.deadlines import DeadlinePlan, RowForecast, StepTime
 from backend.worker.forecast_run import simulate
 from backend.worker.live_rows import running_row, waiting_row
+from backend.worker.step_clock import JoinRule
 
 MODES = ("continuous", "static", "inline", "baseline")
 
@@ -119,7 +126,7 @@ class Row:
     # its template's cache: rows of that template wait for the recording)
     parkable: bool = True
     parks: int = 0  # times this row was parked
-    # the row came due for the starvation bound (``BatchScheduler._mark_due``, ``_due``): it goes
+    # the row came due for the starvation bound (``deadlines.mark_due``, ``_due``): it goes
     # first and is never parked again; it stays due
     due: bool = False
 
@@ -145,21 +152,22 @@ class SchedulerOutput:
     # waiting rows kept out although a slot was free (slack with ``size_batches``): joining would
     # make a running row that goes before them late
     deferred: list[str] = field(default_factory=list)
+    # waiting rows kept out although a slot was free (``join_rule``): joining would not pay
+    not_paying: list[str] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
         return sum(len(g) for g in self.groups)
 
 
-def due_first(rows: list[Row], now: float) -> list[Row]:
-    """``rows`` (in precedence order) with the due ones (``Row.due``) first, longest wait first:
-    the order ``BatchScheduler._mark_due`` counts them in."""
-    due = sorted((r for r in rows if r.due), key=lambda r: -dl.waited_s(r, now))
-    return due + [r for r in rows if not r.due]
-
-
 class BatchScheduler:
-    def __init__(self, max_batch: int, mode: str = "continuous", plan: DeadlinePlan | None = None):
+    def __init__(
+        self,
+        max_batch: int,
+        mode: str = "continuous",
+        plan: DeadlinePlan | None = None,
+        join_rule: JoinRule | None = None,
+    ):
         if mode not in MODES:
             raise ValueError(f"batching mode must be one of {', '.join(MODES)}, got {mode!r}")
         if max_batch < 1:
@@ -167,6 +175,9 @@ class BatchScheduler:
         self.max_batch, self.mode, self.plan = max_batch, mode, plan
         # the step scheduler in force: static and baseline batches stay FIFO (module docstring)
         self.policy = plan.scheduler if plan and mode in ("continuous", "inline") else "fifo"
+        # rows join a running batch only when it pays (continuous and inline; None: while slots
+        # are free)
+        self.join_rule = join_rule if mode in ("continuous", "inline") else None
         self.waiting: OrderedDict[str, Row] = OrderedDict()
         self.running: OrderedDict[str, Row] = OrderedDict()
         self._cancel_requests: set[str] = set()
@@ -239,6 +250,9 @@ class BatchScheduler:
                 break
             if batch_key is not None and row.group_key != batch_key:
                 continue  # not held: it waits for a batch of its own key
+            if not self._pays(row):
+                out.not_paying.append(job_id)
+                break  # arrival order: no row overtakes it
             if ready is not None and not ready(row):
                 out.held.append(job_id)
                 continue
@@ -265,14 +279,22 @@ class BatchScheduler:
             self._resumed_since_round = set()
             self._parks_left = plan.max_parks_per_round
         self._due_within_s = (self._steps_to_round() + DUE_MARGIN_STEPS) * step_s
-        self._mark_due(now, step_s)
+        dl.mark_due(
+            self.running.values(),
+            self.waiting.values(),
+            self.max_batch,
+            now,
+            step_s,
+            plan,
+            self._due_within_s,
+        )
         queued_ahead = 0  # rows before this one left waiting for a slot to free by itself
         sizing = self.policy == "slack" and plan.size_batches
         shrinking = self.policy == "slack" and plan.shrink_batches
         # the running rows, kept in step with admissions and parks below, and their step time
         batch, batch_step_s = self._priced_batch(sizing or shrinking)
         for row in self._queue(now, step_s):
-            if len(self.running) < self.max_batch:
+            if len(self.running) < self.max_batch and (self._pays(row) or self._due(row, now)):
                 if (
                     sizing
                     and not self._due(row, now)
@@ -291,6 +313,8 @@ class BatchScheduler:
                 if shrinking and self._shrink(now, out, protected, batch, batch_step_s):
                     batch, batch_step_s = self._priced_batch(True)
                 continue
+            if len(self.running) < self.max_batch:
+                out.not_paying.append(row.job_id)  # a free slot it does not take: as if full
             if self._parks_left == 0 or not (planning or self._urgent(row, now, step_s)):
                 break  # no slot, and none may be made by parking
             victim = self._victim(row, now, step_s, queued_ahead, protected, out)
@@ -309,10 +333,10 @@ class BatchScheduler:
         self._order = [r.job_id for r in self._queue(now, step_s)]
 
     def _queue(self, now: float, step_s: float) -> list[Row]:
-        """The waiting rows in the order they take slots (``due_first`` of precedence order; the
-        schedule marked them, ``_mark_due``)."""
+        """The waiting rows in the order they take slots (``deadlines.slot_order``; the schedule
+        marked the due ones, ``deadlines.mark_due``)."""
         assert self.plan is not None
-        return due_first(dl.ordered(self.waiting.values(), now, step_s, self.plan), now)
+        return dl.slot_order(self.waiting.values(), now, step_s, self.plan)
 
     def _urgent(self, row: Row, now: float, step_s: float) -> bool:
         """Between rounds (slack): whether a row may be parked now for waiting ``row``: it is due
@@ -332,36 +356,6 @@ class BatchScheduler:
         if self.policy != "slack":
             return 1
         return max(1, self.plan.round_steps - self._steps_since_round)
-
-    def _mark_due(self, now: float, step_s: float) -> None:
-        """Mark the waiting rows that must take a slot now to keep the starvation bound, counting
-        the rows that come due before them. Taken longest wait first, each is placed in the slot
-        that frees first (slots held by due running rows free as their steps end, ``step_s``
-        each; the others are free now: due rows may park their rows); a row that would pass the
-        bound by the time it starts there and before the next round is due, and so is every row
-        that waited longer (the placement put them first). A burst's rows come due early enough
-        for the last of them, instead of all at once with more rows than slots."""
-        assert self.plan is not None
-        # no row starts later than after every step left here: when even the longest wait stays
-        # inside the bound by then (the usual case), nothing is due and no sort is needed
-        rows = (*self.running.values(), *self.waiting.values())
-        latest_s = self._due_within_s + step_s * sum(r.remaining_steps for r in rows)
-        if max((dl.waited_s(r, now) for r in self.waiting.values()), default=-latest_s) <= (
-            self.plan.max_wait_s - latest_s
-        ):
-            return
-        busy_s = [r.remaining_steps * step_s for r in self.running.values() if r.due]
-        slots_free_at = busy_s + [0.0] * max(0, self.max_batch - len(busy_s))
-        heapq.heapify(slots_free_at)
-        longest_first = sorted(self.waiting.values(), key=lambda r: -dl.waited_s(r, now))
-        last_due = -1
-        for i, row in enumerate(longest_first):
-            start_s = heapq.heappop(slots_free_at)
-            if dl.due(row, now, self.plan, self._due_within_s + start_s):
-                last_due = i
-            heapq.heappush(slots_free_at, start_s + row.remaining_steps * step_s)
-        for row in longest_first[: last_due + 1]:
-            row.due = True
 
     def _due(self, row: Row, now: float) -> bool:
         """Whether ``row`` would pass the starvation bound before the next round (``edf``: the
@@ -495,6 +489,13 @@ class BatchScheduler:
         self.parks += 1
         self._parks_left -= 1
 
+    def _pays(self, row: Row) -> bool:
+        """Whether waiting ``row`` should join the running batch: always without a join rule or
+        into an empty batch, else when the rule says batching it lowers the rows' mean latency."""
+        if self.join_rule is None or not self.running:
+            return True
+        return self.join_rule(list(self.running.values()), row)
+
     def _may_admit(self) -> bool:
         return self.mode not in ("static", "baseline") or not self.running
 
@@ -543,7 +544,7 @@ class BatchScheduler:
     def forecast(self, now: float, step_time: StepTime | None = None) -> dict[str, RowForecast]:
         """Every row's ``RowForecast``: the running batch and the queue run forward on predicted
         step times (``step_time``, else the plan's), the queue joining in this scheduler's order
-        as slots free, rows that batch sizing keeps out of a free slot held back
+        as slots free, rows that batch sizing or the join rule keeps out of a free slot held back
         (``forecast_run.simulate``). Pure; O(rows) step-time predictions."""
         step_time = step_time or (self.plan.step_time if self.plan else None)
         if step_time is None:
@@ -552,7 +553,7 @@ class BatchScheduler:
         waiting = [r for r in self.waiting.values() if r.job_id not in self._cancel_requests]
         if self.policy != "fifo" and self.plan is not None:
             step_s = dl.planned_step_s(self.plan, running, waiting, self.max_batch, now)
-            waiting = due_first(dl.ordered(waiting, now, step_s, self.plan), now)
+            waiting = dl.slot_order(waiting, now, step_s, self.plan)
         time_of = step_time  # bound for the closure (mypy: not None)
         plan = self.plan
         sizing = plan if self.policy == "slack" and plan is not None and plan.size_batches else None
@@ -564,6 +565,7 @@ class BatchScheduler:
             lambda rows: max(0.0, float(time_of(rows))) if rows else 0.0,
             join_when_empty=self.mode not in ("continuous", "inline"),
             sizing=sizing,
+            joins=self.join_rule,
         )
 
     def live_state(self, now: float) -> dict[str, Any]:

@@ -29,6 +29,7 @@ step times.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -301,3 +302,49 @@ def rows_to_park_for(
 def ordered(rows: Iterable[Row], now: float, step_s: float, plan: DeadlinePlan) -> list[Row]:
     """``rows`` in precedence order (stable: FIFO among equals)."""
     return sorted(rows, key=lambda r: row_key(r, now, step_s, plan))
+
+
+def slot_order(rows: Iterable[Row], now: float, step_s: float, plan: DeadlinePlan) -> list[Row]:
+    """Waiting ``rows`` in the order they take slots: the due ones (``Row.due``) first, longest
+    wait first (the order ``mark_due`` counts them in), then the others in
+    precedence order."""
+    in_precedence = ordered(rows, now, step_s, plan)
+    due = sorted((r for r in in_precedence if r.due), key=lambda r: -waited_s(r, now))
+    return due + [r for r in in_precedence if not r.due]
+
+
+def mark_due(
+    running: Iterable[Row],
+    waiting: Iterable[Row],
+    max_batch: int,
+    now: float,
+    step_s: float,
+    plan: DeadlinePlan,
+    within_s: float,
+) -> None:
+    """Mark (``Row.due``) the ``waiting`` rows that must take a slot now to keep the starvation
+    bound, counting the rows that come due before them. Taken longest wait first, each is placed
+    in the slot that frees first (slots held by due ``running`` rows free as their steps end,
+    ``step_s`` each; the others are free now: due rows may park their rows); a row that would pass
+    the bound by the time it starts there and within ``within_s`` more (the next round, with its
+    margin) is due, and so is every row that waited longer (the placement put them first). A
+    burst's rows come due early enough for the last of them, instead of all at once with more rows
+    than slots."""
+    running, waiting = list(running), list(waiting)
+    # no row starts later than after every step left here: when even the longest wait stays
+    # inside the bound by then (the usual case), nothing is due and no sort is needed
+    latest_s = within_s + step_s * sum(r.remaining_steps for r in (*running, *waiting))
+    if max((waited_s(r, now) for r in waiting), default=-latest_s) <= plan.max_wait_s - latest_s:
+        return
+    busy_s = [r.remaining_steps * step_s for r in running if r.due]
+    slots_free_at = busy_s + [0.0] * max(0, max_batch - len(busy_s))
+    heapq.heapify(slots_free_at)
+    longest_first = sorted(waiting, key=lambda r: -waited_s(r, now))
+    last_due = -1
+    for i, row in enumerate(longest_first):
+        start_s = heapq.heappop(slots_free_at)
+        if due(row, now, plan, within_s + start_s):
+            last_due = i
+        heapq.heappush(slots_free_at, start_s + row.remaining_steps * step_s)
+    for row in longest_first[: last_due + 1]:
+        row.due = True

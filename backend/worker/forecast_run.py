@@ -20,6 +20,10 @@ row's answer turns from kept to let in at most twice, and it finds the first suc
   time beside the batch also depends on which running rows shrinking could park for it, which can
   change as they advance; the forecast looks for one such window, the first.)
 
+With ``joins`` (the scheduler's join rule) a queued row that the rule keeps out of a free slot,
+and every row after it, waits until the batch changes (a row ends): the rule looks at the rows'
+costs, not their steps, so it answers the same until then.
+
 So a forecast costs O(held rows x log steps) step-time predictions per change of the batch, not
 one per held row per step.
 
@@ -42,6 +46,7 @@ from backend.worker.deadlines import (
     delays_a_tighter_row,
     must_join_now,
 )
+from backend.worker.step_clock import JoinRule
 
 if TYPE_CHECKING:  # batching imports this module: the row type is only needed for annotations
     from backend.worker.batching import Row
@@ -55,10 +60,11 @@ def simulate(
     step_s: Callable[[Sequence[Row]], float],
     join_when_empty: bool = False,
     sizing: DeadlinePlan | None = None,
+    joins: JoinRule | None = None,
 ) -> dict[str, RowForecast]:
     """Every row's forecast (module docstring): ``running`` rows start now, ``queue`` rows in the
     order they take slots; ``step_s`` prices a batch."""
-    run = _Run(now, running, queue, max_batch, step_s, join_when_empty, sizing)
+    run = _Run(now, running, queue, max_batch, step_s, join_when_empty, sizing, joins)
     run.to_the_end()
     return {
         job_id: RowForecast(run.position.get(job_id, 0), run.start[job_id], run.finish[job_id])
@@ -84,6 +90,7 @@ class _Run:
         step_s: Callable[[Sequence[Row]], float],
         join_when_empty: bool,
         sizing: DeadlinePlan | None,
+        joins: JoinRule | None,
     ):
         self.position = {row.job_id: i + 1 for i, row in enumerate(queue)}
         self.start = {row.job_id: now for row in running}
@@ -93,7 +100,7 @@ class _Run:
         self.pending: list[Row] = list(reversed(queue))  # pop() takes the next to join
         self.clock = now
         self.max_batch, self.step_s = max_batch, step_s
-        self.join_when_empty, self.sizing = join_when_empty, sizing
+        self.join_when_empty, self.sizing, self.joins = join_when_empty, sizing, joins
 
     def to_the_end(self) -> None:
         held = self.fill()
@@ -117,6 +124,10 @@ class _Run:
         batch_step: float | None = None  # priced when first asked, per batch
         while self.pending and len(self.batch) < self.max_batch:
             row = self.pending.pop()
+            if self.joins is not None and self.batch and not row.due:
+                if not self.joins(self.batch, row):
+                    self.pending.append(row)  # it waits for the batch to change
+                    break
             if self.sizing is not None and self.batch and not row.due:
                 batch_step = self.step_s(self.batch) if batch_step is None else batch_step
                 if delays_a_tighter_row(self.sizing, self.then(0), row, self.clock, batch_step):

@@ -64,7 +64,7 @@ from backend.worker.deadlines import DeadlinePlan
 from backend.worker.finish_tail import FinishTail
 from backend.worker.forecasts import ForecastNotes
 from backend.worker.stats import WorkerStats
-from backend.worker.step_clock import StepClock
+from backend.worker.step_clock import JoinRule, StepClock
 from backend.worker.template_rows import JobCacheGate, TemplateCaches, TemplateRows
 
 log = logging.getLogger(__name__)
@@ -115,6 +115,7 @@ class EngineWorker(TemplateRows):
         adapters: RowAdapters | None = None,
         plan: DeadlinePlan | None = None,
         clock: StepClock | None = None,
+        join_rule: JoinRule | None = None,
         forecast_refresh_s: float = 0.0,
         finish_tail: FinishTail | None = None,
     ):
@@ -125,7 +126,8 @@ class EngineWorker(TemplateRows):
         self.previews = previews  # live previews on running events (None: off)
         self.adapters = adapters  # LoRA tiers and late joins (None: jobs with adapters fail)
         # fifo without a plan; with one, rows are ordered (and parked) by their deadlines
-        self.scheduler = BatchScheduler(max_batch, mode, plan)
+        # rows join a running batch only when it pays (None: while slots are free)
+        self.scheduler = BatchScheduler(max_batch, mode, plan, join_rule)
         self.clock = clock  # measured steps calibrate the plan's step time (None: nothing learns)
         # users are told the expected finish: the clock's prediction, not the plan's margin
         forecast_time = clock if clock is not None else (plan.step_time if plan else None)
@@ -156,6 +158,7 @@ class EngineWorker(TemplateRows):
         self._held = bool(out.held) and not self.scheduler.running
         self.stats.record_held(len(out.held))
         self.stats.record_deferred(len(out.deferred))
+        self.stats.record_not_paying(len(out.not_paying))
         self.stats.record_parking(len(out.parked), len(out.resumed))
         for job_id in out.cancelled:
             self._finish(job_id, "cancelled", "cancelled by the user")

@@ -49,7 +49,7 @@ from backend.worker.finish_tail import FinishTail
 from backend.worker.loop import EngineWorker
 from backend.worker.redis_inbox import RedisInbox
 from backend.worker.stats import WorkerStats
-from backend.worker.step_clock import StepClock
+from backend.worker.step_clock import JoinRule, StepClock
 
 log = logging.getLogger(__name__)
 
@@ -280,10 +280,16 @@ class Heartbeat:
 
 
 def deadline_plan(settings: Settings) -> tuple[DeadlinePlan, StepClock]:
-    """How the worker orders its rows (``settings.deadlines``), on a step clock shaped by the
-    model's fitted cost profile when one ships for it (else it learns seconds per row). The plan
+    """How the worker orders its rows (``settings.deadlines``), on its ``step_clock``. The plan
     decides on the clock's ``planned`` step time (with its noise margin); forecasts take the
     clock's prediction itself."""
+    clock = step_clock(settings)
+    return DeadlinePlan.from_settings(settings.deadlines, clock.planned), clock
+
+
+def step_clock(settings: Settings) -> StepClock:
+    """The worker's step clock, shaped by the model's fitted cost profile when one ships for it
+    (else it learns seconds per row)."""
     model = None
     try:
         profile = load_profile(
@@ -295,8 +301,17 @@ def deadline_plan(settings: Settings) -> tuple[DeadlinePlan, StepClock]:
         model = RoutingCostModel.from_profile(profile).step_latency
     except (OSError, ValueError) as exc:
         log.info("no cost profile for the step clock (%s): it learns seconds per row", exc)
-    clock = StepClock(model, plan_quantile=settings.deadlines.plan_quantile)
-    return DeadlinePlan.from_settings(settings.deadlines, clock.planned), clock
+    return StepClock(model, plan_quantile=settings.deadlines.plan_quantile)
+
+
+def join_rule(settings: Settings, clock: StepClock) -> JoinRule | None:
+    """Whether rows join a running batch only when it pays (``worker.join_when_it_pays``), judged
+    on ``clock``: its fitted profile's shape over rows, corrected by this machine's measured steps.
+    A clock without a profile knows nothing of that shape until rows have batched, so there rows
+    join while slots are free."""
+    if not settings.worker.join_when_it_pays or clock.model is None:
+        return None
+    return clock.joining_pays
 
 
 def build_worker(
@@ -351,6 +366,7 @@ def build_worker(
         adapters=worker_adapters(settings, engine),
         plan=plan,
         clock=clock,
+        join_rule=join_rule(settings, clock),
         forecast_refresh_s=settings.deadlines.forecast_refresh_s,
         finish_tail=FinishTail() if settings.deadlines.finish_tail else None,
         **common,

@@ -36,6 +36,7 @@ class WorkerStats:
             "cache_fallbacks_total",
             "held_row_schedules_total",
             "deferred_row_schedules_total",
+            "not_paying_row_schedules_total",
             "parks_total",
             "resumes_total",
         }
@@ -57,6 +58,11 @@ class WorkerStats:
     # on time (slack scheduler, ``size_batches``), and their total over every schedule
     deferred_rows: int = 0
     deferred_row_schedules: int = 0
+    # waiting rows the last schedule kept out of a free slot because joining the running batch
+    # would not lower the rows' mean latency (the join rule: a CPU's steps grow with every row),
+    # and their total over every schedule
+    not_paying_rows: int = 0
+    not_paying_row_schedules: int = 0
     recent_overhead_s: deque = field(default_factory=deque)
     # rows parked at a step boundary for tighter deadlines, and parked rows resumed
     parks: int = 0
@@ -96,6 +102,10 @@ class WorkerStats:
         self.deferred_rows = num_rows
         self.deferred_row_schedules += num_rows
 
+    def record_not_paying(self, num_rows: int) -> None:
+        self.not_paying_rows = num_rows
+        self.not_paying_row_schedules += num_rows
+
     def record_parking(self, parked: int, resumed: int) -> None:
         self.parks += parked
         self.resumes += resumed
@@ -121,6 +131,8 @@ class WorkerStats:
             "held_row_schedules_total": self.held_row_schedules,
             "deferred_rows": self.deferred_rows,
             "deferred_row_schedules_total": self.deferred_row_schedules,
+            "not_paying_rows": self.not_paying_rows,
+            "not_paying_row_schedules_total": self.not_paying_row_schedules,
             "parks_total": self.parks,
             "resumes_total": self.resumes,
         }

@@ -41,6 +41,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from backend.costmodel.batch_gain import joining_pays
+
 
 class StepRow(Protocol):
     """A row as the clock sees it (``backend.worker.batching.Row``)."""
@@ -51,6 +53,8 @@ class StepRow(Protocol):
 
 # seconds of one step of a batch of (mask_ratio, template, reads_cache) rows
 StepModel = Callable[[Sequence[tuple[float, str, bool]]], float]
+# whether a waiting row should join the running batch (``StepClock.joining_pays``)
+JoinRule = Callable[[Sequence[StepRow], StepRow], bool]
 # the shape learns this much slower than the scale: it is how this machine's steps grow with rows,
 # which changes little, where the scale follows the machine's speed, which drifts
 SHAPE_RATE = 0.25
@@ -105,6 +109,15 @@ class StepClock:
 
     def _predicted(self, modelled: float, num_rows: int) -> float:
         return max(1e-6, modelled * self.scale * self.shape_of(num_rows))
+
+    def joining_pays(self, batch: Sequence[StepRow], row: StepRow) -> bool:
+        """Whether waiting ``row`` should join the running ``batch`` on this clock's predictions:
+        whether it lowers the rows' summed finish times (``costmodel.batch_gain.joining_pays``).
+        The predictions carry this machine's measured shape, so a profile fitted where batching
+        paid stops rows joining here once steps of more rows were measured to cost more."""
+        if not batch:
+            return True
+        return joining_pays(self(batch), self([*batch, row]), self([row]), len(batch))
 
     def planned(self, rows: Sequence[StepRow]) -> float:
         """Seconds of one step of ``rows`` to plan on: the prediction times ``margin``."""
