@@ -5,7 +5,6 @@ torch, no clock)."""
 
 from __future__ import annotations
 
-import itertools
 import random
 from collections.abc import Callable, Sequence
 
@@ -14,7 +13,7 @@ import pytest
 from backend.config import load_settings
 from backend.costmodel.batch_gain import joining_pays
 from backend.worker.batching import BatchScheduler, Row
-from backend.worker.step_clock import StepClock
+from backend.worker.step_clock import JOIN_SAMPLES, StepClock
 from tests.deadline_factory import by_size, make_plan, make_row
 
 StepCost = Callable[[Sequence[Row]], float]
@@ -224,14 +223,29 @@ def test_the_clock_says_rows_join_on_a_profile_where_batching_pays():
 
 def test_the_clock_stops_rows_joining_once_it_measured_that_steps_add_up():
     """A profile fitted where batching paid (a step of two rows 1.4x one); this machine's steps
-    of two rows take twice one: the clock's shape learns it, and rows stop joining."""
+    of two rows take twice one. The profile is trusted until ``JOIN_SAMPLES`` steps of two rows
+    were measured, then their speed: rows stop joining."""
     clock = StepClock(model_of(per_row=0.4, fixed=0.6))
     one, two = Rows(1).rows, Rows(2).rows
-    assert clock.joining_pays(two[:1], two[1])
-    for _ in itertools.repeat(None, 40):
+    for _ in range(JOIN_SAMPLES):
         clock.observe(one, 1.0)
+    for _ in range(JOIN_SAMPLES - 1):
         clock.observe(two, 2.0)
+        assert clock.joining_pays(two[:1], two[1])
+    clock.observe(two, 2.0)
     assert not clock.joining_pays(two[:1], two[1])
+    # a third row is priced at the speed of two (nothing measured at three): it does not join
+    assert not clock.joining_pays(Rows(3).rows[:2], Rows(3).rows[2])
+
+
+def test_the_clock_keeps_rows_joining_where_steps_barely_grow():
+    clock = StepClock(model_of(per_row=0.5, fixed=0.5))  # a profile that says steps add up...
+    one, two = Rows(1).rows, Rows(2).rows
+    for _ in range(10):
+        clock.observe(one, 1.0)
+        clock.observe(two, 1.05)  # ...on a device where they do not
+    assert clock.joining_pays(two[:1], two[1])
+    assert clock.join_speed(2) == pytest.approx(1.05 / 1.5)
 
 
 # ----- settings --------------------------------------------------------------------------------

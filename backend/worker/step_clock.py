@@ -17,6 +17,13 @@ resolution, on one machine, with its own thread count):
 
 prediction = model(batch) x ``scale`` x ``shape[rows]``.
 
+The join rule (``joining_pays``: whether a waiting row should join the running batch) prices
+batches apart from the prediction: model(batch) x ``join_speed(rows)``, the measured / modelled
+seconds of this machine's steps of that many rows (an exponentially weighted mean, from the first
+step), taken once ``JOIN_SAMPLES`` such steps were measured. The shape learns too slowly for it: a
+profile that says two rows cost 1.4x one, on a machine where they cost 2x, would keep rows joining
+for dozens of two-row steps.
+
 With ``plan_quantile`` q > 0 planning takes a step as long as it came out on most recent steps,
 not on average: ``planned`` is the prediction times ``margin``, the q quantile of measured /
 predicted over the last ``window`` steps (each step against the prediction made before it was
@@ -60,6 +67,8 @@ JoinRule = Callable[[Sequence[StepRow], StepRow], bool]
 SHAPE_RATE = 0.25
 # steps measured before the margin is taken from them: a quantile of a handful is noise itself
 MIN_SAMPLES = 20
+# steps of a row count measured before the join rule takes their speed over the profile's shape
+JOIN_SAMPLES = 3
 
 
 class StepClock:
@@ -80,6 +89,9 @@ class StepClock:
         self.plan_quantile = plan_quantile
         self.scale = 1.0  # measured / predicted, weighted towards recent steps
         self.shape: dict[int, float] = {}  # rows -> measured / (modelled x scale), per row count
+        # rows -> (steps measured, their measured / modelled: the first, then weighted towards
+        # recent steps by ``alpha``): what the join rule prices batches with (``joining_pays``)
+        self.speed_by_rows: dict[int, tuple[int, float]] = {}
         self.margin = 1.0  # ``planned`` / prediction (module docstring)
         self._surprises: deque[float] = deque(maxlen=window)  # measured / predicted, per step
 
@@ -111,13 +123,30 @@ class StepClock:
         return max(1e-6, modelled * self.scale * self.shape_of(num_rows))
 
     def joining_pays(self, batch: Sequence[StepRow], row: StepRow) -> bool:
-        """Whether waiting ``row`` should join the running ``batch`` on this clock's predictions:
-        whether it lowers the rows' summed finish times (``costmodel.batch_gain.joining_pays``).
-        The predictions carry this machine's measured shape, so a profile fitted where batching
-        paid stops rows joining here once steps of more rows were measured to cost more."""
+        """Whether waiting ``row`` should join the running ``batch``: whether that lowers the
+        rows' summed finish times (``costmodel.batch_gain.joining_pays``), each batch priced by
+        the model times the speed measured here on steps of its row count (``join_speed``).
+
+        Not on the predictions themselves: their shape learns slowly on purpose (a slowdown moves
+        the scale, module docstring), and a profile fitted where batching paid would keep rows
+        joining for dozens of steps of two rows; measured per row count, a few such steps tell."""
         if not batch:
             return True
-        return joining_pays(self(batch), self([*batch, row]), self([row]), len(batch))
+        n = len(batch)
+        return joining_pays(
+            self.modelled(batch) * self.join_speed(n),
+            self.modelled([*batch, row]) * self.join_speed(n + 1),
+            self.modelled([row]) * self.join_speed(1),
+            n,
+        )
+
+    def join_speed(self, num_rows: int) -> float:
+        """Measured / modelled seconds of steps of ``num_rows`` rows, once ``JOIN_SAMPLES`` were
+        measured; else that of the largest row count below it that was (the model's own shape
+        from there on); 1.0 before any."""
+        known = [n for n, (count, _) in self.speed_by_rows.items() if count >= JOIN_SAMPLES]
+        below = max((n for n in known if n <= num_rows), default=None)
+        return 1.0 if below is None else self.speed_by_rows[below][1]
 
     def planned(self, rows: Sequence[StepRow]) -> float:
         """Seconds of one step of ``rows`` to plan on: the prediction times ``margin``."""
@@ -136,6 +165,9 @@ class StepClock:
         self.scale += self.alpha * (seconds / (modelled * shape) - self.scale)
         seen = seconds / (modelled * self.scale)
         self.shape[num_rows] = shape + SHAPE_RATE * self.alpha * (seen - shape)
+        count, speed = self.speed_by_rows.get(num_rows, (0, seconds / modelled))
+        speed += self.alpha * (seconds / modelled - speed)
+        self.speed_by_rows[num_rows] = (count + 1, speed)
 
     def _note_surprise(self, ratio: float) -> None:
         """One step's measured / predicted; the margin follows the window's quantile."""
