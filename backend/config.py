@@ -141,13 +141,15 @@ class WorkerSettings(_Strict):
     """Name of the worker's inbox and heartbeat; unique per engine worker."""
     max_batch: int = Field(default=8, ge=1, le=64)
     """Rows (requests) denoised together in one step, at most."""
-    join_when_it_pays: bool = True
+    join_when_it_pays: bool = False
     """A waiting row joins a running batch only when that lowers the rows' mean latency: when the
     time it adds to every row's step is less than its own step alone, on the worker's step clock
-    (the model's fitted cost profile, its shape over rows corrected by this machine's measured
-    steps). A GPU's step barely grows with its rows, so rows join; on a CPU a step of two rows costs
-    about two of one, so rows run one after another. A row due for the starvation bound joins
-    anyway. Off, or without a cost profile for the model: rows join while slots are free."""
+    (the model's fitted cost profile, priced at the speed this machine measured on steps of each
+    row count). A GPU's step barely grows with its rows, so rows join; where a step of two rows
+    costs about two of one, rows run one after another. A row due for the starvation bound joins
+    anyway. Off, or without a cost profile for the model: rows join while slots are free. Off by
+    default: on a 2-core CPU serving small-flux-fill the mean latency it gave was within the
+    runs' noise of rows always joining (docs/bench/adapters.md)."""
     batching: BatchingMode = "continuous"
     """``continuous``: admit at every step; ``static``: a batch runs to completion before new rows
     join; ``inline``: continuous with pre/post-processing inside the worker loop (the paper's

@@ -43,8 +43,8 @@ def test_headline_reads_the_reference_points():
         result("maskserve", 0.4, 4.0, 0.38, rows=10, blocked=2),
         result("base-model", 0.4, 3.0, 0.4),
         result("one-set", 0.4, 20.0, 0.3),
-        result("always-join", 0.2, 3.0, 0.2),
-        result("always-join", 0.4, 6.0, 0.38),
+        result("join-if-pays", 0.2, 3.0, 0.2),
+        result("join-if-pays", 0.4, 2.0, 0.38),
         result("maskserve", 1.0, 9.0, 0.5, trace="bursty"),  # not a Poisson run: ignored
     ]
     head = headline(results)
@@ -55,11 +55,11 @@ def test_headline_reads_the_reference_points():
     # 80% of 0.38 = 0.304: the closest rate is 0.4 (0.096 away) over 0.2 (0.104)
     assert head["load80_rps"] == 0.4 and head["blocked_share"] == pytest.approx(0.2)
     assert head["one_set_latency_x"] == pytest.approx(5.0)
-    assert head["always_join_latency_x"] == pytest.approx(6.0 / 4.0)  # the highest common rate
+    assert head["join_if_pays_latency_x"] == pytest.approx(4.0 / 2.0)  # the highest common rate
     text = summary_text({"results": [r.__dict__ for r in results], "headline": head})
     assert "latency_x: 5.000 (target >= 7.8: missed)" in text
     assert "blocked_share: 0.200 (target <= 0.05: missed)" in text
-    assert "always_join_latency_x: 1.500" in text
+    assert "join_if_pays_latency_x: 2.000" in text
 
 
 def test_a_calibrated_capacity_sets_the_saturation_rate():

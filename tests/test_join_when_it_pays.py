@@ -249,20 +249,17 @@ def test_the_clock_keeps_rows_joining_where_steps_barely_grow():
 
 
 # ----- settings --------------------------------------------------------------------------------
-def test_the_setting_defaults_on_and_reads_its_environment_variable(monkeypatch):
-    assert load_settings().worker.join_when_it_pays is True
-    monkeypatch.setenv("MASKSERVE_JOIN_WHEN_IT_PAYS", "false")
+def test_the_setting_defaults_off_and_reads_its_environment_variable(monkeypatch):
     assert load_settings().worker.join_when_it_pays is False
+    monkeypatch.setenv("MASKSERVE_JOIN_WHEN_IT_PAYS", "true")
+    assert load_settings().worker.join_when_it_pays is True
 
 
-def test_the_worker_joins_when_it_pays_only_with_a_profile_and_the_setting(monkeypatch):
+def test_the_worker_joins_when_it_pays_only_with_a_profile_and_the_setting():
     from backend.worker.service import join_rule
 
-    settings = load_settings()
+    on = load_settings(env={"MASKSERVE_JOIN_WHEN_IT_PAYS": "true"})
     with_profile = StepClock(model_of(per_row=0.1, fixed=1.0))
-    assert join_rule(settings, with_profile) == with_profile.joining_pays
-    assert join_rule(settings, StepClock()) is None  # no profile: no shape until rows batch
-    off = settings.model_copy(
-        update={"worker": settings.worker.model_copy(update={"join_when_it_pays": False})}
-    )
-    assert join_rule(off, with_profile) is None
+    assert join_rule(on, with_profile) == with_profile.joining_pays
+    assert join_rule(on, StepClock()) is None  # no profile: no shape until rows batch
+    assert join_rule(load_settings(env={}), with_profile) is None  # the default: off

@@ -186,7 +186,7 @@ def test_the_ablation_arms_are_the_slack_scheduler_without_one_part(
     assert (plan.scheduler, plan.size_batches, plan.shrink_batches) == ("slack", *sizing)
     assert plan.max_wait_s == 10.0 and plan.round_steps == cfg.round_steps
     assert clock.plan_quantile == quantile
-    assert join == clock.joining_pays  # the serving worker's rule (a profile ships for the model)
+    assert join is None  # the serving worker's: rows join while slots are free by default
     assert deadlines.forecast_refresh_s == refresh_s
     assert plan.max_parks_per_round == parks  # the bench's churn bound (5), but for parks2/8
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from backend.bench.serve_cli import comma_floats
 from backend.config import Settings
 
-ARM_NAMES = ("baseline", "one-set", "maskserve", "base-model", "always-join")
-DEFAULT_ARM_NAMES = ARM_NAMES[:-1]  # always-join only when asked for
+ARM_NAMES = ("baseline", "one-set", "maskserve", "base-model", "join-if-pays")
+DEFAULT_ARM_NAMES = ARM_NAMES[:-1]  # join-if-pays only when asked for
 
 
 def add_adapters_parser(bench_sub) -> None:
