@@ -27,9 +27,12 @@ RUNNING = threading.Event()  # never set: the worker is not asked to stop
 
 @pytest.fixture
 def own_redis(tmp_path):
-    """A Redis server of this test only (the test kills it), with its append-only file."""
+    """A Redis server of this test only (the test kills it), with its append-only file synced on
+    every write: a killed Redis otherwise loses up to its last second of writes (``everysec``),
+    a window these tests are not about (they test the worker's outbox and replay)."""
     server = RedisServer(tmp_path / "redis")
     server.start()
+    connect(load_settings(env={}, redis={"url": server.url})).config_set("appendfsync", "always")
     yield server
     server.stop()
 
