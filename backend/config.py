@@ -148,8 +148,8 @@ class WorkerSettings(_Strict):
     row count). A GPU's step barely grows with its rows, so rows join; where a step of two rows
     costs about two of one, rows run one after another. A row due for the starvation bound joins
     anyway. Off, or without a cost profile for the model: rows join while slots are free. Off by
-    default: on a 2-core CPU serving small-flux-fill the mean latency it gave was within the
-    runs' noise of rows always joining (docs/bench/adapters.md)."""
+    default: over three runs on a 2-core CPU serving small-flux-fill it gave no established gain
+    over rows always joining (docs/bench/adapters.md)."""
     batching: BatchingMode = "continuous"
     """``continuous``: admit at every step; ``static``: a batch runs to completion before new rows
     join; ``inline``: continuous with pre/post-processing inside the worker loop (the paper's

@@ -206,9 +206,8 @@ def test_the_forecast_follows_the_rule(scheduler, cost):
 
 
 # ----- the worker's step clock -----------------------------------------------------------------
-class Rows:
-    def __init__(self, n: int):
-        self.rows = [make_row(f"r{i}") for i in range(n)]
+def rows(n: int) -> list[Row]:
+    return [make_row(f"r{i}") for i in range(n)]
 
 
 def model_of(per_row: float, fixed: float) -> Callable[[Sequence[tuple]], float]:
@@ -217,8 +216,8 @@ def model_of(per_row: float, fixed: float) -> Callable[[Sequence[tuple]], float]
 
 def test_the_clock_says_rows_join_on_a_profile_where_batching_pays():
     clock = StepClock(model_of(per_row=0.1, fixed=1.0))
-    rows = Rows(2).rows
-    assert clock.joining_pays([rows[0]], rows[1]) and clock.joining_pays([], rows[0])
+    a, b = rows(2)
+    assert clock.joining_pays([a], b) and clock.joining_pays([], a)
 
 
 def test_the_clock_stops_rows_joining_once_it_measured_that_steps_add_up():
@@ -226,7 +225,7 @@ def test_the_clock_stops_rows_joining_once_it_measured_that_steps_add_up():
     of two rows take twice one. The profile is trusted until ``JOIN_SAMPLES`` steps of two rows
     were measured, then their speed: rows stop joining."""
     clock = StepClock(model_of(per_row=0.4, fixed=0.6))
-    one, two = Rows(1).rows, Rows(2).rows
+    one, two = rows(1), rows(2)
     for _ in range(JOIN_SAMPLES):
         clock.observe(one, 1.0)
     for _ in range(JOIN_SAMPLES - 1):
@@ -235,12 +234,12 @@ def test_the_clock_stops_rows_joining_once_it_measured_that_steps_add_up():
     clock.observe(two, 2.0)
     assert not clock.joining_pays(two[:1], two[1])
     # a third row is priced at the speed of two (nothing measured at three): it does not join
-    assert not clock.joining_pays(Rows(3).rows[:2], Rows(3).rows[2])
+    assert not clock.joining_pays(rows(3)[:2], rows(3)[2])
 
 
 def test_the_clock_keeps_rows_joining_where_steps_barely_grow():
     clock = StepClock(model_of(per_row=0.5, fixed=0.5))  # a profile that says steps add up...
-    one, two = Rows(1).rows, Rows(2).rows
+    one, two = rows(1), rows(2)
     for _ in range(10):
         clock.observe(one, 1.0)
         clock.observe(two, 1.05)  # ...on a device where they do not
@@ -256,10 +255,9 @@ def test_the_setting_defaults_off_and_reads_its_environment_variable(monkeypatch
 
 
 def test_the_worker_joins_when_it_pays_only_with_a_profile_and_the_setting():
-    from backend.worker.service import join_rule
-
-    on = load_settings(env={"MASKSERVE_JOIN_WHEN_IT_PAYS": "true"})
+    on = load_settings(env={"MASKSERVE_JOIN_WHEN_IT_PAYS": "true"}).worker.join_when_it_pays
     with_profile = StepClock(model_of(per_row=0.1, fixed=1.0))
-    assert join_rule(on, with_profile) == with_profile.joining_pays
-    assert join_rule(on, StepClock()) is None  # no profile: no shape until rows batch
-    assert join_rule(load_settings(env={}), with_profile) is None  # the default: off
+    assert with_profile.join_rule(on) == with_profile.joining_pays
+    assert StepClock().join_rule(on) is None  # no profile: no shape until rows batch
+    default = load_settings(env={}).worker.join_when_it_pays
+    assert with_profile.join_rule(default) is None  # the default: off

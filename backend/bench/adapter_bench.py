@@ -229,8 +229,8 @@ class _Arm:
         self.rows = RowAdapters(tiers, 0.0 if one_set else cfg.join_by, prefetch=not one_set)
         self.caches = TieredActivationCache(bench.engine.cache_root, 1 << 34, 1 << 40)
         worker_class = OneSetWorker if one_set else EngineWorker
-        # the serving worker's step clock and join rule (``worker.service``; imports redis)
-        from backend.worker.service import join_rule, step_clock
+        # the serving worker's step clock (``worker.service``; imports redis)
+        from backend.worker.service import step_clock
 
         clock = step_clock(bench.settings)
         self.worker = worker_class(
@@ -241,8 +241,8 @@ class _Arm:
             caches=self.caches,
             adapters=self.rows,
             clock=clock,
-            join_rule=join_rule(
-                bench.join_if_pays if arm == "join-if-pays" else bench.settings, clock
+            join_rule=clock.join_rule(
+                arm == "join-if-pays" or bench.settings.worker.join_when_it_pays
             ),
             **common,
         )
@@ -332,8 +332,6 @@ class _Bench:
         self.cfg = cfg
         engine_settings = settings.engine.model_copy(update={"model_id": cfg.model_id})
         self.settings = settings.model_copy(update={"engine": engine_settings})
-        joins_if_it_pays = settings.worker.model_copy(update={"join_when_it_pays": True})
-        self.join_if_pays = self.settings.model_copy(update={"worker": joins_if_it_pays})
         self.engine = build_engine(settings, cfg.model_id)
         # pre/post-processing hold their own copy of the text encoders and VAE (as CPU workers
         # do): they run beside the worker loop and must share no pipeline state with it

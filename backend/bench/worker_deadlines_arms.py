@@ -51,11 +51,11 @@ def arm_deadlines(
 
 def arm_plan(settings: Settings, cfg: WorkerDeadlineConfig, deadlines: DeadlineSettings):
     """``worker.service.deadline_plan`` for an arm's ``deadlines`` (``arm_deadlines``) and this
-    bench's model, with the serving worker's ``join_rule`` on its clock: (plan, clock, rule)."""
-    from backend.worker.service import deadline_plan, join_rule  # the serving worker's (redis)
+    bench's model, with the serving worker's join rule on its clock: (plan, clock, rule)."""
+    from backend.worker.service import deadline_plan  # the serving worker's (imports redis)
 
     engine = settings.engine.model_copy(update={"model_id": cfg.model_id})
     plan, clock = deadline_plan(
         settings.model_copy(update={"deadlines": deadlines, "engine": engine})
     )
-    return plan, clock, join_rule(settings, clock)
+    return plan, clock, clock.join_rule(settings.worker.join_when_it_pays)

@@ -16,8 +16,7 @@ joining row has at least as many (a fresh row joining a batch under way): ``c(2)
 On a device whose step barely grows with its rows (a GPU running these models is bound by
 launching kernels), ``d`` is near 0 and rows always join. On a CPU, where a step of two rows costs
 about two steps of one, ``d`` is about ``c(1)`` and a row waits: the rows run one after another,
-which for the same arithmetic finishes the first sooner and none later (measured in
-docs/bench/adapters.md).
+which for the same arithmetic finishes the first sooner and none later.
 
 Invariants: an empty batch always takes the row; a step that does not grow (``d <= 0``) always
 takes it; the answer depends on the rows' costs only, not on their steps left.

@@ -306,8 +306,7 @@ def ordered(rows: Iterable[Row], now: float, step_s: float, plan: DeadlinePlan) 
 
 def slot_order(rows: Iterable[Row], now: float, step_s: float, plan: DeadlinePlan) -> list[Row]:
     """Waiting ``rows`` in the order they take slots: the due ones (``Row.due``) first, longest
-    wait first (the order ``mark_due`` counts them in), then the others in
-    precedence order."""
+    wait first (the order ``mark_due`` counts them in), then the others in precedence order."""
     in_precedence = ordered(rows, now, step_s, plan)
     due = sorted((r for r in in_precedence if r.due), key=lambda r: -waited_s(r, now))
     return due + [r for r in in_precedence if not r.due]

@@ -124,10 +124,9 @@ class _Run:
         batch_step: float | None = None  # priced when first asked, per batch
         while self.pending and len(self.batch) < self.max_batch:
             row = self.pending.pop()
-            if self.joins is not None and self.batch and not row.due:
-                if not self.joins(self.batch, row):
-                    self.pending.append(row)  # it waits for the batch to change
-                    break
+            if self.joins and self.batch and not row.due and not self.joins(self.batch, row):
+                self.pending.append(row)  # it waits for the batch to change
+                break
             if self.sizing is not None and self.batch and not row.due:
                 batch_step = self.step_s(self.batch) if batch_step is None else batch_step
                 if delays_a_tighter_row(self.sizing, self.then(0), row, self.clock, batch_step):

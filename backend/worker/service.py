@@ -49,7 +49,7 @@ from backend.worker.finish_tail import FinishTail
 from backend.worker.loop import EngineWorker
 from backend.worker.redis_inbox import RedisInbox
 from backend.worker.stats import WorkerStats
-from backend.worker.step_clock import JoinRule, StepClock
+from backend.worker.step_clock import StepClock
 
 log = logging.getLogger(__name__)
 
@@ -304,16 +304,6 @@ def step_clock(settings: Settings) -> StepClock:
     return StepClock(model, plan_quantile=settings.deadlines.plan_quantile)
 
 
-def join_rule(settings: Settings, clock: StepClock) -> JoinRule | None:
-    """Whether rows join a running batch only when it pays (``worker.join_when_it_pays``), judged
-    on ``clock``: its fitted profile's shape over rows, corrected by this machine's measured steps.
-    A clock without a profile knows nothing of that shape until rows have batched, so there rows
-    join while slots are free."""
-    if not settings.worker.join_when_it_pays or clock.model is None:
-        return None
-    return clock.joining_pays
-
-
 def build_worker(
     settings: Settings, client: Redis, celery_app=None
 ) -> tuple[EngineWorker, TieredActivationCache]:
@@ -366,7 +356,7 @@ def build_worker(
         adapters=worker_adapters(settings, engine),
         plan=plan,
         clock=clock,
-        join_rule=join_rule(settings, clock),
+        join_rule=clock.join_rule(settings.worker.join_when_it_pays),
         forecast_refresh_s=settings.deadlines.forecast_refresh_s,
         finish_tail=FinishTail() if settings.deadlines.finish_tail else None,
         **common,

@@ -140,6 +140,12 @@ class StepClock:
             n,
         )
 
+    def join_rule(self, enabled: bool) -> JoinRule | None:
+        """``joining_pays`` when ``enabled`` (``worker.join_when_it_pays``) and this clock has a
+        cost model; None otherwise: without a profile it knows nothing of how a step grows with
+        its rows until rows have batched, so there rows join while slots are free."""
+        return self.joining_pays if enabled and self.model is not None else None
+
     def join_speed(self, num_rows: int) -> float:
         """Measured / modelled seconds of steps of ``num_rows`` rows, once ``JOIN_SAMPLES`` were
         measured; else that of the largest row count below it that was (the model's own shape
