@@ -204,8 +204,10 @@ class RedisServer:
 
     def restart(self) -> str:
         """Start the server again on the port it had, so every client reconnects to the same URL;
-        it loads its append-only file, so every write it acknowledged before dying is there again
-        (a killed process loses nothing: Redis writes the AOF before it replies, the OS keeps it).
+        it loads its append-only file, so the writes it acknowledged before dying are there again
+        (Redis writes the AOF before it replies and the OS keeps what was written; under
+        ``appendfsync everysec`` a write queued behind a slow fsync may not be written yet when the
+        process is killed: ``appendfsync always`` closes that gap).
         Raises ``RedisServerError`` when it cannot (e.g. another process took the port)."""
         if self._last_port is None:
             raise RedisServerError("Redis server was never started: nothing to restart")
