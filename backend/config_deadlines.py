@@ -50,10 +50,11 @@ class DeadlineSettings(Strict):
     """Starvation bound: no row waits (queued and parked, summed) longer; a row that would, behind
     the rows due before it, goes first and is never parked again."""
     max_parks_per_round: int = Field(default=DEFAULT_MAX_PARKS_PER_ROUND, ge=0, le=64)
-    """Rows one planning round may park (0: never park). 8, a whole default batch: where a step
-    grows steeply with its rows (a CPU), a tight row joining a full batch needs 4-5 rows parked to
-    be on time, and 2 a round left it in too large a batch for its first steps
-    (docs/design/deadlines.md, "Bounds")."""
+    """Rows one planning round may park (0: never park); a row due for the starvation bound may
+    have a row parked for it beyond them. 8, a whole default batch: where a step grows steeply
+    with its rows (a CPU), a tight row joining a full batch needs 4-5 rows parked to be on time,
+    and 2 a round left it in too large a batch for its first steps (docs/design/deadlines.md,
+    "Bounds")."""
     size_batches: bool = True
     """``slack`` only: leave a slot free while filling it would lengthen the batch's steps so much
     that a running row which goes first (tighter, or of higher priority) misses its deadline; the

@@ -346,6 +346,37 @@ def test_a_burst_of_rows_comes_due_early_enough_for_the_last_of_them():
     assert max(row.wait_s for row in tight) <= 20.0  # nor did the rows parked for them
 
 
+def test_rows_due_together_are_let_in_beyond_the_parks_a_round_allows():
+    # four rows come due together behind four long running rows, one park a round: held to the
+    # churn bound they would be let in a round (5 s) apart, the last ones past their 6 s bound
+    h = Harness(BatchScheduler(4, plan=make_plan(round_steps=5, max_wait_s=6.0, max_parks=1)))
+    for k in range(4):
+        h.s.add(make_row(f"long{k}", steps=40, deadline=1000.0))
+    h.tick(0.0)
+    burst = [make_row(f"b{k}", steps=2, at=0.5) for k in range(4)]
+    for row in burst:
+        h.s.add(row)
+    parks_at = {}
+    for t in range(1, 60):
+        out = h.tick(float(t))
+        if out.parked:
+            parks_at[t] = sorted(out.parked)
+    assert [row.wait_s for row in burst] == [4.5] * 4  # each kept the bound, none went early
+    assert parks_at[5] == [f"long{k}" for k in range(4)]  # all four parked at once
+    assert set(h.finished_at) == {f"long{k}" for k in range(4)} | {r.job_id for r in burst}
+
+
+def test_a_plan_that_never_parks_keeps_a_due_row_waiting_for_a_slot_to_free():
+    h = Harness(BatchScheduler(1, plan=make_plan(round_steps=1, max_wait_s=2.0, max_parks=0)))
+    h.s.add(make_row("long", steps=10, deadline=1000.0))
+    h.tick(0.0)
+    late = make_row("late", steps=2, at=0.5)
+    h.s.add(late)
+    assert not any(h.tick(float(t)).parked for t in range(1, 20))
+    assert late.due and late.wait_s == 9.5  # past its bound: 0 parks a round means none
+    assert h.finished_at == {"long": 10.0, "late": 12.0}
+
+
 def test_a_backlog_deeper_than_the_bound_is_served_first_come_first_served():
     # ten rows of 10 steps on one slot: 100 s of work against a 20 s bound, which no order keeps
     # for all; every row comes due (even a fresh tight one) and the longest wait goes first

@@ -315,7 +315,7 @@ class BatchScheduler:
                 continue
             if len(self.running) < self.max_batch:
                 out.not_paying.append(row.job_id)  # a free slot it does not take: as if full
-            if self._parks_left == 0 or not (planning or self._urgent(row, now, step_s)):
+            if not self._may_make_a_slot(row, now, step_s, planning):
                 break  # no slot, and none may be made by parking
             victim = self._victim(row, now, step_s, queued_ahead, protected, out)
             if victim is None:
@@ -338,16 +338,26 @@ class BatchScheduler:
         assert self.plan is not None
         return dl.slot_order(self.waiting.values(), now, step_s, self.plan)
 
-    def _urgent(self, row: Row, now: float, step_s: float) -> bool:
-        """Between rounds (slack): whether a row may be parked now for waiting ``row``: it is due
-        (it would pass the starvation bound before the next round), or (``urgent_parks``) it
-        would be late if it waited for the next round."""
+    def _may_make_a_slot(self, row: Row, now: float, step_s: float, planning: bool) -> bool:
+        """Whether a running row may be parked now for waiting ``row`` (slack; a plan with
+        ``max_parks_per_round`` 0 never parks). A row due for the starvation bound may always:
+        the bound goes before the churn bound, which would otherwise let a burst of rows that
+        come due together in at ``max_parks_per_round`` a round, past the bound
+        (``deadlines.mark_due`` counts the slots of rows that are not due as free now). Any other
+        row within the round's parks left: at a round, or between rounds when
+        (``urgent_parks``) it would be late if it waited for the next one."""
         plan = self.plan
         assert plan is not None
-        if self.policy != "slack":
+        if self.policy != "slack" or plan.max_parks_per_round == 0:
             return False
-        return self._due(row, now) or (
-            plan.urgent_parks and dl.row_slack(row, now, step_s) < self._steps_to_round() * step_s
+        if self._due(row, now):
+            return True
+        return self._parks_left > 0 and (
+            planning
+            or (
+                plan.urgent_parks
+                and dl.row_slack(row, now, step_s) < self._steps_to_round() * step_s
+            )
         )
 
     def _steps_to_round(self) -> int:
@@ -487,7 +497,7 @@ class BatchScheduler:
         self.waiting[row.job_id] = row
         out.parked.append(row.job_id)
         self.parks += 1
-        self._parks_left -= 1
+        self._parks_left = max(0, self._parks_left - 1)  # a due row's park may find none left
 
     def _pays(self, row: Row) -> bool:
         """Whether waiting ``row`` should join the running batch: always without a join rule or
