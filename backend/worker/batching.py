@@ -53,7 +53,8 @@ if it waited for the next round (its slack under the steps left to it, at the st
 batch as it would be) may park a running row at once, by the rules a round parks by (below).
 
 A round parks a running row R for a waiting row W only when all of these hold: fewer than
-``max_parks_per_round`` rows were parked in this round; W is ready (``ready(W)`` is asked only
+``max_parks_per_round`` rows were parked in this round, or W is due and the plan parks at all
+(``max_parks_per_round`` > 0); W is ready (``ready(W)`` is asked only
 once a row to park was found, and W then takes R's slot in the same schedule, so a row that is not
 ready never displaces anyone); R is not due, was not resumed since the last round and did not join
 in this schedule; and W is due, or W precedes R, W's slack is strictly less than R's, W needs the
@@ -68,7 +69,8 @@ The starvation bound: a row is due when it would have waited (queued and parked,
 (``deadlines.mark_due``) and the next planning round (``edf``: the next step), with
 ``DUE_MARGIN_STEPS`` predicted steps to spare, or when a row that waited less is due. Due rows
 go first, longest wait first, take free slots first and may have a row parked for them at any
-step, whatever its slack (the bound goes before deadlines); a due row is never parked.
+step, whatever its slack and however many parks the round made (the bound goes before deadlines
+and before the churn bound); a due row is never parked.
 
 Invariants: at most ``max_batch`` rows run; a row is in exactly one of waiting (queued or
 parked) / running / done; every running row is stepped exactly once per ``schedule`` ->
@@ -78,8 +80,8 @@ pipeline call, reporting each step with ``update_from_output``); a cancelled row
 another step after the ``schedule`` that follows the cancel; a parked row keeps its ``step`` and
 ends after exactly ``num_steps`` steps in all; at most ``max_parks_per_round`` rows are parked
 from one planning round to the next (the round's own parks and those that shrink the batch; as
-many before the first round); a ready row waits no longer than ``max_wait_s`` in all unless, when
-it comes due, the round's parks are spent, no running row may leave, steps run longer than
+many before the first round), besides those parked for due rows; a ready row waits no longer than
+``max_wait_s`` in all unless, when it comes due, no running row may leave, steps run longer than
 predicted, or the backlog is more than the batch can run inside the bound (slack; ``edf``, which
 never parks: unless no slot frees in time).
 """
