@@ -265,7 +265,10 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(
     page.locator("#ms-mask-upload input[type=file]").set_input_files(str(mask_path))
     page.locator("#ms-ratio").get_by_text("12.5%").wait_for(timeout=30_000)
 
-    # the editor's own "Clear canvas" leaves the template on the canvas, unpainted
+    # the editor's own "Clear canvas" leaves the template on the canvas, unpainted (clicked once
+    # the editor has drawn the uploaded mask: on a busy machine it is still redrawing when the
+    # ratio line already says 12.5%, and a click then may not reach the button)
+    assert _canvas_settles(page), "the canvas kept changing after the mask upload"
     page.locator("#ms-canvas").get_by_role("button", name="Clear canvas").click()
     page.locator("#ms-ratio").get_by_text("nothing painted").wait_for(timeout=30_000)
     try:
@@ -326,6 +329,20 @@ def _canvas_shows_a_picture(page, timeout_s: float = 60.0) -> bool:
         if time.monotonic() > deadline:
             return False
         page.wait_for_timeout(500)
+
+
+def _canvas_settles(page, timeout_s: float = 30.0) -> bool:
+    """Whether two screenshots of the editor's canvas 300 ms apart come out the same within
+    ``timeout_s``: the editor has finished drawing what it was given."""
+    deadline = time.monotonic() + timeout_s
+    before = page.locator("#ms-canvas canvas").first.screenshot()
+    while time.monotonic() < deadline:
+        page.wait_for_timeout(300)
+        now = page.locator("#ms-canvas canvas").first.screenshot()
+        if now == before:
+            return True
+        before = now
+    return False
 
 
 def _job_ids(redis_client) -> list[str]:
