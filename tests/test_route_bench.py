@@ -375,11 +375,13 @@ def test_the_route_bench_command_runs_several_seeds_and_writes_their_mean(tmp_pa
     assert first["p95_latency_s"] == pytest.approx(
         sum(r["results"][0]["p95_latency_s"] for r in per_seed) / 2
     )
-    for bad in (["--load-ratio", "-1"], ["--seeds", "0,x"], ["--seeds", "1,1"]):
+    for bad in (["--load-ratio", "-1"], ["--seeds", "0,x"], ["--seeds", "1,1"], ["--seeds", "5-3"]):
         assert (
             main(["bench", "route", "--profiles-dir", str(PROFILES), *bad, "--json", str(out)]) == 2
         )
-    assert "--seeds takes a comma list of integers" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--seeds takes integers and ranges, e.g. 0,1,2 or 3-12" in err
+    assert "--seeds repeats a seed" in err and "runs backwards: write 3-5" in err
 
 
 # ----- adapters in the simulation ---------------------------------------------------------------

@@ -320,6 +320,10 @@ def test_the_command_writes_the_report(tmp_path, capsys):
         ]
     )
     assert code == 0 and out.exists() and out.with_suffix(".png").exists()
+    from PIL import Image
+
+    with Image.open(out.with_suffix(".png")) as plot:  # a panel per class, 5 inches at 110 dpi
+        assert plot.width == 2 * 5 * 110
     printed = capsys.readouterr().out
     assert "bursty, loads 0.8-1.0, slack vs fifo" in printed and "wrote" in printed
 
@@ -380,3 +384,8 @@ def test_the_command_says_a_run_of_one_class_judges_no_target(tmp_path, capsys):
     assert "only interactive served: a reference, no target judged" in printed
     assert "slack vs fifo: interactive attainment" not in printed
     assert json.loads(out.read_text())["config"]["serve_classes"] == ["interactive"]
+    from PIL import Image
+
+    # one panel, for the class served: half the width of a plot of both classes (10 inches)
+    with Image.open(out.with_suffix(".png")) as plot:
+        assert plot.width == 5 * 110

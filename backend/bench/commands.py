@@ -227,6 +227,7 @@ def cmd_bench_route(args, settings: Settings) -> int:
         summary_table,
         write_outputs,
     )
+    from backend.bench.seeds import parse_seeds
 
     cfg = RouteBenchConfig(
         model_id=args.model,
@@ -252,14 +253,7 @@ def cmd_bench_route(args, settings: Settings) -> int:
         load_scale=args.load_scale,
         load_ratio=args.load_ratio,
     )
-    try:
-        seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
-    except ValueError:
-        raise ValueError(
-            f"--seeds takes a comma list of integers, e.g. 0,1,2; got {args.seeds!r}"
-        ) from None
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds repeats a seed: {args.seeds!r}")
+    seeds = parse_seeds(args.seeds, args.seed)
     json_path, reports = Path(args.json), []
     for seed in seeds:
         one = replace(cfg, seed=seed)
@@ -464,7 +458,7 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     route.add_argument(
         "--seeds",
         default="",
-        help="comma list: one run per seed, then the mean table over them "
+        help="seeds and ranges (0,1,2 or 3-12): one run per seed, then the mean table over them "
         "(--json is the mean; one JSON per seed beside it)",
     )
     route.add_argument(

@@ -46,6 +46,7 @@ longest wait (queued plus parked) of any batch job and the jobs waiting past ``m
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -65,6 +66,7 @@ from backend.bench.route_deadlines_sim import (
     ShedRule,
     StepPlan,
 )
+from backend.bench.seeds import seed_span
 from backend.bench.trace import counted_trace, service_classes
 from backend.config_deadlines import DeadlineSettings
 from backend.dispatch.router import Router
@@ -521,7 +523,7 @@ def table(report: dict) -> str:
 
 def write_outputs(report: dict, json_path: Path) -> Path:
     """The report as JSON at ``json_path`` and a plot beside it (.png): SLO attainment against load
-    per scheduler, one panel per (process, class); returns the plot's path."""
+    per scheduler, one panel per (process, class served); returns the plot's path."""
     json_path = Path(json_path)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report, indent=1))
@@ -532,11 +534,17 @@ def write_outputs(report: dict, json_path: Path) -> Path:
 
     kinds = list(dict.fromkeys(r["trace"] for r in report["results"]))
     arms = list(dict.fromkeys(r["scheduler"] for r in report["results"]))
+    # a class no run served (``serve_classes``) gets no panel
+    served = [c for c in CLASSES if any(r["classes"][c]["accepted"] for r in report["results"])]
     fig, axes = plt.subplots(
-        len(kinds), len(CLASSES), figsize=(10, 3.6 * len(kinds)), squeeze=False, sharey=True
+        len(kinds),
+        len(served),
+        figsize=(5 * len(served), 3.6 * len(kinds)),
+        squeeze=False,
+        sharey=True,
     )
     for row, kind in enumerate(kinds):
-        for col, cls in enumerate(CLASSES):
+        for col, cls in enumerate(served):
             ax = axes[row][col]
             for arm in arms:
                 rs = sorted(
@@ -562,14 +570,15 @@ def write_outputs(report: dict, json_path: Path) -> Path:
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     c = report["config"]
-    fig.suptitle(
+    title = (
         f"{c['model_id']}: {c['num_workers']} workers x batch {c['max_batch']}, "
         f"{c['interactive_share']:.0%} interactive (target {c['interactive_target_s']:g} s), "
         f"batch target {c['batch_target_s']:g} s; "
         f"bursts {c['burst_factor']:g}x the mean rate for {c['burst_s']:g} s"
-        + (f"; mean of seeds {report['seeds']}" if "seeds" in report else ""),
-        fontsize=10,
+        + (f"; mean of seeds {seed_span(report['seeds'])}" if "seeds" in report else "")
     )
+    # about 11 characters of 10 pt text to the inch: the title fits the figure's width
+    fig.suptitle("\n".join(textwrap.wrap(title, int(11 * fig.get_figwidth()))), fontsize=10)
     return save_beside(fig, json_path)
 
 

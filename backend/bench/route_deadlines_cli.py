@@ -30,6 +30,7 @@ def cmd_bench_route_deadlines(args, settings: Settings) -> int:
         table,
         write_outputs,
     )
+    from backend.bench.seeds import parse_seeds
     from backend.bench.step_shape import load_shape
 
     d = settings.deadlines
@@ -70,9 +71,7 @@ def cmd_bench_route_deadlines(args, settings: Settings) -> int:
         late_factor=d.late_factor,
         max_queue=d.max_queue,
     )
-    seeds = [int(x) for x in args.seeds.split(",") if x] if args.seeds else [args.seed]
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds repeats a seed: {args.seeds!r}")
+    seeds = parse_seeds(args.seeds, args.seed)
     json_path, reports = Path(args.json), []
     for seed in seeds:
         one = replace(cfg, seed=seed)
@@ -172,7 +171,8 @@ def add_route_deadlines_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--seeds",
         default="",
-        help="comma list: one run per seed (its JSON beside --json), --json and its plot the mean",
+        help="seeds and ranges (0,1,2 or 3-12): one run per seed (its JSON beside --json), "
+        "--json and its plot the mean",
     )
     p.add_argument("--json", default=DEFAULT_JSON)
     p.set_defaults(func=cmd_bench_route_deadlines)
