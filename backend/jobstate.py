@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from redis import Redis
 
-from backend.config import MIN_JOB_RECORD_S
+from backend.config_operations import MIN_JOB_RECORD_S
 from backend.metrics import job_latency_lua
 from backend.protocol import JobEvent, JobRecord, event_fields, event_payload, to_text
 from backend.protocol.keys import (

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from backend.config import MIN_JOB_RECORD_S, RetentionSettings
+from backend.config_operations import MIN_JOB_RECORD_S, RetentionSettings
 from backend.history import HistoryIndex
 from backend.jobstate import (
     EXHAUSTED,

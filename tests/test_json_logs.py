@@ -17,7 +17,8 @@ import pytest
 
 from backend.config import load_settings
 from backend.runtime import json_line
-from backend.services.stack import Role, RoleLog, Stack
+from backend.services.role_log import RoleLog
+from backend.services.stack import Role, Stack
 
 ROOT = Path(__file__).resolve().parent.parent
 

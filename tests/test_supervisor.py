@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from backend.config import SettingsError, load_settings
 from backend.protocol.keys import DISPATCHER_GROUP, PREPARED_STREAM
 from backend.services.redis_server import free_port
-from backend.services.stack import Role, Stack, rotate_log
+from backend.services.role_log import rotate_log
+from backend.services.stack import Role, Stack
 from backend.services.supervisor import Backoff, Reconnect, RestartPolicy, RoleRecord
 
 POLICY = RestartPolicy(Backoff(initial_s=1.0, cap_s=30.0), stable_s=60.0)

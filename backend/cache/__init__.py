@@ -1,8 +1,8 @@
 """Tiered activation cache: host RAM above the on-disk template caches.
 
 ``manager`` and ``policies`` are the pure core (no torch, no I/O); ``store`` is the shell that
-executes their decisions on files and tensors. The shell's names are imported on first use so
-that importing the core never pulls in torch.
+executes their decisions on files and tensors (``memory_entry``: an entry held in RAM). The
+shell's names are imported on first use so that importing the core never pulls in torch.
 """
 
 from backend.cache.manager import (
@@ -20,7 +20,8 @@ from backend.cache.manager import (
 )
 from backend.cache.policies import POLICIES, EvictionPolicy, LFUPolicy, LRUPolicy, PolicyFactory
 
-_SHELL = ("MemoryTemplateCache", "TieredActivationCache")
+# name -> the shell module that defines it
+_SHELL = {"MemoryTemplateCache": "memory_entry", "TieredActivationCache": "store"}
 
 __all__ = [
     "CacheManager",
@@ -45,7 +46,7 @@ __all__ = [
 
 def __getattr__(name: str):
     if name in _SHELL:
-        from backend.cache import store
+        import importlib
 
-        return getattr(store, name)
+        return getattr(importlib.import_module(f"backend.cache.{_SHELL[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -33,17 +32,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 from backend.atomic import write_atomic
 from backend.config import Settings
-from backend.runtime import json_line
 from backend.services.redis_server import (
     RedisServer,
     RedisServerError,
     connect_or_start,
     free_port,
 )
+from backend.services.role_log import RoleLog, rotate_log
 from backend.services.supervisor import Backoff, RestartPolicy, RoleRecord
 
 log = logging.getLogger(__name__)
@@ -64,9 +62,6 @@ UP_METRICS = "up"  # ``maskserve up``'s own /metrics (role restarts) in ``assign
 # role of a kind gets its kind's offset + N (base 9101: up 9101, dispatcher 9102, cpu-worker-0
 # 9111, worker-0 9121, worker-1 9122...)
 METRICS_PORT_OFFSETS = {UP_METRICS: 0, "dispatcher": 1, "cpu-worker": 10, "worker": 20}
-LOG_PUMP_JOIN_S = 1.0  # how long a role's exit waits for the last lines of its output (a child
-# that outlives it may hold the pipe: supervision goes on)
-MAX_LOG_LINE = 1 << 20  # a longer line (no newline in a MiB of output) is cut into several
 
 
 @dataclass
@@ -221,75 +216,6 @@ def stack_login(settings: Settings) -> tuple[str, str]:
     if settings.api.users or settings.api.auth_disabled:
         return "", ""
     return STACK_USER, _generated_secret(settings, "studio_password", size=12)
-
-
-def rotate_log(path: Path, max_bytes: int) -> bool:
-    """Copy a log past ``max_bytes`` to ``<name>.1`` and empty it in place ("copytruncate"): its
-    writer (``RoleLog``) appends, so its next line lands at the start of the emptied file. Lines
-    written between the copy and the truncation are lost; that window is one copy of at most
-    ``max_bytes`` plus what arrived meanwhile. True when rotated."""
-    try:
-        if path.stat().st_size <= max_bytes:
-            return False
-        shutil.copyfile(path, path.with_name(path.name + ".1"))
-        os.truncate(path, 0)
-    except OSError as exc:  # a full disk must not stop supervision: try again next turn
-        log.warning("log %s not rotated: %s", path, exc)
-        return False
-    return True
-
-
-class RoleLog:
-    """A role's log file, written by the threads that read its stdout and stderr: each line once
-    a whole line is read, as one JSON object (``json_line``; blank lines are dropped). The file is
-    opened for appending, so ``rotate_log`` can empty it under the writers. ``role``: what the
-    wrapped lines name, as the role's own records do (its kind: ``cpu-worker``; the file is the
-    instance's)."""
-
-    def __init__(self, path: Path, role: str):
-        self.path, self.role = path, role
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-        try:
-            path.touch()  # there from the start, like the role's
-        except OSError as exc:
-            log.warning("log %s not created: %s", path, exc)
-
-    def pump(self, source: IO[bytes], stream: str) -> None:
-        """Copy ``source`` (the role's ``stream``, stdout or stderr) into the log from a daemon
-        thread until its end (the role and whatever inherited the pipe exited)."""
-        level = "WARNING" if stream == "stderr" else "INFO"
-        thread = threading.Thread(
-            target=self._copy, args=(source, stream, level), name=f"log-{self.role}", daemon=True
-        )
-        self._threads.append(thread)
-        thread.start()
-
-    def _copy(self, source: IO[bytes], stream: str, level: str) -> None:
-        try:
-            with source:
-                for raw in iter(lambda: source.readline(MAX_LOG_LINE), b""):
-                    text = raw.decode("utf-8", errors="replace")
-                    if text.strip():
-                        self.write(json_line(text, self.role, logger=stream, level=level))
-        except (OSError, ValueError) as exc:  # the pipe closed under the reader
-            log.warning("log of %s: reading its %s stopped: %s", self.role, stream, exc)
-
-    def write(self, line: str) -> None:
-        data = (line + "\n").encode()
-        with self._lock:
-            try:
-                with open(self.path, "ab") as out:
-                    out.write(data)
-            except OSError as exc:  # a full disk must not stop the role: its line is lost
-                log.warning("log %s: a line of %s lost: %s", self.path, self.role, exc)
-
-    def join(self, timeout_s: float = LOG_PUMP_JOIN_S) -> None:
-        """Wait (at most ``timeout_s`` in all) for the readers to reach the end of the output."""
-        deadline = time.monotonic() + timeout_s
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        self._threads = [thread for thread in self._threads if thread.is_alive()]
 
 
 class Stack:
