@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest_plugins = ["tests.redis_fixtures", "tests.s3_fixtures"]
+pytest_plugins = ["tests.redis_fixtures", "tests.s3_fixtures", "tests.api_factory"]
 
 FIXTURE_MARKERS = {
     "redis_server": "redis",

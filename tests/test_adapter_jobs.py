@@ -20,6 +20,7 @@ from backend.worker.channels import LocalInbox
 from backend.worker.loop import EngineWorker
 from backend.worker.service import RedisSink
 from tests.adapter_factory import make_adapter_file
+from tests.api_factory import IMAGE, KEY, MASK, OTHER_KEY, pre_queue_jobs, submit
 from tests.test_adapters_api import (  # noqa: F401 (fixtures)
     MODEL,
     client,
@@ -28,7 +29,6 @@ from tests.test_adapters_api import (  # noqa: F401 (fixtures)
     upload,
     worker,
 )
-from tests.test_api import IMAGE, KEY, MASK, OTHER_KEY, pre_queue_jobs, submit
 from tests.test_celery_tasks import engine, handed_off, stack, wait_for  # noqa: F401
 
 pytestmark = [pytest.mark.model, pytest.mark.redis]

@@ -23,7 +23,7 @@ from backend.client import MaskServeClient, MaskServeError
 from backend.protocol.keys import ADAPTER_INGEST_TASK
 from backend.services.redis_server import free_port
 from tests.adapter_factory import make_adapter_file
-from tests.test_api import KEY, OTHER_KEY, make_settings
+from tests.api_factory import KEY, OTHER_KEY, make_settings
 from tests.test_celery_tasks import engine, stack  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.model

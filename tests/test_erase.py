@@ -34,8 +34,8 @@ from backend.protocol import EditJob, MaskOps
 from backend.protocol.keys import PREPARED_STREAM
 from backend.services.redis_server import free_port
 from backend.tasks.core import CpuStages, erase_job
+from tests.api_factory import KEY, make_settings, pre_queue_jobs
 from tests.factories import make_engine, queued_tasks
-from tests.test_api import KEY, make_settings, pre_queue_jobs
 
 BLUE, RED = (30, 60, 200), (230, 20, 20)
 W, H = 96, 72

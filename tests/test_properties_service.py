@@ -24,8 +24,8 @@ from backend.api.checks import (
 )
 from backend.api.service import JobRequest
 from backend.config import Settings, SettingsError, env_variable_names, load_settings
+from tests.api_factory import IMAGE, KEY, mask_png, png
 from tests.property_settings import examples
-from tests.test_api import IMAGE, KEY, mask_png, png
 from tests.test_api_fuzz import stored
 
 numbers = st.floats(allow_nan=True, allow_infinity=True) | st.integers(-(2**40), 2**40)

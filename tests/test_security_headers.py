@@ -14,7 +14,7 @@ from backend.api.app import create_app
 from backend.config import load_settings
 from backend.metrics import serve_metrics
 from backend.services.redis_server import free_port
-from tests.test_api import KEY, make_settings, submit
+from tests.api_factory import KEY, make_settings, submit
 
 ORIGIN = "https://studio.example"
 

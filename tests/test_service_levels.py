@@ -23,7 +23,7 @@ from backend.jobstate import JobStateStore
 from backend.models.catalog import DEFAULT_MODEL
 from backend.protocol import JobEvent, RunningRow, ServiceLevel, WaitingRow, WorkerHeartbeat
 from backend.protocol.keys import JOB_PATTERN, UNSTARTED_KEY, heartbeat_key
-from tests.test_api import IMAGE, KEY, OTHER_KEY, pre_queue_jobs, submit
+from tests.api_factory import IMAGE, KEY, OTHER_KEY, pre_queue_jobs, submit
 
 LIFECYCLE = ("preprocessing", "waiting", "running", "postprocessing")
 

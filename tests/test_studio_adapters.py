@@ -27,8 +27,8 @@ from studio.app import StudioPage
 from studio.components import FORM_FIELDS, HISTORY_HEADERS
 from templates_store.samples import sample_template
 from tests.adapter_factory import make_adapter_file
+from tests.api_factory import make_settings, pre_queue_jobs
 from tests.test_adapters_api import CpuWorkerThread
-from tests.test_api import make_settings, pre_queue_jobs
 from tests.test_studio_actions import H, W, stroke, upload_file
 
 pytestmark = [pytest.mark.model, pytest.mark.redis]

@@ -31,7 +31,7 @@ from studio.deadlines import (
 )
 from studio.errors import busy_message, service_call
 from templates_store.samples import sample_template
-from tests.test_api import make_settings, pre_queue_jobs
+from tests.api_factory import make_settings, pre_queue_jobs
 from tests.test_studio_actions import H, W, finish, stroke, upload_file
 from tests.test_studio_adapters import form_values
 

@@ -16,7 +16,7 @@ from backend.api.app import create_app
 from backend.jobstate import JobStateStore
 from backend.protocol import JobEvent
 from templates_store.samples import sample_template
-from tests.test_api import IMAGE, KEY, MASK, OTHER_KEY, make_settings, png, submit
+from tests.api_factory import IMAGE, KEY, MASK, OTHER_KEY, make_settings, png, submit
 
 # every path parameter a /v1 route may have, and how the contract makes a real one of the owner's
 OWNED_PARAMS = {"job_id", "template_id", "adapter_id", "batch_id"}

@@ -24,8 +24,8 @@ from backend.dispatch.service import Dispatcher
 from backend.models.catalog import DEFAULT_MODEL
 from backend.protocol import JobEvent, PreparedJob
 from backend.tasks.celery_app import hand_off
+from tests.api_factory import IMAGE, KEY, make_settings, pre_queue_jobs, sse_events, submit
 from tests.factories import queued_tasks
-from tests.test_api import IMAGE, KEY, make_settings, pre_queue_jobs, sse_events, submit
 from tests.test_dispatcher import beat, inbox_jobs
 
 FLUX = "tiny-flux-fill"
