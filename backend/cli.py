@@ -10,7 +10,13 @@ import time
 from pathlib import Path
 
 from backend.bench.commands import add_bench_parsers
-from backend.config import BATCHING_MODES, Settings, SettingsError, load_settings
+from backend.config import (
+    BATCHING_MODES,
+    Settings,
+    SettingsError,
+    load_settings,
+    unknown_variables,
+)
 from backend.dispatch.router import POLICIES as ROUTING_POLICIES
 from backend.models.catalog import DEFAULT_MODEL
 from backend.training.commands import add_train_parser
@@ -357,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    for line in unknown_variables():
+        logging.getLogger("maskserve").warning(line)
     try:
         return args.func(args, settings)
     except ValueError as exc:  # every user-facing error type derives from ValueError

@@ -6,6 +6,7 @@ module receives a validated ``Settings`` (or one of its sub-trees) as an argumen
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Mapping
@@ -484,6 +485,22 @@ def env_variable_names() -> frozenset[str]:
     """Every environment variable ``load_settings`` reads (deployment files are checked against
     it)."""
     return frozenset(ENV_PREFIX + suffix for suffix in _ENV_FIELDS) | frozenset(_PLAIN_ENV)
+
+
+def unknown_variables(env: Mapping[str, str] | None = None) -> list[str]:
+    """A line for each ``MASKSERVE_*`` variable in ``env`` (default: ``os.environ``) that sets no
+    setting, with the nearest name when one is close (a misspelt variable is otherwise silently
+    ignored and its default used), sorted by name; never the value."""
+    env = os.environ if env is None else env
+    known = env_variable_names()
+    # compared without the prefix, which every name shares
+    suffixes = [name[len(ENV_PREFIX) :] for name in known if name.startswith(ENV_PREFIX)]
+    lines = []
+    for name in sorted(n for n in env if n.startswith(ENV_PREFIX) and n not in known):
+        nearest = difflib.get_close_matches(name[len(ENV_PREFIX) :], suffixes, n=1, cutoff=0.75)
+        hint = f": did you mean {ENV_PREFIX}{nearest[0]}?" if nearest else ""
+        lines.append(f"{name} sets no setting and is ignored{hint} (docs/configuration.md)")
+    return lines
 
 
 def _problem(loc: tuple, message: str, read: dict[tuple[str, ...], str]) -> str:

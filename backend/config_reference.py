@@ -35,6 +35,8 @@ Every MaskServe process reads its settings from one typed tree (`backend/config.
 
 * An unset or empty variable leaves the default.
 * Invalid values stop start-up with a message naming the setting and what is wrong.
+* A `MASKSERVE_*` variable that sets nothing (a misspelt name) is ignored; every `maskserve`
+  command logs a warning naming it and the nearest setting's variable.
 * Booleans take `1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`.
 * Lists (API keys, users, models) are comma-separated.
 * A setting shown without a variable keeps its default in deployments; code and tests set it

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from backend.cli import main
-from backend.config import SettingsError, load_settings
+from backend.config import SettingsError, load_settings, unknown_variables
 from tests.factories import make_template, rect_mask
 
 
@@ -143,3 +143,33 @@ def test_edit_with_bad_inputs_exits_2_with_a_message(cli_env, capsys):
 def test_models_list(capsys):
     code, out, _ = _run(capsys, "models", "list")
     assert code == 0 and "small-sdxl-inpaint" in out.split()
+
+
+def test_a_misspelt_variable_is_named_with_the_nearest_setting_and_never_its_value():
+    env = {
+        "MASKSERVE_API_PORTT": "8001",
+        "MASKSERVE_INTERACTIVE_TARGET": "secret-3",
+        "MASKSERVE_FOO": "x",
+        "MASKSERVE_API_PORT": "8000",  # a setting: nothing to say
+        "PATH": "/usr/bin",  # not ours
+    }
+    lines = unknown_variables(env)
+    assert lines == [
+        "MASKSERVE_API_PORTT sets no setting and is ignored: did you mean MASKSERVE_API_PORT? "
+        "(docs/configuration.md)",
+        "MASKSERVE_FOO sets no setting and is ignored (docs/configuration.md)",
+        "MASKSERVE_INTERACTIVE_TARGET sets no setting and is ignored: did you mean "
+        "MASKSERVE_INTERACTIVE_TARGET_S? (docs/configuration.md)",
+    ]
+    assert not any("secret" in line or "8001" in line for line in lines)
+    assert load_settings(env).api.port == 8000  # the settings themselves are not touched
+
+
+def test_every_command_warns_of_a_variable_that_sets_nothing(monkeypatch, capsys, caplog):
+    monkeypatch.setenv("MASKSERVE_LOG_LEVL", "DEBUG")
+    with caplog.at_level("WARNING", logger="maskserve"):
+        assert main(["models", "list"]) == 0
+    assert [r.getMessage() for r in caplog.records if r.name == "maskserve"] == [
+        "MASKSERVE_LOG_LEVL sets no setting and is ignored: did you mean MASKSERVE_LOG_LEVEL? "
+        "(docs/configuration.md)"
+    ]
