@@ -37,6 +37,7 @@ ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "SHRINK_BATCHES": ("deadlines", "shrink_batches"),
     "URGENT_PARKS": ("deadlines", "urgent_parks"),
     "PARK_BY_DEADLINE": ("deadlines", "park_by_deadline"),
+    "KEEP_SLOT_WHILE_READING": ("deadlines", "keep_slot_while_reading"),
     "PLAN_QUANTILE": ("deadlines", "plan_quantile"),
     "FORECAST_REFRESH_S": ("deadlines", "forecast_refresh_s"),
     "FINISH_TAIL": ("deadlines", "finish_tail"),

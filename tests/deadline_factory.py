@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from backend.worker.batching import BatchScheduler, Row
+from backend.worker.batch_rows import Row, SchedulerOutput
+from backend.worker.batching import BatchScheduler
 from backend.worker.deadlines import DeadlinePlan
 
 KEY = "kv:128x128"
@@ -39,6 +40,7 @@ def make_plan(
     shrink_batches: bool = True,
     urgent_parks: bool = True,
     park_by_deadline: bool = True,
+    keep_slot_while_reading: bool = True,
 ) -> DeadlinePlan:
     return DeadlinePlan(
         scheduler=scheduler,
@@ -49,6 +51,7 @@ def make_plan(
         shrink_batches=shrink_batches,
         urgent_parks=urgent_parks,
         park_by_deadline=park_by_deadline,
+        keep_slot_while_reading=keep_slot_while_reading,
         step_time=step_time,
     )
 
@@ -62,3 +65,28 @@ def sizing_scheduler(size_batches: bool = True, **plan) -> BatchScheduler:
     s.add(make_row("tight", steps=10, deadline=21.0))
     assert s.schedule(0.0).admitted == ["tight"]
     return s
+
+
+class Harness:
+    """Drives a scheduler one step per ``tick`` and counts the steps each row ran."""
+
+    def __init__(self, scheduler: BatchScheduler):
+        self.s = scheduler
+        self.steps_run: dict[str, int] = {}
+        self.finished_at: dict[str, float] = {}
+        self.outs: list[SchedulerOutput] = []
+
+    def tick(self, now: float, ready: Callable[[Row], bool] | None = None) -> SchedulerOutput:
+        out = self.s.schedule(now, ready)
+        self.outs.append(out)
+        stepped = [j for g in out.groups for j in g]
+        assert len(stepped) == len(set(stepped)) <= self.s.max_batch
+        assert not set(out.parked) & set(stepped)  # a parked row runs no step this schedule
+        assert set(stepped) == set(self.s.running)
+        assert not set(self.s.running) & set(self.s.waiting)
+        for job_id in stepped:
+            self.steps_run[job_id] = self.steps_run.get(job_id, 0) + 1
+        for row in self.s.update_from_output(stepped):
+            assert self.steps_run[row.job_id] == row.num_steps  # exactly its steps, parked or not
+            self.finished_at[row.job_id] = now + 1.0  # one step per second in these tests
+        return out

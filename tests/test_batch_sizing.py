@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from backend.worker.batching import BatchScheduler, Row
+from backend.worker.batch_rows import Row
+from backend.worker.batching import BatchScheduler
 from tests.deadline_factory import (
     KEY,
     by_size,

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from backend.worker.batching import BatchScheduler, Row
+from backend.worker.batch_rows import Row
+from backend.worker.batching import BatchScheduler
 
 
 def make_row(job_id: str, steps: int = 3, key: str = "kv:128x128", ratio: float = 0.2) -> Row:

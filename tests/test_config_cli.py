@@ -42,11 +42,14 @@ def test_deadline_settings_from_env():
             "MASKSERVE_STEP_SCHEDULER": "edf",
             "MASKSERVE_MAX_PARKS_PER_ROUND": "0",
             "MASKSERVE_SIZE_BATCHES": "false",
+            "MASKSERVE_KEEP_SLOT_WHILE_READING": "off",
         }
     ).deadlines
     assert deadlines.target_s("interactive") == 12.5 and deadlines.target_s("batch") == 600.0
     assert deadlines.shed_classes == ("batch", "interactive") and deadlines.scheduler == "edf"
     assert deadlines.max_parks_per_round == 0 and deadlines.size_batches is False
+    assert deadlines.keep_slot_while_reading is False
+    assert load_settings({}).deadlines.keep_slot_while_reading is True
     # an empty variable is unset (the default sheds batch); "none" sheds no class
     assert load_settings({"MASKSERVE_SHED_CLASSES": ""}).deadlines.shed_classes == ("batch",)
     assert load_settings({"MASKSERVE_SHED_CLASSES": "none"}).deadlines.shed_classes == ()
@@ -59,6 +62,7 @@ def test_deadline_settings_from_env():
         ({"MASKSERVE_STEP_SCHEDULER": "random"}, "scheduler"),
         ({"MASKSERVE_ROUND_STEPS": "0"}, "round_steps"),
         ({"MASKSERVE_SIZE_BATCHES": "sometimes"}, "size_batches"),
+        ({"MASKSERVE_KEEP_SLOT_WHILE_READING": "maybe"}, "keep_slot_while_reading"),
         ({"MASKSERVE_LATE_FACTOR": "0.5"}, "late_factor"),
         ({"MASKSERVE_CACHE_MODE": "both"}, "cache_mode"),
         ({"MASKSERVE_DEVICE": "tpu"}, "device"),

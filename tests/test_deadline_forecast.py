@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from backend.worker.batching import BatchScheduler, Row
+from backend.worker.batch_rows import Row
+from backend.worker.batching import BatchScheduler
 from backend.worker.deadlines import RowForecast
 from tests.deadline_factory import by_size, constant, make_plan, make_row, sizing_scheduler
 

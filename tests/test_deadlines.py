@@ -5,45 +5,21 @@ and shrinking: ``test_batch_sizing.py``; forecasts: ``test_deadline_forecast.py`
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 import pytest
 
 from backend.config_deadlines import DeadlineSettings
-from backend.worker.batching import BatchScheduler, Row, SchedulerOutput
+from backend.worker.batch_rows import Row
+from backend.worker.batching import BatchScheduler
 from backend.worker.deadlines import DeadlinePlan, planned_step_s
 from tests.deadline_factory import (
     KEY,
+    Harness,
     by_size,
     constant,
     make_plan,
     make_row,
 )
-
-
-class Harness:
-    """Drives a scheduler one step per ``tick`` and counts the steps each row ran."""
-
-    def __init__(self, scheduler: BatchScheduler):
-        self.s = scheduler
-        self.steps_run: dict[str, int] = {}
-        self.finished_at: dict[str, float] = {}
-        self.outs: list[SchedulerOutput] = []
-
-    def tick(self, now: float, ready: Callable[[Row], bool] | None = None) -> SchedulerOutput:
-        out = self.s.schedule(now, ready)
-        self.outs.append(out)
-        stepped = [j for g in out.groups for j in g]
-        assert len(stepped) == len(set(stepped)) <= self.s.max_batch
-        assert not set(out.parked) & set(stepped)  # a parked row runs no step this schedule
-        assert set(stepped) == set(self.s.running)
-        assert not set(self.s.running) & set(self.s.waiting)
-        for job_id in stepped:
-            self.steps_run[job_id] = self.steps_run.get(job_id, 0) + 1
-        for row in self.s.update_from_output(stepped):
-            assert self.steps_run[row.job_id] == row.num_steps  # exactly its steps, parked or not
-            self.finished_at[row.job_id] = now + 1.0  # one step per second in these tests
-        return out
 
 
 # ----- fifo ------------------------------------------------------------------------------------

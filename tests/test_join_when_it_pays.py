@@ -12,7 +12,8 @@ import pytest
 
 from backend.config import load_settings
 from backend.costmodel.batch_gain import joining_pays
-from backend.worker.batching import BatchScheduler, Row
+from backend.worker.batch_rows import Row
+from backend.worker.batching import BatchScheduler
 from backend.worker.step_clock import JOIN_SAMPLES, StepClock
 from tests.deadline_factory import by_size, make_plan, make_row
 

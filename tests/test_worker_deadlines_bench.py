@@ -191,6 +191,16 @@ def test_the_ablation_arms_are_the_slack_scheduler_without_one_part(
     assert plan.max_parks_per_round == parks  # the bench's churn bound (5), but for parks2/8
 
 
+def test_the_nokeep_arm_lets_the_next_ready_row_take_a_slot_kept_for_a_read(tmp_path):
+    from backend.bench.worker_deadlines_arms import arm_deadlines, arm_plan
+
+    settings = load_settings(env={}, paths={"data_dir": str(tmp_path)})
+    cfg = WorkerDeadlineConfig(schedulers=("slack", "slack-nokeep"))
+    for arm, keep in (("slack", True), ("slack-nokeep", False)):
+        plan, _, _ = arm_plan(settings, cfg, arm_deadlines(settings, cfg, arm, 10.0))
+        assert plan.scheduler == "slack" and plan.keep_slot_while_reading is keep
+
+
 def _parsed(*argv: str):
     import argparse
 

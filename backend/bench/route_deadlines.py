@@ -129,6 +129,7 @@ class DeadlineBenchConfig:
     max_parks_per_round: int = _D.max_parks_per_round
     urgent_parks: bool = _D.urgent_parks
     park_by_deadline: bool = _D.park_by_deadline
+    keep_slot_while_reading: bool = _D.keep_slot_while_reading
     shed: bool = True
     shed_classes: tuple[str, ...] = tuple(_D.shed_classes)
     late_factor: float = _D.late_factor
@@ -320,6 +321,7 @@ def run_deadline_bench(cfg: DeadlineBenchConfig, progress=None) -> dict:
                     cfg.max_parks_per_round,
                     urgent_parks=cfg.urgent_parks,
                     park_by_deadline=cfg.park_by_deadline,
+                    keep_slot_while_reading=cfg.keep_slot_while_reading,
                     clock=cfg.step_clock,
                 )
                 router = Router("mask_aware", {(cfg.model_id, cfg.device): routing})

@@ -66,6 +66,7 @@ def cmd_bench_route_deadlines(args, settings: Settings) -> int:
         max_parks_per_round=d.max_parks_per_round,
         urgent_parks=d.urgent_parks,
         park_by_deadline=d.park_by_deadline,
+        keep_slot_while_reading=d.keep_slot_while_reading,
         shed=not args.no_shed,
         shed_classes=tuple(d.shed_classes),
         late_factor=d.late_factor,

@@ -32,7 +32,8 @@ from backend.bench.machine_drift import DriftSpec, SpeedDrift
 from backend.bench.route_sim import ClusterSimulation, SimJob, SimWorker
 from backend.costmodel.slack import DEFAULT_MAX_PARKS_PER_ROUND
 from backend.dispatch.router import AdapterNeed, Decision, JobRequest, RoutingCostModel, RowOrder
-from backend.worker.batching import BatchScheduler, Row, SchedulerOutput
+from backend.worker.batch_rows import Row, SchedulerOutput
+from backend.worker.batching import BatchScheduler
 from backend.worker.deadlines import DeadlinePlan
 from backend.worker.step_clock import StepClock
 
@@ -61,6 +62,8 @@ class StepPlan:
     max_parks_per_round: int = DEFAULT_MAX_PARKS_PER_ROUND
     urgent_parks: bool = True  # parks for a row late by the next round at once (else at rounds)
     park_by_deadline: bool = True  # a row is parked only for an earlier deadline
+    # a row passed over while its cache is read keeps its slot from rows due after it
+    keep_slot_while_reading: bool = True
     # predict steps on a ``StepClock`` that each simulated step calibrates, as the engine worker
     # does (False: the cost model's figure, fixed)
     clock: bool = False
@@ -129,6 +132,7 @@ class DeadlineSimWorker(SimWorker):
                 max_parks_per_round=plan.max_parks_per_round,
                 urgent_parks=plan.urgent_parks,
                 park_by_deadline=plan.park_by_deadline,
+                keep_slot_while_reading=plan.keep_slot_while_reading,
                 step_time=step_time,
             ),
         )

@@ -52,7 +52,8 @@ from backend.dispatch.router import (
 )
 from backend.worker.adapter_book import AdapterBook, RowJoins, join_deadline
 from backend.worker.admission import AdmissionRules, Candidate
-from backend.worker.batching import BatchScheduler, Row, SchedulerOutput
+from backend.worker.batch_rows import Row, SchedulerOutput
+from backend.worker.batching import BatchScheduler
 from backend.worker.deadlines import waited_s
 
 if TYPE_CHECKING:

@@ -94,7 +94,7 @@ from backend.config import Settings
 from backend.costmodel.slack import DEFAULT_MAX_PARKS_PER_ROUND
 from backend.engine.factory import build_engine
 from backend.protocol import PreparedJob, ServiceLevel
-from backend.worker.batching import Row
+from backend.worker.batch_rows import Row
 from backend.worker.channels import LocalInbox, LocalSink
 from backend.worker.loop import EngineWorker
 from backend.worker.step_clock import JoinRule, StepClock

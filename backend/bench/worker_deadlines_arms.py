@@ -19,7 +19,9 @@ if TYPE_CHECKING:  # the bench's module imports this one
 # the users' forecast at every step, not every ``forecast_refresh_s``; ``parks2`` / ``parks8``
 # set the churn bound (rows parked per round) to 2 / 8, whatever the deployment's default;
 # ``nourgent`` parks for waiting rows at planning rounds only; ``anypark`` parks a row for any row
-# that goes before it, whatever their deadlines (``park_by_deadline`` off)
+# that goes before it, whatever their deadlines (``park_by_deadline`` off); ``nokeep`` lets the
+# next ready row take the slot of a row whose template's cache is being read
+# (``keep_slot_while_reading`` off)
 ABLATIONS: dict[str, dict[str, object]] = {
     "slack": {},
     "slack-noshrink": {"shrink_batches": False},
@@ -30,6 +32,7 @@ ABLATIONS: dict[str, dict[str, object]] = {
     "slack-parks8": {"max_parks_per_round": 8},
     "slack-nourgent": {"urgent_parks": False},
     "slack-anypark": {"park_by_deadline": False},
+    "slack-nokeep": {"keep_slot_while_reading": False},
 }
 ARMS = (*SCHEDULERS, *(arm for arm in ABLATIONS if arm not in SCHEDULERS))
 

@@ -103,7 +103,7 @@ def add_worker_deadlines_parser(bench_sub) -> argparse.ArgumentParser:
         "--schedulers",
         default="fifo,edf,slack",
         help="fifo, edf, slack, or a slack variant: slack-noshrink, slack-nosize, slack-margin, "
-        "slack-everystep, slack-parks2, slack-parks8, slack-nourgent, slack-anypark",
+        "slack-everystep, slack-parks2, slack-parks8, slack-nourgent, slack-anypark, slack-nokeep",
     )
     p.add_argument("--traces", default="poisson,bursty")
     p.add_argument("--loads", default="0.8,1.0", help="fractions of the measured capacity")

@@ -48,6 +48,13 @@ baselines compared against):
   below, and that keep two rounds of slack after sitting out its remaining steps); they wait
   as kept-out rows until ``size_batches`` lets them back.
 
+With ``keep_slot_while_reading`` (``edf`` and ``slack``), a waiting row passed over for a free
+slot because ``ready`` says its template's cache is still being read keeps that slot, in this
+schedule, from the rows after it that are due after it (``deadlines.slots_kept_from``; with
+``park_by_deadline`` off, from every row after it); a row due for the starvation bound is never
+kept out. A slot may so stay empty for the steps a read takes, rather than go to a looser row for
+all of its steps.
+
 With ``urgent_parks``, a waiting row W that finds no free slot between rounds and would be late
 if it waited for the next round (its slack under the steps left to it, at the step time of the
 batch as it would be) may park a running row at once, by the rules a round parks by (below).
@@ -90,76 +97,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from backend.costmodel.slack import DUE_MARGIN_STEPS, URGENT_ROUNDS
 from backend.worker import deadlines as dl
+from backend.worker.batch_rows import Row, SchedulerOutput
 from backend.worker.deadlines import DeadlinePlan, RowForecast, StepTime
 from backend.worker.forecast_run import simulate
 from backend.worker.live_rows import running_row, waiting_row
 from backend.worker.step_clock import JoinRule
 
 MODES = ("continuous", "static", "inline", "baseline")
-
-
-@dataclass
-class Row:
-    job_id: str
-    num_steps: int
-    # rows with equal keys can share one forward pass (same cache mode and resolution)
-    group_key: str
-    mask_ratio: float = 1.0
-    enqueued_at: float = 0.0
-    template: str = ""  # cache digest of the row's template ("" = none), for routing by residency
-    adapters: tuple[str, ...] = ()  # sha256 of the row's LoRA adapters, for routing by residency
-    admitted_at: float | None = None  # the first admission (a resumed row keeps it)
-    step: int = 0
-    deadline: float = 0.0  # epoch seconds on the clock of ``now`` and ``enqueued_at``; 0 = none
-    priority: int = 0  # higher goes first (``backend.costmodel.slack.precedence``)
-    service_class: str = ""  # "interactive" / "batch" ("" = unknown), for the worker's metrics
-    # Time spent waiting (queued or parked), for the starvation bound: ``wait_s`` sums the waits
-    # that ended, ``waiting_since`` is when the current one began (None while running). ``add``
-    # starts the first wait at ``enqueued_at``: it must be on the clock of ``schedule(now)``.
-    wait_s: float = 0.0
-    waiting_since: float | None = None
-    parked: bool = False  # parked at a step boundary and not resumed yet (``step`` is kept)
-    # False while the row may not leave the batch mid-way (the worker sets it for a row recording
-    # its template's cache: rows of that template wait for the recording)
-    parkable: bool = True
-    parks: int = 0  # times this row was parked
-    # the row came due for the starvation bound (``deadlines.mark_due``, ``_due``): it goes
-    # first and is never parked again; it stays due
-    due: bool = False
-
-    @property
-    def remaining_steps(self) -> int:
-        return self.num_steps - self.step
-
-
-@dataclass
-class SchedulerOutput:
-    # rows that join this step (the worker admits them)
-    admitted: list[str] = field(default_factory=list)
-    groups: list[list[str]] = field(default_factory=list)  # one forward pass per group, this step
-    cancelled: list[str] = field(default_factory=list)  # rows dropped (waiting or running)
-    # waiting rows passed over: not ready, a slot was free (or a park would have made one)
-    held: list[str] = field(default_factory=list)
-    # running rows that left the batch at this step boundary (slack scheduler): the worker
-    # keeps their state and pins; they never appear in ``groups``
-    parked: list[str] = field(default_factory=list)
-    # rows in ``admitted`` that were parked: the worker resumes their kept state from their
-    # ``step`` (it does not build it again)
-    resumed: list[str] = field(default_factory=list)
-    # waiting rows kept out although a slot was free (slack with ``size_batches``): joining would
-    # make a running row that goes before them late
-    deferred: list[str] = field(default_factory=list)
-    # waiting rows kept out although a slot was free (``join_rule``): joining would not pay
-    not_paying: list[str] = field(default_factory=list)
-
-    @property
-    def num_rows(self) -> int:
-        return sum(len(g) for g in self.groups)
 
 
 class BatchScheduler:
@@ -291,12 +239,18 @@ class BatchScheduler:
             self._due_within_s,
         )
         queued_ahead = 0  # rows before this one left waiting for a slot to free by itself
+        reading: list[Row] = []  # rows passed over for a free slot while their cache is read
         sizing = self.policy == "slack" and plan.size_batches
         shrinking = self.policy == "slack" and plan.shrink_batches
         # the running rows, kept in step with admissions and parks below, and their step time
         batch, batch_step_s = self._priced_batch(sizing or shrinking)
         for row in self._queue(now, step_s):
-            if len(self.running) < self.max_batch and (self._pays(row) or self._due(row, now)):
+            # a row due for the starvation bound is not kept out of a slot kept for a read
+            kept = (
+                dl.slots_kept_from(plan, row, reading) if reading and not self._due(row, now) else 0
+            )
+            free = self.max_batch - len(self.running) - kept
+            if free > 0 and (self._pays(row) or self._due(row, now)):
                 if (
                     sizing
                     and not self._due(row, now)
@@ -307,6 +261,10 @@ class BatchScheduler:
                     continue  # a later, cheaper row may still fit
                 if ready is not None and not ready(row):
                     out.held.append(row.job_id)
+                    if not self._frees_in_time(
+                        queued_ahead, dl.row_slack(row, now, step_s), step_s
+                    ):
+                        reading.append(row)  # no other slot frees in time for it: it keeps this one
                     queued_ahead += 1
                     continue
                 self._admit(row, now, out)
@@ -315,7 +273,7 @@ class BatchScheduler:
                 if shrinking and self._shrink(now, out, protected, batch, batch_step_s):
                     batch, batch_step_s = self._priced_batch(True)
                 continue
-            if len(self.running) < self.max_batch:
+            if free > 0:
                 out.not_paying.append(row.job_id)  # a free slot it does not take: as if full
             if not self._may_make_a_slot(row, now, step_s, planning):
                 break  # no slot, and none may be made by parking
@@ -453,10 +411,7 @@ class BatchScheduler:
         if not row_due:
             if not slack < URGENT_ROUNDS * round_s:
                 return None  # it can wait for a later round and still be on time
-            # the slots that free by themselves (rows ending), the earliest first; the rows left
-            # waiting before this one take the first of them
-            ends = sorted(r.remaining_steps for r in self.running.values())
-            if queued_ahead < len(ends) and ends[queued_ahead] * step_s <= slack:
+            if self._frees_in_time(queued_ahead, slack, step_s):
                 return None  # a slot frees in time without parking anyone
         key = dl.row_key(row, now, step_s, plan)
         best: Row | None = None
@@ -476,6 +431,13 @@ class BatchScheduler:
             if best is None or their_key > best_key:  # the last in precedence so far
                 best, best_key = candidate, their_key
         return best
+
+    def _frees_in_time(self, queued_ahead: int, slack: float, step_s: float) -> bool:
+        """Whether a running row ends within ``slack`` seconds (at ``step_s`` a step) for a waiting
+        row behind ``queued_ahead`` rows left waiting before it, which take the first slots that
+        free by themselves (rows ending), the earliest first."""
+        ends = sorted(r.remaining_steps for r in self.running.values())
+        return queued_ahead < len(ends) and ends[queued_ahead] * step_s <= slack
 
     def _admit(self, row: Row, now: float, out: SchedulerOutput) -> None:
         del self.waiting[row.job_id]

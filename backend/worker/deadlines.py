@@ -18,6 +18,11 @@ A ``DeadlinePlan`` picks one of three step schedulers (``Settings.deadlines.sche
   bound, ``max_parks_per_round`` parks per round; with ``park_by_deadline`` a row is parked only
   for a row due before it (``costmodel.slack.parks_for``).
 
+In ``edf`` and ``slack``, with ``keep_slot_while_reading``, a waiting row passed over for a free
+slot while its template's cache is read into RAM keeps that slot from the rows due after it
+(``slots_kept_from``): otherwise a looser row behind it takes the slot and holds it for all its
+steps, and the tight row finds the batch full once its read lands.
+
 Slack and precedence have one definition, ``backend.costmodel.slack``: this module only says which
 step time they use, that of the batch as it would be (``planned_step_s``), and how long a row has
 waited (``waited_s``: queued or parked, summed over every wait).
@@ -46,7 +51,7 @@ from backend.costmodel.slack import (
 
 if TYPE_CHECKING:  # batching imports this module: the row type is only needed for annotations
     from backend.config_deadlines import DeadlineSettings
-    from backend.worker.batching import Row
+    from backend.worker.batch_rows import Row
 
 StepTime = Callable[[Sequence["Row"]], float]
 
@@ -67,6 +72,7 @@ class DeadlinePlan:
     shrink_batches: bool = True
     urgent_parks: bool = True
     park_by_deadline: bool = True
+    keep_slot_while_reading: bool = True
     step_time: StepTime
 
     def __post_init__(self) -> None:
@@ -93,6 +99,7 @@ class DeadlinePlan:
             shrink_batches=settings.shrink_batches,
             urgent_parks=settings.urgent_parks,
             park_by_deadline=settings.park_by_deadline,
+            keep_slot_while_reading=settings.keep_slot_while_reading,
             step_time=step_time,
         )
 
@@ -184,6 +191,19 @@ def gives_way(plan: DeadlinePlan, victim: Row, row: Row) -> bool:
     """Whether running ``victim`` may be parked for ``row`` as far as deadlines go: always when the
     plan parks by precedence alone, else only for an earlier deadline (``parks_for``)."""
     return not plan.park_by_deadline or parks_for(victim.deadline, row.deadline)
+
+
+def slots_kept_from(plan: DeadlinePlan, row: Row, kept: Sequence[Row]) -> int:
+    """How many free slots ``row`` may not take: one for each row of ``kept`` (rows before it in
+    this schedule's order, passed over for a free slot while their cache is read) that is due
+    before it (``parks_for``; by precedence alone, every one of them), with
+    ``keep_slot_while_reading`` (the scheduler never keeps out a row due for the starvation
+    bound)."""
+    if not plan.keep_slot_while_reading:
+        return 0
+    if not plan.park_by_deadline:
+        return len(kept)
+    return sum(1 for before in kept if parks_for(row.deadline, before.deadline))
 
 
 def sits_out_safely(

@@ -49,7 +49,7 @@ from backend.worker.deadlines import (
 from backend.worker.step_clock import JoinRule
 
 if TYPE_CHECKING:  # batching imports this module: the row type is only needed for annotations
-    from backend.worker.batching import Row
+    from backend.worker.batch_rows import Row
 
 
 def simulate(

@@ -10,7 +10,7 @@ from backend.protocol.messages import RunningRow, WaitingRow
 from backend.worker.deadlines import waited_s
 
 if TYPE_CHECKING:
-    from backend.worker.batching import Row
+    from backend.worker.batch_rows import Row
 
 
 def _shared(row: Row) -> dict[str, Any]:

@@ -58,7 +58,8 @@ from backend.engine.previews import JobPreview, Previews
 from backend.protocol import CancelJob, DenoisedJob, EditJob, JobEvent, PreparedJob
 from backend.worker.adapter_tiers import RowAdapters
 from backend.worker.admission import AdmissionRules
-from backend.worker.batching import BatchScheduler, Row
+from backend.worker.batch_rows import Row
+from backend.worker.batching import BatchScheduler
 from backend.worker.channels import Inbox, JobSink
 from backend.worker.deadlines import DeadlinePlan
 from backend.worker.finish_tail import FinishTail

@@ -52,7 +52,7 @@ from backend.costmodel.batch_gain import joining_pays
 
 
 class StepRow(Protocol):
-    """A row as the clock sees it (``backend.worker.batching.Row``)."""
+    """A row as the clock sees it (``backend.worker.batch_rows.Row``)."""
 
     mask_ratio: float
     template: str
