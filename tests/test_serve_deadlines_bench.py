@@ -78,6 +78,7 @@ def test_an_arm_is_a_step_scheduler_and_at_most_one_variant_of_the_stack():
         "MASKSERVE_STEP_SCHEDULER": "slack",
     }
     assert arm_env("slack-margin")["MASKSERVE_PLAN_QUANTILE"] == "0.9"
+    assert arm_env("slack-no-keep")["MASKSERVE_KEEP_SLOT_WHILE_READING"] == "false"
     assert (
         BurstConfig(schedulers=("slack", "slack-cpu-arrival")).schedulers[1] == "slack-cpu-arrival"
     )

@@ -3,10 +3,10 @@ stack, under the worker's step schedulers side by side (issue 20's last measured
 
 Each arm, a step scheduler (``MASKSERVE_STEP_SCHEDULER``: ``fifo``, ``edf``, ``slack``), alone
 or with one variant of the stack's settings (``VARIANTS``: ``<scheduler>-cpu-arrival``, the CPU
-workers first in first out; ``-no-tail``, ``-no-urgent``, ``-margin``), gets a stack of its
-own, started fresh by ``bench serve``'s machinery (``serve.py``: ``Target`` with the arm's
-settings, a fresh data directory; templates uploaded and their caches prepared, warm-up jobs,
-then the single-job latency: the median of ``single`` jobs sent one at a time). Then the
+workers first in first out; ``-no-tail``, ``-no-urgent``, ``-margin``, ``-no-keep``), gets a
+stack of its own, started fresh by ``bench serve``'s machinery (``serve.py``: ``Target`` with the
+arm's settings, a fresh data directory; templates uploaded and their caches prepared, warm-up
+jobs, then the single-job latency: the median of ``single`` jobs sent one at a time). Then the
 scenario, replayed through REST by ``serve_load.Replay``:
 
 * ``batch_jobs`` jobs of class ``batch`` submitted at once (the burst), each with a generous
@@ -54,6 +54,8 @@ VARIANTS = {
     "-no-urgent": {"MASKSERVE_URGENT_PARKS": "false"},
     # the engine workers plan on the 0.9 quantile of their recent steps' measured / predicted
     "-margin": {"MASKSERVE_PLAN_QUANTILE": "0.9"},
+    # the next ready row takes the free slot of a row whose template's cache is being read
+    "-no-keep": {"MASKSERVE_KEEP_SLOT_WHILE_READING": "false"},
 }
 ARMS = (*SCHEDULERS, *(s + v for v in VARIANTS for s in SCHEDULERS))
 CLASSES = ("interactive", "batch")
