@@ -169,9 +169,11 @@ def test_parks_are_counted_from_events_and_the_worker_figures_from_its_metrics()
     ]
     assert count_parks(events) == 1
 
-    def exposition(parks, steps, step_s, rows, tail=0.0):
+    def exposition(parks, steps, step_s, rows, tail=0.0, held=0.0):
         return (
             f"# TYPE maskserve_worker_finish_tail_s gauge\nmaskserve_worker_finish_tail_s {tail}\n"
+            "# TYPE maskserve_worker_held_row_schedules counter\n"
+            f"maskserve_worker_held_row_schedules_total {held}\n"
             f"# TYPE maskserve_worker_parks counter\nmaskserve_worker_parks_total {parks}\n"
             f"# TYPE maskserve_worker_steps counter\nmaskserve_worker_steps_total {steps}\n"
             f"# TYPE maskserve_worker_mean_step_s gauge\nmaskserve_worker_mean_step_s {step_s}\n"
@@ -183,15 +185,17 @@ def test_parks_are_counted_from_events_and_the_worker_figures_from_its_metrics()
     before = metric_values(exposition(1.0, 10.0, 0.1, 1.0))
     assert before == {
         "parks": 1.0,
+        "held": 0.0,
         "steps": 10.0,
         "mean_step_s": 0.1,
         "mean_batch_rows": 1.0,
         "finish_tail_s": 0.0,
     }
     # 10 steps of 1 row at 0.1 s, then 30 of 5 rows at 0.3 s: lifetime means 0.25 s and 4 rows
-    after = metric_values(exposition(4.0, 40.0, 0.25, 4.0, tail=0.04))
+    after = metric_values(exposition(4.0, 40.0, 0.25, 4.0, tail=0.04, held=6.0))
     during = worker_during(worker_totals(before), worker_totals(after))
     assert during["parks"] == 3.0 and during["resumes"] == 0.0 and during["steps"] == 30.0
+    assert during["held"] == 6.0
     assert during["mean_step_s"] == pytest.approx(0.3)
     assert during["mean_batch_rows"] == pytest.approx(5.0)
     assert during["finish_tail_s"] == 0.04  # a gauge: its latest reading, not a difference

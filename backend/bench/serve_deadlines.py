@@ -65,6 +65,8 @@ PARKED = "parked at step"  # how a parked row's event message begins (worker loo
 WORKER_METRICS = {
     "maskserve_worker_parks_total": "parks",
     "maskserve_worker_resumes_total": "resumes",
+    # rows passed over for a free slot because their template's cache was not in RAM yet
+    "maskserve_worker_held_row_schedules_total": "held",
     "maskserve_worker_steps_total": "steps",
     "maskserve_worker_mean_step_s": "mean_step_s",  # these three: means over the worker's life
     "maskserve_worker_mean_overhead_s": "mean_overhead_s",
@@ -311,6 +313,7 @@ def worker_totals(values: dict[str, float]) -> dict[str, float]:
     return {
         "parks": values.get("parks", 0.0),
         "resumes": values.get("resumes", 0.0),
+        "held": values.get("held", 0.0),
         "steps": steps,
         "step_s": values.get("mean_step_s", 0.0) * steps,
         "overhead_s": values.get("mean_overhead_s", 0.0) * steps,
@@ -320,14 +323,14 @@ def worker_totals(values: dict[str, float]) -> dict[str, float]:
 
 
 def worker_during(before: dict[str, float], after: dict[str, float]) -> dict:
-    """What the workers did between two readings of ``worker_totals``: parks, resumes, steps, per
-    step the mean time, batching overhead and rows, and the finish tail they planned with at the
-    end."""
+    """What the workers did between two readings of ``worker_totals``: parks, resumes, rows held
+    for a cache read (one per row and schedule), steps, per step the mean time, batching overhead
+    and rows, and the finish tail they planned with at the end."""
     d = {key: value - before.get(key, 0.0) for key, value in after.items() if key not in GAUGES}
     steps = d.get("steps", 0.0)
     means = {"mean_step_s": "step_s", "mean_overhead_s": "overhead_s", "mean_batch_rows": "rows"}
     return (
-        {key: d.get(key, 0.0) for key in ("parks", "resumes", "steps")}
+        {key: d.get(key, 0.0) for key in ("parks", "resumes", "held", "steps")}
         | {mean: d.get(total, 0.0) / steps if steps else None for mean, total in means.items()}
         | {gauge: after.get(gauge, 0.0) for gauge in GAUGES}
     )
@@ -514,7 +517,8 @@ def summary_text(report: dict) -> str:
         w = arm["worker"]
         lines.append(
             f"{name:{width}s} single-job latency {shown(arm['single_s'])} s; the worker during the "
-            f"scenario: {w['parks']:g} parks, {w['resumes']:g} resumes, {w['steps']:g} steps of "
+            f"scenario: {w['parks']:g} parks, {w['resumes']:g} resumes, "
+            f"{w.get('held', 0):g} rows held for a cache read, {w['steps']:g} steps of "
             f"{shown(w['mean_batch_rows'])} rows, {shown(w['mean_step_s'])} s each "
             f"(batching overhead {shown(w['mean_overhead_s'])} s); finish tail "
             f"{shown(w.get('finish_tail_s'), '.3f')} s"
