@@ -76,9 +76,9 @@ class DeadlineSettings(Strict):
     keep_slot_while_reading: bool = True
     """``edf`` and ``slack``: a waiting row passed over for a free slot while its template's cache
     is read into RAM keeps that slot from the rows due after it (by deadline; with
-    ``park_by_deadline`` off, from every row after it), so that a looser row does not take it
-    for all its steps while the read lands; rows due for the starvation bound are not kept out.
-    Off, the next ready row takes it."""
+    ``park_by_deadline`` off, from every row after it) when no running row ends in time for it,
+    so that a looser row does not take it for all its steps while the read lands; rows due for
+    the starvation bound are not kept out. Off, the next ready row takes it."""
     forecast_refresh_s: float = Field(default=0.5, ge=0.0, le=60.0)
     """How old a worker's forecast of its rows (queue position, predicted start and finish, shown
     to users) may grow before the worker runs its queue forward again; 0: at every step. The
