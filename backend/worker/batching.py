@@ -52,8 +52,8 @@ With ``keep_slot_while_reading`` (``edf`` and ``slack``), a waiting row passed o
 slot because ``ready`` says its template's cache is still being read keeps that slot, in this
 schedule, from the rows after it that are due after it (``deadlines.slots_kept_from``; with
 ``park_by_deadline`` off, from every row after it), when no running row ends in time for it
-(``_frees_in_time``); a row due for the starvation bound is never kept out. A slot may so stay empty for the steps a read takes, rather than go to a looser row for
-all of its steps.
+(``_frees_in_time``); a row due for the starvation bound is never kept out. A slot may so stay
+empty for the steps a read takes, rather than go to a looser row for all of its steps.
 
 With ``urgent_parks``, a waiting row W that finds no free slot between rounds and would be late
 if it waited for the next round (its slack under the steps left to it, at the step time of the

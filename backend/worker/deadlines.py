@@ -20,8 +20,9 @@ A ``DeadlinePlan`` picks one of three step schedulers (``Settings.deadlines.sche
 
 In ``edf`` and ``slack``, with ``keep_slot_while_reading``, a waiting row passed over for a free
 slot while its template's cache is read into RAM keeps that slot from the rows due after it
-(``slots_kept_from``) when no running row ends in time for it: otherwise a looser row behind it takes the slot and holds it for all its
-steps, and the tight row finds the batch full once its read lands.
+(``slots_kept_from``) when no running row ends in time for it: otherwise a looser row behind it
+takes the slot and holds it for all its steps, and the tight row finds the batch full once its
+read lands.
 
 Slack and precedence have one definition, ``backend.costmodel.slack``: this module only says which
 step time they use, that of the batch as it would be (``planned_step_s``), and how long a row has
