@@ -39,14 +39,16 @@ IMAGE = png(sample_template(WIDTH, HEIGHT, seed=3))
 MASK = mask_png()
 
 
-def make_settings(redis_url, tmp_path, **api):
+def make_settings(redis_url, tmp_path, deadlines: dict | None = None, **api):
+    """Settings of an API on ``redis_url`` with the two keys and no rate limits; ``api`` and
+    ``deadlines`` override those sections."""
     env = {
         "MASKSERVE_REDIS_URL": redis_url,
         "MASKSERVE_DATA_DIR": str(tmp_path / "data"),
         "MASKSERVE_API_KEYS": f"{KEY},{OTHER_KEY}",
     }
     unlimited = {"read_rate_per_minute": 0, "write_rate_per_minute": 0, "sse_keepalive_s": 0.2}
-    return load_settings(env, api=unlimited | api)
+    return load_settings(env, api=unlimited | api, deadlines=deadlines or {})
 
 
 @pytest.fixture

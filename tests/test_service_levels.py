@@ -23,31 +23,12 @@ from backend.jobstate import JobStateStore
 from backend.models.catalog import DEFAULT_MODEL
 from backend.protocol import JobEvent, RunningRow, ServiceLevel, WaitingRow, WorkerHeartbeat
 from backend.protocol.keys import JOB_PATTERN, UNSTARTED_KEY, heartbeat_key
-from tests.api_factory import IMAGE, KEY, OTHER_KEY, pre_queue_jobs, submit
+from tests.api_factory import IMAGE, KEY, make_settings, pre_queue_jobs, submit
 
 LIFECYCLE = ("preprocessing", "waiting", "running", "postprocessing")
 
 
-def make_settings(redis_url, tmp_path, **deadlines):
-    env = {
-        "MASKSERVE_REDIS_URL": redis_url,
-        "MASKSERVE_DATA_DIR": str(tmp_path / "data"),
-        "MASKSERVE_API_KEYS": f"{KEY},{OTHER_KEY}",
-    }
-    unlimited = {"read_rate_per_minute": 0, "write_rate_per_minute": 0, "sse_keepalive_s": 0.2}
-    return load_settings(env, api=unlimited, deadlines=deadlines)
-
-
-@pytest.fixture
-def settings(redis_url, tmp_path):
-    return make_settings(redis_url, tmp_path)
-
-
-@pytest.fixture
-def client(settings, redis_client):
-    app = create_app(settings, redis_client=redis_client)
-    with TestClient(app, headers={"X-API-Key": KEY}) as test_client:
-        yield test_client
+# ``settings`` and ``client``: the fixtures of tests/api_factory.py
 
 
 def stored_blobs(settings) -> list:
@@ -226,7 +207,7 @@ def test_without_a_live_worker_nothing_is_refused_on_prediction(client):
 def test_the_queue_bound_refuses_batch_and_marks_interactive_late(
     redis_url, redis_client, tmp_path
 ):
-    settings = make_settings(redis_url, tmp_path, max_queue=2)
+    settings = make_settings(redis_url, tmp_path, deadlines={"max_queue": 2})
     app = create_app(settings, redis_client=redis_client)
     with TestClient(app, headers={"X-API-Key": KEY}) as client:
         first, second = submit(client), submit(client)
