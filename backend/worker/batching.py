@@ -261,7 +261,7 @@ class BatchScheduler:
                     continue  # a later, cheaper row may still fit
                 if ready is not None and not ready(row):
                     out.held.append(row.job_id)
-                    if not self._frees_in_time(
+                    if plan.keep_slot_while_reading and not self._frees_in_time(
                         queued_ahead, dl.row_slack(row, now, step_s), step_s
                     ):
                         reading.append(row)  # no other slot frees in time for it: it keeps this one

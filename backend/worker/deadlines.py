@@ -196,12 +196,10 @@ def gives_way(plan: DeadlinePlan, victim: Row, row: Row) -> bool:
 
 def slots_kept_from(plan: DeadlinePlan, row: Row, kept: Sequence[Row]) -> int:
     """How many free slots ``row`` may not take: one for each row of ``kept`` (rows before it in
-    this schedule's order, passed over for a free slot while their cache is read) that is due
-    before it (``parks_for``; by precedence alone, every one of them), with
-    ``keep_slot_while_reading`` (the scheduler never keeps out a row due for the starvation
-    bound)."""
-    if not plan.keep_slot_while_reading:
-        return 0
+    this schedule's order that keep a slot while their cache is read: the scheduler lists them
+    only with ``keep_slot_while_reading``) that is due before it (``parks_for``; by precedence
+    alone, every one of them). The scheduler never keeps out a row due for the starvation
+    bound."""
     if not plan.park_by_deadline:
         return len(kept)
     return sum(1 for before in kept if parks_for(row.deadline, before.deadline))
