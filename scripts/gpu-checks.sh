@@ -110,20 +110,21 @@ for check in "${CHECKS[@]}"; do
         rm -rf "$MASKSERVE_DATA_DIR"/models/arch-*
         step profile-arch-flux-fill 420 $MS profile --device cuda --model arch-flux-fill \
             --in-memory --out-dir "$RESULTS/profiles" ;;
-    adapters-sd2)  # 5. issue 19's bench: 200 adapters at 0.8 and 1.0 of the baseline's capacity
-        (
+    adapters-sd2)  # 5. issue 19's bench: 200 adapters at the baseline's measured capacity
+        (   # with deadlines-sd2, 9 minutes at most (a 15-minute lease); a run cut short keeps
+            # what it finished in adapters-small-sd2-inpaint-cuda.partial.json
             export MASKSERVE_DEVICE=cuda  # the adapters bench has no --device
-            step adapters-small-sd2-inpaint 480 $MS bench adapters --model small-sd2-inpaint \
+            step adapters-small-sd2-inpaint 270 $MS bench adapters --model small-sd2-inpaint \
                 --size 512 --steps 20 --adapters 200 --arms baseline,maskserve,base-model \
-                --loads 0.8,1.0 --burst-rps 0 --max-requests 40 --duration-s 300 \
+                --loads 1.0 --burst-rps 0 --max-requests 32 --duration-s 120 \
                 --calibration-requests 8 --json "$RESULTS/adapters-small-sd2-inpaint-cuda.json"
         ) ;;
     deadlines-sd2)  # 5. issue 20's worker bench: FIFO and the slack scheduler on a real-size UNet
         (
             export MASKSERVE_DEVICE=cuda  # the worker bench has no --device
-            step worker-deadlines-arch-sd2-inpaint 540 $MS bench worker-deadlines \
+            step worker-deadlines-arch-sd2-inpaint 270 $MS bench worker-deadlines \
                 --model arch-sd2-inpaint --size 512 --steps 20 --templates 4 --ram-templates 4 \
-                --duration 20 --schedulers fifo,slack --repeats 1 \
+                --duration 15 --schedulers fifo,slack --repeats 1 \
                 --json "$RESULTS/worker-deadlines-arch-sd2-inpaint-cuda.json"
         ) ;;
     pytest-gpu)  # 1. the gpu-marked tests: pinned tiers, side-stream feeder, adapters, exactness
