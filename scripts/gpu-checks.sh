@@ -46,7 +46,7 @@ cat "$RESULTS/device.txt"
 
 # Each check by name; no names: all, in this order (shared/GPU.md's).
 CHECKS=("$@")
-[ ${#CHECKS[@]} -eq 0 ] && CHECKS=(exactness engine-sd2 step-trace-sd2 batch-ops-sd2 \
+[ ${#CHECKS[@]} -eq 0 ] && CHECKS=(exactness engine-sd2 step-trace-sd2 graphs-sd2 batch-ops-sd2 \
     batch-ops-lora-sd2 profile-sd2 engine-sdxl step-trace-sdxl profile-sdxl engine-flux \
     profile-flux worker-sd2 adapters-sd2 deadlines-sd2 pytest-gpu)
 export MASKSERVE_DTYPE=bfloat16  # the engine runs; exactness and pytest choose their own dtypes
@@ -71,6 +71,11 @@ for check in "${CHECKS[@]}"; do
                 --model arch-sdxl-inpaint --size 1024 --steps 6 --repeats 3 --requests 1,2 \
                 --json "$RESULTS/step-trace-arch-sdxl-inpaint-cuda.json"
         ) ;;
+    graphs-sd2)  # 2. how much of a UNet step is launching: eager against a CUDA graph's replay
+        step cuda-graphs-arch-sd2-inpaint 150 python3 scripts/cuda_graphs.py \
+            --model arch-sd2-inpaint --size 512 --rows 2,4,8,16 --dtype bfloat16 \
+            --models-dir "$MASKSERVE_DATA_DIR/models" \
+            --json "$RESULTS/cuda-graphs-arch-sd2-inpaint.json" ;;
     batch-ops-sd2)  # 2. a step of 1-8 requests, attention grouped per request or padded
         (
             export MASKSERVE_DEVICE=cuda  # the batch-ops bench has no --device

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import base64
+import importlib.util
 import io
 import json
 from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 from PIL import Image
@@ -22,6 +25,16 @@ from templates_store.samples import sample_template
 SIZE = 128
 STEPS = 3
 FAMILIES = ("sd2-inpaint", "sdxl-inpaint", "flux-fill")
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str) -> ModuleType:
+    """``scripts/<name>`` (a Python file that is not part of a package) as a module."""
+    spec = importlib.util.spec_from_file_location(Path(name).stem, SCRIPTS / name)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_engine(family: str, models_dir, cache_dir) -> MaskAwareEngine:

@@ -1,7 +1,7 @@
 """``scripts/gpu-checks.sh`` against the CLI, on the CPU: a GPU lease is rare and short, so a
-renamed or dropped flag must fail here, not there. Every ``maskserve`` command the script runs
-parses, every check of its default list has a case (and every case is in the list), and the test
-files its pytest check names exist."""
+renamed or dropped flag must fail here, not there. Every ``maskserve`` command and every Python
+script the script runs parses, every check of its default list has a case (and every case is in
+the list), and the test files its pytest check names exist."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from backend.cli import build_parser
+from tests.factories import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = (ROOT / "scripts" / "gpu-checks.sh").read_text()
@@ -36,11 +37,33 @@ def _default_checks() -> set[str]:
     return set(listed.group(1).split())
 
 
+def _script_commands() -> list[list[str]]:
+    """``python3 scripts/NAME.py ARGS`` lines: [path, *args] (variables as placeholders)."""
+    return [
+        shlex.split(
+            line.split("python3 scripts/", 1)[1]
+            .split(";;")[0]
+            .replace("$RESULTS", "/tmp/results")
+            .replace("$MASKSERVE_DATA_DIR", "/tmp/data")
+        )
+        for line in LINES
+        if "python3 scripts/" in line
+    ]
+
+
 COMMANDS = _maskserve_commands()
+SCRIPTS = _script_commands()
 
 
 def test_the_script_runs_a_command_per_check():
-    assert len(COMMANDS) >= len(_default_checks()) - 1  # pytest-gpu runs pytest, not maskserve
+    # pytest-gpu runs pytest, every other check a maskserve command or a script of scripts/
+    assert len(COMMANDS) + len(SCRIPTS) >= len(_default_checks()) - 1
+
+
+@pytest.mark.parametrize("argv", SCRIPTS, ids=lambda argv: argv[0])
+def test_every_python_script_it_runs_exists_and_parses(argv):
+    args = load_script(argv[0]).build_parser().parse_args(argv[1:])
+    assert args.json.startswith("/tmp/results/")
 
 
 @pytest.mark.parametrize("argv", COMMANDS, ids=lambda argv: " ".join(argv[:2]))
