@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
+from backend.bench.commands import request_counts
+from backend.engine.factory import DTYPES
 from backend.models import load_pipeline, resolve_model
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def unet_inputs(unet, rows: int, size: int, device: str, dtype: torch.dtype) -> dict:
@@ -97,8 +97,11 @@ def probe(unet, rows: int, size: int, device: str, dtype: torch.dtype, repeats: 
             graph, graph_out = graphed(forward)
             graph_ms = median_ms(graph.replay, repeats, sync)
             difference = (graph_out.float() - eager_out.float()).abs().max().item()
-            record |= {"graph_ms": graph_ms, "speedup": eager_ms / graph_ms}
-            record["max_abs_difference"] = difference
+            record |= {
+                "graph_ms": graph_ms,
+                "speedup": eager_ms / graph_ms,
+                "max_abs_difference": difference,
+            }
     return record
 
 
@@ -121,11 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     if resolve_model(args.model).family not in ("sd2-inpaint", "sdxl-inpaint"):
         parser.error(f"{args.model}: UNet models only (sd2-inpaint, sdxl-inpaint)")
     try:
-        rows = [int(part) for part in args.rows.split(",")]
-    except ValueError:
-        parser.error(f"--rows: counts separated by commas, got {args.rows!r}")
-    if min(rows) < 1:
-        parser.error(f"--rows: counts of at least 1, got {args.rows!r}")
+        rows = request_counts(args.rows, "--rows")
+    except ValueError as exc:
+        parser.error(str(exc))
     dtype = DTYPES[args.dtype]
     pipe = load_pipeline(args.model, Path(args.models_dir), args.device, dtype, {"unet"})
     records = []

@@ -34,8 +34,8 @@ def test_it_times_the_eager_forward_of_each_unet_family(model, models_dir, tmp_p
     "argv, says",
     [
         (["--model", "tiny-flux-fill"], "UNet models only"),
-        (["--model", "tiny-sd2-inpaint", "--rows", "2,x"], "--rows"),
-        (["--model", "tiny-sd2-inpaint", "--rows", "0"], "at least 1"),
+        (["--model", "tiny-sd2-inpaint", "--rows", "2,x"], "--rows: positive counts"),
+        (["--model", "tiny-sd2-inpaint", "--rows", "0"], "--rows: positive counts"),
     ],
 )
 def test_it_refuses_what_it_cannot_probe(argv, says, capsys, tmp_path):

@@ -84,14 +84,14 @@ def cmd_bench_exactness(args, settings: Settings) -> int:
     return 0 if all(r.within_tolerance for r in records) else 1
 
 
-def request_counts(text: str) -> list[int]:
-    """``--requests``: batch sizes, e.g. ``1,2,4,8``."""
+def request_counts(text: str, flag: str = "--requests") -> list[int]:
+    """``flag``'s batch sizes, e.g. ``1,2,4,8``; ValueError naming ``flag`` for anything else."""
     try:
         counts = [int(part) for part in text.split(",")]
     except ValueError:
         counts = []
     if not counts or min(counts) < 1:
-        raise ValueError(f"--requests: positive counts separated by commas, got {text!r}")
+        raise ValueError(f"{flag}: positive counts separated by commas, got {text!r}")
     return counts
 
 
