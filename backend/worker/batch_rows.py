@@ -59,6 +59,9 @@ class SchedulerOutput:
     deferred: list[str] = field(default_factory=list)
     # waiting rows kept out although a slot was free (``join_rule``): joining would not pay
     not_paying: list[str] = field(default_factory=list)
+    # waiting rows kept out because their shape runs as many rows as its batch cap (a forward of
+    # that shape ran out of device memory)
+    capped: list[str] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:

@@ -79,18 +79,24 @@ go first, longest wait first, take free slots first and may have a row parked fo
 step, whatever its slack and however many parks the round made (the bound goes before deadlines
 and before the churn bound); a due row is never parked.
 
-Invariants: at most ``max_batch`` rows run; a row is in exactly one of waiting (queued or
-parked) / running / done; every running row is stepped exactly once per ``schedule`` ->
-``update_from_output`` round (rows that cannot share a forward pass, e.g. other resolutions, go
-into separate groups of the same step; the baseline worker runs its one group's steps inside one
-pipeline call, reporting each step with ``update_from_output``); a cancelled row never runs
-another step after the ``schedule`` that follows the cancel; a parked row keeps its ``step`` and
-ends after exactly ``num_steps`` steps in all; at most ``max_parks_per_round`` rows are parked
-from one planning round to the next (the round's own parks and those that shrink the batch; as
-many before the first round), besides those parked for due rows; a ready row waits no longer than
-``max_wait_s`` in all unless, when it comes due, no running row may leave, steps run longer than
-predicted, or the backlog is more than the batch can run inside the bound (slack; ``edf``, which
-never parks: unless no slot frees in time).
+Batch caps (``backend.worker.out_of_memory.BatchCaps``): a shape (group key) whose forward ran
+out of device memory has a cap below ``max_batch``; a waiting row of a shape with as many rows
+running as its cap is passed over (``SchedulerOutput.capped``), keeps its place, and rows of other
+shapes behind it may take the free slots. It cannot park a running row. Forecasts do not model
+caps.
+
+Invariants: at most ``max_batch`` rows run, and no row joins a shape already at its cap; a row is in
+exactly one of waiting (queued or parked) / running / done; every running row is stepped exactly
+once per ``schedule`` -> ``update_from_output`` round (rows that cannot share a forward pass, e.g.
+other resolutions, go into separate groups of the same step; the baseline worker runs its one
+group's steps inside one pipeline call, reporting each step with ``update_from_output``); a
+cancelled row never runs another step after the ``schedule`` that follows the cancel; a parked row
+keeps its ``step`` and ends after exactly ``num_steps`` steps in all; at most
+``max_parks_per_round`` rows are parked from one planning round to the next (the round's own parks
+and those that shrink the batch; as many before the first round), besides those parked for due rows;
+a ready row waits no longer than ``max_wait_s`` in all unless, when it comes due, no running row may
+leave, steps run longer than predicted, or the backlog is more than the batch can run inside the
+bound (slack; ``edf``, which never parks: unless no slot frees in time).
 """
 
 from __future__ import annotations
@@ -105,6 +111,7 @@ from backend.worker.batch_rows import Row, SchedulerOutput
 from backend.worker.deadlines import DeadlinePlan, RowForecast, StepTime
 from backend.worker.forecast_run import simulate
 from backend.worker.live_rows import running_row, waiting_row
+from backend.worker.out_of_memory import BatchCaps
 from backend.worker.step_clock import JoinRule
 
 MODES = ("continuous", "static", "inline", "baseline")
@@ -117,6 +124,7 @@ class BatchScheduler:
         mode: str = "continuous",
         plan: DeadlinePlan | None = None,
         join_rule: JoinRule | None = None,
+        caps: BatchCaps | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"batching mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -128,6 +136,8 @@ class BatchScheduler:
         # rows join a running batch only when it pays (continuous and inline; None: while slots
         # are free)
         self.join_rule = join_rule if mode in ("continuous", "inline") else None
+        # shapes whose batches ran out of device memory take fewer rows (None: max_batch each)
+        self.caps = caps
         self.waiting: OrderedDict[str, Row] = OrderedDict()
         self.running: OrderedDict[str, Row] = OrderedDict()
         self._cancel_requests: set[str] = set()
@@ -200,6 +210,9 @@ class BatchScheduler:
                 break
             if batch_key is not None and row.group_key != batch_key:
                 continue  # not held: it waits for a batch of its own key
+            if self._at_cap(row):
+                out.capped.append(job_id)
+                continue
             if not self._pays(row):
                 out.not_paying.append(job_id)
                 break  # arrival order: no row overtakes it
@@ -245,6 +258,10 @@ class BatchScheduler:
         # the running rows, kept in step with admissions and parks below, and their step time
         batch, batch_step_s = self._priced_batch(sizing or shrinking)
         for row in self._queue(now, step_s):
+            if self._at_cap(row):  # it waits for a row of its shape to leave, due or not
+                out.capped.append(row.job_id)
+                queued_ahead += 1
+                continue
             # a row due for the starvation bound is not kept out of a slot kept for a read
             kept = (
                 dl.slots_kept_from(plan, row, reading) if reading and not self._due(row, now) else 0
@@ -469,6 +486,13 @@ class BatchScheduler:
         if self.join_rule is None or not self.running:
             return True
         return self.join_rule(list(self.running.values()), row)
+
+    def _at_cap(self, row: Row) -> bool:
+        """Whether as many rows of ``row``'s shape run as the shape's cap (``caps``) allows."""
+        if self.caps is None or row.group_key not in self.caps.caps:
+            return False
+        running = sum(1 for r in self.running.values() if r.group_key == row.group_key)
+        return running >= self.caps.limit(row.group_key)
 
     def _may_admit(self) -> bool:
         return self.mode not in ("static", "baseline") or not self.running

@@ -36,6 +36,12 @@ tiers, and every row reading it starts over at step 0 computing densely (a row c
 mid-trajectory: its unmasked latents followed the template's), recording the entry again on its
 way. Rows of the same forward that read other caches just step at the next iteration (a failed
 forward changed no state).
+
+Running out of device memory in a step never takes the worker down
+(``backend.worker.out_of_memory``, ``backend.worker.oom_rows.OutOfMemoryRows``): memory is given
+back, the forward's rows are retried in halves so that those that fit still advance, a row that
+does not fit even alone fails with the reason (its recording aborted), and the shape's batch is
+capped until steps without running out of memory raise the cap again.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ from backend.worker.channels import Inbox, JobSink
 from backend.worker.deadlines import DeadlinePlan
 from backend.worker.finish_tail import FinishTail
 from backend.worker.forecasts import ForecastNotes
+from backend.worker.oom_rows import OutOfMemoryRows, step_progress
+from backend.worker.out_of_memory import BatchCaps, MemoryReleasers, StepOutcome
 from backend.worker.stats import WorkerStats
 from backend.worker.step_clock import JoinRule, StepClock
 from backend.worker.template_rows import JobCacheGate, TemplateCaches, TemplateRows
@@ -99,7 +107,7 @@ class _Job:
     preview: JobPreview | None = None  # set at admission when the worker makes previews
 
 
-class EngineWorker(TemplateRows):
+class EngineWorker(TemplateRows, OutOfMemoryRows):
     def __init__(
         self,
         engine: MaskAwareEngine,
@@ -128,7 +136,11 @@ class EngineWorker(TemplateRows):
         self.adapters = adapters  # LoRA tiers and late joins (None: jobs with adapters fail)
         # fifo without a plan; with one, rows are ordered (and parked) by their deadlines
         # rows join a running batch only when it pays (None: while slots are free)
-        self.scheduler = BatchScheduler(max_batch, mode, plan, join_rule)
+        # shapes whose forwards ran out of device memory run fewer rows (module docstring)
+        self.batch_caps = BatchCaps(max_batch)
+        self.scheduler = BatchScheduler(max_batch, mode, plan, join_rule, self.batch_caps)
+        # asked, in order, to give device memory back when a step runs out of it
+        self.memory = MemoryReleasers()
         self.clock = clock  # measured steps calibrate the plan's step time (None: nothing learns)
         # users are told the expected finish: the clock's prediction, not the plan's margin
         forecast_time = clock if clock is not None else (plan.step_time if plan else None)
@@ -137,7 +149,7 @@ class EngineWorker(TemplateRows):
         # service reads the tails from the job records; None: planned against the deadlines)
         self.finish_tail = finish_tail
         self.jobs: dict[str, _Job] = {}
-        self.stats = WorkerStats()
+        self.stats = WorkerStats(caps=self.batch_caps)
         self.admission = AdmissionRules()  # which waiting row may join; templates recorded
         self._gate = JobCacheGate(self)
         self._held = False  # the last schedule held rows back and nothing ran
@@ -174,14 +186,18 @@ class EngineWorker(TemplateRows):
         for group in out.groups:
             # admitted ok
             group = [j for j in group if j in self.jobs and self.jobs[j].state is not None]
+            if not group:
+                continue
+            shape, outcome = self.scheduler.running[group[0]].group_key, StepOutcome()
             # a row recording its template's cache runs apart from rows reading caches: cached units
             # skip the K/V the recording needs (see MaskAwareEngine.step)
             recording = [j for j in group if self.jobs[j].state.writer is not None]
             for part in (recording, [j for j in group if j not in recording]):
                 if part:
-                    ran, seconds = self._step_group(part)
+                    ran, seconds = self._step_group(shape, part, outcome)
                     stepped += ran
                     forward_s += seconds
+            self.batch_caps.after_step(shape, outcome)
         stepped_rows = [self.scheduler.running[j] for j in stepped if j in self.scheduler.running]
         retiring = self.scheduler.update_from_output(stepped)
         job_work_started = time.perf_counter()
@@ -376,20 +392,37 @@ class EngineWorker(TemplateRows):
             )
 
     # ----- steps ----------------------------------------------------------------------------
-    def _step_group(self, job_ids: list[str]) -> tuple[list[str], float]:
+    def _step_group(
+        self, shape: str, job_ids: list[str], outcome: StepOutcome
+    ) -> tuple[list[str], float]:
+        """One step of rows of ``shape`` that share forwards, in forwards of at most the shape's
+        batch cap (``BatchCaps``); ``outcome`` gathers how the forwards went."""
         if self.adapters is not None:
             failed = self.adapters.before_step(job_ids, [self.jobs[j].state for j in job_ids])
             for job_id, reason in failed.items():
                 self.scheduler.drop(job_id)
                 self._finish(job_id, "failed", reason)
             job_ids = [j for j in job_ids if j not in failed]
-            if not job_ids:
-                return [], 0.0
+        stepped, forward_s = [], 0.0
+        for rows in self.batch_caps.split(shape, job_ids):
+            ran, seconds = self._forward(rows, outcome)
+            stepped += ran
+            forward_s += seconds
+        return stepped, forward_s
+
+    def _forward(
+        self, job_ids: list[str], outcome: StepOutcome, retried_alone: bool = False
+    ) -> tuple[list[str], float]:
+        """One forward of ``job_ids``; the rows that stepped and the forward's seconds. Running
+        out of device memory retries the rows in halves (``_after_oom``)."""
         states = [self.jobs[j].state for j in job_ids]
         mode = self.jobs[job_ids[0]].params.mode
         before = [s.latents for s in states]  # the previews' clean estimates need both sides
+        progress = [step_progress(s) for s in states]
         try:
             forward_s = self.engine.step(states, mode)
+        except torch.OutOfMemoryError as exc:
+            error = str(exc)
         except Exception as exc:  # one bad batch fails its rows, not the worker
             if self._restart_rows_on_broken_cache(job_ids, exc):
                 return [], 0.0
@@ -398,6 +431,20 @@ class EngineWorker(TemplateRows):
                 self.scheduler.drop(job_id)
                 self._finish(job_id, "failed", f"denoising failed: {exc}")
             return [], 0.0
+        else:
+            outcome.succeeded(len(job_ids))
+            return self._stepped(job_ids, states, before, forward_s)
+        # out of the except clause: its traceback held the failed forward's activations
+        return self._after_oom(job_ids, progress, error, outcome, retried_alone)
+
+    def _stepped(
+        self,
+        job_ids: list[str],
+        states: list[EditState],
+        before: list[torch.Tensor],
+        forward_s: float,
+    ) -> tuple[list[str], float]:
+        """After a forward that succeeded: recordings that ended, previews, the step events."""
         self._drop_ended_recordings(job_ids)
         previews = self._previews(job_ids, states, before, forward_s)
         now = time.time()

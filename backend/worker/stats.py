@@ -16,6 +16,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from backend.worker.out_of_memory import BatchCaps
+
 
 def percentile(values, q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""
@@ -39,6 +41,9 @@ class WorkerStats:
             "not_paying_row_schedules_total",
             "parks_total",
             "resumes_total",
+            "oom_errors_total",
+            "oom_retried_rows_total",
+            "oom_failed_rows_total",
         }
     )
     window: int = 10_000
@@ -71,6 +76,13 @@ class WorkerStats:
     # CPU about linearly, so batching there buys little throughput)
     steps_by_rows: Counter = field(default_factory=Counter)
     step_s_by_rows: Counter = field(default_factory=Counter)
+    # forwards that ran out of device memory; rows run again after one (a row retried twice
+    # counts twice); rows failed because they did not fit even alone
+    oom_errors: int = 0
+    oom_retried_rows: int = 0
+    oom_failed_rows: int = 0
+    # the shapes' batch caps after running out of memory (None: nothing is capped)
+    caps: BatchCaps | None = None
 
     def record_step(
         self, num_rows: int, iteration_s: float, forward_s: float, job_work_s: float = 0.0
@@ -135,4 +147,15 @@ class WorkerStats:
             "not_paying_row_schedules_total": self.not_paying_row_schedules,
             "parks_total": self.parks,
             "resumes_total": self.resumes,
+            "oom_errors_total": self.oom_errors,
+            "oom_retried_rows_total": self.oom_retried_rows,
+            "oom_failed_rows_total": self.oom_failed_rows,
+            **self._caps(),
         }
+
+    def _caps(self) -> dict:
+        """``batch_cap``: the lowest shape cap in force (the max batch when none is);
+        ``batch_caps``: shape -> its cap, for the capped shapes only."""
+        if self.caps is None:
+            return {}
+        return {"batch_cap": self.caps.lowest(), "batch_caps": self.caps.in_force()}
