@@ -22,8 +22,8 @@ import torch
 
 from backend.blobs import BlobStore
 from backend.cache import Tier, TieredActivationCache
+from backend.cache.budgets import choose_disk_budget
 from backend.cache.disk import partial_is_stale
-from backend.cache.manager import choose_disk_budget
 from backend.engine.cache_store import MANIFEST, CacheKey, CacheWriter, WriteBudget, step_file
 from backend.worker.channels import LocalInbox, LocalSink
 from backend.worker.loop import EngineWorker

@@ -7,8 +7,11 @@ import random
 import pytest
 
 from backend.cache.manager import (
+    TIERS,
     CacheManager,
     DeleteFromDisk,
+    DemoteToRam,
+    DropFromDevice,
     DropFromRam,
     Residency,
     SpillToDisk,
@@ -17,8 +20,10 @@ from backend.cache.manager import (
 from backend.cache.policies import POLICIES, LFUPolicy, LRUPolicy
 
 
-def _manager(ram: int = 100, disk: int = 1000, policy: str = "lru") -> CacheManager:
-    return CacheManager(ram, disk, POLICIES[policy])
+def _manager(
+    ram: int = 100, disk: int = 1000, policy: str = "lru", device: int = 0
+) -> CacheManager:
+    return CacheManager(ram, disk, POLICIES[policy], device)
 
 
 def _stored(manager: CacheManager, entry_id: str, size: int, tier: Tier = Tier.DISK):
@@ -33,6 +38,19 @@ def _loaded(manager: CacheManager, entry_id: str):
     assert plan is not None and plan.ok
     manager.complete_load(entry_id, ok=True)
     return plan
+
+
+def _promoted(manager: CacheManager, entry_id: str, for_queued_job: bool = False):
+    plan = manager.plan_promotion(entry_id, for_queued_job)
+    assert plan is not None
+    manager.complete_promotion(entry_id, ok=True)
+    return plan
+
+
+def _in_ram(manager: CacheManager, *entry_ids: str, size: int = 60) -> None:
+    for entry_id in entry_ids:
+        _stored(manager, entry_id, size)
+        _loaded(manager, entry_id)
 
 
 # ----- scenarios ----------------------------------------------------------------------------------
@@ -172,9 +190,7 @@ def test_forget_releases_bytes_pins_and_in_flight_loads():
     manager.pin("a")
     manager.prepare_load("a")
     manager.forget("a", corrupt=True)
-    assert (
-        manager.used_bytes == {Tier.RAM: 0, Tier.DISK: 0} and manager.lookup("a") is Residency.MISS
-    )
+    assert set(manager.used_bytes.values()) == {0} and manager.lookup("a") is Residency.MISS
     manager.complete_load("a", ok=True)  # the load finishing later changes nothing
     manager.unpin("a")
     assert manager.entries() == [] and manager.metrics.corrupt_entries == 1
@@ -185,7 +201,7 @@ def test_failed_store_leaves_nothing():
     manager.prepare_store("a", 40, Tier.BOTH)
     assert manager.lookup("a") is Residency.MISS  # not readable while being stored
     manager.complete_store("a", ok=False)
-    assert manager.entries() == [] and manager.used_bytes == {Tier.RAM: 0, Tier.DISK: 0}
+    assert manager.entries() == [] and set(manager.used_bytes.values()) == {0}
     assert manager.metrics.store_failures == 1
 
 
@@ -265,14 +281,162 @@ def test_misuse_is_reported():
         CacheManager(-1, 10)
 
 
+# ----- the device tier ----------------------------------------------------------------------------
+def test_a_device_tier_that_is_off_never_promotes_nor_counts():
+    manager = _manager()
+    _in_ram(manager, "a")
+    assert manager.plan_promotion("a") is None and manager.plan_promotion("a", True) is None
+    assert manager.lookup("a") is Residency.RAM and manager.release_device(100).released_bytes == 0
+    snapshot = manager.metrics.snapshot()
+    assert snapshot["device_hits"] == snapshot["device_misses"] == snapshot["device_bytes"] == 0
+    assert snapshot["ram_hits"] == 1 and snapshot["ram_hit_rate"] == 1.0
+
+
+def test_promotion_copies_a_ram_entry_to_the_device_which_then_serves_it():
+    manager = _manager(device=100)
+    _in_ram(manager, "a")
+    assert manager.plan_promotion("missing") is None
+    _stored(manager, "on_disk_only", 10)
+    assert manager.plan_promotion("on_disk_only") is None  # promotion copies the RAM copy
+    plan = manager.plan_promotion("a")
+    assert plan is not None and plan.size_bytes == 60 and plan.evictions == ()
+    assert manager.used_bytes[Tier.DEVICE] == 60 and manager.metrics.device_bytes == 60
+    assert manager.lookup("a") is Residency.RAM  # readable from the device only once copied
+    assert manager.plan_promotion("a") is None  # a copy in flight
+    manager.complete_promotion("a", ok=True)
+    assert manager.lookup("a") is Residency.DEVICE and manager.resident(Tier.DEVICE) == ["a"]
+    assert manager.acquirable_now("a") and manager.plan_promotion("a") is None
+    assert manager.prepare_load("a") is None and manager.resident(Tier.RAM) == ["a"]
+    m = manager.metrics
+    assert (m.device_hits, m.device_misses, m.ram_hits, m.bytes_promoted) == (1, 1, 1, 60)
+    assert m.snapshot()["device_hit_rate"] == 0.5
+
+
+def test_a_failed_promotion_returns_its_reservation():
+    manager = _manager(device=100)
+    _in_ram(manager, "a")
+    manager.plan_promotion("a")
+    manager.complete_promotion("a", ok=False)
+    assert manager.used_bytes[Tier.DEVICE] == 0 and manager.lookup("a") is Residency.RAM
+    assert manager.metrics.bytes_promoted == 0
+
+
+def test_demotion_drops_the_device_copy_while_ram_keeps_one():
+    manager = _manager(ram=200, device=100)
+    _in_ram(manager, "a", "b")
+    _promoted(manager, "a")
+    assert _promoted(manager, "b").evictions == (DropFromDevice("a"),)
+    assert manager.lookup("a") is Residency.RAM and manager.metrics.device_evictions == 1
+
+
+def test_ram_drops_its_copy_of_a_device_entry_and_demotion_copies_it_back():
+    manager = _manager(ram=100, device=100)
+    _in_ram(manager, "a")
+    _promoted(manager, "a")
+    _stored(manager, "b", 60)
+    assert _loaded(manager, "b").evictions == (DropFromRam("a"),)
+    assert manager.lookup("a") is Residency.DEVICE and manager.resident(Tier.RAM) == ["b"]
+    release = manager.release_device(1)  # under pressure: RAM makes room for it first
+    assert release.released_bytes == 60
+    assert release.evictions == (DropFromRam("b"), DemoteToRam("a", 60))
+    assert manager.lookup("a") is Residency.RAM and manager.budget_bytes[Tier.DEVICE] == 40
+    assert manager.metrics.device_budget_bytes == 40 and manager.metrics.device_bytes == 0
+
+
+def test_demotion_without_room_in_ram_drops_the_copy_of_a_disk_entry():
+    manager = _manager(ram=100, device=100)
+    _in_ram(manager, "a")
+    _promoted(manager, "a")
+    _stored(manager, "b", 60)
+    _loaded(manager, "b")
+    manager.pin("b")  # RAM cannot make room
+    assert manager.release_device(60).evictions == (DropFromDevice("a"),)
+    assert manager.lookup("a") is Residency.DISK
+
+
+def test_a_device_only_entry_neither_ram_nor_disk_can_take_is_lost():
+    manager = _manager(ram=100, disk=50, device=100)
+    _stored(manager, "a", 60, Tier.RAM)  # not on disk
+    _promoted(manager, "a")
+    # RAM evicts it and the disk cannot take it: the device copy is the only one left
+    assert _stored(manager, "b", 60, Tier.RAM).evictions == (DropFromRam("a"),)
+    assert manager.lookup("a") is Residency.DEVICE
+    manager.pin("b")
+    assert manager.release_device(60).evictions == (DropFromDevice("a"),)
+    assert manager.lookup("a") is Residency.MISS and manager.entries()[0].entry_id == "b"
+
+
+def test_a_disk_deletion_keeps_a_device_copy():
+    manager = _manager(ram=100, device=100)
+    _in_ram(manager, "a")
+    _promoted(manager, "a")
+    _stored(manager, "b", 60)
+    _loaded(manager, "b")  # RAM drops a: on the device and on disk
+    manager.disk_gone("a")
+    assert manager.lookup("a") is Residency.DEVICE and manager.resident(Tier.DISK) == ["b"]
+
+
+def test_pinned_and_copying_device_entries_are_never_evicted():
+    manager = _manager(ram=200, device=60)
+    _in_ram(manager, "a", "b")
+    _promoted(manager, "a")
+    manager.pin("a")
+    assert manager.plan_promotion("b") is None  # the device is full of an entry in use
+    assert manager.release_device(60).released_bytes == 0
+    manager.unpin("a")
+    assert _promoted(manager, "b").evictions == (DropFromDevice("a"),)
+    _stored(manager, "c", 10)
+    manager.plan_promotion("b")  # no-op: on the device already
+    assert manager.release_device(60).evictions == (DropFromDevice("b"),)
+    assert manager.budget_bytes[Tier.DEVICE] == 0 and manager.plan_promotion("a") is None
+
+
+def test_promotions_spare_entries_promoted_for_queued_jobs():
+    manager = _manager(ram=300, device=120)
+    _in_ram(manager, "a", "b", "c")
+    _promoted(manager, "a", for_queued_job=True)
+    _promoted(manager, "b", for_queued_job=True)
+    assert manager.plan_promotion("c") is None  # both rows still queued: theirs come first
+    manager.lookup("a")  # a's row ran: an ordinary resident now
+    assert _promoted(manager, "c").evictions == (DropFromDevice("a"),)
+    # under pressure an entry promoted for a queued job is given back too
+    assert manager.release_device(120).released_bytes == 120
+
+
+def _hot_then_cold_on_the_device(policy: str) -> CacheManager:
+    manager = _manager(ram=1000, device=60, policy=policy)
+    for entry_id in ("hot", "cold1", "cold2", "new"):
+        _in_ram(manager, entry_id, size=20)
+    _promoted(manager, "hot")
+    for _ in range(5):
+        manager.lookup("hot")
+    for entry_id in ("cold1", "cold2"):
+        _promoted(manager, entry_id)
+    return manager
+
+
+@pytest.mark.parametrize(("policy", "victim"), [("lru", "hot"), ("lfu", "cold1")])
+def test_the_device_tier_evicts_in_its_policys_order(policy, victim):
+    manager = _hot_then_cold_on_the_device(policy)
+    assert _promoted(manager, "new").evictions == (DropFromDevice(victim),)
+
+
+def test_the_device_tier_is_filled_by_promotion_only():
+    with pytest.raises(ValueError, match="promotion"):
+        _manager(device=100).prepare_store("a", 10, Tier.DEVICE)
+    with pytest.raises(ValueError):
+        CacheManager(10, 10, device_budget_bytes=-1)
+
+
 # ----- invariants under random operation sequences ------------------------------------------------
 class _Shell:
     """A model shell: executes plans on two sets, asserting every action is valid when it runs."""
 
     def __init__(self, manager: CacheManager):
-        self.manager, self.ram, self.disk = manager, set(), set()
+        self.manager, self.ram, self.disk, self.device = manager, set(), set(), set()
         self.pins: dict[str, int] = {}
         self.loads: set[str] = set()
+        self.promotions: set[str] = set()
         self.stores: dict[str, Tier] = {}
 
     def execute(self, evictions, busy_before: set[str]) -> None:
@@ -282,6 +446,12 @@ class _Shell:
                 self.disk.remove(action.entry_id)
             elif isinstance(action, DropFromRam):
                 self.ram.remove(action.entry_id)
+            elif isinstance(action, DropFromDevice):
+                self.device.remove(action.entry_id)
+            elif isinstance(action, DemoteToRam):
+                self.device.remove(action.entry_id)
+                assert action.entry_id not in self.ram
+                self.ram.add(action.entry_id)
             else:
                 self.ram.remove(action.entry_id)
                 self.disk.add(action.entry_id)
@@ -290,8 +460,10 @@ class _Shell:
         self.manager.forget(entry_id)
         self.ram.discard(entry_id)
         self.disk.discard(entry_id)
+        self.device.discard(entry_id)
         self.pins.pop(entry_id, None)
         self.loads.discard(entry_id)
+        self.promotions.discard(entry_id)
         self.stores.pop(entry_id, None)
 
 
@@ -316,6 +488,9 @@ def _random_op(shell: _Shell, rng: random.Random) -> None:
             "forget",
             "touch",
             "disk_gone",
+            "promote",
+            "finish_promotion",
+            "release_device",
         ]
     )
     residency = manager.residency(entry_id)
@@ -367,43 +542,76 @@ def _random_op(shell: _Shell, rng: random.Random) -> None:
         shell.pins[entry_id] -= 1
     elif op == "forget" and rng.random() < 0.3:
         shell.forget(entry_id)
+    elif op == "promote":
+        promotion = manager.plan_promotion(entry_id, for_queued_job=rng.random() < 0.3)
+        if promotion is not None:
+            assert entry_id in shell.ram and entry_id not in shell.device
+            shell.execute(promotion.evictions, busy)
+            shell.promotions.add(entry_id)
+    elif op == "finish_promotion" and shell.promotions:
+        done = rng.choice(sorted(shell.promotions))
+        ok = rng.random() < 0.9
+        manager.complete_promotion(done, ok)
+        shell.promotions.discard(done)
+        if ok:
+            shell.device.add(done)
+    elif op == "release_device" and rng.random() < 0.05:  # device memory pressure
+        budget = manager.budget_bytes[Tier.DEVICE]
+        release = manager.release_device(rng.randint(1, 80))
+        shell.execute(release.evictions, busy)
+        assert manager.budget_bytes[Tier.DEVICE] == budget - release.released_bytes
     elif op == "touch":  # another process sharing the disk tier used it
         manager.touch(entry_id)
     # another process deleted it
     elif op == "disk_gone" and entry_id in shell.disk and rng.random() < 0.05:
-        in_ram, busy = entry_id in shell.ram, entry_id in busy
+        held, busy = entry_id in shell.ram or entry_id in shell.device, entry_id in busy
         manager.disk_gone(entry_id)
-        if in_ram or not busy:  # a busy disk-only entry is left to its reader
+        if held or not busy:  # a busy disk-only entry is left to its reader
             shell.disk.discard(entry_id)
 
 
 def _check_invariants(shell: _Shell) -> None:
     manager = shell.manager
     entries = manager.entries()
-    for tier in (Tier.RAM, Tier.DISK):
+    for tier in TIERS:
         held = sum(e.size_bytes for e in entries if e.holds(tier))
         assert manager.used_bytes[tier] == held <= manager.budget_bytes[tier]
+        # each tier's policy tracks exactly its residents: it picks a victim among them only
+        residents = manager.resident(tier)
+        if residents:
+            assert manager._policies[tier].choose_victim(residents) in residents
     assert set(manager.resident(Tier.RAM)) == shell.ram
     assert set(manager.resident(Tier.DISK)) == shell.disk
+    assert set(manager.resident(Tier.DEVICE)) == shell.device
+    assert manager.metrics.device_bytes == manager.used_bytes[Tier.DEVICE]
     for entry in entries:
         assert entry.pins == shell.pins.get(entry.entry_id, 0)
         if entry.storing:
             assert manager.residency(entry.entry_id) is Residency.MISS
         if entry.loading:
             assert manager.residency(entry.entry_id) is Residency.LOADING
+        if entry.promoting:  # readable from RAM until its copy completed
+            assert manager.residency(entry.entry_id) is Residency.RAM
 
 
+@pytest.mark.parametrize("device_tier", [False, True])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("seed", range(4))
-def test_random_walk_keeps_every_invariant(policy, seed):
+def test_random_walk_keeps_every_invariant(policy, seed, device_tier):
     rng = random.Random(seed)
-    shell = _Shell(CacheManager(rng.randint(100, 300), rng.randint(150, 500), POLICIES[policy]))
-    for _ in range(1500):
+    ram, disk = rng.randint(100, 300), rng.randint(150, 400)
+    device = rng.randint(150, 300) if device_tier else 0
+    shell = _Shell(CacheManager(ram, disk, POLICIES[policy], device))
+    for _ in range(3000):
         _random_op(shell, rng)
         _check_invariants(shell)
     metrics = shell.manager.metrics
     # the walk did exercise eviction
     assert metrics.ram_evictions > 0 and metrics.disk_evictions > 0
+    if device_tier:
+        assert metrics.device_evictions > 0 and metrics.device_hits > 0
+    else:  # the tier off: the two-tier cache it was
+        assert shell.device == set() and metrics.device_misses == metrics.bytes_promoted == 0
 
 
 # ----- policy contract: every policy, same expectations -------------------------------------------

@@ -1,18 +1,24 @@
-"""Tiered activation cache: host RAM above the on-disk template caches.
+"""Tiered activation cache: device memory above host RAM above the on-disk template caches.
 
-``manager`` and ``policies`` are the pure core (no torch, no I/O); ``store`` is the shell that
-executes their decisions on files and tensors (``memory_entry``: an entry held in RAM). The
-shell's names are imported on first use so that importing the core never pulls in torch.
+``manager`` and ``policies`` are the pure core (no torch, no I/O), with ``plans`` (what the
+manager decides, as data), ``metrics`` (its counters) and ``budgets`` (the tiers' automatic
+budgets); ``store`` is the shell that executes their decisions on files and tensors
+(``memory_entry``: an entry held in RAM or on the device). The shell's names are imported on first
+use so that importing the core never pulls in torch.
 """
 
 from backend.cache.manager import (
     CacheManager,
     CacheMetrics,
     DeleteFromDisk,
+    DemoteToRam,
+    DeviceRelease,
+    DropFromDevice,
     DropFromRam,
     EntryState,
     Eviction,
     LoadPlan,
+    PromotePlan,
     Residency,
     SpillToDisk,
     StorePlan,
@@ -27,10 +33,14 @@ __all__ = [
     "CacheManager",
     "CacheMetrics",
     "DeleteFromDisk",
+    "DemoteToRam",
+    "DeviceRelease",
+    "DropFromDevice",
     "DropFromRam",
     "EntryState",
     "Eviction",
     "LoadPlan",
+    "PromotePlan",
     "Residency",
     "SpillToDisk",
     "StorePlan",

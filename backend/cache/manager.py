@@ -1,18 +1,39 @@
-"""Pure bookkeeping of the two-tier activation cache: host RAM above local disk.
+"""Pure bookkeeping of the tiered activation cache: device memory above host RAM above local disk.
 
-The manager decides, the shell acts. Every method returns a dataclass saying which I/O to do
-(evictions to execute, a load to start) and the shell (``backend.cache.store``) does it, then
-reports back with ``complete_load`` / ``complete_store``. No torch, no files, no clocks: times
-come in as arguments, so every decision is unit-tested in milliseconds.
+The manager decides, the shell acts. Every method returns a plan (``backend.cache.plans``) saying
+which I/O to do (evictions to execute, a load or a copy to start) and the shell
+(``backend.cache.store``) does it, then reports back with ``complete_load`` /
+``complete_promotion`` / ``complete_store``. No torch, no files, no clocks: times come in as
+arguments, so every decision is unit-tested in milliseconds.
+
+Tiers: disk holds recordings; RAM holds copies read from disk (or entries not yet, or no longer,
+on disk); the device tier (off while its budget is 0) holds copies promoted from RAM, so that a
+step reads them without touching host memory. Each tier has its own budget and its own instance
+of one eviction policy. An entry is read from the fastest tier that holds it.
+
+Device tier rules:
+- promotion copies an entry's RAM copy to the device (``plan_promotion``), on a hit or for a
+  queued job; it evicts device entries by policy but never one promoted for a queued job that has
+  not looked it up yet (queued rows come first);
+- the RAM copy may be evicted while the device holds one: dropped when the entry is on disk or when
+  the disk cannot take it, else spilled to disk as usual;
+- demotion (a device eviction) drops the device copy when RAM holds one; otherwise it copies the
+  entry back to RAM when RAM can make room (``DemoteToRam``), else drops it when it is on disk,
+  else the entry is lost (as a RAM entry the disk cannot take);
+- ``release_device`` gives device memory back under pressure, shrinking the tier's budget by what
+  it released.
 
 Invariants (the random-walk test checks them after every operation):
-- budgets are never exceeded: RAM use (entries in RAM + reservations of in-flight loads and
-  stores) <= ``ram_budget_bytes``; disk use (entries on disk + reservations of in-flight stores)
+- budgets are never exceeded: device use (entries on the device + reservations of copies in
+  flight) <= its budget; RAM use (entries in RAM + reservations of in-flight loads and stores)
+  <= ``ram_budget_bytes``; disk use (entries on disk + reservations of in-flight stores)
   <= ``disk_budget_bytes``;
-- a pinned entry, or one with a load or store in flight, is never evicted from either tier;
-- an entry is readable only once its load/store completed: ``lookup`` says RAM only after
-  ``complete_load(ok=True)`` or a completed store, and never reports an entry being stored;
-- each tier's policy tracks exactly the entries resident in that tier.
+- a pinned entry, or one with a load, copy or store in flight, is never evicted from any tier;
+- an entry is readable only once its load/copy/store completed: ``lookup`` says DEVICE only after
+  ``complete_promotion(ok=True)``, RAM only after ``complete_load(ok=True)`` or a completed store,
+  and never reports an entry being stored;
+- each tier's policy tracks exactly the entries resident in that tier;
+- with the device budget 0 no entry is ever promoted: the manager behaves as a two-tier cache.
 
 Plans list evictions in execution order; the manager's state already reflects them, so the shell
 executes them (under the same lock as its manager calls) before using the space they free.
@@ -20,219 +41,48 @@ executes them (under the same lock as its manager calls) before using the space 
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field, fields, replace
-from enum import Enum, Flag, auto
-from typing import Any, ClassVar
+from dataclasses import replace
+from typing import Any
 
+from backend.cache.metrics import CacheMetrics
+from backend.cache.plans import (
+    DeleteFromDisk,
+    DemoteToRam,
+    DeviceRelease,
+    DropFromDevice,
+    DropFromRam,
+    EntryState,
+    Eviction,
+    LoadPlan,
+    PromotePlan,
+    Residency,
+    SpillToDisk,
+    StorePlan,
+    Tier,
+)
 from backend.cache.policies import LRUPolicy, PolicyFactory
 
-LEAD_WINDOW = 1024  # prefetch lead times kept for the snapshot's statistics
+# the names callers import from here (the types live in ``plans`` and ``metrics``)
+__all__ = [
+    "CacheManager",
+    "CacheMetrics",
+    "DeleteFromDisk",
+    "DemoteToRam",
+    "DeviceRelease",
+    "DropFromDevice",
+    "DropFromRam",
+    "EntryState",
+    "Eviction",
+    "LoadPlan",
+    "PromotePlan",
+    "Residency",
+    "SpillToDisk",
+    "StorePlan",
+    "TIERS",
+    "Tier",
+]
 
-
-class Tier(Flag):
-    RAM = auto()
-    DISK = auto()
-    BOTH = RAM | DISK
-
-
-class Residency(Enum):
-    RAM = "ram"  # readable from host memory
-    LOADING = "loading"  # on disk, a disk -> RAM load in flight
-    DISK = "disk"  # readable from disk only
-    MISS = "miss"
-
-
-@dataclass(frozen=True)
-class DropFromRam:
-    """Release the entry's host-memory copy (it is on disk, or is being dropped entirely)."""
-
-    entry_id: str
-
-
-@dataclass(frozen=True)
-class SpillToDisk:
-    """Write the entry's host-memory copy to disk, then release it from RAM."""
-
-    entry_id: str
-    size_bytes: int
-
-
-@dataclass(frozen=True)
-class DeleteFromDisk:
-    entry_id: str
-
-
-Eviction = DropFromRam | SpillToDisk | DeleteFromDisk
-
-
-@dataclass(frozen=True)
-class LoadPlan:
-    """A disk -> RAM load: execute ``evictions``, read the entry, then call ``complete_load``.
-
-    ``ok=False``: the entry cannot fit in RAM even after evicting every unpinned entry; nothing
-    was reserved and the entry stays readable from disk.
-    """
-
-    entry_id: str
-    size_bytes: int
-    ok: bool
-    evictions: tuple[Eviction, ...] = ()
-
-
-@dataclass(frozen=True)
-class StorePlan:
-    """A new entry: execute ``evictions``, write it to ``tier``, then call ``complete_store``.
-
-    ``ok=False``: it does not fit (``reason`` says where); nothing was reserved or evicted.
-    """
-
-    entry_id: str
-    size_bytes: int
-    tier: Tier
-    ok: bool
-    evictions: tuple[Eviction, ...] = ()
-    reason: str = ""
-
-
-@dataclass
-class EntryState:
-    entry_id: str
-    size_bytes: int
-    in_ram: bool = False
-    on_disk: bool = False
-    loading: bool = False
-    storing: Tier = Tier(0)  # tiers reserved by an in-flight store
-    pins: int = 0
-    prefetched_at: float | None = None  # start of a prefetch not yet followed by a lookup
-
-    @property
-    def busy(self) -> bool:
-        """Not evictable: in use by a row, or with I/O in flight."""
-        return self.pins > 0 or self.loading or bool(self.storing)
-
-    def resident(self, tier: Tier) -> bool:
-        return self.in_ram if tier is Tier.RAM else self.on_disk
-
-    def holds(self, tier: Tier) -> bool:
-        """Counts against ``tier``'s budget (resident, or reserved by a load/store)."""
-        reserved = tier in self.storing or (tier is Tier.RAM and self.loading)
-        return self.resident(tier) or reserved
-
-
-@dataclass
-class CacheMetrics:
-    """Counters since start-up. A lookup counts once per tier it consulted: a DISK or LOADING
-    residency is a RAM miss (and, for DISK, a disk hit); a MISS is a miss in both tiers."""
-
-    # the keys of ``snapshot`` that only grow: Prometheus counters (the rates and lead times are
-    # gauges)
-    COUNTERS: ClassVar[frozenset[str]] = frozenset(
-        {
-            "ram_hits",
-            "ram_misses",
-            "disk_hits",
-            "disk_misses",
-            "load_waits",
-            "bytes_loaded",
-            "bytes_spilled",
-            "ram_evictions",
-            "disk_evictions",
-            "corrupt_entries",
-            "store_failures",
-            "record_failures",
-            "records_skipped",
-            "partials_removed",
-            "partial_bytes_removed",
-            "prefetches",
-            "prefetch_uses",
-        }
-    )
-    ram_hits: int = 0
-    ram_misses: int = 0
-    disk_hits: int = 0
-    disk_misses: int = 0
-    load_waits: int = 0  # lookups that found a load in flight (the caller waits for it)
-    bytes_loaded: int = 0
-    bytes_spilled: int = 0
-    ram_evictions: int = 0
-    disk_evictions: int = 0
-    corrupt_entries: int = 0
-    store_failures: int = 0
-    record_failures: int = 0  # recordings ended by a disk error (ENOSPC, EFBIG, EIO...)
-    records_skipped: int = 0  # recordings not started: no room in the disk budget
-    partials_removed: int = 0  # partial recordings of gone processes removed at start-up
-    partial_bytes_removed: int = 0
-    prefetches: int = 0
-    prefetch_uses: int = 0
-    prefetch_lead_s: deque[float] = field(default_factory=lambda: deque(maxlen=LEAD_WINDOW))
-
-    def record_lookup(self, residency: Residency) -> None:
-        if residency is Residency.RAM:
-            self.ram_hits += 1
-            return
-        self.ram_misses += 1
-        if residency is Residency.LOADING:
-            self.load_waits += 1
-        elif residency is Residency.DISK:
-            self.disk_hits += 1
-        else:
-            self.disk_misses += 1
-
-    def record_prefetch_use(self, lead_s: float) -> None:
-        self.prefetch_uses += 1
-        self.prefetch_lead_s.append(lead_s)
-
-    def snapshot(self) -> dict[str, Any]:
-        """Plain dict for logs and heartbeats; lead-time statistics over the last ``LEAD_WINDOW``
-        uses."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "prefetch_lead_s"}
-        lookups = self.ram_hits + self.ram_misses
-        out["ram_hit_rate"] = self.ram_hits / lookups if lookups else 0.0  # of all lookups
-        # of RAM misses, those the disk tier served (read at once, or a prefetch already under way)
-        out["disk_hit_rate"] = (
-            (self.disk_hits + self.load_waits) / self.ram_misses if self.ram_misses else 0.0
-        )
-        leads = sorted(self.prefetch_lead_s)
-        out["prefetch_lead_s_min"] = leads[0] if leads else None
-        out["prefetch_lead_s_p50"] = leads[len(leads) // 2] if leads else None
-        out["prefetch_lead_s_mean"] = sum(leads) / len(leads) if leads else None
-        return out
-
-
-@dataclass(frozen=True)
-class DiskBudget:
-    """The disk tier's budget and why (logged at start-up)."""
-
-    budget_bytes: int
-    reason: str
-
-
-def choose_disk_budget(
-    configured_bytes: int | None, free_share: float, free_bytes: int, held_bytes: int
-) -> DiskBudget:
-    """The disk tier's budget: ``configured_bytes`` when set (an explicit budget wins, even above
-    what the file system has: the reason says so), else ``free_share`` of the room the cache can
-    have, the free space plus what its entries already hold (``held_bytes``). The automatic budget
-    never exceeds that room, so recordings are skipped before the file system fills."""
-    if not 0.0 < free_share <= 1.0:
-        raise ValueError(f"disk_free_share must be in (0, 1], got {free_share}")
-    if configured_bytes is not None and configured_bytes < 0:
-        raise ValueError("the disk budget must be >= 0 bytes")
-    room = max(free_bytes, 0) + max(held_bytes, 0)
-    if configured_bytes is not None:
-        note = (
-            f"; above the {room} bytes free or held by the cache: a write that finds the disk full "
-            "makes its row compute without the cache"
-            if configured_bytes > room
-            else ""
-        )
-        return DiskBudget(configured_bytes, f"configured {configured_bytes} bytes{note}")
-    budget = int(free_share * room)
-    return DiskBudget(
-        budget,
-        f"auto: {free_share:g} of {room} bytes ({free_bytes} free + {held_bytes} held by entries)",
-    )
+TIERS = (Tier.DEVICE, Tier.RAM, Tier.DISK)  # fastest first
 
 
 class CacheManager:
@@ -244,13 +94,18 @@ class CacheManager:
         ram_budget_bytes: int,
         disk_budget_bytes: int,
         policy_factory: PolicyFactory = LRUPolicy,
+        device_budget_bytes: int = 0,
     ):
-        if ram_budget_bytes < 0 or disk_budget_bytes < 0:
+        if min(ram_budget_bytes, disk_budget_bytes, device_budget_bytes) < 0:
             raise ValueError("cache budgets must be >= 0 bytes")
-        self.budget_bytes = {Tier.RAM: ram_budget_bytes, Tier.DISK: disk_budget_bytes}
-        self.used_bytes = {Tier.RAM: 0, Tier.DISK: 0}  # resident + reserved
-        self.metrics = CacheMetrics()
-        self._policies = {Tier.RAM: policy_factory(), Tier.DISK: policy_factory()}
+        self.budget_bytes = {
+            Tier.DEVICE: device_budget_bytes,
+            Tier.RAM: ram_budget_bytes,
+            Tier.DISK: disk_budget_bytes,
+        }
+        self.used_bytes = {tier: 0 for tier in TIERS}  # resident + reserved
+        self.metrics = CacheMetrics(device_budget_bytes=device_budget_bytes)
+        self._policies = {tier: policy_factory() for tier in TIERS}
         self._entries: dict[str, EntryState] = {}
 
     # ----- queries -------------------------------------------------------------------------------
@@ -259,6 +114,8 @@ class CacheManager:
         entry = self._entries.get(entry_id)
         if entry is None:
             return Residency.MISS
+        if entry.on_device:
+            return Residency.DEVICE
         if entry.in_ram:
             return Residency.RAM
         if entry.on_disk:
@@ -274,6 +131,8 @@ class CacheManager:
         if residency is not Residency.MISS:
             for policy in self._policies.values():
                 policy.on_access(entry_id)  # a policy ignores ids it does not track
+            if entry is not None:
+                entry.device_prefetched = False  # its queued job came: an ordinary resident
             if now is not None and entry is not None and entry.prefetched_at is not None:
                 self.metrics.record_prefetch_use(now - entry.prefetched_at)
                 entry.prefetched_at = None
@@ -300,14 +159,14 @@ class CacheManager:
                 policy.on_access(entry_id)
 
     def disk_gone(self, entry_id: str) -> None:
-        """Another process deleted ``entry_id`` from the shared disk tier. A RAM copy stays usable
-        (RAM-only now: spilled back if evicted, as after a deletion of this manager's own); an
+        """Another process deleted ``entry_id`` from the shared disk tier. A RAM or device copy
+        stays usable (spilled back if evicted, as after a deletion of this manager's own); an
         entry read lazily from disk or being loaded is left to its reader, which meets the loss
         and forgets it; otherwise the entry is forgotten (not counted corrupt)."""
         entry = self._entries.get(entry_id)
         if entry is None or not entry.on_disk or entry.storing:
             return
-        if entry.in_ram:
+        if entry.in_ram or entry.on_device:
             self._update(entry, on_disk=False)
         elif not entry.busy:
             self._remove(entry)
@@ -320,7 +179,7 @@ class CacheManager:
     def pin(self, entry_id: str) -> None:
         """Keep a readable entry in its tiers while a running row uses it."""
         entry = self._entries.get(entry_id)
-        if entry is None or not (entry.in_ram or entry.on_disk):
+        if entry is None or not (entry.on_device or entry.in_ram or entry.on_disk):
             raise KeyError(f"cache entry {entry_id} is not readable: look it up before pinning it")
         entry.pins += 1
 
@@ -338,13 +197,14 @@ class CacheManager:
         self, entry_id: str, prefetch_at: float | None = None, spare_prefetched: bool = False
     ) -> LoadPlan | None:
         """Reserve RAM for reading ``entry_id`` from disk. None when there is nothing to load
-        (already in RAM, load in flight, or not on disk). ``prefetch_at`` marks a prefetch started
-        then; its lead time is recorded at the next ``lookup``. ``spare_prefetched``: a speculative
-        prefetch (a job just queued) must not evict an entry prefetched for an earlier job that has
-        not looked it up yet; otherwise a queue longer than the RAM tier evicts its own head's
-        entries before their rows run and every row reads its template twice."""
+        (already in RAM or on the device, load in flight, or not on disk). ``prefetch_at`` marks a
+        prefetch started then; its lead time is recorded at the next ``lookup``.
+        ``spare_prefetched``: a speculative prefetch (a job just queued) must not evict an entry
+        prefetched for an earlier job that has not looked it up yet; otherwise a queue longer than
+        the RAM tier evicts its own head's entries before their rows run and every row reads its
+        template twice."""
         entry = self._entries.get(entry_id)
-        if entry is None or entry.in_ram or entry.loading or not entry.on_disk:
+        if entry is None or entry.in_ram or entry.on_device or entry.loading or not entry.on_disk:
             return None
         if not self._can_fit(Tier.RAM, entry.size_bytes, spare_prefetched):
             return LoadPlan(entry_id, entry.size_bytes, ok=False)
@@ -371,9 +231,10 @@ class CacheManager:
         return plan if plan is not None and plan.ok else None
 
     def acquirable_now(self, entry_id: str) -> bool:
-        """Whether acquiring ``entry_id`` returns at once: in RAM, a miss, or on disk but too large
-        for the whole RAM budget (only ever read lazily, file by file). False while its load is in
-        flight, and for an entry on disk only that fits RAM (its load has yet to start)."""
+        """Whether acquiring ``entry_id`` returns at once: on the device or in RAM, a miss, or on
+        disk but too large for the whole RAM budget (only ever read lazily, file by file). False
+        while its load is in flight, and for an entry on disk only that fits RAM (its load has yet
+        to start)."""
         residency = self.residency(entry_id)
         if residency is Residency.LOADING:
             return False
@@ -389,6 +250,60 @@ class CacheManager:
         if ok:
             self.metrics.bytes_loaded += entry.size_bytes
 
+    # ----- promotions (RAM -> device) and demotions -------------------------------------------
+    def plan_promotion(self, entry_id: str, for_queued_job: bool = False) -> PromotePlan | None:
+        """Reserve device memory for copying ``entry_id``'s RAM copy to the device, evicting by
+        policy. None when there is nothing to copy (the tier is off, the entry is not in RAM, is
+        on the device already or being copied) or no room: device entries in use, or promoted for
+        queued jobs that have not looked them up yet, are never evicted for it.
+        ``for_queued_job``: a prefetch while a job queues; later promotions spare this entry
+        until its next ``lookup``."""
+        entry = self._entries.get(entry_id)
+        if (
+            entry is None
+            or not self.budget_bytes[Tier.DEVICE]  # the tier is off
+            or not entry.in_ram
+            or entry.on_device
+            or entry.promoting
+            or not self._can_fit(Tier.DEVICE, entry.size_bytes, spare_prefetched=True)
+        ):
+            return None
+        self._update(entry, promoting=True)  # reserve first: busy, so no eviction below takes it
+        evictions: list[Eviction] = []
+        self._make_room(Tier.DEVICE, evictions, keep=entry_id, spare_prefetched=True)
+        entry.device_prefetched = entry.device_prefetched or for_queued_job
+        return PromotePlan(entry_id, entry.size_bytes, tuple(evictions))
+
+    def complete_promotion(self, entry_id: str, ok: bool) -> None:
+        """The copy finished: the entry becomes readable from the device, or its reservation is
+        returned."""
+        entry = self._entries.get(entry_id)
+        if entry is None or not entry.promoting:
+            return  # forgotten while copying: the reservation went with it
+        self._update(entry, promoting=False, on_device=ok)
+        if ok:
+            self.metrics.bytes_promoted += entry.size_bytes
+        else:
+            entry.device_prefetched = False
+
+    def release_device(self, nbytes: int) -> DeviceRelease:
+        """Give back at least ``nbytes`` of device memory when the tier's unpinned entries hold
+        that much (else all of them), victims by policy, demoted as any device eviction. The
+        tier's budget shrinks by what was released, so that later promotions do not take back the
+        memory the pressure asked for."""
+        evictions: list[Eviction] = []
+        released = 0
+        while released < nbytes:
+            candidates = {e.entry_id: e for e in self._candidates(Tier.DEVICE)}
+            if not candidates:
+                break
+            victim = candidates[self._policies[Tier.DEVICE].choose_victim(list(candidates))]
+            released += victim.size_bytes
+            self._evict_from_device(victim, evictions)
+        self.budget_bytes[Tier.DEVICE] -= released
+        self.metrics.device_budget_bytes = self.budget_bytes[Tier.DEVICE]
+        return DeviceRelease(released, tuple(evictions))
+
     # ----- stores (new entries) ------------------------------------------------------------------
     def prepare_store(self, entry_id: str, size_bytes: int, tier: Tier) -> StorePlan:
         """Reserve ``size_bytes`` in every tier of ``tier`` for a new entry, evicting as needed."""
@@ -396,8 +311,8 @@ class CacheManager:
             raise ValueError(
                 f"cache entry {entry_id} already exists: forget it before storing it again"
             )
-        if not tier:
-            raise ValueError("store into at least one tier")
+        if not tier or Tier.DEVICE in tier:
+            raise ValueError("store into RAM and/or disk: the device tier fills by promotion")
         for one in (Tier.DISK, Tier.RAM):
             if one in tier and not self._can_fit(one, size_bytes):
                 self.metrics.store_failures += 1
@@ -476,7 +391,7 @@ class CacheManager:
         return tuple(evictions)
 
     def forget(self, entry_id: str, corrupt: bool = False) -> None:
-        """Drop an entry from both tiers, pins and reservations included (its data is unusable)."""
+        """Drop an entry from every tier, pins and reservations included (its data is unusable)."""
         entry = self._entries.get(entry_id)
         if entry is None:
             return
@@ -494,7 +409,7 @@ class CacheManager:
             if e.resident(tier)
             and not e.busy
             and e.entry_id != keep
-            and not (spare_prefetched and e.prefetched_at is not None)
+            and not (spare_prefetched and _prefetched(e, tier))
         ]
 
     def _can_fit(self, tier: Tier, size_bytes: int, spare_prefetched: bool = False) -> bool:
@@ -525,10 +440,32 @@ class CacheManager:
                     f"{tier.name} over budget with nothing evictable: _can_fit was skipped"
                 )
             victim = candidates[self._policies[tier].choose_victim(list(candidates))]
-            if tier is Tier.RAM:
+            if tier is Tier.DEVICE:
+                self._evict_from_device(victim, evictions)
+            elif tier is Tier.RAM:
                 self._evict_from_ram(victim, evictions)
             else:
                 self._evict_from_disk(victim, evictions)
+
+    def _evict_from_device(self, victim: EntryState, evictions: list[Eviction]) -> None:
+        """Demote ``victim`` (module docstring): RAM keeps a copy, or gets one back when it can
+        make room (sparing entries prefetched for queued jobs), or disk has one, or it is lost."""
+        self.metrics.device_evictions += 1
+        victim.device_prefetched = False
+        if victim.in_ram:
+            self._update(victim, on_device=False)
+            evictions.append(DropFromDevice(victim.entry_id))
+        elif self._can_fit(Tier.RAM, victim.size_bytes, spare_prefetched=True):
+            self._update(victim, on_device=False, in_ram=True)
+            # RAM's evictions run before the copy back
+            self._make_room(Tier.RAM, evictions, keep=victim.entry_id, spare_prefetched=True)
+            evictions.append(DemoteToRam(victim.entry_id, victim.size_bytes))
+        elif victim.on_disk:
+            self._update(victim, on_device=False)
+            evictions.append(DropFromDevice(victim.entry_id))
+        else:  # neither RAM nor disk can take it: the entry is lost
+            self._remove(victim)
+            evictions.append(DropFromDevice(victim.entry_id))
 
     def _evict_from_ram(self, victim: EntryState, evictions: list[Eviction]) -> None:
         self.metrics.ram_evictions += 1
@@ -541,6 +478,9 @@ class CacheManager:
             self._make_room(Tier.DISK, evictions, keep=victim.entry_id)
             evictions.append(SpillToDisk(victim.entry_id, victim.size_bytes))
             self.metrics.bytes_spilled += victim.size_bytes
+        elif victim.on_device:  # the disk cannot take it: the device copy is the only one left
+            self._update(victim, in_ram=False)
+            evictions.append(DropFromRam(victim.entry_id))
         else:  # the disk cannot take it: the entry is lost
             self._remove(victim)
             evictions.append(DropFromRam(victim.entry_id))
@@ -548,15 +488,15 @@ class CacheManager:
     def _evict_from_disk(self, victim: EntryState, evictions: list[Eviction]) -> None:
         self.metrics.disk_evictions += 1
         evictions.append(DeleteFromDisk(victim.entry_id))
-        if victim.in_ram:
-            # still readable from RAM; spilled back if evicted there
+        if victim.in_ram or victim.on_device:
+            # still readable from RAM or the device; spilled back if evicted there
             self._update(victim, on_disk=False)
         else:
             self._remove(victim)
 
     # ----- state changes: every flag change goes through here (bytes and policies stay exact) --
     def _update(self, entry: EntryState, **changes: Any) -> None:
-        before = {tier: (entry.holds(tier), entry.resident(tier)) for tier in (Tier.RAM, Tier.DISK)}
+        before = {tier: (entry.holds(tier), entry.resident(tier)) for tier in TIERS}
         for name, value in changes.items():
             setattr(entry, name, value)
         for tier, (held, was_resident) in before.items():
@@ -565,7 +505,21 @@ class CacheManager:
                 self._policies[tier].on_insert(entry.entry_id, entry.size_bytes)
             elif was_resident and not entry.resident(tier):
                 self._policies[tier].on_remove(entry.entry_id)
+        self.metrics.device_bytes = self.used_bytes[Tier.DEVICE]
 
     def _remove(self, entry: EntryState) -> None:
-        self._update(entry, in_ram=False, on_disk=False, loading=False, storing=Tier(0))
+        self._update(
+            entry,
+            on_device=False,
+            in_ram=False,
+            on_disk=False,
+            loading=False,
+            promoting=False,
+            storing=Tier(0),
+        )
         del self._entries[entry.entry_id]
+
+
+def _prefetched(entry: EntryState, tier: Tier) -> bool:
+    """Brought into ``tier`` for a queued job that has not looked it up yet."""
+    return entry.device_prefetched if tier is Tier.DEVICE else entry.prefetched_at is not None

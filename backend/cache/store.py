@@ -1,4 +1,5 @@
-"""The tiered activation cache: template caches in host RAM above the on-disk cache entries.
+"""The tiered activation cache: template caches in device memory above host RAM above the on-disk
+cache entries.
 
 Design (spill semantics): recordings are written through to disk. ``CacheWriter`` already builds
 an entry as a directory, so ``commit`` publishes it there, registers it with the manager, then
@@ -26,6 +27,15 @@ Invariants:
 
 - a recording reserves an upper bound of its size before its first byte (``WriteBudget``), or is
   refused; a write that still fails ends that recording only (docs/design/cache-disk.md).
+
+Device tier (on while its budget is above 0): ``self._device`` holds copies of entries on the
+compute device (``MemoryTemplateCache.to_device``), which ``acquire`` returns before any other, so
+a step reads them without touching host memory. RAM -> device copies run on their own thread,
+outside the lock, with their device memory reserved and the entry busy: a hit in RAM promotes the
+entry for the next rows, and a job's prefetch (``prefetch``, ``ready``) promotes its entry once it
+is in RAM. Demotions (device evictions) run under the lock, as RAM evictions do: a copy back to
+host memory when the manager plans one. ``release_device_bytes`` gives device memory back under
+pressure (a worker meeting CUDA out-of-memory).
 """
 
 from __future__ import annotations
@@ -43,16 +53,19 @@ from pathlib import Path
 
 import torch
 
+from backend.cache.budgets import choose_disk_budget
 from backend.cache.disk import UNUSABLE, free_bytes, scan
 from backend.cache.manager import (
     CacheManager,
     CacheMetrics,
     DeleteFromDisk,
+    DemoteToRam,
+    DropFromDevice,
     DropFromRam,
     Eviction,
     Residency,
+    SpillToDisk,
     Tier,
-    choose_disk_budget,
 )
 from backend.cache.memory_entry import MemoryTemplateCache
 from backend.cache.policies import POLICIES
@@ -79,14 +92,17 @@ def _mtime_ns(path: Path) -> int:
 
 @dataclass
 class _Load:
-    """A reserved disk -> RAM load; whoever claims it first (prefetch thread or acquire) runs it."""
+    """A reserved disk -> RAM load; whoever claims it first (prefetch thread or acquire) runs it.
+    ``for_queued_job``: a prefetch, whose entry is then promoted for that job."""
 
     done: Future = field(default_factory=Future)
     claimed: bool = False
+    for_queued_job: bool = False
 
 
 class TieredActivationCache:
-    """Template caches in host RAM (``ram_budget_bytes``) above disk entries under ``root``
+    """Template caches on the compute ``device`` (``device_budget_bytes``; 0: no device tier)
+    above host RAM (``ram_budget_bytes``) above disk entries under ``root``
     (``disk_budget_bytes``; None: ``disk_free_share`` of the room found at start-up, see
     ``choose_disk_budget``); eviction order from ``POLICIES[policy]``. Thread-safe."""
 
@@ -99,6 +115,8 @@ class TieredActivationCache:
         pin_memory: bool = False,
         prefetch_threads: int = 1,
         disk_free_share: float = 0.5,
+        device_budget_bytes: int = 0,
+        device: torch.device | str = "cpu",
     ):
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}: choose one of {sorted(POLICIES)}")
@@ -110,7 +128,10 @@ class TieredActivationCache:
         budget = choose_disk_budget(
             disk_budget_bytes, disk_free_share, free_bytes(self.root), found.held_bytes
         )
-        self._manager = CacheManager(ram_budget_bytes, budget.budget_bytes, POLICIES[policy])
+        self.device = torch.device(device)
+        self._manager = CacheManager(
+            ram_budget_bytes, budget.budget_bytes, POLICIES[policy], device_budget_bytes
+        )
         metrics = self._manager.metrics
         metrics.corrupt_entries = found.corrupt
         metrics.partials_removed = found.partials_removed
@@ -127,13 +148,17 @@ class TieredActivationCache:
         self._lock = threading.Lock()
         # one commit at a time: two of one key must not interleave
         self._commit_lock = threading.Lock()
+        self._device: dict[str, MemoryTemplateCache] = {}  # copies on ``self.device``
         self._ram: dict[str, MemoryTemplateCache] = {}
         self._loads: dict[str, _Load] = {}
+        self._promotions: dict[str, Future] = {}
         self._seen_ns: dict[str, int] = {}  # entry id -> last manifest mtime this worker set or saw
         self._recordings: dict[str, CacheWriter] = {}  # entry id -> this process's live recording
         self._executor = ThreadPoolExecutor(
             max_workers=prefetch_threads, thread_name_prefix="cache-prefetch"
         )
+        # RAM -> device copies: not queued behind disk reads
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-device-copy")
         self._closed = False
         with self._lock:  # oldest first, so that recency policies rank them by age
             for entry in found.entries:
@@ -214,8 +239,9 @@ class TieredActivationCache:
 
     # ----- reading --------------------------------------------------------------------------------
     def acquire(self, key: CacheKey) -> MemoryTemplateCache | TemplateCache | None:
-        """A pinned handle for ``key`` (``release`` it when done), from RAM whenever the entry fits
-        there, or None on a miss or an unusable entry. Raises only ``CacheMismatchError``."""
+        """A pinned handle for ``key`` (``release`` it when done): its device copy when it has one,
+        else from RAM whenever the entry fits there (a hit in RAM starts its promotion to the
+        device), or None on a miss or an unusable entry. Raises only ``CacheMismatchError``."""
         entry_id = key.digest()
         with self._lock:
             self._discover(entry_id)
@@ -224,7 +250,11 @@ class TieredActivationCache:
                 return None
             self._stamp_use(entry_id)
             self._manager.pin(entry_id)
-            handle = self._ram.get(entry_id)
+            handle = self._device.get(entry_id)
+            if handle is None:
+                handle = self._ram.get(entry_id)
+            if residency is Residency.RAM:
+                self._promote_locked(entry_id, for_queued_job=False)
             load, run_here = self._pending_load(entry_id, residency)
         if handle is None:
             handle = self._finish_load(entry_id, load, run_here)
@@ -242,7 +272,7 @@ class TieredActivationCache:
     def _pending_load(self, entry_id: str, residency: Residency) -> tuple[_Load | None, bool]:
         """Under the lock: the load to run here or wait for (reserved now when on disk only), and
         whether this thread runs it."""
-        if residency is Residency.RAM:
+        if residency in (Residency.DEVICE, Residency.RAM):
             return None, False
         load = (
             self._loads.get(entry_id)
@@ -275,22 +305,25 @@ class TieredActivationCache:
             self._discard(key.digest(), error)
 
     def prefetch(self, key: CacheKey) -> None:
-        """Start loading ``key`` from disk into RAM in the background; a no-op unless it is on disk
-        only, or when RAM is taken by entries in use or prefetched for jobs queued earlier (their
-        rows come first; ``ready`` starts the read when this row's turn comes)."""
+        """Start loading ``key`` from disk into RAM in the background, then copying it to the
+        device (or copying it at once when it is in RAM already); nothing where it is, or when the
+        tier is taken by entries in use or prefetched for jobs queued earlier (their rows come
+        first; ``ready`` starts the read when this row's turn comes)."""
         with self._lock:
             self._prefetch_locked(key.digest(), speculative=True)
 
     def _prefetch_locked(self, entry_id: str, speculative: bool) -> None:
         """Under the lock: start the disk -> RAM load the manager plans for an entry on disk only
         (``CacheManager.plan_prefetch``: a ``speculative`` one never evicts entries prefetched for
-        queued rows)."""
+        queued rows), or the RAM -> device copy of an entry in RAM."""
         self._discover(entry_id)
         if self._closed:
             return
         plan = self._manager.plan_prefetch(entry_id, time.monotonic(), speculative)
         if plan is not None:
-            self._start_load(entry_id, plan.evictions)
+            self._start_load(entry_id, plan.evictions, for_queued_job=True)
+        elif self._manager.residency(entry_id) is Residency.RAM:
+            self._promote_locked(entry_id, for_queued_job=True)
 
     def ready(self, key: CacheKey) -> bool:
         """Whether a row of ``key`` may join the batch now, ``acquire(key)`` returning at once
@@ -314,12 +347,16 @@ class TieredActivationCache:
         return self._start_load(entry_id, plan.evictions, background)
 
     def _start_load(
-        self, entry_id: str, evictions: tuple[Eviction, ...], background: bool = True
+        self,
+        entry_id: str,
+        evictions: tuple[Eviction, ...],
+        background: bool = True,
+        for_queued_job: bool = False,
     ) -> _Load:
         """Under the lock: execute a reserved load's evictions and register the load; run it on the
         prefetch threads when ``background`` (else the caller claims it)."""
         self._execute(evictions)
-        load = self._loads[entry_id] = _Load()
+        load = self._loads[entry_id] = _Load(for_queued_job=for_queued_job)
         if background:
             self._executor.submit(self._claim_and_run, entry_id, load)
         return load
@@ -354,6 +391,7 @@ class TieredActivationCache:
                     handle.bytes_total,
                     time.perf_counter() - started,
                 )
+                self._promote_locked(entry_id, load.for_queued_job)
             else:
                 handle = None  # forgotten while loading
         load.done.set_result(handle)
@@ -367,6 +405,51 @@ class TieredActivationCache:
             with self._lock:
                 self._discard(entry_id, exc)
             return None
+
+    # ----- the device tier ----------------------------------------------------------------------
+    def _promote_locked(self, entry_id: str, for_queued_job: bool) -> None:
+        """Under the lock: start the RAM -> device copy the manager plans (none while the tier is
+        off, full of entries in use or promoted for queued jobs, or the entry is not in RAM)."""
+        if self._closed:
+            return
+        plan = self._manager.plan_promotion(entry_id, for_queued_job)
+        if plan is None:
+            return
+        self._execute(plan.evictions)
+        source = self._ram[entry_id]
+        self._promotions[entry_id] = self._copier.submit(self._run_promotion, entry_id, source)
+
+    def _run_promotion(self, entry_id: str, source: MemoryTemplateCache) -> None:
+        """Outside the lock: copy the entry to the device, then publish it under the lock (or
+        return its reservation: out of device memory, or forgotten meanwhile)."""
+        on_device = None
+        try:
+            on_device = source.to_device(self.device)
+        except Exception:  # e.g. out of device memory: the entry stays readable from RAM
+            log.exception("cache promotion to %s failed entry=%s", self.device, entry_id)
+        with self._lock:
+            self._promotions.pop(entry_id, None)
+            self._manager.complete_promotion(entry_id, ok=on_device is not None)
+            if on_device is not None and self._manager.residency(entry_id) is Residency.DEVICE:
+                self._device[entry_id] = on_device
+
+    def release_device_bytes(self, nbytes: int) -> int:
+        """Give back at least ``nbytes`` of device memory (less when the device tier's unpinned
+        entries hold less), demoting entries by the policy; returns the bytes released. The
+        tier's budget shrinks by as much, so later promotions leave that memory to the caller (a
+        worker that met CUDA out-of-memory; PyTorch's allocator reuses the freed blocks when it
+        retries)."""
+        with self._lock:
+            release = self._manager.release_device(nbytes)
+            self._execute(release.evictions)
+            budget = self._manager.budget_bytes[Tier.DEVICE]
+        log.warning(
+            "cache device tier gave back bytes=%d asked=%d budget_bytes=%d",
+            release.released_bytes,
+            nbytes,
+            budget,
+        )
+        return release.released_bytes
 
     # ----- recording ------------------------------------------------------------------------------
     def writer(
@@ -482,8 +565,21 @@ class TieredActivationCache:
                 shutil.rmtree(self.root / action.entry_id, ignore_errors=True)
             elif isinstance(action, DropFromRam):
                 self._ram.pop(action.entry_id)
-            else:
+            elif isinstance(action, DropFromDevice):
+                self._device.pop(action.entry_id)
+            elif isinstance(action, DemoteToRam):
+                self._demote(action.entry_id)
+            elif isinstance(action, SpillToDisk):
                 self._spill(action.entry_id)
+
+    def _demote(self, entry_id: str) -> None:
+        """Copy a device entry back to host memory (its RAM copy was dropped meanwhile)."""
+        on_device = self._device.pop(entry_id)
+        try:
+            self._ram[entry_id] = on_device.to_host(self.pin_memory)
+        except Exception as exc:  # e.g. out of pinned host memory: the copy is lost
+            log.warning("cache demotion failed entry=%s error=%s: entry dropped", entry_id, exc)
+            self._manager.forget(entry_id)
 
     def _spill(self, entry_id: str) -> None:
         handle = self._ram.pop(entry_id)
@@ -500,10 +596,12 @@ class TieredActivationCache:
             log.info("cache entry gone from disk entry=%s: deleted by another worker", entry_id)
             self._manager.forget(entry_id)
             self._ram.pop(entry_id, None)
+            self._device.pop(entry_id, None)
             return
         log.warning("cache entry unusable, deleted entry=%s error=%s", entry_id, exc)
         self._manager.forget(entry_id, corrupt=True)
         self._ram.pop(entry_id, None)
+        self._device.pop(entry_id, None)
         shutil.rmtree(self.root / entry_id, ignore_errors=True)
 
     # ----- introspection --------------------------------------------------------------------------
@@ -519,11 +617,16 @@ class TieredActivationCache:
             return self._manager.resident(tier)
 
     def wait_for_loads(self, timeout_s: float | None = None) -> None:
-        """Block until the loads in flight now (prefetches, promotions) have finished."""
+        """Block until the loads in flight now (prefetches, promotions) have finished, the device
+        copies they start included."""
         with self._lock:
             pending = [load.done for load in self._loads.values()]
         for done in pending:
             done.result(timeout=timeout_s)
+        with self._lock:
+            promotions = list(self._promotions.values())
+        for promotion in promotions:
+            promotion.result(timeout=timeout_s)
 
     def close(self) -> None:
         """Finish in-flight loads, stop the prefetch threads and abort the recordings still open
@@ -534,3 +637,4 @@ class TieredActivationCache:
         for writer in open_recordings:
             writer.abort()
         self._executor.shutdown(wait=True)
+        self._copier.shutdown(wait=True)

@@ -263,6 +263,9 @@ class ManifestView:
     ``backend.cache.MemoryTemplateCache`` in RAM): ``self.manifest`` is the parsed manifest."""
 
     manifest: dict
+    # the compute device the entry's tensors live on (a device-tier copy: the cache feeder reads
+    # them there without a copy); None: host memory or disk, copied to the device each step
+    device: torch.device | None = None
 
     @property
     def num_steps(self) -> int:

@@ -3,7 +3,9 @@
 Invariants: each (template, step, unit, tensor) is read and copied once per step however many rows
 share it (CFG halves, or several requests on one template); on CUDA the copies run in unit order on
 a side stream from pinned host memory and ``wait_for(unit)`` makes the compute stream wait only
-for that unit's copies, so loading overlaps the compute of earlier units.
+for that unit's copies, so loading overlaps the compute of earlier units; a template whose cache
+lives on the compute device already (a device-tier copy, ``cache.device``) is read there: no host
+read, no copy, nothing counted in ``bytes_loaded``.
 """
 
 from __future__ import annotations
@@ -53,11 +55,14 @@ class BatchCacheFeeder:
         if self.device.type == "cuda":
             self._start_async(units)
 
-    def _host_tensor(self, group, unit: int, name: str) -> torch.Tensor | None:
+    def _cache_tensor(self, group, unit: int, name: str) -> torch.Tensor | None:
         ref = self._groups[group]
         if not ref.cache.has(ref.step, unit, name):
             return None
         return ref.cache.step_tensor(ref.step, unit, name)
+
+    def _on_device(self, group) -> bool:
+        return self._groups[group].cache.device == self.device
 
     def _start_async(self, units: Sequence[int]) -> None:
         stream = torch.cuda.Stream(device=self.device)
@@ -67,14 +72,19 @@ class BatchCacheFeeder:
             for unit in units:
                 for group in self._groups:
                     for name in self._names:
-                        host = self._host_tensor(group, unit, name)
-                        if host is None:
+                        cached = self._cache_tensor(group, unit, name)
+                        if cached is None:
                             continue
-                        loaded = host.pin_memory().to(self.device, non_blocking=True)
+                        if self._on_device(group):
+                            # the cache frees it only once the compute queued meanwhile is done
+                            cached.record_stream(compute)
+                            self._loaded[(group, unit, name)] = cached
+                            continue
+                        loaded = cached.pin_memory().to(self.device, non_blocking=True)
                         # the compute stream reads it: keep the allocator from reusing it too early
                         loaded.record_stream(compute)
                         self._loaded[(group, unit, name)] = loaded
-                        self.bytes_loaded += host.numel() * host.element_size()
+                        self.bytes_loaded += cached.numel() * cached.element_size()
                 event = torch.cuda.Event()
                 event.record(stream)
                 self._events[unit] = event
@@ -87,11 +97,14 @@ class BatchCacheFeeder:
     def _group_tensor(self, group, unit: int, name: str) -> torch.Tensor:
         key = (group, unit, name)
         if key not in self._loaded:
-            host = self._host_tensor(group, unit, name)
-            if host is None:
+            cached = self._cache_tensor(group, unit, name)
+            if cached is None:
                 raise KeyError(f"cache has no tensor {name!r} for unit {unit}")
-            self._loaded[key] = host.to(self.device)
-            self.bytes_loaded += host.numel() * host.element_size()
+            if self._on_device(group):
+                self._loaded[key] = cached
+                return cached
+            self._loaded[key] = cached.to(self.device)
+            self.bytes_loaded += cached.numel() * cached.element_size()
         return self._loaded[key]
 
     def rows_tensor(self, unit: int, name: str, rows: tuple[int, int]) -> torch.Tensor:
