@@ -30,6 +30,7 @@ from backend.protocol.keys import POST_QUEUE, PRE_QUEUE
 CacheMode = Literal["kv", "hidden"]
 DTypeName = Literal["float32", "float16", "bfloat16"]
 AttentionBatching = Literal["auto", "grouped", "padded"]
+StepShapes = Literal["auto", "exact", "bucketed"]
 LoraBatching = Literal["grouped", "stacked"]
 
 ENV_PREFIX = "MASKSERVE_"
@@ -110,6 +111,12 @@ class EngineSettings(_Strict):
     query padded), ``padded`` (one call per layer for the whole batch, each request's queries
     padded to the longest request's), ``auto`` (padded on CUDA, whose steps are bound by launching
     operators; grouped on the CPU, which would compute the padding)."""
+    step_shapes: StepShapes = "auto"
+    """Tensor shapes of a step: ``exact`` (each row computes its own masked tokens), ``bucketed``
+    (requests padded to a power of two, each grid's masked tokens to a bucket at most a quarter
+    above the longest row's: a few shapes recur, so compiled or captured steps are reused), ``auto``
+    (bucketed on CUDA, whose steps are bound by launching operators; exact on the CPU, which would
+    compute the padding)."""
     lora_batching: LoraBatching = "stacked"
     """How a batch's LoRA adapters reach their rows in each adapted layer: ``stacked`` (the batch's
     adapters stacked into one down and one up matrix: three operators per layer whatever the

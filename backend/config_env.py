@@ -47,6 +47,7 @@ ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "CACHE_MODE": ("engine", "cache_mode"),
     "MASK_MARGIN": ("engine", "mask_margin_tokens"),
     "ATTENTION": ("engine", "attention"),
+    "STEP_SHAPES": ("engine", "step_shapes"),
     "LORA_BATCHING": ("engine", "lora_batching"),
     "LOG_LEVEL": (None, "log_level"),
     "WORKER_ID": ("worker", "worker_id"),

@@ -38,6 +38,7 @@ PURE_CORES = (
     "backend.costmodel.profiles",
     "backend.models.catalog",
     "backend.models",
+    "backend.engine.buckets",
     "backend.worker.batching",
     "backend.worker.admission",
     "backend.dispatch.router",

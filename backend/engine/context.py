@@ -46,6 +46,14 @@ class CacheSource(Protocol):
         ...
 
 
+class LayoutSource(Protocol):
+    """The layouts of one batch, from elsewhere than its row masks (``step_layouts``)."""
+
+    def layout(self, grid_hw: tuple[int, int]) -> RowLayout: ...
+
+    def dense_layout(self, num_tokens: int) -> RowLayout: ...
+
+
 @dataclass
 class ForwardContext:
     row_token_masks: Sequence[TokenMaskFn | None]  # None: the row computes every token
@@ -57,6 +65,9 @@ class ForwardContext:
     unit_seconds: dict[int, float] | None = None  # filled by profiling runs: unit -> seconds
     lora: BatchLora | None = None  # the rows' adapters (None: every row runs the base model)
     padded_attention: bool = False  # every row in one attention call (``ragged_attention``)
+    # static shapes: the batch's bucketed layouts, built when its rows were admitted (None: built
+    # here from ``row_token_masks``, each row with its own token count)
+    layouts: LayoutSource | None = None
     _layouts: dict[tuple[int, int], RowLayout] = field(default_factory=dict)
 
     @property
@@ -73,6 +84,8 @@ class ForwardContext:
 
     def layout(self, grid_hw: tuple[int, int]) -> RowLayout:
         """Masked-token layout of the batch on one token grid (memoised per forward)."""
+        if self.layouts is not None:
+            return self.layouts.layout(grid_hw)
         if grid_hw not in self._layouts:
             num_tokens = grid_hw[0] * grid_hw[1]
             masks = [
@@ -83,6 +96,8 @@ class ForwardContext:
         return self._layouts[grid_hw]
 
     def dense_layout(self, num_tokens: int) -> RowLayout:
+        if self.layouts is not None:
+            return self.layouts.dense_layout(num_tokens)
         key = (-1, num_tokens)  # a slot apart from masked layouts (grid sizes are positive)
         if key not in self._layouts:
             self._layouts[key] = full_layout(self.num_rows, num_tokens, self.device)
@@ -120,7 +135,7 @@ class ForwardContext:
         """(g, L, ...): one group's cached tensor with its selected tokens replaced by ``fresh``
         (g, n, ...)."""
         indices = layout.indices[group[0]]
-        if indices.numel() == layout.num_tokens:
+        if layout.row_is_full(group[0]):
             return fresh
         cached = self.cached(unit, name, group)
         return replace_rows(cached.reshape(*cached.shape[:2], *fresh.shape[2:]), indices, fresh)
@@ -138,7 +153,7 @@ class ForwardContext:
         buffer, so the cached tokens are copied once (not merged, then copied again by a
         concatenation)."""
         indices = layout.indices[group[0]]
-        if indices.numel() == layout.num_tokens:
+        if layout.row_is_full(group[0]):
             return torch.cat([prefix, fresh], dim=1)
         out = self._prefixed_cache(unit, name, group, fresh.shape[2:], prefix)
         return out.index_copy_(1, indices + prefix.shape[1], fresh)

@@ -41,6 +41,7 @@ from backend.cache.key import (
 )
 from backend.engine import cache_store
 from backend.engine.attention import check_attention_batching, pads_attention
+from backend.engine.buckets import buckets_steps, check_step_shapes, row_bucket
 from backend.engine.cache_store import CacheWriter, TemplateCache, check_recording
 from backend.engine.context import ForwardContext, active_context
 from backend.engine.families import (
@@ -52,8 +53,10 @@ from backend.engine.families import (
 )
 from backend.engine.feeder import MODE_TENSORS, BatchCacheFeeder, RowCacheRef
 from backend.engine.host import to_device
+from backend.engine.layout import row_tokens
 from backend.engine.lora import ResidentAdapters, RowAdapters, check_lora_batching
 from backend.engine.prepared import PreparedRequest
+from backend.engine.step_layouts import LayoutMemo, StepLayouts, TokensOf
 from backend.engine.stepping import batched_step, guide_all
 from backend.imaging.masks import (
     feather,
@@ -101,6 +104,8 @@ class EditState:
     latents: torch.Tensor
     fresh: torch.Tensor  # bool, broadcastable to latents: tokens this request computes itself
     token_masks: object  # callable grid -> flat bool tensor, or None (every token fresh)
+    # bucketed steps: grid -> the request's RowTokens on the device, built when it is admitted
+    tokens: TokensOf | None = None
     cache: TemplateCache | None = None
     trajectory: torch.Tensor | None = None  # (steps + 1, *latents.shape[1:]) template latents
     writer: CacheWriter | None = None
@@ -134,9 +139,12 @@ class MaskAwareEngine:
         planners: dict | None = None,
         attention: str = "auto",
         lora_batching: str = "stacked",
+        step_shapes: str = "auto",
     ):
         self.pipe, self.spec, self.cache_root = pipe, spec, Path(cache_root)
         self.attention = check_attention_batching(attention)
+        self.step_shapes = check_step_shapes(step_shapes)
+        self._layout_memo: LayoutMemo | None = None
         self.lora_batching = check_lora_batching(lora_batching)
         self.adapter = ADAPTERS[spec.family](pipe, spec.max_sequence_length)
         # mode -> planner(states, mode) -> use_cache per unit (profiler.make_planner); none: all
@@ -328,6 +336,10 @@ class MaskAwareEngine:
             token_masks=None if dense else self._token_mask_fn(prepared.pixels, params.mask_margin),
             adapters=tuple(adapters),
         )
+        if not dense and self.buckets(req.init_latents.device):
+            state.tokens = self._tokens_of(
+                state.token_masks, req.init_latents.device, self._grids(grid)
+            )
         if not dense:
             trajectory = to_device(cache.trajectory("latents"), req.init_latents.device)
             state.cache, state.trajectory = cache, trajectory.to(req.init_latents.dtype)
@@ -368,6 +380,36 @@ class MaskAwareEngine:
 
         return tokens
 
+    def buckets(self, device: torch.device) -> bool:
+        """Whether steps on ``device`` run with bucketed (static) shapes (``step_shapes``)."""
+        return buckets_steps(self.step_shapes, torch.device(device).type)
+
+    def layout_memo(self, device: torch.device) -> LayoutMemo:
+        device = torch.device(device)
+        if self._layout_memo is None or self._layout_memo.device != device:
+            self._layout_memo = LayoutMemo(device)
+        return self._layout_memo
+
+    def _grids(self, grid: tuple[int, int]) -> list[tuple[int, int]]:
+        """The token grids of the denoiser's mask-aware stacks over a latent token ``grid`` (one
+        per halving)."""
+        return [(grid[0] >> k, grid[1] >> k) for k in range(self.spec.traits.grid_halvings + 1)]
+
+    @staticmethod
+    def _tokens_of(masks, device: torch.device, grids: list[tuple[int, int]]) -> TokensOf:
+        """A request's ``RowTokens`` per grid from its token masks, put on the device now for
+        ``grids`` (a grid asked for later is built once, then kept too)."""
+        built: dict[tuple[int, int], object] = {}
+
+        def tokens(grid_hw: tuple[int, int]):
+            if grid_hw not in built:
+                built[grid_hw] = row_tokens(masks(grid_hw), grid_hw[0] * grid_hw[1], device)
+            return built[grid_hw]
+
+        for grid_hw in grids:
+            tokens(grid_hw)
+        return tokens
+
     def plan(self, states: list[EditState], mode: str) -> tuple[bool, ...]:
         if not any(s.cache is not None for s in states):
             return (False,) * self.num_units
@@ -384,33 +426,44 @@ class MaskAwareEngine:
 
         Returns the seconds the denoiser's forward pass took (the rest of the call is batching
         work).
-        ``unit_seconds``, when given, receives the time each unit took (profiling)."""
-        rows, row_t, refs, masks, reqs = [], [], [], [], []
-        for s in states:
+        ``unit_seconds``, when given, receives the time each unit took (profiling).
+
+        Bucketed (``buckets``): the forward runs ``row_bucket(len(states))`` requests, the last
+        one repeated into the added places, each grid's masked tokens in their bucket; only the
+        real rows' predictions are used or recorded."""
+        device = states[0].latents.device
+        bucketed = self.buckets(device)
+        running = states
+        if bucketed:
+            running = states + [states[-1]] * (row_bucket(len(states)) - len(states))
+        rows, row_t, refs, masks, reqs, tokens = [], [], [], [], [], []
+        for s in running:
             t = s.req.timesteps[s.step]
             rows.append(self.adapter.step_rows(s.req, s.latents, t))
             row_t.append(t.reshape(1).repeat(s.req.halves))
+            if bucketed and s.token_masks is not None and s.tokens is None:
+                s.tokens = self._tokens_of(s.token_masks, device, [])  # admitted unbucketed
             for half in range(s.req.halves):
                 refs.append(RowCacheRef(s.cache, s.step, half) if s.cache is not None else None)
                 masks.append(s.token_masks)
+                tokens.append(s.tokens)
             reqs.append(s.req)
         use_cache = self.plan(states, mode)
         units = [u for u in range(self.num_units) if use_cache[u]]
-        feeder = BatchCacheFeeder(refs, units, mode, rows[0].device) if units else None
+        feeder = BatchCacheFeeder(refs, units, mode, device) if units else None
         recording = check_recording(states, bool(units))
-        row_adapters = [s.adapters for s in states for _ in range(s.req.halves)]
+        row_adapters = [s.adapters for s in running for _ in range(s.req.halves)]
         ctx = ForwardContext(
             masks,
             use_cache,
             mode,
             feeder,
             {} if recording else None,
-            rows[0].device,
+            device,
             unit_seconds=unit_seconds,
-            lora=self.adapters.batch(
-                row_adapters, rows[0].device, stacked=self.lora_batching == "stacked"
-            ),
-            padded_attention=pads_attention(self.attention, rows[0].device),
+            lora=self.adapters.batch(row_adapters, device, stacked=self.lora_batching == "stacked"),
+            padded_attention=bucketed or pads_attention(self.attention, device),
+            layouts=StepLayouts(tokens, self.layout_memo(device)) if bucketed else None,
         )
         # Nothing to reuse, record, adapt or time: the model's own (fastest dense) forward does
         # the same math.
@@ -422,6 +475,8 @@ class MaskAwareEngine:
         if prediction.is_cuda:
             torch.cuda.synchronize(prediction.device)  # forward time, not launch time
         forward_s = time.perf_counter() - forward_started
+        if len(running) > len(states):
+            prediction = prediction[: sum(s.req.halves for s in states)]
         offset = 0
         for s in states:
             if s.writer is not None:

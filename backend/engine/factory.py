@@ -65,6 +65,7 @@ def build_engine(
         spec,
         settings.paths.resolved_cache_dir(),
         attention=settings.engine.attention,
+        step_shapes=settings.engine.step_shapes,
         lora_batching=settings.engine.lora_batching,
     )
     if role != CPU_STAGES:

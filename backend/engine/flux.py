@@ -189,7 +189,7 @@ class _Shared:
         if layout is self.masked:
             return self.rope_masked
         if id(layout) not in self._rope_memo:
-            self._rope_memo[id(layout)] = self.rope_image.index_select(0, torch.cat(layout.indices))
+            self._rope_memo[id(layout)] = self.rope_image.index_select(0, layout.packed_tokens)
         return self._rope_memo[id(layout)]
 
 
@@ -243,7 +243,7 @@ def run_flux(
         masked,
         rotations[:num_text],
         image,
-        image.index_select(0, torch.cat(masked.indices)),
+        image.index_select(0, masked.packed_tokens),
         ctx,
         last_unit=len(model.transformer_blocks) + len(model.single_transformer_blocks) - 1,
     )

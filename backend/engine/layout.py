@@ -5,6 +5,13 @@ computes the tokens ``indices[r]`` (sorted, unique). Token-wise ops run on a *pa
 ``(total, C)`` that concatenates the selected tokens of every row in row order, so no row is
 padded to the largest mask. Invariants: ``offsets[r + 1] - offsets[r] == len(indices[r])`` and
 ``flat_index`` addresses the same tokens in a ``(num_rows * num_tokens, C)`` view.
+
+A *bucketed* layout (``bucketed_layout``) has static shapes: every row holds the same number of
+tokens, a bucket (``backend.engine.buckets``) at least its longest row's count; a row's places past
+its own count repeat its last selected token. A repeated token reads the same input as the token it
+repeats, so it computes the same values and writes them to the same place: it changes no real
+output. ``counts`` keeps each row's own count, so a row is read as full (no cache merged) only when
+it selects every token itself.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ class RowLayout:
     # the longest row (``max_tokens``); None when every row has ``max_tokens`` tokens (the packed
     # tensor is that tensor already).
     padded_index: torch.Tensor | None = None
+    counts: tuple[int, ...] = ()  # tokens each row selects itself (its padding not counted)
+    tokens: torch.Tensor | None = None  # LongTensor (total,): each packed token's grid id
 
     @property
     def num_rows(self) -> int:
@@ -44,7 +53,17 @@ class RowLayout:
     @property
     def every_row_partial(self) -> bool:
         """Every row selects fewer than all tokens (so every row reads a cache, where one is)."""
-        return all(idx.numel() < self.num_tokens for idx in self.indices)
+        return all(count < self.num_tokens for count in self.counts)
+
+    def row_is_full(self, row: int) -> bool:
+        """Row ``row`` selects every token itself (it reads no cache)."""
+        return self.counts[row] == self.num_tokens
+
+    @property
+    def packed_tokens(self) -> torch.Tensor:
+        """Each packed token's grid id (total,)."""
+        assert self.tokens is not None  # both constructors set it
+        return self.tokens
 
     @property
     def max_tokens(self) -> int:
@@ -101,9 +120,12 @@ def make_layout(row_masks: list[torch.Tensor], device: torch.device | str = "cpu
     indices = tokens.split(counts)
     flat = row_of_token * num_tokens + tokens
     moved = to_device_together(
-        [*indices, flat, row_of_token, *_padded_places(offsets, row_of_token)], device
+        [*indices, flat, row_of_token, tokens, *_padded_places(offsets, row_of_token)], device
     )
-    indices, (flat_index, row_of_token, *padded) = moved[: len(indices)], moved[len(indices) :]
+    indices, (flat_index, row_of_token, tokens, *padded) = (
+        moved[: len(indices)],
+        moved[len(indices) :],
+    )
     return RowLayout(
         num_tokens,
         tuple(indices),
@@ -113,6 +135,8 @@ def make_layout(row_masks: list[torch.Tensor], device: torch.device | str = "cpu
         offsets[-1] == num_tokens * len(row_masks),
         _runs(masks),
         padded[0] if padded else None,
+        tuple(counts),
+        tokens,
     )
 
 
@@ -137,3 +161,83 @@ def _runs(masks: torch.Tensor) -> tuple[tuple[int, int], ...]:
 def full_layout(num_rows: int, num_tokens: int, device: torch.device | str = "cpu") -> RowLayout:
     ones = torch.ones(num_tokens, dtype=torch.bool)
     return make_layout([ones] * num_rows, device)
+
+
+@dataclass(frozen=True, eq=False)
+class RowTokens:
+    """One request's selected tokens on one grid, on the compute device, built once when the
+    request is admitted: ``ordered`` (num_tokens,) holds the ``count`` selected token ids, sorted,
+    then the last of them repeated, so its first ``b`` entries are the request's row in a bucket of
+    ``b >= count`` tokens (a view: no operator). ``pattern`` identifies the selection on the host
+    (equal patterns: equal selections). Compared by identity (a layout memo keys on it)."""
+
+    ordered: torch.Tensor
+    count: int
+    pattern: bytes
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.ordered.numel())
+
+
+def row_tokens(mask: torch.Tensor | None, num_tokens: int, device) -> RowTokens:
+    """``RowTokens`` of a flat bool ``mask`` (None: every token), in one host -> device copy."""
+    if mask is None:
+        return RowTokens(to_device_together([torch.arange(num_tokens)], device)[0], num_tokens, b"")
+    flat = mask.reshape(-1).cpu()
+    if flat.numel() != num_tokens:
+        raise ValueError(f"a token mask of {flat.numel()} tokens on a grid of {num_tokens}")
+    selected = torch.nonzero(flat).reshape(-1)
+    count = int(selected.numel())
+    if count == 0:
+        raise ValueError("a row selects at least one token")
+    ordered = torch.cat([selected, selected[-1:].expand(num_tokens - count)])
+    pattern = b"" if count == num_tokens else flat.numpy().tobytes()
+    return RowTokens(to_device_together([ordered], device)[0], count, pattern)
+
+
+class RowPlaces:
+    """Per (rows, tokens per row, grid tokens): the device tensors of a regular batch that do not
+    depend on which tokens the rows select (built once each, kept; a few shapes recur)."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self._memo: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, rows: int, width: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row_of_token, row start in the flat grid of each packed token), each (rows * width,)."""
+        key = (rows, width, num_tokens)
+        if key not in self._memo:
+            row_of_token = torch.arange(rows).repeat_interleave(width)
+            self._memo[key] = tuple(  # type: ignore[assignment]
+                to_device_together([row_of_token, row_of_token * num_tokens], self.device)
+            )
+        return self._memo[key]
+
+
+def bucketed_layout(rows: list[RowTokens], width: int, places: RowPlaces) -> RowLayout:
+    """The regular layout of ``rows``, each holding ``width`` tokens (a bucket at least the longest
+    row's count): two device operators (a concatenation and an add), no host -> device copy."""
+    if not rows:
+        raise ValueError("a layout needs at least one row")
+    num_tokens = rows[0].num_tokens
+    if any(row.num_tokens != num_tokens for row in rows):
+        raise ValueError("all rows of a layout must share one token grid")
+    if not max(row.count for row in rows) <= width <= num_tokens:
+        raise ValueError(f"a bucket of {width} tokens cannot hold these rows on {num_tokens}")
+    indices = tuple(row.ordered[:width] for row in rows)
+    tokens = torch.cat(indices) if len(indices) > 1 else indices[0]
+    row_of_token, row_start = places.get(len(rows), width, num_tokens)
+    starts = [0, *(r + 1 for r in range(len(rows) - 1) if rows[r + 1].pattern != rows[r].pattern)]
+    return RowLayout(
+        num_tokens,
+        indices,
+        tuple(range(0, width * len(rows) + 1, width)),
+        tokens + row_start,
+        row_of_token,
+        all(row.count == num_tokens for row in rows),
+        tuple(zip(starts, [*starts[1:], len(rows)])),
+        None,
+        tuple(row.count for row in rows),
+        tokens,
+    )
