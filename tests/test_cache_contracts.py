@@ -3,8 +3,8 @@
 Writers: ``CacheWriter`` as the engine uses it, as the tiered cache uses it (stopping at the first
 disk error), and the spill of a RAM entry (``MemoryTemplateCache.save``, through the same writer).
 Readers (the ``TemplateCache`` read API): the lazy disk ``TemplateCache``, ``MemoryTemplateCache``,
-and the handles ``TieredActivationCache.acquire`` returns from RAM and, for an entry too large for
-RAM, from disk.
+and the handles ``TieredActivationCache.acquire`` returns from its device tier (CPU tensors standing
+in for the device), from RAM and, for an entry too large for RAM, from disk.
 """
 
 from __future__ import annotations
@@ -103,10 +103,25 @@ def read_through_the_tiered_cache(path: Path, ram_bytes: int = 1 << 30):
     return handle
 
 
+def read_from_the_device_tier(path: Path):
+    """The device copy ``acquire`` returns once a hit in RAM promoted the entry."""
+    tiered = TieredActivationCache(
+        path.parent, 1 << 30, 1 << 30, device_budget_bytes=1 << 30, device="cpu"
+    )
+    tiered.acquire(make_key())
+    tiered.release(make_key())
+    tiered.wait_for_loads()
+    handle = tiered.acquire(make_key())
+    tiered.close()
+    assert handle is None or handle.device == torch.device("cpu")  # None: unusable, a miss
+    return handle
+
+
 READERS = {
     "disk": read_from_disk,
     "memory": read_into_memory,
     "tiered-ram": read_through_the_tiered_cache,
+    "tiered-device": read_from_the_device_tier,
     "tiered-disk": lambda path: read_through_the_tiered_cache(path, ram_bytes=1),
 }
 
