@@ -182,8 +182,17 @@ class WorkerSettings(_Strict):
 
 
 class CacheSettings(_Strict):
-    """The tiered activation cache: host RAM above disk, each with a byte budget."""
+    """The tiered activation cache: device memory above host RAM above disk, each with a byte
+    budget."""
 
+    device_budget_mb: int | None = Field(default=None, ge=0)
+    """Device tier budget, MiB: template caches kept in the compute device's memory, which a step
+    reads without touching host memory; 0: no device tier; unset: automatic on CUDA (the memory
+    free once the model is loaded, less a full batch's activations and ``device_margin_share`` of
+    the device's memory), no device tier on the CPU."""
+    device_margin_share: float = Field(default=0.1, ge=0.0, lt=1.0)
+    """With ``device_budget_mb`` unset, on CUDA: the share of the device's memory the device tier
+    leaves free beside the model and a full batch's activations."""
     ram_budget_mb: int = Field(default=4096, ge=0)
     """Host-RAM tier budget (pinned memory on CUDA), MiB."""
     disk_budget_mb: int = Field(default=0, ge=0)
@@ -193,7 +202,7 @@ class CacheSettings(_Strict):
     """With ``disk_budget_mb`` 0: the share of the cache directory's room (free space plus what
     the cache's entries hold) the disk tier may use; the rest stays free for everything else."""
     policy: EvictionPolicy = "lru"
-    """Eviction policy of both tiers: ``lru``, or ``lfu`` with dynamic ageing."""
+    """Eviction policy of every tier: ``lru``, or ``lfu`` with dynamic ageing."""
 
 
 class RedisSettings(_Strict):

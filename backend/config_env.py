@@ -58,6 +58,7 @@ ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "PREVIEW_EVERY": ("worker", "preview_every"),
     "PREVIEW_PX": ("worker", "preview_px"),
     "PREVIEW_BUDGET": ("worker", "preview_budget"),
+    "DEVICE_CACHE_MB": ("cache", "device_budget_mb"),
     "RAM_CACHE_MB": ("cache", "ram_budget_mb"),
     "DISK_CACHE_MB": ("cache", "disk_budget_mb"),
     "CACHE_POLICY": ("cache", "policy"),

@@ -8,10 +8,15 @@ import pytest
 import torch
 
 from backend.cache import MemoryTemplateCache, Tier, TieredActivationCache
+from backend.cache.budgets import batch_activation_bytes, choose_device_budget
+from backend.config import load_settings
+from backend.costmodel.costs import UnitShape
 from backend.engine.feeder import BatchCacheFeeder, RowCacheRef
+from backend.worker.cache_budget import device_cache_budget
 from tests.test_cache_store import NUM_UNITS, _key, _record, _same_tensors
 
 CPU = torch.device("cpu")
+GB = 1 << 30
 
 
 @pytest.fixture
@@ -139,3 +144,38 @@ def test_without_a_device_budget_nothing_is_promoted(tmp_path, entry_bytes):
     cache.prefetch(_key(1))
     cache.wait_for_loads()
     assert cache.resident(Tier.DEVICE) == [] and cache.metrics.device_misses == 0
+
+
+# ----- the device tier's budget ------------------------------------------------------------------
+def test_the_device_budget_is_what_the_model_and_a_full_batch_leave_less_a_margin():
+    auto = choose_device_budget(
+        None, free_bytes=60 * GB, total_bytes=80 * GB, batch_bytes=10 * GB, margin_share=0.1
+    )
+    assert auto.budget_bytes == 42 * GB and auto.reason.startswith("auto")
+    assert choose_device_budget(None, 5 * GB, 80 * GB, 10 * GB, 0.1).budget_bytes == 0
+    assert choose_device_budget(None, None, 0, 0, 0.1).budget_bytes == 0  # a device that won't say
+    assert choose_device_budget(7, 60 * GB, 80 * GB, 0, 0.1).budget_bytes == 7
+    with pytest.raises(ValueError):
+        choose_device_budget(None, 1, 1, 0, 1.0)
+
+
+def test_a_full_batchs_activations_grow_with_the_batch_and_the_widest_unit():
+    units = [
+        UnitShape("a", 0, num_tokens=64, hidden_dim=32, num_text_tokens=8, cache_bytes_per_token=4),
+        UnitShape("b", 1, num_tokens=16, hidden_dim=64, cache_bytes_per_token=2),
+    ]
+    one = batch_activation_bytes(units, requests=1, rows_per_request=2, element_bytes=2)
+    assert one == 2 * (64 + 8) * 32 * 8 * 2 + (64 * 4 + 16 * 2)
+    assert batch_activation_bytes(units, 4, 2, 2) == 4 * one
+    assert batch_activation_bytes([], 4, 2, 2) == 0
+
+
+def test_a_worker_sizes_its_device_tier_from_the_settings_and_the_device(monkeypatch):
+    cpu = load_settings({})
+    assert cpu.cache.device_budget_mb is None and device_cache_budget(cpu).budget_bytes == 0
+    configured = load_settings({"MASKSERVE_DEVICE_CACHE_MB": "512"})
+    assert device_cache_budget(configured).budget_bytes == 512 << 20
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * GB, 80 * GB))
+    cuda = load_settings({}, engine={"device": "cuda"}, worker={"max_batch": 4})
+    budget = device_cache_budget(cuda)
+    assert 0 < budget.budget_bytes <= 52 * GB and "auto" in budget.reason

@@ -3,7 +3,10 @@ disk space, free device memory). Pure: the measurements come in as arguments."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from backend.costmodel.costs import UnitShape
 
 
 @dataclass(frozen=True)
@@ -67,3 +70,18 @@ def choose_device_budget(
         f"auto: {free_bytes} bytes free after the model, less {batch_bytes} for a full batch's "
         f"activations and a margin of {margin_share:g} of {total_bytes} bytes",
     )
+
+
+def batch_activation_bytes(
+    units: Sequence[UnitShape], requests: int, rows_per_request: int, element_bytes: int
+) -> int:
+    """An estimate of a full batch's activations on the device, from the model's unit shapes:
+    every row through the widest unit, its image and text tokens each holding the unit's input,
+    Q, K, V, attention output and MLP hidden activations (``4 + ffn_mult`` times its width), plus
+    one step of every request's template cache copied in from host memory."""
+    widest = max(
+        ((u.num_tokens + u.num_text_tokens) * u.hidden_dim * (4 + u.ffn_mult) for u in units),
+        default=0.0,
+    )
+    step_cache = sum(u.cache_bytes for u in units)
+    return int(requests * rows_per_request * widest * element_bytes) + requests * step_cache

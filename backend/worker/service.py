@@ -44,6 +44,7 @@ from backend.tasks.celery_app import make_celery, submit_postprocess
 from backend.worker.adapter_book import AdapterBook
 from backend.worker.adapter_tiers import worker_adapters
 from backend.worker.baseline import BaselineWorker
+from backend.worker.cache_budget import device_cache_budget
 from backend.worker.deadlines import DeadlinePlan
 from backend.worker.finish_tail import FinishTail
 from backend.worker.loop import EngineWorker
@@ -312,6 +313,13 @@ def build_worker(
     from backend.tasks.core import CpuStages
 
     engine = build_engine(settings, role=engine_worker_role(settings))
+    device_budget = device_cache_budget(settings)  # measured now that the model is loaded
+    log.info(
+        "cache device budget device=%s budget_bytes=%d reason=%s",
+        settings.engine.device,
+        device_budget.budget_bytes,
+        device_budget.reason,
+    )
     caches = TieredActivationCache(
         engine.cache_root,
         settings.cache.ram_budget_mb << 20,
@@ -319,6 +327,8 @@ def build_worker(
         policy=settings.cache.policy,
         disk_free_share=settings.cache.disk_free_share,
         pin_memory=settings.engine.device.startswith("cuda"),
+        device_budget_bytes=device_budget.budget_bytes,
+        device=settings.engine.device,
     )
     blobs = open_blob_store(settings)
     jobstate = JobStateStore(client, settings.retention.job_record_s)
@@ -361,6 +371,8 @@ def build_worker(
         finish_tail=FinishTail() if settings.deadlines.finish_tail else None,
         **common,
     )
+    # a step that runs out of device memory first takes it back from the cache's device tier
+    worker.memory.register(caches.release_device_bytes)
     return worker, caches
 
 
