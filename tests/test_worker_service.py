@@ -111,6 +111,13 @@ def test_the_heartbeat_carries_live_state_under_a_short_ttl(service, redis_clien
     assert 0 < redis_client.ttl(heartbeat_key("w-test")) <= HEARTBEAT_TTL_S
 
 
+def test_a_step_out_of_device_memory_asks_the_caches_device_tier_first(service, caplog):
+    _, worker, caches, _ = service
+    with caplog.at_level("WARNING", logger="backend.cache.store"):
+        assert worker.memory.release(1 << 20) == 0  # a CPU worker's device tier holds nothing
+    assert "cache device tier gave back bytes=0 asked=1048576" in caplog.text
+
+
 def test_the_worker_process_serves_its_inbox_exports_metrics_and_stops_cleanly(
     redis_url, redis_client, models_dir, tmp_path, service, cpu_engine
 ):
