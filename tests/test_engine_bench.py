@@ -1,13 +1,18 @@
-"""`maskserve bench engine` and `maskserve bench exactness` on a tiny model (CPU): the records say
-what was measured, and the exactness checks hold at float32."""
+"""`maskserve bench engine`, `bench launch-proxy` and `bench exactness` on tiny models (CPU): the
+records say what was measured, the arms run side by side, and the exactness checks hold at
+float32."""
 
 from __future__ import annotations
 
+import ast
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from backend.bench.engine_arms import ARMS
 from backend.bench.engine_bench import run_engine_bench, write_outputs
 from backend.bench.exactness import (
     FLOAT32_TOLERANCE,
@@ -17,26 +22,131 @@ from backend.bench.exactness import (
 )
 from backend.cli import main
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def test_engine_bench_measures_both_modes_against_the_ordinary_pipeline(models_dir, tmp_path):
-    records = run_engine_bench(
+
+def test_engine_bench_times_the_arms_side_by_side_per_batch(models_dir, tmp_path):
+    report = run_engine_bench(
         "tiny-sd2-inpaint",
         [0.2],
         steps=2,
         models_dir=models_dir,
         cache_dir=tmp_path,
         resolution=128,
+        arms=("ordinary", "maskaware", "ordinary-fresh-process"),
+        batches=(1, 2),
+        partial_json=tmp_path / "engine.partial.json",
     )
-    assert [(r.mode, r.mask_ratio) for r in records] == [("kv", 0.2), ("hidden", 0.2)]
-    for r in records:
+    cells = [(r.arm, r.mode, r.batch) for r in report.records]
+    assert sorted(cells) == sorted(
+        (arm, mode, batch)
+        for batch in (1, 2)
+        for arm, mode in (
+            ("ordinary", "dense"),
+            ("maskaware", "kv"),
+            ("maskaware", "hidden"),
+            ("ordinary-fresh-process", "dense"),
+        )
+    )
+    by_cell = {(r.arm, r.mode, r.batch): r for r in report.records}
+    for r in report.records:
         assert r.device == "cpu" and r.dtype == "float32" and r.device_name.endswith("cpu")
         assert 0.1 < r.measured_mask_ratio < 0.35
-        assert r.speedup == pytest.approx(r.ordinary_s / r.maskaware_s)
-        assert r.ideal_speedup > 1 and r.cache_bytes > 0
-        assert r.ordinary_peak_gpu_bytes == r.maskaware_peak_gpu_bytes == 0  # no GPU here
-    plot = write_outputs(records, tmp_path / "engine.json")
+        assert r.edits_per_s == pytest.approx(r.batch / r.edit_s) and r.step_s > 0
+        ordinary = by_cell["ordinary", "dense", r.batch]
+        assert r.speedup == pytest.approx(ordinary.edit_s / r.edit_s)
+        assert r.speedup_vs_compiled is None  # that arm did not run
+        assert r.peak_gpu_bytes == 0  # no GPU here
+    for mode in ("kv", "hidden"):
+        r = by_cell["maskaware", mode, 1]
+        assert r.ideal_speedup > 1 and r.cache_bytes > 0 and r.ssim > 0.5
+    assert by_cell["ordinary", "dense", 1].ssim is None  # the reference itself
+    # the plain pipeline in its own process: the same pixels, nothing of MaskServe imported
+    assert by_cell["ordinary-fresh-process", "dense", 2].ssim > 0.99
+    assert report.arms["ordinary-fresh-process"]["maskserve_modules"] == []
+    assert set(report.arms["maskaware"]["warmup_s"]) == {"1", "2"}
+    assert len(json.loads((tmp_path / "engine.partial.json").read_text())["records"]) == 8
+    plot = write_outputs(report, tmp_path / "engine.json")
     assert plot.stat().st_size > 0
-    assert len(json.loads((tmp_path / "engine.json").read_text())) == 2
+    saved = json.loads((tmp_path / "engine.json").read_text())
+    assert len(saved["records"]) == 8 and set(saved["arms"]) == {r.arm for r in report.records}
+
+
+@pytest.mark.slow
+def test_every_arm_runs_and_the_compiled_one_matches_eager(
+    models_dir, tmp_path, monkeypatch, capsys
+):
+    """The whole arm table on tiny-sd2 at 64 px, 2 steps, through the CLI (torch.compile: ~40 s
+    on a 2-core CPU)."""
+    monkeypatch.setenv("MASKSERVE_MODELS_DIR", str(models_dir))
+    monkeypatch.setenv("MASKSERVE_DATA_DIR", str(tmp_path / "data"))
+    out = tmp_path / "engine.json"
+    argv = ["bench", "engine", "--model", "tiny-sd2-inpaint", "--size", "64", "--steps", "2"]
+    argv += ["--mask-ratios", "0.2", "--modes", "kv", "--arms", ",".join(ARMS), "--json", str(out)]
+    assert main(argv) == 0
+    saved = json.loads(out.read_text())
+    assert {r["arm"] for r in saved["records"]} == set(saved["arms"]) == set(ARMS)
+    assert all(r["speedup"] and r["speedup_vs_compiled"] for r in saved["records"])
+    compiled = saved["arms"]["ordinary-compiled"]
+    assert compiled["compile_mode"] == "default" and compiled["compile_check"]["within_tolerance"]
+    assert compiled["warmup_s"]["1"] > 0
+    assert (
+        out.with_suffix(".png").stat().st_size > 0 and not out.with_suffix(".partial.json").exists()
+    )
+    assert "vs compiled" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--arms", "ordinary,eager-ish"], "--arms: eager-ish is not an arm"),
+        (["--batch", "1,0"], "--batch: positive counts"),
+        (["--fresh-process-baseline", "--in-memory"], "--fresh-process-baseline"),
+    ],
+)
+def test_engine_bench_refuses_bad_flags_by_name(flags, named, tmp_path, capsys):
+    argv = ["bench", "engine", "--model", "tiny-sd2-inpaint", "--json", str(tmp_path / "x.json")]
+    assert main([*argv, *flags]) == 2
+    assert named in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before any work
+
+
+def test_the_plain_pipeline_script_imports_nothing_of_maskserve():
+    tree = ast.parse((ROOT / "scripts" / "plain_pipeline.py").read_text())
+    imported = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    third_party = {name.split(".")[0] for name in imported} - set(sys.stdlib_module_names)
+    assert third_party == {"torch", "diffusers", "PIL"}
+
+
+@pytest.mark.slow
+def test_launch_proxy_counts_and_times_the_forward_eager_and_compiled(
+    models_dir, tmp_path, monkeypatch, capsys
+):
+    """One model (torch.compile: ~40 s on a 2-core CPU)."""
+    monkeypatch.setenv("MASKSERVE_MODELS_DIR", str(models_dir))
+    monkeypatch.setenv("MASKSERVE_DATA_DIR", str(tmp_path / "data"))
+    out = tmp_path / "proxy.json"
+    argv = ["bench", "launch-proxy", "--models", "tiny-sd2-inpaint", "--repeats", "3"]
+    assert main([*argv, "--json", str(out)]) == 0
+    (record,) = json.loads(out.read_text())
+    assert record["rows"] == 2 and record["requests"] == 1 and record["size"] == 64
+    assert record["compiled_operators"] < record["eager_operators"] / 4
+    assert record["max_abs_difference"] < 1e-4 * record["reference_max_abs"]
+    assert record["maskaware_operators"] > 0 and 0.1 < record["measured_mask_ratio"] < 0.4
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "compiled in" in capsys.readouterr().out
+
+
+def test_launch_proxy_refuses_rows_a_model_cannot_split(tmp_path, capsys):
+    argv = ["bench", "launch-proxy", "--models", "tiny-sd2-inpaint", "--rows", "3"]
+    assert main([*argv, "--json", str(tmp_path / "x.json")]) == 2
+    assert "--rows: tiny-sd2-inpaint takes 2 rows a request, got 3" in capsys.readouterr().err
 
 
 def test_exactness_checks_hold_at_float32_on_the_cpu(models_dir, tmp_path):

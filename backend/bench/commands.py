@@ -1,4 +1,4 @@
-"""`maskserve bench ...`: the benchmark commands (engine, batch-ops, demo, worker,
+"""`maskserve bench ...`: the benchmark commands (engine, launch-proxy, batch-ops, demo, worker,
 worker-deadlines, route, route-deadlines, soak, crop, serve, adapter-quality) and their arguments.
 
 Each command imports its benchmark module only when it runs, so `maskserve --help` stays light.
@@ -23,11 +23,20 @@ from backend.models.catalog import DEFAULT_MODEL
 
 
 def cmd_bench_engine(args, settings: Settings) -> int:
+    from backend.bench.engine_arms import FRESH_PROCESS_ARM, arm_names
     from backend.bench.engine_bench import run_engine_bench, write_outputs
     from backend.engine.factory import DTYPES
 
+    arms = arm_names(args.arms)
+    if args.fresh_process_baseline and FRESH_PROCESS_ARM not in arms:
+        arms.append(FRESH_PROCESS_ARM)
+    batches = request_counts(args.batch, "--batch")
+    if args.fresh_process_baseline and args.in_memory:
+        raise ValueError("--fresh-process-baseline loads a saved model directory: not --in-memory")
     ratios = [float(r) for r in args.mask_ratios.split(",")]
-    records = run_engine_bench(
+    partial = Path(args.json).with_suffix(".partial.json")
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    report = run_engine_bench(
         args.model,
         ratios,
         args.steps,
@@ -39,19 +48,64 @@ def cmd_bench_engine(args, settings: Settings) -> int:
         device=settings.engine.device,
         dtype=DTYPES[settings.engine.dtype],
         in_memory=args.in_memory,
+        arms=tuple(arms),
+        batches=tuple(batches),
+        compile_mode=args.compile_mode,
+        partial_json=partial,
     )
-    plot = write_outputs(records, Path(args.json))
+    plot = write_outputs(report, Path(args.json))
+    partial.unlink(missing_ok=True)
+    for name, meta in report.arms.items():
+        check = meta.get("compile_check")
+        if check:
+            verdict = "ok" if check["within_tolerance"] else "OVER"
+            print(
+                f"{name}: built in {meta['build_s']:.1f}s, warm-up {meta['warmup_s']} s; forward "
+                f"vs eager max |diff| {check['max_abs_difference']:.3g} (bound "
+                f"{check['tolerance']:.3g}) {verdict}"
+            )
+
+    def times(value: float | None) -> str:
+        return "    -" if value is None else f"{value:5.2f}x"
+
+    for r in report.records:
+        print(
+            f"{r.model:18s} m={r.mask_ratio:<5} B={r.batch:<2} {r.arm:22s} {r.mode:6s} "
+            f"{r.edit_s:7.3f}s  step {r.step_s * 1000:8.2f} ms  {r.edits_per_s:7.3f} edits/s  "
+            f"vs ordinary {times(r.speedup)}  vs compiled {times(r.speedup_vs_compiled)}  "
+            f"(ideal {r.ideal_speedup:5.2f}x)"
+            + (f"  ssim {r.ssim:.3f} psnr {r.psnr:.1f}" if r.ssim is not None else "")
+            + (f"  peak GPU {r.peak_gpu_bytes / 2**30:.2f} GiB" if r.peak_gpu_bytes else "")
+        )
+    print(f"wrote {args.json} and {plot}")
+    return 0
+
+
+def cmd_bench_launch_proxy(args, settings: Settings) -> int:
+    from backend.bench.launch_proxy import run_launch_proxy, write_launch_proxy
+
+    if args.repeats < 1:
+        raise ValueError(f"--repeats: at least 1, got {args.repeats}")
+    (rows,) = request_counts(str(args.rows), "--rows")
+    records = run_launch_proxy(
+        tuple(args.models.split(",")),
+        settings.paths.resolved_models_dir(),
+        settings.paths.resolved_cache_dir() / "launch-proxy",
+        size=args.size,
+        rows=rows,
+        repeats=args.repeats,
+        mask_ratio=args.mask_ratio,
+        compile_mode=args.compile_mode,
+    )
+    plot = write_launch_proxy(records, Path(args.json))
     for r in records:
         print(
-            f"{r.model:18s} {r.mode:6s} m={r.mask_ratio:<5} ordinary {r.ordinary_s:7.3f}s  "
-            f"mask-aware {r.maskaware_s:7.3f}s  speedup {r.speedup:5.2f}x "
-            f"(ideal {r.ideal_speedup:5.2f}x)  ssim {r.ssim:.3f} psnr {r.psnr:.1f}"
-            + (
-                f"  peak GPU {r.ordinary_peak_gpu_bytes / 2**30:.2f} / "
-                f"{r.maskaware_peak_gpu_bytes / 2**30:.2f} GiB"
-                if r.maskaware_peak_gpu_bytes
-                else ""
-            )
+            f"{r.model:18s} {r.size} px {r.rows} rows: ordinary forward {r.eager_operators} aten "
+            f"operators, eager {r.eager_ms:.2f} ms, compiled {r.compiled_ms:.2f} ms "
+            f"({r.compiled_operators} operators): {r.speedup:.2f}x, max |diff| "
+            f"{r.max_abs_difference:.2g}, compiled in {r.compile_s:.0f} s; mask-aware step "
+            f"(m={r.mask_ratio}) eager {r.maskaware_step_ms:.2f} ms, {r.maskaware_operators} "
+            "operators"
         )
     print(f"wrote {args.json} and {plot}")
     return 0
@@ -309,7 +363,9 @@ def _bench_route_real(args, settings: Settings) -> int:
 def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     """The ``bench`` subcommands, each with its ``func``."""
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    engine = bench_sub.add_parser("engine", help="ordinary pipeline vs mask-aware edit")
+    engine = bench_sub.add_parser(
+        "engine", help="ordinary pipeline (eager, compiled) vs mask-aware edit, by arms"
+    )
     engine.add_argument("--model", required=True)
     engine.add_argument("--mask-ratios", default="0.05,0.1,0.2,0.35,0.5,1.0")
     engine.add_argument("--steps", type=int, default=20)
@@ -321,12 +377,50 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
         "--device", default=None, help="cpu or cuda[:N] (default: MASKSERVE_DEVICE or cpu)"
     )
     engine.add_argument(
+        "--arms",
+        default="ordinary,ordinary-compiled,maskaware",
+        help="arms timed side by side, by commas (backend/bench/engine_arms.py)",
+    )
+    engine.add_argument(
+        "--batch", default="1", help="requests served by one call, by commas, e.g. 1,8"
+    )
+    engine.add_argument(
+        "--compile-mode",
+        default=None,
+        help="torch.compile mode of the compiled arms (default: max-autotune on CUDA, which "
+        "captures CUDA graphs; inductor's default elsewhere)",
+    )
+    engine.add_argument(
+        "--fresh-process-baseline",
+        action="store_true",
+        help="add the arm ordinary-fresh-process: the plain diffusers pipeline in a process "
+        "importing nothing of MaskServe (scripts/plain_pipeline.py), taking turns with the others",
+    )
+    engine.add_argument(
         "--in-memory",
         action="store_true",
         help="build a built model (tiny, small, arch) without saving it (arch-flux-fill's float32 "
         "files are 68 GB)",
     )
     engine.set_defaults(func=cmd_bench_engine)
+
+    proxy = bench_sub.add_parser(
+        "launch-proxy",
+        help="CPU proxy of the launch-bound GPU step: ordinary forward eager vs compiled, aten "
+        "operators, the eager mask-aware step",
+    )
+    proxy.add_argument(
+        "--models", default="tiny-sd2-inpaint,tiny-sdxl-inpaint,tiny-flux-fill", help="by commas"
+    )
+    proxy.add_argument("--size", type=int, default=64, help="px")
+    proxy.add_argument("--rows", type=int, default=2, help="denoiser rows per forward")
+    proxy.add_argument("--repeats", type=int, default=20)
+    proxy.add_argument("--mask-ratio", type=float, default=0.2, help="of the mask-aware step")
+    proxy.add_argument(
+        "--compile-mode", default=None, help="torch.compile mode (inductor's default)"
+    )
+    proxy.add_argument("--json", required=True)
+    proxy.set_defaults(func=cmd_bench_launch_proxy)
 
     exactness = bench_sub.add_parser(
         "exactness", help="mask-aware vs ordinary latents of the tiny models on a device and dtype"
