@@ -46,12 +46,29 @@ cat "$RESULTS/device.txt"
 
 # Each check by name; no names: all, in this order (shared/GPU.md's).
 CHECKS=("$@")
-[ ${#CHECKS[@]} -eq 0 ] && CHECKS=(exactness engine-sd2 step-trace-sd2 graphs-sd2 batch-ops-sd2 \
+[ ${#CHECKS[@]} -eq 0 ] && CHECKS=(engine-graphs exactness engine-sd2 step-trace-sd2 graphs-sd2 batch-ops-sd2 \
     batch-ops-lora-sd2 profile-sd2 engine-sdxl step-trace-sdxl profile-sdxl engine-flux \
     profile-flux worker-sd2 adapters-sd2 deadlines-sd2 pytest-gpu)
 export MASKSERVE_DTYPE=bfloat16  # the engine runs; exactness and pytest choose their own dtypes
 for check in "${CHECKS[@]}"; do
     case $check in
+    engine-graphs)  # 2. the arms side by side: ordinary eager and compiled (CUDA graphs), the
+        # mask-aware edit; 8 minutes in all, each model cut off on its own and keeping the cells
+        # it finished in its .partial.json; mask ratio 0.2 first (the targets' ratio);
+        # reduce-overhead (CUDA graphs without max-autotune's kernel tuning) to fit the lease
+        step engine-graphs-arch-sd2-inpaint 120 $MS bench engine --device cuda \
+            --model arch-sd2-inpaint --steps 20 --mask-ratios 0.2,0.05,0.5,1.0 --batch 1,8 \
+            --modes kv --repeats 1 --compile-mode reduce-overhead --fresh-process-baseline \
+            --json "$RESULTS/engine-graphs-arch-sd2-inpaint-cuda.json"
+        step engine-graphs-arch-sdxl-inpaint 180 $MS bench engine --device cuda \
+            --model arch-sdxl-inpaint --steps 10 --mask-ratios 0.2,0.05,0.5,1.0 --batch 1,8 \
+            --modes kv --repeats 1 --compile-mode reduce-overhead \
+            --json "$RESULTS/engine-graphs-arch-sdxl-inpaint-cuda.json"
+        rm -rf "$MASKSERVE_DATA_DIR/template_cache"  # flux's caches need the disk
+        step engine-graphs-arch-flux-fill 150 $MS bench engine --device cuda \
+            --model arch-flux-fill --in-memory --steps 8 --mask-ratios 0.2,0.05,0.5,1.0 \
+            --batch 1,8 --modes kv --repeats 1 --compile-mode reduce-overhead \
+            --json "$RESULTS/engine-graphs-arch-flux-fill-cuda.json" ;;
     exactness)  # 1. the engine's exactness checks on cuda (float32 without TF32, bfloat16)
         step exactness 180 $MS bench exactness --device cuda --json "$RESULTS/exactness-cuda.json" ;;
     engine-sd2)  # 2. engine speed: arch-sd2-inpaint at 512 px

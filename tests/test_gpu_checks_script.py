@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from backend.bench.engine_arms import ARMS
 from backend.cli import build_parser
 from tests.factories import load_script
 
@@ -79,3 +80,23 @@ def test_every_default_check_has_a_case_and_every_case_is_listed():
 def test_the_test_files_of_its_pytest_check_exist():
     named = set(re.findall(r"tests/[a-z_]+\.py", SCRIPT))
     assert named and all((ROOT / path).is_file() for path in named)
+
+
+def test_engine_graphs_runs_first_and_fits_eight_minutes_keeping_partial_results():
+    listed = re.search(r"CHECKS=\(([a-z0-9 -]+)\)", " ".join(LINES))
+    assert listed and listed.group(1).split()[0] == "engine-graphs"
+    limits = [int(line.split()[2]) for line in LINES if "step engine-graphs-" in line]
+    assert len(limits) == 3 and sum(limits) <= 8 * 60  # each model cut off on its own
+    runs = [
+        build_parser().parse_args(argv)
+        for argv in COMMANDS
+        if any("/engine-graphs-" in arg for arg in argv)
+    ]
+    assert [args.model for args in runs] == [
+        "arch-sd2-inpaint",
+        "arch-sdxl-inpaint",
+        "arch-flux-fill",
+    ]
+    for args in runs:  # every arm built, both batch sizes, the targets' mask ratio first
+        assert args.batch == "1,8" and args.mask_ratios.split(",")[0] == "0.2"
+        assert args.arms.split(",") == list(ARMS)[:3] and args.json.endswith("-cuda.json")
