@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of shared/GPU.md that fit short leases: CUDA exactness (step 1), engine speed of the
-# full-size architectures (step 2), their cost profiles (step 3), one worker under load (step 4) and
+# full-size architectures against the ordinary pipeline eager and compiled (step 2), their cost profiles (step 3), one worker under load (step 4) and
 # the benches of the adapter and deadline targets (step 5). `bash scripts/gpu-checks.sh
 # [CHECK ...]` runs the named checks (see the case below), or all of them in order.
 # Runs from the repository root on a CUDA machine whose python3 has torch; the project's other
@@ -46,9 +46,9 @@ cat "$RESULTS/device.txt"
 
 # Each check by name; no names: all, in this order (shared/GPU.md's).
 CHECKS=("$@")
-[ ${#CHECKS[@]} -eq 0 ] && CHECKS=(engine-graphs exactness engine-sd2 step-trace-sd2 graphs-sd2 batch-ops-sd2 \
-    batch-ops-lora-sd2 profile-sd2 engine-sdxl step-trace-sdxl profile-sdxl engine-flux \
-    profile-flux worker-sd2 adapters-sd2 deadlines-sd2 pytest-gpu)
+[ ${#CHECKS[@]} -eq 0 ] && CHECKS=(engine-graphs exactness engine-sd2 step-trace-sd2 graphs-sd2 \
+    batch-ops-sd2 batch-ops-lora-sd2 profile-sd2 engine-sdxl step-trace-sdxl profile-sdxl \
+    engine-flux profile-flux worker-sd2 adapters-sd2 deadlines-sd2 pytest-gpu)
 export MASKSERVE_DTYPE=bfloat16  # the engine runs; exactness and pytest choose their own dtypes
 for check in "${CHECKS[@]}"; do
     case $check in
