@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of shared/GPU.md that fit short leases: CUDA exactness (step 1), engine speed of the
-# full-size architectures against the ordinary pipeline eager and compiled (step 2), their cost profiles (step 3), one worker under load (step 4) and
-# the benches of the adapter and deadline targets (step 5). `bash scripts/gpu-checks.sh
-# [CHECK ...]` runs the named checks (see the case below), or all of them in order.
+# full-size architectures against the ordinary pipeline, eager and compiled (step 2), their cost
+# profiles (step 3), one worker under load (step 4) and the benches of the adapter and deadline
+# targets (step 5). `bash scripts/gpu-checks.sh [CHECK ...]` runs the named checks (see the case
+# below), or all of them in order.
 # Runs from the repository root on a CUDA machine whose python3 has torch; the project's other
 # dependencies come as wheels in .whl/ (docs/bench/gpu-h200.md lists them). Results land in
 # $RESULTS (default /tmp/gpu-results) and, packed after every step, in $OUT/results.tgz when OUT
