@@ -12,6 +12,9 @@ A new arm is one entry of ``ARMS``.
   (``CompileCheck``, within ``COMPILE_TOLERANCE`` of the output's scale).
 * ``maskaware``: the mask-aware edit, one runner per cache mode, every row reading its template's
   cache from host RAM (pinned on CUDA), as a worker serves a hot template.
+* ``ordinary-hooked``: the same pipeline call on the engine's own pipeline (its denoiser hooked,
+  its projections laid out in one storage per set), as a worker's pipeline is: what the hooks cost
+  the ordinary forward.
 * ``ordinary-fresh-process``: the plain diffusers pipeline from the same saved model directory in
   a process that imports nothing of MaskServe (``scripts/plain_pipeline.py``), served the same
   batches in turn with the others; its call time is the one that process measures. Against it, the
@@ -245,6 +248,10 @@ def build_ordinary(setup: BenchSetup, first: Batch) -> BuiltArm:
     return BuiltArm({ORDINARY_MODE: ordinary_runner(setup.plain, setup)})
 
 
+def build_ordinary_hooked(setup: BenchSetup, first: Batch) -> BuiltArm:
+    return BuiltArm({ORDINARY_MODE: ordinary_runner(setup.engine.pipe, setup)})
+
+
 def build_ordinary_compiled(setup: BenchSetup, first: Batch) -> BuiltArm:
     name = ADAPTERS[setup.spec.family].denoiser_name
     eager = getattr(setup.plain, name)
@@ -333,6 +340,7 @@ ARMS: dict[str, Callable[[BenchSetup, Batch], BuiltArm]] = {
     "ordinary": build_ordinary,
     "ordinary-compiled": build_ordinary_compiled,
     "maskaware": build_maskaware,
+    "ordinary-hooked": build_ordinary_hooked,
     "ordinary-fresh-process": build_fresh_process,
 }
 FRESH_PROCESS_ARM = "ordinary-fresh-process"

@@ -14,6 +14,10 @@ of the ordinary pipeline:
   ``mask_ratio``, every row reading its template's ``kv`` cache from host RAM, eager: the time and
   operators a compiled mask-aware step is held against.
 
+The three take turns, ``repeats`` rounds after one untimed round, so that the machine's drift falls
+on all alike. ``compile_s`` depends on inductor's cache of earlier compiles (TORCHINDUCTOR_CACHE_DIR
+set to an empty directory gives a cold compile).
+
 It is a benchmark, not a test: figures depend on the machine.
 """
 
@@ -78,13 +82,48 @@ def aten_operators(run: Callable[[], object]) -> int:
     return sum(1 for event in profile.events() if event.name.startswith("aten::"))
 
 
-def median_ms(run: Callable[[], object], repeats: int) -> float:
-    times = []
+def interleaved_ms(
+    runs: dict[str, tuple[Callable[[], object], Callable[[], object]]], repeats: int
+):
+    """name -> median ms of ``run`` over ``repeats`` calls, the runs taking turns so that the
+    machine's drift falls on all alike; each (``prepare``, ``run``) pair's ``prepare`` runs
+    before its call, outside the clock."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
+        for name, (prepare, run) in runs.items():
+            prepare()
+            started = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - started) * 1000)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+class MaskawareStepper:
+    """Steps the batch's requests through the engine (kv cache in host RAM); ``ready`` starts
+    them again once done (encoding is no step)."""
+
+    def __init__(self, engine: MaskAwareEngine, spec, batch, size: int):
+        self.engine, self.batch = engine, batch
+        self.params = cache_params(spec, size, PROXY_STEPS, "kv")
+        self.cache = hot_cache(engine, batch.template, self.params, "cpu")
+        self.states = self._start()
+        self.measured_ratio = sum(s.mask_ratio for s in self.states) / len(self.states)
+
+    def _start(self) -> list:
+        batch = self.batch
+        return [
+            self.engine.start(
+                batch.template, mask, PROMPT, seed, self.params, cache=self.cache, pixels=pixels
+            )
+            for mask, seed, pixels in zip(batch.masks, batch.seeds, batch.pixels, strict=True)
+        ]
+
+    def ready(self) -> None:
+        if self.states[0].done:
+            self.states = self._start()
+
+    def __call__(self) -> None:
+        self.engine.step(self.states, "kv")
 
 
 def probe_model(
@@ -122,63 +161,41 @@ def probe_model(
         compiled(*args, **kwargs)
         compile_s = time.perf_counter() - started
         check = check_compiled(eager, compiled, (args, kwargs), torch.float32)
-        progress.set_postfix_str(f"{model_id}: timing forwards")
-        eager_ms = median_ms(forward(eager), repeats)
-        compiled_ms = median_ms(forward(compiled), repeats)
-        eager_operators = aten_operators(forward(eager))
-        compiled_operators = aten_operators(forward(compiled))
-    progress.set_postfix_str(f"{model_id}: mask-aware step")
-    step_ms, step_operators, measured = _maskaware_step(engine, spec, batch, size, repeats)
+        progress.set_postfix_str(f"{model_id}: timing")
+        stepper = MaskawareStepper(engine, spec, batch, size)
+        runs = {
+            "eager": (lambda: None, forward(eager)),
+            "compiled": (lambda: None, forward(compiled)),
+            "maskaware": (stepper.ready, stepper),
+        }
+        interleaved_ms(runs, 1)  # warm-up: thread pools, the cache's first read
+        ms = interleaved_ms(runs, repeats)
+        operators = {}
+        for name, (prepare, run) in runs.items():
+            prepare()
+            operators[name] = aten_operators(run)
     return ProxyRecord(
         model=model_id,
         size=size,
         rows=rows,
         requests=requests,
-        eager_ms=eager_ms,
-        compiled_ms=compiled_ms,
-        speedup=eager_ms / compiled_ms,
-        eager_operators=eager_operators,
-        compiled_operators=compiled_operators,
+        eager_ms=ms["eager"],
+        compiled_ms=ms["compiled"],
+        speedup=ms["eager"] / ms["compiled"],
+        eager_operators=operators["eager"],
+        compiled_operators=operators["compiled"],
         compile_s=compile_s,
         max_abs_difference=check.max_abs_difference,
         reference_max_abs=check.reference_max_abs,
-        maskaware_step_ms=step_ms,
-        maskaware_operators=step_operators,
+        maskaware_step_ms=ms["maskaware"],
+        maskaware_operators=operators["maskaware"],
         mask_ratio=mask_ratio,
-        measured_mask_ratio=measured,
+        measured_mask_ratio=stepper.measured_ratio,
         compile_mode=compile_mode,
         device_name=device_name("cpu"),
         threads=torch.get_num_threads(),
         torch=torch.__version__,
     )
-
-
-def _maskaware_step(engine, spec, batch, size: int, repeats: int) -> tuple[float, int, float]:
-    """Median ms and aten operators of one mask-aware step of the batch's requests (kv cache in
-    host RAM), and their mean measured mask ratio."""
-    params = cache_params(spec, size, PROXY_STEPS, "kv")
-    cache = hot_cache(engine, batch.template, params, "cpu")
-
-    def start() -> list:
-        return [
-            engine.start(batch.template, mask, PROMPT, seed, params, cache=cache, pixels=pixels)
-            for mask, seed, pixels in zip(batch.masks, batch.seeds, batch.pixels, strict=True)
-        ]
-
-    states = start()
-    measured = sum(s.mask_ratio for s in states) / len(states)
-
-    times = []
-    for _ in range(repeats):
-        if states[0].done:
-            states = start()  # outside the clock: a new edit's encoding is no step
-        started = time.perf_counter()
-        engine.step(states, "kv")
-        times.append((time.perf_counter() - started) * 1000)
-    if states[0].done:
-        states = start()
-    operators = aten_operators(lambda: engine.step(states, "kv"))
-    return statistics.median(times), operators, measured
 
 
 def run_launch_proxy(
