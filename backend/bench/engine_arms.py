@@ -4,8 +4,9 @@ A runner serves one ``Batch`` (B requests of one mask ratio, stepped together) a
 images and the seconds of each denoising step after the first (each step waited for on CUDA).
 A new arm is one entry of ``ARMS``.
 
-* ``ordinary``: the diffusers pipeline as a user runs it, eager. It runs on its own copy of the
-  denoiser, made before the engine installs its hooks, so none of MaskServe's code is on its path.
+* ``ordinary``: the diffusers pipeline as a user runs it, eager. It runs on its own denoiser
+  modules (over the same weights), made before the engine installs its hooks, so none of
+  MaskServe's code is on its path.
 * ``ordinary-compiled``: the same pipeline with that denoiser under ``torch.compile`` (``mode``:
   ``max-autotune`` on CUDA, which captures CUDA graphs; inductor's default elsewhere), as a careful
   user runs it. Its forward is checked against the eager one on the inputs of a real first step
@@ -24,6 +25,7 @@ A new arm is one entry of ``ARMS``.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import subprocess
 import sys
@@ -120,10 +122,14 @@ def compile_denoiser(denoiser: torch.nn.Module, mode: str) -> torch.nn.Module:
 
 
 def plain_pipeline(pipe, spec):
-    """``pipe`` with its own copy of the denoiser (the other parts shared): the pipeline a user
-    runs, untouched by the hooks an engine installs on ``pipe`` afterwards."""
+    """``pipe`` with its own denoiser modules over the same weights (the other parts shared): the
+    pipeline a user runs, untouched by the hooks an engine installs on ``pipe`` afterwards. The
+    engine re-points some of its projections at one fused storage; these keep the loaded ones,
+    so only those projections are held twice."""
     name = ADAPTERS[spec.family].denoiser_name
-    return _sharing(pipe, **{name: copy.deepcopy(getattr(pipe, name))})
+    denoiser = getattr(pipe, name)
+    weights = {id(t): t for t in itertools.chain(denoiser.parameters(), denoiser.buffers())}
+    return _sharing(pipe, **{name: copy.deepcopy(denoiser, memo=weights)})
 
 
 def _sharing(pipe, **parts):
