@@ -44,7 +44,9 @@ class _Cache:
     def __init__(self, tensors: dict[str, torch.Tensor]):
         self.tensors = tensors
 
-    def rows_tensor(self, unit: int, name: str, rows: tuple[int, int]) -> torch.Tensor:
+    def rows_tensor(
+        self, unit: int, name: str, rows: tuple[int, int], fill: bool = False
+    ) -> torch.Tensor:
         return self.tensors[name][rows[0] : rows[1]]
 
     def wait_for(self, unit: int) -> None:

@@ -53,7 +53,7 @@ def ragged_attention(
     query is computed twice or padded. ``padded``: every row in one call, each row's queries padded
     to the longest row's (``padded_attention``): a fixed number of operators per layer whatever
     the batch, for devices bound by launching operators rather than by their arithmetic."""
-    if padded and len(layout.groups) > 1:
+    if layout.regular or (padded and len(layout.groups) > 1):
         key, value = kv_for_group((0, layout.num_rows))
         return padded_attention(query, layout, key, value)
     outputs = []
@@ -94,9 +94,7 @@ def unpad_rows(padded: torch.Tensor, layout: RowLayout) -> torch.Tensor:
 def replace_rows(base: torch.Tensor, indices: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
     """Copy of ``base`` (g, L, ...) with tokens ``indices`` replaced by ``fresh`` (g, n, ...); key
     order is kept, so attention over the result matches dense attention when nothing changed."""
-    out = base.to(fresh.dtype).clone()
-    out.index_copy_(1, indices, fresh)
-    return out
+    return base.to(fresh.dtype).index_copy(1, indices, fresh)
 
 
 def fuse_linears(modules: Sequence[torch.nn.Module]) -> bool:

@@ -36,9 +36,12 @@ def cat_once(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
 class CacheSource(Protocol):
     """Cached activations for the rows of one batch, already placed on the compute device."""
 
-    def rows_tensor(self, unit: int, name: str, rows: tuple[int, int]) -> torch.Tensor:
+    def rows_tensor(
+        self, unit: int, name: str, rows: tuple[int, int], fill: bool = False
+    ) -> torch.Tensor:
         """(rows, num_tokens, C): tensor ``name`` of ``unit`` recorded for each row's template, step
-        and half, for the rows ``range(*rows)``."""
+        and half, for the rows ``range(*rows)``; with ``fill``, zeros for a row without a cache
+        (else such a row is an error)."""
         ...
 
     def wait_for(self, unit: int) -> None:
@@ -106,18 +109,21 @@ class ForwardContext:
     def uses_cache(self, unit: int) -> bool:
         return self.cache is not None and self.use_cache[unit]
 
-    def cached(self, unit: int, name: str, group: tuple[int, int]) -> torch.Tensor:
+    def cached(
+        self, unit: int, name: str, group: tuple[int, int], fill: bool = False
+    ) -> torch.Tensor:
         assert self.cache is not None
-        return self.cache.rows_tensor(unit, name, group)
+        return self.cache.rows_tensor(unit, name, group, fill)
 
     def merge_cached(
         self, unit: int, name: str, layout: RowLayout, fresh: torch.Tensor
     ) -> torch.Tensor:
         """(rows, L, C): cached ``name`` of ``unit`` with each row's selected tokens replaced by
         ``fresh`` (packed in ``layout``). Rows that select every token read no cache."""
-        if len(layout.groups) > 1 and layout.every_row_partial:
-            # every row reads the cache: all rows' tokens replaced by one index copy, not per group
-            cached = self.cached(unit, name, (0, layout.num_rows))
+        if layout.regular or (len(layout.groups) > 1 and layout.every_row_partial):
+            # every row reads the cache (a regular layout's rows without one read zeros, all of
+            # them replaced): all rows' tokens replaced by one index copy, not per group
+            cached = self.cached(unit, name, (0, layout.num_rows), layout.regular)
             merged = layout.scatter_into(
                 cached.reshape(*cached.shape[:2], -1).to(fresh.dtype), fresh.flatten(1)
             )
@@ -163,7 +169,7 @@ class ForwardContext:
     ) -> torch.Tensor:
         """(rows, P + L, ...): ``merge_group_after`` for every row of ``layout`` at once, with
         ``fresh`` packed (total, ...) and ``prefix`` (rows, P, ...)."""
-        if not layout.every_row_partial:  # a row that selects every token reads no cache
+        if not (layout.regular or layout.every_row_partial):  # a full row reads no cache
             return cat_once(
                 [
                     self.merge_group_after(
@@ -173,21 +179,20 @@ class ForwardContext:
                 ]
             )
         rows, num_prefix = layout.num_rows, prefix.shape[1]
-        out = self._prefixed_cache(unit, name, (0, rows), fresh.shape[1:], prefix)
+        out = self._prefixed_cache(unit, name, (0, rows), fresh.shape[1:], prefix, layout.regular)
         # token t of row r lies at r * (P + L) + P + t of the flattened rows
         places = layout.flat_index + (layout.row_of_token + 1) * num_prefix
         out.view(-1, *fresh.shape[1:]).index_copy_(0, places, fresh)
         return out
 
-    def _prefixed_cache(self, unit, name, rows: tuple[int, int], per_token, prefix) -> torch.Tensor:
+    def _prefixed_cache(
+        self, unit, name, rows: tuple[int, int], per_token, prefix, fill: bool = False
+    ) -> torch.Tensor:
         """(g, P + L, *per_token): ``prefix`` then the rows' cached ``name``, in one new buffer."""
-        cached = self.cached(unit, name, rows)
-        cached = cached.reshape(*cached.shape[:2], *per_token)
-        num_prefix = prefix.shape[1]
-        out = prefix.new_empty((cached.shape[0], num_prefix + cached.shape[1], *per_token))
-        out[:, :num_prefix] = prefix
-        out[:, num_prefix:] = cached
-        return out
+        cached = self.cached(unit, name, rows, fill)
+        return torch.cat(
+            [prefix, cached.reshape(*cached.shape[:2], *per_token).to(prefix.dtype)], 1
+        )
 
     def timed_unit(self, unit: int):
         """Context manager timing one unit when profiling (synchronising CUDA around it)."""

@@ -16,7 +16,8 @@ from __future__ import annotations
 import contextlib
 import copy
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +31,9 @@ from backend.engine.unet import install_unet_hooks
 # The parts of a model a role may leave out, each as the pipeline attributes that hold it (any one
 # of them present counts: an SDXL checkpoint may have only its second text encoder).
 DENOISER, VAE, TEXT_ENCODERS = "denoiser", "VAE", "text encoders"
+# batches whose concatenated conditioning is kept: a worker stepping two groups of rows (two
+# resolutions, say) alternates two batches every step
+KEEP_BATCHES = 2
 _PART_ATTRIBUTES = {VAE: ("vae",), TEXT_ENCODERS: ("text_encoder", "text_encoder_2")}
 
 
@@ -93,6 +97,22 @@ class FamilyAdapter(ABC):
         self.max_sequence_length = max_sequence_length
         # diffusers derives the execution device by walking every module; do it once.
         self.device = pipe._execution_device
+        self._conditioning: OrderedDict[tuple[int, ...], tuple[tuple, dict]] = OrderedDict()
+
+    def batch_conditioning(self, reqs: Sequence[RequestTensors]) -> dict[str, torch.Tensor]:
+        """The rows' conditioning tensors concatenated in row order, kept while the same requests
+        step together (the ``KEEP_BATCHES`` batches used last): a continuous batch concatenates
+        them once, and what is derived from them can be kept on them (``unet._text_keys``)."""
+        key = tuple(id(r) for r in reqs)
+        kept = self._conditioning.get(key)
+        if kept is not None and all(a is b for a, b in zip(kept[0], reqs)):
+            self._conditioning.move_to_end(key)
+            return kept[1]
+        joined = {k: torch.cat([r.conditioning[k] for r in reqs]) for k in reqs[0].conditioning}
+        self._conditioning[key] = (tuple(reqs), joined)
+        while len(self._conditioning) > KEEP_BATCHES:
+            self._conditioning.popitem(last=False)
+        return joined
 
     def holds(self, part: str) -> bool:
         """Whether this pipeline loaded ``part`` (``DENOISER``, ``VAE`` or ``TEXT_ENCODERS``)."""
@@ -270,9 +290,7 @@ class UnetAdapter(FamilyAdapter):
         return torch.cat([scaled, torch.cat([req.extra_channels] * 2)], dim=1)
 
     def denoise(self, rows, row_timesteps, reqs):
-        conditioning = {
-            k: torch.cat([r.conditioning[k] for r in reqs]) for k in reqs[0].conditioning
-        }
+        conditioning = dict(self.batch_conditioning(reqs))
         text = conditioning.pop("encoder_hidden_states")
         added = conditioning or None
         return self.denoiser(
@@ -413,9 +431,7 @@ class FluxFillAdapter(FamilyAdapter):
         return torch.cat((latents, req.extra_channels), dim=2)
 
     def denoise(self, rows, row_timesteps, reqs):
-        conditioning = {
-            k: torch.cat([r.conditioning[k] for r in reqs]) for k in reqs[0].conditioning
-        }
+        conditioning = dict(self.batch_conditioning(reqs))
         # rows of one batch share a resolution and a text length, hence one set of position ids
         return self.denoiser(
             hidden_states=rows,

@@ -107,19 +107,31 @@ class BatchCacheFeeder:
             self.bytes_loaded += cached.numel() * cached.element_size()
         return self._loaded[key]
 
-    def rows_tensor(self, unit: int, name: str, rows: tuple[int, int]) -> torch.Tensor:
+    def rows_tensor(
+        self, unit: int, name: str, rows: tuple[int, int], fill: bool = False
+    ) -> torch.Tensor:
         entries = self._row_group[rows[0] : rows[1]]
-        if any(entry is None for entry in entries):
+        if any(entry is None for entry in entries) and not fill:
             raise KeyError(f"rows {rows} include a row with no template cache")
         # runs of consecutive halves of one group (the CFG halves of one request) are one slice
-        # each: one request is a view, a batch one concatenation of its requests' slices
+        # each: one request is a view, a batch one concatenation of its requests' slices; rows
+        # without a cache (``fill``) are one run of zeros
         runs: list[tuple[object, int, int]] = []
-        for group, half in entries:
-            if runs and runs[-1][0] == group and runs[-1][2] == half:
-                runs[-1] = (group, runs[-1][1], half + 1)
+        for entry in entries:
+            group, half = entry if entry is not None else (None, 0)
+            if runs and runs[-1][0] == group and (group is None or runs[-1][2] == half):
+                runs[-1] = (group, runs[-1][1], runs[-1][2] + 1)
             else:
                 runs.append((group, half, half + 1))
-        return cat_once([_rows(self._group_tensor(g, unit, name), a, b) for g, a, b in runs])
+        like = next(self._group_tensor(g, unit, name) for g, _, _ in runs if g is not None)
+        return cat_once(
+            [
+                _rows(self._group_tensor(g, unit, name), a, b)
+                if g is not None
+                else like.new_zeros((b - a, *like.shape[1:]))
+                for g, a, b in runs
+            ]
+        )
 
 
 def _rows(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:

@@ -193,6 +193,18 @@ class _Shared:
         return self._rope_memo[id(layout)]
 
 
+def _id_rotations(pos_embed, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> torch.Tensor:
+    """Rotations of [text ; image] ids. A request passes the same ids at every step, so they are
+    computed once and kept on the image ids tensor (again once either is written to)."""
+    state = (pos_embed, txt_ids, txt_ids._version, img_ids._version)
+    kept = getattr(img_ids, "_maskserve_rotations", None)
+    if kept is not None and all(a is b or a == b for a, b in zip(kept[0], state)):
+        return kept[1]
+    rotations = _rotations(*pos_embed(torch.cat((txt_ids, img_ids), dim=0)))
+    img_ids._maskserve_rotations = (state, rotations)
+    return rotations
+
+
 def _rotations(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Flux's interleaved rotary (cos, sin) of shape (S, d), each value repeated for its pair of
     channels, as complex rotations (S, 1, d/2) that broadcast over heads."""
@@ -234,7 +246,7 @@ def run_flux(
     else:
         temb = model.time_text_embed(timestep, pooled_projections)
     text = linear(ctx.lora, model.context_embedder, encoder_hidden_states, None)
-    rotations = _rotations(*model.pos_embed(torch.cat((txt_ids, img_ids), dim=0)))
+    rotations = _id_rotations(model.pos_embed, txt_ids, img_ids)
     num_text = txt_ids.shape[0]
     masked = ctx.layout(grid)
     image = rotations[num_text:]
@@ -338,7 +350,19 @@ def _modulate(
 ) -> torch.Tensor:
     """AdaLN modulation of packed tokens: ``normed * (1 + scale) + shift`` with each token's row
     values."""
-    return torch.addcmul(layout.expand_rows(shift), normed, layout.expand_rows(1 + scale))
+    modulated = torch.addcmul(
+        layout.row_values(shift), layout.by_row(normed), layout.row_values(1 + scale)
+    )
+    return modulated.view(normed.shape)
+
+
+def _gated(
+    x: torch.Tensor, layout: RowLayout, gate: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """``x + gate * out`` of packed tokens with each token's row gate."""
+    return torch.addcmul(layout.by_row(x), layout.row_values(gate), layout.by_row(out)).view(
+        x.shape
+    )
 
 
 def _modulate_rows(normed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -425,7 +449,7 @@ def _joint_attention(text_q, text_k, text_v, query, layout_q: RowLayout, group_k
     keys. Returns text outputs (rows, T, H*d) and packed image outputs (total, H*d). With
     ``text_q`` None only the image tokens query (text outputs are None)."""
     num_text = 0 if text_q is None else text_q.shape[1]
-    if padded and len(layout_q.groups) > 1:
+    if layout_q.regular or (padded and len(layout_q.groups) > 1):
         key, value = group_kv((0, layout_q.num_rows), text_k, text_v)
         queries = pad_rows(query, layout_q)
         if text_q is not None:
@@ -486,10 +510,10 @@ def _double_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared
         text_q, text_k, text_v, query, layout_q, group_kv, shared.ctx.padded_attention
     )
     image_out = linear(lora, attn.to_out[0], image_attn, layout_q)
-    hidden = torch.addcmul(x_q, layout_q.expand_rows(gate_msa), image_out)
+    hidden = _gated(x_q, layout_q, gate_msa, image_out)
     normed = _modulate(block.norm2(hidden), layout_q, scale_mlp, shift_mlp)
     mlp = feed_forward(lora, block.ff, normed, layout_q)
-    hidden = torch.addcmul(hidden, layout_q.expand_rows(gate_mlp), mlp)
+    hidden = _gated(hidden, layout_q, gate_mlp, mlp)
     text_out = linear(lora, attn.to_add_out, text_attn, None)
     text = torch.addcmul(text, c_gate_msa.unsqueeze(1), text_out)
     normed_text = _modulate_rows(block.norm2_context(text), c_scale_mlp, c_shift_mlp)
@@ -544,7 +568,7 @@ def _single_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared
     attn_rows = torch.cat([text_attn.reshape(split, -1), image_attn]) if text_needed else image_attn
     mixed = linear(lora, block.proj_out, torch.cat([attn_rows, mlp], dim=-1), rows)
     if not text_needed:
-        return text, _clip_half(torch.addcmul(x_q, layout_q.expand_rows(gate), mixed))
-    hidden = torch.addcmul(x_q, layout_q.expand_rows(gate), mixed[split:])
+        return text, _clip_half(_gated(x_q, layout_q, gate, mixed))
+    hidden = _gated(x_q, layout_q, gate, mixed[split:])
     text = torch.addcmul(text, gate.unsqueeze(1), mixed[:split].reshape(num_rows, num_text, width))
     return _clip_half(text), _clip_half(hidden)

@@ -41,6 +41,9 @@ class RowLayout:
     padded_index: torch.Tensor | None = None
     counts: tuple[int, ...] = ()  # tokens each row selects itself (its padding not counted)
     tokens: torch.Tensor | None = None  # LongTensor (total,): each packed token's grid id
+    # bucketed: every row holds one bucket of tokens, and ops over rows run once for all of them
+    # (a row that reads no cache selects every token, so cache values under it are overwritten)
+    regular: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -81,9 +84,8 @@ class RowLayout:
         ``packed``."""
         if self.is_full:
             return packed.reshape(base.shape)
-        out = base.reshape(-1, base.shape[-1]).clone()
-        out.index_copy_(0, self.flat_index, packed.to(out.dtype))
-        return out.reshape(base.shape)
+        flat = base.reshape(-1, base.shape[-1])
+        return flat.index_copy(0, self.flat_index, packed.to(flat.dtype)).reshape(base.shape)
 
     def group_tokens(self, packed: torch.Tensor, group: tuple[int, int]) -> torch.Tensor:
         """Packed rows of one group as (rows, tokens, ...)."""
@@ -91,6 +93,16 @@ class RowLayout:
         return packed[self.offsets[start] : self.offsets[stop]].reshape(
             stop - start, -1, *packed.shape[1:]
         )
+
+    def by_row(self, packed: torch.Tensor) -> torch.Tensor:
+        """Packed (total, C) as (rows, tokens, C) when every row holds as many tokens (a view);
+        else the packed tensor itself. Pairs with ``row_values``."""
+        return packed.view(self.num_rows, -1, packed.shape[-1]) if self.regular else packed
+
+    def row_values(self, per_row: torch.Tensor) -> torch.Tensor:
+        """(num_rows, C) row values against ``by_row`` tokens: broadcast views when the layout is
+        regular (no operator), else each packed token's row value (``expand_rows``)."""
+        return per_row.unsqueeze(1) if self.regular else self.expand_rows(per_row)
 
     def expand_rows(self, per_row: torch.Tensor) -> torch.Tensor:
         """(num_rows, C) row values -> each packed token's row value, for elementwise ops on packed
@@ -240,4 +252,5 @@ def bucketed_layout(rows: list[RowTokens], width: int, places: RowPlaces) -> Row
         None,
         tuple(row.count for row in rows),
         tokens,
+        regular=True,
     )

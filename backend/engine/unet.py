@@ -249,6 +249,22 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.unflatten(-1, (heads, -1))
 
 
+def _text_keys(attn2, text: torch.Tensor, lora) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-attention K and V (rows, T, H, d) of the text. They depend on the text and the
+    weights alone, so a batch's text tensor (kept while its rows step together:
+    ``FamilyAdapter.batch_conditioning``) keeps them per layer, unless an adapter changes them."""
+    if lora is not None and lora.touches(attn2.to_k, attn2.to_v):
+        return tuple(
+            _heads(p, attn2.heads) for p in project(lora, text, (attn2.to_k, attn2.to_v), None)
+        )
+    kept = text.__dict__.setdefault("_maskserve_text_keys", {})
+    if id(attn2) not in kept:
+        kept[id(attn2)] = tuple(
+            _heads(p, attn2.heads) for p in project(None, text, (attn2.to_k, attn2.to_v), None)
+        )
+    return kept[id(attn2)]
+
+
 def _block_forward(
     block,
     unit: int,
@@ -303,9 +319,7 @@ def _block_forward(
     hidden = linear(lora, attn1.to_out[0], attn_out, layout_q) + x_q
     if attn2 is not None:
         query2 = _heads(linear(lora, attn2.to_q, block.norm2(hidden), layout_q), attn2.heads)
-        key2, value2 = (
-            _heads(p, attn2.heads) for p in project(lora, text, (attn2.to_k, attn2.to_v), None)
-        )
+        key2, value2 = _text_keys(attn2, text, lora)
         cross = ragged_attention(
             query2, layout_q, lambda g: (key2[g[0] : g[1]], value2[g[0] : g[1]]), padded
         )
