@@ -1,4 +1,5 @@
-"""Cache status of a gallery template for given settings: not prepared, preparing, on disk, in RAM.
+"""Cache status of a gallery template for given settings: not prepared, preparing, on disk, in RAM,
+on device.
 
 The status follows content, never "the last job": the template's cache key for the settings asked
 about (``KeySettings``) is built the way pre-processing builds a job's
@@ -7,8 +8,8 @@ and what the loaded model contributes, ``ModelKeyBasis``). The CPU stages publis
 ``keys.cache_key_basis_key`` when they load a model and with every job they pre-process (only a
 process that loaded the model knows its revision and scheduler); until one has, no key can be
 built and no worker can be found holding the cache. The key's digest is looked up in the live
-workers' heartbeats (which list the digests each holds in RAM and on disk), so a template sees the
-cache of the same pixels uploaded under any name.
+workers' heartbeats (which list the digests each holds on its device, in RAM and on disk), so a
+template sees the cache of the same pixels uploaded under any name.
 
 The API records the id of a prepare job under ``keys.template_cache_key`` (field
 ``prepare:<settings signature>``): while no heartbeat lists the cache, the status follows that job
@@ -39,7 +40,7 @@ from backend.protocol.keys import cache_key_basis_key, template_cache_key
 
 log = logging.getLogger(__name__)
 
-STATUSES = ("not prepared", "preparing", "on disk", "in RAM")
+STATUSES = ("not prepared", "preparing", "on disk", "in RAM", "on device")
 MAX_MEMO = 4096  # digests kept per process: a status poll decodes and resizes the template once
 
 
@@ -171,14 +172,20 @@ def cache_status(
         for worker_id, beat in live_heartbeats(client).items()
         if beat.model_id == settings.model_id
     }
-    in_ram, on_disk = [], []
+    # status -> the workers whose fastest tier holding the cache is that one, fastest first
+    held: dict[str, list[str]] = {"on device": [], "in RAM": [], "on disk": []}
     for worker_id, beat in sorted(beats.items()) if digest else ():
-        if digest in beat.resident_ram:
-            in_ram.append(worker_id)
-        elif digest in beat.resident_disk:
-            on_disk.append(worker_id)
-    if in_ram or on_disk:
-        status, workers = ("in RAM" if in_ram else "on disk"), in_ram + on_disk
+        for status, tier in (
+            ("on device", beat.resident_device),
+            ("in RAM", beat.resident_ram),
+            ("on disk", beat.resident_disk),
+        ):
+            if digest in tier:
+                held[status].append(worker_id)
+                break
+    if any(held.values()):
+        status = next(status for status, workers in held.items() if workers)
+        workers = [worker_id for holders in held.values() for worker_id in holders]
     else:
         job_id = client.hget(template_cache_key(template_id), f"prepare:{settings.signature()}")
         status, workers = _prepare_job_view(client, to_text(job_id) if job_id else "", beats)

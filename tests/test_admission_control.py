@@ -186,6 +186,27 @@ def test_the_rows_a_heartbeat_reports_wait_on_until_the_decision():
     assert predicted.start == pytest.approx(NOW + 16.0)
 
 
+def test_a_step_estimate_copies_no_cache_of_a_template_on_the_workers_device():
+    """The step time admission forecasts with reads the rows whose templates a worker holds on
+    its device as routing does (``RoutingCostModel.step_latency``): masked, with no copy."""
+    from backend.api.admission import NEW_JOB_TEMPLATE, StepTimes
+    from backend.config import load_settings
+    from backend.protocol import RunningRow, WorkerHeartbeat
+
+    def beat(**tiers) -> WorkerHeartbeat:
+        rows = [RunningRow("a", 0.1, 10, "t0"), RunningRow("b", 0.2, 10, "t1")]
+        return WorkerHeartbeat(
+            "w1", "small-flux-fill", "cpu", NOW, 4, "continuous", running=rows, **tiers
+        )
+
+    steps, new = StepTimes(load_settings(env={})), (0.1, NEW_JOB_TEMPLATE, True)
+    in_ram = steps.step_s(beat(resident_ram=["t0", "t1"]), new)
+    on_device = steps.step_s(beat(resident_device=["t0", "t1"]), new)
+    model = steps.cost_model("small-flux-fill", "cpu")
+    rows = [(0.1, "t0", True), (0.2, "t1", True), new]
+    assert on_device == model.step_latency(rows, frozenset({"t0", "t1"})) and on_device < in_ram
+
+
 # ----- the deadline bound ------------------------------------------------------------------------
 def test_far_past_its_deadline_a_shed_class_is_refused_with_reason_and_retry_after():
     crowded = busy_worker(deadline_s=5.0, rows=8)  # 8 rows due in 5 s: 40 s of work on 2 slots

@@ -70,7 +70,7 @@ def status(client, template_id: str, **params) -> dict:
     return response.json()
 
 
-def beat(redis_client, worker_id: str, ram=(), disk=(), at: float | None = None) -> None:
+def beat(redis_client, worker_id: str, ram=(), disk=(), at: float | None = None, device=()) -> None:
     heartbeat = WorkerHeartbeat(
         worker_id=worker_id,
         model_id=DEFAULT_MODEL,
@@ -80,6 +80,7 @@ def beat(redis_client, worker_id: str, ram=(), disk=(), at: float | None = None)
         batching="continuous",
         resident_ram=list(ram),
         resident_disk=list(disk),
+        resident_device=list(device),
     )
     redis_client.set(heartbeat_key(worker_id), protocol.encode(heartbeat), ex=5)
 
@@ -123,6 +124,17 @@ def test_a_job_of_other_settings_leaves_the_status_of_the_default_settings(clien
         "workers": ["w2"],
         "settings": None,
     }
+
+
+def test_the_status_names_the_fastest_tier_and_its_workers_first(client, redis_client):
+    publish_key_basis(redis_client, BASIS)
+    template_id = upload(client, png(TEMPLATE), "room")
+    digest = status(client, template_id)["digest"]
+    beat(redis_client, "w1", ram=[digest], disk=[digest])
+    beat(redis_client, "w2", device=[digest], disk=[digest])  # RAM dropped its copy
+    beat(redis_client, "w3", disk=[digest])
+    answer = status(client, template_id)
+    assert answer["status"] == "on device" and answer["workers"] == ["w2", "w1", "w3"]
 
 
 def test_the_same_pixels_under_another_name_share_the_cache(client, redis_client):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -93,6 +94,17 @@ def test_a_newer_minor_version_with_extra_fields_is_read():
     assert protocol.decode(json.dumps(payload)) == beat
     legacy = json.loads(protocol.encode(CancelJob(job_id="x"))) | {"version": 1}
     assert protocol.decode(json.dumps(legacy)) == CancelJob(job_id="x")  # the first schema
+
+
+def test_a_heartbeat_from_before_the_device_tier_reads_with_no_template_on_the_device():
+    """A 1.10 worker's heartbeat has no ``resident_device``: it reads as holding none there."""
+    payload = json.loads(protocol.encode(MESSAGES[-1])) | {"version": "1.10"}
+    del payload["resident_device"]
+    beat = protocol.decode(json.dumps(payload))
+    assert isinstance(beat, WorkerHeartbeat)
+    assert beat.resident_device == [] and beat.resident_ram == ["abc"]
+    on_device = replace(beat, resident_device=["abc"])
+    assert protocol.decode(protocol.encode(on_device)) == on_device
 
 
 def test_bad_nested_values_are_protocol_errors():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,15 @@ def router(policy: str, cm: RoutingCostModel | None = None, **kw) -> Router:
 
 
 def worker(
-    wid: str, running=(), waiting=(), ram=(), disk=(), max_batch=8, model=MODEL, device="cpu"
+    wid: str,
+    running=(),
+    waiting=(),
+    ram=(),
+    disk=(),
+    max_batch=8,
+    model=MODEL,
+    device="cpu",
+    on_device=(),
 ) -> WorkerView:
     def rows(spec, prefix):
         return tuple(RowState(f"{wid}-{prefix}{i}", m, s, t) for i, (m, s, t) in enumerate(spec))
@@ -59,6 +68,7 @@ def worker(
         rows(waiting, "q"),
         frozenset(ram),
         frozenset(disk),
+        resident_device=frozenset(on_device),
     )
 
 
@@ -269,6 +279,70 @@ def test_residency_orders_ram_before_disk_before_absent(cost_model):
     assert sharing["residency"] == 0.0
 
 
+def test_a_template_on_the_device_costs_no_more_than_in_ram_and_less_where_copies_cost(cost_model):
+    """A row whose template W holds on its device tier computes masked and copies nothing, J's
+    own and its co-runners' (in T and in their share of a step), in RAM or on disk or not. J's
+    costs strictly less than from RAM where RAM reads cost step time (the shipped CPU profile's
+    small copies, and the route bench's what-if of copies 650 times slower). With co-runners on
+    the device J's run follows the step-by-step replay without their copies; it is lower than
+    with them in RAM where copies are slow (with the CPU profile's tiny copies the RAM estimate,
+    an interpolation over the co-runners' shares, can sit a hair below its own replay)."""
+    from backend.bench.route_bench import RouteBenchConfig, cost_model_for
+
+    slow_copies = cost_model_for(RouteBenchConfig(profiles_dir=str(PROFILES), load_scale=650))
+    for cm in (cost_model, slow_copies):
+        for running in ((), [(0.1, 8, "a"), (0.3, 20, "b")]):
+            ram = cm.estimate(job(), worker("w", running, ram={"t0", "a", "b"}))
+            device = cm.estimate(job(), worker("w", running, ram={"a", "b"}, on_device={"t0"}))
+            assert device["total"] < ram["total"] and device["run"] < ram["run"]
+            assert device["residency"] == ram["residency"] == 0.0 and device["imposed"] == 0.0
+        # co-runners on the device: J's run follows the step-by-step replay without their copies
+        rows = [(0.1, 10, "a"), (0.2, 20, "b")]
+        co_device = cm.estimate(job(), worker("w", rows, ram={"t0"}, on_device={"a", "b"}))
+        batch = [(0.1, "a", True), (0.2, "b", True), (0.1, "t0", True)]
+        on = frozenset({"a", "b"})
+        replay = 10 * cm.step_latency(batch, on) + 10 * cm.step_latency(batch[1:], on)
+        assert co_device["run"] == pytest.approx(replay, rel=0.03)
+        assert cm.step_latency(batch, frozenset({"t0"})) < cm.step_latency(batch)
+        # every copy gone: the masked compute alone, as a batch that loads nothing
+        assert cm.step_latency(batch, frozenset({"a", "b", "t0"})) == pytest.approx(
+            RoutingCostModel(replace(cm.profile, load=LinearModel(0.0, 0.0, 1.0))).step_latency(
+                batch
+            )
+        )
+    co_ram = slow_copies.estimate(job(), worker("w", rows, ram={"t0", "a", "b"}))
+    co_device = slow_copies.estimate(job(), worker("w", rows, ram={"t0"}, on_device={"a", "b"}))
+    assert co_device["run"] < co_ram["run"]
+    view = worker("w", ram={"a"}, disk={"t0"}, on_device={"t0"})
+    assert cost_model.tier("t0", view) == "device" and cost_model.tier("a", view) == "ram"
+
+
+def test_a_template_on_the_device_is_not_read_from_disk_by_the_rows_before_j(cost_model):
+    """A waiting row whose template W holds on its device (RAM dropped its copy, the disk keeps
+    one) reads nothing before J's own read from disk."""
+    read = cost_model.disk_read_s(20)
+    queued = worker(
+        "w",
+        [(0.1, 10, "a")],
+        waiting=[(0.1, 20, "x"), (0.1, 20, "y")],
+        ram={"a"},
+        disk={"t0", "x", "y"},
+        on_device={"x"},
+    )
+    assert cost_model.estimate(job(), queued)["residency"] == pytest.approx(2 * read)
+
+
+def test_mask_aware_prefers_the_worker_holding_the_template_on_its_device(cost_model):
+    busy = [(0.1, 10, "a"), (0.1, 10, "b")]
+    in_ram = worker("w0", busy, ram={"a", "b", "t0"})
+    on_device = worker("w1", busy, ram={"a", "b"}, on_device={"t0"})
+    d = router("mask_aware", cost_model).choose(job(), [in_ram, on_device])
+    assert d.worker_id == "w1" and d.costs["w1"] < d.costs["w0"]
+    # and over the same worker with the template on disk, or nowhere (a recording)
+    for other in (worker("w0", busy, ram={"a", "b"}, disk={"t0"}), worker("w0", busy)):
+        assert router("mask_aware", cost_model).choose(job(), [other, on_device]).worker_id == "w1"
+
+
 def test_a_read_holds_only_its_own_job_and_only_beyond_its_wait(cost_model):
     read = cost_model.disk_read_s(20)
     alone = cost_model.estimate(job(), worker("w", [(0.1, 10, "a")], ram={"a"}, disk={"t0"}))
@@ -438,7 +512,11 @@ def test_greedy_equals_the_exact_plan_on_every_shipped_profile(path):
             (rng.uniform(0.02, 0.9), f"t{rng.randint(0, 5)}", rng.random() < 0.8)
             for _ in range(rng.randint(1, 9))
         ]
+        on_device = frozenset(f"t{i}" for i in range(6) if rng.random() < 0.3)
         assert fast.step_latency(rows) == pytest.approx(exact.step_latency(rows), rel=1e-9)
+        assert fast.step_latency(rows, on_device) == pytest.approx(
+            exact.step_latency(rows, on_device), rel=1e-9
+        )
 
 
 def test_load_cost_models_keys_by_model_and_device_kind():
@@ -463,6 +541,7 @@ def test_view_from_heartbeat_round_trip():
         waiting=[protocol.WaitingRow(job_id="b", mask_ratio=0.05, num_steps=20, template="")],
         resident_ram=["d1"],
         resident_disk=["d1", "d2"],
+        resident_device=["d3"],
     )
     view = view_from_heartbeat(protocol.decode(protocol.encode(beat)))
     assert view == WorkerView(
@@ -475,5 +554,6 @@ def test_view_from_heartbeat_round_trip():
         frozenset({"d1"}),
         frozenset({"d1", "d2"}),
         seen_at=1.0,
+        resident_device=frozenset({"d3"}),
     )
     assert (view.load, view.slack) == (2, 2)

@@ -297,6 +297,26 @@ def test_a_cache_pinned_to_an_adapter_set_is_recorded_then_read_by_exactly_that_
     assert pinned in held and base.digest() not in held
 
 
+def test_a_cache_pinned_to_the_adapters_is_read_when_only_the_device_tier_holds_it():
+    """RAM may drop its copy of an entry the device holds: the pinned cache is still there."""
+    from backend.cache import Tier
+    from backend.cache.key import pinned_key
+    from backend.protocol import PreparedJob
+    from tests.factories import cache_key
+
+    base = cache_key(1)
+    pinned = pinned_key(base, [(USE_A.sha256, USE_A.scale)])
+
+    class DeviceOnly:
+        def resident(self, tier: Tier) -> list[str]:
+            return [pinned.digest()] if tier is Tier.DEVICE else []
+
+    job = PreparedJob("j", MODEL, "p", "t", STEPS, 0.2, base.digest(), adapters=[USE_A])
+    rows = RowAdapters(None, 0.0)  # cache_key reads no adapter tier
+    assert rows.cache_key(job, base, DeviceOnly()) == pinned
+    assert rows.cache_key(job, base, None) == base
+
+
 @pytest.mark.gpu
 def test_host_to_device_copies_run_on_a_side_stream_on_cuda(models_dir, content, tmp_path):
     """On CUDA an adapter on the host is copied on a side stream: not resident until its event

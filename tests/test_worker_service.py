@@ -10,6 +10,7 @@ import pytest
 
 from backend import protocol
 from backend.blobs import BlobStore
+from backend.cache.plans import Tier
 from backend.config import load_settings
 from backend.engine.factory import CPU_STAGES, build_engine
 from backend.jobstate import JobStateStore
@@ -109,6 +110,18 @@ def test_the_heartbeat_carries_live_state_under_a_short_ttl(service, redis_clien
         beat.device == "cpu" and beat.max_batch == settings.worker.max_batch and beat.running == []
     )
     assert 0 < redis_client.ttl(heartbeat_key("w-test")) <= HEARTBEAT_TTL_S
+
+
+def test_the_heartbeat_lists_the_templates_on_the_caches_device_tier(
+    service, redis_client, monkeypatch
+):
+    settings, worker, caches, _ = service
+    tiers = {Tier.DEVICE: ["on-device"], Tier.RAM: ["in-ram"], Tier.DISK: ["in-ram", "on-disk"]}
+    monkeypatch.setattr(caches, "resident", tiers.__getitem__)
+    Heartbeat(redis_client, worker, caches, settings).refresh(force=True)
+    beat = protocol.decode(redis_client.get(heartbeat_key("w-test")))
+    assert beat.resident_device == ["on-device"] and beat.resident_ram == ["in-ram"]
+    assert beat.resident_disk == ["in-ram", "on-disk"]
 
 
 def test_a_step_out_of_device_memory_asks_the_caches_device_tier_first(service, caplog):

@@ -12,12 +12,14 @@ Inputs, read per submission:
 * the seconds of one step of each worker's batch with the job in it: the routing cost model of the
   model on the worker's device kind (``RoutingCostModel.step_latency`` from the shipped profile,
   ``paths.profiles_dir``, in ``engine.cache_mode``; loaded once per model and device, no torch),
-  over its running rows then the waiting rows that fill its slots, plus the new job's row; without a
-  profile, the worker's own measured mean step (``stats.mean_step_s`` in its heartbeat); without
-  either, the worker is left out of the forecast. The new job's row: its mask ratio as the API
-  sees it (``service_levels.mask_ratio_estimate``), reading a cache when it edits a gallery
-  template with the cache on (gallery templates are the prepared ones), else computing densely (an
-  upload is recorded on its first edit; a preparation records).
+  over its running rows then the waiting rows that fill its slots, plus the new job's row (a row
+  whose template the worker's heartbeat lists on its device tier copies no cache, as routing
+  reads it); without a profile, the worker's own measured mean step (``stats.mean_step_s`` in its
+  heartbeat); without either, the worker is left out of the forecast. The new job's row: its mask
+  ratio as the API sees it (``service_levels.mask_ratio_estimate``), reading a cache when it edits
+  a gallery template with the cache on (gallery templates are the prepared ones), else computing
+  densely (an upload is recorded on its first edit; a preparation records); its template's digest
+  is not known yet (pre-processing computes it), so it is charged the copies of a RAM read.
 
 Counters: ``maskserve_api_shed_total{class, reason}`` (429s) and
 ``maskserve_api_accepted_late_total{class}``; ``DeadlineCollector`` exports the deployment's
@@ -121,7 +123,8 @@ class StepTimes:
             ]
             free = max(0, beat.max_batch - 1 - len(rows))
             rows += [(r.mask_ratio, r.template, bool(r.template)) for r in beat.waiting[:free]]
-            return float(model.step_latency([*rows[: max(0, beat.max_batch - 1)], job]))
+            on_device = frozenset(beat.resident_device)  # rows of these copy no cache
+            return float(model.step_latency([*rows[: max(0, beat.max_batch - 1)], job], on_device))
         measured = beat.stats.get("mean_step_s", 0.0) if beat.stats.get("steps") else 0.0
         return float(measured) if isinstance(measured, int | float) else 0.0
 

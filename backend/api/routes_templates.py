@@ -144,8 +144,9 @@ def template_cache(
     ),
 ) -> dict:
     """Where the cache that an edit of this template with these settings reads is: ``not
-    prepared``, ``preparing``, ``on disk`` or ``in RAM`` (``workers``: which). The cache follows the
-    template's pixels, so a copy of the same picture under another name shows the same status."""
+    prepared``, ``preparing``, ``on disk``, ``in RAM`` or ``on device`` (``workers``: which, those
+    of the fastest tier first). The cache follows the template's pixels, so a copy of the same
+    picture under another name shows the same status."""
     return request.app.state.service.cache_status(
         template_id,
         _owner(request),

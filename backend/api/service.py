@@ -255,9 +255,10 @@ class JobService:
         adapters: tuple[AdapterChoice, ...] = (),
     ) -> dict:
         """Where the template's cache for an edit with these settings is (``None``/0: the
-        model's defaults, as an edit would use them): not prepared, preparing, on disk, in RAM;
-        with ``adapters``, the cache pinned to exactly that adapter set (``prepare_template``).
-        The settings and adapters are checked as a job submission checks them."""
+        model's defaults, as an edit would use them): not prepared, preparing, on disk, in RAM, on
+        device; with ``adapters``, the cache pinned to exactly that adapter set
+        (``prepare_template``). The settings and adapters are checked as a job submission checks
+        them."""
         from backend.cachestatus import KeySettings, cache_status
 
         spec = self._model(model or self.settings.engine.model_id)

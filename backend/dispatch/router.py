@@ -16,9 +16,11 @@ Policies (``POLICIES``):
   the time it costs its co-runners: ``cost = wait + run + residency + imposed + adapters``:
 
   - residency of a row (for T): a template in W's RAM or disk is *cached* (masked compute plus the
-    host->device copy of its unit caches each step); a template in neither tier is *recorded*:
-    the row runs densely (all tokens, no copy). ``""`` (no cache) is dense too. J's template
-    also counts as in RAM when a row already on W uses it (that row brought it there).
+    host->device copy of its unit caches each step); a template in W's device tier is cached with
+    no copy (masked compute only: its loads are 0 and it is left out of a step's load count); a
+    template in none of them is *recorded*: the row runs densely (all tokens, no copy). ``""``
+    (no cache) is dense too. J's template also counts as in RAM when a row already on W uses it
+    (that row brought it there).
   - admission: slots are replayed at step granularity: running rows free their slot after s
     steps, waiting rows take freed slots in FIFO order and hold them n steps; J is admitted at
     step a_J = 0 when a slot is free, else when the first slot frees. Co-runners C = the rows
@@ -34,14 +36,14 @@ Policies (``POLICIES``):
     acquired without waiting, so no read ever stalls the batch; J alone waits):
     ``max(0, pending + disk_read_s - wait)`` when t_J is only on W's disk: one read of the
     template's trajectory cache (n_J steps of unit caches, ``disk_read_s_per_byte`` per byte,
-    default 1e-9 = 1 GB/s, a local NVMe/SSD order of magnitude) that W prefetches while J waits,
-    one read at a time, so after ``pending``, the reads of the templates its waiting rows have only
-    on disk (each once). When t_J is in neither tier of W but a running row of W has it (that row is
-    recording it: a worker records a template once and holds its other rows until the commit,
-    which loads the entry into RAM), J runs cached after ``max(0, r_rec * T(first batch) +
-    disk_read_s - wait)``, r_rec the recorder's remaining steps (route to the recorder, rather than
-    recording it again elsewhere). 0 for RAM (its copies are inside T) and for a recording (its
-    dense compute is).
+    default 1e-9 = 1 GB/s, a local NVMe/SSD order of magnitude) that W prefetches while J waits, one
+    read at a time, so after ``pending``, the reads of the templates its waiting rows have only on
+    disk (each once; one on W's device is not read). When t_J is in no tier of W but a running row
+    of W has it (that row is recording it: a worker records a template once and holds its other rows
+    until the commit, which loads the entry into RAM), J runs cached after
+    ``max(0, r_rec * T(first batch) + disk_read_s - wait)``, r_rec the recorder's remaining steps
+    (route to the recorder, rather than recording it again elsewhere). 0 for RAM (its copies are
+    inside T), for the device tier (no copy) and for a recording (its dense compute is).
   - ``imposed = (T(C + J) - T(C)) * sum o_r`` when J runs densely (it records its template, or has
     none), else 0: the delay J's dense row adds to each co-runner's overlapping steps. A recording
     costs a step several cached rows' worth, so the rows beside it lose more than it waits itself.
@@ -52,15 +54,16 @@ Policies (``POLICIES``):
     W's queue and its first K steps hide (``backend.dispatch.adapter_cost``: tiers, rates and
     the exact formula); 0 for a job without adapters.
 
-  Invariants (tested): every term is >= 0; T(J) <= run / n_J <= T(C + J); more steps, a larger
-  mask for J or one more running row (that applies none of A_J) never lower a cost; for one
-  worker state RAM <= disk and RAM <= absent, and disk <= absent whenever recomputing densely
-  costs more than the disk read (every shipped profile with a positive compute slope). The
-  recording's cache write is not charged. Adapters: the term is 0 without adapters and at most
-  the whole load (reads + copies); it is 0 when the load fits in K steps of T(J); moving one
-  adapter of A_J to a cheaper tier (disk -> arriving -> host -> device) or making any adapter
-  smaller never raises a cost; the term can only lower what ``wait + residency`` add (each
-  second of queueing hides at most one second of reads), so the invariants above still hold.
+  Invariants (tested): every term is >= 0; T(J) <= run / n_J <= T(C + J); more steps, a larger mask
+  for J or one more running row (that applies none of A_J) never lower a cost; for one worker state
+  t_J on the device <= in RAM (< when its copies show in T), RAM <= disk and RAM <= absent, and disk
+  <= absent whenever recomputing densely costs more than the disk read (every shipped profile with a
+  positive compute slope). The recording's cache write is not charged. Adapters: the term is 0
+  without adapters and at most the whole load (reads + copies); it is 0 when the load fits in K
+  steps of T(J); moving one adapter of A_J to a cheaper tier (disk -> arriving -> host -> device) or
+  making any adapter smaller never raises a cost; the term can only lower what ``wait + residency``
+  add (each second of queueing hides at most one second of reads), so the invariants above still
+  hold.
 * ``fewest_requests`` -- min len(R) + len(Q); ``fewest_tokens`` -- min sum of mask ratios over
   R + Q (masked-token balancing, as LLM routers balance tokens); ``round_robin`` -- the next
   candidate by worker id after the last one chosen for this model.
@@ -96,7 +99,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +143,8 @@ class RoutingCostModel:
     """Per-step batch latency and job completion estimates of one model on one device kind.
 
     A row is ``(mask_ratio, template, cached)``; ``cached=False`` computes densely and loads
-    nothing.
+    nothing; a cached row whose template is in the worker's device tier (``on_device``) computes
+    masked and loads nothing either.
     """
 
     def __init__(
@@ -248,19 +254,31 @@ class RoutingCostModel:
         row = self._rows[(ratio, cached)] = (toks, weight, load)
         return row
 
-    def _latency(self, toks: Sequence[tuple[int, ...]], tmpls: Sequence[str | None]) -> float:
-        """Pipeline latency of prepared rows: tokens per shape, template (None: dense, no copy)."""
+    def _latency(
+        self,
+        toks: Sequence[tuple[int, ...]],
+        tmpls: Sequence[str | None],
+        on_device: AbstractSet[str] = frozenset(),
+    ) -> float:
+        """Pipeline latency of prepared rows: tokens per shape, template (None: dense, no copy);
+        a template in ``on_device`` is read where it lies (masked compute, no copy)."""
         if not toks:
             return 0.0
         if self.planner == "exact":
-            return self._exact(toks, tmpls)
+            return self._exact(toks, tmpls, on_device)
         rpr, slope, icpt = self.rows_per_request, self._cslope, self._cicpt
         n = len(toks) * rpr
         costs = []
         for g, (num_tokens, per_query, text, load) in enumerate(self._groups):
             masked = sum([t[g] for t in toks])
             templates = (
-                len({m for t, m in zip(toks, tmpls) if m is not None and t[g] < num_tokens})
+                len(
+                    {
+                        m
+                        for t, m in zip(toks, tmpls)
+                        if m is not None and m not in on_device and t[g] < num_tokens
+                    }
+                )
                 if load
                 else 0
             )
@@ -296,7 +314,12 @@ class RoutingCostModel:
                 k -= 1
         return compute_end
 
-    def _exact(self, toks: Sequence[tuple[int, ...]], tmpls: Sequence[str | None]) -> float:
+    def _exact(
+        self,
+        toks: Sequence[tuple[int, ...]],
+        tmpls: Sequence[str | None],
+        on_device: AbstractSet[str] = frozenset(),
+    ) -> float:
         """Reference: ``solve_plan`` over ``batch_unit_costs`` (slopes clamped as above)."""
         p = self.profile
         profile = replace(
@@ -308,7 +331,7 @@ class RoutingCostModel:
             RowWork(
                 {u.stack_id: row_tokens[g] for u, (g, _) in zip(p.units, self._seq)},
                 template or f"dense{i}",
-                needs_load=template is not None,
+                needs_load=template is not None and template not in on_device,
             )
             for i, (row_tokens, template) in enumerate(zip(toks, tmpls))
             for _ in range(self.rows_per_request)
@@ -318,11 +341,16 @@ class RoutingCostModel:
         costs = batch_unit_costs(profile, work)
         return solve_plan(costs, p.stack_ids, monotone_within_stack=self.monotone).latency_s
 
-    def step_latency(self, rows: Sequence[tuple[float, str, bool]]) -> float:
+    def step_latency(
+        self, rows: Sequence[tuple[float, str, bool]], on_device: AbstractSet[str] = frozenset()
+    ) -> float:
         """Seconds of one denoising step of a batch of requests ``(mask_ratio, template,
-        cached)``."""
+        cached)``; a cached row whose template is in ``on_device`` (the worker's device tier)
+        copies nothing."""
         return self._latency(
-            [self._row(m, c)[0] for m, _, c in rows], [t if c else None for _, t, c in rows]
+            [self._row(m, c)[0] for m, _, c in rows],
+            [t if c else None for _, t, c in rows],
+            on_device,
         )
 
     def disk_read_s(self, num_steps: int) -> float:
@@ -348,16 +376,18 @@ class RoutingCostModel:
         )
 
     def tier(self, template: str, view: WorkerView) -> str:
-        """'ram', 'disk', 'absent' (the row records densely) or 'none' (no template: dense)."""
+        """W's fastest tier holding ``template``: 'device' (read where it lies, no copy), 'ram',
+        'disk'; 'absent' (the row records densely) or 'none' (no template: dense)."""
         if not template:
             return "none"
-        return (
-            "ram"
-            if template in view.resident_ram
-            else "disk"
-            if template in view.resident_disk
-            else "absent"
-        )
+        for name, held in (
+            ("device", view.resident_device),
+            ("ram", view.resident_ram),
+            ("disk", view.resident_disk),
+        ):
+            if template in held:
+                return name
+        return "absent"
 
     def estimate(
         self, job: JobRequest, view: WorkerView, memo: dict[Any, Any] | None = None
@@ -367,10 +397,12 @@ class RoutingCostModel:
         reuse). The finish and lateness are of J's last step, against its deadline less W's
         finish tail (``planned_on``)."""
         job = planned_on(job, view)
+        on_device = view.resident_device  # read where they lie: no loads, in T or in a share
+        latency = partial(self._latency, on_device=on_device)
         cached = {
             r.template
             for r in (*view.running, *view.waiting)
-            if r.template and (r.template in view.resident_ram or r.template in view.resident_disk)
+            if self.tier(r.template, view) in ("device", "ram", "disk")
         }
         toks, weights, loads, tmpls = [], [], [], []
         for r in (*view.running, *view.waiting):
@@ -378,10 +410,12 @@ class RoutingCostModel:
             row_tokens, weight, load = self._row(r.mask_ratio, reads_cache)
             toks.append(row_tokens)
             weights.append(weight)
-            loads.append(load)
+            loads.append(0.0 if r.template in on_device else load)
             tmpls.append(r.template if reads_cache else None)
         finish = [max(0, r.remaining_steps) for r in view.running]
-        tier = "ram" if job.template in cached else self.tier(job.template, view)
+        tier = self.tier(job.template, view)
+        if tier == "disk" and job.template in cached:
+            tier = "ram"  # a row already on W brought it there
         # a running row recording t_J (t_J in no tier of W): J waits for that cache, then reads it
         recorder = (
             min(
@@ -391,20 +425,20 @@ class RoutingCostModel:
             if tier == "absent"
             else None
         )
-        job_cached = tier in ("ram", "disk") or recorder is not None
+        job_cached = tier in ("device", "ram", "disk") or recorder is not None
         job_tokens = self._row(job.mask_ratio, job_cached)[0]
         job_template = job.template if job_cached else None
         cap, n = max(1, view.max_batch), max(1, job.num_steps)
         order = list(range(len(finish), len(toks))) + [JOB]  # fifo: J after every waiting row
         by, slack, step_s, unparkable, hold, deadlines = FIFO, None, 0.0, [], 0, None
         if deadlines_matter(job, view):  # W orders its rows by deadline: by T with J in its batch
-            step_s = self._latency(toks[:cap] + [job_tokens], tmpls[:cap] + [job_template])
+            step_s = latency(toks[:cap] + [job_tokens], tmpls[:cap] + [job_template])
             (order, slack), by = row_order(job, view, step_s), view.order
             # W parks neither a row recording its template's cache nor one due for the bound
             unparkable = [
                 i for i, r in enumerate(view.running) if (r.template and not tmpls[i]) or r.due
             ]
-            hold = sizing_hold(job, view, step_s, lambda i: self._latency([toks[i]], [tmpls[i]]))
+            hold = sizing_hold(job, view, step_s, lambda i: latency([toks[i]], [tmpls[i]]))
             rows = (*view.running, *view.waiting)
             deadlines = {JOB: job.deadline, **{i: r.deadline for i, r in enumerate(rows)}}
         steps = finish + [max(0, r.remaining_steps) for r in view.waiting]
@@ -413,18 +447,19 @@ class RoutingCostModel:
         )
         admit, wait, t_first, first = slots.admit, 0.0, 0.0, slots.first
         if admit > 0 or recorder is not None:
-            t_first = self._latency([toks[i] for i in first], [tmpls[i] for i in first])
+            t_first = latency([toks[i] for i in first], [tmpls[i] for i in first])
         wait = admit * t_first
         co_runners = list(slots.co_runners)  # (steps overlapping J, row index)
         memo = {} if memo is None else memo
-        t_job = memo.get((id(self), job_cached))
+        key = (id(self), job_cached, tier == "device")  # T(J) differs by J's copies only
+        t_job = memo.get(key)
         if t_job is None:
-            t_job = memo[(id(self), job_cached)] = self._latency([job_tokens], [job_template])
+            t_job = memo[key] = latency([job_tokens], [job_template])
         run, imposed = n * t_job, 0.0
         if co_runners:
             co_toks = [toks[i] for _, i in co_runners]
             co_tmpls = [tmpls[i] for _, i in co_runners]
-            t_full = max(t_job, self._latency(co_toks + [job_tokens], co_tmpls + [job_template]))
+            t_full = max(t_job, latency(co_toks + [job_tokens], co_tmpls + [job_template]))
             # a co-runner's share of a step: its compute, plus its template's loads split among
             # the co-runners reading it (dense rows load nothing)
             readers: dict[str | None, int] = {}
@@ -439,7 +474,7 @@ class RoutingCostModel:
             phi = sum([o * w for o, w in share]) / (n * total_w) if total_w > 0 else 1.0
             run = n * (t_job + phi * (t_full - t_job))
             if not job_cached:  # J records: what it costs its co-runners dwarfs its own wait
-                slowdown = max(0.0, t_full - self._latency(co_toks, co_tmpls))
+                slowdown = max(0.0, t_full - latency(co_toks, co_tmpls))
                 imposed = slowdown * sum([overlap for overlap, _ in co_runners])
         residency = 0.0
         if tier == "disk":
@@ -447,7 +482,7 @@ class RoutingCostModel:
             pending, seen = 0.0, set()
             for r in view.waiting:
                 t = r.template
-                if t and t not in seen and t in view.resident_disk and t not in view.resident_ram:
+                if t not in seen and self.tier(t, view) == "disk":
                     seen.add(t)
                     pending += self.disk_read_s(max(1, r.remaining_steps))
             residency = max(0.0, pending + self.disk_read_s(n) - wait)  # held until it lands

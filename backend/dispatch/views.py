@@ -50,6 +50,8 @@ class WorkerView:
     # when W reported this state (its heartbeat's ``at``), on the deadlines' clock; waiting rows
     # go on waiting after it (0: the state is as of any decision)
     seen_at: float = 0.0
+    # template cache digests on W's device tier: a row of one reads its cache with no copy
+    resident_device: frozenset[str] = frozenset()
 
     def waited_s(self, row: RowState, now: float) -> float:
         """Seconds waiting ``row`` will have waited at ``now``: its wait when reported, and the
@@ -134,6 +136,7 @@ def view_from_heartbeat(beat: WorkerHeartbeat, order: RowOrder = RowOrder()) -> 
         order,
         beat.finish_tail_s,
         beat.at,
+        frozenset(beat.resident_device),
     )
 
 

@@ -32,7 +32,8 @@ SCHEMA_MAJOR = 1
 # 1.9: a worker's finish tail on its heartbeat (routing and admission plan against it)
 # 1.10: heartbeat rows' starvation-bound state (a waiting row's wait, due rows), so routing and
 # admission see the rows the worker lets in first
-SCHEMA_MINOR = 10
+# 1.11: the template caches on a worker's device tier (a cache read from there loads nothing)
+SCHEMA_MINOR = 11
 PROTOCOL_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 
@@ -268,6 +269,8 @@ class WorkerHeartbeat:
     waiting: list[WaitingRow] = field(default_factory=list)  # in admission order
     resident_ram: list[str] = field(default_factory=list)  # template cache digests per tier
     resident_disk: list[str] = field(default_factory=list)
+    # ... and on its device tier (1.11): rows of these read their cache where it lies, no copy
+    resident_device: list[str] = field(default_factory=list)
     # sha256 of the LoRA adapters per tier of the worker (routing prefers where a job's are)
     adapters_device: list[str] = field(default_factory=list)
     adapters_host: list[str] = field(default_factory=list)

@@ -166,13 +166,13 @@ class RowAdapters:
 
     def cache_key(self, message: PreparedJob, key: CacheKey | None, caches) -> CacheKey | None:
         """The template cache a queued job reads: for an edit with adapters, the cache pinned to
-        exactly its adapter set when this worker's tiers hold one, else ``key`` (the base
-        cache; a recording's key is already the one it records)."""
+        exactly its adapter set when one of this worker's tiers (device, RAM, disk) holds one,
+        else ``key`` (the base cache; a recording's key is already the one it records)."""
         if key is None or caches is None or message.prepare or not message.adapters:
             return key
         pinned = pinned_key(key, [(use.sha256, use.scale) for use in message.adapters])
         digest = pinned.digest()
-        held = digest in caches.resident(Tier.RAM) or digest in caches.resident(Tier.DISK)
+        held = any(digest in caches.resident(tier) for tier in (Tier.DEVICE, Tier.RAM, Tier.DISK))
         return pinned if held else key
 
     def admit(self, job_id: str, uses: list[AdapterUse], num_steps: int, records: bool) -> None:

@@ -226,6 +226,7 @@ class Heartbeat:
             # a worker that reads no cache (baseline) holds none, whatever the shared disk has
             resident_ram=self.caches.resident(Tier.RAM) if self.worker.caches else [],
             resident_disk=self.caches.resident(Tier.DISK) if self.worker.caches else [],
+            resident_device=self.caches.resident(Tier.DEVICE) if self.worker.caches else [],
             **self._adapters(),
             finish_tail_s=reserve_s,
             stats=self.worker_stats,
