@@ -306,3 +306,26 @@ def test_padded_attention_runs_one_call_per_layer_for_the_whole_batch(engine, mo
     assert len(per_mode["grouped"]) == 3 * len(per_mode["padded"]) > 0
     # every padded call holds every row of the batch (the CFG halves of each request)
     assert set(per_mode["padded"]) == {sum(s.req.halves for s in states)}
+
+
+def test_a_step_that_fails_while_stepping_leaves_its_rows_as_they_were(engine):
+    """Out of memory after the forward (here: reading the template's trajectory) changes no row:
+    the worker can run the same step again."""
+    params = make_params(engine)
+    cache = engine.prepare_template(make_template(), params)
+    state = engine.start(make_template(), MASK, PROMPT, 1, params, cache=cache)
+    engine.step([state], params.mode)
+    before = (state.step, state.latents.clone(), state.req.scheduler.step_index)
+
+    class Exhausted:
+        def __getitem__(self, _):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    trajectory, state.trajectory = state.trajectory, Exhausted()
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.step([state], params.mode)
+    state.trajectory = trajectory
+    assert (state.step, state.req.scheduler.step_index) == (before[0], before[2])
+    assert torch.equal(state.latents, before[1])
+    engine.step([state], params.mode)
+    assert state.step == before[0] + 1

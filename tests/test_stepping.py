@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
 
-from backend.engine.stepping import batched_step, guide_all
+from backend.engine.stepping import advance_step_indices, batched_step, guide_all
 from backend.models.configs import SCHEDULERS
 
 STEPS = 10
@@ -54,6 +54,8 @@ def test_a_batched_step_equals_each_rows_own_diffusers_step(make, shape):
     schedulers = [at_step(make, step) for step in AT_STEPS]
     result = batched_step(schedulers, torch.cat(outputs), torch.cat(samples))
     assert torch.equal(result, torch.cat(expected))
+    assert [s.step_index for s in schedulers] == list(AT_STEPS)  # unmoved until told
+    advance_step_indices(schedulers)
     assert [s.step_index for s in schedulers] == [step + 1 for step in AT_STEPS]
 
 

@@ -57,7 +57,7 @@ from backend.engine.layout import row_tokens
 from backend.engine.lora import ResidentAdapters, RowAdapters, check_lora_batching
 from backend.engine.prepared import PreparedRequest
 from backend.engine.step_layouts import LayoutMemo, StepLayouts, TokensOf
-from backend.engine.stepping import batched_step, guide_all
+from backend.engine.stepping import advance_step_indices, batched_step, guide_all
 from backend.imaging.masks import (
     feather,
     feather_support,
@@ -495,13 +495,15 @@ class MaskAwareEngine:
 
     def _advance(self, states: list[EditState], prediction: torch.Tensor) -> None:
         """Guidance and scheduler update of every row, vectorised where the scheduler allows
-        (``backend.engine.stepping``), else row by row through diffusers."""
+        (``backend.engine.stepping``), else row by row through diffusers. Every new tensor is
+        made before any state changes, so a step that runs out of memory here leaves the rows as
+        they were (the worker retries it); the schedulers' step indices move last of all."""
         guided = guide_all(
             prediction, [s.req.halves for s in states], [s.req.guidance for s in states]
         )
-        stepped = batched_step(
-            [s.req.scheduler for s in states], guided, torch.cat([s.latents for s in states])
-        )
+        schedulers = [s.req.scheduler for s in states]
+        stepped = batched_step(schedulers, guided, torch.cat([s.latents for s in states]))
+        following = []
         for row, s in enumerate(states):
             if stepped is not None:
                 latents = stepped[row : row + 1]
@@ -509,10 +511,14 @@ class MaskAwareEngine:
                 latents = s.req.scheduler.step(
                     guided[row : row + 1], s.req.timesteps[s.step], s.latents, return_dict=False
                 )[0]
-            s.step += 1
             if s.trajectory is not None:
-                latents = torch.where(s.fresh, latents, s.trajectory[s.step : s.step + 1])
+                latents = torch.where(s.fresh, latents, s.trajectory[s.step + 1 : s.step + 2])
+            following.append(latents)
+        for s, latents in zip(states, following):
+            s.step += 1
             s.latents = latents
+        if stepped is not None:
+            advance_step_indices(schedulers)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, params: EditParams) -> Image.Image:

@@ -8,8 +8,8 @@ and updated together, with each row's own sigmas (rows sit at different steps).
 Supported exactly: ``EulerDiscreteScheduler`` without churn (epsilon, v_prediction or sample
 prediction) and ``FlowMatchEulerDiscreteScheduler`` without stochastic sampling. Invariant: the
 same float32 operations in the same order as the diffusers ``step`` of each row, so the result is
-bit-identical to stepping rows one at a time (tested against diffusers); every row's scheduler
-advances its step index by one. ``batched_step`` returns None for anything else and the caller
+bit-identical to stepping rows one at a time (tested against diffusers); ``advance_step_indices``
+then moves every row's scheduler to its next step. ``batched_step`` returns None for anything else and the caller
 steps rows one by one.
 """
 
@@ -96,6 +96,11 @@ def batched_step(
             original = model_output
         derivative = (sample - original) / sigma_hat
         prev = sample + derivative * (sigma_next - sigma_hat)
+    return prev.to(model_output.dtype)
+
+
+def advance_step_indices(schedulers: Sequence) -> None:
+    """After ``batched_step``'s samples are taken: every row's scheduler moves to its next step
+    (apart, so a caller makes every new tensor before it changes any state)."""
     for scheduler in schedulers:
         scheduler._step_index += 1
-    return prev.to(model_output.dtype)
