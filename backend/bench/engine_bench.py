@@ -33,7 +33,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torch._dynamo.utils import counters
 from tqdm import tqdm
 
 from backend.bench.engine_arms import (
@@ -148,6 +147,9 @@ def make_batch(template: Image.Image, ratio: float, requests: int, seed: int) ->
 
 
 def _compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far."""
+    from torch._dynamo.utils import counters  # dynamo loads only when a bench counts graphs
+
     return counters["stats"]["unique_graphs"]
 
 
