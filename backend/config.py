@@ -117,6 +117,10 @@ class EngineSettings(_Strict):
     above the longest row's: a few shapes recur, so compiled or captured steps are reused), ``auto``
     (bucketed on CUDA, whose steps are bound by launching operators; exact on the CPU, which would
     compute the padding)."""
+    compile_units: bool = False
+    """Bucketed steps run each mask-aware unit's forward compiled (``torch.compile``, whole, one
+    graph per step shape) and the UNet's ResNets and resamplers compiled too; the first step of
+    each shape waits for its compilation (seconds to a minute)."""
     lora_batching: LoraBatching = "stacked"
     """How a batch's LoRA adapters reach their rows in each adapted layer: ``stacked`` (the batch's
     adapters stacked into one down and one up matrix: three operators per layer whatever the

@@ -48,6 +48,7 @@ ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "MASK_MARGIN": ("engine", "mask_margin_tokens"),
     "ATTENTION": ("engine", "attention"),
     "STEP_SHAPES": ("engine", "step_shapes"),
+    "COMPILE_UNITS": ("engine", "compile_units"),
     "LORA_BATCHING": ("engine", "lora_batching"),
     "LOG_LEVEL": (None, "log_level"),
     "WORKER_ID": ("worker", "worker_id"),

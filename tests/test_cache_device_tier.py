@@ -179,3 +179,21 @@ def test_a_worker_sizes_its_device_tier_from_the_settings_and_the_device(monkeyp
     cuda = load_settings({}, engine={"device": "cuda"}, worker={"max_batch": 4})
     budget = device_cache_budget(cuda)
     assert 0 < budget.budget_bytes <= 52 * GB and "auto" in budget.reason
+
+
+def test_a_resident_steps_tensors_are_views_of_one_block(tmp_path):
+    """A memory entry lays each step's tensors out in one block (and keeps them so on the
+    device): the feeder gathers a batch's rows of every unit with one concatenation per step."""
+    disk = _record(tmp_path, 1)
+    entry = MemoryTemplateCache.load(disk.path).to_device(torch.device("cpu"))
+    assert _same_tensors(entry, disk)
+    block = entry.step_block(0)
+    start = block.block.data_ptr()
+    stop = start + block.block.numel() * block.block.element_size()
+    for unit in range(NUM_UNITS):
+        tensor = entry.step_tensor(0, unit, "k")
+        assert start <= tensor.data_ptr() < stop
+    feeder = BatchCacheFeeder([RowCacheRef(entry, 0, 0), RowCacheRef(entry, 0, 1)], [], "kv", "cpu")
+    rows = [feeder.rows_tensor(unit, "k", (0, 2)) for unit in range(NUM_UNITS)]
+    assert all(torch.equal(r, disk.step_tensor(0, u, "k")) for u, r in enumerate(rows))
+    assert len({r.untyped_storage().data_ptr() for r in rows}) == 1  # views of one batch block

@@ -108,7 +108,9 @@ def fuse_linears(modules: Sequence[torch.nn.Module]) -> bool:
     widths differ, or only some have a bias); ``fused_linear`` then runs one matmul per module.
     """
     linears = _plain_linears(modules)
-    if _fused_parameters(linears) is not None:
+    fused = _fused_parameters(linears)
+    if fused is not None:
+        _remember_rows(linears, *fused)
         return True
     with_bias = [m.bias is not None for m in linears]
     layouts = {(m.weight.dtype, m.weight.device, m.in_features) for m in linears}
@@ -124,7 +126,17 @@ def fuse_linears(modules: Sequence[torch.nn.Module]) -> bool:
         if bias is not None:
             m.bias = torch.nn.Parameter(bias[start:stop], requires_grad=m.bias.requires_grad)
         start = stop
+    _remember_rows(linears, weight.detach(), None if bias is None else bias.detach())
     return True
+
+
+def _remember_rows(linears: list[torch.nn.Linear], weight, bias) -> None:
+    """Keep on each module the set's shared (weight, bias) and the module's rows in them, for
+    ``fused_linear`` inside a compiled graph (which cannot compare storage addresses)."""
+    start = 0
+    for m in linears:
+        m._maskserve_rows = (weight, bias, start, start + m.out_features)
+        start += m.out_features
 
 
 def fused_linear(x: torch.Tensor, modules: Sequence[torch.nn.Module]) -> tuple[torch.Tensor, ...]:
@@ -137,11 +149,26 @@ def fused_linear(x: torch.Tensor, modules: Sequence[torch.nn.Module]) -> tuple[t
     exactly ``torch.nn.Linear`` (LoRA, quantized or other wrapped layers compute something else).
     """
     linears = _plain_linears(modules)
-    fused = _fused_parameters(linears)
+    fused = _remembered(linears) if torch.compiler.is_compiling() else _fused_parameters(linears)
     if fused is None or _has_forward_hooks(linears) or _needs_weight_grad(linears):
         return tuple(m(x) for m in linears)
     weight, bias = fused
     return F.linear(x, weight, bias).split([m.out_features for m in linears], dim=-1)
+
+
+def _remembered(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) rows of consecutive modules of one set laid out by ``fuse_linears``, from
+    what it remembered (a compiled graph's form of ``_fused_parameters``: the engine owns the
+    model and moves no weight once installed)."""
+    rows = [getattr(m, "_maskserve_rows", None) for m in linears]
+    if any(r is None for r in rows):
+        return None
+    weight, bias = rows[0][0], rows[0][1]
+    for previous, current in zip(rows, rows[1:]):
+        if current[0] is not weight or current[2] != previous[3]:
+            return None
+    start, stop = rows[0][2], rows[-1][3]
+    return weight[start:stop], None if bias is None else bias[start:stop]
 
 
 def _plain_linears(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Linear]:

@@ -71,6 +71,7 @@ class ForwardContext:
     # static shapes: the batch's bucketed layouts, built when its rows were admitted (None: built
     # here from ``row_token_masks``, each row with its own token count)
     layouts: LayoutSource | None = None
+    compile_units: bool = False  # units of regular layouts run compiled (``compiled``)
     _layouts: dict[tuple[int, int], RowLayout] = field(default_factory=dict)
 
     @property
@@ -124,10 +125,7 @@ class ForwardContext:
             # every row reads the cache (a regular layout's rows without one read zeros, all of
             # them replaced): all rows' tokens replaced by one index copy, not per group
             cached = self.cached(unit, name, (0, layout.num_rows), layout.regular)
-            merged = layout.scatter_into(
-                cached.reshape(*cached.shape[:2], -1).to(fresh.dtype), fresh.flatten(1)
-            )
-            return merged.reshape(*cached.shape[:2], *fresh.shape[1:])
+            return merge_all_rows(cached, layout, fresh)
         return cat_once(
             [
                 self.merge_group(unit, name, layout, group, layout.group_tokens(fresh, group))
@@ -178,21 +176,12 @@ class ForwardContext:
                     for g in layout.groups
                 ]
             )
-        rows, num_prefix = layout.num_rows, prefix.shape[1]
-        out = self._prefixed_cache(unit, name, (0, rows), fresh.shape[1:], prefix, layout.regular)
-        # token t of row r lies at r * (P + L) + P + t of the flattened rows
-        places = layout.flat_index + (layout.row_of_token + 1) * num_prefix
-        out.view(-1, *fresh.shape[1:]).index_copy_(0, places, fresh)
-        return out
+        cached = self.cached(unit, name, (0, layout.num_rows), layout.regular)
+        return merge_all_rows_after(cached, layout, fresh, prefix)
 
-    def _prefixed_cache(
-        self, unit, name, rows: tuple[int, int], per_token, prefix, fill: bool = False
-    ) -> torch.Tensor:
+    def _prefixed_cache(self, unit, name, rows: tuple[int, int], per_token, prefix) -> torch.Tensor:
         """(g, P + L, *per_token): ``prefix`` then the rows' cached ``name``, in one new buffer."""
-        cached = self.cached(unit, name, rows, fill)
-        return torch.cat(
-            [prefix, cached.reshape(*cached.shape[:2], *per_token).to(prefix.dtype)], 1
-        )
+        return _prefixed(self.cached(unit, name, rows), per_token, prefix)
 
     def timed_unit(self, unit: int):
         """Context manager timing one unit when profiling (synchronising CUDA around it)."""
@@ -203,6 +192,88 @@ class ForwardContext:
     def record(self, unit: int, name: str, value: torch.Tensor) -> None:
         if self.recorder is not None:
             self.recorder[(unit, name)] = value.detach().clone()
+
+
+def merge_all_rows(cached: torch.Tensor, layout: RowLayout, fresh: torch.Tensor) -> torch.Tensor:
+    """(rows, L, ...): ``cached`` (rows, L, C) with every row's selected tokens replaced by
+    ``fresh`` (packed in ``layout``), in one operator, also when ``cached`` is a strided view (of
+    a step block: ``feeder``), which is indexed as it is, not copied to contiguous rows first."""
+    base = cached.reshape(*cached.shape[:2], -1).to(fresh.dtype)
+    values = fresh.reshape(fresh.shape[0], -1)
+    if layout.is_full:
+        return values.reshape(*cached.shape[:2], *fresh.shape[1:])
+    merged = base.index_put((layout.row_of_token, layout.packed_tokens), values)
+    return merged.view(*cached.shape[:2], *fresh.shape[1:])
+
+
+def merge_all_rows_after(
+    cached: torch.Tensor, layout: RowLayout, fresh: torch.Tensor, prefix: torch.Tensor
+) -> torch.Tensor:
+    """(rows, P + L, ...): ``prefix`` (rows, P, ...) then what ``merge_all_rows`` gives, built in
+    one buffer."""
+    out = _prefixed(cached, fresh.shape[1:], prefix)
+    out.view(-1, *fresh.shape[1:]).index_copy_(0, layout.places_after(prefix.shape[1]), fresh)
+    return out
+
+
+def _prefixed(cached: torch.Tensor, per_token, prefix: torch.Tensor) -> torch.Tensor:
+    """(g, P + L, *per_token): ``prefix`` then ``cached`` (g, L, C), in one new buffer."""
+    return torch.cat([prefix, cached.reshape(*cached.shape[:2], *per_token).to(prefix.dtype)], 1)
+
+
+class UnitIO:
+    """What one unit's forward reads and records beyond its inputs, through the forward's
+    context: its cached tensors merged with the fresh tokens, its recorded tensors, the rows'
+    adapters and how attention is batched."""
+
+    def __init__(self, ctx: ForwardContext, unit: int):
+        self.lora, self.padded = ctx.lora, ctx.padded_attention
+        self._ctx, self._unit = ctx, unit
+
+    def merge(self, name: str, layout: RowLayout, fresh: torch.Tensor) -> torch.Tensor:
+        return self._ctx.merge_cached(self._unit, name, layout, fresh)
+
+    def merge_after(
+        self, name: str, layout: RowLayout, fresh: torch.Tensor, prefix: torch.Tensor
+    ) -> torch.Tensor:
+        return self._ctx.merge_cached_after(self._unit, name, layout, fresh, prefix)
+
+    def merge_group_after(
+        self,
+        name: str,
+        layout: RowLayout,
+        group: tuple[int, int],
+        fresh: torch.Tensor,
+        prefix: torch.Tensor,
+    ) -> torch.Tensor:
+        return self._ctx.merge_group_after(self._unit, name, layout, group, fresh, prefix)
+
+    def record(self, name: str, value: torch.Tensor) -> None:
+        self._ctx.record(self._unit, name, value)
+
+
+class FetchedUnitIO:
+    """A unit's IO for a compiled forward: its cached tensors of every row fetched before it runs
+    (a regular layout's rows without a cache read zeros), no adapters, attention in one call, and
+    nothing recorded (a recording step is never compiled). Plain tensors and constants, so
+    ``torch.compile`` traces it whole, and one graph serves every template and mask of a shape."""
+
+    lora = None
+    padded = True
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def merge(self, name: str, layout: RowLayout, fresh: torch.Tensor) -> torch.Tensor:
+        return merge_all_rows(self.tensors[name], layout, fresh)
+
+    def merge_after(
+        self, name: str, layout: RowLayout, fresh: torch.Tensor, prefix: torch.Tensor
+    ) -> torch.Tensor:
+        return merge_all_rows_after(self.tensors[name], layout, fresh, prefix)
+
+    def record(self, name: str, value: torch.Tensor) -> None:
+        pass
 
 
 class _UnitTimer:

@@ -140,10 +140,13 @@ class MaskAwareEngine:
         attention: str = "auto",
         lora_batching: str = "stacked",
         step_shapes: str = "auto",
+        compile_units: bool = False,
     ):
         self.pipe, self.spec, self.cache_root = pipe, spec, Path(cache_root)
         self.attention = check_attention_batching(attention)
         self.step_shapes = check_step_shapes(step_shapes)
+        # bucketed steps run each unit's forward compiled (``backend.engine.compiled``)
+        self.compile_units = compile_units
         self._layout_memo: LayoutMemo | None = None
         self.lora_batching = check_lora_batching(lora_batching)
         self.adapter = ADAPTERS[spec.family](pipe, spec.max_sequence_length)
@@ -464,7 +467,10 @@ class MaskAwareEngine:
             lora=self.adapters.batch(row_adapters, device, stacked=self.lora_batching == "stacked"),
             padded_attention=bucketed or pads_attention(self.attention, device),
             layouts=StepLayouts(tokens, self.layout_memo(device)) if bucketed else None,
+            compile_units=bucketed and self.compile_units,
         )
+        if ctx.compile_units:
+            self.adapter.compile_dense_blocks()
         # Nothing to reuse, record, adapt or time: the model's own (fastest dense) forward does
         # the same math.
         ordinary = not units and not recording and unit_seconds is None and ctx.lora is None

@@ -66,6 +66,7 @@ def build_engine(
         settings.paths.resolved_cache_dir(),
         attention=settings.engine.attention,
         step_shapes=settings.engine.step_shapes,
+        compile_units=settings.engine.compile_units,
         lora_batching=settings.engine.lora_batching,
     )
     if role != CPU_STAGES:

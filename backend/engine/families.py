@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from diffusers.models.resnet import Downsample2D, ResnetBlock2D, Upsample2D
 from diffusers.pipelines.flux.pipeline_flux_fill import calculate_shift, retrieve_timesteps
 from PIL import Image
 
@@ -113,6 +114,11 @@ class FamilyAdapter(ABC):
         while len(self._conditioning) > KEEP_BATCHES:
             self._conditioning.popitem(last=False)
         return joined
+
+    @abstractmethod
+    def compile_dense_blocks(self) -> None:
+        """Compile the denoiser's blocks that run densely around the mask-aware units (each a
+        graph per input shape, ``backend.engine.compiled``); idempotent."""
 
     def holds(self, part: str) -> bool:
         """Whether this pipeline loaded ``part`` (``DENOISER``, ``VAE`` or ``TEXT_ENCODERS``)."""
@@ -236,6 +242,12 @@ class UnetAdapter(FamilyAdapter):
     lora_kind = "unet"  # which layers adapters may update (backend.engine.lora.TARGET_PATTERNS)
     latent_patch = 1
 
+    def compile_dense_blocks(self) -> None:
+        """The UNet's ResNets and resamplers (the transformer stacks are the units)."""
+        for module in self.denoiser.modules():
+            if isinstance(module, (ResnetBlock2D, Downsample2D, Upsample2D)):
+                _compile_once(module)
+
     def install_hooks(self) -> UnitLayout:
         stacks = install_unet_hooks(self.denoiser)
         return UnitLayout(tuple(s.stack_id for s in stacks for _ in range(s.num_units)))
@@ -312,6 +324,12 @@ class UnetAdapter(FamilyAdapter):
 AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE = 6.0, 2.5
 
 
+def _compile_once(module: torch.nn.Module) -> None:
+    if not getattr(module, "_maskserve_compiled", False):
+        module.compile(fullgraph=True, dynamic=False)
+        module._maskserve_compiled = True
+
+
 class SdxlAdapter(UnetAdapter):
     """SDXL inpainting: two text encoders plus pooled text and size conditions."""
 
@@ -356,6 +374,9 @@ class FluxFillAdapter(FamilyAdapter):
 
     def install_hooks(self) -> UnitLayout:
         return UnitLayout((0,) * install_flux_hooks(self.denoiser).num_units)
+
+    def compile_dense_blocks(self) -> None:
+        """None to compile: every block of the transformer is a unit."""
 
     def prepare(self, image, mask, prompt, negative_prompt, guidance, steps, strength, seed, size):
         self.require("encoding a request", TEXT_ENCODERS, VAE)

@@ -38,7 +38,8 @@ from diffusers.models.transformers.transformer_flux import (
 )
 
 from backend.engine.attention import attend, fuse_linears, pad_rows, unpad_rows
-from backend.engine.context import ForwardContext, cat_once
+from backend.engine.compiled import unit_forward
+from backend.engine.context import FetchedUnitIO, ForwardContext, UnitIO, cat_once
 from backend.engine.layout import RowLayout
 from backend.engine.lora import feed_forward, linear, project
 from backend.engine.strict import (
@@ -177,8 +178,8 @@ class _Shared:
 
     temb: torch.Tensor  # (rows, C)
     masked: RowLayout
-    rope_text: torch.Tensor  # (T, 1, d/2) complex rotations of the text tokens
-    rope_image: torch.Tensor  # (L, 1, d/2) complex rotations of the image grid
+    rope_text: torch.Tensor  # (T, 1, d/2, 2) rotations (cos, sin) of the text tokens
+    rope_image: torch.Tensor  # (L, 1, d/2, 2) rotations of the image grid
     rope_masked: torch.Tensor  # (total, 1, d/2) complex rotations of the packed masked tokens
     ctx: ForwardContext
     last_unit: int  # after it the model drops the text tokens
@@ -207,16 +208,24 @@ def _id_rotations(pos_embed, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> to
 
 def _rotations(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Flux's interleaved rotary (cos, sin) of shape (S, d), each value repeated for its pair of
-    channels, as complex rotations (S, 1, d/2) that broadcast over heads."""
-    return torch.complex(cos[:, 0::2].float(), sin[:, 0::2].float()).unsqueeze(1)
+    channels, as rotations (S, 1, d/2, 2): (cos, sin) pairs, the real and imaginary parts of
+    complex rotations that broadcast over heads (``torch.view_as_complex`` of it is a view)."""
+    return torch.stack((cos[:, 0::2].float(), sin[:, 0::2].float()), -1).unsqueeze(1)
 
 
 def _rotate(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of (..., S, H, d) tokens as ONE complex multiply: channel pairs
     (2i, 2i+1) are the real and imaginary parts, as in diffusers' ``apply_rotary_emb`` (use_real,
-    unbind -1)."""
-    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2).contiguous())
-    return torch.view_as_real(pairs * rotations).flatten(-2).to(x.dtype)
+    unbind -1). Compiled, the same product in real arithmetic, which the compiler fuses (it
+    generates no code for complex numbers)."""
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    if torch.compiler.is_compiling():
+        real, imag = pairs.unbind(-1)
+        cos, sin = rotations.unbind(-1)
+        rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), -1)
+        return rotated.flatten(-2).to(x.dtype)
+    rotated = torch.view_as_complex(pairs.contiguous()) * torch.view_as_complex(rotations)
+    return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
 
 
 class _State:
@@ -317,32 +326,50 @@ def _clip_half(x: torch.Tensor) -> torch.Tensor:
 def _run_unit(block, single: bool, unit: int, state: _State, text, shared: _Shared):
     ctx, masked = shared.ctx, shared.masked
     forward = _single_forward if single else _double_forward
+    text_needed = unit != shared.last_unit
     if not ctx.uses_cache(unit):
         if state.full is None:
             raise RuntimeError(f"unit {unit}: a dense unit cannot follow a cached unit in kv mode")
         dense = ctx.dense_layout(state.full.shape[1])
-        text, out = forward(
-            block,
-            unit,
-            state.full.reshape(-1, state.full.shape[-1]),
-            dense,
-            state.full,
-            False,
-            text,
-            shared,
+        run, io = unit_forward(ctx, unit, dense, forward, ())
+        around = _Around(
+            shared.temb, shared.rope_text, shared.rope_for(dense), None, None, text_needed
         )
+        x_flat = state.full.reshape(-1, state.full.shape[-1])
+        text, out = run(block, x_flat, dense, state.full, False, text, around, io)
         out_full = out.reshape(state.full.shape)
         ctx.record(unit, "out", out_full)
         return text, _State(out_full, None)
     ctx.cache.wait_for(unit)
+    rope_q = shared.rope_for(masked)
     if ctx.mode == "kv":
         packed = state.packed if state.packed is not None else masked.gather(state.full)
-        text, out = forward(block, unit, packed, masked, None, True, text, shared)
+        run, io = unit_forward(ctx, unit, masked, forward, ("k", "v"))
+        around = _Around(shared.temb, shared.rope_text, rope_q, None, None, text_needed)
+        text, out = run(block, packed, masked, None, True, text, around, io)
         return text, _State(None, out)
-    text, out = forward(
-        block, unit, masked.gather(state.full), masked, state.full, False, text, shared
+    dense = ctx.dense_layout(masked.num_tokens)
+    run, io = unit_forward(ctx, unit, masked, forward, ())
+    around = _Around(
+        shared.temb, shared.rope_text, rope_q, shared.rope_for(dense), dense, text_needed
     )
+    text, out = run(block, masked.gather(state.full), masked, state.full, False, text, around, io)
     return text, _State(ctx.merge_cached(unit, "out", masked, out), None)
+
+
+@dataclass(frozen=True)
+class _Around:
+    """What a unit reads besides its tokens and the text: the step's time embedding, rotations of
+    the text and of the unit's packed tokens, in hidden mode the rotations of every image token
+    and the dense layout they are packed in, and whether the text's outputs are used after it
+    (not after the last unit)."""
+
+    temb: torch.Tensor
+    rope_text: torch.Tensor
+    rope_q: torch.Tensor
+    rope_full: torch.Tensor | None
+    dense: RowLayout | None
+    text_needed: bool
 
 
 def _modulate(
@@ -376,13 +403,13 @@ def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
 
 
 def _image_qkv(
-    attn, normed: torch.Tensor, rotations: torch.Tensor, layout: RowLayout, ctx, projected=None
+    attn, normed: torch.Tensor, rotations: torch.Tensor, layout: RowLayout, lora, projected=None
 ):
     """Q, K, V (total, H, d) of packed image tokens (in ``layout``), after q/k RMS norm and rotary
     embedding. ``projected``: the caller's projections (q, k, v), or (k, v) when no queries are
     needed (Q is then None); when not given, q, k and v are projected here in one fused matmul."""
     if projected is None:
-        projected = project(ctx.lora, normed, (attn.to_q, attn.to_k, attn.to_v), layout)
+        projected = project(lora, normed, (attn.to_q, attn.to_k, attn.to_v), layout)
     *query, key, value = (p.unflatten(-1, (-1, attn.head_dim)) for p in projected)
     query = _rotate(_rms_norm(attn.norm_q, query[0]), rotations) if query else None
     return query, _rotate(_rms_norm(attn.norm_k, key), rotations), value
@@ -395,26 +422,25 @@ def _image_keys_for_groups(
     layout_q: RowLayout,
     full_normed,
     from_cache: bool,
-    unit: int,
-    shared: _Shared,
+    around: _Around,
+    io: UnitIO | FetchedUnitIO,
 ):
     """``group_kv(group, text_k, text_v)``: per row group, [text ; full image] K and V
     (g, T + L, H, d). Image K/V come from the queries themselves when dense, from the full normed
     input in hidden mode, or from the cache with the masked tokens replaced in kv mode."""
-    ctx = shared.ctx
     if layout_q.is_full:
         key_full = key_q.reshape(layout_q.num_rows, layout_q.num_tokens, *key_q.shape[1:])
         value_full = value_q.reshape(key_full.shape)
     elif not from_cache:
-        dense = ctx.dense_layout(layout_q.num_tokens)
+        dense = around.dense
         full_flat = full_normed.reshape(-1, full_normed.shape[-1])
         _, key_flat, value_flat = _image_qkv(
             attn,
             full_flat,
-            shared.rope_for(dense),
+            around.rope_full,
             dense,
-            ctx,
-            project(ctx.lora, full_flat, (attn.to_k, attn.to_v), dense),
+            io.lora,
+            project(io.lora, full_flat, (attn.to_k, attn.to_v), dense),
         )
         key_full = key_flat.reshape(layout_q.num_rows, layout_q.num_tokens, *key_flat.shape[1:])
         value_full = value_flat.reshape(key_full.shape)
@@ -423,20 +449,20 @@ def _image_keys_for_groups(
         def group_kv(group, text_k, text_v):
             if group == (0, layout_q.num_rows):  # every row at once (padded attention)
                 return (
-                    ctx.merge_cached_after(unit, "k", layout_q, key_q, text_k),
-                    ctx.merge_cached_after(unit, "v", layout_q, value_q, text_v),
+                    io.merge_after("k", layout_q, key_q, text_k),
+                    io.merge_after("v", layout_q, value_q, text_v),
                 )
-            key = ctx.merge_group_after(
-                unit, "k", layout_q, group, layout_q.group_tokens(key_q, group), text_k
+            key = io.merge_group_after(
+                "k", layout_q, group, layout_q.group_tokens(key_q, group), text_k
             )
-            value = ctx.merge_group_after(
-                unit, "v", layout_q, group, layout_q.group_tokens(value_q, group), text_v
+            value = io.merge_group_after(
+                "v", layout_q, group, layout_q.group_tokens(value_q, group), text_v
             )
             return key, value
 
         return group_kv
-    ctx.record(unit, "k", key_full.flatten(2))
-    ctx.record(unit, "v", value_full.flatten(2))
+    io.record("k", key_full.flatten(2))
+    io.record("v", value_full.flatten(2))
     return lambda group, text_k, text_v: (
         torch.cat([text_k, key_full[group[0] : group[1]]], dim=1),
         torch.cat([text_v, value_full[group[0] : group[1]]], dim=1),
@@ -486,8 +512,8 @@ def _text_qkv(attn, normed_text, rope_text, added: bool, lora, projected=None):
     return query, _rotate(_rms_norm(norms[1], key), rope_text), value
 
 
-def _double_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared: _Shared):
-    temb = shared.temb
+def _double_forward(block, x_q, layout_q, x_full, from_cache, text, around: _Around, io):
+    temb = around.temb
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1.linear(
         block.norm1.silu(temb)
     ).chunk(6, dim=1)
@@ -498,16 +524,14 @@ def _double_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared
     normed_text, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(
         text, emb=temb
     )
-    attn, lora = block.attn, shared.ctx.lora
-    query, key_q, value_q = _image_qkv(
-        attn, normed_q, shared.rope_for(layout_q), layout_q, shared.ctx
-    )
+    attn, lora = block.attn, io.lora
+    query, key_q, value_q = _image_qkv(attn, normed_q, around.rope_q, layout_q, lora)
     group_kv = _image_keys_for_groups(
-        attn, key_q, value_q, layout_q, normed_full, from_cache, unit, shared
+        attn, key_q, value_q, layout_q, normed_full, from_cache, around, io
     )
-    text_q, text_k, text_v = _text_qkv(attn, normed_text, shared.rope_text, True, lora)
+    text_q, text_k, text_v = _text_qkv(attn, normed_text, around.rope_text, True, lora)
     text_attn, image_attn = _joint_attention(
-        text_q, text_k, text_v, query, layout_q, group_kv, shared.ctx.padded_attention
+        text_q, text_k, text_v, query, layout_q, group_kv, io.padded
     )
     image_out = linear(lora, attn.to_out[0], image_attn, layout_q)
     hidden = _gated(x_q, layout_q, gate_msa, image_out)
@@ -522,24 +546,24 @@ def _double_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared
     return _clip_half(text), hidden
 
 
-def _single_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared: _Shared):
+def _single_forward(block, x_q, layout_q, x_full, from_cache, text, around: _Around, io):
     """Single-stream block. Text and masked image tokens share every linear, so they run as one
     packed sequence [text of every row ; masked image tokens] through one fused q/k/v/MLP matmul.
     In the last unit text tokens only serve as keys and values: the model drops their outputs
     after it, so their queries, MLP and output projection are skipped (the image outputs are
     unchanged)."""
-    temb = shared.temb
+    temb = around.temb
     shift, scale, gate = block.norm.linear(block.norm.silu(temb)).chunk(3, dim=1)
     normed_q = _modulate(block.norm.norm(x_q), layout_q, scale, shift)
     normed_full = None
     if x_full is not None and not layout_q.is_full:
         normed_full = _modulate_rows(block.norm.norm(x_full), scale, shift)
     normed_text = _modulate_rows(block.norm.norm(text), scale, shift)
-    attn, lora = block.attn, shared.ctx.lora
+    attn, lora = block.attn, io.lora
     num_rows, num_text, width = text.shape
     split = num_rows * num_text
     image_linears = (attn.to_q, attn.to_k, attn.to_v, block.proj_mlp)
-    text_needed = unit != shared.last_unit
+    text_needed = around.text_needed
     if text_needed:
         # one packed sequence [every row's text ; masked image tokens]
         rows = lora.text_then_packed(text, layout_q) if lora is not None else None
@@ -553,16 +577,16 @@ def _single_forward(block, unit, x_q, layout_q, x_full, from_cache, text, shared
         image_projected = project(lora, normed_q, image_linears, layout_q)
         text_projected = project(lora, normed_text, (attn.to_k, attn.to_v), None)
     query, key_q, value_q = _image_qkv(
-        attn, normed_q, shared.rope_for(layout_q), layout_q, shared.ctx, image_projected[:3]
+        attn, normed_q, around.rope_q, layout_q, lora, image_projected[:3]
     )
     group_kv = _image_keys_for_groups(
-        attn, key_q, value_q, layout_q, normed_full, from_cache, unit, shared
+        attn, key_q, value_q, layout_q, normed_full, from_cache, around, io
     )
     text_q, text_k, text_v = _text_qkv(
-        attn, normed_text, shared.rope_text, False, lora, projected=text_projected
+        attn, normed_text, around.rope_text, False, lora, projected=text_projected
     )
     text_attn, image_attn = _joint_attention(
-        text_q, text_k, text_v, query, layout_q, group_kv, shared.ctx.padded_attention
+        text_q, text_k, text_v, query, layout_q, group_kv, io.padded
     )
     mlp = block.act_mlp(projected[3] if text_needed else image_projected[3])
     attn_rows = torch.cat([text_attn.reshape(split, -1), image_attn]) if text_needed else image_attn

@@ -17,7 +17,7 @@ it selects every token itself.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +44,8 @@ class RowLayout:
     # bucketed: every row holds one bucket of tokens, and ops over rows run once for all of them
     # (a row that reads no cache selects every token, so cache values under it are overwritten)
     regular: bool = False
+    # derived index tensors, made once per layout (``places_after``)
+    _derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -57,6 +59,15 @@ class RowLayout:
     def every_row_partial(self) -> bool:
         """Every row selects fewer than all tokens (so every row reads a cache, where one is)."""
         return all(count < self.num_tokens for count in self.counts)
+
+    def places_after(self, num_prefix: int) -> torch.Tensor:
+        """Each packed token's place in the flattened (rows, P + L) tensor of ``num_prefix``
+        tokens before every row's grid (token t of row r at r * (P + L) + P + t); made once per
+        layout and prefix length."""
+        key = ("after", num_prefix)
+        if key not in self._derived:
+            self._derived[key] = self.flat_index + (self.row_of_token + 1) * num_prefix
+        return self._derived[key]
 
     def row_is_full(self, row: int) -> bool:
         """Row ``row`` selects every token itself (it reads no cache)."""
@@ -74,9 +85,12 @@ class RowLayout:
         return max(b - a for a, b in zip(self.offsets, self.offsets[1:]))
 
     def gather(self, full: torch.Tensor) -> torch.Tensor:
-        """(num_rows, num_tokens, C) -> packed (total, C)."""
+        """(num_rows, num_tokens, C) -> packed (total, C), in one operator also when ``full`` is a
+        strided view (indexed in place, not copied to contiguous rows first)."""
         if self.is_full:
             return full.reshape(-1, full.shape[-1])
+        if not full.is_contiguous():
+            return full[self.row_of_token, self.packed_tokens]
         return full.reshape(-1, full.shape[-1]).index_select(0, self.flat_index)
 
     def scatter_into(self, base: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

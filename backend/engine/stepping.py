@@ -9,8 +9,8 @@ Supported exactly: ``EulerDiscreteScheduler`` without churn (epsilon, v_predicti
 prediction) and ``FlowMatchEulerDiscreteScheduler`` without stochastic sampling. Invariant: the
 same float32 operations in the same order as the diffusers ``step`` of each row, so the result is
 bit-identical to stepping rows one at a time (tested against diffusers); ``advance_step_indices``
-then moves every row's scheduler to its next step. ``batched_step`` returns None for anything else and the caller
-steps rows one by one.
+then moves every row's scheduler to its next step. ``batched_step`` returns None for anything
+else and the caller steps rows one by one.
 """
 
 from __future__ import annotations

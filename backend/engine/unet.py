@@ -33,7 +33,8 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
 from backend.engine.attention import fuse_linears, ragged_attention
-from backend.engine.context import ForwardContext
+from backend.engine.compiled import unit_forward
+from backend.engine.context import FetchedUnitIO, ForwardContext, UnitIO
 from backend.engine.layout import RowLayout
 from backend.engine.lora import feed_forward, linear, project
 from backend.engine.strict import (
@@ -190,7 +191,9 @@ def run_stack(
     num_rows, channels, height, width = x.shape
     ctx.require_rows(num_rows)
     residual = x
-    normed = stack.norm(x).permute(0, 2, 3, 1).reshape(num_rows, height * width, channels)
+    # (rows, tokens, C) as a view of the channels-first norm: the masked tokens are gathered
+    # straight from it (one operator), never copied into a tokens-first tensor first
+    normed = stack.norm(x).permute(0, 2, 3, 1).flatten(1, 2)
     masked = ctx.layout((height, width))
     units = range(info.first_unit, info.first_unit + info.num_units)
     first_cached_kv = ctx.uses_cache(info.first_unit) and ctx.mode == "kv"
@@ -210,8 +213,9 @@ def run_stack(
     else:
         delta = linear(ctx.lora, stack.proj_out, state.full, None)
         ctx.record(last, "delta", delta)
-    delta = delta.reshape(num_rows, height, width, -1).permute(0, 3, 1, 2).contiguous()
-    return delta + residual
+    # the residual first: the sum takes its (channels-first, contiguous) layout, so the permuted
+    # delta needs no copy of its own
+    return residual + delta.reshape(num_rows, height, width, -1).permute(0, 3, 1, 2)
 
 
 def _run_unit(
@@ -221,26 +225,22 @@ def _run_unit(
         if state.full is None:
             raise RuntimeError(f"unit {unit}: a dense unit cannot follow a cached unit in kv mode")
         dense = ctx.dense_layout(state.full.shape[1])
-        out = _block_forward(
-            block,
-            unit,
-            state.full.reshape(-1, state.full.shape[-1]),
-            dense,
-            state.full,
-            None,
-            text,
-            ctx,
+        forward, io = unit_forward(ctx, unit, dense, _block_forward, ())
+        keys = _text_keys(block.attn2, text, ctx.lora)
+        out = forward(
+            block, state.full.reshape(-1, state.full.shape[-1]), dense, state.full, keys, io
         )
         out_full = out.reshape(state.full.shape)
         ctx.record(unit, "out", out_full)
         return _State(out_full, None)
     ctx.cache.wait_for(unit)
+    keys = _text_keys(block.attn2, text, ctx.lora)
     if ctx.mode == "kv":
         packed = state.packed if state.packed is not None else masked.gather(state.full)
-        return _State(None, _block_forward(block, unit, packed, masked, None, unit, text, ctx))
-    packed = _block_forward(
-        block, unit, masked.gather(state.full), masked, state.full, None, text, ctx
-    )
+        forward, io = unit_forward(ctx, unit, masked, _block_forward, ("k", "v"))
+        return _State(None, forward(block, packed, masked, None, keys, io))
+    forward, io = unit_forward(ctx, unit, masked, _block_forward, ())
+    packed = forward(block, masked.gather(state.full), masked, state.full, keys, io)
     return _State(ctx.merge_cached(unit, "out", masked, packed), None)
 
 
@@ -249,10 +249,13 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.unflatten(-1, (heads, -1))
 
 
-def _text_keys(attn2, text: torch.Tensor, lora) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-attention K and V (rows, T, H, d) of the text. They depend on the text and the
-    weights alone, so a batch's text tensor (kept while its rows step together:
-    ``FamilyAdapter.batch_conditioning``) keeps them per layer, unless an adapter changes them."""
+def _text_keys(attn2, text: torch.Tensor, lora) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Cross-attention K and V (rows, T, H, d) of the text (None without cross-attention). They
+    depend on the text and the weights alone, so a batch's text tensor (kept while its rows step
+    together: ``FamilyAdapter.batch_conditioning``) keeps them per layer, unless an adapter
+    changes them."""
+    if attn2 is None:
+        return None
     if lora is not None and lora.touches(attn2.to_k, attn2.to_v):
         return tuple(
             _heads(p, attn2.heads) for p in project(lora, text, (attn2.to_k, attn2.to_v), None)
@@ -267,21 +270,20 @@ def _text_keys(attn2, text: torch.Tensor, lora) -> tuple[torch.Tensor, torch.Ten
 
 def _block_forward(
     block,
-    unit: int,
     x_q: torch.Tensor,
     layout_q: RowLayout,
     x_full: torch.Tensor | None,
-    kv_cache_unit: int | None,
-    text: torch.Tensor,
-    ctx: ForwardContext,
+    text_keys: tuple[torch.Tensor, torch.Tensor] | None,
+    io: UnitIO | FetchedUnitIO,
 ) -> torch.Tensor:
-    """One BasicTransformerBlock on packed query tokens ``x_q`` (total, C).
+    """One BasicTransformerBlock on packed query tokens ``x_q`` (total, C), with the text's
+    cross-attention K and V (``_text_keys``).
 
     K/V of self-attention come from ``x_full`` (rows, L, C) when given (dense or hidden mode), else
-    from the cache of ``kv_cache_unit`` with the tokens of ``layout_q`` replaced by fresh K/V.
+    from the unit's cache (``io.merge``) with the tokens of ``layout_q`` replaced by fresh K/V.
     """
     attn1, attn2 = block.attn1, block.attn2
-    heads, lora = attn1.heads, ctx.lora
+    heads, lora = attn1.heads, io.lora
     normed_q = block.norm1(x_q)
     if x_full is None or layout_q.is_full:
         query, key_q, value_q = project(
@@ -300,26 +302,26 @@ def _block_forward(
             key_full, value_full = project(
                 lora, block.norm1(x_full), (attn1.to_k, attn1.to_v), None
             )
-        ctx.record(unit, "k", key_full)
-        ctx.record(unit, "v", value_full)
+        io.record("k", key_full)
+        io.record("v", value_full)
 
         def kv_for_group(group):
             return _heads(key_full[group[0] : group[1]], heads), _heads(
                 value_full[group[0] : group[1]], heads
             )
     else:
-        key_rows = _heads(ctx.merge_cached(kv_cache_unit, "k", layout_q, key_q), heads)
-        value_rows = _heads(ctx.merge_cached(kv_cache_unit, "v", layout_q, value_q), heads)
+        key_rows = _heads(io.merge("k", layout_q, key_q), heads)
+        value_rows = _heads(io.merge("v", layout_q, value_q), heads)
 
         def kv_for_group(group):
             return key_rows[group[0] : group[1]], value_rows[group[0] : group[1]]
 
-    padded = ctx.padded_attention
+    padded = io.padded
     attn_out = ragged_attention(query, layout_q, kv_for_group, padded).flatten(1)
     hidden = linear(lora, attn1.to_out[0], attn_out, layout_q) + x_q
-    if attn2 is not None:
+    if attn2 is not None and text_keys is not None:
         query2 = _heads(linear(lora, attn2.to_q, block.norm2(hidden), layout_q), attn2.heads)
-        key2, value2 = _text_keys(attn2, text, lora)
+        key2, value2 = text_keys
         cross = ragged_attention(
             query2, layout_q, lambda g: (key2[g[0] : g[1]], value2[g[0] : g[1]]), padded
         )

@@ -1,0 +1,62 @@
+"""Compiled unit forwards: one ``torch.compile`` graph per shape of a bucketed step.
+
+A unit's forward (one transformer block on its packed tokens) is compiled whole
+(``fullgraph=True``, static shapes): its inputs are plain tensors and constants
+(``context.FetchedUnitIO``), so a graph depends only on the step's shape (rows, tokens, width)
+and every template, mask and step of that shape replays it. Without CUDA graphs captured by the
+compiler (``mode="reduce-overhead"`` or ``"max-autotune"`` on CUDA) the graph still fuses the
+unit's small operators, which on a device bound by launching operators is most of the gain.
+
+Rules: a unit runs compiled only when the context asks for it and its layout is regular (a
+bucketed step), with no adapter, nothing recorded and no per-unit timing
+(``compiles``); everything else runs eagerly through the same forward function, so compiled and
+eager compute the same operations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from backend.engine.context import FetchedUnitIO, ForwardContext, UnitIO
+from backend.engine.layout import RowLayout
+
+# graphs a compiled forward keeps: units of a few widths x row and token buckets x cache modes
+RECOMPILE_LIMIT = 256
+
+_compiled: dict[tuple[Callable, str], Callable] = {}
+
+
+def compiled_units(forward: Callable, mode: str = "default") -> Callable:
+    """``forward`` compiled whole with static shapes (made once per function and mode)."""
+    key = (forward, mode)
+    if key not in _compiled:
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
+        _compiled[key] = torch.compile(forward, fullgraph=True, dynamic=False, mode=mode)
+    return _compiled[key]
+
+
+def unit_forward(
+    ctx: ForwardContext, unit: int, layout: RowLayout, forward, reads: tuple[str, ...]
+):
+    """(forward, io) of one unit: ``forward`` compiled, with the unit's cached tensors ``reads``
+    of every row fetched ahead (``FetchedUnitIO``), when ``compiles``; else ``forward`` itself,
+    reading and recording through the context (``UnitIO``)."""
+    if compiles(ctx, layout):
+        rows = (0, layout.num_rows)
+        io = FetchedUnitIO({name: ctx.cached(unit, name, rows, True) for name in reads})
+        return compiled_units(forward), io
+    return forward, UnitIO(ctx, unit)
+
+
+def compiles(ctx: ForwardContext, layout: RowLayout) -> bool:
+    """Whether a unit of ``ctx``'s forward over ``layout`` runs compiled."""
+    return (
+        ctx.compile_units
+        and layout.regular
+        and ctx.lora is None
+        and ctx.recorder is None
+        and ctx.unit_seconds is None
+    )

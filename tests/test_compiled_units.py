@@ -1,0 +1,105 @@
+"""Compiled unit forwards and the operators a bucketed step launches, on the tiny models (CPU).
+
+Each family's mask-aware unit forward compiles whole (``fullgraph=True``: a graph break would
+raise) and the compiled step equals the eager one; a step of other masks in the same buckets
+replays the same graphs. The bucketed mask-aware step launches no more operators than the dense
+step of the same rows (``backend.engine.launches``). Compiling costs seconds to a minute here,
+so the compile tests are few and marked slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend.cache.memory_entry import MemoryTemplateCache
+from backend.engine.launches import count_launches, launched_operators
+from tests.factories import FAMILIES, make_engine, make_params, make_template, rect_mask
+
+pytestmark = pytest.mark.model
+
+COMPILED_TOL = 1e-5  # relative to the largest prediction: the compiler reorders float32 sums
+MASKS = (rect_mask((32, 40, 96, 80)), rect_mask((0, 0, 48, 128)))
+# the same masks mirrored: other tokens, the same counts (so the same buckets) on every grid
+SAME_BUCKETS = (rect_mask((32, 48, 96, 88)), rect_mask((80, 0, 128, 128)))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def engine(request, models_dir, tmp_path_factory):
+    engine = make_engine(
+        request.param, models_dir, tmp_path_factory.mktemp(f"cache-{request.param}")
+    )
+    engine.step_shapes = "bucketed"
+    return engine
+
+
+@pytest.fixture(scope="module")
+def caches(engine):
+    """Two templates' kv caches, resident on the compute device (as the device tier holds
+    them)."""
+    params = make_params(engine, mode="kv")
+    return [
+        MemoryTemplateCache.load(
+            engine.prepare_template(make_template(seed), params).path
+        ).to_device(torch.device("cpu"))
+        for seed in (7, 8)
+    ]
+
+
+def _states(engine, caches, masks, cached: bool = True):
+    params = make_params(engine, mode="kv")
+    return [
+        engine.start(make_template(7 + i), mask, "a cat", i, params, cache=c if cached else None)
+        for i, (mask, c) in enumerate(zip(masks, caches))
+    ]
+
+
+def _prediction(engine, states, monkeypatch) -> torch.Tensor:
+    seen = []
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "_advance", lambda _states, prediction: seen.append(prediction))
+        engine.step(states, "kv")
+    return seen[0]
+
+
+@pytest.mark.slow
+def test_compiled_units_equal_eager_and_replay_one_graph_per_shape(engine, caches, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    eager = _prediction(engine, _states(engine, caches, MASKS), monkeypatch)
+    monkeypatch.setattr(engine, "compile_units", True)
+    compiled = _prediction(engine, _states(engine, caches, MASKS), monkeypatch)
+    assert (compiled - eager).abs().max().item() <= COMPILED_TOL * eager.abs().max().item()
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0  # the units ran compiled
+    again = _prediction(engine, _states(engine, caches, SAME_BUCKETS), monkeypatch)
+    assert counters["stats"]["unique_graphs"] == graphs  # other masks, same shapes: no new graph
+    monkeypatch.setattr(engine, "compile_units", False)
+    assert torch.allclose(
+        again,
+        _prediction(engine, _states(engine, caches, SAME_BUCKETS), monkeypatch),
+        atol=COMPILED_TOL * again.abs().max().item(),
+    )
+
+
+@pytest.mark.parametrize("requests", (1, 2))
+def test_a_bucketed_mask_aware_step_launches_no_more_than_the_dense_step(engine, caches, requests):
+    masked = _states(engine, caches[:requests], MASKS[:requests])
+    dense = _states(engine, caches[:requests], MASKS[:requests], cached=False)
+    for states in (masked, dense):
+        engine.step(states, "kv")  # the batch's layouts and conditioning are built once
+    launched = {
+        "mask-aware": count_launches(lambda: engine.step(masked, "kv")),
+        "dense": count_launches(lambda: engine.step(dense, "kv")),
+    }
+    assert launched["mask-aware"] <= launched["dense"], launched
+
+
+def test_launches_count_work_not_views():
+    base = torch.randn(4, 6)
+    counted = launched_operators(
+        lambda: (base.t().reshape(-1).view(4, 6) + 1).to(torch.float32).contiguous()
+    )
+    # reshape of a transposed tensor copies, the add computes; views, a cast to the same dtype and
+    # contiguous of a contiguous tensor do not count
+    assert counted == {"aten::reshape": 1, "aten::add": 1}
