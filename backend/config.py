@@ -31,6 +31,7 @@ CacheMode = Literal["kv", "hidden"]
 DTypeName = Literal["float32", "float16", "bfloat16"]
 AttentionBatching = Literal["auto", "grouped", "padded"]
 StepShapes = Literal["auto", "exact", "bucketed"]
+CompileMode = Literal["off", "default", "reduce-overhead", "max-autotune"]
 LoraBatching = Literal["grouped", "stacked"]
 
 ENV_PREFIX = "MASKSERVE_"
@@ -117,10 +118,12 @@ class EngineSettings(_Strict):
     above the longest row's: a few shapes recur, so compiled or captured steps are reused), ``auto``
     (bucketed on CUDA, whose steps are bound by launching operators; exact on the CPU, which would
     compute the padding)."""
-    compile_units: bool = False
+    compile_units: CompileMode = "off"
     """Bucketed steps run each mask-aware unit's forward compiled (``torch.compile``, whole, one
-    graph per step shape) and the UNet's ResNets and resamplers compiled too; the first step of
-    each shape waits for its compilation (seconds to a minute)."""
+    graph per step shape), the UNet's ResNets and resamplers too, in this mode: ``default``
+    (fused kernels), ``reduce-overhead`` (replayed from CUDA graphs: CUDA only), ``max-autotune``
+    (CUDA graphs and tuned kernels, long to compile), or ``off``. The first step of each shape
+    waits for its compilation (seconds to minutes)."""
     lora_batching: LoraBatching = "stacked"
     """How a batch's LoRA adapters reach their rows in each adapted layer: ``stacked`` (the batch's
     adapters stacked into one down and one up matrix: three operators per layer whatever the

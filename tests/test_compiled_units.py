@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from backend.cache.memory_entry import MemoryTemplateCache
+from backend.engine.editor import MaskAwareEngine
 from backend.engine.launches import count_launches, launched_operators
+from backend.models import load_pipeline, resolve_model
 from tests.factories import FAMILIES, make_engine, make_params, make_template, rect_mask
 
 pytestmark = pytest.mark.model
@@ -67,14 +69,14 @@ def test_compiled_units_equal_eager_and_replay_one_graph_per_shape(engine, cache
     from torch._dynamo.utils import counters
 
     eager = _prediction(engine, _states(engine, caches, MASKS), monkeypatch)
-    monkeypatch.setattr(engine, "compile_units", True)
+    monkeypatch.setattr(engine, "compile_units", "default")
     compiled = _prediction(engine, _states(engine, caches, MASKS), monkeypatch)
     assert (compiled - eager).abs().max().item() <= COMPILED_TOL * eager.abs().max().item()
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0  # the units ran compiled
     again = _prediction(engine, _states(engine, caches, SAME_BUCKETS), monkeypatch)
     assert counters["stats"]["unique_graphs"] == graphs  # other masks, same shapes: no new graph
-    monkeypatch.setattr(engine, "compile_units", False)
+    monkeypatch.setattr(engine, "compile_units", "off")
     assert torch.allclose(
         again,
         _prediction(engine, _states(engine, caches, SAME_BUCKETS), monkeypatch),
@@ -103,3 +105,27 @@ def test_launches_count_work_not_views():
     # reshape of a transposed tensor copies, the add computes; views, a cast to the same dtype and
     # contiguous of a contiguous tensor do not count
     assert counted == {"aten::reshape": 1, "aten::add": 1}
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ("reduce-overhead", "default"))
+def test_compiled_units_on_cuda_equal_eager(models_dir, tmp_path, mode, monkeypatch):
+    """On CUDA, bucketed steps of units replayed from CUDA graphs (``reduce-overhead``) or run as
+    fused kernels equal the eager bucketed step, cached tensors read from the device tier."""
+    pipe = load_pipeline("tiny-sd2-inpaint", models_dir, device="cuda")
+    engine = MaskAwareEngine(
+        pipe, resolve_model("tiny-sd2-inpaint"), tmp_path, step_shapes="bucketed"
+    )
+    params = make_params(engine, mode="kv")
+    caches = [
+        MemoryTemplateCache.load(
+            engine.prepare_template(make_template(seed), params).path
+        ).to_device(torch.device("cuda"))
+        for seed in (7, 8)
+    ]
+    eager = _prediction(engine, _states(engine, caches, MASKS), monkeypatch)
+    monkeypatch.setattr(engine, "compile_units", mode)
+    for _ in range(3):  # compiled, then replayed
+        compiled = _prediction(engine, _states(engine, caches, MASKS), monkeypatch)
+    assert (compiled - eager).abs().max().item() <= COMPILED_TOL * eager.abs().max().item()

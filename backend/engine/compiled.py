@@ -7,6 +7,11 @@ and every template, mask and step of that shape replays it. Without CUDA graphs 
 compiler (``mode="reduce-overhead"`` or ``"max-autotune"`` on CUDA) the graph still fuses the
 unit's small operators, which on a device bound by launching operators is most of the gain.
 
+Modes (``engine.compile_units``): ``off``; ``default`` (inductor's fused kernels);
+``reduce-overhead`` (those kernels replayed from CUDA graphs that the compiler captures per shape,
+copying inputs into its static buffers: CUDA only); ``max-autotune`` (CUDA graphs and kernels
+tuned at compile time, much longer to compile).
+
 Rules: a unit runs compiled only when the context asks for it and its layout is regular (a
 bucketed step), with no adapter, nothing recorded and no per-unit timing
 (``compiles``); everything else runs eagerly through the same forward function, so compiled and
@@ -24,6 +29,14 @@ from backend.engine.layout import RowLayout
 
 # graphs a compiled forward keeps: units of a few widths x row and token buckets x cache modes
 RECOMPILE_LIMIT = 256
+COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
+
+
+def check_compile_mode(mode: str) -> str:
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode {mode!r} is not known: use {', '.join(COMPILE_MODES)}")
+    return mode
+
 
 _compiled: dict[tuple[Callable, str], Callable] = {}
 
@@ -47,14 +60,14 @@ def unit_forward(
     if compiles(ctx, layout):
         rows = (0, layout.num_rows)
         io = FetchedUnitIO({name: ctx.cached(unit, name, rows, True) for name in reads})
-        return compiled_units(forward), io
+        return compiled_units(forward, ctx.compile_units), io
     return forward, UnitIO(ctx, unit)
 
 
 def compiles(ctx: ForwardContext, layout: RowLayout) -> bool:
     """Whether a unit of ``ctx``'s forward over ``layout`` runs compiled."""
     return (
-        ctx.compile_units
+        ctx.compile_units != "off"
         and layout.regular
         and ctx.lora is None
         and ctx.recorder is None

@@ -71,7 +71,7 @@ class ForwardContext:
     # static shapes: the batch's bucketed layouts, built when its rows were admitted (None: built
     # here from ``row_token_masks``, each row with its own token count)
     layouts: LayoutSource | None = None
-    compile_units: bool = False  # units of regular layouts run compiled (``compiled``)
+    compile_units: str = "off"  # the mode units of regular layouts run compiled in (``compiled``)
     _layouts: dict[tuple[int, int], RowLayout] = field(default_factory=dict)
 
     @property

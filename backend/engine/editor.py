@@ -43,6 +43,7 @@ from backend.engine import cache_store
 from backend.engine.attention import check_attention_batching, pads_attention
 from backend.engine.buckets import buckets_steps, check_step_shapes, row_bucket
 from backend.engine.cache_store import CacheWriter, TemplateCache, check_recording
+from backend.engine.compiled import check_compile_mode
 from backend.engine.context import ForwardContext, active_context
 from backend.engine.families import (
     ADAPTERS,
@@ -140,13 +141,13 @@ class MaskAwareEngine:
         attention: str = "auto",
         lora_batching: str = "stacked",
         step_shapes: str = "auto",
-        compile_units: bool = False,
+        compile_units: str = "off",
     ):
         self.pipe, self.spec, self.cache_root = pipe, spec, Path(cache_root)
         self.attention = check_attention_batching(attention)
         self.step_shapes = check_step_shapes(step_shapes)
         # bucketed steps run each unit's forward compiled (``backend.engine.compiled``)
-        self.compile_units = compile_units
+        self.compile_units = check_compile_mode(compile_units)
         self._layout_memo: LayoutMemo | None = None
         self.lora_batching = check_lora_batching(lora_batching)
         self.adapter = ADAPTERS[spec.family](pipe, spec.max_sequence_length)
@@ -467,10 +468,10 @@ class MaskAwareEngine:
             lora=self.adapters.batch(row_adapters, device, stacked=self.lora_batching == "stacked"),
             padded_attention=bucketed or pads_attention(self.attention, device),
             layouts=StepLayouts(tokens, self.layout_memo(device)) if bucketed else None,
-            compile_units=bucketed and self.compile_units,
+            compile_units=self.compile_units if bucketed else "off",
         )
-        if ctx.compile_units:
-            self.adapter.compile_dense_blocks()
+        if ctx.compile_units != "off":
+            self.adapter.compile_dense_blocks(ctx.compile_units)
         # Nothing to reuse, record, adapt or time: the model's own (fastest dense) forward does
         # the same math.
         ordinary = not units and not recording and unit_seconds is None and ctx.lora is None

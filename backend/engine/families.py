@@ -116,9 +116,9 @@ class FamilyAdapter(ABC):
         return joined
 
     @abstractmethod
-    def compile_dense_blocks(self) -> None:
-        """Compile the denoiser's blocks that run densely around the mask-aware units (each a
-        graph per input shape, ``backend.engine.compiled``); idempotent."""
+    def compile_dense_blocks(self, mode: str) -> None:
+        """Compile the denoiser's blocks that run densely around the mask-aware units in ``mode``
+        (each a graph per input shape, ``backend.engine.compiled``); once per block."""
 
     def holds(self, part: str) -> bool:
         """Whether this pipeline loaded ``part`` (``DENOISER``, ``VAE`` or ``TEXT_ENCODERS``)."""
@@ -242,11 +242,11 @@ class UnetAdapter(FamilyAdapter):
     lora_kind = "unet"  # which layers adapters may update (backend.engine.lora.TARGET_PATTERNS)
     latent_patch = 1
 
-    def compile_dense_blocks(self) -> None:
+    def compile_dense_blocks(self, mode: str) -> None:
         """The UNet's ResNets and resamplers (the transformer stacks are the units)."""
         for module in self.denoiser.modules():
             if isinstance(module, (ResnetBlock2D, Downsample2D, Upsample2D)):
-                _compile_once(module)
+                _compile_once(module, mode)
 
     def install_hooks(self) -> UnitLayout:
         stacks = install_unet_hooks(self.denoiser)
@@ -324,9 +324,9 @@ class UnetAdapter(FamilyAdapter):
 AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE = 6.0, 2.5
 
 
-def _compile_once(module: torch.nn.Module) -> None:
+def _compile_once(module: torch.nn.Module, mode: str) -> None:
     if not getattr(module, "_maskserve_compiled", False):
-        module.compile(fullgraph=True, dynamic=False)
+        module.compile(fullgraph=True, dynamic=False, mode=mode)
         module._maskserve_compiled = True
 
 
@@ -375,7 +375,7 @@ class FluxFillAdapter(FamilyAdapter):
     def install_hooks(self) -> UnitLayout:
         return UnitLayout((0,) * install_flux_hooks(self.denoiser).num_units)
 
-    def compile_dense_blocks(self) -> None:
+    def compile_dense_blocks(self, mode: str) -> None:
         """None to compile: every block of the transformer is a unit."""
 
     def prepare(self, image, mask, prompt, negative_prompt, guidance, steps, strength, seed, size):
