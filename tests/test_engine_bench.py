@@ -33,7 +33,7 @@ def test_engine_bench_times_the_arms_side_by_side_per_batch(models_dir, tmp_path
         models_dir=models_dir,
         cache_dir=tmp_path,
         resolution=128,
-        arms=("ordinary", "maskaware", "ordinary-fresh-process"),
+        arms=("ordinary", "maskaware", "maskaware-device", "ordinary-fresh-process"),
         batches=(1, 2),
         partial_json=tmp_path / "engine.partial.json",
     )
@@ -45,6 +45,8 @@ def test_engine_bench_times_the_arms_side_by_side_per_batch(models_dir, tmp_path
             ("ordinary", "dense"),
             ("maskaware", "kv"),
             ("maskaware", "hidden"),
+            ("maskaware-device", "kv"),
+            ("maskaware-device", "hidden"),
             ("ordinary-fresh-process", "dense"),
         )
     )
@@ -60,24 +62,32 @@ def test_engine_bench_times_the_arms_side_by_side_per_batch(models_dir, tmp_path
     for mode in ("kv", "hidden"):
         r = by_cell["maskaware", mode, 1]
         assert r.ideal_speedup > 1 and r.cache_bytes > 0 and r.ssim > 0.5
+        # the same edit, its cache read from the device tier: the same pixels
+        device = by_cell["maskaware-device", mode, 1]
+        assert device.ssim == r.ssim and device.cache_bytes == r.cache_bytes
+    runs = {arm: report.arms[arm] for arm in ("maskaware", "maskaware-device")}
+    assert {arm: (meta["cache_tier"], meta["step_shapes"]) for arm, meta in runs.items()} == {
+        "maskaware": ("host", "exact"),
+        "maskaware-device": ("device", "exact"),
+    }
     assert by_cell["ordinary", "dense", 1].ssim is None  # the reference itself
     # the plain pipeline in its own process: the same pixels, nothing of MaskServe imported
     assert by_cell["ordinary-fresh-process", "dense", 2].ssim > 0.99
     assert report.arms["ordinary-fresh-process"]["maskserve_modules"] == []
     assert set(report.arms["maskaware"]["warmup_s"]) == {"1", "2"}
-    assert len(json.loads((tmp_path / "engine.partial.json").read_text())["records"]) == 8
+    assert len(json.loads((tmp_path / "engine.partial.json").read_text())["records"]) == 12
     plot = write_outputs(report, tmp_path / "engine.json")
     assert plot.stat().st_size > 0
     saved = json.loads((tmp_path / "engine.json").read_text())
-    assert len(saved["records"]) == 8 and set(saved["arms"]) == {r.arm for r in report.records}
+    assert len(saved["records"]) == 12 and set(saved["arms"]) == {r.arm for r in report.records}
 
 
 @pytest.mark.slow
 def test_every_arm_runs_and_the_compiled_one_matches_eager(
     models_dir, tmp_path, monkeypatch, capsys
 ):
-    """The whole arm table on tiny-sd2 at 64 px, 2 steps, through the CLI (torch.compile: ~40 s
-    on a 2-core CPU)."""
+    """The whole arm table on tiny-sd2 at 64 px, 2 steps, through the CLI (torch.compile of the
+    ordinary denoiser and of the mask-aware units: ~90 s on a 2-core CPU)."""
     monkeypatch.setenv("MASKSERVE_MODELS_DIR", str(models_dir))
     monkeypatch.setenv("MASKSERVE_DATA_DIR", str(tmp_path / "data"))
     out = tmp_path / "engine.json"
@@ -90,6 +100,21 @@ def test_every_arm_runs_and_the_compiled_one_matches_eager(
     compiled = saved["arms"]["ordinary-compiled"]
     assert compiled["compile_mode"] == "default" and compiled["compile_check"]["within_tolerance"]
     assert compiled["warmup_s"]["1"] > 0
+    # the compiled mask-aware step against the eager one, its bound recorded; compiling is in its
+    # build (the check's first step) and warm-up, never in the timed calls
+    units = saved["arms"]["maskaware-compiled"]
+    assert units["compile_units"] == "default" and units["step_shapes"] == "bucketed"
+    assert units["cache_tier"] == saved["arms"]["maskaware-device"]["cache_tier"] == "device"
+    check = units["compile_check"]
+    assert check["compared"] == "first step's update" and check["within_tolerance"]
+    assert 0 < check["tolerance"] <= 1e-4 * check["reference_max_abs"]
+    assert units["build_s"] > 1 and units["warmup_s"]["1"] > 0
+    ratios = {r["arm"]: (r["speedup"], r["speedup_vs_compiled"]) for r in saved["records"]}
+    edit_s = {r["arm"]: r["edit_s"] for r in saved["records"]}
+    for arm in ("maskaware-device", "maskaware-compiled"):
+        assert ratios[arm] == pytest.approx(
+            (edit_s["ordinary"] / edit_s[arm], edit_s["ordinary-compiled"] / edit_s[arm])
+        )
     assert (
         out.with_suffix(".png").stat().st_size > 0 and not out.with_suffix(".partial.json").exists()
     )
@@ -128,7 +153,8 @@ def test_the_plain_pipeline_script_imports_nothing_of_maskserve():
 def test_launch_proxy_counts_and_times_the_forward_eager_and_compiled(
     models_dir, tmp_path, monkeypatch, capsys
 ):
-    """One model (torch.compile: ~40 s on a 2-core CPU)."""
+    """One model (torch.compile of the ordinary forward and the mask-aware units: ~70 s on a
+    2-core CPU)."""
     monkeypatch.setenv("MASKSERVE_MODELS_DIR", str(models_dir))
     monkeypatch.setenv("MASKSERVE_DATA_DIR", str(tmp_path / "data"))
     out = tmp_path / "proxy.json"
@@ -139,6 +165,20 @@ def test_launch_proxy_counts_and_times_the_forward_eager_and_compiled(
     assert record["compiled_operators"] < record["eager_operators"] / 2
     assert record["max_abs_difference"] < 1e-4 * record["reference_max_abs"]
     assert record["maskaware_operators"] > 0 and 0.1 < record["measured_mask_ratio"] < 0.4
+    # the compiled mask-aware step: fewer launches than either eager step, the same update
+    assert record["compiled_step_operators"] < record["bucketed_operators"]
+    assert record["bucketed_operators"] < record["maskaware_operators"]
+    assert (
+        record["compiled_step_max_abs_difference"]
+        < 1e-4 * record["compiled_step_reference_max_abs"]
+    )
+    assert record["compiled_step_compile_s"] > 0
+    assert record["compiled_step_vs_eager"] == pytest.approx(
+        record["maskaware_step_ms"] / record["compiled_step_ms"]
+    )
+    assert record["compiled_step_vs_dense"] == pytest.approx(
+        record["compiled_ms"] / record["compiled_step_ms"]
+    )
     assert out.with_suffix(".png").stat().st_size > 0
     assert "compiled in" in capsys.readouterr().out
 

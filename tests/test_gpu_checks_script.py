@@ -99,4 +99,5 @@ def test_engine_graphs_runs_first_and_fits_eight_minutes_keeping_partial_results
     ]
     for args in runs:  # every arm built, both batch sizes, the targets' mask ratio first
         assert args.batch == "1,8" and args.mask_ratios.split(",")[0] == "0.2"
-        assert args.arms.split(",") == list(ARMS)[:3] and args.json.endswith("-cuda.json")
+        assert args.arms.split(",") == list(ARMS)[:5] and args.json.endswith("-cuda.json")
+        assert {"maskaware-device", "maskaware-compiled"} <= set(args.arms.split(","))

@@ -16,6 +16,7 @@ from backend.bench.crop_bench import add_crop_parser  # light: numpy only
 from backend.bench.route_deadlines_cli import add_route_deadlines_parser  # light: argparse only
 from backend.bench.serve_cli import add_serve_parser  # light: argparse only
 from backend.bench.serve_deadlines import add_serve_deadlines_parser  # light: the stack lazily
+from backend.bench.step_launches_cli import add_step_launches_parser  # light: argparse only
 from backend.bench.worker_deadlines_cli import add_worker_deadlines_parser  # light: argparse only
 from backend.config import Settings
 from backend.dispatch.router import POLICIES as ROUTING_POLICIES
@@ -60,8 +61,8 @@ def cmd_bench_engine(args, settings: Settings) -> int:
         if check:
             verdict = "ok" if check["within_tolerance"] else "OVER"
             print(
-                f"{name}: built in {meta['build_s']:.1f}s, warm-up {meta['warmup_s']} s; forward "
-                f"vs eager max |diff| {check['max_abs_difference']:.3g} (bound "
+                f"{name}: built in {meta['build_s']:.1f}s, warm-up {meta['warmup_s']} s; "
+                f"{check['compared']} vs eager max |diff| {check['max_abs_difference']:.3g} (bound "
                 f"{check['tolerance']:.3g}) {verdict}"
             )
 
@@ -100,12 +101,17 @@ def cmd_bench_launch_proxy(args, settings: Settings) -> int:
     plot = write_launch_proxy(records, Path(args.json))
     for r in records:
         print(
-            f"{r.model:18s} {r.size} px {r.rows} rows: ordinary forward {r.eager_operators} aten "
-            f"operators, eager {r.eager_ms:.2f} ms, compiled {r.compiled_ms:.2f} ms "
-            f"({r.compiled_operators} operators): {r.speedup:.2f}x, max |diff| "
-            f"{r.max_abs_difference:.2g}, compiled in {r.compile_s:.0f} s; mask-aware step "
-            f"(m={r.mask_ratio}) eager {r.maskaware_step_ms:.2f} ms, {r.maskaware_operators} "
-            "operators"
+            f"{r.model:18s} {r.size} px {r.rows} rows: ordinary forward eager {r.eager_ms:.2f} ms "
+            f"({r.eager_operators} operators launched), compiled {r.compiled_ms:.2f} ms "
+            f"({r.compiled_operators}): {r.speedup:.2f}x, max |diff| {r.max_abs_difference:.2g}, "
+            f"compiled in {r.compile_s:.0f} s; mask-aware step (m={r.mask_ratio}) eager exact "
+            f"{r.maskaware_step_ms:.2f} ms ({r.maskaware_operators}), eager bucketed "
+            f"{r.bucketed_step_ms:.2f} ms ({r.bucketed_operators}), compiled units "
+            f"{r.compiled_step_ms:.2f} ms ({r.compiled_step_operators}; compiled in "
+            f"{r.compiled_step_compile_s:.0f} s, max |diff| "
+            f"{r.compiled_step_max_abs_difference:.2g}): {r.compiled_step_vs_eager:.2f}x the "
+            f"eager step (target 2x), {r.compiled_step_vs_dense:.2f}x the compiled forward "
+            "(target 1x)"
         )
     print(f"wrote {args.json} and {plot}")
     return 0
@@ -406,8 +412,8 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
 
     proxy = bench_sub.add_parser(
         "launch-proxy",
-        help="CPU proxy of the launch-bound GPU step: ordinary forward eager vs compiled, aten "
-        "operators, the eager mask-aware step",
+        help="CPU proxy of the launch-bound GPU step: ordinary forward eager vs compiled, the "
+        "mask-aware step eager (exact, bucketed) and compiled, operators launched",
     )
     proxy.add_argument(
         "--models", default="tiny-sd2-inpaint,tiny-sdxl-inpaint,tiny-flux-fill", help="by commas"
@@ -603,6 +609,7 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     add_route_deadlines_parser(bench_sub)
     add_soak_parser(bench_sub)
     add_crop_parser(bench_sub)
+    add_step_launches_parser(bench_sub)
     add_serve_parser(bench_sub)
     add_serve_deadlines_parser(bench_sub)
     add_adapter_quality_parser(bench_sub)

@@ -11,8 +11,19 @@ A new arm is one entry of ``ARMS``.
   ``max-autotune`` on CUDA, which captures CUDA graphs; inductor's default elsewhere), as a careful
   user runs it. Its forward is checked against the eager one on the inputs of a real first step
   (``CompileCheck``, within ``COMPILE_TOLERANCE`` of the output's scale).
-* ``maskaware``: the mask-aware edit, one runner per cache mode, every row reading its template's
-  cache from host RAM (pinned on CUDA), as a worker serves a hot template.
+* ``maskaware``: the mask-aware edit, eager, exact step shapes, one runner per cache mode, every
+  row reading its template's cache from host RAM (pinned on CUDA), as a worker serves a hot
+  template.
+* ``maskaware-device``: the same edit on the same engine, every row reading its template's cache
+  from the device tier (``MemoryTemplateCache.to_device``: resident on the compute device, read in
+  place, one concatenation of a batch's rows per step).
+* ``maskaware-compiled``: the mask-aware edit with bucketed step shapes and compiled units in the
+  compiled arms' mode (``MaskAwareEngine(step_shapes="bucketed", compile_units=compile_mode)``),
+  the cache on the device tier.
+  It runs on its own engine over its own denoiser modules (``engine_copy``), since compiling the
+  UNet's blocks in place would compile them for every other arm too. Its first step's update of
+  the latents is checked against the ``maskaware`` arm's (``check_compiled_step``, within
+  ``COMPILE_TOLERANCE`` of the update's scale).
 * ``ordinary-hooked``: the same pipeline call on the engine's own pipeline (its denoiser hooked,
   its projections laid out in one storage per set), as a worker's pipeline is: what the hooks cost
   the ordinary forward.
@@ -47,8 +58,9 @@ from backend.models.registry import quiet_libraries
 PROMPT = "a red leather armchair"
 ORDINARY_MODE = "dense"  # the mode recorded for arms that run the ordinary pipeline
 PLAIN_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "plain_pipeline.py"
-# |compiled - eager| of one denoiser forward, as a share of the eager output's largest |value|:
-# kernels fused in another order round differently, by about the dtype's precision
+# |compiled - eager| of one denoiser forward (or one mask-aware step's update), as a share of the
+# eager output's largest |value|: kernels fused in another order round differently, by about the
+# dtype's precision
 COMPILE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
@@ -86,15 +98,26 @@ class BenchSetup:
     dtype: torch.dtype
     compile_mode: str
     model_dir: Path | None  # the saved model directory; None when built in memory
+    device_caches: dict[str, object] = field(default_factory=dict)  # mode -> device-tier copy
+
+    def device_cache(self, mode: str):
+        """The ``mode`` cache's copy on the compute device, made once and shared by the arms that
+        read the device tier (it stays resident, in every arm's peak GPU memory from then on)."""
+        if mode not in self.device_caches:
+            host = self.caches[mode][1]
+            self.device_caches[mode] = host.to_device(torch.device(self.device))
+        return self.device_caches[mode]
 
 
 @dataclass
 class CompileCheck:
-    """One denoiser forward, compiled against eager, on the inputs of a real first step."""
+    """Compiled against eager on the inputs of a real first step: ``compared`` says what (one
+    denoiser forward, or one mask-aware step's update of the latents)."""
 
     max_abs_difference: float
     reference_max_abs: float
     tolerance: float
+    compared: str
 
     @property
     def within_tolerance(self) -> bool:
@@ -184,15 +207,25 @@ def ordinary_runner(pipe, setup: BenchSetup) -> Runner:
     return run
 
 
-def maskaware_runner(setup: BenchSetup, params: EditParams, cache) -> Runner:
-    engine = setup.engine
+def engine_copy(plain, spec, cache_root: Path, **settings) -> MaskAwareEngine:
+    """A mask-aware engine with ``settings`` (``MaskAwareEngine``'s keyword arguments) on its own
+    denoiser modules over ``plain``'s weights (``plain_pipeline``): what it compiles or hooks in
+    place stays its own."""
+    return MaskAwareEngine(plain_pipeline(plain, spec), spec, cache_root, **settings)
 
+
+def start_states(engine: MaskAwareEngine, batch: Batch, params: EditParams, cache) -> list:
+    """The batch's requests admitted to ``engine``, each reading ``cache``."""
+    return [
+        engine.start(batch.template, mask, PROMPT, seed, params, cache=cache, pixels=pixels)
+        for mask, seed, pixels in zip(batch.masks, batch.seeds, batch.pixels, strict=True)
+    ]
+
+
+def maskaware_runner(engine: MaskAwareEngine, device: str, params: EditParams, cache) -> Runner:
     def run(batch: Batch) -> ArmRun:
-        states = [
-            engine.start(batch.template, mask, PROMPT, seed, params, cache=cache, pixels=pixels)
-            for mask, seed, pixels in zip(batch.masks, batch.seeds, batch.pixels, strict=True)
-        ]
-        clock = StepClock(setup.device)
+        states = start_states(engine, batch, params, cache)
+        clock = StepClock(device)
         while not states[0].done:
             engine.step(states, params.mode)
             clock.mark()
@@ -247,7 +280,33 @@ def check_compiled(eager, compiled, inputs: tuple[tuple, dict], dtype: torch.dty
         reference = eager(*args, **kwargs)[0].float()
         difference = (compiled(*args, **kwargs)[0].float() - reference).abs().max().item()
     scale = reference.abs().max().item()
-    return CompileCheck(difference, scale, COMPILE_TOLERANCE[dtype] * scale)
+    return CompileCheck(difference, scale, COMPILE_TOLERANCE[dtype] * scale, "denoiser forward")
+
+
+def first_update(engine: MaskAwareEngine, batch: Batch, params: EditParams, cache) -> torch.Tensor:
+    """The change of the batch's latents over its first mask-aware step on ``engine`` (the
+    scheduler's update: the guided prediction scaled by the step's size)."""
+    states = start_states(engine, batch, params, cache)
+    before = torch.cat([s.latents for s in states])
+    engine.step(states, params.mode)  # replaces each state's latents, ``before`` stays
+    return (torch.cat([s.latents for s in states]) - before).float()
+
+
+def check_compiled_step(
+    eager: tuple[MaskAwareEngine, object],
+    compiled: tuple[MaskAwareEngine, object],
+    batch: Batch,
+    params: EditParams,
+    dtype: torch.dtype,
+) -> CompileCheck:
+    """The first step's update on the ``compiled`` (engine, cache) against the ``eager`` one (the
+    compiled step compiles when it must)."""
+    reference = first_update(eager[0], batch, params, eager[1])
+    difference = (first_update(compiled[0], batch, params, compiled[1]) - reference).abs().max()
+    scale = reference.abs().max().item()
+    return CompileCheck(
+        difference.item(), scale, COMPILE_TOLERANCE[dtype] * scale, "first step's update"
+    )
 
 
 def build_ordinary(setup: BenchSetup, first: Batch) -> BuiltArm:
@@ -276,9 +335,48 @@ def build_ordinary_compiled(setup: BenchSetup, first: Batch) -> BuiltArm:
 def build_maskaware(setup: BenchSetup, first: Batch) -> BuiltArm:
     return BuiltArm(
         {
-            mode: maskaware_runner(setup, params, cache)
+            mode: maskaware_runner(setup.engine, setup.device, params, cache)
             for mode, (params, cache) in setup.caches.items()
-        }
+        },
+        extra={"step_shapes": setup.engine.step_shapes, "cache_tier": "host"},
+    )
+
+
+def build_maskaware_device(setup: BenchSetup, first: Batch) -> BuiltArm:
+    return BuiltArm(
+        {
+            mode: maskaware_runner(setup.engine, setup.device, params, setup.device_cache(mode))
+            for mode, (params, _) in setup.caches.items()
+        },
+        extra={"step_shapes": setup.engine.step_shapes, "cache_tier": "device"},
+    )
+
+
+def build_maskaware_compiled(setup: BenchSetup, first: Batch) -> BuiltArm:
+    engine = engine_copy(
+        setup.plain,
+        setup.spec,
+        setup.engine.cache_root,
+        step_shapes="bucketed",
+        compile_units=setup.compile_mode,
+    )
+    runners, checks = {}, []
+    for mode, (params, host) in setup.caches.items():
+        cache = setup.device_cache(mode)
+        checks.append(
+            check_compiled_step((setup.engine, host), (engine, cache), first, params, setup.dtype)
+        )
+        runners[mode] = maskaware_runner(engine, setup.device, params, cache)
+    return BuiltArm(
+        runners,
+        compiled=True,
+        # the cache mode whose step came closest to (or went furthest over) its bound
+        check=max(checks, key=lambda c: c.max_abs_difference / c.tolerance),
+        extra={
+            "step_shapes": "bucketed",
+            "compile_units": setup.compile_mode,
+            "cache_tier": "device",
+        },
     )
 
 
@@ -346,11 +444,14 @@ ARMS: dict[str, Callable[[BenchSetup, Batch], BuiltArm]] = {
     "ordinary": build_ordinary,
     "ordinary-compiled": build_ordinary_compiled,
     "maskaware": build_maskaware,
+    "maskaware-device": build_maskaware_device,
+    "maskaware-compiled": build_maskaware_compiled,
     "ordinary-hooked": build_ordinary_hooked,
     "ordinary-fresh-process": build_fresh_process,
 }
 FRESH_PROCESS_ARM = "ordinary-fresh-process"
-MASKAWARE_ARMS = frozenset({"maskaware"})  # arms that read the template caches
+# arms that read the template caches
+MASKAWARE_ARMS = frozenset({"maskaware", "maskaware-device", "maskaware-compiled"})
 
 
 def arm_names(text: str) -> list[str]:

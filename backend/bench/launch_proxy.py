@@ -6,17 +6,29 @@ small operators, each costing more in dispatch than in arithmetic. For each mode
 denoiser rows (requests = rows / the model's rows per request), on the inputs of a real first step
 of the ordinary pipeline:
 
-* the ordinary denoiser forward eager and under ``torch.compile`` (inductor; the arm
-  ``ordinary-compiled`` of `bench engine`): median ms over ``repeats`` calls, the aten operators
-  one call dispatches (``torch.profiler``), the seconds the first compiled call took (compiling),
-  and the compiled output's largest |difference| from eager;
+* the ordinary (dense) denoiser forward eager and under ``torch.compile`` (inductor; the arm
+  ``ordinary-compiled`` of `bench engine`): median ms, operators launched per call, the seconds
+  the first compiled call took (compiling), and the compiled output's largest |difference| from
+  eager;
 * the mask-aware step (engine ``step``: forward, guidance and scheduler update) at mask ratio
-  ``mask_ratio``, every row reading its template's ``kv`` cache from host RAM, eager: the time and
-  operators a compiled mask-aware step is held against.
+  ``mask_ratio``, every row reading its template's ``kv`` cache resident in memory (the device
+  tier's copy, ``MemoryTemplateCache.to_device``), three ways, each on its own engine over its own
+  denoiser modules: eager with exact shapes, eager bucketed, and bucketed with compiled units
+  (``compile_units`` in the ordinary forward's compile mode). The compiled one is stepped until a
+  step compiles nothing before any timed call (``compiled_step_compile_s``; its first step's update
+  checked against the eager bucketed one's), and its ratios are taken against the eager exact step
+  (``compiled_step_vs_eager``, target at least 2) and the compiled dense forward
+  (``compiled_step_vs_dense``, target at least 1: no slower; the step also guides and updates the
+  latents, the forward does not).
 
-The three take turns, ``repeats`` rounds after one untimed round, so that the machine's drift falls
-on all alike. ``compile_s`` depends on inductor's cache of earlier compiles (TORCHINDUCTOR_CACHE_DIR
-set to an empty directory gives a cold compile).
+Operators are those a call launches (``backend.engine.launches.count_launches``: outermost aten
+operators doing work, views and no-op casts excluded). The kernels inductor generates are no aten
+operators, so a compiled call counts only the aten operators its graph still calls (matmuls,
+convolutions, attention, copies).
+
+The five take turns, ``repeats`` rounds after one untimed round, so that the machine's drift falls
+on all alike. Compile seconds depend on inductor's cache of earlier compiles
+(TORCHINDUCTOR_CACHE_DIR set to an empty directory gives a cold compile).
 
 It is a benchmark, not a test: figures depend on the machine.
 """
@@ -34,21 +46,32 @@ import torch
 from tqdm import tqdm
 
 from backend.bench.engine_arms import (
-    PROMPT,
+    Batch,
     check_compiled,
+    check_compiled_step,
     compile_denoiser,
     default_compile_mode,
     denoiser_inputs,
+    engine_copy,
     plain_pipeline,
+    start_states,
 )
-from backend.bench.engine_bench import cache_params, device_name, hot_cache, make_batch
+from backend.bench.engine_bench import (
+    cache_params,
+    compiled_graphs,
+    device_name,
+    hot_cache,
+    make_batch,
+)
 from backend.engine.editor import EditParams, MaskAwareEngine
 from backend.engine.families import ADAPTERS
+from backend.engine.launches import count_launches
 from backend.models import load_pipeline, resolve_model
 from templates_store.samples import sample_template
 
 PROXY_MODELS = ("tiny-sd2-inpaint", "tiny-sdxl-inpaint", "tiny-flux-fill")
 PROXY_STEPS = 8  # steps of the recorded cache; the mask-aware step restarts its edits when done
+WARMUP_STEPS = 3 * PROXY_STEPS  # at most, until a compiled step compiles nothing
 
 
 @dataclass(frozen=True)
@@ -60,26 +83,29 @@ class ProxyRecord:
     eager_ms: float  # ordinary denoiser forward
     compiled_ms: float
     speedup: float  # eager_ms / compiled_ms
-    eager_operators: int  # aten operators one forward dispatches
+    eager_operators: int  # operators one forward launches (count_launches)
     compiled_operators: int
     compile_s: float  # the first compiled call
     max_abs_difference: float  # compiled vs eager output
     reference_max_abs: float
-    maskaware_step_ms: float  # eager mask-aware step at mask_ratio
+    maskaware_step_ms: float  # eager mask-aware step at mask_ratio, exact shapes
     maskaware_operators: int
+    bucketed_step_ms: float  # eager mask-aware step, bucketed shapes
+    bucketed_operators: int
+    compiled_step_ms: float  # mask-aware step, bucketed shapes, compiled units
+    compiled_step_operators: int
+    compiled_step_compile_s: float  # its steps until one compiled nothing
+    compiled_step_max_abs_difference: float  # first step's update vs the eager bucketed step's
+    compiled_step_reference_max_abs: float
+    compiled_step_vs_eager: float  # maskaware_step_ms / compiled_step_ms (target >= 2)
+    compiled_step_vs_eager_bucketed: float  # bucketed_step_ms / compiled_step_ms
+    compiled_step_vs_dense: float  # compiled_ms / compiled_step_ms (target >= 1)
     mask_ratio: float
     measured_mask_ratio: float  # fresh tokens / all tokens on the model's token grid
-    compile_mode: str
+    compile_mode: str  # of the ordinary forward and the compiled units
     device_name: str
     threads: int
     torch: str
-
-
-def aten_operators(run: Callable[[], object]) -> int:
-    """The aten operators one call of ``run`` dispatches (``torch.profiler``, CPU activity)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        run()
-    return sum(1 for event in profile.events() if event.name.startswith("aten::"))
 
 
 def interleaved_ms(
@@ -99,31 +125,31 @@ def interleaved_ms(
 
 
 class MaskawareStepper:
-    """Steps the batch's requests through the engine (kv cache in host RAM); ``ready`` starts
+    """Steps the batch's requests through ``engine``, each reading ``cache``; ``ready`` starts
     them again once done (encoding is no step)."""
 
-    def __init__(self, engine: MaskAwareEngine, spec, batch, size: int):
-        self.engine, self.batch = engine, batch
-        self.params = cache_params(spec, size, PROXY_STEPS, "kv")
-        self.cache = hot_cache(engine, batch.template, self.params, "cpu")
-        self.states = self._start()
+    def __init__(self, engine: MaskAwareEngine, batch: Batch, params: EditParams, cache):
+        self.engine, self.batch, self.params, self.cache = engine, batch, params, cache
+        self.states = start_states(engine, batch, params, cache)
         self.measured_ratio = sum(s.mask_ratio for s in self.states) / len(self.states)
-
-    def _start(self) -> list:
-        batch = self.batch
-        return [
-            self.engine.start(
-                batch.template, mask, PROMPT, seed, self.params, cache=self.cache, pixels=pixels
-            )
-            for mask, seed, pixels in zip(batch.masks, batch.seeds, batch.pixels, strict=True)
-        ]
 
     def ready(self) -> None:
         if self.states[0].done:
-            self.states = self._start()
+            self.states = start_states(self.engine, self.batch, self.params, self.cache)
 
     def __call__(self) -> None:
-        self.engine.step(self.states, "kv")
+        self.engine.step(self.states, self.params.mode)
+
+    def warm_up(self) -> float:
+        """Steps until one compiles nothing (at most ``WARMUP_STEPS``); their seconds."""
+        started = time.perf_counter()
+        for _ in range(WARMUP_STEPS):
+            self.ready()
+            before = compiled_graphs()
+            self()
+            if compiled_graphs() == before:
+                break
+        return time.perf_counter() - started
 
 
 def probe_model(
@@ -144,7 +170,12 @@ def probe_model(
     requests = rows // per_request
     pipe = load_pipeline(model_id, models_dir)
     plain = plain_pipeline(pipe, spec)  # before the engine hooks the denoiser it keeps
-    engine = MaskAwareEngine(pipe, spec, cache_dir)
+    engine = MaskAwareEngine(pipe, spec, cache_dir, step_shapes="exact")
+    # each on its own denoiser modules: compiling the UNet's blocks in place stays in its engine
+    bucketed = engine_copy(plain, spec, cache_dir, step_shapes="bucketed")
+    compiled_engine = engine_copy(
+        plain, spec, cache_dir, step_shapes="bucketed", compile_units=compile_mode
+    )
     template = sample_template(size, size, seed=7)
     batch = make_batch(template, mask_ratio, requests, seed=1)
     params = EditParams(steps=PROXY_STEPS, guidance=spec.default_guidance, size=(size, size))
@@ -161,19 +192,30 @@ def probe_model(
         compiled(*args, **kwargs)
         compile_s = time.perf_counter() - started
         check = check_compiled(eager, compiled, (args, kwargs), torch.float32)
+        kv = cache_params(spec, size, PROXY_STEPS, "kv")
+        cache = hot_cache(engine, template, kv, "cpu").to_device(torch.device("cpu"))
+        steppers = {
+            "maskaware": MaskawareStepper(engine, batch, kv, cache),
+            "bucketed": MaskawareStepper(bucketed, batch, kv, cache),
+            "compiled-step": MaskawareStepper(compiled_engine, batch, kv, cache),
+        }
+        started = time.perf_counter()
+        step_check = check_compiled_step(
+            (bucketed, cache), (compiled_engine, cache), batch, kv, torch.float32
+        )
+        step_compile_s = time.perf_counter() - started + steppers["compiled-step"].warm_up()
         progress.set_postfix_str(f"{model_id}: timing")
-        stepper = MaskawareStepper(engine, spec, batch, size)
         runs = {
             "eager": (lambda: None, forward(eager)),
             "compiled": (lambda: None, forward(compiled)),
-            "maskaware": (stepper.ready, stepper),
+            **{name: (stepper.ready, stepper) for name, stepper in steppers.items()},
         }
         interleaved_ms(runs, 1)  # warm-up: thread pools, the cache's first read
         ms = interleaved_ms(runs, repeats)
         operators = {}
         for name, (prepare, run) in runs.items():
             prepare()
-            operators[name] = aten_operators(run)
+            operators[name] = count_launches(run)
     return ProxyRecord(
         model=model_id,
         size=size,
@@ -189,8 +231,18 @@ def probe_model(
         reference_max_abs=check.reference_max_abs,
         maskaware_step_ms=ms["maskaware"],
         maskaware_operators=operators["maskaware"],
+        bucketed_step_ms=ms["bucketed"],
+        bucketed_operators=operators["bucketed"],
+        compiled_step_ms=ms["compiled-step"],
+        compiled_step_operators=operators["compiled-step"],
+        compiled_step_compile_s=step_compile_s,
+        compiled_step_max_abs_difference=step_check.max_abs_difference,
+        compiled_step_reference_max_abs=step_check.reference_max_abs,
+        compiled_step_vs_eager=ms["maskaware"] / ms["compiled-step"],
+        compiled_step_vs_eager_bucketed=ms["bucketed"] / ms["compiled-step"],
+        compiled_step_vs_dense=ms["compiled"] / ms["compiled-step"],
         mask_ratio=mask_ratio,
-        measured_mask_ratio=stepper.measured_ratio,
+        measured_mask_ratio=steppers["maskaware"].measured_ratio,
         compile_mode=compile_mode,
         device_name=device_name("cpu"),
         threads=torch.get_num_threads(),
@@ -222,7 +274,7 @@ def run_launch_proxy(
 
 def write_launch_proxy(records: list[ProxyRecord], json_path: Path) -> Path:
     """The JSON records and a PNG beside them: per model, ms of the eager and compiled ordinary
-    forward and of the eager mask-aware step (left), and their aten operators (right)."""
+    forward and of the mask-aware steps (left), and the operators each launches (right)."""
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps([asdict(r) for r in records], indent=1))
     import matplotlib
@@ -230,28 +282,31 @@ def write_launch_proxy(records: list[ProxyRecord], json_path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6))
     bars = (
         ("ordinary forward, eager", "eager_ms", "eager_operators"),
         ("ordinary forward, compiled", "compiled_ms", "compiled_operators"),
-        ("mask-aware step, eager", "maskaware_step_ms", "maskaware_operators"),
+        ("mask-aware step, eager, exact", "maskaware_step_ms", "maskaware_operators"),
+        ("mask-aware step, eager, bucketed", "bucketed_step_ms", "bucketed_operators"),
+        ("mask-aware step, compiled units", "compiled_step_ms", "compiled_step_operators"),
     )
     width = 0.8 / len(bars)
     for index, (label, ms, operators) in enumerate(bars):
         places = [m + index * width for m in range(len(records))]
         left.bar(places, [getattr(r, ms) for r in records], width, label=label)
         right.bar(places, [getattr(r, operators) for r in records], width, label=label)
-    for ax, ylabel in ((left, "ms per call (median)"), (right, "aten operators per call")):
-        ax.set_xticks([m + width for m in range(len(records))], [r.model for r in records])
+    for ax, ylabel in ((left, "ms per call (median)"), (right, "operators launched per call")):
+        centres = [m + (len(bars) - 1) * width / 2 for m in range(len(records))]
+        ax.set_xticks(centres, [r.model for r in records])
         ax.set_ylabel(ylabel)
-        ax.legend(fontsize=7)
+    fig.legend(*left.get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=7)
     first = records[0]
     fig.suptitle(
         f"CPU launch proxy: {first.size} px, {first.rows} rows, mask ratio {first.mask_ratio:.2f} "
         f"({first.device_name}, {first.threads} threads, inductor {first.compile_mode})",
         fontsize=9,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))  # the legend below the axes
     plot_path = json_path.with_suffix(".png")
     fig.savefig(plot_path, dpi=120)
     plt.close(fig)
