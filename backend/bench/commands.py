@@ -17,7 +17,6 @@ from backend.bench.route_deadlines_cli import add_route_deadlines_parser  # ligh
 from backend.bench.serve_cli import add_serve_parser  # light: argparse only
 from backend.bench.serve_deadlines import add_serve_deadlines_parser  # light: the stack lazily
 from backend.bench.step_launches_cli import add_step_launches_parser  # light: argparse only
-from backend.bench.step_launches_cli import add_step_launches_parser  # light: argparse only
 from backend.bench.worker_deadlines_cli import add_worker_deadlines_parser  # light: argparse only
 from backend.config import Settings
 from backend.dispatch.router import POLICIES as ROUTING_POLICIES
@@ -610,7 +609,6 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     add_route_deadlines_parser(bench_sub)
     add_soak_parser(bench_sub)
     add_crop_parser(bench_sub)
-    add_step_launches_parser(bench_sub)
     add_step_launches_parser(bench_sub)
     add_serve_parser(bench_sub)
     add_serve_deadlines_parser(bench_sub)
