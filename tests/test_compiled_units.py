@@ -14,6 +14,7 @@ import torch
 
 from backend.cache.memory_entry import MemoryTemplateCache
 from backend.engine.editor import MaskAwareEngine
+from backend.engine.graph_book import GraphBook
 from backend.engine.launches import count_launches, launched_operators
 from backend.models import load_pipeline, resolve_model
 from tests.factories import FAMILIES, make_engine, make_params, make_template, rect_mask
@@ -129,3 +130,28 @@ def test_compiled_units_on_cuda_equal_eager(models_dir, tmp_path, mode, monkeypa
     for _ in range(3):  # compiled, then replayed
         compiled = _prediction(engine, _states(engine, caches, MASKS), monkeypatch)
     assert (compiled - eager).abs().max().item() <= COMPILED_TOL * eager.abs().max().item()
+
+
+@pytest.mark.slow
+def test_the_graph_book_bounds_and_releases_the_compiled_units(models_dir, tmp_path, monkeypatch):
+    engine = make_engine("sd2-inpaint", models_dir, tmp_path)
+    engine.step_shapes, engine.compile_units = "bucketed", "default"
+    params = make_params(engine, mode="kv")
+    caches = [
+        MemoryTemplateCache.load(
+            engine.prepare_template(make_template(seed), params).path
+        ).to_device(torch.device("cpu"))
+        for seed in (7, 8)
+    ]
+    engine.graphs = GraphBook(max_shapes=0)  # no room: every unit runs eagerly
+    refused = _prediction(engine, _states(engine, caches, MASKS), monkeypatch)
+    assert engine.graphs.refused > 0 and engine.graphs.shapes == {}
+    engine.graphs = GraphBook()
+    compiled = _prediction(engine, _states(engine, caches, MASKS), monkeypatch)
+    assert engine.graphs.shapes and engine.graphs.refused == 0
+    assert engine.release_graphs(1 << 20) == 0  # nothing measured on the CPU
+    assert engine.graphs.shapes == {}
+    again = _prediction(engine, _states(engine, caches, MASKS), monkeypatch)  # compiled anew
+    scale = refused.abs().max().item()
+    assert (compiled - refused).abs().max().item() <= COMPILED_TOL * scale
+    assert (again - compiled).abs().max().item() <= COMPILED_TOL * scale

@@ -16,7 +16,6 @@ import torch
 
 from backend.bench.synthetic_lora import peft_adapter
 from backend.engine.buckets import (
-    StepShape,
     buckets_steps,
     check_step_shapes,
     row_bucket,
@@ -75,11 +74,6 @@ def test_bad_bucket_arguments_are_refused(call, message):
 def test_auto_buckets_on_cuda_only():
     assert buckets_steps("auto", "cuda") and not buckets_steps("auto", "cpu")
     assert buckets_steps("bucketed", "cpu") and not buckets_steps("exact", "cuda")
-
-
-def test_a_step_shape_is_a_hashable_key():
-    shape = StepShape("tiny-sd2-inpaint", (128, 128), 4, (40, 12, 4, 1), "kv")
-    assert {shape: 1}[StepShape("tiny-sd2-inpaint", (128, 128), 4, (40, 12, 4, 1), "kv")] == 1
 
 
 # ----- layouts --------------------------------------------------------------------------------

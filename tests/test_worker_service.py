@@ -124,11 +124,19 @@ def test_the_heartbeat_lists_the_templates_on_the_caches_device_tier(
     assert beat.resident_disk == ["in-ram", "on-disk"]
 
 
-def test_a_step_out_of_device_memory_asks_the_caches_device_tier_first(service, caplog):
+def test_a_step_out_of_device_memory_asks_the_caches_device_tier_then_the_graphs(
+    service, caplog, monkeypatch
+):
     _, worker, caches, _ = service
+    asked = []
+    monkeypatch.setattr(
+        "backend.engine.editor.release_graphs", lambda book: asked.append(book) or 0
+    )
     with caplog.at_level("WARNING", logger="backend.cache.store"):
         assert worker.memory.release(1 << 20) == 0  # a CPU worker's device tier holds nothing
     assert "cache device tier gave back bytes=0 asked=1048576" in caplog.text
+    assert asked == [worker.engine.graphs]  # then the compiled graphs are given back
+    assert "compiled_graphs" in worker.stats.snapshot()
 
 
 def test_the_worker_process_serves_its_inbox_exports_metrics_and_stops_cleanly(

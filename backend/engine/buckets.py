@@ -18,8 +18,6 @@ a batch's bucket is the bucket of its longest row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 TOKENS_PER_OCTAVE = 4
 
 
@@ -49,19 +47,6 @@ def token_buckets(num_tokens: int, per_octave: int = TOKENS_PER_OCTAVE) -> tuple
     capture ahead)."""
     counts = range(1, num_tokens + 1)
     return tuple(sorted({token_bucket(n, num_tokens, per_octave) for n in counts}))
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """What fixes every tensor shape of a mask-aware step: the model and resolution, the requests
-    (a row bucket), each token grid's bucket in forward order, and the cache mode ("dense" when
-    no row reads a cache). A graph pool keys its graphs by it."""
-
-    model_id: str
-    size: tuple[int, int]
-    requests: int
-    tokens: tuple[int, ...]
-    mode: str
 
 
 STEP_SHAPES = ("auto", "exact", "bucketed")

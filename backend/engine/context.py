@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from backend.engine.attention import replace_rows
+from backend.engine.graph_book import GraphBook
 from backend.engine.layout import RowLayout, full_layout, make_layout
 from backend.engine.lora import BatchLora
 
@@ -72,6 +73,7 @@ class ForwardContext:
     # here from ``row_token_masks``, each row with its own token count)
     layouts: LayoutSource | None = None
     compile_units: str = "off"  # the mode units of regular layouts run compiled in (``compiled``)
+    graphs: GraphBook | None = None  # which unit graphs may be compiled (None: any)
     _layouts: dict[tuple[int, int], RowLayout] = field(default_factory=dict)
 
     @property

@@ -43,7 +43,7 @@ from backend.engine import cache_store
 from backend.engine.attention import check_attention_batching, pads_attention
 from backend.engine.buckets import buckets_steps, check_step_shapes, row_bucket
 from backend.engine.cache_store import CacheWriter, TemplateCache, check_recording
-from backend.engine.compiled import check_compile_mode
+from backend.engine.compiled import check_compile_mode, release_graphs
 from backend.engine.context import ForwardContext, active_context
 from backend.engine.families import (
     ADAPTERS,
@@ -53,6 +53,7 @@ from backend.engine.families import (
     UnitLayout,
 )
 from backend.engine.feeder import MODE_TENSORS, BatchCacheFeeder, RowCacheRef
+from backend.engine.graph_book import GraphBook
 from backend.engine.host import to_device
 from backend.engine.layout import row_tokens
 from backend.engine.lora import ResidentAdapters, RowAdapters, check_lora_batching
@@ -148,6 +149,7 @@ class MaskAwareEngine:
         self.step_shapes = check_step_shapes(step_shapes)
         # bucketed steps run each unit's forward compiled (``backend.engine.compiled``)
         self.compile_units = check_compile_mode(compile_units)
+        self.graphs = GraphBook()  # the unit graphs compiled steps may make (``graph_book``)
         self._layout_memo: LayoutMemo | None = None
         self.lora_batching = check_lora_batching(lora_batching)
         self.adapter = ADAPTERS[spec.family](pipe, spec.max_sequence_length)
@@ -384,6 +386,11 @@ class MaskAwareEngine:
 
         return tokens
 
+    def release_graphs(self, nbytes: int) -> int:
+        """Give back the compiled graphs' memory (a step ran out of device memory: the worker asks
+        its releasers); the bytes they had taken. Steps compile again as they need graphs."""
+        return release_graphs(self.graphs)
+
     def buckets(self, device: torch.device) -> bool:
         """Whether steps on ``device`` run with bucketed (static) shapes (``step_shapes``)."""
         return buckets_steps(self.step_shapes, torch.device(device).type)
@@ -469,6 +476,7 @@ class MaskAwareEngine:
             padded_attention=bucketed or pads_attention(self.attention, device),
             layouts=StepLayouts(tokens, self.layout_memo(device)) if bucketed else None,
             compile_units=self.compile_units if bucketed else "off",
+            graphs=self.graphs,
         )
         if ctx.compile_units != "off":
             self.adapter.compile_dense_blocks(ctx.compile_units)

@@ -26,6 +26,7 @@ from diffusers.models.resnet import Downsample2D, ResnetBlock2D, Upsample2D
 from diffusers.pipelines.flux.pipeline_flux_fill import calculate_shift, retrieve_timesteps
 from PIL import Image
 
+from backend.engine.compiled import compile_module
 from backend.engine.flux import install_flux_hooks
 from backend.engine.unet import install_unet_hooks
 
@@ -246,7 +247,7 @@ class UnetAdapter(FamilyAdapter):
         """The UNet's ResNets and resamplers (the transformer stacks are the units)."""
         for module in self.denoiser.modules():
             if isinstance(module, (ResnetBlock2D, Downsample2D, Upsample2D)):
-                _compile_once(module, mode)
+                compile_module(module, mode)
 
     def install_hooks(self) -> UnitLayout:
         stacks = install_unet_hooks(self.denoiser)
@@ -322,12 +323,6 @@ class UnetAdapter(FamilyAdapter):
 
 # the pipeline's defaults for checkpoints trained on aesthetic scores (``__call__`` arguments)
 AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE = 6.0, 2.5
-
-
-def _compile_once(module: torch.nn.Module, mode: str) -> None:
-    if not getattr(module, "_maskserve_compiled", False):
-        module.compile(fullgraph=True, dynamic=False, mode=mode)
-        module._maskserve_compiled = True
 
 
 class SdxlAdapter(UnetAdapter):

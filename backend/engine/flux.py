@@ -331,7 +331,7 @@ def _run_unit(block, single: bool, unit: int, state: _State, text, shared: _Shar
         if state.full is None:
             raise RuntimeError(f"unit {unit}: a dense unit cannot follow a cached unit in kv mode")
         dense = ctx.dense_layout(state.full.shape[1])
-        run, io = unit_forward(ctx, unit, dense, forward, ())
+        run, io = unit_forward(ctx, unit, dense, forward, (), block)
         around = _Around(
             shared.temb, shared.rope_text, shared.rope_for(dense), None, None, text_needed
         )
@@ -344,12 +344,12 @@ def _run_unit(block, single: bool, unit: int, state: _State, text, shared: _Shar
     rope_q = shared.rope_for(masked)
     if ctx.mode == "kv":
         packed = state.packed if state.packed is not None else masked.gather(state.full)
-        run, io = unit_forward(ctx, unit, masked, forward, ("k", "v"))
+        run, io = unit_forward(ctx, unit, masked, forward, ("k", "v"), block)
         around = _Around(shared.temb, shared.rope_text, rope_q, None, None, text_needed)
         text, out = run(block, packed, masked, None, True, text, around, io)
         return text, _State(None, out)
     dense = ctx.dense_layout(masked.num_tokens)
-    run, io = unit_forward(ctx, unit, masked, forward, ())
+    run, io = unit_forward(ctx, unit, masked, forward, (), block)
     around = _Around(
         shared.temb, shared.rope_text, rope_q, shared.rope_for(dense), dense, text_needed
     )

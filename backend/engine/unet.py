@@ -225,7 +225,7 @@ def _run_unit(
         if state.full is None:
             raise RuntimeError(f"unit {unit}: a dense unit cannot follow a cached unit in kv mode")
         dense = ctx.dense_layout(state.full.shape[1])
-        forward, io = unit_forward(ctx, unit, dense, _block_forward, ())
+        forward, io = unit_forward(ctx, unit, dense, _block_forward, (), block)
         keys = _text_keys(block.attn2, text, ctx.lora)
         out = forward(
             block, state.full.reshape(-1, state.full.shape[-1]), dense, state.full, keys, io
@@ -237,9 +237,9 @@ def _run_unit(
     keys = _text_keys(block.attn2, text, ctx.lora)
     if ctx.mode == "kv":
         packed = state.packed if state.packed is not None else masked.gather(state.full)
-        forward, io = unit_forward(ctx, unit, masked, _block_forward, ("k", "v"))
+        forward, io = unit_forward(ctx, unit, masked, _block_forward, ("k", "v"), block)
         return _State(None, forward(block, packed, masked, None, keys, io))
-    forward, io = unit_forward(ctx, unit, masked, _block_forward, ())
+    forward, io = unit_forward(ctx, unit, masked, _block_forward, (), block)
     packed = forward(block, masked.gather(state.full), masked, state.full, keys, io)
     return _State(ctx.merge_cached(unit, "out", masked, packed), None)
 

@@ -149,7 +149,7 @@ class EngineWorker(TemplateRows, OutOfMemoryRows):
         # service reads the tails from the job records; None: planned against the deadlines)
         self.finish_tail = finish_tail
         self.jobs: dict[str, _Job] = {}
-        self.stats = WorkerStats(caps=self.batch_caps)
+        self.stats = WorkerStats(caps=self.batch_caps, graphs=getattr(engine, "graphs", None))
         self.admission = AdmissionRules()  # which waiting row may join; templates recorded
         self._gate = JobCacheGate(self)
         self._held = False  # the last schedule held rows back and nothing ran

@@ -373,7 +373,9 @@ def build_worker(
         **common,
     )
     # a step that runs out of device memory first takes it back from the cache's device tier
+    # (reloaded from host RAM), then from the compiled graphs (compiled again, much slower)
     worker.memory.register(caches.release_device_bytes)
+    worker.memory.register(engine.release_graphs)
     return worker, caches
 
 

@@ -16,6 +16,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from backend.engine.graph_book import GraphBook
 from backend.worker.out_of_memory import BatchCaps
 
 
@@ -44,6 +45,7 @@ class WorkerStats:
             "oom_errors_total",
             "oom_retried_rows_total",
             "oom_failed_rows_total",
+            "uncompiled_units_total",
         }
     )
     window: int = 10_000
@@ -83,6 +85,8 @@ class WorkerStats:
     oom_failed_rows: int = 0
     # the shapes' batch caps after running out of memory (None: nothing is capped)
     caps: BatchCaps | None = None
+    # the engine's compiled unit graphs and their memory (None: an engine without the book)
+    graphs: GraphBook | None = None
 
     def record_step(
         self, num_rows: int, iteration_s: float, forward_s: float, job_work_s: float = 0.0
@@ -151,6 +155,7 @@ class WorkerStats:
             "oom_retried_rows_total": self.oom_retried_rows,
             "oom_failed_rows_total": self.oom_failed_rows,
             **self._caps(),
+            **(self.graphs.snapshot() if self.graphs is not None else {}),
         }
 
     def _caps(self) -> dict:
