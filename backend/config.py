@@ -124,6 +124,12 @@ class EngineSettings(_Strict):
     (fused kernels), ``reduce-overhead`` (replayed from CUDA graphs: CUDA only), ``max-autotune``
     (CUDA graphs and tuned kernels, long to compile), or ``off``. The first step of each shape
     waits for its compilation (seconds to minutes)."""
+    compiled_graphs: int = Field(default=64, ge=0)
+    """Unit graphs compiled steps may make (one per unit width, rows, token bucket and cache
+    mode); a unit whose graph would pass this, or the memory bound below, runs eagerly."""
+    compiled_graphs_mb: int = Field(default=4096, ge=0)
+    """Device memory the compiled graphs may take (measured on CUDA as each is made; 0: no
+    bound). Under memory pressure they are all given back and compiled again as needed."""
     lora_batching: LoraBatching = "stacked"
     """How a batch's LoRA adapters reach their rows in each adapted layer: ``stacked`` (the batch's
     adapters stacked into one down and one up matrix: three operators per layer whatever the

@@ -49,6 +49,8 @@ ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "ATTENTION": ("engine", "attention"),
     "STEP_SHAPES": ("engine", "step_shapes"),
     "COMPILE_UNITS": ("engine", "compile_units"),
+    "COMPILED_GRAPHS": ("engine", "compiled_graphs"),
+    "COMPILED_GRAPHS_MB": ("engine", "compiled_graphs_mb"),
     "LORA_BATCHING": ("engine", "lora_batching"),
     "LOG_LEVEL": (None, "log_level"),
     "WORKER_ID": ("worker", "worker_id"),

@@ -143,13 +143,15 @@ class MaskAwareEngine:
         lora_batching: str = "stacked",
         step_shapes: str = "auto",
         compile_units: str = "off",
+        graphs: GraphBook | None = None,
     ):
         self.pipe, self.spec, self.cache_root = pipe, spec, Path(cache_root)
         self.attention = check_attention_batching(attention)
         self.step_shapes = check_step_shapes(step_shapes)
         # bucketed steps run each unit's forward compiled (``backend.engine.compiled``)
         self.compile_units = check_compile_mode(compile_units)
-        self.graphs = GraphBook()  # the unit graphs compiled steps may make (``graph_book``)
+        # the unit graphs compiled steps may make (``graph_book``)
+        self.graphs = graphs if graphs is not None else GraphBook()
         self._layout_memo: LayoutMemo | None = None
         self.lora_batching = check_lora_batching(lora_batching)
         self.adapter = ADAPTERS[spec.family](pipe, spec.max_sequence_length)

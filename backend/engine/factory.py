@@ -15,6 +15,7 @@ import torch
 
 from backend.config import Settings
 from backend.engine.editor import EditParams, MaskAwareEngine
+from backend.engine.graph_book import GraphBook
 from backend.engine.profiler import load_planners
 from backend.models import ModelSpec, load_pipeline, resolve_model
 
@@ -67,6 +68,9 @@ def build_engine(
         attention=settings.engine.attention,
         step_shapes=settings.engine.step_shapes,
         compile_units=settings.engine.compile_units,
+        graphs=GraphBook(
+            settings.engine.compiled_graphs, settings.engine.compiled_graphs_mb * 1024 * 1024
+        ),
         lora_batching=settings.engine.lora_batching,
     )
     if role != CPU_STAGES:
