@@ -42,13 +42,6 @@ def token_bucket(count: int, num_tokens: int, per_octave: int = TOKENS_PER_OCTAV
     return min(num_tokens, -(-count // step) * step)
 
 
-def token_buckets(num_tokens: int, per_octave: int = TOKENS_PER_OCTAVE) -> tuple[int, ...]:
-    """Every bucket of a grid of ``num_tokens`` tokens, ascending (the shapes a graph pool may
-    capture ahead)."""
-    counts = range(1, num_tokens + 1)
-    return tuple(sorted({token_bucket(n, num_tokens, per_octave) for n in counts}))
-
-
 STEP_SHAPES = ("auto", "exact", "bucketed")
 
 
