@@ -215,6 +215,68 @@ def test_bad_fields_are_4xx_saying_what_to_fix(
     assert pre_queue_jobs(redis_client, settings) == []  # nothing queued
 
 
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        ({"steps": "0"}, "steps"),
+        ({"prompt": "x" * 2001}, "prompt"),
+        ({"model": "no-such-model"}, "model"),
+        ({"service_class": "urgent"}, "service_class"),
+    ],
+)
+def test_a_refusal_names_the_field_to_fix(client, fields, field):
+    response = submit(client, **fields)
+    assert response.status_code == 422 and response.json()["field"] == field, response.text
+
+
+def test_a_misspelt_field_is_refused_naming_it_and_the_closest_one(client, redis_client, settings):
+    response = submit(client, stepz="3")
+    assert response.status_code == 422, response.text
+    body = response.json()
+    assert body["error"] == "unknown field 'stepz': did you mean 'steps'?"
+    assert body["field"] == "stepz"
+    far = submit(client, colour="red").json()["error"]
+    assert far.startswith("unknown field 'colour' (this route takes ")
+    assert "negative_prompt" in far and "template_id" in far
+    assert pre_queue_jobs(redis_client, settings) == []  # nothing queued
+
+
+def test_every_rest_route_refuses_fields_and_query_parameters_it_does_not_take(client, tmp_path):
+    template = client.post("/v1/templates", files={"file": ("t.png", IMAGE)}).json()
+    base = f"/v1/templates/{template['id']}"
+    refused = {
+        "batch": client.post(
+            "/v1/batches",
+            data={"promtps": "a", "template_id": template["id"]},
+            files={"mask": ("m.png", MASK)},
+        ),
+        "template": client.post(
+            "/v1/templates", files={"file": ("t.png", IMAGE)}, data={"nmae": "room"}
+        ),
+        "prepare": client.post(f"{base}/prepare", data={"stepz": "3"}),
+        "adapter": client.post(
+            "/v1/adapters", files={"file": ("a.safetensors", b"x")}, data={"modle": "m"}
+        ),
+        "jobs": client.get("/v1/jobs", params={"limt": "5"}),
+        "cache": client.get(f"{base}/cache", params={"stepz": "3"}),
+    }
+    expected = {
+        "batch": ("promtps", "prompts"),
+        "template": ("nmae", "name"),
+        "prepare": ("stepz", "steps"),
+        "adapter": ("modle", "model"),
+        "jobs": ("limt", "limit"),
+        "cache": ("stepz", "steps"),
+    }
+    for what, response in refused.items():
+        wrong, right = expected[what]
+        assert response.status_code == 422, (what, response.text)
+        assert f"{wrong!r}: did you mean {right!r}?" in response.json()["error"], what
+    assert [t["id"] for t in client.get("/v1/templates").json()["templates"]] == [template["id"]]
+    assert client.get("/v1/adapters").json() == {"adapters": []}
+    assert client.get("/v1/jobs").json() == {"jobs": []}
+
+
 def test_the_shipped_demo_model_is_accepted_without_being_listed(client, redis_client, settings):
     assert not settings.api.models  # no allow-list: only built and shipped models are served
     response = submit(client, model="demo-sd2-inpaint")

@@ -85,8 +85,11 @@ def edit(api: openai.OpenAI, **fields):
             "no fully transparent pixel",
         ),
         ({"extra_body": {"stepz": 4}}, "stepz", "unknown field(s) stepz"),
-        ({"extra_body": {"steps": 0}}, None, "steps 0 is out of range"),
-        ({"model": "no-such-model"}, None, "no-such-model"),
+        # the job service's own checks name the field too
+        ({"extra_body": {"steps": 0}}, "steps", "steps 0 is out of range"),
+        ({"model": "no-such-model"}, "model", "no-such-model"),
+        ({"prompt": "x" * 2001}, "prompt", "2001 characters long, the limit is 2000"),
+        ({"extra_body": {"service_class": "urgent"}}, "service_class", "is not known"),
     ],
 )
 def test_bad_calls_raise_bad_request_naming_the_field_and_store_nothing(

@@ -4,12 +4,13 @@ Routes: ``/v1/templates...``, ``/v1/adapters...`` and ``/v1/jobs...`` (API key +
 ``backend.api.security``), ``/healthz`` (the process is up), ``/readyz`` (Redis answers),
 ``/metrics`` (Prometheus), ``/docs``.
 
-Errors are JSON ``{"error": "<what is wrong and how to fix it>"}``: 400 a body that cannot be
-parsed (malformed multipart), 401/403 auth, 404 unknown job,
-template or adapter, 409 result not ready / job finished, 410 result expired (blob retention), 413
-too large, 415 unsupported image or adapter file format, 422 a bad field, 429 rate limited or
-refused by admission control (``Retry-After``), 503 Redis or the queue unavailable (or no CPU
-worker answered an adapter upload).
+Errors are JSON ``{"error": "<what is wrong and how to fix it>"}`` (with ``field`` naming the
+request field to fix, when there is one): 400 a body that cannot be parsed (malformed multipart),
+401/403 auth, 404 unknown job, template or adapter, 409 result not ready / job finished, 410 result
+expired (blob retention), 413 too large, 415 unsupported image or adapter file format, 422 a bad
+field or one the route does not take (``backend.api.fields``), 429 rate limited or refused by
+admission control (``Retry-After``), 503 Redis or the queue unavailable (or no CPU worker answered
+an adapter upload).
 Bad input never gives a 500.
 """
 
@@ -38,6 +39,7 @@ from backend.api import (
 )
 from backend.api.admission import DeadlineCollector
 from backend.api.batches import BatchService
+from backend.api.fields import refuse_unknown_fields
 from backend.api.middleware import (
     ApiMetrics,
     BodyLimitMiddleware,
@@ -225,10 +227,13 @@ def create_app(settings: Settings, redis_client: Redis | None = None, celery_app
         )
 
     # routers carry their full /v1/... prefix themselves: the route template then is the metrics
-    # label
-    routers = (routes_templates, routes_adapters, routes_jobs, routes_batches, routes_openai)
-    for router in (module.router for module in routers):
-        app.include_router(router, dependencies=[Depends(require_api_key)])
+    # label; the OpenAI-compatible route refuses unknown fields itself, in OpenAI's error shape
+    for module in (routes_templates, routes_adapters, routes_jobs, routes_batches):
+        app.include_router(
+            module.router,
+            dependencies=[Depends(require_api_key), Depends(refuse_unknown_fields)],
+        )
+    app.include_router(routes_openai.router, dependencies=[Depends(require_api_key)])
     _ops_routes(app, client, metrics)
     _offline_docs(app)
     _install_error_handlers(app)

@@ -24,14 +24,17 @@ class ServiceError(ValueError):
     """A request the service refuses; ``code`` is one of ``invalid``, ``not_found``, ``conflict``,
     ``gone``, ``unsupported_format``, ``too_large``, ``too_many``, ``unavailable``. The message
     says what to fix; ``headers`` and ``detail`` (more fields of the error body) are for the
-    HTTP answer."""
+    HTTP answer. ``field``: the request field to fix, when the error is about one; it is
+    ``detail.field`` (the OpenAI-compatible route answers it as ``param``)."""
 
     headers: dict[str, str] | None = None
     detail: dict | None = None
 
-    def __init__(self, message: str, code: str = "invalid"):
+    def __init__(self, message: str, code: str = "invalid", field: str | None = None):
         super().__init__(message)
         self.code = code
+        if field:
+            self.detail = {"field": field}
 
 
 class Overloaded(ServiceError):
@@ -48,11 +51,11 @@ class Overloaded(ServiceError):
 
 def check_range(name: str, value, low, high, low_open: bool = False) -> None:
     if isinstance(value, float) and not math.isfinite(value):
-        raise ServiceError(f"{name} must be a finite number, got {value}")
+        raise ServiceError(f"{name} must be a finite number, got {value}", field=name)
     if (value <= low if low_open else value < low) or value > high:
         bracket = "(" if low_open else "["
         raise ServiceError(
-            f"{name} {value} is out of range: use a value in {bracket}{low}, {high}]"
+            f"{name} {value} is out of range: use a value in {bracket}{low}, {high}]", field=name
         )
 
 
@@ -60,14 +63,15 @@ def check_resolution(resolution: int) -> None:
     if resolution and not RESOLUTION_RANGE[0] <= resolution <= RESOLUTION_RANGE[1]:
         raise ServiceError(
             f"resolution {resolution} is out of range: use 0 (the model's default) or "
-            f"{RESOLUTION_RANGE[0]}..{RESOLUTION_RANGE[1]}"
+            f"{RESOLUTION_RANGE[0]}..{RESOLUTION_RANGE[1]}",
+            field="resolution",
         )
 
 
 def whole(name: str, value) -> int:
     integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
     if isinstance(value, bool) or not integral:
-        raise ServiceError(f"{name} must be a whole number, got {value!r}")
+        raise ServiceError(f"{name} must be a whole number, got {value!r}", field=name)
     return int(value)
 
 
@@ -83,17 +87,19 @@ def check_numbers(request, steps, guidance, seed) -> None:
         ("negative_prompt", request.negative_prompt),
     ):
         if not isinstance(text, str):
-            raise ServiceError(f"{name} must be text")
+            raise ServiceError(f"{name} must be text", field=name)
         if len(text) > MAX_PROMPT_CHARS:
             raise ServiceError(
                 f"{name} is {len(text)} characters long, the limit is {MAX_PROMPT_CHARS}: "
-                "shorten it"
+                "shorten it",
+                field=name,
             )
     check_resolution(request.resolution)
     if request.mode not in JOB_MODES:
         raise ServiceError(
             f"mode {request.mode!r} is not known: use one of {', '.join(JOB_MODES)} (erase "
-            "fills the painted area from its surroundings, with no model and no prompt)"
+            "fills the painted area from its surroundings, with no model and no prompt)",
+            field="mode",
         )
     try:
         validate_mask_ops(request.mask_ops)

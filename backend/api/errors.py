@@ -17,6 +17,9 @@ class ApiError(BaseModel):
 
     error: str
     """What is wrong with the request and how to fix it."""
+    field: str | None = None
+    """The request field to fix, when the error is about one (``steps``, ``prompt``, ``image``,
+    a misspelt field's name, ...)."""
 
 
 _STATUSES = {

@@ -10,8 +10,9 @@ whoever made it (the API key guard, the body limit, the job service, a route not
 route and the shared parts of the API stay unaware of each other. Statuses OpenAI clients would not
 expect are mapped to OpenAI's: 403 (a key that is not valid) to 401, 413/415/422 (a bad upload or
 field) to 400. Invariants: headers (``Retry-After``) are kept; an error already in the OpenAI shape
-passes unchanged; the extra fields of our errors (admission control's numbers) are kept inside
-``error``; an exception escaping the route becomes a 500 in the same shape.
+passes unchanged; the field our error names (``field``) is OpenAI's ``param``; the other extra
+fields of our errors (admission control's numbers) are kept inside ``error``; an exception escaping
+the route becomes a 500 in the same shape.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def reshape(status: int, raw: bytes) -> tuple[int, dict | None]:
         return status, None
     status = STATUS_MAP.get(status, status)
     extra = {key: value for key, value in payload.items() if key not in ("error", "detail")}
-    return status, error_body(status, str(error), None, CODE_BY_STATUS.get(status), extra)
+    param = extra.pop("field", None)  # the field our error is about is OpenAI's param
+    return status, error_body(status, str(error), param, CODE_BY_STATUS.get(status), extra)
 
 
 class OpenAIErrorMiddleware:

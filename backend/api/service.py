@@ -164,7 +164,9 @@ class JobService:
 
     def _adapter_uses(self, request: JobRequest, model_id: str) -> list[AdapterUse]:
         if request.adapters and request.mode == "erase":
-            raise ServiceError("an erase uses no model, so no adapters: drop them or generate")
+            raise ServiceError(
+                "an erase uses no model, so no adapters: drop them or generate", field="adapters"
+            )
         return resolve_uses(
             request.adapters, self.adapters, request.owner, model_id, self.settings.adapters
         )
@@ -306,10 +308,11 @@ class JobService:
         try:
             spec = resolve_model(model_id)
         except UnknownModelError as exc:
-            raise ServiceError(str(exc)) from None
+            raise ServiceError(str(exc), field="model") from None
         if allowed and model_id not in allowed:
             raise ServiceError(
-                f"model {model_id!r} is not served here: use one of {', '.join(allowed)}"
+                f"model {model_id!r} is not served here: use one of {', '.join(allowed)}",
+                field="model",
             )
         # a shipped model, or the one the operator configured, is known to be safe to load
         trusted = model_id in SHIPPED or model_id == self.settings.engine.model_id
@@ -317,7 +320,8 @@ class JobService:
             raise ServiceError(
                 f"model {model_id!r} is a checkpoint, which this deployment does not serve over "
                 f"the API: use one of {', '.join(known_model_ids())} (or ask the operator to list "
-                "it in MASKSERVE_API_MODELS)"
+                "it in MASKSERVE_API_MODELS)",
+                field="model",
             )
         return spec
 
@@ -339,7 +343,8 @@ class JobService:
             f"({live}): leave model out for the default ({self.settings.engine.model_id}) or name "
             f"a served one; to serve {model_id}, start an engine worker for it (maskserve worker "
             f"--model {model_id}), or list it in MASKSERVE_API_MODELS (with every model jobs may "
-            "name) so that its jobs are accepted and wait for such a worker"
+            "name) so that its jobs are accepted and wait for such a worker",
+            field="model",
         )
 
     # ----- read -----------------------------------------------------------------------------------

@@ -36,12 +36,15 @@ def service_level(
         raise ServiceError(
             f"service_class {str(service_class)[:40]!r} is not known: use interactive (someone "
             f"waits for it; target {settings.interactive_target_s:g} s) or batch (target "
-            f"{settings.batch_target_s:g} s)"
+            f"{settings.batch_target_s:g} s)",
+            field="service_class",
         )
     if deadline_s is None:
         deadline_s = settings.target_s(service_class)
     if isinstance(deadline_s, bool) or not isinstance(deadline_s, int | float):
-        raise ServiceError(f"deadline_s must be a number of seconds, got {deadline_s!r}")
+        raise ServiceError(
+            f"deadline_s must be a number of seconds, got {deadline_s!r}", field="deadline_s"
+        )
     check_range("deadline_s", float(deadline_s), 0, MAX_DEADLINE_S, low_open=True)
     priority = whole("priority", 0 if priority is None else priority)
     check_range("priority", priority, 0, MAX_PRIORITY)

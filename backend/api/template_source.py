@@ -50,7 +50,8 @@ class TemplateSource:
         nothing is stored."""
         if (template_id is None) == (image is None):
             raise ServiceError(
-                "give exactly one of template_id (a gallery template) and image (an uploaded file)"
+                "give exactly one of template_id (a gallery template) and image (an uploaded file)",
+                field="image",
             )
         limit = self.settings.celery.max_upload_pixels
         if template_id is not None:
@@ -60,6 +61,7 @@ class TemplateSource:
                     f"template is {record.width}x{record.height}, over this deployment's limit of "
                     f"{limit / 1e6:.1f} MP: upload a smaller template",
                     "too_large",
+                    field="template_id",
                 )
             return CheckedTemplate(
                 (record.width, record.height), lambda: self.blob(record), template_id
@@ -102,11 +104,14 @@ class TemplateSource:
             if mode == "erase":
                 require_erasable(feather_support(processed, mask_ops.feather_px))
         except MaskError as exc:
-            raise ServiceError(str(exc)) from None
+            raise ServiceError(str(exc), field="mask") from None
         return mask_ratio_estimate(processed, inpaint_area)
 
     def decode(self, data: bytes | None, what: str):
+        """``what``: ``image`` or ``mask`` (the request's fields), or ``template`` (a gallery
+        template's, named by ``template_id``)."""
         try:
             return decode_image(data or b"", self.settings.celery.max_upload_pixels, what=what)
         except UploadError as exc:
-            raise ServiceError(str(exc), upload_error_code(exc)) from None
+            field = "template_id" if what == "template" else what
+            raise ServiceError(str(exc), upload_error_code(exc), field=field) from None
