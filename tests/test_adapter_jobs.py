@@ -210,7 +210,8 @@ def test_the_client_and_cli_name_adapters(served, adapters, redis_client, settin
     parser = argparse.ArgumentParser()
     add_submit_arguments(parser)
     argv = ["--image", str(tmp_path / "image.png"), "--mask", str(tmp_path / "mask.png")]
-    argv += ["--adapter", f"{sd2['adapter_id']}:0.9", "--no-wait", "--url", served]
+    argv += ["--prompt", "a dog", "--adapter", f"{sd2['adapter_id']}:0.9", "--no-wait"]
+    argv += ["--url", served]
     assert submit_cli(parser.parse_args([*argv, "--api-key", KEY])) == 0
     jobs = pre_queue_jobs(redis_client, settings)
     assert sorted((job.prepare, [u.scale for u in job.adapters]) for job in jobs) == [

@@ -184,6 +184,8 @@ BAD_FIELDS = [
     ({"strength": "0"}, 422, "strength 0.0 is out of range: use a value in (0.0, 1.0]"),
     ({"strength": "1.5"}, 422, "strength"),
     ({"prompt": "x" * 2001}, 422, "prompt is 2001 characters long, the limit is 2000"),
+    ({"prompt": ""}, 422, "prompt is empty: say what to paint in the masked area"),
+    ({"prompt": " \n\t"}, 422, "prompt is empty"),
     ({"negative_prompt": "x" * 2001}, 422, "negative_prompt"),
     ({"seed": "-1"}, 422, "seed -1 is out of range"),
     ({"seed": str(2**32)}, 422, "seed"),

@@ -92,6 +92,11 @@ def test_a_bad_item_is_named_and_nothing_is_stored(client, redis_client):
     assert refused.status_code in (415, 422), refused.text
     body = refused.json()
     assert body["item"] == 1 and body["error"].startswith("item 1:")
+    wordless = post_batch(client, masks=[], prompts=["a cat", " "], mask=MASK)
+    assert wordless.status_code == 422, wordless.text
+    body = wordless.json()
+    assert body["item"] == 1 and body["field"] == "prompt"
+    assert body["error"].startswith("item 1: prompt is empty")
     assert keys(redis_client) == before
 
 

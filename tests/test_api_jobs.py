@@ -93,7 +93,7 @@ def test_submit_returns_202_at_once_and_queues_the_edit(client, redis_client, se
 
 
 def test_random_seed_is_chosen_stored_and_defaults_apply(client, redis_client, settings):
-    body = submit(client, data={"prompt": ""}).json()
+    body = submit(client, data={"prompt": "a red chair"}).json()
     assert 0 <= body["seed"] < 2**32 and body["steps"] == 20  # the model's default steps
     [job] = pre_queue_jobs(redis_client, settings)
     assert job.seed == body["seed"] == client.get(body["status_url"]).json()["seed"]

@@ -200,7 +200,7 @@ BAD = [
 @pytest.mark.parametrize("fields, message", BAD, ids=[m[:24] for _, m in BAD])
 def test_bad_mask_ops_and_modes_are_4xx_saying_what_to_fix(client, redis_client, fields, message):
     test_client, settings = client
-    response = post(test_client, mask_png(box_mask(SQUARE)), **fields)
+    response = post(test_client, mask_png(box_mask(SQUARE)), **({"prompt": "a vase"} | fields))
     assert 400 <= response.status_code < 500, response.text
     assert message in response.json()["error"]
     assert queued_tasks(redis_client, settings.celery.pre_queue) == []  # nothing queued
@@ -211,7 +211,7 @@ def test_an_erase_of_the_whole_image_is_refused_at_submission(client, redis_clie
     response = post(test_client, mask_png(np.ones((H, W), dtype=bool)), mode="erase")
     assert response.status_code == 422 and "whole image is painted" in response.json()["error"]
     # generate may repaint everything; erase needs pixels to fill from, the feather's reach too
-    assert post(test_client, mask_png(np.ones((H, W), bool))).status_code == 202
+    assert post(test_client, mask_png(np.ones((H, W), bool)), prompt="a vase").status_code == 202
     grown = post(test_client, mask_png(box_mask(SQUARE)), mode="erase", grow_px="200")
     assert grown.status_code == 422 and "whole image" in grown.json()["error"]
 

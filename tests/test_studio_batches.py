@@ -82,7 +82,7 @@ def test_a_batch_of_uploaded_masks_is_followed_item_by_item_until_it_ends(batche
 
 def test_cancel_stops_every_unfinished_item(batches, tmp_path):
     submitted = batches.submit(
-        "ada", BatchForm(template_id(batches, tmp_path), mask_files(tmp_path, 2))
+        "ada", BatchForm(template_id(batches, tmp_path), mask_files(tmp_path, 2), "a vase")
     )
     assert batches.cancel(submitted.batch_id).startswith("cancelled 2 item(s)")
     assert batches.get(submitted.batch_id)["status"] == "cancelled"

@@ -106,3 +106,15 @@ def check_numbers(request, steps, guidance, seed) -> None:
         validate_inpaint_area(request.inpaint_area, request.crop_padding_px)
     except (MaskError, UploadError) as exc:
         raise ServiceError(str(exc)) from None
+
+
+def check_prompt(request) -> None:
+    """A ``generate`` edit paints what its prompt says, so its prompt must have a word: an empty or
+    whitespace-only one is refused. An ``erase`` needs none (the area is filled from its
+    surroundings, with no model), and a cache recording (``prepare``) is no edit."""
+    if request.mode != "erase" and not request.prompt.strip():
+        raise ServiceError(
+            "prompt is empty: say what to paint in the masked area (or use mode=erase to fill it "
+            "from its surroundings, which needs no prompt)",
+            field="prompt",
+        )

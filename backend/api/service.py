@@ -44,6 +44,7 @@ from backend.api.checks import (
     MAX_STEPS,
     ServiceError,
     check_numbers,
+    check_prompt,
     check_range,
     check_resolution,
     whole,
@@ -124,6 +125,7 @@ class JobService:
         # a UI's number widget gives floats
         steps, seed = whole("steps", steps), whole("seed", seed)
         check_numbers(request, steps, guidance, seed)
+        check_prompt(request)
         now = now or time.time()
         level = service_level(
             request.service_class,
