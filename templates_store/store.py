@@ -44,7 +44,13 @@ from pathlib import Path
 from PIL import UnidentifiedImageError
 
 from backend.blobs import BlobMissing, LocalObjects, ObjectStore
-from backend.imaging.uploads import UploadError, decode_image, encode_image, thumbnail
+from backend.imaging.uploads import (
+    UploadError,
+    decode_image,
+    encode_image,
+    require_edit_size,
+    thumbnail,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +66,9 @@ class TemplateError(ValueError):
     """A template upload the user must fix; the message says what and how.
 
     ``code`` says what kind of problem it is, for callers that map it to a status:
-    ``invalid`` (a bad name, tags, or an image that cannot be decoded), ``too_large`` (over the
-    byte or pixel limit), ``unsupported_format`` (not one of the allowed image formats).
+    ``invalid`` (a bad name, tags, an image that cannot be decoded or is too small to edit:
+    ``uploads.require_edit_size``), ``too_large`` (over the byte or pixel limit),
+    ``unsupported_format`` (not one of the allowed image formats).
     """
 
     def __init__(self, message: str, code: str = "invalid"):
@@ -197,6 +204,7 @@ class TemplateStore:
             )
         try:
             image = decode_image(data, self.max_pixels, what="template")
+            require_edit_size(image.size, "template")
         except UploadError as exc:
             raise TemplateError(str(exc), upload_error_code(exc)) from exc
         png = encode_image(image, "png")

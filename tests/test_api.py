@@ -332,6 +332,19 @@ BAD_FILES = [
     ),
     ({"mask": upload("m.png", MASK)}, 422, "exactly one of template_id"),
     ({"image": upload("i.png", IMAGE)}, 422, "mask: Field required"),
+    (
+        {"image": upload("i.png", png(Image.new("RGB", (1, 1)))), "mask": upload("m.png", MASK)},
+        422,
+        "image is 1x1 px, too small to edit: each side must be at least 16 px",
+    ),
+    (
+        {
+            "image": upload("i.png", IMAGE),
+            "mask": upload("m.png", mask_png((64, 15), (0, 0, 8, 8))),
+        },
+        422,
+        "mask is 64x15 px, too small to edit",
+    ),
 ]
 
 
@@ -347,6 +360,8 @@ BAD_FILES = [
         "too-many-pixels",
         "no-image",
         "no-mask",
+        "image-1x1",
+        "mask-too-small",
     ],
 )
 def test_bad_files_are_4xx_saying_what_to_fix(client, files, status, message):
@@ -425,6 +440,7 @@ def test_template_crud(client):
         ({"name": "a\nb"}, IMAGE, 422, "control characters"),
         ({"name": "x", "tags": "bad tag!"}, IMAGE, 422, "tag"),
         ({"name": "x" * 500}, IMAGE, 422, "limit is 120"),
+        ({"name": "x"}, png(Image.new("RGB", (15, 200))), 422, "at least 16 px"),
     ],
 )
 def test_template_upload_errors(client, data, file, status, message):

@@ -84,6 +84,7 @@ def edit(api: openai.OpenAI, **fields):
             "mask",
             "no fully transparent pixel",
         ),
+        ({"image": ("tiny.png", holed((8, 8), (0, 0, 4, 4)), "image/png")}, "image", "at least 16"),
         ({"extra_body": {"stepz": 4}}, "stepz", "unknown field(s) stepz"),
         # the job service's own checks name the field too
         ({"extra_body": {"steps": 0}}, "steps", "steps 0 is out of range"),

@@ -29,7 +29,7 @@ from PIL import Image
 
 from backend.api.checks import MAX_SEED
 from backend.api.openai_errors import OpenAIError
-from backend.imaging.uploads import UploadError, decode_image, fit_to_bucket
+from backend.imaging.uploads import UploadError, decode_image, fit_to_bucket, require_edit_size
 
 SIZES = ("256x256", "512x512", "1024x1024", "1536x1024", "1024x1536", "auto")
 RESPONSE_FORMATS = ("url", "b64_json")
@@ -292,7 +292,9 @@ class EditImages:
 
 def _decode(data: bytes, what: str, max_pixels: int) -> Image.Image:
     try:  # the file's own mode: its alpha is what is read
-        return decode_image(data, max_pixels, what=what, keep_mode=True)
+        image = decode_image(data, max_pixels, what=what, keep_mode=True)
+        require_edit_size(image.size, what)
+        return image
     except UploadError as exc:
         raise OpenAIError(str(exc), param=what) from None
 

@@ -18,7 +18,7 @@ from backend.blobs import BlobStore
 from backend.config import Settings
 from backend.imaging.erase import require_erasable
 from backend.imaging.masks import MaskError, feather_support
-from backend.imaging.uploads import UploadError, decode_image, process_mask
+from backend.imaging.uploads import UploadError, decode_image, process_mask, require_edit_size
 from backend.protocol import MaskOps
 from templates_store.store import TemplateNotFound, TemplateStore, upload_error_code
 
@@ -111,7 +111,9 @@ class TemplateSource:
         """``what``: ``image`` or ``mask`` (the request's fields), or ``template`` (a gallery
         template's, named by ``template_id``)."""
         try:
-            return decode_image(data or b"", self.settings.celery.max_upload_pixels, what=what)
+            image = decode_image(data or b"", self.settings.celery.max_upload_pixels, what=what)
+            require_edit_size(image.size, what)
+            return image
         except UploadError as exc:
             field = "template_id" if what == "template" else what
             raise ServiceError(str(exc), upload_error_code(exc), field=field) from None

@@ -126,6 +126,26 @@ def decode_image(
     return _flatten_rgb(img)
 
 
+MIN_EDIT_SIDE_PX = 16
+
+
+def require_edit_size(size_wh: tuple[int, int], what: str) -> None:
+    """An image to edit (a template, an edit's image, its mask) has each side at least
+    ``MIN_EDIT_SIDE_PX``; ``UploadError`` saying the minimum otherwise.
+
+    Why 16: the VAE downsamples by 8 and Flux packs 2x2 latents into one token, so 16 px is one
+    token of every family's denoiser; a smaller picture holds less than one token of content and,
+    resized to the model's resolution bucket, would be all interpolation with nothing to edit.
+    The bucket itself (the demo model's 128 px) is no minimum: every upload is resized to it, and
+    small pictures (thumbnails, icons, the test suite's 32 px templates) edit fine."""
+    width, height = size_wh
+    if min(width, height) < MIN_EDIT_SIDE_PX:
+        raise UploadError(
+            f"{what} is {width}x{height} px, too small to edit: each side must be at least "
+            f"{MIN_EDIT_SIDE_PX} px; upload a larger {what}"
+        )
+
+
 def _round_to(value: float, multiple: int) -> int:
     return max(multiple, int(value / multiple + 0.5) * multiple)
 
