@@ -167,7 +167,7 @@ def test_no_cpu_worker_answers_503_and_nothing_is_stored(client, settings, tmp_p
     client.app.state.adapter_service.settings = settings.model_copy(update={"adapters": short})
     data = make_adapter_file(MODEL, tmp_path / "a.safetensors", rank=2).read_bytes()
     response = upload(client, data)
-    assert response.status_code == 503
+    assert response.status_code == 503 and response.headers["Retry-After"] == "5"
     assert "no CPU worker answered within 1 s" in response.json()["error"]
     assert nothing_stored(settings)
 

@@ -317,6 +317,10 @@ def test_readyz_follows_redis(client, tmp_path):
         assert ready.status_code == 503 and "Redis does not answer" in ready.json()["error"]
         listed = test_client.get("/v1/templates")  # any route that needs Redis: 503, not 500
         assert listed.status_code == 503 and "Redis is unavailable" in listed.json()["error"]
+        submitted = test_client.post("/v1/jobs", data={"prompt": "x"}, files={"mask": MASK})
+        assert submitted.status_code == 503
+        for answer in (ready, listed, submitted):  # when to try again: Redis may be restarting
+            assert answer.headers["Retry-After"] == "5"
 
 
 def test_create_app_needs_a_redis_url(tmp_path):

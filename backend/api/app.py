@@ -10,7 +10,7 @@ request field to fix, when there is one): 400 a body that cannot be parsed (malf
 expired (blob retention), 413 too large, 415 unsupported image or adapter file format, 422 a bad
 field or one the route does not take (``backend.api.fields``), 429 rate limited or refused by
 admission control (``Retry-After``), 503 Redis or the queue unavailable (or no CPU worker answered
-an adapter upload).
+an adapter upload; ``Retry-After`` too).
 Bad input never gives a 500.
 """
 
@@ -79,11 +79,18 @@ STATUS_BY_CODE = {
     "too_many": 429,
     "unavailable": 503,
 }
+# A 503's Retry-After: Redis restarting, the job queue or a CPU worker briefly away are back within
+# seconds, and a client that retries at once only adds load
+UNAVAILABLE_RETRY = {"Retry-After": "5"}
 
 
 def _error(
     status: int, message: str, headers: dict | None = None, detail: dict | None = None
 ) -> JSONResponse:
+    """An error answer; every 503 says when to try again (``Retry-After``), unless it says so
+    itself."""
+    if status == 503:
+        headers = UNAVAILABLE_RETRY | (headers or {})
     return JSONResponse({"error": message, **(detail or {})}, status_code=status, headers=headers)
 
 
@@ -154,7 +161,9 @@ def _ops_routes(app: FastAPI, client: Redis, metrics: ApiMetrics) -> None:
             client.ping()
         except Exception as exc:  # any failure means not ready; say which
             return JSONResponse(
-                {"status": "unavailable", "error": f"Redis does not answer: {exc}"}, status_code=503
+                {"status": "unavailable", "error": f"Redis does not answer: {exc}"},
+                status_code=503,
+                headers=UNAVAILABLE_RETRY,
             )
         return JSONResponse({"status": "ready"})
 

@@ -35,7 +35,7 @@ _STATUSES = {
     422: "A field is missing or invalid: the message names it",
     429: "Rate limited, too many of your jobs unfinished, or refused by admission control: retry "
     "after the Retry-After header's seconds (when it gives one)",
-    503: "Redis or the job queue is unavailable: try again shortly",
+    503: "Redis or the job queue is unavailable: try again after the Retry-After header's seconds",
 }
 ERROR_RESPONSES: dict[int | str, dict] = {
     status: {"model": ApiError, "description": text} for status, text in _STATUSES.items()

@@ -178,7 +178,7 @@ _STATUSES = {
     429: "Rate limited, too many of your jobs unfinished, or refused by admission control: retry "
     "after the Retry-After header's seconds",
     500: "An edit failed (error.job_ids names its jobs)",
-    503: "Redis or the job queue is unavailable: try again shortly",
+    503: "Redis or the job queue is unavailable: try again after the Retry-After header's seconds",
     504: "The edits did not finish within api.openai_wait_s: they go on running; error.job_ids "
     "names them (GET /v1/jobs/{job_id}/result)",
 }
