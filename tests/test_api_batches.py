@@ -61,12 +61,15 @@ def test_submit_read_and_follow_a_batch(client):
     record(client, jobs[1], "failed", message="broken")
     view = client.get(body["status_url"]).json()
     assert view["status"] == "running" and view["items"][1]["message"] == "broken"
-    record(client, jobs[0], "done")
+    record(client, jobs[0], "done", result_ref="results/0.png", thumbnail_ref="thumbnails/0.webp")
     record(client, jobs[2], "cancelled")
     events = sse_events(client.get(body["events_url"]).text)
     items = [e for e in events if e["type"] == "item"]
     assert {e["index"] for e in items} == {0, 1, 2}
     assert [e["status"] for e in items if e["index"] == 0] == ["running", "done"]
+    done = next(e for e in items if e["status"] == "done")
+    assert done["result_url"] == view["items"][0]["result_url"] == f"/v1/jobs/{jobs[0]}/result"
+    assert done["thumbnail_url"].endswith("?thumbnail=1") and "result_ref" not in done
     final = events[-1]
     assert final["type"] == "batch" and final["status"] == "partial" and final["progress"] == 1
     listed = client.get("/v1/batches").json()["batches"]

@@ -148,7 +148,7 @@ def test_event_stream_replays_in_order_and_ends_after_terminal(client, redis_cli
         {"status": "preprocessing"},
         {"status": "running", "step": 1, "num_steps": 2, "worker_id": "w1"},
         {"status": "running", "step": 2, "num_steps": 2, "worker_id": "w1"},
-        {"status": "done", "result_ref": "results/x.png"},
+        {"status": "done", "result_ref": "results/x.png", "thumbnail_ref": "thumbnails/x.webp"},
     ):
         assert store.record_event(event)
     other = submit(client).json()["job_id"]  # another job's events never show up
@@ -165,6 +165,11 @@ def test_event_stream_replays_in_order_and_ends_after_terminal(client, redis_cli
         ("done", 0),
     ]
     assert {e["job_id"] for e in events} == {job_id} and response.text.startswith("retry:")
+    done = events[-1]  # the URLs a client fetches the result from, never the blob references
+    assert done["result_url"] == f"/v1/jobs/{job_id}/result"
+    assert done["thumbnail_url"] == f"/v1/jobs/{job_id}/result?thumbnail=1"
+    assert not {"result_ref", "thumbnail_ref"} & set(done)
+    assert client.get(done["thumbnail_url"]).status_code == 410  # fetched like that (expired)
     resumed = sse_events(
         client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": events[1]["id"]}).text
     )

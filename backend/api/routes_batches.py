@@ -24,7 +24,7 @@ from backend.api.batches import BatchItem, BatchRequest, BatchService, iter_chun
 from backend.api.checks import ServiceError
 from backend.api.edit_form import edit_form
 from backend.api.errors import ADMISSION_REFUSED, ERROR_RESPONSES
-from backend.api.routes_jobs import BLOCK_SLICE_MS, SSE_RETRY_MS, _run, job_links
+from backend.api.routes_jobs import BLOCK_SLICE_MS, SSE_RETRY_MS, _run, job_links, public_event
 from backend.api.security import api_key_query
 from backend.api.submission import JobRequest
 
@@ -259,7 +259,9 @@ async def _batch_stream(
 def _item(tracker: BatchTracker, job_id: str, event: dict) -> str:
     item = tracker.apply(job_id, event)
     event.pop("preview", None)  # a batch's stream stays small: previews are per job
-    return _data({"type": "item", "index": item.index, "job_id": job_id, **event})
+    return _data(
+        {"type": "item", "index": item.index, "job_id": job_id, **public_event(job_id, event)}
+    )
 
 
 def _summary(batch_id: str, tracker: BatchTracker) -> str:

@@ -44,6 +44,18 @@ def job_links(job_id: str, done: bool = False) -> dict:
     return links
 
 
+# the blob references a done event carries -> the link a client fetches each from
+EVENT_REFS = {"result_ref": "result_url", "thumbnail_ref": "thumbnail_url"}
+
+
+def public_event(job_id: str, event: dict) -> dict:
+    """An event as a client sees it (the job's and a batch's event streams): a done event's blob
+    references replaced by the URLs of its result and thumbnail (fetched with the same key)."""
+    links = job_links(job_id, done=True)
+    shown = {name: value for name, value in event.items() if name not in EVENT_REFS}
+    return shown | {link: links[link] for ref, link in EVENT_REFS.items() if event.get(ref)}
+
+
 def public_job(job: dict) -> dict:
     """A job as a client sees it (``schemas.JobView``): the record without the services' own
     fields, with its links."""
@@ -221,4 +233,5 @@ async def _event_stream(
 
 
 def _message(job_id: str, event_id: str, event: dict) -> str:
-    return f"id: {event_id}\ndata: {json.dumps({'job_id': job_id, **event})}\n\n"
+    data = {"job_id": job_id, **public_event(job_id, event)}
+    return f"id: {event_id}\ndata: {json.dumps(data)}\n\n"
