@@ -5,9 +5,9 @@ Keys: ``keys.job_key`` (the hash, typed by ``backend.protocol.records.JobRecord`
 
 Invariants (enforced atomically by one Lua script, so racing writers from different processes
 cannot break them):
-* status only moves forward: queued < preprocessing < waiting < running < postprocessing <
-  terminal; a late event of an earlier stage is dropped (a step event arriving after ``done``
-  does not resurrect the job);
+* status only moves forward (``requeue``, below, is the one way back): queued < preprocessing <
+  waiting < running < postprocessing < terminal; a late event of an earlier stage is dropped (a
+  step event arriving after ``done`` does not resurrect the job);
 * a terminal status (done, failed, cancelled) is final: the first one wins, so a job completes at
   most once even when a task is delivered twice;
 * an event for a job that was never created is dropped (no half-made jobs);
@@ -28,7 +28,9 @@ cannot break them):
 * a job with a deadline that ends ``done`` gets ``met_deadline`` (its done event at or before its
   deadline), counted once by class in ``DEADLINE_STATS_KEY``.
 The only way back is ``requeue`` (a dead worker's job, re-dispatched), which resets a job that is
-not terminal and was not denoised yet to ``waiting``.
+not terminal and was not denoised yet to ``waiting`` and says so on its event stream: a
+``waiting`` event with ``redelivered: true`` and the job's ``redeliveries`` count, so a client
+knows why the status and the step went back.
 """
 
 from __future__ import annotations
@@ -221,7 +223,8 @@ if not status or status == 'done' or status == 'failed' or status == 'cancelled'
 redis.call('HSET', KEYS[1], 'worker_id', ARGV[1], 'message', ARGV[2])
 return 1
 """
-# KEYS: hash, the unstarted set. ARGV: message, now, max redeliveries, job id. 1: requeued; 0:
+# KEYS: hash, the unstarted set, the events stream. ARGV: message, now, max redeliveries, job id,
+# the redelivered event's JSON (its ``redeliveries`` added here), stream maxlen. 1: requeued; 0:
 # finished or denoised (nothing to redo); -1: the bound is reached (the caller fails the job).
 _REQUEUE = """
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -231,12 +234,14 @@ if tonumber(redis.call('HGET', KEYS[1], 'denoised') or '0') > 0 then return 0 en
 if tonumber(redis.call('HGET', KEYS[1], 'redeliveries') or '0') >= tonumber(ARGV[3]) then
   return -1
 end
-redis.call('HINCRBY', KEYS[1], 'redeliveries', 1)
+local count = redis.call('HINCRBY', KEYS[1], 'redeliveries', 1)
 redis.call('HSET', KEYS[1], 'status', 'waiting', 'step', 0, 'message', ARGV[1],
            'updated_at', ARGV[2], 'worker_id', '')
 local deadline = tonumber(redis.call('HGET', KEYS[1], 'deadline') or '') or 0
 if deadline > 0 then redis.call('ZADD', KEYS[2], deadline, ARGV[4])
 else redis.call('ZADD', KEYS[2], '+inf', ARGV[4]) end
+local event = string.sub(ARGV[5], 1, -2) .. ', "redeliveries": ' .. count .. '}'
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'event', event)
 return 1
 """
 REQUEUED, NOTHING_TO_REDO, EXHAUSTED = 1, 0, -1
@@ -325,10 +330,20 @@ class JobStateStore:
         """A job its worker had not finished goes back to ``waiting`` with no worker (the worker
         died), counted in ``redeliveries``: ``REQUEUED``; ``NOTHING_TO_REDO`` if it had finished
         or was denoised already (its result is on the way); ``EXHAUSTED`` when it was redelivered
-        ``max_redeliveries`` times already (the caller fails it)."""
+        ``max_redeliveries`` times already (the caller fails it). The way back is said on the
+        job's events: a ``waiting`` event with ``redelivered: true``, the message and the count."""
+        now = time.time()
+        event = event_payload(JobEvent(job_id=job_id, status="waiting", at=now, message=message))
         reply = self._requeue(
-            keys=[job_key(job_id), UNSTARTED_KEY],
-            args=[message, time.time(), max_redeliveries, job_id],
+            keys=[job_key(job_id), UNSTARTED_KEY, job_events_key(job_id)],
+            args=[
+                message,
+                now,
+                max_redeliveries,
+                job_id,
+                json.dumps(event | {"redelivered": True}),
+                EVENTS_MAXLEN,
+            ],
         )
         return int(reply)
 

@@ -107,6 +107,15 @@ def test_requeue_resets_an_unfinished_job_only(store):
     job = store.get("j5")
     assert job["status"] == "waiting" and job["step"] == 0 and job["message"] == "worker w1 died"
     assert job["redeliveries"] == 1
+    # the way back is said on the event stream, so a client knows why status and step went back
+    _, back = store.events("j5")[-1]
+    assert back == {
+        "status": "waiting",
+        "at": back["at"],
+        "message": "worker w1 died",
+        "redelivered": True,
+        "redeliveries": 1,
+    }
     store.record_event(event("j5", "done"))
     assert store.requeue("j5", "too late", 3) == NOTHING_TO_REDO
     assert store.status("j5") == "done"
