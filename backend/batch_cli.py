@@ -3,15 +3,16 @@
 Masks: every image file in DIR (by suffix, see ``MASK_SUFFIXES``), sorted by name. Prompts: one
 per line of FILE (blank lines skipped). They pair into items as the server pairs them
 (``backend.api.batch_items``): checked here first, so a mismatch is said before anything is sent.
-Progress is one bar over the whole batch (tqdm, on stderr); once every item finished, the results
-zip is unpacked into the output directory (``<index>.png`` and ``manifest.json``, which lists
-every item, failed ones with their message).
+Progress is one bar over the whole batch (tqdm, on stderr; it only moves forward: ``advance``);
+once every item finished, the results zip is unpacked into the output directory (``<index>.png``
+and ``manifest.json``, which lists every item, failed ones with their message).
 """
 
 from __future__ import annotations
 
 import io
 import json
+import math
 import sys
 import zipfile
 from pathlib import Path
@@ -82,6 +83,17 @@ def unpack(zipped: bytes, out: Path) -> list[str]:
     return written
 
 
+def advance(bar: tqdm, progress: float, total: int) -> None:
+    """Show ``progress`` (0..1, the batch's) of ``total`` items on ``bar``, only ever forward.
+    A batch's progress may go down (a reconnect replays its items' events from the start, a
+    redelivered item starts its steps again), so the bar holds still until the batch is past
+    where it was. The count is floored to two decimals (shown whole once it is), so it reads
+    2.97/3, never 2.9798999999999998/3, and reaches the total only when every item finished."""
+    count = math.floor(progress * total * 100) / 100
+    if count > bar.n:
+        bar.n = int(count) if count.is_integer() else count
+
+
 def run_batch(client, args, params: dict) -> int:
     """Submit the batch, follow it with a progress bar, unpack its results; prints JSON lines
     (the accepted batch, then a report). 0: every item done (or submitted, with --no-wait),
@@ -109,7 +121,7 @@ def run_batch(client, args, params: dict) -> int:
 
         def on_event(message: dict) -> None:
             if message.get("type") == "batch":
-                bar.n = message["progress"] * total  # partial items count as fractions
+                advance(bar, message["progress"], total)  # partial items count as fractions
                 bar.set_postfix(done=message["counts"].get("done", 0), refresh=False)
                 bar.refresh()
 

@@ -363,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    # httpx logs every request at INFO: the client commands' own output says what happened
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     for line in unknown_variables():
         logging.getLogger("maskserve").warning(line)
     try:

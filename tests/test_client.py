@@ -5,12 +5,16 @@ events a CPU worker and an engine worker would, so no model runs here."""
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
+import zipfile
 
 import httpx
 import pytest
@@ -18,7 +22,9 @@ from PIL import Image
 from redis import Redis
 
 from backend import protocol
+from backend.batch_cli import run_batch
 from backend.blobs import BlobStore
+from backend.cli import main
 from backend.client import MaskServeClient, MaskServeError, add_submit_arguments, submit_cli
 from backend.config import load_settings
 from backend.imaging.uploads import encode_image
@@ -291,3 +297,56 @@ def test_submit_cli_over_a_mask_folder_and_a_prompts_file(api, tmp_path, capsys)
     assert "3 masks and 2 prompts" in capsys.readouterr().err
     assert submit_cli(_args(common)) == 2
     assert "--masks DIR" in capsys.readouterr().err
+
+
+class ReplayingBatchClient:
+    """A client whose batch of 3 items reports the progress given, in that order: as when the
+    stream drops and its reconnect replays every item's events from the start."""
+
+    def __init__(self, progress: list[float]):
+        self.progress = progress
+
+    def submit_batch(self, **_fields) -> dict:
+        return {"batch_id": "b" * 32, "status": "queued", "status_url": "/v1/batches/b"} | {
+            "items": [{}, {}, {}]
+        }
+
+    def wait_batch(self, _batch_id, timeout, on_event) -> dict:
+        for progress in self.progress:
+            on_event({"type": "batch", "progress": progress, "counts": {}})
+        items = [{"index": i, "status": "done"} for i in range(3)]
+        return {"status": "done", "counts": {"done": 3}, "progress": 1.0, "items": items}
+
+    def batch_zip(self, _batch_id) -> bytes:
+        buffer = io.BytesIO()
+        zipfile.ZipFile(buffer, "w").close()
+        return buffer.getvalue()
+
+
+def test_the_batch_progress_bar_only_moves_forward_with_rounded_counts(tmp_path, capsys):
+    masks = tmp_path / "masks"
+    masks.mkdir()
+    for name in ("a.png", "b.png", "c.png"):
+        (masks / name).write_bytes(MASK)
+    out = ["--out", str(tmp_path / "out")]
+    args = _args(["--template-id", "t", "--masks", str(masks), "--prompt", "x", *out])
+    client = ReplayingBatchClient([0.5, 0.91, 0.58, 0.9933, 1.0])  # 0.58: the replay
+    assert run_batch(client, args, {}) == 0
+    bar = capsys.readouterr().err
+    shown = [int(percent) for percent in re.findall(r"(\d+)%\|", bar)]
+    assert shown == sorted(shown) and 58 not in shown and shown[-1] == 100
+    assert "2.97/3" in bar and "3/3" in bar and "2.9798" not in bar and "3.0/3" not in bar
+
+
+def test_the_cli_prints_no_http_request_log_lines(api, tmp_path, caplog):
+    base, _settings = api
+    (tmp_path / "image.png").write_bytes(IMAGE)
+    (tmp_path / "mask.png").write_bytes(MASK)
+    argv = ["submit", "--url", base, "--api-key", KEY, "--no-wait", "--prompt", "a vase"]
+    argv += ["--image", str(tmp_path / "image.png"), "--mask", str(tmp_path / "mask.png")]
+    try:
+        with caplog.at_level(logging.INFO):
+            assert main(argv) == 0
+    finally:
+        logging.getLogger("httpx").setLevel(logging.NOTSET)
+    assert not [record for record in caplog.records if record.name.startswith("httpx")]
