@@ -31,7 +31,7 @@ CacheMode = Literal["kv", "hidden"]
 DTypeName = Literal["float32", "float16", "bfloat16"]
 AttentionBatching = Literal["auto", "grouped", "padded"]
 StepShapes = Literal["auto", "exact", "bucketed"]
-CompileMode = Literal["off", "default", "reduce-overhead", "max-autotune"]
+CompileMode = Literal["auto", "off", "default", "reduce-overhead", "max-autotune"]
 LoraBatching = Literal["grouped", "stacked"]
 
 ENV_PREFIX = "MASKSERVE_"
@@ -118,15 +118,16 @@ class EngineSettings(_Strict):
     above the longest row's: a few shapes recur, so compiled or captured steps are reused), ``auto``
     (bucketed on CUDA, whose steps are bound by launching operators; exact on the CPU, which would
     compute the padding)."""
-    compile_units: CompileMode = "off"
-    """Bucketed steps run each mask-aware unit's forward compiled (``torch.compile``, whole, one
-    graph per step shape), the UNet's ResNets and resamplers too, in this mode: ``default``
-    (fused kernels), ``reduce-overhead`` (replayed from CUDA graphs: CUDA only), ``max-autotune``
-    (CUDA graphs and tuned kernels, long to compile), or ``off``. The first step of each shape
-    waits for its compilation (seconds to minutes)."""
+    compile_steps: CompileMode = "auto"
+    """Bucketed steps run their whole denoiser forward compiled (``torch.compile``, one graph per
+    step shape, ResNets included) in this mode: ``default`` (fused kernels), ``reduce-overhead``
+    (replayed from CUDA graphs: CUDA only), ``max-autotune`` (CUDA graphs and tuned kernels, long
+    to compile), ``off``, or ``auto`` (``reduce-overhead`` on CUDA, whose steps are bound by
+    launching operators; ``off`` on the CPU, where a first step of each shape would wait tens of
+    seconds for its compilation). Steps with adapters or timed units run eagerly."""
     compiled_graphs: int = Field(default=64, ge=0)
-    """Unit graphs compiled steps may make (one per unit width, rows, token bucket and cache
-    mode); a unit whose graph would pass this, or the memory bound below, runs eagerly."""
+    """Step graphs the engine may compile (one per model, rows, token buckets and cache mode); a
+    step whose graph would pass this, or the memory bound below, runs eagerly."""
     compiled_graphs_mb: int = Field(default=4096, ge=0)
     """Device memory the compiled graphs may take (measured on CUDA as each is made; 0: no
     bound). Under memory pressure they are all given back and compiled again as needed."""

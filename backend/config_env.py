@@ -48,7 +48,7 @@ ENV_FIELDS: dict[str, tuple[str | None, str]] = {
     "MASK_MARGIN": ("engine", "mask_margin_tokens"),
     "ATTENTION": ("engine", "attention"),
     "STEP_SHAPES": ("engine", "step_shapes"),
-    "COMPILE_UNITS": ("engine", "compile_units"),
+    "COMPILE_STEPS": ("engine", "compile_steps"),
     "COMPILED_GRAPHS": ("engine", "compiled_graphs"),
     "COMPILED_GRAPHS_MB": ("engine", "compiled_graphs_mb"),
     "LORA_BATCHING": ("engine", "lora_batching"),

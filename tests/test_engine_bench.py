@@ -103,7 +103,7 @@ def test_every_arm_runs_and_the_compiled_one_matches_eager(
     # the compiled mask-aware step against the eager one, its bound recorded; compiling is in its
     # build (the check's first step) and warm-up, never in the timed calls
     units = saved["arms"]["maskaware-compiled"]
-    assert units["compile_units"] == "default" and units["step_shapes"] == "bucketed"
+    assert units["compile_steps"] == "default" and units["step_shapes"] == "bucketed"
     assert units["cache_tier"] == saved["arms"]["maskaware-device"]["cache_tier"] == "device"
     check = units["compile_check"]
     assert check["compared"] == "first step's update" and check["within_tolerance"]
@@ -153,7 +153,7 @@ def test_the_plain_pipeline_script_imports_nothing_of_maskserve():
 def test_launch_proxy_counts_and_times_the_forward_eager_and_compiled(
     models_dir, tmp_path, monkeypatch, capsys
 ):
-    """One model (torch.compile of the ordinary forward and the mask-aware units: ~70 s on a
+    """One model (torch.compile of the ordinary forward and the mask-aware step: ~70 s on a
     2-core CPU)."""
     monkeypatch.setenv("MASKSERVE_MODELS_DIR", str(models_dir))
     monkeypatch.setenv("MASKSERVE_DATA_DIR", str(tmp_path / "data"))

@@ -25,7 +25,7 @@ def test_the_byte_bound_stops_new_signatures_not_known_ones():
     assert book.snapshot() == {
         "compiled_graphs": 2,
         "compiled_graph_bytes": 110,
-        "uncompiled_units_total": 1,
+        "uncompiled_steps_total": 1,
     }
 
 

@@ -106,7 +106,7 @@ def cmd_bench_launch_proxy(args, settings: Settings) -> int:
             f"({r.compiled_operators}): {r.speedup:.2f}x, max |diff| {r.max_abs_difference:.2g}, "
             f"compiled in {r.compile_s:.0f} s; mask-aware step (m={r.mask_ratio}) eager exact "
             f"{r.maskaware_step_ms:.2f} ms ({r.maskaware_operators}), eager bucketed "
-            f"{r.bucketed_step_ms:.2f} ms ({r.bucketed_operators}), compiled units "
+            f"{r.bucketed_step_ms:.2f} ms ({r.bucketed_operators}), compiled "
             f"{r.compiled_step_ms:.2f} ms ({r.compiled_step_operators}; compiled in "
             f"{r.compiled_step_compile_s:.0f} s, max |diff| "
             f"{r.compiled_step_max_abs_difference:.2g}): {r.compiled_step_vs_eager:.2f}x the "

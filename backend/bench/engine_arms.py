@@ -17,13 +17,12 @@ A new arm is one entry of ``ARMS``.
 * ``maskaware-device``: the same edit on the same engine, every row reading its template's cache
   from the device tier (``MemoryTemplateCache.to_device``: resident on the compute device, read in
   place, one concatenation of a batch's rows per step).
-* ``maskaware-compiled``: the mask-aware edit with bucketed step shapes and compiled units in the
-  compiled arms' mode (``MaskAwareEngine(step_shapes="bucketed", compile_units=compile_mode)``),
-  the cache on the device tier.
-  It runs on its own engine over its own denoiser modules (``engine_copy``), since compiling the
-  UNet's blocks in place would compile them for every other arm too. Its first step's update of
-  the latents is checked against the ``maskaware`` arm's (``check_compiled_step``, within
-  ``COMPILE_TOLERANCE`` of the update's scale).
+* ``maskaware-compiled``: the mask-aware edit with bucketed step shapes, each step's forward
+  compiled whole in the compiled arms' mode (``MaskAwareEngine(step_shapes="bucketed",
+  compile_steps=compile_mode)``), the cache on the device tier. It runs on its own engine over
+  its own denoiser modules (``engine_copy``), its settings and memos its own. Its first step's
+  update of the latents is checked against the ``maskaware`` arm's (``check_compiled_step``,
+  within ``COMPILE_TOLERANCE`` of the update's scale).
 * ``ordinary-hooked``: the same pipeline call on the engine's own pipeline (its denoiser hooked,
   its projections laid out in one storage per set), as a worker's pipeline is: what the hooks cost
   the ordinary forward.
@@ -358,7 +357,7 @@ def build_maskaware_compiled(setup: BenchSetup, first: Batch) -> BuiltArm:
         setup.spec,
         setup.engine.cache_root,
         step_shapes="bucketed",
-        compile_units=setup.compile_mode,
+        compile_steps=setup.compile_mode,
     )
     runners, checks = {}, []
     for mode, (params, host) in setup.caches.items():
@@ -374,7 +373,7 @@ def build_maskaware_compiled(setup: BenchSetup, first: Batch) -> BuiltArm:
         check=max(checks, key=lambda c: c.max_abs_difference / c.tolerance),
         extra={
             "step_shapes": "bucketed",
-            "compile_units": setup.compile_mode,
+            "compile_steps": setup.compile_mode,
             "cache_tier": "device",
         },
     )

@@ -13,13 +13,13 @@ of the ordinary pipeline:
 * the mask-aware step (engine ``step``: forward, guidance and scheduler update) at mask ratio
   ``mask_ratio``, every row reading its template's ``kv`` cache resident in memory (the device
   tier's copy, ``MemoryTemplateCache.to_device``), three ways, each on its own engine over its own
-  denoiser modules: eager with exact shapes, eager bucketed, and bucketed with compiled units
-  (``compile_units`` in the ordinary forward's compile mode). The compiled one is stepped until a
-  step compiles nothing before any timed call (``compiled_step_compile_s``; its first step's update
-  checked against the eager bucketed one's), and its ratios are taken against the eager exact step
-  (``compiled_step_vs_eager``, target at least 2) and the compiled dense forward
-  (``compiled_step_vs_dense``, target at least 1: no slower; the step also guides and updates the
-  latents, the forward does not).
+  denoiser modules: eager with exact shapes, eager bucketed, and bucketed and compiled
+  (``compile_steps`` in the ordinary forward's compile mode: the step's whole forward one graph).
+  The compiled one is stepped until a step compiles nothing before any timed call
+  (``compiled_step_compile_s``; its first step's update checked against the eager bucketed
+  one's), and its ratios are taken against the eager exact step (``compiled_step_vs_eager``,
+  target at least 2) and the compiled dense forward (``compiled_step_vs_dense``, target at least
+  1: no slower; the step also guides and updates the latents, the forward does not).
 
 Operators are those a call launches (``backend.engine.launches.count_launches``: outermost aten
 operators doing work, views and no-op casts excluded). The kernels inductor generates are no aten
@@ -92,7 +92,7 @@ class ProxyRecord:
     maskaware_operators: int
     bucketed_step_ms: float  # eager mask-aware step, bucketed shapes
     bucketed_operators: int
-    compiled_step_ms: float  # mask-aware step, bucketed shapes, compiled units
+    compiled_step_ms: float  # mask-aware step, bucketed shapes, its forward compiled
     compiled_step_operators: int
     compiled_step_compile_s: float  # its steps until one compiled nothing
     compiled_step_max_abs_difference: float  # first step's update vs the eager bucketed step's
@@ -102,7 +102,7 @@ class ProxyRecord:
     compiled_step_vs_dense: float  # compiled_ms / compiled_step_ms (target >= 1)
     mask_ratio: float
     measured_mask_ratio: float  # fresh tokens / all tokens on the model's token grid
-    compile_mode: str  # of the ordinary forward and the compiled units
+    compile_mode: str  # of the ordinary forward and the compiled step
     device_name: str
     threads: int
     torch: str
@@ -174,7 +174,7 @@ def probe_model(
     # each on its own denoiser modules: compiling the UNet's blocks in place stays in its engine
     bucketed = engine_copy(plain, spec, cache_dir, step_shapes="bucketed")
     compiled_engine = engine_copy(
-        plain, spec, cache_dir, step_shapes="bucketed", compile_units=compile_mode
+        plain, spec, cache_dir, step_shapes="bucketed", compile_steps=compile_mode
     )
     template = sample_template(size, size, seed=7)
     batch = make_batch(template, mask_ratio, requests, seed=1)
@@ -288,7 +288,7 @@ def write_launch_proxy(records: list[ProxyRecord], json_path: Path) -> Path:
         ("ordinary forward, compiled", "compiled_ms", "compiled_operators"),
         ("mask-aware step, eager, exact", "maskaware_step_ms", "maskaware_operators"),
         ("mask-aware step, eager, bucketed", "bucketed_step_ms", "bucketed_operators"),
-        ("mask-aware step, compiled units", "compiled_step_ms", "compiled_step_operators"),
+        ("mask-aware step, compiled", "compiled_step_ms", "compiled_step_operators"),
     )
     width = 0.8 / len(bars)
     for index, (label, ms, operators) in enumerate(bars):

@@ -1,36 +1,42 @@
-"""Compiled unit forwards: one ``torch.compile`` graph per shape of a bucketed step.
+"""Compiled steps: a bucketed step's whole denoiser forward as one ``torch.compile`` graph.
 
-A unit's forward (one transformer block on its packed tokens) is compiled whole
-(``fullgraph=True``, static shapes): its inputs are plain tensors and constants
-(``context.FetchedUnitIO``), so a graph depends only on the step's shape (rows, tokens, width)
-and every template, mask and step of that shape replays it. Without CUDA graphs captured by the
-compiler (``mode="reduce-overhead"`` or ``"max-autotune"`` on CUDA) the graph still fuses the
-unit's small operators, which on a device bound by launching operators is most of the gain.
+A step's forward (the UNet's ResNets, resamplers and mask-aware stacks, or every Flux block) is
+traced whole (``fullgraph=True``, static shapes) with its context made of plain tensors and
+constants: the cached tensors of every row fetched first (``FetchedCache``) and the layouts of
+every grid resolved first (``FixedLayouts``). A graph therefore depends only on the step's shape
+(rows bucket, token bucket of each grid, cache mode, which units read the cache, the inputs'
+shapes) and every template, mask and step of that shape replays it. Without CUDA graphs the graph
+still fuses the forward's small operators, which on a device bound by launching operators is
+most of the gain; one graph per step, not one per block, also pays the compiled call's fixed
+costs (guards, input checks) once.
 
-Modes (``engine.compile_units``): ``off``; ``default`` (inductor's fused kernels);
-``reduce-overhead`` (those kernels replayed from CUDA graphs that the compiler captures per shape,
-copying inputs into its static buffers: CUDA only); ``max-autotune`` (CUDA graphs and kernels
-tuned at compile time, much longer to compile).
+Modes (``engine.compile_steps``): ``auto`` (``compile_mode``); ``off``; ``default`` (inductor's
+fused kernels); ``reduce-overhead`` (those kernels replayed from CUDA graphs that the compiler
+captures per shape, copying inputs into its static buffers: CUDA only); ``max-autotune`` (CUDA
+graphs and kernels tuned at compile time, much longer to compile).
 
-Rules: a unit runs compiled only when the context asks for it and its layout is regular (a
-bucketed step), with no adapter, nothing recorded and no per-unit timing
-(``compiles``); everything else runs eagerly through the same forward function, so compiled and
-eager compute the same operations.
+Rules: a step runs compiled only when its layouts are bucketed and no row has an adapter and no
+unit is timed (``step_compiles``), and when the engine's graph book admits its shape; everything
+else runs eagerly through the same forward functions, so compiled and eager compute the same
+operations. One traced forward runs at a time per process (``STEP_LOCK``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from collections.abc import Callable
 
 import torch
 
-from backend.engine.context import FetchedUnitIO, ForwardContext, UnitIO
+from backend.engine.context import ForwardContext, traced_call
 from backend.engine.graph_book import GraphBook
 from backend.engine.layout import RowLayout
 
-# graphs a compiled forward keeps: units of a few widths x row and token buckets x cache modes
+# graphs the compiled step keeps: models x resolutions x row and token buckets x cache modes
 RECOMPILE_LIMIT = 256
-COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
+COMPILE_MODES = ("auto", "off", "default", "reduce-overhead", "max-autotune")
+STEP_LOCK = threading.Lock()  # the traced forward's context is a module global
 
 
 def check_compile_mode(mode: str) -> str:
@@ -39,59 +45,125 @@ def check_compile_mode(mode: str) -> str:
     return mode
 
 
-_compiled: dict[tuple[Callable, str], Callable] = {}
+def compile_mode(choice: str, device_type: str) -> str:
+    """The mode steps on a ``device_type`` device compile in: ``auto`` replays CUDA graphs on
+    CUDA, whose steps are bound by launching operators, and compiles nothing on the CPU (a first
+    step of each shape would wait tens of seconds there)."""
+    if choice != "auto":
+        return choice
+    return "reduce-overhead" if device_type == "cuda" else "off"
 
 
-def compiled_units(forward: Callable, mode: str = "default") -> Callable:
-    """``forward`` compiled whole with static shapes (made once per function and mode)."""
-    key = (forward, mode)
-    if key not in _compiled:
-        _allow_recompiles()
-        _compiled[key] = torch.compile(forward, fullgraph=True, dynamic=False, mode=mode)
-    return _compiled[key]
+_compiled: dict[str, Callable] = {}
 
 
-def compile_module(module: torch.nn.Module, mode: str) -> None:
-    """``module`` compiled whole in ``mode``, a graph per input shape (once per module)."""
-    if not getattr(module, "_maskserve_compiled", False):
-        _allow_recompiles()
-        module.compile(fullgraph=True, dynamic=False, mode=mode)
-        module._maskserve_compiled = True
+def _compiled_forward(mode: str) -> Callable:
+    """``_step_forward`` compiled whole with static shapes in ``mode`` (made once per mode)."""
+    if mode not in _compiled:
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
+        _compiled[mode] = torch.compile(_step_forward, fullgraph=True, dynamic=False, mode=mode)
+    return _compiled[mode]
 
 
-def _allow_recompiles() -> None:
-    """Blocks of one class share one code object, compiled again per shape: allow them all."""
-    limit = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
+def _step_forward(ctx: ForwardContext | None, forward: Callable, *args):
+    return traced_call(ctx, forward, *args)
 
 
-def unit_forward(
+class FetchedCache:
+    """A step's cached tensors of every row, fetched before its compiled forward runs
+    (``context.CacheSource``): plain tensors by (unit, name), read by the traced forward."""
+
+    def __init__(self, tensors: dict[tuple[int, str], torch.Tensor]):
+        self.tensors = tensors
+
+    def rows_tensor(self, unit: int, name: str, rows: tuple[int, int], fill: bool = False):
+        tensor = self.tensors[(unit, name)]
+        return tensor if rows == (0, tensor.shape[0]) else tensor[rows[0] : rows[1]]
+
+    def wait_for(self, unit: int) -> None:
+        pass
+
+
+class FixedLayouts:
+    """A step's layouts on each of its grids, resolved before its compiled forward runs
+    (``context.LayoutSource``)."""
+
+    def __init__(self, source, grids: list[tuple[int, int]]):
+        self.masked = {grid: source.layout(grid) for grid in grids}
+        self.dense = {h * w: source.dense_layout(h * w) for h, w in grids}
+
+    def layout(self, grid_hw: tuple[int, int]) -> RowLayout:
+        return self.masked[grid_hw]
+
+    def dense_layout(self, num_tokens: int) -> RowLayout:
+        return self.dense[num_tokens]
+
+    def grid_of(self, num_tokens: int) -> tuple[int, int]:
+        """The grid of ``num_tokens`` tokens (a traced Flux forward reads its grid here, not off
+        its position ids: the engine built them for this grid)."""
+        return next(grid for grid in self.masked if grid[0] * grid[1] == num_tokens)
+
+
+def _fetch(ctx: ForwardContext, names: tuple[str, ...]) -> FetchedCache:
+    """Every tensor ``names`` the context's cached units hold, of all rows (zeros for a row
+    without a cache)."""
+    tensors = {}
+    if ctx.cache is not None:
+        rows = (0, ctx.num_rows)
+        for unit in range(len(ctx.use_cache)):
+            if not ctx.uses_cache(unit):
+                continue
+            ctx.cache.wait_for(unit)
+            for name in names:
+                try:
+                    tensors[(unit, name)] = ctx.cache.rows_tensor(unit, name, rows, True)
+                except KeyError:  # a tensor only some units keep (a stack's last ``delta``)
+                    continue
+    return FetchedCache(tensors)
+
+
+def step_compiles(ctx: ForwardContext) -> bool:
+    """Whether a step over ``ctx`` runs compiled: bucketed, compiling, no adapter, no timing."""
+    return (
+        ctx.compile_steps != "off"
+        and ctx.layouts is not None
+        and ctx.lora is None
+        and ctx.unit_seconds is None
+    )
+
+
+def compiled_step(
     ctx: ForwardContext,
-    unit: int,
-    layout: RowLayout,
-    forward,
-    reads: tuple[str, ...],
-    block: torch.nn.Module,
-):
-    """(forward, io) of one unit: ``forward`` compiled, with the unit's cached tensors ``reads``
-    of every row fetched ahead (``FetchedUnitIO``), when ``compiles`` and the context's graph
-    book admits the graph (its signature: the forward, the block's width, the layout's shape and
-    the tensors read); else ``forward`` itself, reading and recording through the context
-    (``UnitIO``). On CUDA a graph's first run measures the device memory it took."""
-    if compiles(ctx, layout):
-        book = ctx.graphs
-        width = tuple(next(block.parameters()).shape)
-        graph = (forward.__qualname__, width, layout.num_rows, layout.max_tokens, layout.num_tokens)
-        graph += (reads, ctx.compile_units)
-        new = book is not None and graph not in book.shapes
-        if book is None or book.admits(graph):
-            rows = (0, layout.num_rows)
-            io = FetchedUnitIO({name: ctx.cached(unit, name, rows, True) for name in reads})
-            run = compiled_units(forward, ctx.compile_units)
-            if new and torch.device(ctx.device).type == "cuda":
-                run = _measured(run, book, graph, torch.device(ctx.device))
-            return run, io
-    return forward, UnitIO(ctx, unit)
+    ordinary: bool,
+    forward: Callable,
+    grids: list[tuple[int, int]],
+    names: tuple[str, ...],
+    *args,
+) -> torch.Tensor | None:
+    """``forward(*args)`` (``FamilyAdapter.forward``) of a bucketed step, compiled whole in
+    ``ctx.compile_steps``: with ``ctx`` active (its cached tensors ``names`` fetched and its
+    layouts on ``grids`` resolved first), or, ``ordinary``, as the model's own forward (a dense
+    step that records nothing). None when the graph book refuses the step's shape: the caller
+    runs it eagerly. On CUDA a new graph's first run measures the device memory it took."""
+    layouts = FixedLayouts(ctx.layouts, grids)
+    shape = tuple((g, lay.max_tokens, lay.is_full) for g, lay in layouts.masked.items())
+    graph = (forward.__qualname__, ordinary, ctx.num_rows, shape, ctx.mode, tuple(ctx.use_cache))
+    graph += (ctx.recorder is not None, ctx.compile_steps)
+    graph += tuple((tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor))
+    book = ctx.graphs
+    new = book is not None and graph not in book.shapes
+    if book is not None and not book.admits(graph):
+        return None
+    traced = None
+    if not ordinary:
+        fetched = _fetch(ctx, names)
+        traced = dataclasses.replace(ctx, cache=fetched, layouts=layouts, compile_steps="off")
+    run = _compiled_forward(ctx.compile_steps)
+    if new and torch.device(ctx.device).type == "cuda":
+        run = _measured(run, book, graph, torch.device(ctx.device))
+    with STEP_LOCK:  # what the traced forward records goes to ``ctx.recorder`` (one dict)
+        return run(traced, forward, *args)
 
 
 def _measured(run: Callable, book, graph, device: torch.device) -> Callable:
@@ -112,14 +184,3 @@ def release_graphs(book: GraphBook | None) -> int:
     torch.compiler.reset()
     _compiled.clear()
     return book.clear() if book is not None else 0
-
-
-def compiles(ctx: ForwardContext, layout: RowLayout) -> bool:
-    """Whether a unit of ``ctx``'s forward over ``layout`` runs compiled."""
-    return (
-        ctx.compile_units != "off"
-        and layout.regular
-        and ctx.lora is None
-        and ctx.recorder is None
-        and ctx.unit_seconds is None
-    )

@@ -72,7 +72,7 @@ class ForwardContext:
     # static shapes: the batch's bucketed layouts, built when its rows were admitted (None: built
     # here from ``row_token_masks``, each row with its own token count)
     layouts: LayoutSource | None = None
-    compile_units: str = "off"  # the mode units of regular layouts run compiled in (``compiled``)
+    compile_steps: str = "off"  # the mode a bucketed step's forward runs compiled in (``compiled``)
     graphs: GraphBook | None = None  # which unit graphs may be compiled (None: any)
     _layouts: dict[tuple[int, int], RowLayout] = field(default_factory=dict)
 
@@ -254,30 +254,6 @@ class UnitIO:
         self._ctx.record(self._unit, name, value)
 
 
-class FetchedUnitIO:
-    """A unit's IO for a compiled forward: its cached tensors of every row fetched before it runs
-    (a regular layout's rows without a cache read zeros), no adapters, attention in one call, and
-    nothing recorded (a recording step is never compiled). Plain tensors and constants, so
-    ``torch.compile`` traces it whole, and one graph serves every template and mask of a shape."""
-
-    lora = None
-    padded = True
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
-
-    def merge(self, name: str, layout: RowLayout, fresh: torch.Tensor) -> torch.Tensor:
-        return merge_all_rows(self.tensors[name], layout, fresh)
-
-    def merge_after(
-        self, name: str, layout: RowLayout, fresh: torch.Tensor, prefix: torch.Tensor
-    ) -> torch.Tensor:
-        return merge_all_rows_after(self.tensors[name], layout, fresh, prefix)
-
-    def record(self, name: str, value: torch.Tensor) -> None:
-        pass
-
-
 class _UnitTimer:
     def __init__(self, sink: dict[int, float], unit: int, device: torch.device):
         self.sink, self.unit, self.device = sink, unit, device
@@ -300,8 +276,26 @@ _ACTIVE: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
 )
 
 
+# The context of a forward that ``torch.compile`` traces whole (``traced_call``; None: the
+# model's ordinary forward): the compiler cannot trace a ContextVar, but it follows module globals
+# that the traced function sets. One traced forward at a time per process (the caller holds
+# ``compiled.STEP_LOCK``).
+_TRACING = False
+_TRACED: ForwardContext | None = None
+
+
 def current_context() -> ForwardContext | None:
-    return _ACTIVE.get()
+    return _TRACED if _TRACING else _ACTIVE.get()
+
+
+def traced_call(ctx: ForwardContext | None, call: Callable, *args, **kwargs):
+    """``call(*args, **kwargs)`` with ``ctx`` active, in a form ``torch.compile`` traces whole."""
+    global _TRACING, _TRACED
+    _TRACING, _TRACED = True, ctx
+    try:
+        return call(*args, **kwargs)
+    finally:
+        _TRACING, _TRACED = False, None
 
 
 @contextlib.contextmanager

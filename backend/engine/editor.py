@@ -43,7 +43,13 @@ from backend.engine import cache_store
 from backend.engine.attention import check_attention_batching, pads_attention
 from backend.engine.buckets import buckets_steps, check_step_shapes, row_bucket
 from backend.engine.cache_store import CacheWriter, TemplateCache, check_recording
-from backend.engine.compiled import check_compile_mode, release_graphs
+from backend.engine.compiled import (
+    check_compile_mode,
+    compile_mode,
+    compiled_step,
+    release_graphs,
+    step_compiles,
+)
 from backend.engine.context import ForwardContext, active_context
 from backend.engine.families import (
     ADAPTERS,
@@ -113,6 +119,7 @@ class EditState:
     writer: CacheWriter | None = None
     recorded_latents: list[torch.Tensor] = field(default_factory=list)
     mask_ratio: float = 1.0  # fresh tokens / all tokens on the model's token grid
+    grid: tuple[int, int] = (0, 0)  # the model's token grid at the request's size
     step: int = 0
     adapters: RowAdapters = ()  # (adapter id, scale) applied to both halves of the request
 
@@ -142,15 +149,15 @@ class MaskAwareEngine:
         attention: str = "auto",
         lora_batching: str = "stacked",
         step_shapes: str = "auto",
-        compile_units: str = "off",
+        compile_steps: str = "auto",
         graphs: GraphBook | None = None,
     ):
         self.pipe, self.spec, self.cache_root = pipe, spec, Path(cache_root)
         self.attention = check_attention_batching(attention)
         self.step_shapes = check_step_shapes(step_shapes)
-        # bucketed steps run each unit's forward compiled (``backend.engine.compiled``)
-        self.compile_units = check_compile_mode(compile_units)
-        # the unit graphs compiled steps may make (``graph_book``)
+        # bucketed steps run their whole forward compiled (``backend.engine.compiled``)
+        self.compile_steps = check_compile_mode(compile_steps)
+        # the step graphs the engine may compile (``graph_book``)
         self.graphs = graphs if graphs is not None else GraphBook()
         self._layout_memo: LayoutMemo | None = None
         self.lora_batching = check_lora_batching(lora_batching)
@@ -341,6 +348,7 @@ class MaskAwareEngine:
             latents=req.init_latents,
             fresh=self._fresh(fresh_tokens, req),
             mask_ratio=ratio,
+            grid=grid,
             token_masks=None if dense else self._token_mask_fn(prepared.pixels, params.mask_margin),
             adapters=tuple(adapters),
         )
@@ -477,18 +485,31 @@ class MaskAwareEngine:
             lora=self.adapters.batch(row_adapters, device, stacked=self.lora_batching == "stacked"),
             padded_attention=bucketed or pads_attention(self.attention, device),
             layouts=StepLayouts(tokens, self.layout_memo(device)) if bucketed else None,
-            compile_units=self.compile_units if bucketed else "off",
+            compile_steps=compile_mode(self.compile_steps, device.type) if bucketed else "off",
             graphs=self.graphs,
         )
-        if ctx.compile_units != "off":
-            self.adapter.compile_dense_blocks(ctx.compile_units)
         # Nothing to reuse, record, adapt or time: the model's own (fastest dense) forward does
         # the same math.
         ordinary = not units and not recording and unit_seconds is None and ctx.lora is None
         batch_rows, batch_t = torch.cat(rows), torch.cat(row_t)
         forward_started = time.perf_counter()
-        with contextlib.nullcontext() if ordinary else active_context(ctx):
-            prediction = self.adapter.denoise(batch_rows, batch_t, reqs)
+        prediction = None
+        if step_compiles(ctx):
+            conditioning = self.adapter.batch_conditioning(reqs)
+            prediction = compiled_step(
+                ctx,
+                ordinary,
+                self.adapter.forward,
+                self._grids(states[0].grid),
+                MODE_TENSORS[mode],
+                batch_rows,
+                batch_t,
+                conditioning,
+                reqs[0].shared,
+            )
+        if prediction is None:
+            with contextlib.nullcontext() if ordinary else active_context(ctx):
+                prediction = self.adapter.denoise(batch_rows, batch_t, reqs)
         if prediction.is_cuda:
             torch.cuda.synchronize(prediction.device)  # forward time, not launch time
         forward_s = time.perf_counter() - forward_started

@@ -67,7 +67,7 @@ def build_engine(
         settings.paths.resolved_cache_dir(),
         attention=settings.engine.attention,
         step_shapes=settings.engine.step_shapes,
-        compile_units=settings.engine.compile_units,
+        compile_steps=settings.engine.compile_steps,
         graphs=GraphBook(
             settings.engine.compiled_graphs, settings.engine.compiled_graphs_mb * 1024 * 1024
         ),

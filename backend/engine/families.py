@@ -22,11 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from diffusers.models.resnet import Downsample2D, ResnetBlock2D, Upsample2D
 from diffusers.pipelines.flux.pipeline_flux_fill import calculate_shift, retrieve_timesteps
 from PIL import Image
 
-from backend.engine.compiled import compile_module
 from backend.engine.flux import install_flux_hooks
 from backend.engine.unet import install_unet_hooks
 
@@ -116,11 +114,6 @@ class FamilyAdapter(ABC):
             self._conditioning.popitem(last=False)
         return joined
 
-    @abstractmethod
-    def compile_dense_blocks(self, mode: str) -> None:
-        """Compile the denoiser's blocks that run densely around the mask-aware units in ``mode``
-        (each a graph per input shape, ``backend.engine.compiled``); once per block."""
-
     def holds(self, part: str) -> bool:
         """Whether this pipeline loaded ``part`` (``DENOISER``, ``VAE`` or ``TEXT_ENCODERS``)."""
         return _holds(self.pipe, self.denoiser_name, part)
@@ -194,11 +187,23 @@ class FamilyAdapter(ABC):
     ) -> torch.Tensor:
         """Model input rows (halves, ...) of one request at timestep ``t``."""
 
-    @abstractmethod
     def denoise(
         self, rows: torch.Tensor, row_timesteps: torch.Tensor, reqs: list[RequestTensors]
     ) -> torch.Tensor:
         """Run the denoiser over all rows of a batch (rows of each request consecutive)."""
+        return self.forward(rows, row_timesteps, self.batch_conditioning(reqs), reqs[0].shared)
+
+    @abstractmethod
+    def forward(
+        self,
+        rows: torch.Tensor,
+        row_timesteps: torch.Tensor,
+        conditioning: dict[str, torch.Tensor],
+        shared: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """The denoiser over a batch's rows, given their joined ``conditioning``
+        (``batch_conditioning``) and the tensors the batch's requests share (``shared``). Tensors
+        and dicts of tensors only, so ``torch.compile`` traces it whole (a compiled step)."""
 
     @abstractmethod
     def decode(self, latents: torch.Tensor, size: tuple[int, int]) -> Image.Image: ...
@@ -242,12 +247,6 @@ class UnetAdapter(FamilyAdapter):
     denoiser_name = "unet"
     lora_kind = "unet"  # which layers adapters may update (backend.engine.lora.TARGET_PATTERNS)
     latent_patch = 1
-
-    def compile_dense_blocks(self, mode: str) -> None:
-        """The UNet's ResNets and resamplers (the transformer stacks are the units)."""
-        for module in self.denoiser.modules():
-            if isinstance(module, (ResnetBlock2D, Downsample2D, Upsample2D)):
-                compile_module(module, mode)
 
     def install_hooks(self) -> UnitLayout:
         stacks = install_unet_hooks(self.denoiser)
@@ -302,8 +301,8 @@ class UnetAdapter(FamilyAdapter):
         scaled = req.scheduler.scale_model_input(torch.cat([latents] * 2), t)
         return torch.cat([scaled, torch.cat([req.extra_channels] * 2)], dim=1)
 
-    def denoise(self, rows, row_timesteps, reqs):
-        conditioning = dict(self.batch_conditioning(reqs))
+    def forward(self, rows, row_timesteps, conditioning, shared):
+        conditioning = dict(conditioning)
         text = conditioning.pop("encoder_hidden_states")
         added = conditioning or None
         return self.denoiser(
@@ -369,9 +368,6 @@ class FluxFillAdapter(FamilyAdapter):
 
     def install_hooks(self) -> UnitLayout:
         return UnitLayout((0,) * install_flux_hooks(self.denoiser).num_units)
-
-    def compile_dense_blocks(self, mode: str) -> None:
-        """None to compile: every block of the transformer is a unit."""
 
     def prepare(self, image, mask, prompt, negative_prompt, guidance, steps, strength, seed, size):
         self.require("encoding a request", TEXT_ENCODERS, VAE)
@@ -446,14 +442,13 @@ class FluxFillAdapter(FamilyAdapter):
     def step_rows(self, req, latents, t):
         return torch.cat((latents, req.extra_channels), dim=2)
 
-    def denoise(self, rows, row_timesteps, reqs):
-        conditioning = dict(self.batch_conditioning(reqs))
+    def forward(self, rows, row_timesteps, conditioning, shared):
         # rows of one batch share a resolution and a text length, hence one set of position ids
         return self.denoiser(
             hidden_states=rows,
             timestep=row_timesteps.to(rows.dtype) / 1000,
             return_dict=False,
-            **reqs[0].shared,
+            **shared,
             **conditioning,
         )[0]
 

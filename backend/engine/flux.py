@@ -38,8 +38,7 @@ from diffusers.models.transformers.transformer_flux import (
 )
 
 from backend.engine.attention import attend, fuse_linears, pad_rows, unpad_rows
-from backend.engine.compiled import unit_forward
-from backend.engine.context import FetchedUnitIO, ForwardContext, UnitIO, cat_once
+from backend.engine.context import ForwardContext, UnitIO, cat_once
 from backend.engine.layout import RowLayout
 from backend.engine.lora import feed_forward, linear, project
 from backend.engine.strict import (
@@ -197,6 +196,8 @@ class _Shared:
 def _id_rotations(pos_embed, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> torch.Tensor:
     """Rotations of [text ; image] ids. A request passes the same ids at every step, so they are
     computed once and kept on the image ids tensor (again once either is written to)."""
+    if torch.compiler.is_compiling():  # a compiled step computes them in its graph
+        return _rotations(*pos_embed(torch.cat((txt_ids, img_ids), dim=0)))
     state = (pos_embed, txt_ids, txt_ids._version, img_ids._version)
     kept = getattr(img_ids, "_maskserve_rotations", None)
     if kept is not None and all(a is b or a == b for a, b in zip(kept[0], state)):
@@ -246,7 +247,10 @@ def run_flux(
 ) -> torch.Tensor:
     num_rows, num_tokens, _ = hidden_states.shape
     ctx.require_rows(num_rows)
-    grid = _image_grid(img_ids, txt_ids, num_tokens)
+    if torch.compiler.is_compiling():  # the ids were built by the engine, its grids resolved
+        grid = ctx.layouts.grid_of(num_tokens)
+    else:
+        grid = _image_grid(img_ids, txt_ids, num_tokens)
     timestep = timestep.to(hidden_states.dtype) * 1000
     if guidance is not None:
         temb = model.time_text_embed(
@@ -326,17 +330,17 @@ def _clip_half(x: torch.Tensor) -> torch.Tensor:
 def _run_unit(block, single: bool, unit: int, state: _State, text, shared: _Shared):
     ctx, masked = shared.ctx, shared.masked
     forward = _single_forward if single else _double_forward
+    io = UnitIO(ctx, unit)
     text_needed = unit != shared.last_unit
     if not ctx.uses_cache(unit):
         if state.full is None:
             raise RuntimeError(f"unit {unit}: a dense unit cannot follow a cached unit in kv mode")
         dense = ctx.dense_layout(state.full.shape[1])
-        run, io = unit_forward(ctx, unit, dense, forward, (), block)
         around = _Around(
             shared.temb, shared.rope_text, shared.rope_for(dense), None, None, text_needed
         )
         x_flat = state.full.reshape(-1, state.full.shape[-1])
-        text, out = run(block, x_flat, dense, state.full, False, text, around, io)
+        text, out = forward(block, x_flat, dense, state.full, False, text, around, io)
         out_full = out.reshape(state.full.shape)
         ctx.record(unit, "out", out_full)
         return text, _State(out_full, None)
@@ -344,16 +348,16 @@ def _run_unit(block, single: bool, unit: int, state: _State, text, shared: _Shar
     rope_q = shared.rope_for(masked)
     if ctx.mode == "kv":
         packed = state.packed if state.packed is not None else masked.gather(state.full)
-        run, io = unit_forward(ctx, unit, masked, forward, ("k", "v"), block)
         around = _Around(shared.temb, shared.rope_text, rope_q, None, None, text_needed)
-        text, out = run(block, packed, masked, None, True, text, around, io)
+        text, out = forward(block, packed, masked, None, True, text, around, io)
         return text, _State(None, out)
     dense = ctx.dense_layout(masked.num_tokens)
-    run, io = unit_forward(ctx, unit, masked, forward, (), block)
     around = _Around(
         shared.temb, shared.rope_text, rope_q, shared.rope_for(dense), dense, text_needed
     )
-    text, out = run(block, masked.gather(state.full), masked, state.full, False, text, around, io)
+    text, out = forward(
+        block, masked.gather(state.full), masked, state.full, False, text, around, io
+    )
     return text, _State(ctx.merge_cached(unit, "out", masked, out), None)
 
 
@@ -423,7 +427,7 @@ def _image_keys_for_groups(
     full_normed,
     from_cache: bool,
     around: _Around,
-    io: UnitIO | FetchedUnitIO,
+    io: UnitIO,
 ):
     """``group_kv(group, text_k, text_v)``: per row group, [text ; full image] K and V
     (g, T + L, H, d). Image K/V come from the queries themselves when dense, from the full normed

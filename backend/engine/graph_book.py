@@ -1,11 +1,12 @@
-"""Which unit graphs compiled steps may make: the engine's book of them, with a memory bound.
+"""Which step graphs the engine may compile: its book of them, with a memory bound.
 
-A compiled unit keeps a graph per signature (the forward, the block's width, the step's rows and
-token bucket, the tensors it reads, the compile mode) and, replayed from CUDA graphs, its memory.
-The book admits a signature the first time it is seen while those it holds stay within
-``max_shapes`` and their measured bytes below ``max_bytes``; a unit whose signature it does not
-admit runs eagerly (the same forward function, nothing compiled for it). Plain Python, no torch:
-the engine measures a new graph's bytes and reports them (``record_bytes``).
+A compiled step keeps a graph per signature (the model's forward, the step's rows and token
+buckets, its cache mode and cached units, its inputs' shapes, the compile mode) and, replayed from
+CUDA graphs, its memory. The book admits a signature the first time it is seen while those it
+holds stay within ``max_shapes`` and their measured bytes below ``max_bytes``; a step whose
+signature it does not admit runs eagerly (the same forward functions, nothing compiled for it).
+Plain Python, no torch: the engine measures a new graph's bytes and reports them
+(``record_bytes``).
 
 Invariants: ``len(shapes) <= max_shapes``; no signature is admitted once the recorded bytes reach
 ``max_bytes`` (0: no byte bound); ``clear`` (after the graphs were released under memory pressure)
@@ -23,7 +24,7 @@ class GraphBook:
     max_shapes: int = 64
     max_bytes: int = 0
     shapes: dict[Hashable, int] = field(default_factory=dict)  # shape -> its recorded bytes
-    refused: int = 0  # unit calls that ran eagerly because their signature was not admitted
+    refused: int = 0  # steps that ran eagerly because their signature was not admitted
 
     def __post_init__(self) -> None:
         if self.max_shapes < 0 or self.max_bytes < 0:
@@ -34,7 +35,7 @@ class GraphBook:
         return sum(self.shapes.values())
 
     def admits(self, shape: Hashable) -> bool:
-        """Whether a unit of signature ``shape`` runs compiled (a new one is admitted if there is
+        """Whether a step of signature ``shape`` runs compiled (a new one is admitted if there is
         room)."""
         if shape in self.shapes:
             return True
@@ -59,9 +60,9 @@ class GraphBook:
         return held
 
     def snapshot(self) -> dict[str, int]:
-        """``compiled_graphs``, ``compiled_graph_bytes`` (gauges), ``uncompiled_units_total``."""
+        """``compiled_graphs``, ``compiled_graph_bytes`` (gauges), ``uncompiled_steps_total``."""
         return {
             "compiled_graphs": len(self.shapes),
             "compiled_graph_bytes": self.bytes,
-            "uncompiled_units_total": self.refused,
+            "uncompiled_steps_total": self.refused,
         }

@@ -65,6 +65,8 @@ class RowLayout:
         tokens before every row's grid (token t of row r at r * (P + L) + P + t); made once per
         layout and prefix length."""
         key = ("after", num_prefix)
+        if torch.compiler.is_compiling():  # a compiled step computes it in its graph
+            return self.flat_index + (self.row_of_token + 1) * num_prefix
         if key not in self._derived:
             self._derived[key] = self.flat_index + (self.row_of_token + 1) * num_prefix
         return self._derived[key]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 from diffusers.hooks import ModelHook
@@ -34,7 +35,7 @@ class StrictForwardHook(ModelHook, ABC):
     advice: dict[str, str] = {}
 
     def initialize_hook(self, module):
-        self.signature = inspect.signature(module.forward)
+        self.parameters = Parameters.of(module.forward)
         self.owner = type(module).__name__
         return module
 
@@ -42,10 +43,9 @@ class StrictForwardHook(ModelHook, ABC):
         ctx = current_context()
         if ctx is None:
             return self.fn_ref.original_forward(*args, **kwargs)
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        self.refuse_unimplemented(bound.arguments)
-        return self.run(module, ctx, bound.arguments)
+        arguments = self.parameters.bind(self.owner, args, kwargs)
+        self.refuse_unimplemented(arguments)
+        return self.run(module, ctx, arguments)
 
     @abstractmethod
     def run(self, module, ctx: ForwardContext, arguments: dict[str, Any]): ...
@@ -62,10 +62,77 @@ class StrictForwardHook(ModelHook, ABC):
         """(name, value) of every argument; the entries of a ``**kwargs`` catch-all by their own
         names (a forward that accepts them would otherwise drop them unseen)."""
         for name, value in arguments.items():
-            if self.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            if name == self.parameters.var_keyword:
                 yield from value.items()
             else:
                 yield name, value
+
+
+@dataclass(frozen=True)
+class Parameters:
+    """A forward's parameters, read once from its signature, and the binding of a call's arguments
+    to them (``inspect.Signature.bind``'s rules, in plain dicts and tuples that ``torch.compile``
+    traces: a compiled step binds every hooked call of its forward)."""
+
+    positional: tuple[str, ...]  # parameters a positional argument fills, in order
+    keyword: frozenset[str]  # parameters a keyword argument may name
+    defaults: tuple[tuple[str, Any], ...]
+    required: tuple[str, ...]
+    var_positional: str | None
+    var_keyword: str | None
+
+    @classmethod
+    def of(cls, function) -> Parameters:
+        params = list(inspect.signature(function).parameters.values())
+        kinds = inspect.Parameter
+        positional = [
+            p.name for p in params if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
+        ]
+        keyword = [
+            p.name for p in params if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)
+        ]
+        catch_all = {
+            p.kind: p.name for p in params if p.kind in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)
+        }
+        return cls(
+            tuple(positional),
+            frozenset(keyword),
+            tuple((p.name, p.default) for p in params if p.default is not p.empty),
+            tuple(
+                p.name for p in params if p.default is p.empty and p.name not in catch_all.values()
+            ),
+            catch_all.get(kinds.VAR_POSITIONAL),
+            catch_all.get(kinds.VAR_KEYWORD),
+        )
+
+    def bind(self, owner: str, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """name -> value of every parameter, defaults applied; ``TypeError`` (as a call of the
+        forward itself would raise) for arguments it does not take or parameters left out."""
+        if len(args) > len(self.positional) and self.var_positional is None:
+            raise TypeError(
+                f"{owner}.forward takes {len(self.positional)} positional arguments, "
+                f"{len(args)} were given"
+            )
+        arguments = dict(self.defaults)
+        arguments.update(zip(self.positional, args))
+        if self.var_positional is not None:
+            arguments[self.var_positional] = tuple(args[len(self.positional) :])
+        given, extra = self.positional[: len(args)], {}
+        for name, value in kwargs.items():
+            if name in given:
+                raise TypeError(f"{owner}.forward got multiple values for argument {name!r}")
+            if name in self.keyword:
+                arguments[name] = value
+            elif self.var_keyword is not None:
+                extra[name] = value
+            else:
+                raise TypeError(f"{owner}.forward got an unexpected keyword argument {name!r}")
+        if self.var_keyword is not None:
+            arguments[self.var_keyword] = extra
+        missing = [name for name in self.required if name not in arguments]
+        if missing:
+            raise TypeError(f"{owner}.forward is missing arguments: {', '.join(missing)}")
+        return arguments
 
 
 def _inert(value: Any) -> bool:

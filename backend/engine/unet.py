@@ -33,8 +33,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
 from backend.engine.attention import fuse_linears, ragged_attention
-from backend.engine.compiled import unit_forward
-from backend.engine.context import FetchedUnitIO, ForwardContext, UnitIO
+from backend.engine.context import ForwardContext, UnitIO
 from backend.engine.layout import RowLayout
 from backend.engine.lora import feed_forward, linear, project
 from backend.engine.strict import (
@@ -225,11 +224,9 @@ def _run_unit(
         if state.full is None:
             raise RuntimeError(f"unit {unit}: a dense unit cannot follow a cached unit in kv mode")
         dense = ctx.dense_layout(state.full.shape[1])
-        forward, io = unit_forward(ctx, unit, dense, _block_forward, (), block)
         keys = _text_keys(block.attn2, text, ctx.lora)
-        out = forward(
-            block, state.full.reshape(-1, state.full.shape[-1]), dense, state.full, keys, io
-        )
+        x_flat = state.full.reshape(-1, state.full.shape[-1])
+        out = _block_forward(block, x_flat, dense, state.full, keys, UnitIO(ctx, unit))
         out_full = out.reshape(state.full.shape)
         ctx.record(unit, "out", out_full)
         return _State(out_full, None)
@@ -237,10 +234,10 @@ def _run_unit(
     keys = _text_keys(block.attn2, text, ctx.lora)
     if ctx.mode == "kv":
         packed = state.packed if state.packed is not None else masked.gather(state.full)
-        forward, io = unit_forward(ctx, unit, masked, _block_forward, ("k", "v"), block)
-        return _State(None, forward(block, packed, masked, None, keys, io))
-    forward, io = unit_forward(ctx, unit, masked, _block_forward, (), block)
-    packed = forward(block, masked.gather(state.full), masked, state.full, keys, io)
+        return _State(None, _block_forward(block, packed, masked, None, keys, UnitIO(ctx, unit)))
+    packed = _block_forward(
+        block, masked.gather(state.full), masked, state.full, keys, UnitIO(ctx, unit)
+    )
     return _State(ctx.merge_cached(unit, "out", masked, packed), None)
 
 
@@ -260,6 +257,10 @@ def _text_keys(attn2, text: torch.Tensor, lora) -> tuple[torch.Tensor, torch.Ten
         return tuple(
             _heads(p, attn2.heads) for p in project(lora, text, (attn2.to_k, attn2.to_v), None)
         )
+    if torch.compiler.is_compiling():  # a compiled step computes them in its graph
+        return tuple(
+            _heads(p, attn2.heads) for p in project(None, text, (attn2.to_k, attn2.to_v), None)
+        )
     kept = text.__dict__.setdefault("_maskserve_text_keys", {})
     if id(attn2) not in kept:
         kept[id(attn2)] = tuple(
@@ -274,7 +275,7 @@ def _block_forward(
     layout_q: RowLayout,
     x_full: torch.Tensor | None,
     text_keys: tuple[torch.Tensor, torch.Tensor] | None,
-    io: UnitIO | FetchedUnitIO,
+    io: UnitIO,
 ) -> torch.Tensor:
     """One BasicTransformerBlock on packed query tokens ``x_q`` (total, C), with the text's
     cross-attention K and V (``_text_keys``).

@@ -45,7 +45,7 @@ class WorkerStats:
             "oom_errors_total",
             "oom_retried_rows_total",
             "oom_failed_rows_total",
-            "uncompiled_units_total",
+            "uncompiled_steps_total",
         }
     )
     window: int = 10_000
