@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from backend.adapters.family import UNET, adapter_family, other_family
 from backend.adapters.files import (
     AdapterFileError,
     NormalizedMeta,
@@ -169,10 +170,65 @@ def test_rank_over_the_limit_is_refused(tmp_path):
     assert "rank 4" in message and "limit of 2" in message
 
 
-def test_an_adapter_of_another_family_or_shape_names_the_layer_and_model(tmp_path):
+@pytest.mark.parametrize(
+    ("maker", "layout", "model_id", "words"),
+    [
+        (
+            "tiny-sd2-inpaint",
+            "peft",
+            "tiny-flux-fill",
+            "SD 1.x/2.x (sd2-inpaint), the model is Flux",
+        ),
+        (
+            "tiny-sd2-inpaint",
+            "kohya",
+            "tiny-sdxl-inpaint",
+            "SD 1.x/2.x (sd2-inpaint), the model is SDXL",
+        ),
+        (
+            "tiny-sdxl-inpaint",
+            "peft",
+            "tiny-sd2-inpaint",
+            "SDXL (sdxl-inpaint), the model is SD 1.x/2.x",
+        ),
+        ("tiny-sdxl-inpaint", "kohya", "tiny-flux-fill", "SDXL (sdxl-inpaint), the model is Flux"),
+        ("tiny-flux-fill", "peft", "tiny-sd2-inpaint", "Flux (flux-fill), the model is SD 1.x/2.x"),
+    ],
+)
+def test_an_adapter_of_another_family_is_refused_naming_both(
+    tmp_path, maker, layout, model_id, words
+):
+    path = make_adapter_file(maker, tmp_path / "a.safetensors", rank=2, layout=layout)
+    assert f"this adapter is for {words}" in str(refusal(path, model_id))
+
+
+def test_the_family_is_told_from_the_names_of_every_layout():
+    """Names as the diffusers/PEFT, the older diffusers, kohya and kohya's SGM layouts write them
+    for the published architectures; a UNet adapter that leaves attention alone is a UNet, and
+    names of no denoiser say nothing."""
+    cases = {
+        "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_A": "sd2-inpaint",
+        "unet.down_blocks.0.attentions.1.proj_in.lora.down.weight": "sd2-inpaint",
+        "lora_unet_input_blocks_1_1_proj_in.lora_down.weight": "sd2-inpaint",
+        "unet.up_blocks.0.attentions.2.transformer_blocks.9.attn2.to_k.lora_B": "sdxl-inpaint",
+        "lora_unet_output_blocks_0_1_transformer_blocks_0_attn1_to_q.lora_up": "sdxl-inpaint",
+        "transformer.transformer_blocks.3.attn.to_q.lora_A.weight": "flux-fill",
+        "transformer.single_transformer_blocks.7.proj_out.lora_B.weight": "flux-fill",
+        "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": "flux-fill",
+        "lora_unet_single_blocks_3_linear1.lora_down.weight": "flux-fill",
+        "unet.mid_block.resnets.0.time_emb_proj.lora_A.weight": UNET,
+        "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": None,
+    }
+    for key, family in cases.items():
+        assert adapter_family([key]) == family, key
+    assert (
+        other_family(["unet.mid_block.resnets.0.time_emb_proj.lora_A.weight"], "sdxl-inpaint")
+        is None
+    )
+
+
+def test_an_adapter_of_another_shape_names_the_layer_and_model(tmp_path):
     sd2 = make_adapter_file("tiny-sd2-inpaint", tmp_path / "sd2.safetensors", rank=2)
-    message = str(refusal(sd2, "tiny-flux-fill"))
-    assert "diffusers could not convert" in message  # unet keys are no transformer keys
     other = str(refusal(sd2, "small-sd2-inpaint"))
     assert "small-sd2-inpaint" in other and "down_blocks.0.attentions.0" in other
     assert "another model" in other

@@ -129,7 +129,7 @@ def test_upload_list_inspect_delete(client, worker, settings, tmp_path):
     [
         ("garbage", 415, "not a readable .safetensors"),
         ("truncated", 415, "truncated"),
-        ("other_family", 422, "diffusers could not convert"),
+        ("other_family", 422, "this adapter is for SD 1.x/2.x (sd2-inpaint), the model is Flux"),
         ("rank", 422, "limit of 8"),
         ("too_large", 413, "limit of 1 MB"),
         ("unknown_model", 422, "unknown model"),

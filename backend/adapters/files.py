@@ -12,8 +12,9 @@ with rsLoRA), ``r`` and ``alpha`` taken from ``rank_pattern`` / ``alpha_pattern`
 Invariants:
 * nothing is ever unpickled: files are opened as safetensors only;
 * an adapter that is read holds only 2-D pairs of the denoiser, rank ``1..max_rank``, at least one;
-  anything else (text-encoder layers, DoRA, convolution (LoCon) layers, LoRA biases, keys diffusers
-  could not convert) is refused with ``AdapterFileError`` saying what and why;
+  anything else (an adapter of another model family, told from its names: ``family``;
+  text-encoder layers, DoRA, convolution (LoCon) layers, LoRA biases, keys diffusers could not
+  convert) is refused with ``AdapterFileError`` saying what and why;
 * a normalized file holds ``<module>.down`` (rank, in) and ``<module>.up`` (out, rank) per pair and
   its metadata (``FORMAT_VERSION``, family, model, layout read from, per-module scale); it is
   written atomically and its bytes depend only on its content (the store deduplicates by hash).
@@ -33,6 +34,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from backend.adapters.container import safetensors_keys
+from backend.adapters.family import other_family
 from backend.adapters.store import AdapterError
 from backend.atomic import atomic_path
 from backend.engine.lora import LoraAdapter, LoraPair, check_adapter, lora_targets
@@ -241,6 +243,9 @@ def read_adapter(
     if not keys:
         raise AdapterFileError("the file holds no tensors: it is not a LoRA adapter")
     _refuse_unsupported_kinds(keys)
+    mismatch = other_family(keys, family)
+    if mismatch:  # before diffusers, whose conversion would fail on the other family's names
+        raise AdapterFileError(mismatch)
     state, alphas, metadata = _diffusers_state(path, family, unet_config)
     denoiser, alphas, metadata = _denoiser_part(state, alphas, metadata, prefix)
     pairs = _pairs(_peft_state(denoiser), alphas, metadata)
