@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from backend.cache.memory_entry import MemoryTemplateCache
+from backend.engine import compiled
 from backend.engine.editor import MaskAwareEngine
 from backend.engine.graph_book import GraphBook
 from backend.engine.launches import count_launches, launched_operators
@@ -122,6 +123,28 @@ def test_dense_and_recording_steps_run_compiled_and_equal_eager(models_dir, tmp_
                 reference = eager.step_tensor(step, unit, name)
                 difference = (compiled.step_tensor(step, unit, name) - reference).abs().max()
                 assert difference.item() <= COMPILED_TOL * reference.abs().max().item()
+
+
+def test_a_step_the_compiler_cannot_take_runs_eagerly_and_is_not_tried_again(
+    engine, caches, monkeypatch
+):
+    eager = _prediction(engine, _states(engine, caches, MASKS), monkeypatch)
+    tries = []
+
+    def failing(mode):
+        def run(*args):
+            tries.append(mode)
+            raise torch._dynamo.exc.Unsupported("an operator the compiler does not know")
+
+        return run
+
+    monkeypatch.setattr(compiled, "_compiled_forward", failing)
+    monkeypatch.setattr(engine, "compile_steps", "default")
+    monkeypatch.setattr(engine, "graphs", GraphBook())
+    for _ in range(2):
+        assert torch.equal(_prediction(engine, _states(engine, caches, MASKS), monkeypatch), eager)
+    assert tries == ["default"]  # the failed shape is not compiled again
+    assert engine.graphs.snapshot()["uncompilable_step_shapes"] == 1
 
 
 @pytest.mark.parametrize("requests", (1, 2))

@@ -1,4 +1,4 @@
-"""The graph book's rule (pure): which unit graphs compiled steps may make, within a count and
+"""The graph book's rule (pure): which step graphs the engine may compile, within a count and
 a byte bound, and what it reports."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ def test_the_byte_bound_stops_new_signatures_not_known_ones():
     assert not book.admits("c") and book.admits("a") and book.admits("b")
     assert book.snapshot() == {
         "compiled_graphs": 2,
+        "uncompilable_step_shapes": 0,
         "compiled_graph_bytes": 110,
         "uncompiled_steps_total": 1,
     }
@@ -41,3 +42,13 @@ def test_clearing_gives_back_what_was_recorded_and_admits_afresh():
 def test_bad_bounds_are_refused():
     with pytest.raises(ValueError, match="0 or more"):
         GraphBook(max_shapes=-1)
+
+
+def test_a_signature_that_failed_to_compile_is_never_admitted_again():
+    book = GraphBook()
+    assert book.admits("a")
+    book.fail("a")
+    assert "a" not in book.shapes and not book.admits("a") and book.refused == 1
+    book.clear()  # graphs released under memory pressure: a failed one still fails
+    assert not book.admits("a") and book.admits("b")
+    assert book.snapshot()["uncompilable_step_shapes"] == 1

@@ -24,6 +24,7 @@ operations. One traced forward runs at a time per process (``STEP_LOCK``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable
 
@@ -32,6 +33,8 @@ import torch
 from backend.engine.context import ForwardContext, traced_call
 from backend.engine.graph_book import GraphBook
 from backend.engine.layout import RowLayout
+
+log = logging.getLogger(__name__)
 
 # graphs the compiled step keeps: models x resolutions x row and token buckets x cache modes
 RECOMPILE_LIMIT = 256
@@ -145,7 +148,8 @@ def compiled_step(
     ``ctx.compile_steps``: with ``ctx`` active (its cached tensors ``names`` fetched and its
     layouts on ``grids`` resolved first), or, ``ordinary``, as the model's own forward (a dense
     step that records nothing). None when the graph book refuses the step's shape: the caller
-    runs it eagerly. On CUDA a new graph's first run measures the device memory it took."""
+    runs it eagerly, as when the compiler fails on it (the shape is then never tried again).
+    On CUDA a new graph's first run measures the device memory it took."""
     layouts = FixedLayouts(ctx.layouts, grids)
     shape = tuple((g, lay.max_tokens, lay.is_full) for g, lay in layouts.masked.items())
     graph = (forward.__qualname__, ordinary, ctx.num_rows, shape, ctx.mode, tuple(ctx.use_cache))
@@ -162,8 +166,16 @@ def compiled_step(
     run = _compiled_forward(ctx.compile_steps)
     if new and torch.device(ctx.device).type == "cuda":
         run = _measured(run, book, graph, torch.device(ctx.device))
-    with STEP_LOCK:  # what the traced forward records goes to ``ctx.recorder`` (one dict)
-        return run(traced, forward, *args)
+    try:
+        with STEP_LOCK:  # what the traced forward records goes to ``ctx.recorder`` (one dict)
+            return run(traced, forward, *args)
+    except torch._dynamo.exc.TorchDynamoException as exc:
+        # a model the compiler cannot take (its error names why) is served eagerly, not failed;
+        # raised before the graph ran, so nothing was recorded or changed
+        log.warning("step shape not compiled, runs eagerly: %s", str(exc).splitlines()[0])
+        if book is not None:
+            book.fail(graph)
+        return None
 
 
 def _measured(run: Callable, book, graph, device: torch.device) -> Callable:

@@ -149,7 +149,7 @@ class MaskAwareEngine:
         attention: str = "auto",
         lora_batching: str = "stacked",
         step_shapes: str = "auto",
-        compile_steps: str = "auto",
+        compile_steps: str = "off",
         graphs: GraphBook | None = None,
     ):
         self.pipe, self.spec, self.cache_root = pipe, spec, Path(cache_root)

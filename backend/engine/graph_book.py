@@ -8,9 +8,13 @@ signature it does not admit runs eagerly (the same forward functions, nothing co
 Plain Python, no torch: the engine measures a new graph's bytes and reports them
 (``record_bytes``).
 
+A signature whose compilation failed (``fail``) is never admitted again: its steps run eagerly
+instead of failing.
+
 Invariants: ``len(shapes) <= max_shapes``; no signature is admitted once the recorded bytes reach
-``max_bytes`` (0: no byte bound); ``clear`` (after the graphs were released under memory pressure)
-empties the book, and signatures are then admitted afresh.
+``max_bytes`` (0: no byte bound); a failed signature is never in ``shapes``; ``clear`` (after the
+graphs were released under memory pressure) empties ``shapes``, and signatures not failed are
+then admitted afresh.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class GraphBook:
     max_bytes: int = 0
     shapes: dict[Hashable, int] = field(default_factory=dict)  # shape -> its recorded bytes
     refused: int = 0  # steps that ran eagerly because their signature was not admitted
+    failed: set[Hashable] = field(default_factory=set)  # signatures whose compilation failed
 
     def __post_init__(self) -> None:
         if self.max_shapes < 0 or self.max_bytes < 0:
@@ -39,8 +44,10 @@ class GraphBook:
         room)."""
         if shape in self.shapes:
             return True
-        room = len(self.shapes) < self.max_shapes and (
-            self.max_bytes == 0 or self.bytes < self.max_bytes
+        room = (
+            shape not in self.failed
+            and len(self.shapes) < self.max_shapes
+            and (self.max_bytes == 0 or self.bytes < self.max_bytes)
         )
         if room:
             self.shapes[shape] = 0
@@ -53,6 +60,11 @@ class GraphBook:
         if shape in self.shapes:
             self.shapes[shape] = max(0, int(nbytes))
 
+    def fail(self, shape: Hashable) -> None:
+        """``shape``'s graph could not be compiled: forget it and never admit it again."""
+        self.shapes.pop(shape, None)
+        self.failed.add(shape)
+
     def clear(self) -> int:
         """Forget every signature (their graphs were released); the bytes they held."""
         held = self.bytes
@@ -60,9 +72,11 @@ class GraphBook:
         return held
 
     def snapshot(self) -> dict[str, int]:
-        """``compiled_graphs``, ``compiled_graph_bytes`` (gauges), ``uncompiled_steps_total``."""
+        """``compiled_graphs``, ``compiled_graph_bytes``, ``uncompilable_step_shapes`` (gauges),
+        ``uncompiled_steps_total``."""
         return {
             "compiled_graphs": len(self.shapes),
+            "uncompilable_step_shapes": len(self.failed),
             "compiled_graph_bytes": self.bytes,
             "uncompiled_steps_total": self.refused,
         }

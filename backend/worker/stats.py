@@ -85,7 +85,7 @@ class WorkerStats:
     oom_failed_rows: int = 0
     # the shapes' batch caps after running out of memory (None: nothing is capped)
     caps: BatchCaps | None = None
-    # the engine's compiled unit graphs and their memory (None: an engine without the book)
+    # the engine's compiled step graphs and their memory (None: an engine without the book)
     graphs: GraphBook | None = None
 
     def record_step(
