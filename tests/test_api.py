@@ -224,6 +224,7 @@ def test_bad_fields_are_4xx_saying_what_to_fix(
         ({"prompt": "x" * 2001}, "prompt"),
         ({"model": "no-such-model"}, "model"),
         ({"service_class": "urgent"}, "service_class"),
+        ({"adapters": '[{"id": "nope"}]'}, "adapters"),
     ],
 )
 def test_a_refusal_names_the_field_to_fix(client, fields, field):

@@ -91,6 +91,7 @@ def edit(api: openai.OpenAI, **fields):
         ({"model": "no-such-model"}, "model", "no-such-model"),
         ({"prompt": "x" * 2001}, "prompt", "2001 characters long, the limit is 2000"),
         ({"extra_body": {"service_class": "urgent"}}, "service_class", "is not known"),
+        ({"extra_body": {"adapters": "[1]"}}, "adapters", "each adapter needs a string id"),
     ],
 )
 def test_bad_calls_raise_bad_request_naming_the_field_and_store_nothing(

@@ -14,7 +14,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from backend.adapters.store import AdapterError, AdapterNotFound, AdapterStore
+from backend.adapters.store import AdapterNotFound, AdapterStore
+from backend.api.checks import ServiceError
 from backend.config import AdapterSettings
 from backend.protocol import AdapterUse
 
@@ -33,6 +34,11 @@ FORM_HELP = (
 )
 
 
+def _refused(message: str) -> ServiceError:
+    """The request's adapters refused (422): the error names the ``adapters`` field."""
+    return ServiceError(message, field="adapters")
+
+
 def parse_choices(text: str) -> list[AdapterChoice]:
     """The adapters of a form field (JSON list of ``{"id", "scale"}``; empty: none)."""
     if not text.strip():
@@ -40,21 +46,21 @@ def parse_choices(text: str) -> list[AdapterChoice]:
     try:
         items = json.loads(text)
     except ValueError as exc:
-        raise AdapterError(f"adapters is not JSON ({exc}): {FORM_HELP}") from None
+        raise _refused(f"adapters is not JSON ({exc}): {FORM_HELP}") from None
     if not isinstance(items, list):
-        raise AdapterError(f"adapters must be a JSON list: {FORM_HELP}")
+        raise _refused(f"adapters must be a JSON list: {FORM_HELP}")
     return [_choice(item) for item in items]
 
 
 def _choice(item: object) -> AdapterChoice:
     if not isinstance(item, dict) or not isinstance(item.get("id"), str):
-        raise AdapterError(f"each adapter needs a string id: {FORM_HELP}")
+        raise _refused(f"each adapter needs a string id: {FORM_HELP}")
     unknown = sorted(set(item) - {"id", "scale"})
     if unknown:
-        raise AdapterError(f"unknown adapter fields {', '.join(unknown)}: {FORM_HELP}")
+        raise _refused(f"unknown adapter fields {', '.join(unknown)}: {FORM_HELP}")
     scale = item.get("scale", 1.0)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise AdapterError(f"the scale of adapter {item['id']} must be a number, got {scale!r}")
+        raise _refused(f"the scale of adapter {item['id']} must be a number, got {scale!r}")
     return AdapterChoice(item["id"], float(scale))
 
 
@@ -65,15 +71,15 @@ def resolve_uses(
     model_id: str,
     limits: AdapterSettings,
 ) -> list[AdapterUse]:
-    """What travels with the job for ``choices``; ``AdapterError`` (422) naming what to fix."""
+    """What travels with the job for ``choices``; ``ServiceError`` (422) naming what to fix."""
     if len(choices) > limits.max_per_request:
-        raise AdapterError(
+        raise _refused(
             f"{len(choices)} adapters named: a request may use at most {limits.max_per_request}"
         )
     ids = [c.adapter_id for c in choices]
     repeated = sorted({i for i in ids if ids.count(i) > 1})
     if repeated:
-        raise AdapterError(
+        raise _refused(
             f"adapter {', '.join(repeated)} is named more than once: name each once, with "
             "the sum of the scales"
         )
@@ -85,19 +91,19 @@ def _use(
 ) -> AdapterUse:
     scale = choice.scale
     if not math.isfinite(scale) or not limits.scale_min <= scale <= limits.scale_max:
-        raise AdapterError(
+        raise _refused(
             f"the scale of adapter {choice.adapter_id} is {scale}: use a value in "
             f"[{limits.scale_min}, {limits.scale_max}]"
         )
     try:
         record = store.get(choice.adapter_id, owner)
     except AdapterNotFound:
-        raise AdapterError(
+        raise _refused(
             f"adapter {choice.adapter_id[:64]} does not exist: upload it with POST /v1/adapters "
             "or pick one of GET /v1/adapters"
         ) from None
     if record.model_id != model_id:
-        raise AdapterError(
+        raise _refused(
             f"adapter {record.adapter_id} ({record.name}) was registered for {record.model_id}; "
             f"this edit runs {model_id}: pick that model, or register the adapter for this one"
         )
