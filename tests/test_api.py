@@ -221,6 +221,7 @@ def test_bad_fields_are_4xx_saying_what_to_fix(
     "fields, field",
     [
         ({"steps": "0"}, "steps"),
+        ({"steps": "many"}, "steps"),  # not a number: FastAPI's own validation
         ({"prompt": "x" * 2001}, "prompt"),
         ({"model": "no-such-model"}, "model"),
         ({"service_class": "urgent"}, "service_class"),

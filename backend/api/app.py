@@ -94,16 +94,22 @@ def _error(
     return JSONResponse({"error": message, **(detail or {})}, status_code=status, headers=headers)
 
 
-def _validation_message(exc: RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        where = ".".join(
-            str(p)
-            for p in err.get("loc", ())
-            if p not in ("body", "query", "path", "header", "form")
-        )
-        parts.append(f"{where or 'request'}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts) + " (see /docs for the expected fields)"
+def _where(err: dict) -> str:
+    """The field an error of FastAPI's validation is about ("" for the request as a whole)."""
+    return ".".join(
+        str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "header", "form")
+    )
+
+
+def _validation_error(exc: RequestValidationError) -> JSONResponse:
+    found = [(_where(err), err.get("msg", "invalid")) for err in exc.errors()]
+    parts = [f"{where or 'request'}: {message}" for where, message in found]
+    field = next((where for where, _ in found if where), None)
+    return _error(
+        422,
+        "; ".join(parts) + " (see /docs for the expected fields)",
+        detail={"field": field} if field else None,
+    )
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -116,7 +122,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request, exc: RequestValidationError):
-        return _error(422, _validation_message(exc))
+        return _validation_error(exc)
 
     @app.exception_handler(ServiceError)
     async def service_error(_request, exc: ServiceError):
