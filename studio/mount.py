@@ -4,7 +4,8 @@ The Gradio login page checks ``Guard.check_login`` (the users in ``MASKSERVE_USE
 sign-ins throttled by ``studio.login_throttle``), the REST routes check the same Guard's API keys;
 with auth disabled neither asks. The studio acts as one tenant, ``Guard.studio_owner``: its
 templates, jobs and adapters are that tenant's. ``/``
-redirects to the studio so a person opening the server's address lands on it.
+redirects to the studio so a person opening the server's address lands on it, and
+``/favicon.ico`` to the studio's icon (browsers ask the site's root for it on every page).
 """
 
 from __future__ import annotations
@@ -76,5 +77,11 @@ def mount_studio(
     @app.get("/", include_in_schema=False)
     def to_studio() -> RedirectResponse:
         return RedirectResponse(url=f"{path}/")
+
+    # Gradio serves its icon under the studio's path only, and its page names none: without this
+    # every studio load logs a 404 for the root's icon in the browser's console
+    @app.get("/favicon.ico", include_in_schema=False)
+    def favicon() -> RedirectResponse:
+        return RedirectResponse(url=f"{path}/favicon.ico")
 
     return page

@@ -5,8 +5,10 @@ uses it: sign in, fill the empty gallery with the sample scenes, upload a templa
 it, paint a stroke with the mouse, write a prompt, submit, wait for the result. The result must
 differ inside the stroke and equal the template outside it. Later the same edit runs again with a
 LoRA adapter registered in the Adapters tab (ingested by the stack's CPU worker), chosen in the
-editor's picker with a scale. Screenshots go to ``test-output/studio/`` (and the test's tmp
-dir)."""
+editor's picker with a scale. The other tests serve the API app alone (a real Redis, no worker:
+the test records an edit done the way post-processing does) and check what the page shows: the
+canvas's layers pixel by pixel, the DOM's text. Screenshots go to ``test-output/studio/`` (and
+the test's tmp dir)."""
 
 from __future__ import annotations
 
@@ -23,12 +25,16 @@ from PIL import Image
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import sync_playwright
 
+from backend.api.app import create_app
 from backend.api.security import STUDIO_OWNER
 from backend.client import MaskServeClient, MaskServeError
 from backend.jobstate import JobStateStore
 from backend.protocol.keys import job_key
+from studio.actions import StudioActions
 from templates_store.samples import sample_template
 from tests.adapter_factory import make_adapter_file
+from tests.api_factory import make_settings
+from tests.served_app import serve
 from tests.stack_factory import running_stack
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -58,6 +64,17 @@ def studio_stack(redis_url, models_dir, tmp_path, monkeypatch):
         base,
     ):
         yield base, running
+
+
+@pytest.fixture
+def studio_app(redis_url, redis_client, tmp_path):
+    """The API app with the studio mounted, served over HTTP, on a real Redis and with no worker:
+    an edit stays queued until the test records it done (``finish``, as post-processing does).
+    Yields the base URL and the studio's actions over the same services."""
+    settings = make_settings(redis_url, tmp_path, users=(f"{USER}:{PASSWORD}",))
+    app = create_app(settings, redis_client=redis_client)
+    with serve(app) as base:
+        yield base, StudioActions(app.state.service, app.state.templates, STUDIO_OWNER)
 
 
 @pytest.fixture
@@ -350,3 +367,31 @@ def _job_ids(redis_client) -> list[str]:
     record = re.compile(rf"^{re.escape(job_key(''))}([0-9a-f]{{32}})$")
     keys = (key.decode() for key in redis_client.scan_iter(f"{job_key('')}*"))
     return [match.group(1) for key in keys if (match := record.match(key))]
+
+
+# ----- the studio over the API app alone (no worker: edits are recorded done by the test) --------
+def test_the_studio_loads_without_a_missing_file_or_a_console_error(
+    studio_app, browser_page, tmp_path
+):
+    """A browser asks the site's root for its icon on every page: it is there (the studio's), and
+    signing in and opening every tab logs no error in the browser's console."""
+    base, _actions = studio_app
+    page = browser_page
+    missing, errors = [], []
+    page.on("response", lambda r: r.status >= 400 and missing.append(f"{r.status} {r.url}"))
+    page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+    sign_in(page, base)
+    for tab, shown in (
+        ("Editor", "#ms-canvas"),
+        ("Gallery", "#ms-gallery"),
+        ("History", "#ms-history"),
+        ("Batches", "#ms-batches"),
+        ("Adapters", "#ms-adapters"),
+    ):
+        page.get_by_role("tab", name=tab).click()
+        page.locator(shown).wait_for(timeout=30_000)
+        screenshot(page, tmp_path, f"tab-{tab.lower()}")
+    # the browser's own request for the icon is not a page request: asked the same way here
+    icon = page.request.get(f"{base}/favicon.ico")
+    assert icon.ok and icon.headers["content-type"].startswith("image/"), icon
+    assert not missing and not errors, (missing, errors)
