@@ -375,14 +375,15 @@ class StudioPage(GalleryTab, HistoryTab, BatchesTab, ResultsView, AdaptersTab):
         return f"**{html.escape(record.name)}** · {record.width}x{record.height}{tags}{status}"
 
     def _on_canvas(self, template_id: str, layer=None):
-        """(record, the editor value showing the template with ``layer`` painted, or nothing)."""
+        """(record, the editor value showing the template with ``layer`` painted, or nothing).
+        The composite is the template alone: the editor draws its picture from the composite
+        (the background only without one), so a composite with the layer in it would show the
+        mask twice, once as a picture the brush and eraser cannot touch and Generate never sends.
+        """
         record = self.actions.template(template_id)
         path = str(self.actions.image_path(record.id))
-        if layer is None:
-            return record, {"background": path, "layers": [], "composite": path}
-        composite = self.actions.template_image(record.id).convert("RGBA")
-        composite.alpha_composite(layer)
-        return record, {"background": path, "layers": [layer], "composite": composite}
+        layers = [] if layer is None else [layer]
+        return record, {"background": path, "layers": layers, "composite": path}
 
     @handler(3)
     def _unpainted(self, template_id: str):

@@ -1,5 +1,5 @@
-"""What the studio's tabs share: the brush, the page's CSS, the signed-in user, the handler
-decorator that turns a ``StudioError`` into a warning toast, and the progress bar."""
+"""What the studio's tabs share: the brush, the page's CSS and script, the signed-in user, the
+handler decorator that turns a ``StudioError`` into a warning toast, and the progress bar."""
 
 from __future__ import annotations
 
@@ -62,6 +62,40 @@ CSS = """
 .ms-previews { display: flex; gap: 6px; margin-top: 6px; }
 .ms-preview { width: 128px; height: auto; image-rendering: auto; border-radius: 4px; }
 .ms-muted { color: var(--body-text-color-subdued); font-size: 0.9em; }
+"""
+
+# Run once on page load. Gradio's ImageEditor (6.31, pinned) sizes a layer it loads from a URL (a
+# mask recalled from the History or dropped on the editor) by the bounds of everything on its
+# canvas, the brush's stroke preview included, which keeps the size of an earlier canvas (800x800
+# until the first stroke), and centres the layer's picture in those bounds: the mask then lands
+# down and right of its place, partly off the image. The editor's loader is sized by the picture
+# (its background layer) instead; it reads the bounds before its first await, so they are put
+# back when it returns. The editor publishes its canvas object as window.editor once mounted.
+EDITOR_JS = """
+() => {
+  const sizeLayersByPicture = () => {
+    const manager = window.editor && window.editor.layer_manager;
+    if (!manager) return false;
+    const loader = Object.getPrototypeOf(manager);
+    if (loader.msSizedByPicture) return true;
+    const load = loader.add_layer_from_url;
+    loader.add_layer_from_url = function (url) {
+      const picture = this.background_layer;
+      if (!picture) return load.call(this, url);
+      this.image_container.getLocalBounds = () => picture.getLocalBounds();
+      try {
+        return load.call(this, url);
+      } finally {
+        delete this.image_container.getLocalBounds;
+      }
+    };
+    loader.msSizedByPicture = true;
+    return true;
+  };
+  if (!sizeLayersByPicture()) {
+    const waiting = setInterval(() => sizeLayersByPicture() && clearInterval(waiting), 50);
+  }
+}
 """
 
 

@@ -20,7 +20,7 @@ from backend.api.service import JobService
 from backend.config import Settings
 from studio.actions import StudioActions
 from studio.app import build_studio
-from studio.components import CSS
+from studio.components import CSS, EDITOR_JS
 from studio.login_throttle import LoginThrottle
 from templates_store.store import TemplateStore
 
@@ -69,6 +69,7 @@ def mount_studio(
         ssr_mode=False,
         max_file_size=int(settings.api.max_template_mb * 2**20),
         css=CSS,
+        js=EDITOR_JS,
     )
 
     if auth:

@@ -12,6 +12,7 @@ the test's tmp dir)."""
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import re
@@ -30,12 +31,14 @@ from backend.api.security import STUDIO_OWNER
 from backend.client import MaskServeClient, MaskServeError
 from backend.jobstate import JobStateStore
 from backend.protocol.keys import job_key
-from studio.actions import StudioActions
+from studio.actions import EditForm, StudioActions
+from studio.masks import LAYER_RGB
 from templates_store.samples import sample_template
 from tests.adapter_factory import make_adapter_file
 from tests.api_factory import make_settings
 from tests.served_app import serve
 from tests.stack_factory import running_stack
+from tests.test_studio_actions import stroke
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -370,6 +373,21 @@ def _job_ids(redis_client) -> list[str]:
 
 
 # ----- the studio over the API app alone (no worker: edits are recorded done by the test) --------
+# Gradio's ImageEditor publishes its canvas object as window.editor; get_blobs() renders each of
+# its layers at the image's size, as PNGs: the picture (background), each painted layer and what
+# the painter sees of them together (composite), the images Generate sends
+EDITOR_LAYERS = """async () => {
+  const blobs = await window.editor.get_blobs();
+  const read = (blob) => blob && new Promise((done) => {
+    const reader = new FileReader();
+    reader.onload = () => done(reader.result);
+    reader.readAsDataURL(blob);
+  });
+  return {background: await read(blobs.background), composite: await read(blobs.composite),
+          layers: await Promise.all(blobs.layers.map(read))};
+}"""
+
+
 def test_the_studio_loads_without_a_missing_file_or_a_console_error(
     studio_app, browser_page, tmp_path
 ):
@@ -395,3 +413,103 @@ def test_the_studio_loads_without_a_missing_file_or_a_console_error(
     icon = page.request.get(f"{base}/favicon.ico")
     assert icon.ok and icon.headers["content-type"].startswith("image/"), icon
     assert not missing and not errors, (missing, errors)
+
+
+def test_a_recalled_or_dropped_mask_is_drawn_once_where_it_belongs(
+    studio_app, browser_page, tmp_path
+):
+    """Recalling a job from the History, then dropping a mask file on the editor: the canvas shows
+    the template with the mask painted once, as its one layer, exactly where the mask is (never a
+    second copy in the picture under it, nor one shifted by the canvas's size), and Generate sends
+    that very mask."""
+    base, actions = studio_app
+    page = browser_page
+    template = sample_template(W, H, seed=4)
+    template.save(path := tmp_path / "courtyard.png")
+    (record,), _ = actions.upload([path])
+    job = actions.submit(USER, record.id, stroke((20, 10, 60, 50), (W, H)), EditForm(prompt="a"))
+    sign_in(page, base)
+    page.get_by_role("tab", name="History").click()
+    page.locator("#ms-history").get_by_text(job.job_id).first.wait_for(
+        state="attached", timeout=30_000
+    )
+    page.locator("#ms-history [data-testid=cell-0-2]").click()
+    page.locator("#ms-picked").get_by_text(f"recalled from job {job.job_id[:8]}").wait_for()
+    try:
+        _assert_drawn_once(page, template, _box_mask((20, 10, 60, 50)))
+    finally:
+        screenshot(page, tmp_path, "mask-recalled")
+
+    dropped, dropped_box = Image.new("L", (W, H), 0), (0, 0, W // 4, H // 2)
+    dropped.paste(255, dropped_box)
+    dropped.save(mask_path := tmp_path / "mask.png")
+    page.locator("#ms-mask-upload input[type=file]").set_input_files(str(mask_path))
+    page.locator("#ms-ratio").get_by_text("12.5%").wait_for(timeout=30_000)
+    try:
+        _assert_drawn_once(page, template, _box_mask(dropped_box))
+    finally:
+        screenshot(page, tmp_path, "mask-dropped")
+    page.locator("#ms-prompt textarea").fill("a red lantern")
+    page.locator("#ms-submit").click()
+    page.locator("#ms-status").get_by_text("Queued").wait_for(timeout=30_000)
+    sent = actions.history(USER)[0]
+    with Image.open(io.BytesIO(actions.service.blobs.get(sent["mask_ref"]))) as stored:
+        assert np.array_equal(np.asarray(stored.convert("L")) > 127, _box_mask(dropped_box))
+
+
+def _box_mask(box: tuple[int, int, int, int]) -> np.ndarray:
+    mask = np.zeros((H, W), dtype=bool)
+    x0, y0, x1, y1 = box
+    mask[y0:y1, x0:x1] = True
+    return mask
+
+
+def _bbox(mask: np.ndarray) -> tuple[int, ...] | None:
+    ys, xs = np.nonzero(mask)
+    return (
+        tuple(int(v) for v in (xs.min(), ys.min(), xs.max() + 1, ys.max() + 1)) if len(xs) else None
+    )
+
+
+def editor_layers(page) -> dict:
+    """What the editor's canvas shows now, as RGBA arrays: "background", "composite", "layers"."""
+    shown = page.evaluate(EDITOR_LAYERS)
+
+    def pixels(url: str) -> np.ndarray:
+        with Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))) as image:
+            return np.asarray(image.convert("RGBA")).astype(int)
+
+    return {
+        "background": pixels(shown["background"]),
+        "composite": pixels(shown["composite"]),
+        "layers": [pixels(url) for url in shown["layers"] if url],
+    }
+
+
+def _painted(shown: dict) -> np.ndarray:
+    painted = np.zeros(shown["background"].shape[:2], dtype=bool)
+    for layer in shown["layers"]:
+        painted |= layer[..., 3] > 0
+    return painted
+
+
+def _assert_drawn_once(page, template: Image.Image, mask: np.ndarray, timeout_s=60.0) -> None:
+    """The editor's canvas shows one layer painted exactly over ``mask`` and the template under
+    it. The editor loads a new value asynchronously (later on a busy machine): its layers are read
+    again until they hold ``mask`` or ``timeout_s`` has passed, then checked."""
+    deadline = time.monotonic() + timeout_s
+    shown = editor_layers(page)
+    while not np.array_equal(_painted(shown), mask) and time.monotonic() < deadline:
+        page.wait_for_timeout(300)
+        shown = editor_layers(page)
+    painted = _painted(shown)
+    assert np.array_equal(painted, mask), (
+        f"the painted layer covers {painted.sum()} px in {_bbox(painted)}, "
+        f"the mask {mask.sum()} px in {_bbox(mask)}"
+    )
+    picture = np.asarray(template.convert("RGB")).astype(int)
+    off = np.abs(shown["background"][..., :3] - picture).max(axis=-1) > 2
+    assert not off.any(), f"the picture under the layer differs from the template in {_bbox(off)}"
+    seen = shown["composite"][..., :3]
+    assert (np.abs(seen[mask] - LAYER_RGB) <= 2).all(), "the mask is not painted where it is"
+    assert (np.abs(seen[~mask] - picture[~mask]) <= 2).all(), "paint shows outside the mask"
