@@ -125,6 +125,23 @@ def test_dense_and_recording_steps_run_compiled_and_equal_eager(models_dir, tmp_
                 assert difference.item() <= COMPILED_TOL * reference.abs().max().item()
 
 
+@pytest.mark.slow
+def test_a_compiled_step_reads_caches_from_host_memory_too(models_dir, tmp_path, monkeypatch):
+    """Caches outside the device tier are fetched tensor by tensor, not as one step block."""
+    engine = make_engine("sd2-inpaint", models_dir, tmp_path)
+    engine.step_shapes = "bucketed"
+    params = make_params(engine, mode="kv")
+    host = [
+        MemoryTemplateCache.load(engine.prepare_template(make_template(seed), params).path)
+        for seed in (7, 8)
+    ]
+    assert all(cache.device is None for cache in host)
+    eager = _prediction(engine, _states(engine, host, MASKS), monkeypatch)
+    monkeypatch.setattr(engine, "compile_steps", "default")
+    compiled = _prediction(engine, _states(engine, host, MASKS), monkeypatch)
+    assert (compiled - eager).abs().max().item() <= COMPILED_TOL * eager.abs().max().item()
+
+
 def test_a_step_the_compiler_cannot_take_runs_eagerly_and_is_not_tried_again(
     engine, caches, monkeypatch
 ):

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from backend.engine.cache_store import tensor_name
 from backend.engine.context import ForwardContext, traced_call
 from backend.engine.graph_book import GraphBook
 from backend.engine.layout import RowLayout
@@ -75,13 +76,19 @@ def _step_forward(ctx: ForwardContext | None, forward: Callable, *args):
 
 class FetchedCache:
     """A step's cached tensors of every row, fetched before its compiled forward runs
-    (``context.CacheSource``): plain tensors by (unit, name), read by the traced forward."""
+    (``context.CacheSource``): plain tensors by (unit, name), or every row's step block and its
+    layout (``feeder.BatchCacheFeeder.rows_block``: one input, each tensor a view of it made in
+    the graph). Read by the traced forward."""
 
-    def __init__(self, tensors: dict[tuple[int, str], torch.Tensor]):
-        self.tensors = tensors
+    def __init__(self, tensors: dict[tuple[int, str], torch.Tensor], block=None):
+        self.tensors, self.block = tensors, block
 
     def rows_tensor(self, unit: int, name: str, rows: tuple[int, int], fill: bool = False):
-        tensor = self.tensors[(unit, name)]
+        if self.block is not None:
+            block, layout = self.block
+            tensor = layout.tensor(block, tensor_name(unit, name))
+        else:
+            tensor = self.tensors[(unit, name)]
         return tensor if rows == (0, tensor.shape[0]) else tensor[rows[0] : rows[1]]
 
     def wait_for(self, unit: int) -> None:
@@ -110,19 +117,24 @@ class FixedLayouts:
 
 def _fetch(ctx: ForwardContext, names: tuple[str, ...]) -> FetchedCache:
     """Every tensor ``names`` the context's cached units hold, of all rows (zeros for a row
-    without a cache)."""
-    tensors = {}
-    if ctx.cache is not None:
-        rows = (0, ctx.num_rows)
-        for unit in range(len(ctx.use_cache)):
-            if not ctx.uses_cache(unit):
+    without a cache): their step block when the rows have one on the device."""
+    tensors: dict[tuple[int, str], torch.Tensor] = {}
+    if ctx.cache is None:
+        return FetchedCache(tensors)
+    rows = (0, ctx.num_rows)
+    rows_block = getattr(ctx.cache, "rows_block", None)
+    block = rows_block(rows, True) if rows_block is not None else None
+    if block is not None:
+        return FetchedCache(tensors, block)
+    for unit in range(len(ctx.use_cache)):
+        if not ctx.uses_cache(unit):
+            continue
+        ctx.cache.wait_for(unit)
+        for name in names:
+            try:
+                tensors[(unit, name)] = ctx.cache.rows_tensor(unit, name, rows, True)
+            except KeyError:  # a tensor only some units keep (a stack's last ``delta``)
                 continue
-            ctx.cache.wait_for(unit)
-            for name in names:
-                try:
-                    tensors[(unit, name)] = ctx.cache.rows_tensor(unit, name, rows, True)
-                except KeyError:  # a tensor only some units keep (a stack's last ``delta``)
-                    continue
     return FetchedCache(tensors)
 
 

@@ -7,7 +7,7 @@ for that unit's copies, so loading overlaps the compute of earlier units; a temp
 lives on the compute device already (a device-tier copy, ``cache.device``) is read there: no host
 read, no copy, nothing counted in ``bytes_loaded``. When every row's step lies in one block on
 the compute device (``MemoryTemplateCache.step_block``), the rows of all units are gathered by one
-concatenation per step (``_block_rows``) and each unit's tensor is a view of it.
+concatenation per step (``rows_block``) and each unit's tensor is a view of it.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class BatchCacheFeeder:
         entries = self._row_group[rows[0] : rows[1]]
         if any(entry is None for entry in entries) and not fill:
             raise KeyError(f"rows {rows} include a row with no template cache")
-        in_block = self._block_rows(rows, fill)
+        in_block = self.rows_block(rows, fill)
         if in_block is not None:
             block, layout = in_block
             if tensor_name(unit, name) not in layout.places:
@@ -136,7 +136,7 @@ class BatchCacheFeeder:
             ]
         )
 
-    def _block_rows(self, rows: tuple[int, int], fill: bool):
+    def rows_block(self, rows: tuple[int, int], fill: bool):
         """(rows' block, its layout): every row's step block, in row order, concatenated once per
         step (zeros for a row without a cache, with ``fill``); None unless every row's template is
         resident on the compute device (a device-tier copy) with its step in one block, all laid
