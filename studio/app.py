@@ -142,6 +142,9 @@ class StudioPage(GalleryTab, HistoryTab, BatchesTab, ResultsView, AdaptersTab):
         # above the canvas: what to do first, then which template it shows (an empty editor
         # is a blank page that takes strokes, so it must say a template comes first)
         ui["picked"] = gr.Markdown(CANVAS_PLACEHOLDER, elem_id="ms-picked")
+        # Every event that loads a picture into the canvas shows its progress off the canvas:
+        # once the painter has drawn on it, Gradio's editor (6.31) keeps such an event's
+        # "processing" overlay over the canvas long after the picture has loaded underneath
         ui["canvas"] = gr.ImageEditor(
             label="Paint over the area to change",
             type="pil",
@@ -292,13 +295,20 @@ class StudioPage(GalleryTab, HistoryTab, BatchesTab, ResultsView, AdaptersTab):
             self._pick,
             [template_ids, ui["model"], ui["steps"], ui["strength"], ui["guidance"]],
             [current, ui["canvas"], ui["picked"], ui["overlay"], ui["ratio"]],
+            show_progress_on=[ui["picked"]],
         )
         # the editor's own "Clear canvas" drops the picture too: put the template back, unpainted
-        ui["canvas"].clear(self._unpainted, [current], [ui["canvas"], ui["overlay"], ui["ratio"]])
+        ui["canvas"].clear(
+            self._unpainted,
+            [current],
+            [ui["canvas"], ui["overlay"], ui["ratio"]],
+            show_progress_on=[ui["ratio"]],
+        )
         ui["mask_upload"].upload(
             self._use_uploaded_mask,
             [current, ui["mask_upload"]],
             [ui["canvas"], ui["mask_upload"]],
+            show_progress_on=[ui["mask_upload"]],
         )
         mask_inputs = [
             current,

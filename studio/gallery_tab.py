@@ -142,6 +142,7 @@ class GalleryTab:
             self._edit,
             [ui["selected"], ui["model"]],
             [current, editor["canvas"], editor["picked"], editor["overlay"], editor["ratio"], tabs],
+            show_progress_on=[editor["picked"]],  # off the canvas (see StudioPage._canvas_column)
         )
 
     @handler(6)

@@ -79,7 +79,13 @@ class HistoryTab:
             *editor["adapter_slots"],
             *editor["adapter_scales"],
         ]
-        table.select(self._recall, [history_jobs, template_ids], recalled)
+        # progress off the canvas (see StudioPage._canvas_column)
+        table.select(
+            self._recall,
+            [history_jobs, template_ids],
+            recalled,
+            show_progress_on=[editor["picked"]],
+        )
 
     def _recall(self, jobs: list, template_ids: list, evt: gr.SelectData):
         """``_recalled``'s values; on a StudioError a warning and every output as it was."""

@@ -92,6 +92,7 @@ class ResultsView:
                 editor["overlay"],
                 editor["ratio"],
             ],
+            show_progress_on=[editor["picked"]],  # off the canvas (see StudioPage._canvas_column)
         )
 
     def _submit(self, request: gr.Request, template_id, canvas, variations, mode, *fields):
@@ -204,8 +205,13 @@ class ResultsView:
             raise StudioError("no result yet: generate an edit first")
         record = self.actions.keep_editing(job_id)
         _record, canvas = self._on_canvas(record.id)
-        gr.Info(f"Editing '{record.name}': its cache is being prepared in the background")
-        picked = self._picked_line(record, "preparing")
+        gr.Info(f"Editing the result of job {job_id[:8]}, saved as template '{record.name}'")
+        # the picture is the job's result, ready to paint on: its cache is not recorded yet
+        # (an edit submitted meanwhile runs without it), so the line says so, not "preparing"
+        picked = (
+            f"**Result of job {job_id[:8]}** · saved as template {html.escape(record.name)} · "
+            f"{record.width}x{record.height} · its cache is recorded in the background"
+        )
         return (
             *self._gallery(query),
             *self._gallery(),

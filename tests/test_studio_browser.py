@@ -38,7 +38,7 @@ from tests.adapter_factory import make_adapter_file
 from tests.api_factory import make_settings
 from tests.served_app import serve
 from tests.stack_factory import running_stack
-from tests.test_studio_actions import stroke
+from tests.test_studio_actions import finish, stroke
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -455,6 +455,56 @@ def test_a_recalled_or_dropped_mask_is_drawn_once_where_it_belongs(
     sent = actions.history(USER)[0]
     with Image.open(io.BytesIO(actions.service.blobs.get(sent["mask_ref"]))) as stored:
         assert np.array_equal(np.asarray(stored.convert("L")) > 127, _box_mask(dropped_box))
+
+
+def test_keep_editing_puts_the_result_on_the_canvas_ready_to_paint_and_generate(
+    studio_app, browser_page, tmp_path
+):
+    """After an edit the painter has painted for, Keep editing shows the result on the canvas at
+    once (no "processing" cover), says it is job X's result, and takes a stroke and a Generate
+    that edits the result, not the original."""
+    base, actions = studio_app
+    page = browser_page
+    sample_template(W, H, seed=4).save(path := tmp_path / "courtyard.png")
+    (record,), _ = actions.upload([path])
+    sign_in(page, base)
+    page.get_by_role("tab", name="Editor").click()
+    page.locator("#ms-pick").get_by_text("courtyard").click()
+    paint_stroke(page)
+    page.locator("#ms-prompt textarea").fill("a red lantern")
+    result = sample_template(W, H, seed=11)
+    job_id = _generate_and_finish(page, actions, result)
+    page.locator("#ms-keep-editing").click()
+    page.locator("#ms-picked").get_by_text(f"Result of job {job_id[:8]}").wait_for()
+    try:
+        # Gradio's progress cover over the canvas is hidden by its "hide" class (opacity 0)
+        cover = page.locator("#ms-canvas [data-testid=status-tracker]")
+        assert "hide" in cover.get_attribute("class").split(), cover.inner_text()
+        assert _canvas_shows_a_picture(page, timeout_s=30), "the canvas is blank"
+        shown = editor_layers(page)["background"][..., :3]
+        assert np.abs(shown - np.asarray(result).astype(int)).max() <= 2, "not the result"
+    finally:
+        screenshot(page, tmp_path, "kept-editing")
+    paint_stroke(page)
+    again = _generate_and_finish(page, actions, sample_template(W, H, seed=12))
+    edited = actions.job(again)
+    assert edited["template_id"] not in ("", record.id), edited
+    assert actions.template(edited["template_id"]).name == "courtyard (edited)"
+    with Image.open(io.BytesIO(actions.service.blobs.get(edited["mask_ref"]))) as stored:
+        painted = np.asarray(stored.convert("L")) > 127
+    assert painted[H // 2, W // 2] and 0.02 < painted.mean() < 0.5
+    screenshot(page, tmp_path, "kept-editing-done")
+
+
+def _generate_and_finish(page, actions: StudioActions, result: Image.Image) -> str:
+    """Generate (the form as it is), record the queued edit done with ``result`` the way
+    post-processing does, wait until the page says so; the job's id."""
+    page.locator("#ms-submit").click()
+    page.locator("#ms-status").get_by_text("Queued").wait_for(timeout=30_000)
+    job_id = actions.history(USER)[0]["job_id"]
+    finish(actions.service, job_id, result)
+    page.locator("#ms-info").get_by_text(f"job {job_id}").wait_for(timeout=30_000)
+    return job_id
 
 
 def _box_mask(box: tuple[int, int, int, int]) -> np.ndarray:
