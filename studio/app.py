@@ -234,8 +234,16 @@ class StudioPage(GalleryTab, HistoryTab, BatchesTab, ResultsView, AdaptersTab):
             ui["cancel"] = gr.Button("Cancel", variant="stop", elem_id="ms-cancel")
         ui["generate_mode"], ui["erase_mode"] = gr.State("generate"), gr.State("erase")
         ui["status"] = gr.HTML("", elem_id="ms-status")
+        # the handle starts at the left edge, the result shown whole: a painter looks at their
+        # edit first, wherever the mask is, and drags the handle to uncover the original (a
+        # split in the middle hid an edit in the left half; one at the mask's centre would
+        # still hide half of every edit)
         ui["compare"] = gr.ImageSlider(
-            label="Before / after", interactive=False, height=360, elem_id="ms-compare"
+            label="Before / after",
+            interactive=False,
+            height=360,
+            slider_position=0,
+            elem_id="ms-compare",
         )
         ui["results"] = gr.Gallery(
             label="Variations: pick one",

@@ -496,6 +496,47 @@ def test_keep_editing_puts_the_result_on_the_canvas_ready_to_paint_and_generate(
     screenshot(page, tmp_path, "kept-editing-done")
 
 
+def test_the_before_after_slider_starts_with_the_whole_result_shown(
+    studio_app, browser_page, tmp_path
+):
+    """A finished edit shows in the before/after slider as the result across its whole width (the
+    edit is visible wherever the mask is), the original only where the handle is dragged."""
+    base, actions = studio_app
+    page = browser_page
+    original = sample_template(W, H, seed=4)
+    original.save(path := tmp_path / "courtyard.png")
+    (record,), _ = actions.upload([path])
+    job = actions.submit(USER, record.id, stroke((4, 4, 40, 40), (W, H)), EditForm(prompt="a"))
+    sign_in(page, base)
+    page.get_by_role("tab", name="History").click()
+    page.locator("#ms-history").get_by_text(job.job_id).first.wait_for(state="attached")
+    page.locator("#ms-history [data-testid=cell-0-2]").click()
+    page.locator("#ms-picked").get_by_text(f"recalled from job {job.job_id[:8]}").wait_for()
+    result = sample_template(W, H, seed=11)
+    _generate_and_finish(page, actions, result)
+    shown = page.locator("#ms-compare img").first
+    shown.wait_for()
+    page.wait_for_function(
+        "() => Array.from(document.querySelectorAll('#ms-compare img')).every(i => i.complete)"
+    )
+    try:
+        seen = np.asarray(Image.open(io.BytesIO(page.screenshot(clip=shown.bounding_box()))))
+    finally:
+        screenshot(page, tmp_path, "before-after")
+    seen = seen[..., :3].astype(int)
+    size = (seen.shape[1], seen.shape[0])
+
+    def off_by_column(picture: Image.Image) -> np.ndarray:
+        scaled = np.asarray(picture.convert("RGB").resize(size)).astype(int)
+        return np.abs(seen - scaled).mean(axis=(0, 2))
+
+    to_result, to_original = off_by_column(result), off_by_column(original)
+    for columns in np.array_split(np.arange(size[0]), 2):  # the left half, the right half
+        assert to_result[columns].mean() < to_original[columns].mean() / 3, (
+            f"columns {columns[0]}-{columns[-1]} show the original, not the result"
+        )
+
+
 def _generate_and_finish(page, actions: StudioActions, result: Image.Image) -> str:
     """Generate (the form as it is), record the queued edit done with ``result`` the way
     post-processing does, wait until the page says so; the job's id."""
