@@ -398,9 +398,10 @@ class StudioActions:
             studio_masks.painted_mask, editor_value, (record.width, record.height)
         )
         service_call(studio_masks.require_painted, painted)
+        erase = form.mode == "erase"  # fills from the surroundings: no prompt, no model's adapters
         return JobRequest(
             mask=studio_masks.mask_png(painted),
-            prompt=form.prompt or "",
+            prompt="" if erase else form.prompt or "",
             template_id=template_id,
             negative_prompt=form.negative_prompt or "",
             model=form.model or None,
@@ -413,7 +414,7 @@ class StudioActions:
             mode=form.mode,
             inpaint_area=form.inpaint_area,
             crop_padding_px=int(form.crop_padding_px),
-            adapters=form.adapters if form.mode != "erase" else (),
+            adapters=() if erase else form.adapters,
             service_class=STUDIO_CLASS,
             deadline_s=form.deadline_s,
             priority=form.priority,

@@ -62,6 +62,8 @@ CSS = """
 .ms-previews { display: flex; gap: 6px; margin-top: 6px; }
 .ms-preview { width: 128px; height: auto; image-rendering: auto; border-radius: 4px; }
 .ms-muted { color: var(--body-text-color-subdued); font-size: 0.9em; }
+/* the History's headers break between words only (its wrapping table broke them anywhere) */
+#ms-history th .text { word-break: keep-all; overflow-wrap: normal; }
 """
 
 # Run once on page load. Gradio's ImageEditor (6.31, pinned) sizes a layer it loads from a URL (a

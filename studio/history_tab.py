@@ -18,6 +18,17 @@ from studio.deadlines import job_outcome, requested_deadline_s
 
 # what a recall sets besides the form's fields and the adapter picker (``_recall``'s values)
 RECALL_EXTRAS = 7
+ERASE_PROMPT = "(erase: filled from the surroundings)"
+NOT_APPLICABLE = "—"
+
+
+def _what_ran(job: dict) -> tuple:
+    """(prompt, seed, steps, model) of a job's row; an erase runs no model, so it has none of
+    them: its row says what it did in the prompt's place."""
+    if job.get("mode") == "erase":
+        return ERASE_PROMPT, NOT_APPLICABLE, NOT_APPLICABLE, NOT_APPLICABLE
+    steps = job.get("num_steps") or job.get("steps", "")
+    return job.get("prompt", ""), job.get("seed", ""), steps, job.get("model_id", "")
 
 
 class HistoryTab:
@@ -34,10 +45,7 @@ class HistoryTab:
                 [
                     when,
                     job["status"],
-                    job.get("prompt", ""),
-                    job.get("seed", ""),
-                    job.get("num_steps") or job.get("steps", ""),
-                    job.get("model_id", ""),
+                    *_what_ran(job),
                     self.actions.adapters.describe(job),
                     "" if total is None else f"{total:.1f}",
                     job.get("service_class", ""),
@@ -46,7 +54,7 @@ class HistoryTab:
                 ]
             )
         thumbs = [
-            (str(p), job.get("prompt", "")[:40])
+            (str(p), _what_ran(job)[0][:40])
             for job in jobs
             if (p := self.actions.thumbnail_of(job))
         ]

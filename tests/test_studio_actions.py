@@ -408,10 +408,12 @@ def test_erase_masked_area_lasso_and_speck_options_reach_the_job(
     actions, tmp_path, settings, redis_client
 ):
     (record,), _ = actions.upload([upload_file(tmp_path)])
-    form = EditForm(prompt="", mode="erase", fill_holes=True, min_area_px=9)
+    # a prompt left in the form is not an erase's (it runs no model)
+    form = EditForm(prompt="a lamp", mode="erase", fill_holes=True, min_area_px=9)
     actions.submit(USER, record.id, stroke(), form)
     (job,) = pre_queue_jobs(redis_client, settings)
     assert job.mode == "erase" and job.mask_ops.fill_holes and job.mask_ops.min_area_px == 9
+    assert job.prompt == "" and actions.history(USER)[0]["prompt"] == ""
     # "inpaint only the masked area" and its padding reach the job too
     cropped = EditForm(prompt="a cat", inpaint_area="masked", crop_padding_px=64)
     submitted = actions.submit(USER, record.id, stroke(), cropped)

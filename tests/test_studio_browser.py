@@ -32,6 +32,7 @@ from backend.client import MaskServeClient, MaskServeError
 from backend.jobstate import JobStateStore
 from backend.protocol.keys import job_key
 from studio.actions import EditForm, StudioActions
+from studio.components import HISTORY_HEADERS
 from studio.masks import LAYER_RGB
 from templates_store.samples import sample_template
 from tests.adapter_factory import make_adapter_file
@@ -387,6 +388,15 @@ EDITOR_LAYERS = """async () => {
           layers: await Promise.all(blobs.layers.map(read))};
 }"""
 
+# each History header's text -> the lines it is laid out on (distinct tops of its line boxes)
+HEADER_LINES = """() => Object.fromEntries(
+  Array.from(document.querySelectorAll('#ms-history thead th .text')).map((text) => {
+    const range = document.createRange();
+    range.selectNodeContents(text);
+    const tops = new Set(Array.from(range.getClientRects()).map((box) => Math.round(box.top)));
+    return [text.innerText.trim(), tops.size];
+  }))"""
+
 
 def test_the_studio_loads_without_a_missing_file_or_a_console_error(
     studio_app, browser_page, tmp_path
@@ -535,6 +545,40 @@ def test_the_before_after_slider_starts_with_the_whole_result_shown(
         assert to_result[columns].mean() < to_original[columns].mean() / 3, (
             f"columns {columns[0]}-{columns[-1]} show the original, not the result"
         )
+
+
+def test_history_headers_break_between_words_and_an_erase_shows_no_model_settings(
+    studio_app, browser_page, tmp_path
+):
+    """In a narrow window the History's headers wrap between words only; an erase's row says
+    it was an erase and shows no seed, steps or model (it runs none), an edit's row shows its."""
+    base, actions = studio_app
+    page = browser_page
+    sample_template(W, H, seed=4).save(path := tmp_path / "courtyard.png")
+    (record,), _ = actions.upload([path])
+    painted = stroke((20, 10, 60, 50), (W, H))
+    edit = actions.submit(USER, record.id, painted, EditForm(prompt="a red lantern", steps=7))
+    # an erase from a form that still holds the last prompt
+    erase = actions.submit(USER, record.id, painted, EditForm(prompt="a red lantern", mode="erase"))
+    page.set_viewport_size({"width": 1000, "height": 900})  # the columns squeeze
+    sign_in(page, base)
+    page.get_by_role("tab", name="History").click()
+    page.locator("#ms-history").get_by_text(erase.job_id).first.wait_for(state="attached")
+    try:
+        lines = page.evaluate(HEADER_LINES)
+    finally:
+        screenshot(page, tmp_path, "history")
+    assert set(lines) == set(HISTORY_HEADERS), lines
+    split = {header: n for header, n in lines.items() if n > len(header.split())}
+    assert not split, f"headers broken inside a word (header: lines): {split}"
+
+    def row(index: int) -> list[str]:  # the prompt, seed, steps and model cells
+        cells = (f"#ms-history [data-testid=cell-{index}-{column}]" for column in range(2, 6))
+        return [page.locator(cell).inner_text().strip() for cell in cells]
+
+    assert row(0) == ["(erase: filled from the surroundings)", "—", "—", "—"]
+    model = actions.job(edit.job_id)["model_id"]
+    assert row(1) == ["a red lantern", str(edit.seed), "7", model]
 
 
 def _generate_and_finish(page, actions: StudioActions, result: Image.Image) -> str:
