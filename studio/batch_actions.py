@@ -39,6 +39,19 @@ class BatchForm:
     seed: int | None = None  # None: a random seed per item; else item i runs with seed + i
 
 
+def seed_of(text) -> int | None:
+    """The seed box's text as ``BatchForm.seed``: empty (or blanks) is None, random seeds."""
+    text = str(text or "").strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise StudioError(
+            f"the seed must be a whole number, or empty for random seeds, not {text!r}"
+        ) from None
+
+
 class StudioBatches:
     def __init__(self, actions: StudioActions, batches: BatchService | None = None):
         self.actions = actions

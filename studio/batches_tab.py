@@ -20,6 +20,7 @@ from studio.batch_actions import (
     StudioBatches,
     batch_rows,
     item_rows,
+    seed_of,
     summary_line,
 )
 from studio.components import handler, unchanged, user_of
@@ -57,7 +58,12 @@ class BatchesTab:
                 prompt = gr.Textbox(label="Prompt", lines=2, elem_id="ms-batch-prompt")
                 with gr.Row():
                     steps = gr.Number(label="Steps (0: the model's)", value=0, precision=0)
-                    seed = gr.Number(label="Seed (empty: random)", value=None, precision=0)
+                    # a text box: a number box shows (and sends) 0 when empty, and 0 is a seed
+                    seed = gr.Textbox(
+                        label="Seed (empty: random seeds)",
+                        placeholder="random",
+                        elem_id="ms-batch-seed",
+                    )
                 submit = gr.Button("Submit batch", variant="primary", elem_id="ms-batch-submit")
         summary = gr.Markdown("", elem_id="ms-batch-summary")
         bar = gr.HTML("")
@@ -70,34 +76,44 @@ class BatchesTab:
         view = [batch_id, summary, bar, items, results]
         for trigger in (tab.select, refresh.click):
             trigger(self._batch_list, None, [table, listed, template])
-        # following a batch lasts until it finishes: it must not hold one of the queue's workers
+        # following a batch lasts until it finishes: it must not hold one of the queue's workers;
+        # the list shows the new batch as soon as it is submitted
         inputs = [template, masks, prompt, steps, seed]
-        submit.click(self._submit_batch, inputs, view, concurrency_limit=None)
+        submit.click(self._submit_batch, inputs, [*view, table, listed], concurrency_limit=None)
         table.select(self._follow_selected, [listed], view, concurrency_limit=None)
         cancel.click(self._cancel_batch, [batch_id], [summary], concurrency_limit=None)
 
     @handler(3)
     def _batch_list(self, request: gr.Request):
         """The user's batches (table rows and their ids) and the templates to pick from."""
-        batches = self.batches.list(user_of(request))
         choices = [(record.name, record.id) for record in self.actions.gallery()]
-        return batch_rows(batches), [b["batch_id"] for b in batches], gr.update(choices=choices)
+        return *self._listing(user_of(request)), gr.update(choices=choices)
+
+    def _listing(self, user: str) -> tuple[list, list]:
+        """The user's batches: table rows and their ids."""
+        batches = self.batches.list(user)
+        return batch_rows(batches), [b["batch_id"] for b in batches]
 
     def _submit_batch(self, template_id, masks, prompt, steps, seed, request: gr.Request):
+        """The view of the submitted batch at every change (``_follow``), the first time with the
+        list of batches that now holds it."""
         try:
             form = BatchForm(
                 template_id=template_id or "",
                 masks=tuple(masks or ()),
                 prompt=prompt or "",
                 steps=int(steps) if steps else None,
-                seed=None if seed is None else int(seed),
+                seed=seed_of(seed),
             )
             submitted = self.batches.submit(user_of(request), form)
         except StudioError as exc:
             gr.Warning(str(exc))
-            yield unchanged(VIEW_OUTPUTS)
+            yield unchanged(VIEW_OUTPUTS + 2)
             return
-        yield from self._follow(submitted.batch_id)
+        listing = self._listing(user_of(request))
+        for view in self._follow(submitted.batch_id):
+            yield (*view, *listing)
+            listing = (gr.skip(), gr.skip())
 
     def _follow_selected(self, listed: list, evt: gr.SelectData):
         row = evt.index[0] if evt is not None and isinstance(evt.index, (list, tuple)) else None

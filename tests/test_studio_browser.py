@@ -32,6 +32,7 @@ from backend.client import MaskServeClient, MaskServeError
 from backend.jobstate import JobStateStore
 from backend.protocol.keys import job_key
 from studio.actions import EditForm, StudioActions
+from studio.batch_actions import BatchForm, StudioBatches
 from studio.components import HISTORY_HEADERS
 from studio.masks import LAYER_RGB
 from templates_store.samples import sample_template
@@ -579,6 +580,46 @@ def test_history_headers_break_between_words_and_an_erase_shows_no_model_setting
     assert row(0) == ["(erase: filled from the surroundings)", "—", "—", "—"]
     model = actions.job(edit.job_id)["model_id"]
     assert row(1) == ["a red lantern", str(edit.seed), "7", model]
+
+
+def test_the_batches_tab_lists_batches_when_opened_and_after_a_submit_with_random_seeds(
+    studio_app, browser_page, tmp_path
+):
+    """Opening Batches lists the user's batches, no Refresh needed; the seed box is empty (random
+    seeds); a submitted batch is listed at once, its items with seeds of their own."""
+    base, actions = studio_app
+    page = browser_page
+    batches = StudioBatches(actions)
+    sample_template(W, H, seed=4).save(path := tmp_path / "courtyard.png")
+    (record,), _ = actions.upload([path])
+    masks = [tmp_path / f"mask-{index}.png" for index in range(2)]
+    for index, mask_path in enumerate(masks):
+        mask = Image.new("L", (W, H), 0)
+        mask.paste(255, (40 * index, 10, 40 * index + 30, 50))
+        mask.save(mask_path)
+    earlier = batches.submit(USER, BatchForm(record.id, tuple(masks), prompt="a star"))
+    sign_in(page, base)
+    page.get_by_role("tab", name="Batches").click()
+    page.locator("#ms-batches").get_by_text(earlier.batch_id).first.wait_for(state="attached")
+    assert page.locator("#ms-batch-seed textarea").input_value() == ""
+    screenshot(page, tmp_path, "batches")
+    page.locator("#ms-batch-template input").click()
+    page.get_by_role("option", name="courtyard").click()
+    page.locator("#ms-batch-masks input[type=file]").set_input_files([str(m) for m in masks])
+    page.locator("#ms-batch-masks").get_by_text("mask-1.png").wait_for(timeout=60_000)
+    page.locator("#ms-batch-prompt textarea").fill("a moon")
+    page.locator("#ms-batch-submit").click()
+    page.locator("#ms-batch-summary").get_by_text("Batch").wait_for(timeout=30_000)
+    submitted = batches.list(USER)[0]
+    try:
+        assert submitted["batch_id"] != earlier.batch_id
+        listed = page.locator("#ms-batches").get_by_text(submitted["batch_id"]).first
+        listed.wait_for(state="attached")
+        seeds = [item["seed"] for item in submitted["items"]]
+        assert len(seeds) == 2 and seeds != [0, 1], seeds
+    finally:
+        screenshot(page, tmp_path, "batches-submitted")
+        batches.cancel(submitted["batch_id"])  # ends the page's following of it
 
 
 def _generate_and_finish(page, actions: StudioActions, result: Image.Image) -> str:
