@@ -31,6 +31,7 @@ from PIL import Image
 
 from backend.adapters.service import AdapterService
 from backend.api.adapter_requests import AdapterChoice
+from backend.api.batches import BatchItem, BatchRequest, BatchService
 from backend.api.security import studio_user
 from backend.api.service import MAX_SEED, JobRequest, JobService, ServiceError, SubmittedJob
 from backend.blobs import BlobError
@@ -56,7 +57,7 @@ from templates_store.store import (
 log = logging.getLogger(__name__)
 
 FOLLOW_SLICE_MS = 1000  # longest single wait for a job's next event
-MAX_VARIATIONS = 4  # seeds per Generate: they run as rows of one batch, so more barely costs more
+MAX_VARIATIONS = 4  # seeds per Generate, submitted as one batch: one cache read for them all
 SAMPLE_TAG = "sample"
 SAMPLE_SPLIT = "heldout"  # scenes the demo model never trained on
 SAMPLE_SIZE = 128  # the demo model's resolution
@@ -155,14 +156,6 @@ class Progress:
         return " · ".join(part for part in parts if part)
 
 
-class SubmittedJobs(list):
-    """The jobs of one Generate that were queued; ``refused``: why the rest were not (the service
-    took the first variations and then refused one: admission control, the owner's bound), else
-    ""."""
-
-    refused: str = ""
-
-
 def _sample_name(number: int, caption: str) -> str:
     """``sample scene <number>: <caption>``, at most the store's name limit: a longer one (some
     three-object captions) is cut at a word and ends with "…". For the MAX_SAMPLES seeds offered
@@ -192,6 +185,7 @@ class StudioActions:
         path (None: adapters are listed and used, not registered, here)."""
         self.service, self.templates, self.on_submitted = service, templates, on_submitted
         self.owner = owner
+        self.batches = BatchService(service)  # the REST batch submission's own code
         self.adapters = StudioAdapters(
             service.adapters, adapter_uploads, owner, service.settings.adapters
         )
@@ -354,33 +348,32 @@ class StudioActions:
 
     def submit_variations(
         self, user: str, template_id: str, editor_value, form: EditForm, count: int
-    ) -> SubmittedJobs:
+    ) -> list[SubmittedJob]:
         """``count`` (1..MAX_VARIATIONS) edits of one mask and prompt with consecutive seeds: the
-        form's seed (or a random one), then the next ones. They are queued together, so a worker
-        takes them in as rows of one running batch that share the template's cache read. When the
-        service refuses one after taking the first ones (busy), those stay queued and are
-        returned, with the reason in ``refused``; refusing the first raises ``StudioError``."""
+        form's seed (or a random one), then the next ones. More than one are submitted as one
+        batch, in one request (``BatchService``, what ``POST /v1/batches`` runs): the dispatcher
+        routes a batch's items to one worker together, where they share the template's cache read
+        and join one running batch as its rows free up. All are queued or none (``StudioError``
+        says why: the service busy, a seed too large for its successors)."""
         if isinstance(count, bool) or not isinstance(count, int):
             raise StudioError(f"variations must be a whole number from 1 to {MAX_VARIATIONS}")
         if not 1 <= count <= MAX_VARIATIONS:
             raise StudioError(f"ask for 1 to {MAX_VARIATIONS} variations, not {count}")
         started = time.perf_counter()
         request = self._edit_request(user, template_id, editor_value, form)
-        first = secrets.randbelow(MAX_SEED + 1) if form.seed is None else form.seed
-        submitted = SubmittedJobs()
-        for offset in range(count):
-            seed = (first + offset) % (MAX_SEED + 1)
-            try:
-                job = service_call(self.service.submit, dataclasses.replace(request, seed=seed))
-            except StudioError as exc:
-                if not submitted:
-                    raise
-                # the same request with another seed: only the service's capacity refuses it
-                submitted.refused = str(exc)
-                log.info("studio: variation %d of %d refused: %s", offset + 1, count, exc)
-                break
+        if count == 1:
+            submitted = [service_call(self.service.submit, request)]
+        else:
+            # item i runs with seed + i: a random first seed leaves room for the others
+            first = secrets.randbelow(MAX_SEED + 2 - count) if form.seed is None else form.seed
+            shared = dataclasses.replace(request, seed=first)
+            batch = service_call(self.batches.submit, BatchRequest(shared, (BatchItem(),) * count))
+            submitted = [
+                SubmittedJob(job_id, seed, batch.model_id, batch.steps)
+                for job_id, seed in zip(batch.job_ids, batch.seeds, strict=True)
+            ]
+        for job in submitted:
             self.on_submitted(job.model_id)
-            submitted.append(job)
         # what the studio itself adds before the first job exists (mask, blobs, queueing)
         log.info(
             "studio queued %d %s job(s) in %.3f s: %s",
@@ -452,8 +445,8 @@ class StudioActions:
         self, job_ids: Sequence[str], timeout_s: float = 3600.0, every_slice: bool = False
     ) -> Iterator[list]:
         """The progress of every job (in order) each time one changes, ending when all are
-        finished. Waits on the event stream of the first unfinished job: variations run in one
-        batch, so their events come together. ``every_slice``: also after each wait that brought
+        finished. Waits on the event stream of the first unfinished job (FOLLOW_SLICE_MS at most)
+        and reads the others' as they are then. ``every_slice``: also after each wait that brought
         no change (at most every FOLLOW_SLICE_MS), so a forecast shown relative to the current
         time ("finish in ~4 s") counts down."""
         deadline = time.monotonic() + timeout_s

@@ -202,7 +202,7 @@ class StudioPage(GalleryTab, HistoryTab, BatchesTab, ResultsView, AdaptersTab):
             MAX_VARIATIONS,
             value=1,
             step=1,
-            label="Variations (seeds side by side, run in one batch)",
+            label="Variations (consecutive seeds, submitted together as one batch)",
             elem_id="ms-variations",
         )
         with gr.Accordion("More settings", open=False):

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.api.batches import BatchItem, BatchRequest, BatchService, SubmittedBatch
+from backend.api.batches import BatchItem, BatchRequest, SubmittedBatch
 from backend.api.security import studio_user
 from backend.api.submission import JobRequest
 from studio.actions import StudioActions
@@ -53,9 +53,9 @@ def seed_of(text) -> int | None:
 
 
 class StudioBatches:
-    def __init__(self, actions: StudioActions, batches: BatchService | None = None):
+    def __init__(self, actions: StudioActions):
         self.actions = actions
-        self.batches = batches or BatchService(actions.service)
+        self.batches = actions.batches  # the one the editor submits its variations with
 
     def submit(self, user: str, form: BatchForm) -> SubmittedBatch:
         if not form.template_id:

@@ -113,8 +113,6 @@ class ResultsView:
             gr.Warning(str(exc))
             yield (gr.skip(), gr.skip(), gr.skip(), *idle, gr.skip())
             return
-        if jobs.refused:
-            gr.Warning(f"Only {len(jobs)} of {count} variations were queued. {jobs.refused}")
         job_ids = [job.job_id for job in jobs]
         hidden = gr.update(visible=False)
         # the first update clears the last edit's result; later ones only move the progress

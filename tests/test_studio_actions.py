@@ -5,6 +5,7 @@ behind the one auth layer."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import re
 import time
 
@@ -295,17 +296,29 @@ def test_the_studio_can_be_switched_off(redis_url, tmp_path, redis_client):
 
 
 # ----- variations, recall, mask upload, keep editing ---------------------------------------------
-def test_variations_are_queued_together_with_consecutive_seeds_and_followed_as_one(
+def test_variations_are_one_batch_with_consecutive_seeds_and_followed_as_one(
     actions, tmp_path, settings, redis_client
 ):
     (record,), _ = actions.upload([upload_file(tmp_path)])
-    form = EditForm(prompt="a lamp", model="tiny-sd2-inpaint", steps=2, seed=2**32 - 2)
+    form = EditForm(prompt="a lamp", model="tiny-sd2-inpaint", steps=2, seed=2**32 - 3)
     jobs = actions.submit_variations(USER, record.id, stroke(), form, 3)
-    # seeds follow the form's, wrapping past the largest
-    assert [job.seed for job in jobs] == [2**32 - 2, 2**32 - 1, 0]
+    # seeds follow the form's
+    assert [job.seed for job in jobs] == [2**32 - 3, 2**32 - 2, 2**32 - 1]
     queued = pre_queue_jobs(redis_client, settings)
     assert sorted(job.job_id for job in queued) == sorted(job.job_id for job in jobs)
     assert {job.mask_ref for job in queued} and len({job.prompt for job in queued}) == 1
+    # submitted in one request, as one batch: the dispatcher routes its items together
+    (batch_id,) = {job.batch_id for job in queued}
+    listed = actions.batches.record(batch_id, actions.owner).job_ids
+    assert batch_id and [job.job_id for job in jobs] == list(listed)
+    # a random first seed leaves room for the others; a given one too large is refused whole
+    unseeded = actions.submit_variations(USER, record.id, stroke(), EditForm(prompt="p"), 4)
+    assert [job.seed - unseeded[0].seed for job in unseeded] == [0, 1, 2, 3]
+    before = len(pre_queue_jobs(redis_client, settings))
+    with pytest.raises(StudioError, match="out of range for 3 items"):
+        too_large = dataclasses.replace(form, seed=2**32 - 2)
+        actions.submit_variations(USER, record.id, stroke(), too_large, 3)
+    assert len(pre_queue_jobs(redis_client, settings)) == before
     follower = actions.follow_all([job.job_id for job in jobs])
     assert [p.status for p in next(follower)] == ["queued"] * 3
     for job in jobs:

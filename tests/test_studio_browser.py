@@ -273,6 +273,12 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(
     jobs = (again.get(other) for other in _job_ids(redis_client) if other != job_id)
     newest = [other for other in jobs if other["kind"] == "edit"]
     assert len({j["seed"] for j in newest}) == 2 and all(j["status"] == "done" for j in newest)
+    # submitted in one request, as one batch (the dispatcher routes its items together); when
+    # each started and ended denoising, a record for reading, not a bound
+    (batch_id,) = {j.get("batch_id") for j in newest}
+    assert batch_id, newest
+    denoising = {j["job_id"]: [j.get("running_at"), j.get("done_at")] for j in newest}
+    (OUTPUT / "variations.json").write_text(json.dumps(denoising, indent=2))
     for recalled in newest:
         with Image.open(tmp_path / "data" / "blobs" / recalled["mask_ref"]) as stored:
             assert np.array_equal(np.asarray(stored.convert("L")) > 127, painted)

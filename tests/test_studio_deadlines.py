@@ -217,15 +217,18 @@ def test_a_busy_service_refuses_with_its_reason_as_a_warning_never_a_traceback(
     actions = make_actions(settings, redis_client)
     (record,), _ = actions.upload([upload_file(tmp_path)])
     form = EditForm(prompt="p", model=MODEL, steps=2)
-    # three variations: the first two are queued, the third is refused and the page says why
     page = StudioPage(actions)
-    updates = page._submit(None, record.id, stroke(), 3, "generate", *form_values(form))
-    first = next(updates)
-    assert len(first[1]) == 2 and len(pre_queue_jobs(redis_client, settings)) == 2
+    for _ in range(2):
+        actions.submit(USER, record.id, stroke(), form)
+    # three variations, one batch: refused whole, nothing more queued, the page as it was and
+    # the warning saying why
+    (update,) = list(page._submit(None, record.id, stroke(), 3, "generate", *form_values(form)))
+    assert all(u == gr.skip() for u in update)
     (warning,) = warnings
-    assert warning.startswith("Only 2 of 3 variations were queued. The service is too busy")
-    assert "the bound is 2" in warning and "Retry in" in warning
-    # a single edit now: refused, nothing queued, the page left as it was with the warning
+    assert warning.startswith("The service is too busy") and "the bound is 2" in warning
+    assert "Retry in" in warning and "Traceback" not in warning
+    assert len(pre_queue_jobs(redis_client, settings)) == 2
+    # a single edit: refused the same way
     warnings.clear()
     with pytest.raises(StudioError, match=r"Retry in \d+ s") as raised:
         actions.submit(USER, record.id, stroke(), form)
