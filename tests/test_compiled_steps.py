@@ -44,13 +44,17 @@ def engine(request, models_dir, tmp_path_factory):
 def caches(engine):
     """Two templates' kv caches, resident on the compute device (as the device tier holds
     them)."""
+    return _kv_caches(engine, torch.device("cpu"))
+
+
+def _kv_caches(engine, device: torch.device | None) -> list[MemoryTemplateCache]:
+    """Two templates' kv caches in host memory, or on ``device`` (the device tier's copy)."""
     params = make_params(engine, mode="kv")
-    return [
-        MemoryTemplateCache.load(
-            engine.prepare_template(make_template(seed), params).path
-        ).to_device(torch.device("cpu"))
+    held = [
+        MemoryTemplateCache.load(engine.prepare_template(make_template(seed), params).path)
         for seed in (7, 8)
     ]
+    return held if device is None else [cache.to_device(device) for cache in held]
 
 
 def _states(engine, caches, masks, cached: bool = True):
@@ -130,11 +134,7 @@ def test_a_compiled_step_reads_caches_from_host_memory_too(models_dir, tmp_path,
     """Caches outside the device tier are fetched tensor by tensor, not as one step block."""
     engine = make_engine("sd2-inpaint", models_dir, tmp_path)
     engine.step_shapes = "bucketed"
-    params = make_params(engine, mode="kv")
-    host = [
-        MemoryTemplateCache.load(engine.prepare_template(make_template(seed), params).path)
-        for seed in (7, 8)
-    ]
+    host = _kv_caches(engine, None)
     assert all(cache.device is None for cache in host)
     eager = _prediction(engine, _states(engine, host, MASKS), monkeypatch)
     monkeypatch.setattr(engine, "compile_steps", "default")
@@ -197,13 +197,7 @@ def test_compiled_steps_on_cuda_equal_eager(models_dir, tmp_path, mode, monkeypa
     engine = MaskAwareEngine(
         pipe, resolve_model("tiny-sd2-inpaint"), tmp_path, step_shapes="bucketed"
     )
-    params = make_params(engine, mode="kv")
-    caches = [
-        MemoryTemplateCache.load(
-            engine.prepare_template(make_template(seed), params).path
-        ).to_device(torch.device("cuda"))
-        for seed in (7, 8)
-    ]
+    caches = _kv_caches(engine, torch.device("cuda"))
     eager = _prediction(engine, _states(engine, caches, MASKS), monkeypatch)
     monkeypatch.setattr(engine, "compile_steps", mode)
     for _ in range(3):  # compiled, then replayed
@@ -215,13 +209,7 @@ def test_compiled_steps_on_cuda_equal_eager(models_dir, tmp_path, mode, monkeypa
 def test_the_graph_book_bounds_and_releases_the_compiled_steps(models_dir, tmp_path, monkeypatch):
     engine = make_engine("sd2-inpaint", models_dir, tmp_path)
     engine.step_shapes, engine.compile_steps = "bucketed", "default"
-    params = make_params(engine, mode="kv")
-    caches = [
-        MemoryTemplateCache.load(
-            engine.prepare_template(make_template(seed), params).path
-        ).to_device(torch.device("cpu"))
-        for seed in (7, 8)
-    ]
+    caches = _kv_caches(engine, torch.device("cpu"))
     engine.graphs = GraphBook(max_shapes=0)  # no room: the step runs eagerly
     refused = _prediction(engine, _states(engine, caches, MASKS), monkeypatch)
     assert engine.graphs.refused > 0 and engine.graphs.shapes == {}
