@@ -62,7 +62,7 @@ CSS = """
 .ms-previews { display: flex; gap: 6px; margin-top: 6px; }
 .ms-preview { width: 128px; height: auto; image-rendering: auto; border-radius: 4px; }
 .ms-muted { color: var(--body-text-color-subdued); font-size: 0.9em; }
-/* the History's headers break between words only (its wrapping table broke them anywhere) */
+/* the History's headers wrap between words only (its table's wrapping breaks words anywhere) */
 #ms-history th .text { word-break: keep-all; overflow-wrap: normal; }
 """
 

@@ -204,8 +204,8 @@ class ResultsView:
         record = self.actions.keep_editing(job_id)
         _record, canvas = self._on_canvas(record.id)
         gr.Info(f"Editing the result of job {job_id[:8]}, saved as template '{record.name}'")
-        # the picture is the job's result, ready to paint on: its cache is not recorded yet
-        # (an edit submitted meanwhile runs without it), so the line says so, not "preparing"
+        # the canvas holds the job's result, ready to paint on at once; its cache comes later
+        # (an edit submitted before it is recorded runs without it)
         picked = (
             f"**Result of job {job_id[:8]}** · saved as template {html.escape(record.name)} · "
             f"{record.width}x{record.height} · its cache is recorded in the background"

@@ -127,6 +127,16 @@ def add_sample_scenes(page) -> None:
         page.locator("#ms-gallery").get_by_text(f"sample scene {number}:").wait_for(timeout=30_000)
 
 
+def images_loaded(page, selector: str) -> None:
+    """Wait until every image ``selector`` matches is loaded (a new result's take a moment)."""
+    page.wait_for_function(
+        "(selector) => Array.from(document.querySelectorAll(selector))"
+        ".every((image) => image.complete && image.naturalWidth > 0)",
+        arg=selector,
+        timeout=30_000,
+    )
+
+
 def paint_stroke(page, attempts: int = 3) -> None:
     """A horizontal stroke through the middle of the canvas (the template is centred in it). The
     editor takes strokes only once its canvas has loaded the template, which takes longer on a busy
@@ -268,6 +278,7 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(
     screenshot(page, tmp_path, "5-denoising")
     page.locator("#ms-info").get_by_text("Done.").wait_for(timeout=180_000)
     page.locator("#ms-variants img").nth(1).wait_for(timeout=30_000)
+    images_loaded(page, "#ms-compare img, #ms-variants img")
     screenshot(page, tmp_path, "6-variations")
     again = JobStateStore(redis_client)
     jobs = (again.get(other) for other in _job_ids(redis_client) if other != job_id)
@@ -533,9 +544,7 @@ def test_the_before_after_slider_starts_with_the_whole_result_shown(
     _generate_and_finish(page, actions, result)
     shown = page.locator("#ms-compare img").first
     shown.wait_for()
-    page.wait_for_function(
-        "() => Array.from(document.querySelectorAll('#ms-compare img')).every(i => i.complete)"
-    )
+    images_loaded(page, "#ms-compare img")
     try:
         seen = np.asarray(Image.open(io.BytesIO(page.screenshot(clip=shown.bounding_box()))))
     finally:
