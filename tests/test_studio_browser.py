@@ -285,11 +285,12 @@ def test_paint_a_stroke_submit_and_get_the_edit_back(
     newest = [other for other in jobs if other["kind"] == "edit"]
     assert len({j["seed"] for j in newest}) == 2 and all(j["status"] == "done" for j in newest)
     # submitted in one request, as one batch (the dispatcher routes its items together); when
-    # each started and ended denoising, a record for reading, not a bound
+    # each waited, ran and ended, and its last forecast: a record for reading, not a bound
     (batch_id,) = {j.get("batch_id") for j in newest}
     assert batch_id, newest
-    denoising = {j["job_id"]: [j.get("running_at"), j.get("done_at")] for j in newest}
-    (OUTPUT / "variations.json").write_text(json.dumps(denoising, indent=2))
+    fields = "waiting_at running_at done_at queue_position predicted_finish timings".split()
+    timeline = {j["job_id"]: {name: j.get(name) for name in fields} for j in newest}
+    (OUTPUT / "variations.json").write_text(json.dumps(timeline, indent=2))
     for recalled in newest:
         with Image.open(tmp_path / "data" / "blobs" / recalled["mask_ref"]) as stored:
             assert np.array_equal(np.asarray(stored.convert("L")) > 127, painted)
