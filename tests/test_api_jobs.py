@@ -117,7 +117,7 @@ def test_submit_from_a_gallery_template(client, redis_client, settings):
     assert unknown.status_code == 404 and "no template" in unknown.json()["error"]
     wrong_size = submit(
         client,
-        files={"mask": ("m.png", mask_png(size=(10, 10), box=(0, 0, 5, 5)))},
+        files={"mask": ("m.png", mask_png(size=(24, 24), box=(0, 0, 12, 12)))},
         template_id=template["id"],
     )
     assert wrong_size.status_code == 422 and "does not match" in wrong_size.json()["error"]
