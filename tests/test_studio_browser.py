@@ -453,10 +453,7 @@ def test_a_recalled_or_dropped_mask_is_drawn_once_where_it_belongs(
     that very mask."""
     base, actions = studio_app
     page = browser_page
-    template = sample_template(W, H, seed=4)
-    template.save(path := tmp_path / "courtyard.png")
-    (record,), _ = actions.upload([path])
-    job = actions.submit(USER, record.id, stroke((20, 10, 60, 50), (W, H)), EditForm(prompt="a"))
+    template, job = _edited_template(actions, tmp_path, (20, 10, 60, 50))
     sign_in(page, base)
     page.get_by_role("tab", name="History").click()
     page.locator("#ms-history").get_by_text(job.job_id).first.wait_for(
@@ -532,10 +529,7 @@ def test_the_before_after_slider_starts_with_the_whole_result_shown(
     edit is visible wherever the mask is), the original only where the handle is dragged."""
     base, actions = studio_app
     page = browser_page
-    original = sample_template(W, H, seed=4)
-    original.save(path := tmp_path / "courtyard.png")
-    (record,), _ = actions.upload([path])
-    job = actions.submit(USER, record.id, stroke((4, 4, 40, 40), (W, H)), EditForm(prompt="a"))
+    original, job = _edited_template(actions, tmp_path, (4, 4, 40, 40))
     sign_in(page, base)
     page.get_by_role("tab", name="History").click()
     page.locator("#ms-history").get_by_text(job.job_id).first.wait_for(state="attached")
@@ -705,3 +699,11 @@ def _assert_drawn_once(page, template: Image.Image, mask: np.ndarray, timeout_s=
     seen = shown["composite"][..., :3]
     assert (np.abs(seen[mask] - LAYER_RGB) <= 2).all(), "the mask is not painted where it is"
     assert (np.abs(seen[~mask] - picture[~mask]) <= 2).all(), "paint shows outside the mask"
+
+
+def _edited_template(actions, tmp_path, box):
+    """A sample template uploaded to the gallery and an edit of it submitted over ``box``."""
+    template = sample_template(W, H, seed=4)
+    template.save(path := tmp_path / "courtyard.png")
+    (record,), _ = actions.upload([path])
+    return template, actions.submit(USER, record.id, stroke(box, (W, H)), EditForm(prompt="a"))
